@@ -1,0 +1,35 @@
+"""qkv: scaled dot-product attention, ``softmax(q Kᵀ/√d) V``, on NumPy.
+
+The definitional formula lives in :mod:`qkv.reference` (float64); the functions here are the
+fast paths, tested to equal it.
+
+Examples
+--------
+>>> import qkv
+>>> qkv.attention([2, 1], [[1, 0], [3, 2]], [[1, 2], [3, 4]], scale=0.5).round(4).tolist()
+[2.9051, 3.9051]
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+from . import reference
+from .attention import attention, attention_weights, scores, softmax
+from .errors import InputError, InputTypeError
+
+try:
+    __version__ = version("qkv")
+except PackageNotFoundError:  # running from a source tree without installing
+    __version__ = "0.0.0"
+
+__all__ = [
+    "InputError",
+    "InputTypeError",
+    "__version__",
+    "attention",
+    "attention_weights",
+    "reference",
+    "scores",
+    "softmax",
+]

@@ -1,0 +1,1 @@
+"""Kernels: fast paths over a checked :class:`~qkv.validate.Plan`, each equal to the reference."""

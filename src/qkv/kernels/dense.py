@@ -1,0 +1,64 @@
+"""Dense kernel: the whole ``L x S`` score matrix at once, in the compute dtype.
+
+Must equal :func:`qkv.reference.attention`. Grouped-query heads are served by reshaping the
+queries to ``(..., Hkv, group, L, d)`` so that K and V are never repeated in memory. float16
+inputs are computed in float32, so ``q·k`` beyond 65504 does not overflow.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..masks import allowed
+from ..validate import Plan
+
+__all__ = ["attend", "logits", "raw_scores", "softmax_rows"]
+
+
+def _grouped_matmul(a: np.ndarray, b: np.ndarray, group: int) -> np.ndarray:
+    """``a @ b`` where ``a`` has ``group`` times as many heads (axis -3) as ``b``."""
+    if group == 1:
+        return a @ b
+    *rest, hq, m, n = a.shape
+    ag = a.reshape(*rest, hq // group, group, m, n)
+    return (ag @ b[..., None, :, :]).reshape(*rest, hq, m, b.shape[-1])
+
+
+def raw_scores(plan: Plan) -> np.ndarray:
+    """``q kᵀ · scale`` in the compute dtype, shape ``(*batch, L, S)``."""
+    s = _grouped_matmul(plan.q, np.swapaxes(plan.k, -1, -2), plan.group)
+    s *= plan.acc_dtype.type(plan.scale)
+    return s
+
+
+def logits(plan: Plan) -> np.ndarray:
+    """Scaled scores plus bias, ``-inf`` where masked."""
+    s = raw_scores(plan)
+    if plan.bias is not None:
+        s += plan.bias
+    ok = allowed(plan.L, plan.S, causal=plan.causal, window=plan.window)
+    if plan.mask is not None:
+        ok = plan.mask if ok is None else ok & plan.mask
+    if ok is not None:
+        s = np.where(ok, s, plan.acc_dtype.type(-np.inf))
+    return s
+
+
+def softmax_rows(z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Row softmax of ``z`` (in place) and its log-sum-exp; all ``-inf`` rows give zeros."""
+    m = np.max(z, axis=-1, keepdims=True)
+    m[m == -np.inf] = 0.0
+    z -= m
+    np.exp(z, out=z)
+    total = np.sum(z, axis=-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        lse = (m + np.log(total))[..., 0]
+    total[total == 0] = 1.0
+    z /= total
+    return z, lse
+
+
+def attend(plan: Plan) -> tuple[np.ndarray, np.ndarray]:
+    """Output ``(*batch, L, dv)`` and lse ``(*batch, L)``, both in the compute dtype."""
+    w, lse = softmax_rows(logits(plan))
+    return _grouped_matmul(w, plan.v, plan.group), lse

@@ -1,0 +1,271 @@
+"""Validation in one place: turn user arguments into a checked :class:`Plan`.
+
+Everything a kernel needs — arrays in their compute dtype, the scale, grouped-query heads,
+the mask or bias, causal and window — is checked here, once. Kernels trust the plan and never
+re-validate.
+
+Policy for NaN and infinity in ``q``, ``k`` and ``v``: they propagate to the rows they touch,
+as in every framework, unless ``check_finite=True`` is passed, which raises instead.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import InputError, InputTypeError
+from .masks import Window
+
+__all__ = ["Plan", "as_array", "check_scale", "check_window", "make_plan"]
+
+
+def as_array(x: Any, name: str) -> np.ndarray:
+    """Convert ``x`` to a real floating array (ints and lists become float64).
+
+    Raises :class:`InputTypeError` for anything that is not real numbers.
+    """
+    if hasattr(x, "detach") and hasattr(x, "cpu"):  # a torch tensor; interop converts first
+        x = x.detach().cpu().numpy()
+    try:
+        a = np.asarray(x)
+    except (ValueError, TypeError) as exc:  # ragged lists and the like
+        raise InputError(f"{name}: cannot be read as a rectangular array ({exc})") from None
+    if a.dtype == bool or not (
+        np.issubdtype(a.dtype, np.integer) or np.issubdtype(a.dtype, np.floating)
+    ):
+        raise InputTypeError(
+            f"{name}: expected real numbers, got dtype {a.dtype} with shape {a.shape}"
+        )
+    if not np.issubdtype(a.dtype, np.floating):
+        a = a.astype(np.float64)
+    return a
+
+
+def check_scale(scale: Any, d: int) -> float:
+    """The scale to multiply scores by: ``1/sqrt(d)`` when ``scale`` is ``None``."""
+    if scale is None:
+        return 1.0 / math.sqrt(d)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise InputTypeError(f"scale: expected a real number or None, got {type(scale).__name__}")
+    s = float(scale)
+    if not math.isfinite(s) or s <= 0.0:
+        raise InputError(f"scale: must be finite and > 0, got {s}")
+    return s
+
+
+def check_window(window: Any) -> Window | None:
+    """Normalise ``window=(left, right)``; ``None`` on a side means unbounded."""
+    if window is None:
+        return None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise InputTypeError(f"window: expected (left, right), got {window!r}")
+    out = []
+    for side, w in zip(("left", "right"), window, strict=True):
+        if w is None:
+            out.append(None)
+            continue
+        if isinstance(w, bool) or not isinstance(w, numbers.Integral):
+            raise InputTypeError(f"window: {side} must be an int or None, got {w!r}")
+        if w < 0:
+            raise InputError(f"window: {side} must be >= 0 (None means unbounded), got {w}")
+        out.append(int(w))
+    if out == [None, None]:
+        return None
+    return (out[0], out[1])
+
+
+def _broadcast(a: tuple[int, ...], b: tuple[int, ...], what: str) -> tuple[int, ...]:
+    try:
+        return tuple(np.broadcast_shapes(a, b))
+    except ValueError:
+        raise InputError(f"{what}: batch dimensions {a} and {b} do not broadcast") from None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A checked attention problem, ready for any kernel.
+
+    Attributes
+    ----------
+    q : ndarray, shape ``(*batch, L, d)``
+        Queries in the compute dtype, broadcast to the full output batch.
+    k, v : ndarray, shapes ``(*kv_batch, S, d)`` and ``(*kv_batch, S, dv)``
+        Keys and values; ``kv_batch`` equals ``batch`` except that the heads axis (``-3``) holds
+        ``Hq // group`` kv heads.
+    group : int
+        Query heads per kv head (1 without grouped-query attention). Query head ``h`` reads kv
+        head ``h // group``.
+    mask, bias : ndarray or None
+        A boolean mask (``True`` = may attend) or float bias, with ``len(batch) + 2`` dims,
+        broadcastable to ``(*batch, L, S)``.
+    """
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray | None
+    scale: float
+    causal: bool
+    window: Window | None
+    mask: np.ndarray | None
+    bias: np.ndarray | None
+    group: int
+    out_dtype: np.dtype
+    acc_dtype: np.dtype
+    squeeze: bool
+
+    @property
+    def batch(self) -> tuple[int, ...]:
+        return self.q.shape[:-2]
+
+    @property
+    def L(self) -> int:
+        return self.q.shape[-2]
+
+    @property
+    def S(self) -> int:
+        return self.k.shape[-2]
+
+    @property
+    def d(self) -> int:
+        return self.q.shape[-1]
+
+    @property
+    def dv(self) -> int:
+        return 0 if self.v is None else self.v.shape[-1]
+
+    @property
+    def structured(self) -> bool:
+        """True when causal or a window restricts which keys a row may see."""
+        return self.causal or self.window is not None
+
+
+def make_plan(
+    q: Any,
+    k: Any,
+    v: Any = None,
+    *,
+    scale: Any = None,
+    causal: bool = False,
+    mask: Any = None,
+    window: Any = None,
+    need_v: bool = True,
+    check_finite: bool = False,
+    dtype: Any = None,
+) -> Plan:
+    """Check every argument and return a :class:`Plan`.
+
+    ``dtype`` forces the compute dtype (the reference uses float64); otherwise float16 is
+    computed in float32 and other float dtypes in themselves.
+    """
+    qa, ka = as_array(q, "q"), as_array(k, "k")
+    arrays = [qa, ka]
+    va = None
+    if need_v:
+        if v is None:
+            raise InputError("v: required")
+        va = as_array(v, "v")
+        arrays.append(va)
+    if qa.ndim < 1:
+        raise InputError(f"q: expected shape (..., L, d) or (d,), got a scalar (shape {qa.shape})")
+    if ka.ndim < 2:
+        raise InputError(f"k: expected shape (..., S, d) with at least 2 dims, got {ka.shape}")
+    if va is not None and va.ndim < 2:
+        raise InputError(f"v: expected shape (..., S, dv) with at least 2 dims, got {va.shape}")
+    squeeze = qa.ndim == 1
+    if squeeze:
+        qa = qa[None, :]
+    if qa.shape[-1] != ka.shape[-1]:
+        raise InputError(
+            f"q, k: feature size d differs: q {qa.shape[-1:]} from shape {qa.shape}, "
+            f"k {ka.shape[-1:]} from shape {ka.shape}"
+        )
+    if qa.shape[-1] == 0:
+        raise InputError(f"q: feature size d must be >= 1, got shape {qa.shape}")
+    if va is not None and va.shape[-2] != ka.shape[-2]:
+        raise InputError(
+            f"k, v: number of keys S differs: k has shape {ka.shape}, v has shape {va.shape}"
+        )
+    if check_finite:
+        for name, a in zip("qkv", arrays, strict=False):
+            if not np.all(np.isfinite(a)):
+                raise InputError(f"{name}: contains NaN or infinity (shape {a.shape})")
+
+    out_dtype = np.result_type(*arrays) if dtype is None else np.dtype(dtype)
+    acc_dtype = np.dtype(np.float32) if out_dtype == np.float16 else out_dtype
+
+    # Batch dimensions: k and v broadcast together; then q against them, with grouped heads.
+    kvb = ka.shape[:-2] if va is None else _broadcast(ka.shape[:-2], va.shape[:-2], "k, v")
+    qb = qa.shape[:-2]
+    group = 1
+    if len(qb) >= 1 and len(kvb) >= 1:
+        hq, hkv = qb[-1], kvb[-1]
+        if hq != hkv and hq != 1 and hkv != 1:
+            if hq % hkv != 0:
+                raise InputError(
+                    f"q, k: {hq} query heads cannot share {hkv} kv heads (axis -3): "
+                    f"q has shape {qa.shape}, k has shape {ka.shape}"
+                )
+            group = hq // hkv
+    if group > 1:
+        rest = _broadcast(qb[:-1], kvb[:-1], "q, k")
+        batch = rest + (qb[-1],)
+        kv_batch = rest + (kvb[-1],)
+    else:
+        batch = _broadcast(qb, kvb, "q, k")
+        kv_batch = batch
+    L, S, d = qa.shape[-2], ka.shape[-2], qa.shape[-1]
+
+    qa = np.broadcast_to(qa.astype(acc_dtype, copy=False), batch + (L, d))
+    ka = np.broadcast_to(ka.astype(acc_dtype, copy=False), kv_batch + (S, d))
+    if va is not None:
+        va = np.broadcast_to(va.astype(acc_dtype, copy=False), kv_batch + (S, va.shape[-1]))
+
+    bool_mask, bias = None, None
+    if mask is not None:
+        if hasattr(mask, "detach") and hasattr(mask, "cpu"):
+            mask = mask.detach().cpu().numpy()
+        m = np.asarray(mask)
+        if m.dtype == bool:
+            bool_mask = m
+        elif np.issubdtype(m.dtype, np.floating):
+            bias = m.astype(acc_dtype, copy=False)
+        else:
+            raise InputTypeError(
+                f"mask: expected bool (True = may attend) or float (added bias), got dtype "
+                f"{m.dtype} with shape {m.shape}"
+            )
+        target = batch + (L, S)
+        try:
+            ok = np.broadcast_shapes(m.shape, target) == target
+        except ValueError:
+            ok = False
+        if not ok:
+            raise InputError(
+                f"mask: shape {m.shape} does not broadcast to the scores' shape {target}"
+            )
+        m = (bool_mask if bool_mask is not None else bias).reshape(
+            (1,) * (len(target) - m.ndim) + m.shape
+        )
+        if bool_mask is not None:
+            bool_mask = m
+        else:
+            bias = m
+
+    return Plan(
+        q=qa,
+        k=ka,
+        v=va,
+        scale=check_scale(scale, d),
+        causal=bool(causal),
+        window=check_window(window),
+        mask=bool_mask,
+        bias=bias,
+        group=group,
+        out_dtype=out_dtype,
+        acc_dtype=acc_dtype,
+        squeeze=squeeze,
+    )
