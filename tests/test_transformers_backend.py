@@ -145,10 +145,12 @@ def test_llama_logits_equal_sdpa(llamas, calls):
     torch.testing.assert_close(got, expect, atol=1e-4, rtol=0)
 
 
-def test_llama_greedy_generate_with_kv_cache_gives_identical_tokens(llamas, calls):
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_llama_greedy_generate_with_kv_cache_gives_identical_tokens(llamas, calls, cache):
     ours, ref = llamas
     ids = tokens(1, 7, seed=1)
     kw = {"max_new_tokens": 10, "do_sample": False, "pad_token_id": 0}
+    kw["cache_implementation"] = cache  # static: keys padded to the cache's full length
     got, expect = ours.generate(ids, **kw), ref.generate(ids, **kw)
     assert got.shape == (1, 17)
     assert got.tolist() == expect.tolist()

@@ -157,11 +157,13 @@ def attention(
     window: Any = None,
     return_lse: bool = False,
     check_finite: bool = False,
+    **more: Any,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`qkv.attention` for tensor inputs, differentiable when they require grad.
 
     Returns a tensor of the inputs' dtype (and the log-sum-exp as a tensor with
-    ``return_lse``; it carries no gradient).
+    ``return_lse``; it carries no gradient). Keywords in ``more`` (such as a choice of kernel)
+    go to :func:`qkv.attention` unchanged; the gradient does not depend on them.
     """
     torch = _torch()
     options = {
@@ -170,6 +172,7 @@ def attention(
         "mask": _to_numpy(mask, "mask"),
         "window": window,
         "check_finite": check_finite,
+        **more,
     }
     arrays = (_to_numpy(q, "q"), _to_numpy(k, "k"), _to_numpy(v, "v"))
     wants_grad = torch.is_grad_enabled() and any(
@@ -226,7 +229,7 @@ def _function() -> type:
             from ..grad import attention_vjp
 
             saved = ctx.saved_tensors
-            opts = {key: val for key, val in ctx.options.items() if key != "check_finite"}
+            opts = {key: ctx.options[key] for key in ("scale", "causal", "mask", "window")}
             grads = attention_vjp(*_arrays(*saved), _to_numpy(grad_out, "grad_out"), **opts)
             return (
                 *(
