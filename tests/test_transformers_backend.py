@@ -65,6 +65,8 @@ def rand(*shape, seed=0):
         (4, 4, False, None),  # bidirectional, no padding
         (4, 7, True, "bool"),  # causal + padding, as built for generate()
         (4, 7, False, "float"),  # additive mask (eager-style, finfo.min)
+        (4, 7, True, "bias"),  # T5-style learned position bias with a boolean mask
+        (4, 4, True, "bias only"),  # ... and without one
     ],
 )
 def test_attention_function_equals_transformers_sdpa(L, S, is_causal, mask_kind):
@@ -78,12 +80,24 @@ def test_attention_function_equals_transformers_sdpa(L, S, is_causal, mask_kind)
         mask = keep
         if mask_kind == "float":
             mask = torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)
+    kw = {"position_bias": rand(1, 4, L, S, seed=9)} if "bias" in str(mask_kind) else {}
+    if mask_kind == "bias only":
+        mask = None
     layer = Layer(is_causal, groups=2)
-    out, weights = attention_forward(layer, q, k, v, mask, scaling=0.3)
-    expect, _ = sdpa_attention_forward(layer, q, k, v, mask, scaling=0.3)
+    out, weights = attention_forward(layer, q, k, v, mask, scaling=0.3, **kw)
+    expect, _ = sdpa_attention_forward(layer, q, k, v, mask, scaling=0.3, **kw)
     assert weights is None
     assert out.shape == expect.shape == (2, L, 4, 8) and out.is_contiguous()
     torch.testing.assert_close(out, expect, atol=1e-5, rtol=1e-5)
+
+
+def test_weights_of_a_cropped_static_cache_prefill_cover_every_key():
+    q, k, v = rand(1, 2, 3, 4, seed=7), rand(1, 2, 5, 4, seed=8), rand(1, 2, 5, 4, seed=9)
+    out, w = attention_forward(Layer(), q, k, v, None, output_attentions=True)
+    assert w.shape == (1, 2, 3, 5)
+    assert torch.all(w[..., 3:] == 0) and torch.all(w.triu(1) == 0)
+    expect = reference.attention(*(t[..., :3, :].double().numpy() for t in (q, k, v)), causal=True)
+    np.testing.assert_allclose(out.transpose(1, 2).numpy(), expect, atol=1e-6)
 
 
 def test_sliding_window_keyword_without_mask_and_weights_on_request():

@@ -120,6 +120,8 @@ def attention_forward(
     for name in ("softcap", "s_aux"):
         if kwargs.get(name) is not None:
             raise InputError(f"{name}: not supported by the qkv attention backend")
+    from torch.nn.functional import pad as torch_pad
+
     from .. import attention as qkv_attention
     from .. import attention_weights as qkv_attention_weights
 
@@ -146,6 +148,8 @@ def attention_forward(
     weights = None
     if kwargs.get("output_attentions"):
         weights = qkv_attention_weights(query, key, **options)
+        if weights.shape[-1] < S:  # keys left out above get weight 0, as in "eager"
+            weights = torch_pad(weights, (0, S - weights.shape[-1]))
     return out.transpose(1, 2).contiguous(), weights
 
 
