@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from .errors import InputError
+from .integrations import torch as _torch
 from .kernels import dense
 from .validate import as_array, make_plan
 
@@ -44,6 +45,8 @@ def softmax(x: Any, axis: int = -1) -> np.ndarray:
     >>> qkv.softmax([-float("inf"), -float("inf")]).tolist()
     [0.0, 0.0]
     """
+    if _torch.is_tensor_input(x):
+        return _torch.softmax(x, axis=axis)
     a = as_array(x, "x")
     if a.ndim == 0:
         raise InputError(f"x: expected at least 1 dimension, got shape {a.shape}")
@@ -85,6 +88,8 @@ def scores(q: Any, k: Any, *, scale: Any = None) -> np.ndarray:
     >>> qkv.scores([2, 1], [[1, 0], [3, 2]], scale=4**0.5).tolist()  # ×√d, the card's text
     [4.0, 16.0]
     """
+    if _torch.is_tensor_input(q, k):
+        return _torch.scores(q, k, scale=scale)
     plan = make_plan(q, k, need_v=False, scale=scale)
     s = dense.raw_scores(plan).astype(plan.out_dtype, copy=False)
     return s[..., 0, :] if plan.squeeze else s
@@ -127,6 +132,8 @@ def attention_weights(
     >>> qkv.attention_weights([[1, 0], [0, 1]], [[1, 0], [0, 1]], causal=True).round(4).tolist()
     [[1.0, 0.0], [0.3302, 0.6698]]
     """
+    if _torch.is_tensor_input(q, k):
+        return _torch.attention_weights(q, k, scale=scale, causal=causal, mask=mask, window=window)
     plan = make_plan(q, k, need_v=False, scale=scale, causal=causal, mask=mask, window=window)
     w, _ = dense.softmax_rows(dense.logits(plan))
     w = w.astype(plan.out_dtype, copy=False)
@@ -181,6 +188,18 @@ def attention(
     >>> out.round(6).tolist()
     [2.905148, 3.905148]
     """
+    if _torch.is_tensor_input(q, k, v):
+        return _torch.attention(
+            q,
+            k,
+            v,
+            scale=scale,
+            causal=causal,
+            mask=mask,
+            window=window,
+            return_lse=return_lse,
+            check_finite=check_finite,
+        )
     plan = make_plan(
         q, k, v, scale=scale, causal=causal, mask=mask, window=window, check_finite=check_finite
     )

