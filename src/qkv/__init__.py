@@ -17,6 +17,7 @@ from importlib.metadata import PackageNotFoundError, version
 from . import reference
 from .attention import attention, attention_weights, scores, softmax
 from .errors import InputError, InputTypeError
+from .trace import Trace, explain
 
 try:
     __version__ = version("qkv")
@@ -26,9 +27,11 @@ except PackageNotFoundError:  # running from a source tree without installing
 __all__ = [
     "InputError",
     "InputTypeError",
+    "Trace",
     "__version__",
     "attention",
     "attention_weights",
+    "explain",
     "reference",
     "scores",
     "softmax",
