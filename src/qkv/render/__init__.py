@@ -20,7 +20,7 @@ from typing import Any
 
 from ..errors import InputError
 
-__all__ = ["FORMATS", "render"]
+__all__ = ["DOCUMENT_FORMATS", "FORMATS", "render", "render_blocks"]
 
 #: Format name -> module in this package exposing ``render(trace, **options) -> str``.
 FORMATS = {
@@ -30,6 +30,17 @@ FORMATS = {
     "json": "as_json",
     "html": "as_html",
 }
+
+
+#: Formats drawn from :mod:`qkv.render.blocks` (all but JSON).
+DOCUMENT_FORMATS = ("text", "markdown", "latex", "html")
+
+
+def render_blocks(blocks: list[Any], format: str = "text") -> str:
+    """Render a list of :mod:`~qkv.render.blocks` blocks as a document in ``format``."""
+    if format not in DOCUMENT_FORMATS:
+        raise InputError(f"format: expected one of {', '.join(DOCUMENT_FORMATS)}, got {format!r}")
+    return import_module(f"{__name__}.{FORMATS[format]}").render_blocks(blocks)
 
 
 def render(trace: Any, format: str = "text", **options: Any) -> str:

@@ -14,7 +14,7 @@ import numpy as np
 from ..trace import Trace, fmt
 from .blocks import Cell, Heading, Heatmap, Para, Table, build
 
-__all__ = ["heatmap_svg", "render"]
+__all__ = ["heatmap_svg", "render", "render_blocks"]
 
 CSS = """
 .qkv-trace { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; color: #1a1a1a;
@@ -171,7 +171,11 @@ def render(trace: Trace, *, fragment: bool = False, **options: Any) -> str:
     >>> page.startswith("<!DOCTYPE html>"), "&lt;b&gt;x&lt;/b&gt;" in page, "<b>x" in page
     (True, True, False)
     """
-    blocks = build(trace, **options)
+    return render_blocks(build(trace, **options), fragment=fragment)
+
+
+def render_blocks(blocks: list[Any], *, fragment: bool = False) -> str:
+    """Blocks as a complete HTML page, or a fragment."""
     body = f'<div class="qkv-trace">\n{_body(blocks)}\n</div>'
     if fragment:
         return f"<style>{CSS}</style>\n{body}\n"

@@ -14,7 +14,7 @@ import numpy as np
 from ..trace import Trace, fmt
 from .blocks import Cell, Heading, Heatmap, Para, Table, build, pick
 
-__all__ = ["escape", "math", "render"]
+__all__ = ["escape", "math", "math_display", "render", "render_blocks"]
 
 _TEXT_SPECIAL = {
     "\\": r"\textbackslash{}",
@@ -219,7 +219,12 @@ def render(
     """
     if math_only:
         return math_display(trace)
-    body = "\n".join(_body(build(trace, heatmap=False, **options)))
+    return render_blocks(build(trace, heatmap=False, **options), standalone=standalone)
+
+
+def render_blocks(blocks: list[Any], *, standalone: bool = True) -> str:
+    """Blocks as a LaTeX document (or only its body)."""
+    body = "\n".join(_body(blocks))
     if not standalone:
         return body + "\n"
     return PREAMBLE + "\n" + body + "\n\\end{document}\n"

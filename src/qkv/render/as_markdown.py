@@ -7,7 +7,7 @@ from typing import Any
 
 from .blocks import Cell, Heading, Heatmap, Para, Table, build
 
-__all__ = ["escape", "render"]
+__all__ = ["escape", "render", "render_blocks"]
 
 _SPECIAL = re.compile(r"([\\`*_<>|#~]|\[(?=[^\]]*\]\())")
 
