@@ -227,7 +227,7 @@ class Trace:
         """Whether the trace goes at least as far as ``stage``."""
         return STAGES.index(self.stage) >= STAGES.index(stage)
 
-    def dot_terms(self, i: int, j: int, max_terms: int = 6) -> str:
+    def dot_terms(self, i: int, j: int, max_terms: int = 5) -> str:
         """The dot product ``q_i · k_j`` written out: ``"2·1 + 1·0 = 2"``.
 
         Long vectors show their first and last terms with a count.

@@ -14,35 +14,38 @@ WIDTH = 100
 
 def table_lines(t: Table) -> list[str]:
     """An aligned table: header, a rule, rows; excluded keys are marked with ``×``."""
-    grid = [[c.text for c in t.header]] + [
-        [c.text + (" ×" if c.style == "masked" and n == 0 else "") for n, c in enumerate(r)]
-        for r in t.rows
+    rows = [t.header] + t.rows
+    ncol = max(len(r) for r in rows)
+    gap = [
+        n > 0 and bool(r) and r[0].kind == "gap" and r[0].text != "…" for n, r in enumerate(rows)
     ]
-    ncol = max(len(r) for r in grid)
-    grid = [r + [""] * (ncol - len(r)) for r in grid]
-    widths = [max(len(r[c]) for r in grid) for c in range(ncol)]
-    gap_rows = {n + 1 for n, r in enumerate(t.rows) if r and r[0].kind == "gap"}
+    grid = [
+        [c.text + (" ×" if c.style == "masked" and n == 0 else "") for n, c in enumerate(r)]
+        + [""] * (ncol - len(r))
+        for r in rows
+    ]
+    right = [[c.kind == "num" for c in r] + [False] * (ncol - len(r)) for r in rows]
+    widths = [
+        max(len(g[c]) for g, is_gap in zip(grid, gap, strict=True) if not is_gap)
+        for c in range(ncol)
+    ]
 
-    def line(r: list[str], n: int) -> str:
-        if n in gap_rows:
-            return "  " + r[0]
+    def line(n: int) -> str:
+        if gap[n]:
+            return "  " + grid[n][0]
         cells = [
-            x.ljust(w) if (n == 0 or c == 0 or not _numeric(x)) else x.rjust(w)
-            for c, (x, w) in enumerate(zip(r, widths, strict=True))
+            x.rjust(w) if (n > 0 and right[n][c]) else x.ljust(w)
+            for c, (x, w) in enumerate(zip(grid[n], widths, strict=True))
         ]
         return "  " + "  ".join(cells).rstrip()
 
     out = []
     if t.caption:
         out.append("  " + t.caption)
-    out.append(line(grid[0], 0))
+    out.append(line(0))
     out.append("  " + "  ".join("─" * w for w in widths))
-    out += [line(r, n) for n, r in enumerate(grid[1:], start=1)]
+    out += [line(n) for n in range(1, len(rows))]
     return out
-
-
-def _numeric(x: str) -> bool:
-    return bool(x) and (x[0].isdigit() or x[0] in "-.[")
 
 
 def render_blocks(blocks: list[Any]) -> str:

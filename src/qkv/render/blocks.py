@@ -25,7 +25,7 @@ __all__ = [
 ]
 
 #: Default summary limits: rows (queries), keys and vector entries shown before eliding.
-MAX_ROWS, MAX_KEYS, MAX_DIMS = 8, 10, 8
+MAX_ROWS, MAX_KEYS, MAX_DIMS = 8, 10, 6
 
 
 @dataclass
