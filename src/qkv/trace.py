@@ -233,10 +233,14 @@ class Trace:
         Long vectors show their first and last terms with a count.
         """
         a, b = self.q[i], self.k[j]
-        terms = [f"{fmt(x)}·{fmt(y)}" for x, y in zip(a, b, strict=True)]
+
+        def f(x: float) -> str:
+            return f"({fmt(x)})" if x < 0 else fmt(x)
+
+        terms = [f"{f(x)}·{f(y)}" for x, y in zip(a, b, strict=True)]
         if len(terms) > max_terms:
             terms = terms[: max_terms - 2] + [f"… ({len(a)} terms)"] + terms[-1:]
-        return " + ".join(terms).replace("+ -", "- ") + f" = {fmt(self.raw[i, j])}"
+        return " + ".join(terms) + f" = {fmt(self.raw[i, j])}"
 
     def reasons(self, i: int, j: int) -> list[str]:
         """The rules that exclude key ``j`` for query row ``i``: ``["causal"]`` and so on."""

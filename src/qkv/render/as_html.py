@@ -37,6 +37,7 @@ CSS = """
 .qkv-trace td.label.masked { text-decoration: line-through; }
 .qkv-trace .strong { font-weight: 700; color: #08306b; }
 .qkv-trace .total { border-top: 2px solid #555; font-weight: 700; }
+.qkv-trace div.side { display: flex; flex-wrap: wrap; gap: 0 28px; align-items: flex-start; }
 .qkv-trace figure { margin: 0.5em 0 1em; }
 .qkv-trace figcaption { color: #555; font-size: 0.9em; }
 """
@@ -67,7 +68,10 @@ def heatmap_svg(h: Heatmap) -> str:
         f'<text x="{left}" y="12" font-size="11" fill="#555">{_e(h.col_label)} →</text>',
         f'<text x="4" y="{top - 4}" font-size="11" fill="#555">{_e(h.row_label)} ↓</text>',
     ]
+    every = 1 if cell >= 28 else int(np.ceil(28 / cell))
     for c, j in enumerate(h.cols):
+        if j is not None and c % every and c != nc - 1:
+            continue
         x = left + c * cell + cell / 2
         label = "…" if j is None else f"k{j}"
         parts.append(
@@ -77,10 +81,11 @@ def heatmap_svg(h: Heatmap) -> str:
     for r, i in enumerate(h.rows):
         y = top + r * cell
         label = "⋮" if i is None else f"q{i}"
-        parts.append(
-            f'<text x="{left - 6}" y="{y + cell / 2 + 4:.1f}" font-size="10" text-anchor="end" '
-            f'fill="#333">{_e(label)}</text>'
-        )
+        if i is None or r % max(1, int(np.ceil(14 / cell))) == 0 or r == nr - 1:
+            parts.append(
+                f'<text x="{left - 6}" y="{y + cell / 2 + 4:.1f}" font-size="10" '
+                f'text-anchor="end" fill="#333">{_e(label)}</text>'
+            )
         for c, j in enumerate(h.cols):
             x = left + c * cell
             if i is None or j is None:
@@ -98,7 +103,7 @@ def heatmap_svg(h: Heatmap) -> str:
                 f'<rect class="cell" x="{x}" y="{y}" width="{cell}" height="{cell}" '
                 f'fill="{fill}" stroke="#ffffff"><title>{_e(tip)}</title></rect>'
             )
-            if h.excluded[i, j] and cell >= 14:
+            if h.excluded[i, j] and cell >= 18:
                 parts.append(
                     f'<text x="{x + cell / 2:.1f}" y="{y + cell / 2 + 4:.1f}" font-size="11" '
                     'text-anchor="middle" fill="#777">×</text>'
@@ -138,7 +143,11 @@ def _table(t: Table) -> str:
 
 def _body(blocks: list[Any]) -> str:
     out = []
-    for b in blocks:
+    for n, b in enumerate(blocks):
+        prev = blocks[n - 1] if n else None
+        nxt = blocks[n + 1] if n + 1 < len(blocks) else None
+        if isinstance(b, Table) and not isinstance(prev, Table) and isinstance(nxt, Table):
+            out.append('<div class="side">')  # consecutive tables sit side by side
         if isinstance(b, Heading):
             out.append(f"<h{b.level}>{_e(b.text)}</h{b.level}>")
         elif isinstance(b, Para):
@@ -146,6 +155,8 @@ def _body(blocks: list[Any]) -> str:
             out.append(f"<p{cls}>{_e(b.text)}</p>")
         elif isinstance(b, Table):
             out.append(_table(b))
+            if isinstance(prev, Table) and not isinstance(nxt, Table):
+                out.append("</div>")
         elif isinstance(b, Heatmap):
             shown = ""
             if b.counts and (len(b.rows) < b.counts["L"] or len(b.cols) < b.counts["S"]):

@@ -166,13 +166,16 @@ def _overview(t: Trace) -> list[Any]:
         )
     if t.window is not None:
         left, right = t.window
-        lt = "∞" if left is None else str(left)
-        rt = "∞" if right is None else str(right)
-        rules.append(f"window ({lt}, {rt}): position p sees keys p − {lt} ≤ j ≤ p + {rt}")
+        lo = None if left is None else (f"p − {left}" if left else "p")
+        hi = None if right is None else (f"p + {right}" if right else "p")
+        span = " ≤ ".join(x for x in (lo, "j", hi) if x is not None)
+        rules.append(f"window ({left}, {right}): position p sees keys {span}")
     if t.mask is not None:
         rules.append("a boolean mask (True = may attend)")
     if t.bias is not None:
         rules.append("a float mask added to the scaled scores as a bias")
+    if t.stage == "scores":
+        return blocks
     blocks.append(
         Para(
             "Which keys each query sees: "
@@ -195,13 +198,13 @@ def _inputs(t: Trace, max_rows: int, max_dims: int) -> list[Any]:
             caption="q (queries, one per row)" if not t.squeeze else "q (the query)",
         )
     )
-    if t.causal or t.window is not None:
-        out.append(Para("Query positions: " + _vec_text(t.positions, max_rows) + "."))
     out.append(_matrix_table(t.k, "k", "", max_rows, max_dims, caption="K (keys, one per row)"))
     if t.v is not None:
         out.append(
             _matrix_table(t.v, "v", "", max_rows, max_dims, caption="V (values, one per row)")
         )
+    if t.causal or t.window is not None:
+        out.append(Para("Query positions: " + _vec_text(t.positions, max_rows) + "."))
     return out
 
 
@@ -382,6 +385,7 @@ def build(
             )
             continue
         blocks.append(Heading(3, _row_label(t, i)))
+        blocks.append(Para(("q" if t.squeeze else f"q{i}") + " = " + _vec_text(t.q[i])))
         blocks += _row_steps(t, i, keys)
     blocks.append(Heading(2, "Results"))
     blocks.append(
