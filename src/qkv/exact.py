@@ -32,7 +32,7 @@ from .validate import as_array
 __all__ = ["ExactSteps", "exact_steps", "to_rational"]
 
 #: Refuse exact traces with more cells than this (SymPy is slow on big problems).
-MAX_CELLS = 20_000
+MAX_CELLS = 5_000
 
 
 def _sympy() -> Any:

@@ -31,7 +31,7 @@ __all__ = ["ScaleExpr", "parse_scale"]
 
 _MAX_LEN = 100
 _TOKEN = re.compile(
-    r"\s*(?:(?P<num>(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)|(?P<name>[A-Za-z_]+)|(?P<op>\*\*|[-+*/^()]))"
+    r"\s*(?:(?P<num>(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d{1,3}(?!\d))?)|(?P<name>[A-Za-z_]+)|(?P<op>\*\*|[-+*/^()]))"
 )
 
 # A node is a tuple: ("num", text) | ("d",) | ("sqrt", x) | ("neg", x) | (op, a, b).
@@ -225,7 +225,11 @@ class ScaleExpr:
         return p if b.denominator == 1 else _isqrt_exact(p)
 
     def sympy(self, d: Any) -> Any:
-        """The expression in SymPy for this ``d`` (SymPy is imported here, lazily)."""
+        """The expression in SymPy for this ``d`` (SymPy is imported here, lazily).
+
+        Powers stay exact for small integer or half-integer exponents; any other power is
+        taken as its float value, so no expression can make SymPy compute a huge number.
+        """
         import sympy
 
         def go(n: Node) -> Any:
@@ -239,7 +243,12 @@ class ScaleExpr:
             if kind == "neg":
                 return -go(n[1])
             a, b = go(n[1]), go(n[2])
-            return {"+": a + b, "-": a - b, "*": a * b, "/": a / b, "**": a**b}[kind]
+            if kind == "**":
+                small = b.is_Rational and abs(b.p) <= 64 and b.q <= 2
+                if not small:
+                    return sympy.Float(self._float(n, float(d)), 30)
+                return a**b
+            return {"+": a + b, "-": a - b, "*": a * b, "/": a / b}[kind]
 
         return go(self.tree)
 
@@ -293,8 +302,8 @@ def parse_scale(text: str | ScaleExpr) -> ScaleExpr:
     Parameters
     ----------
     text : str
-        A number, or an expression of ``d`` using numbers, ``sqrt(...)``, parentheses,
-        ``+ - * /`` and ``**`` (or ``^``); at most 100 characters.
+        A number, or an expression of ``d`` using numbers (decimal exponents up to 3 digits),
+        ``sqrt(...)``, parentheses, ``+ - * /`` and ``**`` (or ``^``); at most 100 characters.
 
     Returns
     -------
