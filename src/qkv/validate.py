@@ -161,6 +161,8 @@ def make_plan(
     ``dtype`` forces the compute dtype (the reference uses float64); otherwise float16 is
     computed in float32 and other float dtypes in themselves.
     """
+    if not isinstance(causal, (bool, np.bool_)):
+        raise InputTypeError(f"causal: expected True or False, got {causal!r}")
     qa, ka = as_array(q, "q"), as_array(k, "k")
     arrays = [qa, ka]
     va = None

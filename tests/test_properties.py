@@ -1,0 +1,179 @@
+"""Property tests: qkv's fast path equals the float64 reference over shapes, masks and dtypes."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import qkv
+from qkv import reference
+
+TOL = {
+    np.float64: dict(rtol=1e-10, atol=1e-12),
+    np.float32: dict(rtol=2e-5, atol=2e-5),
+    np.float16: dict(rtol=2e-3, atol=2e-3),
+}
+
+
+@st.composite
+def problems(draw):
+    """A random attention problem: shapes, grouping, dtype, scale, causal, window, mask."""
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    dtype = draw(st.sampled_from([np.float64, np.float32, np.float16]))
+    d = draw(st.integers(1, 9))
+    dv = draw(st.integers(1, 7))
+    S = draw(st.integers(1, 12))
+    L = draw(st.integers(1, 12))
+    kind = draw(st.sampled_from(["1d", "2d", "heads", "gqa", "batch-broadcast"]))
+    if kind == "1d":
+        qs, ks = (d,), (S, d)
+    elif kind == "2d":
+        qs, ks = (L, d), (S, d)
+    elif kind == "heads":
+        h = draw(st.integers(1, 3))
+        qs, ks = (2, h, L, d), (2, h, S, d)
+    elif kind == "gqa":
+        hkv = draw(st.integers(1, 3))
+        g = draw(st.integers(2, 3))
+        qs, ks = (2, hkv * g, L, d), (2, hkv, S, d)
+    else:
+        qs, ks = (3, 2, L, d), (S, d)  # k/v broadcast over batch and heads
+    vs = ks[:-1] + (dv,)
+    q = rng.standard_normal(qs).astype(dtype)
+    k = rng.standard_normal(ks).astype(dtype)
+    v = rng.standard_normal(vs).astype(dtype)
+    opts = {}
+    if draw(st.booleans()):
+        opts["scale"] = draw(st.floats(0.05, 4.0))
+    opts["causal"] = draw(st.booleans())
+    if draw(st.booleans()):
+        opts["window"] = (
+            draw(st.one_of(st.none(), st.integers(0, 6))),
+            draw(st.one_of(st.none(), st.integers(0, 6))),
+        )
+    Lq = 1 if kind == "1d" else L
+    mask_kind = draw(st.sampled_from([None, "bool", "float", "bool-row"]))
+    if mask_kind == "bool":
+        opts["mask"] = rng.random((Lq, S)) < 0.7
+    elif mask_kind == "bool-row":
+        opts["mask"] = rng.random((S,)) < 0.5  # broadcast over rows
+    elif mask_kind == "float":
+        bias = rng.standard_normal((Lq, S))
+        bias[rng.random((Lq, S)) < 0.2] = -np.inf
+        opts["mask"] = bias.astype(dtype)
+    return q, k, v, opts
+
+
+SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@SETTINGS
+@given(problems())
+def test_attention_equals_reference(problem):
+    q, k, v, opts = problem
+    out, lse = qkv.attention(q, k, v, return_lse=True, **opts)
+    ref, ref_lse = reference.attention(q, k, v, return_lse=True, **opts)
+    assert out.dtype == q.dtype
+    assert out.shape == ref.shape
+    tol = TOL[q.dtype.type]
+    np.testing.assert_allclose(out.astype(np.float64), ref, **tol)
+    assert np.array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    fin = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse[fin], ref_lse[fin], **tol)
+    # A row that may attend nothing gives exactly 0, never NaN.
+    assert not np.isnan(out).any()
+    assert np.all(out[np.isneginf(lse)] == 0)
+
+
+@SETTINGS
+@given(problems())
+def test_weights_equal_reference_and_are_distributions(problem):
+    q, k, _, opts = problem
+    w = qkv.attention_weights(q, k, **opts)
+    ref = reference.attention_weights(q, k, **opts)
+    np.testing.assert_allclose(w.astype(np.float64), ref, **TOL[q.dtype.type])
+    sums = ref.sum(axis=-1)
+    assert np.all(np.isclose(sums, 1.0) | (sums == 0.0))
+
+
+@settings(max_examples=100, deadline=None)
+@given(problems())
+def test_scores_equal_reference(problem):
+    q, k, _, opts = problem
+    s = qkv.scores(q, k, scale=opts.get("scale"))
+    ref = reference.scores(q, k, scale=opts.get("scale"))
+    scale = np.abs(ref).max() if ref.size else 1.0
+    np.testing.assert_allclose(
+        s.astype(np.float64),
+        ref,
+        rtol=TOL[q.dtype.type]["rtol"],
+        atol=TOL[q.dtype.type]["atol"] * max(1.0, scale),
+    )
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(1, 6), st.integers(1, 30))
+def test_softmax_matches_reference_and_sums_to_one(seed, rows, n):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, n)) * 50
+    x[rng.random((rows, n)) < 0.3] = -np.inf
+    got = qkv.softmax(x)
+    np.testing.assert_allclose(got, reference.softmax(x), rtol=1e-12, atol=1e-300)
+    sums = got.sum(-1)
+    assert np.all(np.isclose(sums, 1.0) | (sums == 0.0))
+    assert np.all(sums[np.all(np.isneginf(x), axis=-1)] == 0.0)
+
+
+def test_softmax_axis():
+    x = np.arange(12.0).reshape(3, 4)
+    np.testing.assert_allclose(qkv.softmax(x, axis=0), reference.softmax(x, axis=0))
+    assert np.allclose(qkv.softmax(x, axis=0).sum(0), 1.0)
+
+
+def test_float16_large_dot_products_do_not_overflow():
+    # q·k = 256 * 300 * 300 > 65504; in float16 arithmetic this would be inf.
+    d = 256
+    q = np.full((1, d), 300, np.float16)
+    k = np.stack([np.full(d, 300, np.float16), np.full(d, 299, np.float16)])
+    v = np.array([[1.0, 0.0], [0.0, 1.0]], np.float16)
+    out = qkv.attention(q, k, v, scale=1.0)
+    ref = reference.attention(q, k, v, scale=1.0)
+    assert out.dtype == np.float16
+    assert np.all(np.isfinite(out))
+    np.testing.assert_allclose(out.astype(np.float64), ref, atol=1e-3)
+    w = qkv.attention_weights(q, k, scale=1 / 16)
+    assert np.all(np.isfinite(w))
+    np.testing.assert_allclose(
+        w.astype(np.float64), reference.attention_weights(q, k, scale=1 / 16), atol=1e-3
+    )
+
+
+def test_dtype_rules():
+    q = np.ones((2, 3), np.float32)
+    k = np.ones((4, 3), np.float32)
+    assert qkv.attention(q, k, np.ones((4, 2), np.float32)).dtype == np.float32
+    assert qkv.attention(q, k, np.ones((4, 2), np.float64)).dtype == np.float64  # result_type
+    assert qkv.attention([[1, 2, 3]], [[1, 2, 3]], [[1]]).dtype == np.float64  # lists → float64
+    ints = np.arange(6).reshape(2, 3)
+    np.testing.assert_allclose(
+        qkv.attention(ints, ints, ints), reference.attention(ints, ints, ints)
+    )
+
+
+def test_fully_masked_rows_give_zero_and_neg_inf_lse():
+    q = np.ones((3, 2))
+    k = np.ones((4, 2))
+    v = np.ones((4, 5))
+    # L > S with causal: the first L - S rows ... here L=3 < S=4; use a mask that empties row 1.
+    mask = np.ones((3, 4), bool)
+    mask[1] = False
+    out, lse = qkv.attention(q, k, v, mask=mask, return_lse=True)
+    assert np.all(out[1] == 0) and lse[1] == -np.inf
+    np.testing.assert_allclose(out[[0, 2]], 1.0)
+    # Causal with L > S: row i sits at position S - L + i < 0 for the first rows.
+    out2, lse2 = qkv.attention(
+        np.ones((5, 2)), np.ones((3, 2)), np.ones((3, 1)), causal=True, return_lse=True
+    )
+    assert np.all(out2[:2] == 0) and np.all(lse2[:2] == -np.inf)
+    np.testing.assert_allclose(out2[2:], 1.0)
