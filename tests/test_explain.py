@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -13,17 +10,12 @@ from hypothesis import strategies as st
 import qkv
 from qkv import reference
 
-CASES = {
-    c["id"]: c
-    for c in json.loads((Path(__file__).parent / "data/seed_cases.json").read_text())["cases"]
-}
 
-
-def test_seed_worked_example_every_step():
-    c = CASES["seed-full"]
+def test_seed_worked_example_every_step(seed_cases):
+    c = seed_cases["seed-full"]
     t = qkv.explain(c["q"], c["k"], c["v"], d=c["d"])
     assert t.stage == "output" and t.squeeze
-    assert t.raw.tolist() == [CASES["seed-scores"]["expect"]["raw_scores"]]
+    assert t.raw.tolist() == [seed_cases["seed-scores"]["expect"]["raw_scores"]]
     assert t.scale.value == 0.5 and t.scale.exact_text == "1/2"
     assert t.scale.describe() == "1/√d with d = 4 (given; len(q) = 2): 1/√4 = 1/2 = 0.5"
     assert t.scaled.tolist() == [c["expect"]["scaled_scores"]]
@@ -42,8 +34,8 @@ def test_seed_worked_example_every_step():
     assert not t.excluded.any()
 
 
-def test_card_literal_sqrt_d_and_raw_scores():
-    c = CASES["seed-scores"]
+def test_card_literal_sqrt_d_and_raw_scores(seed_cases):
+    c = seed_cases["seed-scores"]
     lit = qkv.explain(c["q"], c["k"], d=4, scale="sqrt(d)")
     assert lit.scaled.tolist() == [c["expect"]["card_literal_multiply_by_sqrt_d"]]
     assert "√4 = 2" in lit.scale.describe() and "divides" in lit.scale.note
@@ -66,15 +58,17 @@ def test_d_and_scale_are_alternatives():
     with pytest.raises(qkv.InputError, match="d:"):
         qkv.explain([2, 1], [[1, 0], [3, 2]], d=0)
     with pytest.raises(qkv.InputError, match="scale"):
-        qkv.explain([2, 1], [[1, 0], [3, 2]], scale="sqrt(d) - 2")  # 0 at d = 4? no: len(q)=2
+        qkv.explain([2, 1], [[1, 0], [3, 2]], scale="sqrt(d) - 2")  # < 0 at d = len(q) = 2
     with pytest.raises(qkv.InputError, match="scale"):
         qkv.explain([2, 1], [[1, 0], [3, 2]], scale=-1.0)
 
 
-def test_without_v_stops_at_weights_and_stop_at_scores():
+def test_without_v_stops_at_weights_and_stop_at_scores(seed_cases):
     t = qkv.explain([2, 1], [[1, 0], [3, 2]], d=4)
     assert t.stage == "weights" and t.output is None and t.weighted is None
-    np.testing.assert_allclose(t.weights[0], CASES["seed-full"]["expect"]["weights"], rtol=1e-14)
+    np.testing.assert_allclose(
+        t.weights[0], seed_cases["seed-full"]["expect"]["weights"], rtol=1e-14
+    )
     s = qkv.explain([2, 1], [[1, 0], [3, 2]], d=4, stop_at="scores")
     assert s.stage == "scores" and s.weights is None and s.scaled.tolist() == [[1.0, 4.0]]
     with pytest.raises(qkv.InputError, match="stop_at"):
@@ -82,8 +76,8 @@ def test_without_v_stops_at_weights_and_stop_at_scores():
 
 
 @pytest.mark.parametrize("case", ["causal-3", "causal-decode"])
-def test_causal_traces_mark_excluded_keys_and_match(case):
-    c = CASES[case]
+def test_causal_traces_mark_excluded_keys_and_match(seed_cases, case):
+    c = seed_cases[case]
     t = qkv.explain(c["q"], c["k"], c["v"], causal=True)
     L, S = t.L, t.S
     for i in range(L):
