@@ -31,6 +31,7 @@ def _chromium(tmp_path, *args: str) -> subprocess.CompletedProcess:
         "--disable-component-update",
         "--disable-sync",
         "--hide-scrollbars",
+        "--disable-dev-shm-usage",
         f"--user-data-dir={tmp_path / 'profile'}",
     ]
     return subprocess.run(

@@ -139,7 +139,7 @@ def _body(blocks: list[Any]) -> list[str]:
     return out
 
 
-def _bmatrix(a: np.ndarray, max_rows: int = 8, max_cols: int = 10, exact: Any = None) -> str:
+def _bmatrix(a: np.ndarray, max_rows: int = 8, max_cols: int = 10) -> str:
     rows, cols = pick(a.shape[0], max_rows), pick(a.shape[1], max_cols)
     lines = []
     for i in rows:
@@ -150,16 +150,10 @@ def _bmatrix(a: np.ndarray, max_rows: int = 8, max_cols: int = 10, exact: Any = 
         for j in cols:
             if j is None:
                 cells.append(r"\cdots")
-            elif exact is not None:
-                cells.append(exact.latex(exact_rows(exact, i, j)))
             else:
                 cells.append(math(fmt(a[i, j])))
         lines.append(" & ".join(cells))
     return r"\begin{bmatrix}" + r" \\ ".join(lines) + r"\end{bmatrix}"
-
-
-def exact_rows(rows: Any, i: int, j: int) -> Any:
-    return rows[i][j]
 
 
 def math_display(t: Trace) -> str:
