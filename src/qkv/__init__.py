@@ -18,6 +18,7 @@ from . import reference
 from .attention import attention, attention_weights, scores, softmax
 from .errors import InputError, InputTypeError
 from .grad import attention_vjp
+from .trace import Trace, explain
 
 try:
     __version__ = version("qkv")
@@ -27,10 +28,12 @@ except PackageNotFoundError:  # running from a source tree without installing
 __all__ = [
     "InputError",
     "InputTypeError",
+    "Trace",
     "__version__",
     "attention",
     "attention_vjp",
     "attention_weights",
+    "explain",
     "reference",
     "scores",
     "softmax",

@@ -12,7 +12,7 @@ import numpy as np
 from ..masks import allowed
 from ..validate import Plan
 
-__all__ = ["attend", "logits", "raw_scores", "softmax_rows"]
+__all__ = ["attend", "logits", "raw_scores", "row_max", "softmax_rows"]
 
 
 def _grouped_matmul(a: np.ndarray, b: np.ndarray, group: int) -> np.ndarray:
@@ -44,10 +44,16 @@ def logits(plan: Plan) -> np.ndarray:
     return s
 
 
-def softmax_rows(z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Row softmax of ``z`` (in place) and its log-sum-exp; all ``-inf`` rows give zeros."""
+def row_max(z: np.ndarray) -> np.ndarray:
+    """Row maxima (keepdims) that softmax subtracts; 0 for a row that is all ``-inf``."""
     m = np.max(z, axis=-1, keepdims=True)
     m[m == -np.inf] = 0.0
+    return m
+
+
+def softmax_rows(z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Row softmax of ``z`` (in place) and its log-sum-exp; all ``-inf`` rows give zeros."""
+    m = row_max(z)
     z -= m
     np.exp(z, out=z)
     total = np.sum(z, axis=-1, keepdims=True)

@@ -1,0 +1,75 @@
+"""Options shared by the commands, and writing the result."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..errors import InputError
+from ..render import FORMATS
+from . import parse
+
+__all__ = ["add_format", "add_inputs", "emit", "trace_kwargs"]
+
+
+def add_inputs(p: argparse.ArgumentParser, *, values: bool, masks: bool) -> None:
+    p.add_argument(
+        "--q", required=True, metavar="Q", help='queries: "2,1", "1,0;0,1", JSON, or @file'
+    )
+    p.add_argument("--k", required=True, metavar="K", help='keys, one per row: "1,0;3,2"')
+    if values:
+        p.add_argument("--v", metavar="V", help='values, one per row: "1,2;3,4" (optional)')
+    p.add_argument("--d", metavar="D", help="set the scale to 1/sqrt(D); D need not be len(q)")
+    p.add_argument(
+        "--scale",
+        metavar="S",
+        help='a number, or an expression in d: "1/sqrt(d)" (default), "sqrt(d)", "1"',
+    )
+    if masks:
+        p.add_argument("--causal", action="store_true", help="causal (bottom-right aligned)")
+        p.add_argument("--window", metavar="L,R", help="sliding window: keys p-L .. p+R")
+    p.add_argument("--exact", action="store_true", help="exact values and closed forms (SymPy)")
+
+
+def add_format(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--format", choices=list(FORMATS), default="text", help="output format (text)")
+    p.add_argument("--output", metavar="FILE", help="write to FILE instead of standard output")
+
+
+def trace_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """Arguments for :func:`qkv.explain` from the parsed options."""
+    d = None if args.d is None else parse.d_value(args.d)
+    scale = None if args.scale is None else parse.scale(args.scale)
+    if d is not None and scale is not None and not scale.uses_d:
+        raise InputError(
+            f"--d and --scale: give one of them (--scale {scale.text} does not use d; an "
+            "expression in d such as sqrt(d) uses --d)"
+        )
+    kw: dict[str, Any] = dict(
+        q=parse.matrix(args.q, "--q"),
+        k=parse.matrix(args.k, "--k", min_ndim=2),
+        d=d,
+        scale=scale,
+        exact=args.exact,
+    )
+    if getattr(args, "v", None) is not None:
+        kw["v"] = parse.matrix(args.v, "--v", min_ndim=2)
+    if getattr(args, "causal", False):
+        kw["causal"] = True
+    if getattr(args, "window", None) is not None:
+        kw["window"] = parse.window(args.window)
+    return kw
+
+
+def emit(text: str, output: str | None) -> None:
+    """Write ``text`` to ``output`` (a file) or to standard output."""
+    if output is None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return
+    try:
+        Path(output).write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise InputError(f"--output: cannot write {output!r}: {exc.strerror or exc}") from None

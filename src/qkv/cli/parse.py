@@ -1,0 +1,186 @@
+"""Parse command-line values: matrices, windows, ``d`` and scale expressions.
+
+Matrices come inline (``"1,0;3,2"``: rows split by ``;``, entries by ``,`` or spaces), as JSON
+(``"[[1,0],[3,2]]"``), or from a file as ``@path``: ``.npy`` (loaded with
+``allow_pickle=False``), ``.json``, or ``.csv``/``.txt`` (one row per line). Every problem
+raises :class:`qkv.InputError` naming the option.
+
+Examples
+--------
+>>> matrix("1,0;3,2", "--k").tolist()
+[[1.0, 0.0], [3.0, 2.0]]
+>>> matrix("2 1", "--q").tolist()
+[2.0, 1.0]
+>>> matrix("[[1, 0], [3, 2]]", "--k", min_ndim=2).shape
+(2, 2)
+>>> window("2,0"), window(",3"), window("none,1")
+((2, 0), (None, 3), (None, 1))
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import InputError
+from ..scale_expr import ScaleExpr, parse_scale
+
+__all__ = ["d_value", "matrix", "scale", "window"]
+
+_SPLIT = re.compile(r"[,\s]+")
+
+
+def _number(tok: str, name: str, where: str) -> float:
+    try:
+        x = float(tok)
+    except ValueError:
+        raise InputError(f"{name}: {tok!r} is not a number ({where})") from None
+    if not math.isfinite(x):
+        raise InputError(f"{name}: {tok!r} is not a finite number ({where})")
+    return x
+
+
+def _rows_text(text: str, name: str, row_sep: str) -> np.ndarray:
+    lines = [r.strip() for r in text.strip().split(row_sep)]
+    if lines and lines[-1] == "" and len(lines) > 1:
+        lines = lines[:-1]
+    rows = []
+    for n, line in enumerate(lines, start=1):
+        toks = [t for t in _SPLIT.split(line.strip()) if t]
+        if not toks:
+            raise InputError(f"{name}: row {n} is empty")
+        rows.append([_number(t, name, f"row {n}, entry {e}") for e, t in enumerate(toks, 1)])
+    if not rows:
+        raise InputError(f"{name}: no numbers given")
+    widths = {len(r) for r in rows}
+    if len(widths) > 1:
+        sizes = ", ".join(str(len(r)) for r in rows)
+        raise InputError(
+            f"{name}: rows have different lengths ({sizes}); a matrix must be rectangular"
+        )
+    a = np.array(rows, dtype=np.float64)
+    return a[0] if len(rows) == 1 and row_sep == ";" and ";" not in text else a
+
+
+def _from_json(data: Any, name: str) -> np.ndarray:
+    def check(x: Any, depth: int) -> None:
+        if isinstance(x, list):
+            if depth > 4 or not x:
+                raise InputError(f"{name}: expected a non-empty list of numbers or of rows")
+            for e in x:
+                check(e, depth + 1)
+        elif isinstance(x, bool) or not isinstance(x, (int, float)):
+            raise InputError(f"{name}: {json.dumps(x)[:20]} is not a number")
+        elif not math.isfinite(x):
+            raise InputError(f"{name}: {x} is not a finite number")
+
+    check(data, 0)
+    try:
+        a = np.array(data, dtype=np.float64)
+    except ValueError:
+        raise InputError(
+            f"{name}: rows have different lengths; a matrix must be rectangular"
+        ) from None
+    if a.ndim == 0:
+        a = a.reshape(1)
+    return a
+
+
+def _from_file(path_text: str, name: str) -> np.ndarray:
+    path = Path(path_text)
+    suffix = path.suffix.lower()
+    if suffix not in (".npy", ".json", ".csv", ".txt"):
+        raise InputError(
+            f"{name}: cannot read {path_text!r}: expected a .npy, .json, .csv or .txt file"
+        )
+    try:
+        if suffix == ".npy":
+            try:
+                a = np.load(path, allow_pickle=False)
+            except ValueError as exc:
+                if "pickle" in str(exc).lower():
+                    raise InputError(
+                        f"{name}: {path_text!r} holds pickled objects, which qkv never loads"
+                    ) from None
+                raise InputError(f"{name}: {path_text!r} is not a valid .npy file") from None
+            if not isinstance(a, np.ndarray):
+                raise InputError(f"{name}: {path_text!r} is not a single .npy array")
+            if a.dtype == bool or not (
+                np.issubdtype(a.dtype, np.integer) or np.issubdtype(a.dtype, np.floating)
+            ):
+                raise InputError(f"{name}: {path_text!r} holds dtype {a.dtype}, not real numbers")
+            return a.astype(np.float64) if np.issubdtype(a.dtype, np.integer) else a
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise InputError(f"{name}: cannot read {path_text!r}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise InputError(f"{name}: {path_text!r} is not UTF-8 text") from None
+    if suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise InputError(
+                f"{name}: {path_text!r} is not valid JSON ({exc.msg}, line {exc.lineno})"
+            ) from None
+        return _from_json(data, name)
+    a = _rows_text(text, name, "\n")
+    return a[0] if a.shape[0] == 1 else a
+
+
+def matrix(text: str, name: str, *, min_ndim: int = 1) -> np.ndarray:
+    """A matrix (or vector) from an option's text; ``min_ndim=2`` turns one row into ``(1, n)``."""
+    text = text.strip()
+    if not text:
+        raise InputError(f"{name}: empty")
+    if text.startswith("@"):
+        a = _from_file(text[1:], name)
+    elif text.startswith("["):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise InputError(f"{name}: not valid JSON ({exc.msg} at character {exc.pos})") from None
+        a = _from_json(data, name)
+    else:
+        a = _rows_text(text, name, ";")
+    if a.ndim > 2 and name != "--q":
+        raise InputError(f"{name}: expected a matrix, got shape {a.shape}")
+    if not np.all(np.isfinite(a)):
+        raise InputError(f"{name}: contains NaN or infinity")
+    return a.reshape(1, -1) if a.ndim < min_ndim else a
+
+
+def window(text: str) -> tuple[int | None, int | None]:
+    """``"L,R"``: keys from ``p - L`` to ``p + R``; an empty side or ``none`` is unbounded."""
+    parts = text.split(",")
+    if len(parts) != 2:
+        raise InputError(f"--window: expected L,R (e.g. 2,0), got {text!r}")
+    out: list[int | None] = []
+    for side, p in zip(("left", "right"), parts, strict=True):
+        p = p.strip().lower()
+        if p in ("", "none", "inf"):
+            out.append(None)
+            continue
+        if not re.fullmatch(r"\d+", p):
+            raise InputError(f"--window: {side} must be an integer >= 0 or empty, got {p!r}")
+        out.append(int(p))
+    return (out[0], out[1])
+
+
+def d_value(text: str) -> int:
+    """``--d``: a positive integer."""
+    if not re.fullmatch(r"\s*\d+\s*", text) or int(text) < 1:
+        raise InputError(f"--d: expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def scale(text: str) -> ScaleExpr:
+    """``--scale``: a number or an expression in d (``1/sqrt(d)``, ``sqrt(d)``, ``1``)."""
+    try:
+        return parse_scale(text)
+    except InputError as exc:
+        raise InputError("--" + str(exc)) from None

@@ -1,0 +1,35 @@
+"""``qkv scores``: the pre-softmax scores q·Kᵀ·scale only, and the formula used."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ..trace import explain
+from .options import add_format, add_inputs, emit, trace_kwargs
+
+NAME = "scores"
+HELP = "pre-softmax scores q·Kᵀ·scale, saying which scale formula was used"
+EPILOG = """examples:
+  qkv scores --q "2,1" --k "1,0;3,2" --d 4                    # divides by sqrt(d): [1, 4]
+  qkv scores --q "2,1" --k "1,0;3,2" --d 4 --scale "sqrt(d)"  # the card's literal formula: [4, 16]
+  qkv scores --q "2,1" --k "1,0;3,2" --scale 1                # raw dot products: [2, 8]"""
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        NAME,
+        help=HELP,
+        description=HELP,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_inputs(p, values=False, masks=False)
+    add_format(p)
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    trace = explain(**trace_kwargs(args), stop_at="scores")
+    emit(trace.render(args.format), args.output)
+    return 0

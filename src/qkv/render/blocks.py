@@ -1,0 +1,409 @@
+"""One document model for every format: a trace becomes a list of blocks.
+
+Headings, paragraphs, tables and a heatmap; the text, Markdown, LaTeX and HTML renderers only
+decide how each block looks, so all formats show the same steps and the same numbers. Large
+inputs are summarised here, once: the first and last rows and keys, with counts of the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..trace import Trace, fmt
+
+__all__ = [
+    "Cell",
+    "Heading",
+    "Heatmap",
+    "Para",
+    "Table",
+    "build",
+    "pick",
+]
+
+#: Default summary limits: rows (queries), keys and vector entries shown before eliding.
+MAX_ROWS, MAX_KEYS, MAX_DIMS = 8, 10, 6
+
+
+@dataclass
+class Cell:
+    """A table cell: ``text`` (Unicode), optional ``latex`` (math-mode body) and a style."""
+
+    text: str
+    latex: str | None = None
+    kind: str = "num"  # "num" (math), "text", "label", "gap"
+    style: str = ""  # "", "masked", "total", "strong"
+
+
+@dataclass
+class Heading:
+    level: int
+    text: str
+
+
+@dataclass
+class Para:
+    text: str
+    style: str = ""  # "", "note", "formula"
+    latex: str | None = None  # a LaTeX version (text mode) when the text has math in it
+
+
+@dataclass
+class Table:
+    header: list[Cell]
+    rows: list[list[Cell]]
+    caption: str = ""
+
+
+@dataclass
+class Heatmap:
+    """The weights matrix, summarised: ``rows``/``cols`` are indices with ``None`` for gaps."""
+
+    weights: np.ndarray
+    excluded: np.ndarray
+    rows: list[int | None]
+    cols: list[int | None]
+    title: str = "Weights at a glance"
+    row_label: str = "query"
+    col_label: str = "key"
+    counts: dict[str, int] = field(default_factory=dict)
+
+
+def pick(n: int, limit: int, tail: int = 2) -> list[int | None]:
+    """Indices to show out of ``n``: all if ``n <= limit``, else head, ``None``, tail.
+
+    Examples
+    --------
+    >>> pick(3, 8)
+    [0, 1, 2]
+    >>> pick(100, 8)
+    [0, 1, 2, 3, 4, 5, None, 98, 99]
+    """
+    if n <= limit:
+        return list(range(n))
+    head = max(1, limit - tail)
+    return list(range(head)) + [None] + list(range(n - tail, n))
+
+
+def gap_text(n_hidden: int, what: str) -> str:
+    return f"… {n_hidden} more {what} …"
+
+
+def _num(x: Any, style: str = "") -> Cell:
+    return Cell(fmt(x), style=style)
+
+
+def _exact_cell(ex: Any, e: Any, style: str = "") -> Cell:
+    """An exact value with its numeric value: ``exp(3)/(1 + exp(3)) ≈ 0.95257``."""
+    text, tex = ex.text(e), ex.latex(e)
+    if str(e) in ("-oo", "oo"):
+        return Cell("-inf" if str(e) == "-oo" else "inf", r"-\infty", style=style)
+    val = ex.value(e)
+    if ex.is_number(e) and getattr(e, "is_Integer", False):
+        return Cell(text, tex, style=style)
+    sign = "=" if ex.is_number(e) and float(fmt(val)) == val else "≈"
+    tex_sign = "=" if sign == "=" else r"\approx"
+    return Cell(f"{text} {sign} {fmt(val)}", f"{tex} {tex_sign} {fmt(val)}", style=style)
+
+
+def _vec_text(v: np.ndarray, limit: int = MAX_DIMS) -> str:
+    idx = pick(len(v), limit)
+    parts = ["…" if i is None else fmt(v[i]) for i in idx]
+    return "[" + ", ".join(parts) + "]"
+
+
+def _matrix_table(
+    a: np.ndarray, row_name: str, col_name: str, max_rows: int, max_cols: int, caption: str = ""
+) -> Table:
+    rows_i, cols_j = pick(a.shape[0], max_rows), pick(a.shape[1], max_cols)
+    header = [Cell("", kind="label")] + [
+        Cell("…", kind="gap")
+        if j is None
+        else Cell(f"{col_name}{j}" if col_name else f"[{j}]", kind="label")
+        for j in cols_j
+    ]
+    rows = []
+    for i in rows_i:
+        if i is None:
+            hidden = a.shape[0] - (len(rows_i) - 1)
+            rows.append(
+                [Cell(gap_text(hidden, "rows"), kind="gap")] + [Cell("⋮", kind="gap")] * len(cols_j)
+            )
+            continue
+        row = [Cell(f"{row_name}{i}" if row_name else "", kind="label")]
+        for j in cols_j:
+            row.append(Cell("…", kind="gap") if j is None else _num(a[i, j]))
+        rows.append(row)
+    if a.shape[1] > max_cols:
+        caption = (
+            caption + " " if caption else ""
+        ) + f"({a.shape[1]} columns, {a.shape[1] - len(cols_j) + 1} not shown)"
+    return Table(header, rows, caption)
+
+
+def _overview(t: Trace) -> list[Any]:
+    L, S = t.L, t.S
+    qs = "1 query" if t.squeeze else f"L = {L} queries"
+    parts = [f"{qs} of size {t.d}", f"S = {S} keys"]
+    if t.v is not None:
+        parts.append(f"values of size dv = {t.dv}")
+    facts = ", ".join(parts) + "."
+    tex = r"$\mathrm{Attention}(q, K, V) = \mathrm{softmax}(q K^\top \cdot \mathrm{scale})\, V$"
+    blocks: list[Any] = [
+        Para(
+            "Attention(q, K, V) = softmax(q·Kᵀ · scale) · V, row by row. " + facts,
+            latex=tex + ", row by row. " + facts.replace("dv", "$d_v$"),
+        )
+    ]
+    rules = []
+    if t.causal:
+        rules.append(
+            f"causal (bottom-right aligned: query row i sits at position S − L + i = {S - L} + i "
+            "and sees keys j ≤ its position)"
+        )
+    if t.window is not None:
+        left, right = t.window
+        lo = None if left is None else (f"p − {left}" if left else "p")
+        hi = None if right is None else (f"p + {right}" if right else "p")
+        span = " ≤ ".join(x for x in (lo, "j", hi) if x is not None)
+        rules.append(f"window ({left}, {right}): position p sees keys {span}")
+    if t.mask is not None:
+        rules.append("a boolean mask (True = may attend)")
+    if t.bias is not None:
+        rules.append("a float mask added to the scaled scores as a bias")
+    if t.stage == "scores":
+        return blocks
+    blocks.append(
+        Para(
+            "Which keys each query sees: "
+            + ("; ".join(rules) if rules else "all of them (no mask)")
+            + "."
+        )
+    )
+    return blocks
+
+
+def _inputs(t: Trace, max_rows: int, max_dims: int) -> list[Any]:
+    out: list[Any] = [Heading(2, "Inputs")]
+    out.append(
+        _matrix_table(
+            t.q,
+            "" if t.squeeze else "q",
+            "",
+            max_rows,
+            max_dims,
+            caption="q (queries, one per row)" if not t.squeeze else "q (the query)",
+        )
+    )
+    out.append(_matrix_table(t.k, "k", "", max_rows, max_dims, caption="K (keys, one per row)"))
+    if t.v is not None:
+        out.append(
+            _matrix_table(t.v, "v", "", max_rows, max_dims, caption="V (values, one per row)")
+        )
+    if t.causal or t.window is not None:
+        out.append(Para("Query positions: " + _vec_text(t.positions, max_rows) + "."))
+    return out
+
+
+def _scale(t: Trace) -> list[Any]:
+    out: list[Any] = [Heading(2, "Scale"), Para(t.scale.describe(), style="formula")]
+    if t.exact is not None and not t.exact.is_number(t.exact.scale):
+        out.append(Para(f"Exact: scale = {t.exact.text(t.exact.scale)}", style="formula"))
+    if t.scale.note:
+        out.append(Para("Note: " + t.scale.note + ".", style="note"))
+    return out
+
+
+def _row_label(t: Trace, i: int) -> str:
+    if t.squeeze:
+        return "The query"
+    text = f"Query row {i}"
+    if t.causal or t.window is not None:
+        text += f" (position {int(t.positions[i])})"
+    return text
+
+
+def _row_steps(t: Trace, i: int, keys: list[int | None]) -> list[Any]:
+    ex = t.exact
+    has_w = t.reaches("weights")
+    header = [
+        Cell("key", kind="label"),
+        Cell("q·k (terms)", kind="label"),
+        Cell("raw", kind="label"),
+        Cell(f"× {t.scale.substituted}", kind="label"),
+    ]
+    if t.bias is not None and has_w:
+        header.append(Cell("+ bias", kind="label"))
+    if has_w:
+        header += [
+            Cell("excluded?", kind="label"),
+            Cell("s − max", kind="label"),
+            Cell("exp", kind="label"),
+            Cell("weight", kind="label"),
+        ]
+    rows = []
+    for j in keys:
+        if j is None:
+            hidden = t.S - (len(keys) - 1)
+            rows.append(
+                [Cell(gap_text(hidden, "keys"), kind="gap")]
+                + [Cell("⋮", kind="gap")] * (len(header) - 1)
+            )
+            continue
+        masked = has_w and bool(t.excluded[i, j])
+        st = "masked" if masked else ""
+        row = [
+            Cell(f"k{j}", kind="label", style=st),
+            Cell(t.dot_terms(i, j), kind="text", style=st),
+            _num(t.raw[i, j], st),
+        ]
+        row.append(
+            _exact_cell(ex, ex.scaled[i][j], st) if ex is not None else _num(t.scaled[i, j], st)
+        )
+        if t.bias is not None and has_w:
+            row.append(_num(t.bias[i, j], st))
+        if has_w:
+            row.append(
+                Cell(("yes — " + t.reason_text(i, j)) if masked else "no", kind="text", style=st)
+            )
+            if ex is not None:
+                row += [
+                    _exact_cell(ex, ex.shifted[i][j], st),
+                    _exact_cell(ex, ex.exps[i][j], st),
+                    _exact_cell(ex, ex.weights[i][j], "masked" if masked else "strong"),
+                ]
+            else:
+                row += [
+                    _num(t.shifted[i, j], st),
+                    _num(t.exps[i, j], st),
+                    _num(t.weights[i, j], "masked" if masked else "strong"),
+                ]
+        rows.append(row)
+    out: list[Any] = [Table(header, rows)]
+    if has_w:
+        seen = int((~t.excluded[i]).sum())
+        if seen == 0:
+            out.append(
+                Para("This row may attend no key: its weights and output are 0.", style="note")
+            )
+        else:
+            out.append(
+                Para(
+                    f"row max = {fmt(t.row_max[i])}; sum of exps Σ = {fmt(t.sums[i])}; "
+                    f"log-sum-exp = {fmt(t.lse[i])}; weight = exp / Σ",
+                    style="formula",
+                )
+            )
+            if ex is not None:
+                out.append(
+                    Para(
+                        f"Exact: max = {ex.text(ex.row_max[i])}; Σ = {ex.text(ex.sums[i])}",
+                        style="formula",
+                    )
+                )
+    if t.reaches("output"):
+        out += _weighted(t, i, keys)
+    return out
+
+
+def _weighted(t: Trace, i: int, keys: list[int | None]) -> list[Any]:
+    ex = t.exact
+    header = [
+        Cell("key", kind="label"),
+        Cell("weight", kind="label"),
+        Cell("v", kind="label"),
+        Cell("weight · v", kind="label"),
+    ]
+    rows = []
+    for j in keys:
+        if j is None:
+            rows.append(
+                [Cell(gap_text(t.S - (len(keys) - 1), "keys"), kind="gap")]
+                + [Cell("⋮", kind="gap")] * 3
+            )
+            continue
+        st = "masked" if t.excluded[i, j] else ""
+        rows.append(
+            [
+                Cell(f"k{j}", kind="label", style=st),
+                _num(t.weights[i, j], st),
+                Cell(_vec_text(t.v[j]), style=st),
+                Cell(_vec_text(t.weighted[i, j]), style=st),
+            ]
+        )
+    rows.append(
+        [
+            Cell("output", kind="label", style="total"),
+            Cell("Σ", kind="label", style="total"),
+            Cell("", kind="label", style="total"),
+            Cell(_vec_text(t.output[i]), style="total"),
+        ]
+    )
+    out: list[Any] = [Table(header, rows)]
+    line = f"output = Σ weight · v = {_vec_text(t.output[i])}"
+    out.append(Para(line, style="formula"))
+    if ex is not None:
+        cols = pick(t.dv, MAX_DIMS)
+        cells = ["…" if c is None else _exact_cell(ex, ex.output[i][c]).text for c in cols]
+        out.append(Para("Exact output: [" + ", ".join(cells) + "]", style="formula"))
+    return out
+
+
+def build(
+    t: Trace,
+    *,
+    max_rows: int = MAX_ROWS,
+    max_keys: int = MAX_KEYS,
+    max_dims: int = MAX_DIMS,
+    heatmap: bool = True,
+    title: str | None = None,
+) -> list[Any]:
+    """The blocks that every document renderer draws, in order."""
+    blocks: list[Any] = [
+        Heading(1, title or t.title or "Scaled dot-product attention, step by step")
+    ]
+    blocks += _overview(t)
+    blocks += _inputs(t, max_rows, max_dims)
+    blocks += _scale(t)
+    if not t.reaches("scores"):
+        return blocks
+    rows, keys = pick(t.L, max_rows), pick(t.S, max_keys)
+    if t.reaches("weights") and heatmap:
+        blocks.append(
+            Heatmap(
+                t.weights, t.excluded, pick(t.L, 48), pick(t.S, 48), counts={"L": t.L, "S": t.S}
+            )
+        )
+    blocks.append(Heading(2, "Step by step, one query row at a time"))
+    for i in rows:
+        if i is None:
+            blocks.append(
+                Para(gap_text(t.L - (len(rows) - 1), "query rows (same steps)"), style="note")
+            )
+            continue
+        blocks.append(Heading(3, _row_label(t, i)))
+        blocks.append(Para(("q" if t.squeeze else f"q{i}") + " = " + _vec_text(t.q[i])))
+        blocks += _row_steps(t, i, keys)
+    blocks.append(Heading(2, "Results"))
+    blocks.append(
+        _matrix_table(t.scaled, "q", "k", max_rows, max_keys, caption="scaled scores q·kᵀ · scale")
+    )
+    if t.reaches("weights"):
+        blocks.append(
+            _matrix_table(
+                t.weights,
+                "q",
+                "k",
+                max_rows,
+                max_keys,
+                caption="attention weights (each row sums to 1)",
+            )
+        )
+    if t.reaches("output"):
+        blocks.append(
+            _matrix_table(t.output, "q", "", max_rows, max_dims, caption="output = weights · V")
+        )
+    return blocks

@@ -1,0 +1,509 @@
+"""Explain attention step by step: :func:`explain` returns a :class:`Trace` of every number.
+
+The trace is built from the library's own pieces — :func:`qkv.validate.make_plan` checks the
+arguments, :mod:`qkv.masks` says which keys each query may see, :mod:`qkv.kernels.dense`
+computes the raw and scaled scores, the row maxima and the weights, and the final output *is*
+:func:`qkv.attention`'s. Nothing here is a second implementation that could drift.
+
+Examples
+--------
+The seed's worked example, with ``d = 4`` given (it is not ``len(q)``):
+
+>>> import qkv
+>>> t = qkv.explain([2, 1], [[1, 0], [3, 2]], [[1, 2], [3, 4]], d=4)
+>>> t.scale.describe()
+'1/√d with d = 4 (given; len(q) = 2): 1/√4 = 1/2 = 0.5'
+>>> t.scaled.tolist(), t.weights.round(5).tolist(), t.output.round(5).tolist()
+([[1.0, 4.0]], [[0.04743, 0.95257]], [[2.90515, 3.90515]])
+>>> t.dot_terms(0, 1)
+'2·3 + 1·2 = 8'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .attention import attention
+from .errors import InputError, InputTypeError
+from .kernels import dense
+from .masks import allowed, query_positions
+from .scale_expr import ScaleExpr, parse_scale
+from .validate import as_array, make_plan
+
+__all__ = ["STAGES", "ScaleInfo", "Trace", "explain", "fmt"]
+
+#: How far a trace goes, in order: inputs only, pre-softmax scores, weights, output.
+STAGES = ("inputs", "scores", "weights", "output")
+
+
+def fmt(x: Any) -> str:
+    """A number for people: integers plainly, otherwise at least 4 significant digits.
+
+    Examples
+    --------
+    >>> [fmt(x) for x in (2.0, 0.04742587, 0.9525741, 2.905148, 1e-7, -np.inf)]
+    ['2', '0.04743', '0.95257', '2.90515', '1e-07', '-inf']
+    """
+    x = float(x)
+    if math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    if x == 0:
+        return "0"
+    if x.is_integer() and abs(x) < 1e15:
+        return str(int(x))
+    ax = abs(x)
+    if 1e-2 <= ax < 1e5:
+        s = f"{x:.5f}".rstrip("0").rstrip(".")
+    else:
+        s = f"{x:.5g}"
+    return s
+
+
+@dataclass(frozen=True)
+class ScaleInfo:
+    """The scale and how it was chosen.
+
+    Attributes
+    ----------
+    value : float
+        The multiplier of the dot products.
+    expr : ScaleExpr
+        The formula (``1/sqrt(d)`` by default, or a number as given).
+    d : int or None
+        The ``d`` the formula was evaluated at (``None`` when it does not use ``d``).
+    d_given : bool
+        Whether ``d`` was given by the caller rather than taken from ``q.shape[-1]``.
+    q_dim : int
+        ``q.shape[-1]``, to point out when the given ``d`` differs from it.
+    """
+
+    value: float
+    expr: ScaleExpr
+    d: int | None
+    d_given: bool
+    q_dim: int
+
+    @property
+    def exact_text(self) -> str | None:
+        """The exact value as a fraction (``"1/2"``), or ``None`` when it is irrational."""
+        x = self.expr.exact(self.d if self.d is not None else 1)
+        return None if x is None else str(x)
+
+    @property
+    def formula(self) -> str:
+        return self.expr.formula()
+
+    @property
+    def substituted(self) -> str:
+        return self.expr.formula(self.d) if self.expr.uses_d else self.expr.formula()
+
+    @property
+    def note(self) -> str | None:
+        """A warning when the formula multiplies by a growing factor (the card's ``√d``)."""
+        if self.expr.uses_d and self.d is not None and self.d > 1 and self.value > 1:
+            return (
+                f"this multiplies the scores by {self.substituted} = {fmt(self.value)}, as the "
+                "card's text writes it; standard attention divides by √d (scale 1/√d)"
+            )
+        return None
+
+    def describe(self) -> str:
+        """One line: the formula, where ``d`` came from, and the value."""
+        exact = self.exact_text
+        if not self.expr.uses_d:
+            text = f"scale = {self.formula} (given)"
+            if exact is not None and "/" in exact and len(exact) < len(self.formula):
+                text += f" = {exact}"
+            return text
+        src = "given" if self.d_given else "len(q)"
+        if self.d_given:
+            src += f"; len(q) = {self.q_dim}"
+        text = f"{self.formula} with d = {self.d} ({src}): {self.substituted}"
+        if exact is None:
+            return text + f" ≈ {fmt(self.value)}"
+        if exact != self.substituted:
+            text += f" = {exact}"
+        if "/" in exact:
+            text += (
+                f" = {fmt(self.value)}"
+                if float(fmt(self.value)) == self.value
+                else (f" ≈ {fmt(self.value)}")
+            )
+        return text
+
+
+@dataclass(frozen=True, eq=False)
+class Trace:
+    """Every intermediate number of one attention computation; see :func:`explain`.
+
+    Arrays are 2-D: ``L`` query rows, ``S`` keys (a 1-D ``q`` is one row; ``squeeze`` says
+    so). ``stage`` says how far the trace goes (one of :data:`STAGES`); later fields are
+    ``None``.
+
+    Attributes
+    ----------
+    q, k, v : ndarray
+        Inputs in the compute dtype, shapes ``(L, d)``, ``(S, d)``, ``(S, dv)``.
+    scale : ScaleInfo
+    positions : ndarray of int, shape ``(L,)``
+        Absolute position of each query row (bottom-right alignment: ``S - L + i``).
+    raw : ndarray, ``(L, S)``
+        Dot products ``q_i · k_j``.
+    scaled : ndarray, ``(L, S)``
+        ``raw · scale``, as the kernel computes it.
+    bias : ndarray or None, ``(L, S)``
+        A float mask added to the scaled scores.
+    logits : ndarray, ``(L, S)``
+        Scaled scores plus bias, ``-inf`` for excluded keys.
+    excluded : ndarray of bool, ``(L, S)``
+        Keys a row may not attend; :meth:`reasons` says why.
+    exclusions : dict of str to ndarray of bool
+        For each rule that applies (``"causal"``, ``"window"``, ``"mask"``, ``"bias"``), the
+        ``(L, S)`` cells it excludes.
+    row_max, shifted, exps, sums, weights, lse
+        The softmax: the subtracted maximum (0 for a row that sees nothing), ``logits - max``,
+        ``exp`` of that, its row sum, the weights and the log-sum-exp.
+    weighted : ndarray or None, ``(L, S, dv)``
+        ``weights[i, j] · v[j]``.
+    output : ndarray or None, ``(L, dv)``
+        Exactly :func:`qkv.attention`'s output (as rows).
+    exact : qkv.exact.ExactSteps or None
+        The same steps in exact arithmetic (``exact=True``).
+    """
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray | None
+    scale: ScaleInfo
+    causal: bool
+    window: tuple[int | None, int | None] | None
+    mask: np.ndarray | None
+    bias: np.ndarray | None
+    positions: np.ndarray
+    stage: str
+    squeeze: bool
+    raw: np.ndarray | None = None
+    scaled: np.ndarray | None = None
+    logits: np.ndarray | None = None
+    excluded: np.ndarray | None = None
+    exclusions: dict[str, np.ndarray] | None = None
+    row_max: np.ndarray | None = None
+    shifted: np.ndarray | None = None
+    exps: np.ndarray | None = None
+    sums: np.ndarray | None = None
+    weights: np.ndarray | None = None
+    lse: np.ndarray | None = None
+    weighted: np.ndarray | None = None
+    output: np.ndarray | None = None
+    exact: Any = None
+    title: str | None = None
+
+    # ----- shape helpers -----
+    @property
+    def L(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def S(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def d(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def dv(self) -> int:
+        return 0 if self.v is None else self.v.shape[1]
+
+    def reaches(self, stage: str) -> bool:
+        """Whether the trace goes at least as far as ``stage``."""
+        return STAGES.index(self.stage) >= STAGES.index(stage)
+
+    def dot_terms(self, i: int, j: int, max_terms: int = 5) -> str:
+        """The dot product ``q_i · k_j`` written out: ``"2·1 + 1·0 = 2"``.
+
+        Long vectors show their first and last terms with a count.
+        """
+        a, b = self.q[i], self.k[j]
+
+        def f(x: float) -> str:
+            return f"({fmt(x)})" if x < 0 else fmt(x)
+
+        terms = [f"{f(x)}·{f(y)}" for x, y in zip(a, b, strict=True)]
+        if len(terms) > max_terms:
+            terms = terms[: max_terms - 2] + [f"… ({len(a)} terms)"] + terms[-1:]
+        return " + ".join(terms) + f" = {fmt(self.raw[i, j])}"
+
+    def reasons(self, i: int, j: int) -> list[str]:
+        """The rules that exclude key ``j`` for query row ``i``: ``["causal"]`` and so on."""
+        if self.excluded is None or not self.excluded[i, j]:
+            return []
+        found = [name for name, bad in self.exclusions.items() if bad[i, j]]
+        return found or ["score is -inf"]
+
+    def reason_text(self, i: int, j: int) -> str:
+        """Why key ``j`` is excluded for query row ``i``, in words (empty if it is not)."""
+        p = int(self.positions[i])
+        out = []
+        for r in self.reasons(i, j):
+            if r == "causal":
+                out.append(f"causal: key {j} is after position {p}")
+            elif r == "window":
+                left, right = self.window
+                if left is not None and j < p - left:
+                    out.append(f"window: key {j} < {p} - {left}")
+                else:
+                    out.append(f"window: key {j} > {p} + {right}")
+            elif r == "mask":
+                out.append("mask is False")
+            elif r == "bias":
+                out.append("bias is -inf")
+            else:
+                out.append(r)
+        return "; ".join(out)
+
+    def replace(self, **changes: Any) -> Trace:
+        """A copy with some fields changed (e.g. ``title``)."""
+        return dataclasses.replace(self, **changes)
+
+    # ----- rendering (the renderers live in qkv.render; imported when used) -----
+    def render(self, format: str = "text", **options: Any) -> str:
+        """Render as ``"text"``, ``"markdown"``, ``"latex"``, ``"json"`` or ``"html"``."""
+        from .render import render
+
+        return render(self, format, **options)
+
+    def to_text(self, **options: Any) -> str:
+        return self.render("text", **options)
+
+    def to_markdown(self, **options: Any) -> str:
+        return self.render("markdown", **options)
+
+    def to_latex(self, **options: Any) -> str:
+        return self.render("latex", **options)
+
+    def to_json(self, **options: Any) -> str:
+        return self.render("json", **options)
+
+    def to_html(self, **options: Any) -> str:
+        return self.render("html", **options)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON document as Python objects (see ``docs/trace-schema.md``)."""
+        from .render.as_json import trace_dict
+
+        return trace_dict(self)
+
+    def __str__(self) -> str:
+        return self.to_text()
+
+    def __repr__(self) -> str:
+        return (
+            f"<qkv.Trace stage={self.stage!r} L={self.L} S={self.S} d={self.d} dv={self.dv} "
+            f"scale={fmt(self.scale.value)}{' exact' if self.exact is not None else ''}>"
+        )
+
+    def _repr_html_(self) -> str:
+        return self.render("html", fragment=True)
+
+    def _repr_markdown_(self) -> str:
+        return self.render("markdown")
+
+    def _repr_latex_(self) -> str:
+        return self.render("latex", standalone=False, math_only=True)
+
+
+def _resolve_scale(scale: Any, d: Any, q_dim: int) -> ScaleInfo:
+    if d is not None:
+        if isinstance(d, bool) or not isinstance(d, numbers.Real):
+            raise InputTypeError(f"d: expected a positive integer, got {d!r}")
+        if not (math.isfinite(float(d)) and float(d).is_integer() and d >= 1):
+            raise InputError(f"d: expected a positive integer, got {d!r}")
+        d = int(d)
+    if scale is None:
+        expr = parse_scale("1/sqrt(d)")
+    elif isinstance(scale, (str, ScaleExpr)):
+        expr = parse_scale(scale)
+    else:
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+            raise InputTypeError(
+                f"scale: expected a number or an expression in d, got {type(scale).__name__}"
+            )
+        f = float(scale)
+        if not math.isfinite(f) or f <= 0:
+            raise InputError(f"scale: must be finite and > 0, got {f}")
+        expr = parse_scale(fmt(f) if float(fmt(f)) == f else repr(f))
+    if d is not None and not expr.uses_d:
+        raise InputError(
+            f"d, scale: give one of them: d = {d} sets the scale to 1/√{d}, and "
+            f"scale = {expr.text} does not use d"
+        )
+    used_d = (d if d is not None else q_dim) if expr.uses_d else None
+    value = expr.value(used_d if used_d is not None else 1)
+    return ScaleInfo(value=value, expr=expr, d=used_d, d_given=d is not None, q_dim=q_dim)
+
+
+def explain(
+    q: Any,
+    k: Any,
+    v: Any = None,
+    *,
+    d: int | None = None,
+    scale: float | str | None = None,
+    causal: bool = False,
+    mask: Any = None,
+    window: Any = None,
+    exact: bool = False,
+    stop_at: str | None = None,
+    title: str | None = None,
+) -> Trace:
+    """Compute attention and record every intermediate number.
+
+    Parameters
+    ----------
+    q : array_like, shape ``(L, d)`` or ``(d,)``
+        Queries (one sequence; pick a head with indexing first).
+    k : array_like, shape ``(S, d)``
+        Keys.
+    v : array_like, shape ``(S, dv)``, optional
+        Values. Without ``v`` the trace stops at the weights.
+    d : int, optional
+        Sets the scale to ``1/√d``; it need not be ``len(q)`` (the seed's card uses ``d = 4``
+        with 2-vectors). An alternative to ``scale``.
+    scale : float or str, optional
+        A number, or an expression in ``d`` such as ``"sqrt(d)"`` (the card's literal
+        formula) or ``"1/sqrt(d)"`` (the default); ``d`` is then the given ``d`` or
+        ``len(q)``. Giving ``d`` with a scale that does not use ``d`` is an error.
+    causal, mask, window
+        As in :func:`qkv.attention` (causal is bottom-right aligned).
+    exact : bool, optional
+        Also compute every step exactly with SymPy (the ``exact`` extra): integers and
+        rationals stay exact, square roots symbolic, weights in closed form. Float inputs are
+        read as the decimals they print as (``0.1`` is ``1/10``).
+    stop_at : {"inputs", "scores", "weights", "output"}, optional
+        Stop the trace early (``"scores"``: pre-softmax scores only).
+    title : str, optional
+        A heading for rendered output (escaped by every renderer).
+
+    Returns
+    -------
+    Trace
+
+    Raises
+    ------
+    InputError
+        For bad input, naming the argument and shapes (as :func:`qkv.attention`).
+
+    Examples
+    --------
+    >>> import qkv
+    >>> t = qkv.explain([2, 1], [[1, 0], [3, 2]], d=4)
+    >>> t.stage, t.raw.tolist(), t.scaled.tolist()
+    ('weights', [[2.0, 8.0]], [[1.0, 4.0]])
+    >>> qkv.explain([2, 1], [[1, 0], [3, 2]], d=4, scale="sqrt(d)").scaled.tolist()
+    [[4.0, 16.0]]
+    """
+    if stop_at is not None and stop_at not in STAGES:
+        raise InputError(f"stop_at: expected one of {', '.join(STAGES)}, got {stop_at!r}")
+    stage = stop_at or ("output" if v is not None else "weights")
+    if stage == "output" and v is None:
+        raise InputError("v: required to explain the output (or stop_at='weights')")
+    if title is not None and not isinstance(title, str):
+        raise InputTypeError(f"title: expected a string, got {type(title).__name__}")
+    qa = as_array(q, "q")
+    q_dim = qa.shape[-1] if qa.ndim >= 1 else 0
+    info = _resolve_scale(scale, d, q_dim)
+    need_v = v is not None
+    plan = make_plan(
+        q,
+        k,
+        v if need_v else None,
+        scale=info.value,
+        causal=causal,
+        mask=mask,
+        window=window,
+        need_v=need_v,
+    )
+    if plan.batch != ():
+        raise InputError(
+            "q, k, v: explain takes one sequence: q (L, d) or (d,), k (S, d), v (S, dv); "
+            f"got q {np.shape(qa)}, k {np.shape(as_array(k, 'k'))}"
+            + ("" if v is None else f", v {np.shape(as_array(v, 'v'))}")
+            + " — pick one batch element and head with indexing first"
+        )
+    L, S = plan.L, plan.S
+    base = dict(
+        q=plan.q,
+        k=plan.k,
+        v=plan.v,
+        scale=info,
+        causal=plan.causal,
+        window=plan.window,
+        mask=None if plan.mask is None else np.broadcast_to(plan.mask, (L, S)),
+        bias=None if plan.bias is None else np.broadcast_to(plan.bias, (L, S)),
+        positions=query_positions(L, S),
+        stage=stage,
+        squeeze=plan.squeeze,
+        title=title,
+    )
+    if stage == "inputs":
+        return Trace(**base)
+
+    raw = dense.raw_scores(dataclasses.replace(plan, scale=1.0))
+    scaled = dense.raw_scores(plan)
+    fields: dict[str, Any] = dict(raw=raw, scaled=scaled)
+    if stage != "scores":
+        logits = dense.logits(plan)
+        exclusions = _exclusions(plan, base["mask"], base["bias"])
+        m = dense.row_max(logits.copy())
+        shifted = logits - m
+        exps = np.exp(shifted)
+        sums = np.sum(exps, axis=-1)
+        weights, lse = dense.softmax_rows(logits.copy())
+        fields.update(
+            logits=logits,
+            excluded=logits == -np.inf,
+            exclusions=exclusions,
+            row_max=m[:, 0],
+            shifted=shifted,
+            exps=exps,
+            sums=sums,
+            weights=weights,
+            lse=lse,
+        )
+        if stage == "output":
+            out = attention(q, k, v, scale=info.value, causal=causal, mask=mask, window=window)
+            fields.update(
+                weighted=weights[:, :, None] * plan.v[None, :, :],
+                output=np.asarray(out).reshape(L, plan.dv),
+            )
+    trace = Trace(**base, **fields)
+    if exact:
+        from .exact import exact_steps
+
+        trace = trace.replace(exact=exact_steps(trace, q, k, v if need_v else None))
+    return trace
+
+
+def _exclusions(
+    plan: Any, mask: np.ndarray | None, bias: np.ndarray | None
+) -> dict[str, np.ndarray]:
+    L, S = plan.L, plan.S
+    parts = {}
+    if plan.causal:
+        parts["causal"] = ~allowed(L, S, causal=True)
+    if plan.window is not None:
+        parts["window"] = ~allowed(L, S, window=plan.window)
+    if mask is not None:
+        parts["mask"] = ~mask
+    if bias is not None:
+        parts["bias"] = bias == -np.inf
+    return parts
