@@ -17,6 +17,7 @@ from importlib.metadata import PackageNotFoundError, version
 from . import reference
 from .attention import attention, attention_weights, scores, softmax
 from .errors import InputError, InputTypeError
+from .grad import attention_vjp
 
 try:
     __version__ = version("qkv")
@@ -28,6 +29,7 @@ __all__ = [
     "InputTypeError",
     "__version__",
     "attention",
+    "attention_vjp",
     "attention_weights",
     "reference",
     "scores",

@@ -1,0 +1,211 @@
+"""Gradients of attention: the vector-Jacobian product of :func:`qkv.attention`.
+
+With ``Z = q kᵀ · scale + bias`` (``-inf`` where masked), ``P = softmax(Z)`` and ``O = P v``,
+the gradients for an upstream gradient ``dO`` are::
+
+    dv = Pᵀ dO
+    dP = dO vᵀ
+    dZ = P ∘ (dP − rowsum(dO ∘ O))      # the softmax Jacobian applied row by row
+    dq = dZ k · scale
+    dk = dZᵀ q · scale
+
+Masked keys have ``P = 0`` and so get no gradient; a row that may attend nothing has ``P = 0``
+throughout and contributes nothing. Grouped query heads add their contributions into the kv
+head they share, and leading dimensions that were broadcast are summed back, so every gradient
+has the shape of its input.
+
+Two versions: :func:`attention_vjp`, the fast path (the dense kernel's weights, grouped heads
+served without repeating ``k`` and ``v``, compute dtype as the forward pass), and
+:func:`reference_attention_vjp`, the formulas above in float64 on weights from
+:mod:`qkv.reference`, kv heads repeated literally, the oracle the fast path is tested against.
+
+Examples
+--------
+>>> import qkv
+>>> q, k, v = [2.0, 1.0], [[1.0, 0.0], [3.0, 2.0]], [[1.0], [3.0]]
+>>> dq, dk, dv = qkv.attention_vjp(q, k, v, [1.0], scale=1 / 2)   # the seed's d = 4
+>>> dv.round(4).tolist()                       # the attention weights, seen from the values
+[[0.0474], [0.9526]]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import reference
+from .errors import InputError
+from .kernels import dense
+from .validate import Plan, as_array, make_plan
+
+__all__ = ["attention_vjp", "reference_attention_vjp"]
+
+
+def _sum_to(g: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Sum ``g`` over the dimensions that broadcasting added to an array of ``shape``."""
+    extra = g.ndim - len(shape)
+    if extra > 0:
+        g = g.sum(axis=tuple(range(extra)))
+    axes = tuple(
+        i for i, (n, m) in enumerate(zip(shape, g.shape, strict=True)) if n == 1 and m != 1
+    )
+    if axes:
+        g = g.sum(axis=axes, keepdims=True)
+    return g.reshape(shape)
+
+
+def _grad_out(grad_out: Any, plan: Plan) -> np.ndarray:
+    """``grad_out`` checked against the output's shape, as ``(*batch, L, dv)``."""
+    g = as_array(grad_out, "grad_out")
+    out_shape = plan.batch + ((plan.dv,) if plan.squeeze else (plan.L, plan.dv))
+    try:
+        ok = np.broadcast_shapes(g.shape, out_shape) == out_shape
+    except ValueError:
+        ok = False
+    if not ok:
+        raise InputError(
+            f"grad_out: shape {g.shape} does not broadcast to the output's shape {out_shape} "
+            f"(q {plan.q.shape}, k {plan.k.shape}, v {plan.v.shape} after broadcasting)"
+        )
+    g = np.broadcast_to(g.astype(plan.acc_dtype, copy=False), out_shape)
+    return g[..., None, :] if plan.squeeze else g
+
+
+def _input_shapes(q: Any, k: Any, v: Any) -> list[tuple[np.dtype, tuple[int, ...]]]:
+    """dtype and shape of each input as given (1-D ``q`` as ``(1, d)``)."""
+    out = []
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        a = as_array(x, name)
+        out.append((a.dtype, a.shape if a.ndim > 1 or name != "q" else (1,) + a.shape))
+    return out
+
+
+def _finish(
+    grads: tuple[np.ndarray, ...], q: Any, k: Any, v: Any, squeeze: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Reduce broadcast dims, restore the inputs' shapes (1-D q) and dtypes."""
+    res = []
+    for g, (dtype, shape) in zip(grads, _input_shapes(q, k, v), strict=True):
+        res.append(_sum_to(g, shape).astype(dtype, copy=False))
+    if squeeze:
+        res[0] = res[0][0]
+    return res[0], res[1], res[2]
+
+
+def _merge_groups(x: np.ndarray, group: int) -> np.ndarray:
+    """``(..., Hq, m, n)`` → ``(..., Hq // group, group * m, n)``: heads beside their kv head."""
+    if group == 1:
+        return x
+    *rest, hq, m, n = x.shape
+    return x.reshape(*rest, hq // group, group * m, n)
+
+
+def attention_vjp(
+    q: Any,
+    k: Any,
+    v: Any,
+    grad_out: Any,
+    *,
+    scale: Any = None,
+    causal: bool = False,
+    mask: Any = None,
+    window: Any = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Gradients of ``sum(attention(q, k, v) * grad_out)`` with respect to ``q``, ``k``, ``v``.
+
+    Must equal :func:`reference_attention_vjp` (and the finite differences of
+    :func:`qkv.reference.attention`).
+
+    Parameters
+    ----------
+    q, k, v, scale, causal, mask, window
+        As in :func:`qkv.attention`, with the same semantics. A float ``mask`` is a bias and
+        gets no gradient.
+    grad_out : array_like
+        The upstream gradient, broadcastable to the output's shape ``(..., L, dv)`` (``(dv,)``
+        for a 1-D ``q``).
+
+    Returns
+    -------
+    dq, dk, dv : ndarray
+        The shapes and dtypes of ``q``, ``k`` and ``v`` as given (ints and lists give float64).
+        Query heads that share a kv head add into it; broadcast dimensions are summed back.
+        Keys a row may not attend get nothing from it; a row that may attend no key gives
+        zeros everywhere.
+
+    Examples
+    --------
+    The seed's query against two keys with ``d = 4``: the gradient pulls ``q`` towards the
+    key whose value is larger.
+
+    >>> import qkv
+    >>> q, k, v = [2.0, 1.0], [[1.0, 0.0], [3.0, 2.0]], [[1.0], [3.0]]
+    >>> dq, dk, dv = qkv.attention_vjp(q, k, v, [1.0], scale=0.5)
+    >>> dq.round(4).tolist(), dv.round(4).tolist()
+    ([0.0904, 0.0904], [[0.0474], [0.9526]])
+    """
+    plan = make_plan(q, k, v, scale=scale, causal=causal, mask=mask, window=window)
+    g = plan.group
+    d_out = _merge_groups(_grad_out(grad_out, plan), g)  # (*kv_batch, g·L, dv)
+    p, _ = dense.softmax_rows(dense.logits(plan))  # (*batch, L, S)
+    p = _merge_groups(p, g)
+    qm = _merge_groups(plan.q, g)
+    dv = np.swapaxes(p, -1, -2) @ d_out
+    dp = d_out @ np.swapaxes(plan.v, -1, -2)
+    delta = np.sum(dp * p, axis=-1, keepdims=True)  # = rowsum(dO ∘ O)
+    dz = p * (dp - delta)
+    dz *= plan.acc_dtype.type(plan.scale)
+    dq = (dz @ plan.k).reshape(plan.q.shape)
+    dk = np.swapaxes(dz, -1, -2) @ qm
+    return _finish((dq, dk, dv), q, k, v, plan.squeeze)
+
+
+def reference_attention_vjp(
+    q: Any,
+    k: Any,
+    v: Any,
+    grad_out: Any,
+    *,
+    scale: Any = None,
+    causal: bool = False,
+    mask: Any = None,
+    window: Any = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The vector-Jacobian product of :func:`qkv.reference.attention`, literally, in float64.
+
+    Weights from :func:`qkv.reference.attention_weights`; kv heads repeated for grouped-query
+    attention and their gradients summed back per kv head. Same arguments and returns as
+    :func:`attention_vjp`, except that every result is float64.
+
+    Examples
+    --------
+    >>> from qkv.grad import reference_attention_vjp
+    >>> dq, dk, dv = reference_attention_vjp([2, 1], [[1, 0], [3, 2]], [[1], [3]], [1], scale=0.5)
+    >>> dk.round(4).tolist()
+    [[-0.0904, -0.0452], [0.0904, 0.0452]]
+    """
+    plan = make_plan(
+        q, k, v, scale=scale, causal=causal, mask=mask, window=window, dtype=np.float64
+    )
+    d_out = _grad_out(grad_out, plan)
+    kr, vr = plan.k, plan.v
+    if plan.group > 1:
+        kr, vr = np.repeat(kr, plan.group, axis=-3), np.repeat(vr, plan.group, axis=-3)
+    w = reference.attention_weights(
+        plan.q, kr, scale=plan.scale, causal=causal, mask=mask, window=window
+    )
+    dvr = np.swapaxes(w, -1, -2) @ d_out
+    dp = d_out @ np.swapaxes(vr, -1, -2)
+    dz = w * (dp - np.sum(dp * w, axis=-1, keepdims=True)) * plan.scale
+    dq = dz @ kr
+    dkr = np.swapaxes(dz, -1, -2) @ plan.q
+
+    def unrepeat(x: np.ndarray) -> np.ndarray:
+        if plan.group == 1:
+            return x
+        *rest, hq, m, n = x.shape
+        return x.reshape(*rest, hq // plan.group, plan.group, m, n).sum(axis=-3)
+
+    res = _finish((dq, unrepeat(dkr), unrepeat(dvr)), q, k, v, plan.squeeze)
+    return res[0].astype(np.float64), res[1].astype(np.float64), res[2].astype(np.float64)
