@@ -136,6 +136,11 @@ def _progress(total: int, enabled: bool, desc: str) -> Iterator[Callable[[int], 
         bar.close()
 
 
+def _emit(text: str) -> None:
+    """Print ``text`` on stdout, ending in exactly one newline."""
+    print(text, end="" if text.endswith("\n") else "\n")
+
+
 def _fail(args: argparse.Namespace, exc: Exception) -> int:
     print(f"qkv study {args.study_command}: error: {exc}", file=sys.stderr)
     return 2
@@ -179,7 +184,7 @@ def _scaling(args: argparse.Namespace) -> int:
 
             written = [out / "scaling.csv", *plot_scaling(study, out)]
             print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
-        print(render_rows(rows, args.format, columns=SCALING_COLUMNS))
+        _emit(render_rows(rows, args.format, columns=SCALING_COLUMNS))
     except (InputError, OSError) as exc:
         return _fail(args, exc)
     return 0
@@ -212,11 +217,11 @@ def _training(args: argparse.Namespace) -> int:
             written = [out / "training.csv", plot_training(runs, out)]
             print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
         if args.format == "json":
-            print(render_rows([r.as_dict() for r in runs], "json", key="runs"))
+            _emit(render_rows([r.as_dict() for r in runs], "json", key="runs"))
         elif args.format == "csv":
-            print(render_rows(per_step, "csv"), end="")
+            _emit(render_rows(per_step, "csv"))
         else:
-            print(render_rows(_summary(runs), args.format))
+            _emit(render_rows(_summary(runs), args.format))
     except (InputError, OSError) as exc:
         return _fail(args, exc)
     return 0

@@ -85,16 +85,25 @@ def mode_scale(mode: str, d: int) -> float:
 def softmax_jacobian_norm(p: np.ndarray) -> np.ndarray:
     """Frobenius norm of ``diag(p) − p pᵀ`` for each row ``p`` of weights (last axis).
 
-    ``‖J‖² = Σ p² − 2 Σ p³ + (Σ p²)²``; it is 0 for a one-hot row and largest for a flat one.
+    ``‖J‖² = Σ_i p_i² (1 − p_i)² + Σ_i p_i² Σ_{j≠i} p_j²``; it is 0 for a one-hot row and largest
+    for a flat one. For the largest weight, ``1 − p_i`` and ``Σ_{j≠i} p_j²`` are summed from the
+    other weights, so a nearly one-hot row keeps its small norm to full relative precision.
 
     Examples
     --------
     >>> softmax_jacobian_norm(np.array([[1.0, 0.0], [0.5, 0.5]])).tolist()
     [0.0, 0.5]
     """
-    s2 = np.sum(p * p, axis=-1)
-    s3 = np.sum(p * p * p, axis=-1)
-    return np.sqrt(np.maximum(s2 - 2.0 * s3 + s2 * s2, 0.0))
+    p = np.asarray(p, dtype=np.float64)
+    top = np.argmax(p, axis=-1)[..., None]
+    others = p.copy()
+    np.put_along_axis(others, top, 0.0, axis=-1)
+    one_minus = 1.0 - p
+    np.put_along_axis(one_minus, top, np.sum(others, axis=-1, keepdims=True), axis=-1)
+    sq = p * p
+    rest_sq = np.sum(sq, axis=-1, keepdims=True) - sq
+    np.put_along_axis(rest_sq, top, np.sum(others * others, axis=-1, keepdims=True), axis=-1)
+    return np.sqrt(np.sum(sq * one_minus**2 + sq * rest_sq, axis=-1))
 
 
 def _entropy(p: np.ndarray) -> np.ndarray:
