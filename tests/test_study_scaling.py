@@ -168,3 +168,11 @@ def test_plots_are_valid_png(tmp_path):
         img = matplotlib.image.imread(p)
         assert img.ndim == 3 and img.shape[0] > 200 and img.shape[1] > 400
         assert img.std() > 0.01  # something was drawn
+
+
+def test_progress_callback_counts_every_row():
+    from qkv.study.scaling import total_work
+
+    seen = []
+    s = scaling_study(dims=[4, 8, 16], keys=4, samples=100, seed=0, progress=seen.append)
+    assert sum(seen) == total_work([4, 8, 16], 100) == 3 * s.rows[0].samples == 384
