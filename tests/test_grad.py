@@ -212,3 +212,106 @@ def test_matches_torch_autograd(shapes, causal, scale, gqa):
     for x, w in zip(got32, want, strict=True):
         assert x.dtype == np.float32
         np.testing.assert_allclose(x, w, rtol=1e-4, atol=1e-5)
+
+
+# --- the tiled (FlashAttention-2 style) backward -------------------------------------------
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    L=st.integers(1, 9),
+    S=st.integers(1, 9),
+    hkv=st.integers(1, 2),
+    group=st.integers(1, 2),
+    block=st.integers(1, 5),
+    causal=st.booleans(),
+    left=st.none() | st.integers(0, 3),
+    right=st.none() | st.integers(0, 3),
+    masking=st.sampled_from(["none", "bool", "bias"]),
+    saved=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
+def test_tiled_equals_reference_property(
+    L, S, hkv, group, block, causal, left, right, masking, saved, seed
+):
+    rng = np.random.default_rng(seed)
+    q = rand(rng, hkv * group, L, 3)
+    k, v = rand(rng, hkv, S, 3), rand(rng, hkv, S, 2)
+    g = rand(rng, hkv * group, L, 2)
+    mask = {"none": None, "bool": rng.random((L, S)) < 0.6, "bias": rand(rng, 1, L, S)}[masking]
+    kw = dict(causal=causal, window=(left, right), mask=mask)
+    extra = {}
+    if saved:
+        out, lse = qkv.attention(q, k, v, return_lse=True, **kw)
+        extra = dict(out=out, lse=lse)
+    got = qkv.attention_vjp(q, k, v, g, block=block, **extra, **kw)
+    want = reference_attention_vjp(q, k, v, g, **kw)
+    for x, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(x, w, rtol=1e-10, atol=1e-12)
+
+
+def test_tiled_matches_finite_differences_and_1d_q():
+    rng = np.random.default_rng(6)
+    for name in ("grouped heads", "causal L>S (empty rows)", "1-D q, heads", "broadcast batch"):
+        c = CASES[name]
+        q, k, v = rand(rng, *c["q"]), rand(rng, *c["k"]), rand(rng, *c["v"])
+        out, lse = qkv.attention(q, k, v, return_lse=True, **c["kw"])
+        g = rand(rng, *out.shape)
+        want = fd_grads(q, k, v, g, **c["kw"])
+        got = qkv.attention_vjp(q, k, v, g, out=out, lse=lse, block=2, **c["kw"])
+        for a, x, w in zip((q, k, v), got, want, strict=True):
+            assert x.shape == a.shape
+            np.testing.assert_allclose(x, w, rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_tiled_dtypes(dtype):
+    rng = np.random.default_rng(7)
+    q, k, v = rand(rng, 2, 20, 8), rand(rng, 2, 30, 8), rand(rng, 2, 30, 4)
+    g = rand(rng, 2, 20, 4)
+    want = reference_attention_vjp(q, k, v, g, causal=True)
+    args = [a.astype(dtype) for a in (q, k, v, g)]
+    out, lse = qkv.attention(*args[:3], causal=True, return_lse=True)
+    tol = {np.float16: 2e-2, np.float32: 1e-5}[dtype]
+    for got in (
+        qkv.attention_vjp(*args, causal=True, block=7),
+        qkv.attention_vjp(*args, causal=True, out=out, lse=lse),
+    ):
+        for x, w in zip(got, want, strict=True):
+            assert x.dtype == dtype
+            np.testing.assert_allclose(x, w, rtol=tol, atol=tol)
+
+
+def test_tiled_never_holds_the_score_matrix():
+    import tracemalloc
+
+    rng = np.random.default_rng(8)
+    n, d = 1024, 8
+    q, k, v, g = (rand(rng, n, d) for _ in range(4))
+    out, lse = qkv.attention(q, k, v, causal=True, return_lse=True)
+    tracemalloc.start()
+    try:
+        got = qkv.attention_vjp(q, k, v, g, causal=True, out=out, lse=lse, block=64)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < n * n * 8 / 8  # an eighth of one float64 L x S matrix
+    want = qkv.attention_vjp(q, k, v, g, causal=True)  # the dense path
+    for x, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(x, w, rtol=1e-9, atol=1e-12)
+
+
+def test_tiled_bad_arguments():
+    rng = np.random.default_rng(9)
+    q, k, v = rand(rng, 3, 4), rand(rng, 5, 4), rand(rng, 5, 2)
+    out, lse = qkv.attention(q, k, v, return_lse=True)
+    g = np.ones((3, 2))
+    with pytest.raises(qkv.InputError, match="out, lse"):
+        qkv.attention_vjp(q, k, v, g, out=out)
+    with pytest.raises(qkv.InputError, match=r"lse: expected shape \(3,\)"):
+        qkv.attention_vjp(q, k, v, g, out=out, lse=lse[:2])
+    with pytest.raises(qkv.InputError, match=r"out: expected shape \(3, 2\)"):
+        qkv.attention_vjp(q, k, v, g, out=out.T, lse=lse)
+    for block in (0, 2.5, True):
+        with pytest.raises(qkv.InputError, match="block"):
+            qkv.attention_vjp(q, k, v, g, block=block)

@@ -14,10 +14,13 @@ throughout and contributes nothing. Grouped query heads add their contributions 
 head they share, and leading dimensions that were broadcast are summed back, so every gradient
 has the shape of its input.
 
-Two versions: :func:`attention_vjp`, the fast path (the dense kernel's weights, grouped heads
-served without repeating ``k`` and ``v``, compute dtype as the forward pass), and
-:func:`reference_attention_vjp`, the formulas above in float64 on weights from
-:mod:`qkv.reference`, kv heads repeated literally, the oracle the fast path is tested against.
+Versions: :func:`attention_vjp`, the fast path (the dense kernel's weights, grouped heads
+served without repeating ``k`` and ``v``, compute dtype as the forward pass) — or, given the
+forward pass's ``out`` and ``lse`` or a ``block`` size, the tiled FlashAttention-2 backward of
+:mod:`qkv.kernels.flash_grad`, which recomputes the weights tile by tile from ``lse`` in
+O(block²) extra memory; and :func:`reference_attention_vjp`, the formulas above in float64 on
+weights from :mod:`qkv.reference`, kv heads repeated literally, the oracle both are tested
+against.
 
 Examples
 --------
@@ -36,7 +39,7 @@ import numpy as np
 
 from . import reference
 from .errors import InputError
-from .kernels import dense
+from .kernels import dense, flash_grad
 from .validate import Plan, as_array, make_plan
 
 __all__ = ["attention_vjp", "reference_attention_vjp"]
@@ -111,6 +114,9 @@ def attention_vjp(
     causal: bool = False,
     mask: Any = None,
     window: Any = None,
+    out: Any = None,
+    lse: Any = None,
+    block: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Gradients of ``sum(attention(q, k, v) * grad_out)`` with respect to ``q``, ``k``, ``v``.
 
@@ -125,6 +131,15 @@ def attention_vjp(
     grad_out : array_like
         The upstream gradient, broadcastable to the output's shape ``(..., L, dv)`` (``(dv,)``
         for a 1-D ``q``).
+    out, lse : array_like, optional
+        The forward pass's output and log-sum-exp, as returned by
+        ``qkv.attention(..., return_lse=True)``. Given together, they select the tiled backward
+        (FlashAttention-2 style), which recomputes the weights tile by tile from ``lse`` and
+        never holds the ``L × S`` matrix.
+    block : int, optional
+        Tile size (queries and keys) of the tiled backward; selects it even without ``out`` and
+        ``lse``, which are then recomputed tile by tile. Default: the dense path, or 128 when
+        ``out`` and ``lse`` are given.
 
     Returns
     -------
@@ -146,6 +161,8 @@ def attention_vjp(
     ([0.0904, 0.0904], [[0.0474], [0.9526]])
     """
     plan = make_plan(q, k, v, scale=scale, causal=causal, mask=mask, window=window)
+    if out is not None or lse is not None or block is not None:
+        return _tiled(plan, q, k, v, grad_out, out, lse, block)
     g = plan.group
     d_out = _merge_groups(_grad_out(grad_out, plan), g)  # (*kv_batch, g·L, dv)
     p, _ = dense.softmax_rows(dense.logits(plan))  # (*batch, L, S)
@@ -159,6 +176,35 @@ def attention_vjp(
     dq = (dz @ plan.k).reshape(plan.q.shape)
     dk = np.swapaxes(dz, -1, -2) @ qm
     return _finish((dq, dk, dv), q, k, v, plan.squeeze)
+
+
+def _tiled(
+    plan: Plan, q: Any, k: Any, v: Any, grad_out: Any, out: Any, lse: Any, block: Any
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Check ``out``, ``lse`` and ``block``, then run the tiled backward."""
+    if block is None:
+        block = 128
+    if isinstance(block, bool) or not isinstance(block, (int, np.integer)) or block < 1:
+        raise InputError(f"block: expected an integer >= 1, got {block!r}")
+    d_out = _grad_out(grad_out, plan)
+    if (out is None) != (lse is None):
+        raise InputError("out, lse: give both (from attention(..., return_lse=True)) or neither")
+    if out is None:
+        o, m = flash_grad.forward(plan, int(block))
+    else:
+        o, m = as_array(out, "out"), as_array(lse, "lse")
+        want_o = plan.batch + ((plan.dv,) if plan.squeeze else (plan.L, plan.dv))
+        want_m = plan.batch + (() if plan.squeeze else (plan.L,))
+        for name, a, want in (("out", o, want_o), ("lse", m, want_m)):
+            if a.shape != want:
+                raise InputError(
+                    f"{name}: expected shape {want} (the forward pass's), got {a.shape}"
+                )
+        o, m = o.astype(plan.acc_dtype, copy=False), m.astype(plan.acc_dtype, copy=False)
+        if plan.squeeze:
+            o, m = o[..., None, :], m[..., None]
+    grads = flash_grad.backward(plan, d_out, o, m, int(block))
+    return _finish(grads, q, k, v, plan.squeeze)
 
 
 def reference_attention_vjp(

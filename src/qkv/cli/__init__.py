@@ -20,12 +20,12 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from ..errors import InputError
-from . import exercise, explain, scores
+from . import exercise, explain, scores, study
 
 __all__ = ["COMMANDS", "UsageError", "build_parser", "main"]
 
 #: The command modules, in the order ``qkv --help`` lists them.
-COMMANDS = [explain, scores, exercise]
+COMMANDS = [explain, scores, exercise, study]
 
 EPILOG = """examples:
   qkv explain --q "2,1" --k "1,0;3,2" --v "1,2;3,4" --d 4

@@ -1,0 +1,143 @@
+"""Tiled attention backward (the FlashAttention-2 backward): O(block²) extra memory.
+
+Must equal :func:`qkv.grad.reference_attention_vjp`. The ``L × S`` weight matrix is never
+built: each ``(query block, key block)`` tile of weights is recomputed from the scores and the
+rows' saved log-sum-exp, ``P = exp(Z − lse)``, and used at once::
+
+    for each key block j:                       # dk_j, dv_j accumulate in place
+        for each query block i:
+            P   = exp(q_i k_jᵀ · scale − lse_i)    # masked entries and empty rows give 0
+            dv_j += Pᵀ dO_i
+            dP  = dO_i v_jᵀ
+            dZ  = P ∘ (dP − δ_i) · scale         # δ = rowsum(dO ∘ O), computed once
+            dq_i += dZ k_j
+            dk_j += dZᵀ q_i
+
+Tiles that causal or a window rule out entirely are skipped. Grouped query heads are served by
+viewing ``(Hq, rows)`` as ``(Hkv, group · rows)``, so k and v are never repeated. When the
+forward pass's output and lse are not supplied, :func:`forward` recomputes them with the same
+tiling (online softmax), also in O(block²) extra memory.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..masks import allowed
+from ..validate import Plan
+
+__all__ = ["backward", "forward"]
+
+
+def _merge(x: np.ndarray, group: int) -> np.ndarray:
+    """``(..., Hq, m, n)`` → ``(..., Hkv, group·m, n)``."""
+    if group == 1:
+        return x
+    *rest, hq, m, n = x.shape
+    return x.reshape(*rest, hq // group, group * m, n)
+
+
+def _gmm(a: np.ndarray, b: np.ndarray, group: int) -> np.ndarray:
+    """``a @ b`` where ``a`` has ``group`` query heads per kv head of ``b``."""
+    if group == 1:
+        return a @ b
+    *rest, hq, m, _ = a.shape
+    return (_merge(a, group) @ b).reshape(*rest, hq, m, b.shape[-1])
+
+
+def _gmm_t(a: np.ndarray, c: np.ndarray, group: int) -> np.ndarray:
+    """``aᵀ @ c`` summed over the query heads that share a kv head."""
+    return np.swapaxes(_merge(a, group), -1, -2) @ _merge(c, group)
+
+
+def _tile(m: np.ndarray, rows: range, cols: range) -> np.ndarray:
+    """The ``rows × cols`` tile of a mask or bias that may broadcast along either axis."""
+    r = slice(None) if m.shape[-2] == 1 else slice(rows.start, rows.stop)
+    c = slice(None) if m.shape[-1] == 1 else slice(cols.start, cols.stop)
+    return m[..., r, c]
+
+
+def _logits(plan: Plan, rows: range, cols: range) -> np.ndarray | None:
+    """Scaled, biased, masked scores of one tile; ``None`` when the tile is entirely masked."""
+    ok = allowed(plan.L, plan.S, causal=plan.causal, window=plan.window, rows=rows, cols=cols)
+    if ok is not None and not ok.any():
+        return None
+    qi = plan.q[..., rows.start : rows.stop, :]
+    kj = plan.k[..., cols.start : cols.stop, :]
+    s = _gmm(qi, np.swapaxes(kj, -1, -2), plan.group)
+    s *= plan.acc_dtype.type(plan.scale)
+    if plan.bias is not None:
+        s += _tile(plan.bias, rows, cols)
+    if plan.mask is not None:
+        m = _tile(plan.mask, rows, cols)
+        ok = m if ok is None else ok & m
+    if ok is not None:
+        s = np.where(ok, s, plan.acc_dtype.type(-np.inf))
+    return s
+
+
+def forward(plan: Plan, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """Output ``(*batch, L, dv)`` and lse ``(*batch, L)`` by online softmax over key tiles."""
+    acc = plan.acc_dtype
+    out = np.zeros(plan.batch + (plan.L, plan.dv), dtype=acc)
+    lse = np.full(plan.batch + (plan.L,), -np.inf, dtype=acc)
+    for i0 in range(0, plan.L, block):
+        rows = range(i0, min(i0 + block, plan.L))
+        m = np.full(plan.batch + (len(rows), 1), -np.inf, dtype=acc)
+        total = np.zeros_like(m)
+        o = np.zeros(plan.batch + (len(rows), plan.dv), dtype=acc)
+        for j0 in range(0, plan.S, block):
+            cols = range(j0, min(j0 + block, plan.S))
+            s = _logits(plan, rows, cols)
+            if s is None:
+                continue
+            m_new = np.maximum(m, s.max(axis=-1, keepdims=True))
+            shift = np.where(m_new == -np.inf, 0.0, m_new).astype(acc, copy=False)
+            p = np.exp(s - shift)
+            alpha = np.exp(m - shift)
+            total = total * alpha + p.sum(axis=-1, keepdims=True)
+            o = o * alpha + _gmm(p, plan.v[..., j0 : cols.stop, :], plan.group)
+            m = m_new
+        with np.errstate(divide="ignore"):
+            lse[..., rows.start : rows.stop] = (np.where(m == -np.inf, 0.0, m) + np.log(total))[
+                ..., 0
+            ]
+        out[..., rows.start : rows.stop, :] = o / np.where(total > 0, total, 1.0)
+    return out, lse
+
+
+def backward(
+    plan: Plan, d_out: np.ndarray, out: np.ndarray, lse: np.ndarray, block: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(dq, dk, dv)`` in the plan's broadcast shapes, from ``dO``, ``O`` and ``lse``.
+
+    ``d_out`` and ``out`` are ``(*batch, L, dv)``, ``lse`` is ``(*batch, L)``; all in the
+    accumulation dtype.
+    """
+    acc, g = plan.acc_dtype, plan.group
+    scale = acc.type(plan.scale)
+    delta = np.sum(d_out * out, axis=-1, keepdims=True)  # (*batch, L, 1)
+    # an empty row has lse = -inf: exp(Z - inf) = 0 keeps it out of every gradient
+    lse_safe = np.where(lse == -np.inf, np.inf, lse)[..., None].astype(acc, copy=False)
+    dq = np.zeros(plan.q.shape, dtype=acc)
+    dk = np.zeros(plan.k.shape, dtype=acc)
+    dv = np.zeros(plan.v.shape, dtype=acc)
+    for j0 in range(0, plan.S, block):
+        cols = range(j0, min(j0 + block, plan.S))
+        kj = plan.k[..., j0 : cols.stop, :]
+        vj = plan.v[..., j0 : cols.stop, :]
+        for i0 in range(0, plan.L, block):
+            rows = range(i0, min(i0 + block, plan.L))
+            s = _logits(plan, rows, cols)
+            if s is None:
+                continue
+            r = slice(i0, rows.stop)
+            p = np.exp(s - lse_safe[..., r, :])
+            do_i = d_out[..., r, :]
+            dv[..., j0 : cols.stop, :] += _gmm_t(p, do_i, g)
+            dp = _gmm(do_i, np.swapaxes(vj, -1, -2), g)
+            dz = p * (dp - delta[..., r, :])
+            dz *= scale
+            dq[..., r, :] += _gmm(dz, kj, g)
+            dk[..., j0 : cols.stop, :] += _gmm_t(dz, plan.q[..., r, :], g)
+    return dq, dk, dv
