@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,24 +17,13 @@ from qkv.study.scaling import mode_scale, softmax_jacobian_norm
 from qkv.study.table import render_rows
 
 
-def seed_figures() -> dict:
-    """The "omit-scaling" case of the seed cases, found beside the checkout."""
-    for parent in Path(__file__).resolve().parents:
-        path = parent / "shared" / "cases" / "seed_cases.json"
-        if path.is_file():
-            cases = json.loads(path.read_text())["cases"]
-            case = next(c for c in cases if c["id"] == "omit-scaling")
-            return case["expect"]["reference_figures_64_keys"]
-    pytest.skip("shared/cases/seed_cases.json not found beside the checkout")
-
-
 @pytest.fixture(scope="module")
 def study():
     return scaling_study(dims=[4, 64, 1024, 4096], keys=64, samples=512, seed=1)
 
 
-def test_reproduces_seed_figures(study):
-    fig = seed_figures()
+def test_reproduces_seed_figures(study, seed_cases):
+    fig = seed_cases["omit-scaling"]["expect"]["reference_figures_64_keys"]
     assert fig["d"] == [4, 64, 1024, 4096]
     for i, d in enumerate(fig["d"]):
         un, sc = study.row(d, "unscaled"), study.row(d, "scaled")
