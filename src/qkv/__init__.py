@@ -16,7 +16,9 @@ from importlib.metadata import PackageNotFoundError, version
 
 from . import reference
 from .attention import attention, attention_weights, scores, softmax
+from .cache import KVCache
 from .errors import InputError, InputTypeError
+from .merge import merge
 
 try:
     __version__ = version("qkv")
@@ -26,9 +28,11 @@ except PackageNotFoundError:  # running from a source tree without installing
 __all__ = [
     "InputError",
     "InputTypeError",
+    "KVCache",
     "__version__",
     "attention",
     "attention_weights",
+    "merge",
     "reference",
     "scores",
     "softmax",
