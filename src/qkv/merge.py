@@ -44,7 +44,8 @@ def merge_arrays(parts: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.nda
         w = np.exp(lse - shift)
         total += w
         # where the weight is 0 the part contributes nothing (also not a NaN from 0 · inf)
-        out += np.where((w != 0)[..., None], w[..., None] * o, dt.type(0))
+        with np.errstate(invalid="ignore"):
+            out += np.where((w != 0)[..., None], w[..., None] * o, dt.type(0))
     empty = total == 0
     out /= np.where(empty, dt.type(1), total)[..., None]
     with np.errstate(divide="ignore"):

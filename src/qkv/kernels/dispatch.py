@@ -49,6 +49,8 @@ def choose(plan: Plan) -> str:
     >>> choose(make_plan(np.ones((500, 8)), np.ones((500, 8)), np.ones((500, 8))))
     'tiled'
     """
+    if plan.L == 0 or plan.S == 0:
+        return "tiled"  # nothing to attend: zeros and lse -inf without touching a reduction
     if plan.L * plan.S <= DENSE_MAX_SCORES:
         return "dense"
     if plan.L <= DECODE_MAX_L:
@@ -59,6 +61,8 @@ def choose(plan: Plan) -> str:
 def attend(plan: Plan, kernel: str = "auto") -> tuple[np.ndarray, np.ndarray]:
     """Run ``kernel`` (or the one :func:`choose` picks) on ``plan``: ``(out, lse)``."""
     name = choose(plan) if kernel == "auto" else check_kernel(kernel)
+    if name == "dense" and (plan.L == 0 or plan.S == 0):
+        name = "tiled"  # the dense softmax cannot reduce over zero keys
     if name == "dense":
         return dense.attend(plan)
     if name == "decode":
