@@ -65,6 +65,7 @@ def test_decode_equals_reference(L, S, kw):
 
 def test_decode_splits_keys_when_heads_are_few(monkeypatch):
     monkeypatch.setattr(decode, "MIN_SPLIT", 8)
+    monkeypatch.setattr(decode, "PARALLEL_BYTES", 0)
     rng = np.random.default_rng(3)
     q, k, v = rand(rng, (1, 1, 1, 4)), rand(rng, (1, 1, 101, 4)), rand(rng, (1, 1, 101, 2))
     plan = make_plan(q, k, v, window=(50, None))
@@ -192,8 +193,10 @@ def test_dispatch_choices_and_forcing():
         return make_plan(np.ones((L, 8)), np.ones((S, 8)), np.ones((S, 8)))
 
     assert dispatch.choose(plan(8, 8)) == "dense"
-    assert dispatch.choose(plan(1, 100_000)) == "decode"
-    assert dispatch.choose(plan(dispatch.DECODE_MAX_L + 1, 100_000)) == "tiled"
+    assert dispatch.choose(plan(1, 100_000)) == "dense"  # 12 MiB of K/V: cache-sized
+    assert dispatch.choose(plan(1, 200_000)) == "decode"
+    assert dispatch.choose(plan(dispatch.DECODE_MAX_L, 200_000)) == "decode"
+    assert dispatch.choose(plan(dispatch.DECODE_MAX_L + 1, 200_000)) == "tiled"
     assert dispatch.choose(plan(1000, 1000)) == "tiled"
     with pytest.raises(qkv.InputError, match="kernel"):
         qkv.attention(np.ones(2), np.ones((1, 2)), np.ones((1, 2)), kernel="fast")

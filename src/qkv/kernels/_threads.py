@@ -8,7 +8,9 @@ the BLAS library keeps its own setting.
 
 from __future__ import annotations
 
+import functools
 import os
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -19,12 +21,26 @@ __all__ = ["cpu_count", "parallel_map", "single_threaded_blas"]
 T = TypeVar("T")
 
 
+@functools.cache
 def cpu_count() -> int:
-    """Cores this process may run on."""
+    """Cores this process may run on (read once)."""
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not Linux
         return max(1, os.cpu_count() or 1)
+
+
+_pools: dict[int, ThreadPoolExecutor] = {}
+_pools_lock = threading.Lock()
+
+
+def _pool(n: int) -> ThreadPoolExecutor:
+    """A long-lived pool of ``n`` workers (starting threads per call costs milliseconds)."""
+    with _pools_lock:
+        pool = _pools.get(n)
+        if pool is None:
+            pool = _pools[n] = ThreadPoolExecutor(max_workers=n, thread_name_prefix="qkv")
+        return pool
 
 
 _controller: list[Any] = []  # the threadpoolctl controller, found once (scanning is slow)
@@ -54,5 +70,4 @@ def parallel_map(fn: Callable[[Any], T], items: Sequence[Any], threads: int | No
     with single_threaded_blas():  # many small GEMMs: BLAS's own threads only add overhead
         if n <= 1:
             return [fn(x) for x in items]
-        with ThreadPoolExecutor(max_workers=n) as pool:
-            return list(pool.map(fn, items))
+        return list(_pool(n).map(fn, items))

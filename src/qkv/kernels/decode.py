@@ -25,7 +25,9 @@ from ._threads import cpu_count, parallel_map
 __all__ = ["ITEM_BYTES", "MIN_SPLIT", "attend"]
 
 ITEM_BYTES = 16 << 20  # K/V bytes per work item: large enough to hide Python's overhead
+PARALLEL_BYTES = 4 << 20  # below this much K/V, threads cost more than they save
 MIN_SPLIT = 1024  # fewest keys worth a split of their own
+EINSUM_ROWS = 4  # up to this many queries per kv head, einsum streams K/V faster than BLAS
 
 Item = tuple[tuple[int, ...], int, int, int, int]
 
@@ -66,6 +68,8 @@ class _Problem:
         keys = self.hi - self.lo
         per_head = keys * (plan.d + plan.dv) * self.dt.itemsize
         n_outer = math.prod(self.outer)
+        if n_outer * self.kv_heads * per_head < PARALLEL_BYTES:
+            threads = 1
         heads = max(1, min(self.kv_heads, ITEM_BYTES // max(per_head, 1)))
         chunks = n_outer * -(-self.kv_heads // heads)
         while chunks < threads and heads > 1:
@@ -92,7 +96,7 @@ class _Problem:
         q = (self.q[outer][h0 * g : h1 * g] * dt.type(plan.scale)).reshape(nh, rows, plan.d)
         # One query per head: einsum streams K and V at close to memory speed where BLAS's
         # matrix-vector path does not; several queries per head make a real GEMM worthwhile.
-        if rows <= 2:
+        if rows <= EINSUM_ROWS:
             s = np.einsum("hsd,hqd->hqs", k, q)
         else:
             s = q @ k.transpose(0, 2, 1)
@@ -109,7 +113,7 @@ class _Problem:
         s -= m_safe[..., None]
         np.exp(s, out=s)
         denom = s.sum(axis=-1)
-        o = np.einsum("hqs,hsd->hqd", s, v) if rows <= 2 else s @ v
+        o = np.einsum("hqs,hsd->hqd", s, v) if rows <= EINSUM_ROWS else s @ v
         empty = denom == 0  # no key allowed in this range: output 0, lse -inf
         o /= np.where(empty, dt.type(1), denom)[..., None]
         o[empty] = 0
@@ -157,7 +161,7 @@ def attend(plan: Plan, *, threads: int | None = None) -> tuple[np.ndarray, np.nd
     if not (plan.L and prob.hi > prob.lo and math.prod(plan.batch)):
         return prob.out, prob.lse  # nothing to attend: zeros and -inf as allocated
     items = prob.items(n)
-    results = parallel_map(prob.run, items, n)
+    results = parallel_map(prob.run, items, n if len(items) > 1 else 1)
     pending: dict[tuple[tuple[int, ...], int], list[tuple[Item, np.ndarray, np.ndarray]]] = {}
     for item, (o, lse) in zip(items, results, strict=True):
         pending.setdefault(item[:2], []).append((item, o, lse))

@@ -1,9 +1,14 @@
 """Pick the kernel for a checked plan by its shape, or run the one the caller forces.
 
-- ``"dense"``: the whole score matrix at once; fastest while ``L · S`` is small.
-- ``"decode"``: few queries (``L <= DECODE_MAX_L``) against many keys; memory-bound, streams
-  K and V once, splits the keys over the cores when batch × heads are too few.
+- ``"dense"``: the whole score matrix at once; fastest while ``L · S`` is small, and for a
+  few queries against a K/V small enough to sit in the caches.
+- ``"decode"``: few queries (``L <= DECODE_MAX_L``) against a large K/V (at least
+  ``DECODE_MIN_BYTES``); memory-bound, streams K and V once, splits the keys over the cores
+  when batch × heads are too few.
 - ``"tiled"``: online-softmax prefill over tiles; ``O(tile · S)`` extra memory.
+
+The thresholds were measured on a 2-core machine (see ``bench/``); they only pick the faster
+path, never change a result.
 
 ``"auto"`` (the default) chooses among them; the others force one, for tests and benchmarks.
 Every kernel returns ``(out, lse)`` in the plan's compute dtype and equals the reference.
@@ -19,11 +24,20 @@ from ..errors import InputError, InputTypeError
 from ..validate import Plan
 from . import decode, dense, tiled
 
-__all__ = ["DECODE_MAX_L", "DENSE_MAX_SCORES", "KERNELS", "attend", "check_kernel", "choose"]
+__all__ = [
+    "DECODE_MAX_L",
+    "DECODE_MIN_BYTES",
+    "DENSE_MAX_SCORES",
+    "KERNELS",
+    "attend",
+    "check_kernel",
+    "choose",
+]
 
 KERNELS = ("auto", "dense", "tiled", "decode")
 DENSE_MAX_SCORES = 1 << 14  # L · S per head below which materialising the scores is fastest
-DECODE_MAX_L = 16  # queries per head up to which the decode kernel wins
+DECODE_MAX_L = 8  # queries per head up to which the scores are small enough to keep whole
+DECODE_MIN_BYTES = 16 << 20  # K/V bytes from which streaming them (decode) beats BLAS (dense)
 
 
 def check_kernel(kernel: Any) -> str:
@@ -44,7 +58,9 @@ def choose(plan: Plan) -> str:
     >>> from qkv.validate import make_plan
     >>> choose(make_plan(np.ones((4, 8)), np.ones((4, 8)), np.ones((4, 8))))
     'dense'
-    >>> choose(make_plan(np.ones((1, 8)), np.ones((50000, 8)), np.ones((50000, 8))))
+    >>> choose(make_plan(np.ones((1, 8)), np.ones((5000, 8)), np.ones((5000, 8))))
+    'dense'
+    >>> choose(make_plan(np.ones((1, 8)), np.ones((200_000, 8)), np.ones((200_000, 8))))
     'decode'
     >>> choose(make_plan(np.ones((500, 8)), np.ones((500, 8)), np.ones((500, 8))))
     'tiled'
@@ -54,7 +70,8 @@ def choose(plan: Plan) -> str:
     if plan.L * plan.S <= DENSE_MAX_SCORES:
         return "dense"
     if plan.L <= DECODE_MAX_L:
-        return "decode"
+        kv_bytes = plan.k.size * (plan.d + plan.dv) // plan.d * plan.acc_dtype.itemsize
+        return "decode" if kv_bytes >= DECODE_MIN_BYTES else "dense"
     return "tiled"
 
 
