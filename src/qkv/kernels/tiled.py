@@ -103,7 +103,7 @@ class _Problem:
                 rows=range(r0, r1),
                 cols=range(c0, c1),
             )
-            tile = np.where(ok.T, self.dt.type(0), self.dt.type(-np.inf))
+            tile = np.ascontiguousarray(np.where(ok.T, self.dt.type(0), self.dt.type(-np.inf)))
             if len(self.edges) < 16:  # a few offsets recur; bound the memory anyway
                 self.edges[key] = tile
         return tile
