@@ -246,3 +246,22 @@ def test_all_kernels_agree_on_a_grid():
         ]
         np.testing.assert_allclose(outs[1], outs[0], atol=1e-12)
         np.testing.assert_allclose(outs[2], outs[0], atol=1e-12)
+
+
+def test_threads_fall_back_to_one_when_blas_cannot_be_limited(monkeypatch):
+    import threading
+
+    from qkv.kernels import _threads
+
+    monkeypatch.setattr(_threads, "_controller", [None])  # as if threadpoolctl were missing
+    for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    here = threading.get_ident()
+    assert set(_threads.parallel_map(lambda _: threading.get_ident(), range(8), 2)) == {here}
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
+    assert _threads._blas_limitable()
+    # the results do not depend on how the work was spread
+    rng = np.random.default_rng(14)
+    q, k, v = rand(rng, (3, 40, 4)), rand(rng, (3, 40, 4)), rand(rng, (3, 40, 4))
+    out, lse = tiled.attend(make_plan(q, k, v, causal=True), block_q=7, block_k=9, threads=2)
+    check(out, lse, q, k, v, causal=True)

@@ -161,7 +161,8 @@ def attend(plan: Plan, *, threads: int | None = None) -> tuple[np.ndarray, np.nd
     if not (plan.L and prob.hi > prob.lo and math.prod(plan.batch)):
         return prob.out, prob.lse  # nothing to attend: zeros and -inf as allocated
     items = prob.items(n)
-    results = parallel_map(prob.run, items, n if len(items) > 1 else 1)
+    rows = plan.group * plan.L  # up to EINSUM_ROWS the work is einsum, not BLAS
+    results = parallel_map(prob.run, items, n, blas_heavy=rows > EINSUM_ROWS)
     pending: dict[tuple[tuple[int, ...], int], list[tuple[Item, np.ndarray, np.ndarray]]] = {}
     for item, (o, lse) in zip(items, results, strict=True):
         pending.setdefault(item[:2], []).append((item, o, lse))
