@@ -32,6 +32,25 @@ def best_time(fn: Callable[[], Any], repeat: int = 3, warmup: int = 1, pause: fl
     return best
 
 
+def race(
+    contenders: dict[str, Callable[[], Any]], repeat: int = 3, pause: float = 0.2
+) -> dict[str, float]:
+    """Best wall time of each contender over ``repeat`` rounds, one call each per round.
+
+    Interleaving the rounds lets every contender meet the same (drifting) background load.
+    """
+    for fn in contenders.values():  # warm-up
+        fn()
+    best = dict.fromkeys(contenders, float("inf"))
+    for _ in range(repeat):
+        for name, fn in contenders.items():
+            time.sleep(pause)
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
 def _status_kib(field: str) -> int | None:
     try:
         for line in Path("/proc/self/status").read_text().splitlines():

@@ -60,10 +60,10 @@ def main() -> None:
         contenders["naive numpy"] = lambda: naive(q, k, v)
 
     ref = np.asarray(contenders["qkv"]())
-    rows, times = [], {}
+    rows = []
+    times = _common.race(contenders, repeat=args.repeat)
     for name, fn in contenders.items():
         out = np.asarray(fn())
-        times[name] = _common.best_time(fn, repeat=args.repeat)
         peak = _common.peak_extra_bytes(fn)
         rows.append(
             {

@@ -265,3 +265,10 @@ def test_threads_fall_back_to_one_when_blas_cannot_be_limited(monkeypatch):
     q, k, v = rand(rng, (3, 40, 4)), rand(rng, (3, 40, 4)), rand(rng, (3, 40, 4))
     out, lse = tiled.attend(make_plan(q, k, v, causal=True), block_q=7, block_k=9, threads=2)
     check(out, lse, q, k, v, causal=True)
+
+
+def test_dispatch_sends_the_decode_workload_to_decode():
+    # B8 H32 S4096 d128, one query each: 1 GiB of K/V, but only 4096 scores per head.
+    q = np.broadcast_to(np.float32(0), (8, 32, 1, 128))
+    kv = np.broadcast_to(np.float32(0), (8, 32, 4096, 128))
+    assert dispatch.choose(make_plan(q, kv, kv, causal=True)) == "decode"

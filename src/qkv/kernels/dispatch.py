@@ -67,11 +67,11 @@ def choose(plan: Plan) -> str:
     """
     if plan.L == 0 or plan.S == 0:
         return "tiled"  # nothing to attend: zeros and lse -inf without touching a reduction
-    if plan.L * plan.S <= DENSE_MAX_SCORES:
-        return "dense"
     if plan.L <= DECODE_MAX_L:
         kv_bytes = plan.k.size * (plan.d + plan.dv) // plan.d * plan.acc_dtype.itemsize
         return "decode" if kv_bytes >= DECODE_MIN_BYTES else "dense"
+    if plan.L * plan.S <= DENSE_MAX_SCORES:
+        return "dense"
     return "tiled"
 
 
