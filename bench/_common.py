@@ -110,7 +110,8 @@ def threads_info() -> str:
 
 
 def mib(n: float) -> str:
-    return f"{n / 2**20:,.0f} MiB"
+    m = n / 2**20
+    return f"{m:,.1f} MiB" if m < 10 else f"{m:,.0f} MiB"
 
 
 def table(rows: list[dict[str, Any]], columns: list[str]) -> str:

@@ -24,7 +24,7 @@ from ._threads import cpu_count, parallel_map
 
 __all__ = ["ITEM_BYTES", "MIN_SPLIT", "attend"]
 
-ITEM_BYTES = 16 << 20  # K/V bytes per work item: large enough to hide Python's overhead
+ITEM_BYTES = 32 << 20  # K/V bytes per work item: large enough to hide Python's overhead
 PARALLEL_BYTES = 4 << 20  # below this much K/V, threads cost more than they save
 MIN_SPLIT = 1024  # fewest keys worth a split of their own
 EINSUM_ROWS = 4  # up to this many queries per kv head, einsum streams K/V faster than BLAS
