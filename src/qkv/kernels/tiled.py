@@ -34,7 +34,7 @@ from ._threads import parallel_map
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "TAU", "attend"]
 
-BLOCK_Q = 256
+BLOCK_Q = 512
 BLOCK_K = 1024
 TAU = 40.0
 
@@ -104,7 +104,7 @@ class _Problem:
                 cols=range(c0, c1),
             )
             tile = np.ascontiguousarray(np.where(ok.T, self.dt.type(0), self.dt.type(-np.inf)))
-            if len(self.edges) < 16:  # a few offsets recur; bound the memory anyway
+            if len(self.edges) < 4:  # a few offsets recur; bound the memory anyway
                 self.edges[key] = tile
         return tile
 
