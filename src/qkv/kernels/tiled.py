@@ -28,7 +28,7 @@ import threading
 
 import numpy as np
 
-from ..masks import allowed, key_range
+from ..masks import allowed
 from ..validate import Plan
 from ._threads import parallel_map
 
@@ -83,10 +83,6 @@ class _Problem:
             buf = self.local.buf = np.empty(self.bq * self.bk, dtype=self.dt)
         return buf[: rows * cols].reshape(rows, cols)
 
-    def key_bounds(self, r: int) -> tuple[int, int]:
-        """Keys ``[lo, hi)`` that query row ``r`` may attend; both grow with ``r``."""
-        return key_range(self.S - self.L + r, self.S, self.plan.causal, self.plan.window)
-
     def edge(self, r0: int, r1: int, c0: int, c1: int) -> np.ndarray:
         """Additive ``(keys, rows)`` tile, 0 where causal/window allow and -inf elsewhere.
 
@@ -104,7 +100,7 @@ class _Problem:
                 cols=range(c0, c1),
             )
             tile = np.ascontiguousarray(np.where(ok.T, self.dt.type(0), self.dt.type(-np.inf)))
-            if len(self.edges) < 4:  # a few offsets recur; bound the memory anyway
+            if len(self.edges) < 8:  # a few offsets recur; bound the memory anyway
                 self.edges[key] = tile
         return tile
 
@@ -116,6 +112,39 @@ class _Problem:
             norms = self.norms[kidx] = np.sqrt(np.einsum("ij,ij->i", k, k))
         return norms
 
+    def row_bounds(self, r0: int, r1: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per query row of ``r0..r1-1``: keys ``[lo, hi)`` it may attend (both nondecreasing)."""
+        p = np.arange(r0, r1, dtype=np.int64) + (self.S - self.L)
+        lo = np.zeros_like(p)
+        hi = np.full_like(p, self.S)
+        if self.plan.causal:
+            hi = np.minimum(hi, p + 1)
+        if self.plan.window is not None:
+            left, right = self.plan.window
+            if left is not None:
+                lo = np.maximum(lo, p - left)
+            if right is not None:
+                hi = np.minimum(hi, p + right + 1)
+        lo = np.clip(lo, 0, self.S)
+        return lo, np.maximum(lo, np.minimum(hi, self.S))
+
+    def pieces(self, los: np.ndarray, his: np.ndarray) -> list[tuple[int, int]]:
+        """Key ranges to visit: ``block_k`` wide where every row sees every key, narrower
+        (``block_q / 4``) across the mask's edges, so each can skip the rows that see none of
+        it and causal wastes little beyond the diagonal."""
+        lo, hi, bk = int(los[0]), int(his[-1]), self.bk
+        if not self.plan.structured:
+            return [(c, min(c + bk, hi)) for c in range(lo, hi, bk)]
+        a, b = int(los[-1]), int(his[0])  # keys [a, b) are seen by every row
+        if a >= b:
+            a = b = hi
+        edge = min(bk, max(16, self.bq // 4))
+        return (
+            [(c, min(c + edge, a)) for c in range(lo, a, edge)]
+            + [(c, min(c + bk, b)) for c in range(a, b, bk)]
+            + [(c, min(c + edge, hi)) for c in range(b, hi, edge)]
+        )
+
     def run(self, item: tuple[tuple[int, ...], int, int]) -> None:
         idx, r0, r1 = item
         plan, dt, tau = self.plan, self.dt, self.tau
@@ -123,10 +152,8 @@ class _Problem:
         k, v = plan.k[kidx], plan.v[kidx]
         # Queries as columns, scale folded in: scores come out as (keys, rows), the faster GEMM.
         qt = np.ascontiguousarray((plan.q[idx][r0:r1] * self.qscale).T)
-        (lo, inner_hi), (inner_lo, hi) = self.key_bounds(r0), self.key_bounds(r1 - 1)
-        if not plan.structured or inner_lo > inner_hi:
-            inner_lo = inner_hi = hi if plan.structured else lo
-        # Every row sees keys [inner_lo, inner_hi); only keys outside it need an edge mask.
+        los, his = self.row_bounds(r0, r1)
+        lo, hi = int(los[0]), int(his[-1])
         rows = r1 - r0
         # Cauchy-Schwarz: |q·k| <= |q| max|k|. Within ±tau no row needs an offset at all.
         bounded = False
@@ -137,34 +164,37 @@ class _Problem:
         m = np.full(rows, 0.0 if bounded else -np.inf, dtype=dt)  # per-row offset, lazy max
         denom = np.zeros(rows, dtype=dt)
         acc = np.zeros((rows, plan.dv), dtype=dt)
-        for c0 in range(lo, hi, self.bk):
-            c1 = min(c0 + self.bk, hi)
-            s = self.scratch(c1 - c0, rows)
-            np.matmul(k[c0:c1], qt, out=s)
+        for c0, c1 in self.pieces(los, his):
+            # only rows [a, b) of the tile see any key of [c0, c1)
+            a = int(np.searchsorted(his, c0, side="right"))
+            b = int(np.searchsorted(los, c1, side="left"))
+            if a >= b:
+                continue
+            s = self.scratch(c1 - c0, b - a)
+            np.matmul(k[c0:c1], qt[:, a:b], out=s)
             if self.bias is not None:
-                s += self.bias[idx][r0:r1, c0:c1].T
-            if plan.structured:
-                for e0, e1 in ((c0, min(c1, inner_lo)), (max(c0, inner_hi), c1)):
-                    if e0 < e1:
-                        s[e0 - c0 : e1 - c0] += self.edge(r0, r1, e0, e1)
+                s += self.bias[idx][r0 + a : r0 + b, c0:c1].T
+            if los[b - 1] > c0 or his[a] < c1:  # the piece crosses causal/window's edge
+                s += self.edge(r0 + a, r0 + b, c0, c1)
             if self.mask is not None:
-                s[~self.mask[idx][r0:r1, c0:c1].T] = -np.inf
+                s[~self.mask[idx][r0 + a : r0 + b, c0:c1].T] = -np.inf
             if not bounded:
+                ma = m[a:b]
                 mt = s.max(axis=0)
-                grow = mt > m + tau  # NaN rows stay put and propagate through s
+                grow = mt > ma + tau  # NaN rows stay put and propagate through s
                 if grow.any():
                     centred = (mt <= tau) & (mt >= -tau)
-                    new = np.where(grow, np.where(centred, dt.type(0), mt), m)
+                    new = np.where(grow, np.where(centred, dt.type(0), mt), ma)
                     # m = -inf (nothing accumulated yet) gives alpha = 0; others keep 1.
-                    alpha = np.exp(np.where(grow, m, 0) - np.where(grow, new, 0))
-                    denom *= alpha
-                    acc *= alpha[:, None]
-                    m = new
-                if np.any(m != 0):
-                    s -= np.where(np.isfinite(m), m, dt.type(0))
+                    alpha = np.exp(np.where(grow, ma, 0) - np.where(grow, new, 0))
+                    denom[a:b] *= alpha
+                    acc[a:b] *= alpha[:, None]
+                    m[a:b] = new
+                if np.any(ma != 0):
+                    s -= np.where(np.isfinite(ma), ma, dt.type(0))
             np.exp(s, out=s)  # (exp2 is faster on plain numbers but slow on -inf and underflow)
-            denom += s.sum(axis=0)
-            acc += s.T @ v[c0:c1]
+            denom[a:b] += s.sum(axis=0)
+            acc[a:b] += s.T @ v[c0:c1]
         empty = denom == 0  # rows that may attend no key: output 0, lse -inf (NaN rows stay NaN)
         acc /= np.where(empty, dt.type(1), denom)[:, None]
         acc[empty] = 0
