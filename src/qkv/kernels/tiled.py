@@ -3,22 +3,32 @@
 Must equal :func:`qkv.reference.attention`. The loop is the FlashAttention-2 recurrence, one
 query tile at a time (``Bq`` rows) against key blocks of ``Bk`` columns::
 
-    s   = q_tile · k_blockᵀ · scale
+    s   = k_block · q_tileᵀ · scale                  # (keys, rows): the faster GEMM layout
     m'  = new offset per row (see below)             # the "running max"
     l   = l · exp(m - m') + Σ_j exp(s_j - m')        # running sum, rescaled
-    acc = acc · exp(m - m') + exp(s - m') · v_block  # rescaled accumulator
+    acc = acc · exp(m - m') + exp(s - m')ᵀ · v_block # rescaled accumulator
     out = acc / l,  lse = m + log l
 
-Extra memory is ``O(Bq · Bk)`` per thread. Tiles that causal or a window mask entirely are
-never computed, so causal costs about half of full attention; only tiles that cross the mask's
-edge build a boolean mask. Grouped-query heads read their kv head's rows directly (no repeated
-K/V). float16 inputs arrive as float32 (the plan's compute dtype) and accumulate there.
+``l`` rides along as a column of ones appended to ``v``, so the GEMM that weights the values
+also sums the weights.
+
+Memory: ``O(Bq · Bk + S · dv)`` extra per thread (one tile of scores; the values the query tile
+may see, with the ones column) — never ``L x S``.
+
+Masks: keys that causal or a window hide from every row of a tile are never visited, so causal
+costs about half of full attention. Across the mask's edge the keys are visited in narrower
+pieces, each with only the rows that see some of it, and an additive 0/-inf tile (cached: it
+depends only on the tile's shape and diagonal offset) masks the rest.
+
+Grouped-query heads read their kv head's rows directly (K/V are never repeated). float16 inputs
+arrive as float32 (the plan's compute dtype) and accumulate there.
 
 The offset ``m`` is the row's running maximum, moved lazily: it only moves when a block's
-maximum exceeds it by more than ``TAU``, and it stays at ``0`` while the scores
-are within ``±TAU``, which for ordinary attention logits means no subtraction pass and no
-rescaling at all. Exponentials are then at most ``exp(TAU)``; ``TAU`` is lowered for huge values
-so the accumulator cannot overflow.
+maximum exceeds it by more than ``TAU``, and it stays at ``0`` while the scores are within
+``±TAU``. When Cauchy-Schwarz (``|q·k| <= |q| max|k|``) proves that for a whole tile in advance,
+no maximum is taken at all; for ordinary attention logits that means no subtraction pass and no
+rescaling. Exponentials are then at most ``exp(TAU)``; ``TAU`` is lowered for huge values so the
+accumulator cannot overflow.
 """
 
 from __future__ import annotations
@@ -149,12 +159,17 @@ class _Problem:
         idx, r0, r1 = item
         plan, dt, tau = self.plan, self.dt, self.tau
         kidx = _kv_index(idx, plan.group)
-        k, v = plan.k[kidx], plan.v[kidx]
+        k = plan.k[kidx]
         # Queries as columns, scale folded in: scores come out as (keys, rows), the faster GEMM.
         qt = np.ascontiguousarray((plan.q[idx][r0:r1] * self.qscale).T)
         los, his = self.row_bounds(r0, r1)
         lo, hi = int(los[0]), int(his[-1])
         rows = r1 - r0
+        # The values this tile may need, with a column of ones appended: the GEMM that weights
+        # the values then also sums the weights (one pass over the scores fewer).
+        v = np.empty((hi - lo, plan.dv + 1), dtype=dt)
+        v[:, :-1] = plan.v[kidx][lo:hi]
+        v[:, -1] = 1
         # Cauchy-Schwarz: |q·k| <= |q| max|k|. Within ±tau no row needs an offset at all.
         bounded = False
         if self.bias is None and hi > lo:
@@ -162,8 +177,8 @@ class _Problem:
             bound = float(np.max(qn)) * float(np.max(self.key_norms(kidx)[lo:hi]))
             bounded = bound <= tau  # False for NaN or inf
         m = np.full(rows, 0.0 if bounded else -np.inf, dtype=dt)  # per-row offset, lazy max
-        denom = np.zeros(rows, dtype=dt)
-        acc = np.zeros((rows, plan.dv), dtype=dt)
+        acc = np.zeros((rows, plan.dv + 1), dtype=dt)  # last column: the softmax denominators
+        denom = acc[:, -1]
         for c0, c1 in self.pieces(los, his):
             # only rows [a, b) of the tile see any key of [c0, c1)
             a = int(np.searchsorted(his, c0, side="right"))
@@ -187,21 +202,19 @@ class _Problem:
                     new = np.where(grow, np.where(centred, dt.type(0), mt), ma)
                     # m = -inf (nothing accumulated yet) gives alpha = 0; others keep 1.
                     alpha = np.exp(np.where(grow, ma, 0) - np.where(grow, new, 0))
-                    denom[a:b] *= alpha
-                    acc[a:b] *= alpha[:, None]
+                    acc[a:b] *= alpha[:, None]  # the denominators too (last column)
                     m[a:b] = new
                 if np.any(ma != 0):
                     s -= np.where(np.isfinite(ma), ma, dt.type(0))
             np.exp(s, out=s)  # (exp2 is faster on plain numbers but slow on -inf and underflow)
-            denom[a:b] += s.sum(axis=0)
-            acc[a:b] += s.T @ v[c0:c1]
+            acc[a:b] += s.T @ v[c0 - lo : c1 - lo]
         empty = denom == 0  # rows that may attend no key: output 0, lse -inf (NaN rows stay NaN)
-        acc /= np.where(empty, dt.type(1), denom)[:, None]
-        acc[empty] = 0
+        out = acc[:, :-1] / np.where(empty, dt.type(1), denom)[:, None]
+        out[empty] = 0
         with np.errstate(divide="ignore"):
             lse = m + np.log(denom)
         lse[empty] = -np.inf
-        self.out[idx][r0:r1] = acc
+        self.out[idx][r0:r1] = out
         self.lse[idx][r0:r1] = lse
 
 
@@ -233,7 +246,7 @@ def attend(
     plan : Plan
         A checked problem from :func:`qkv.validate.make_plan`.
     block_q, block_k : int, optional
-        Query rows and keys per tile; extra memory is about ``block_q · block_k`` numbers per
+        Query rows and keys per tile; extra memory is about ``block_q · block_k + S · dv`` per
         thread.
     threads : int, optional
         Worker threads (default: every core this process may use).
