@@ -47,6 +47,7 @@ __all__ = ["BLOCK_K", "BLOCK_Q", "TAU", "attend"]
 BLOCK_Q = 512
 BLOCK_K = 1024
 TAU = 40.0
+EDGE_SPLIT = 2  # key pieces across a mask edge are block_q / EDGE_SPLIT wide
 
 
 def _kv_index(idx: tuple[int, ...], group: int) -> tuple[int, ...]:
@@ -140,15 +141,15 @@ class _Problem:
 
     def pieces(self, los: np.ndarray, his: np.ndarray) -> list[tuple[int, int]]:
         """Key ranges to visit: ``block_k`` wide where every row sees every key, narrower
-        (``block_q / 4``) across the mask's edges, so each can skip the rows that see none of
-        it and causal wastes little beyond the diagonal."""
+        (``block_q / EDGE_SPLIT``) across the mask's edges, so each can skip the rows that see
+        none of it and causal wastes little beyond the diagonal."""
         lo, hi, bk = int(los[0]), int(his[-1]), self.bk
         if not self.plan.structured:
             return [(c, min(c + bk, hi)) for c in range(lo, hi, bk)]
         a, b = int(los[-1]), int(his[0])  # keys [a, b) are seen by every row
         if a >= b:
             a = b = hi
-        edge = min(bk, max(16, self.bq // 4))
+        edge = min(bk, max(16, self.bq // EDGE_SPLIT))
         return (
             [(c, min(c + edge, a)) for c in range(lo, a, edge)]
             + [(c, min(c + bk, b)) for c in range(a, b, bk)]
