@@ -14,7 +14,6 @@ import functools
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -32,12 +31,14 @@ def cpu_count() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-_pools: dict[int, ThreadPoolExecutor] = {}
+_pools: dict[int, Any] = {}
 _pools_lock = threading.Lock()
 
 
-def _pool(n: int) -> ThreadPoolExecutor:
+def _pool(n: int) -> Any:
     """A long-lived pool of ``n`` workers (starting threads per call costs milliseconds)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     with _pools_lock:
         pool = _pools.get(n)
         if pool is None:
