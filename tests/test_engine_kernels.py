@@ -272,3 +272,13 @@ def test_dispatch_sends_the_decode_workload_to_decode():
     q = np.broadcast_to(np.float32(0), (8, 32, 1, 128))
     kv = np.broadcast_to(np.float32(0), (8, 32, 4096, 128))
     assert dispatch.choose(make_plan(q, kv, kv, causal=True)) == "decode"
+
+
+@pytest.mark.parametrize("cache_bytes", [0, 1 << 30])
+def test_tiled_values_copied_per_tile_or_kept_per_head(monkeypatch, cache_bytes):
+    monkeypatch.setattr(tiled, "VALUES_CACHE", cache_bytes)
+    rng = np.random.default_rng(15)
+    q, k, v = rand(rng, (2, 4, 29, 5)), rand(rng, (2, 2, 31, 5)), rand(rng, (2, 2, 31, 3))
+    for kw in (dict(causal=True), dict(window=(3, 2)), dict()):
+        out, lse = tiled.attend(make_plan(q, k, v, **kw), block_q=6, block_k=7)
+        check(out, lse, q, k, v, **kw)

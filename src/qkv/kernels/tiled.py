@@ -13,7 +13,8 @@ query tile at a time (``Bq`` rows) against key blocks of ``Bk`` columns::
 also sums the weights.
 
 Memory: ``O(Bq · Bk + S · dv)`` extra per thread (one tile of scores; the values the query tile
-may see, with the ones column) — never ``L x S``.
+may see, with the ones column), plus whole heads' values kept for reuse up to ``VALUES_CACHE``
+bytes — never ``L x S``.
 
 Masks: keys that causal or a window hide from every row of a tile are never visited, so causal
 costs about half of full attention. Across the mask's edge the keys are visited in narrower
@@ -47,6 +48,7 @@ __all__ = ["BLOCK_K", "BLOCK_Q", "TAU", "attend"]
 BLOCK_Q = 512
 BLOCK_K = 1024
 TAU = 40.0
+VALUES_CACHE = 64 << 20  # bytes of whole kv heads' values (with ones) kept for reuse per call
 EDGE_SPLIT = 2  # key pieces across a mask edge are block_q / EDGE_SPLIT wide
 
 
@@ -86,6 +88,8 @@ class _Problem:
         self.local = threading.local()  # per-thread score buffer, reused across tiles
         self.edges: dict[tuple[int, int, int], np.ndarray] = {}
         self.norms: dict[tuple[int, ...], np.ndarray] = {}
+        self.vaug: dict[tuple[int, ...], np.ndarray] = {}
+        self.vaug_bytes = 0
 
     def scratch(self, rows: int, cols: int) -> np.ndarray:
         """A reused ``(rows, cols)`` buffer of this thread (fresh arrays cost page faults)."""
@@ -114,6 +118,27 @@ class _Problem:
             if len(self.edges) < 8:  # a few offsets recur; bound the memory anyway
                 self.edges[key] = tile
         return tile
+
+    def values_and_ones(self, kidx: tuple[int, ...], lo: int, hi: int) -> tuple[np.ndarray, int]:
+        """Values of kv head ``kidx`` with a column of ones appended, and the first key they
+        hold: the GEMM that weights the values then also sums the weights (one pass over the
+        scores fewer). Whole heads are kept for reuse up to ``VALUES_CACHE`` bytes in all;
+        beyond that each tile copies just its keys ``[lo, hi)``."""
+        va = self.vaug.get(kidx)
+        if va is not None:
+            return va, 0
+        v = self.plan.v[kidx]
+        whole = v.shape[0] * (v.shape[1] + 1) * self.dt.itemsize
+        keep = self.vaug_bytes + whole <= VALUES_CACHE
+        if keep:
+            lo, hi = 0, v.shape[0]
+        va = np.empty((hi - lo, v.shape[1] + 1), dtype=self.dt)
+        va[:, :-1] = v[lo:hi]
+        va[:, -1] = 1
+        if keep:
+            self.vaug[kidx] = va
+            self.vaug_bytes += whole
+        return va, lo
 
     def key_norms(self, kidx: tuple[int, ...]) -> np.ndarray:
         """Euclidean norm of every key of kv head ``kidx`` (computed once per call)."""
@@ -147,14 +172,10 @@ class _Problem:
         if not self.plan.structured:
             return [(c, min(c + bk, hi)) for c in range(lo, hi, bk)]
         a, b = int(los[-1]), int(his[0])  # keys [a, b) are seen by every row
-        if a >= b:
-            a = b = hi
         edge = min(bk, max(16, self.bq // EDGE_SPLIT))
-        return (
-            [(c, min(c + edge, a)) for c in range(lo, a, edge)]
-            + [(c, min(c + bk, b)) for c in range(a, b, bk)]
-            + [(c, min(c + edge, hi)) for c in range(b, hi, edge)]
-        )
+        if b - a < edge:  # too few for a piece of their own: let the edge pieces take them
+            a = b = min(max(a, lo), hi)
+        return _split(lo, a, edge) + _split(a, b, bk) + _split(b, hi, edge)
 
     def run(self, item: tuple[tuple[int, ...], int, int]) -> None:
         idx, r0, r1 = item
@@ -166,11 +187,7 @@ class _Problem:
         los, his = self.row_bounds(r0, r1)
         lo, hi = int(los[0]), int(his[-1])
         rows = r1 - r0
-        # The values this tile may need, with a column of ones appended: the GEMM that weights
-        # the values then also sums the weights (one pass over the scores fewer).
-        v = np.empty((hi - lo, plan.dv + 1), dtype=dt)
-        v[:, :-1] = plan.v[kidx][lo:hi]
-        v[:, -1] = 1
+        v, v0 = self.values_and_ones(kidx, lo, hi)
         # Cauchy-Schwarz: |q·k| <= |q| max|k|. Within ±tau no row needs an offset at all.
         bounded = False
         if self.bias is None and hi > lo:
@@ -208,7 +225,7 @@ class _Problem:
                 if np.any(ma != 0):
                     s -= np.where(np.isfinite(ma), ma, dt.type(0))
             np.exp(s, out=s)  # (exp2 is faster on plain numbers but slow on -inf and underflow)
-            acc[a:b] += s.T @ v[c0 - lo : c1 - lo]
+            acc[a:b] += s.T @ v[c0 - v0 : c1 - v0]
         empty = denom == 0  # rows that may attend no key: output 0, lse -inf (NaN rows stay NaN)
         out = acc[:, :-1] / np.where(empty, dt.type(1), denom)[:, None]
         out[empty] = 0
@@ -217,6 +234,15 @@ class _Problem:
         lse[empty] = -np.inf
         self.out[idx][r0:r1] = out
         self.lse[idx][r0:r1] = lse
+
+
+def _split(lo: int, hi: int, width: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` in the fewest pieces at most ``width`` wide, of nearly equal widths."""
+    if hi <= lo:
+        return []
+    n = -(-(hi - lo) // width)
+    step = -(-(hi - lo) // n)
+    return [(c, min(c + step, hi)) for c in range(lo, hi, step)]
 
 
 def _items(plan: Plan, block_q: int) -> list[tuple[tuple[int, ...], int, int]]:
