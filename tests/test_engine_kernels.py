@@ -282,3 +282,12 @@ def test_tiled_values_copied_per_tile_or_kept_per_head(monkeypatch, cache_bytes)
     for kw in (dict(causal=True), dict(window=(3, 2)), dict()):
         out, lse = tiled.attend(make_plan(q, k, v, **kw), block_q=6, block_k=7)
         check(out, lse, q, k, v, **kw)
+
+
+def test_decode_caps_keys_per_item_and_merges(monkeypatch):
+    monkeypatch.setattr(decode, "MAX_KEYS", 100)
+    rng = np.random.default_rng(16)
+    q, k, v = rand(rng, (2, 4, 1, 6)), rand(rng, (2, 2, 1001, 6)), rand(rng, (2, 2, 1001, 3))
+    plan = make_plan(q, k, v, window=(700, None))
+    assert len({it[3] for it in decode._Problem(plan).items(threads=1)}) == 8  # 701 keys / 100
+    check(*decode.attend(plan), q, k, v, window=(700, None))

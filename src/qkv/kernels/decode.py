@@ -28,6 +28,7 @@ ITEM_BYTES = 32 << 20  # K/V bytes per work item: large enough to hide Python's 
 PARALLEL_BYTES = 4 << 20  # below this much K/V, threads cost more than they save
 MIN_SPLIT = 1024  # fewest keys worth a split of their own
 EINSUM_ROWS = 4  # up to this many queries per kv head, einsum streams K/V faster than BLAS
+MAX_KEYS = 32768  # keys per item at most: einsum sums in order, and merging halves the error
 
 Item = tuple[tuple[int, ...], int, int, int, int]
 
@@ -78,6 +79,7 @@ class _Problem:
         splits = 1
         if chunks < threads:
             splits = max(1, min(-(-threads // chunks), keys // MIN_SPLIT))
+        splits = max(splits, -(-keys // MAX_KEYS))
         step = -(-keys // splits)
         return [
             (outer, h0, min(h0 + heads, self.kv_heads), c0, min(c0 + step, self.hi))
