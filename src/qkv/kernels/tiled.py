@@ -45,7 +45,7 @@ from ._threads import parallel_map
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "TAU", "attend"]
 
-BLOCK_Q = 512
+BLOCK_Q = 768
 BLOCK_K = 1024
 TAU = 40.0
 VALUES_CACHE = 64 << 20  # bytes of whole kv heads' values (with ones) kept for reuse per call
