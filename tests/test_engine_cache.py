@@ -163,3 +163,17 @@ def test_bad_construction_and_types():
     with pytest.raises(qkv.InputTypeError, match="k"):
         cache.append(np.array([[["a", "b"]]]), np.ones((1, 1, 2)), seq=0)
     assert "lengths=[0, 0]" in repr(cache)
+
+
+def test_runs_of_equal_lengths_in_a_ragged_batch():
+    rng = np.random.default_rng(5)
+    lengths = [4, 4, 9, 9, 9, 2]
+    cache = qkv.KVCache(len(lengths), 1, 3, dtype=np.float64)
+    kv = [(rng.standard_normal((1, n, 3)), rng.standard_normal((1, n, 3))) for n in lengths]
+    for b, (k, v) in enumerate(kv):
+        cache.append(k, v, seq=b)
+    q = rng.standard_normal((len(lengths), 2, 2, 3))
+    out = cache.attend(q, window=(2, None))
+    for b, (k, v) in enumerate(kv):
+        want = reference.attention(q[b], k, v, causal=True, window=(2, None))
+        np.testing.assert_allclose(out[b], want, atol=1e-12)

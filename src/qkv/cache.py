@@ -240,15 +240,12 @@ class KVCache:
         out = np.zeros((self.batch, heads, Lq, self.value_dim), dtype=out_dt)
         lse = np.full((self.batch, heads, Lq), -np.inf, dtype=acc_dt)
         lengths = self._lengths.tolist()
-        # Equal lengths: one call over the whole batch. Ragged: one call per sequence.
-        groups = (
-            [range(self.batch)]
-            if len(set(lengths)) == 1
-            else [range(b, b + 1) for b in range(self.batch)]
-        )
-        for rows in groups:
-            n = lengths[rows.start]
-            sl = slice(rows.start, rows.stop)
+        # One call per run of neighbouring sequences of equal length (all of them, when equal).
+        start = 0
+        for stop in range(1, self.batch + 1):
+            if stop < self.batch and lengths[stop] == lengths[start]:
+                continue
+            n, sl, start = lengths[start], slice(start, stop), stop
             plan = make_plan(
                 qa[sl],
                 self._k[sl, :, :n],
