@@ -16,8 +16,10 @@ from importlib.metadata import PackageNotFoundError, version
 
 from . import reference
 from .attention import attention, attention_weights, scores, softmax
+from .cache import KVCache
 from .errors import InputError, InputTypeError
 from .grad import attention_vjp
+from .merge import merge
 from .trace import Trace, explain
 
 try:
@@ -28,12 +30,14 @@ except PackageNotFoundError:  # running from a source tree without installing
 __all__ = [
     "InputError",
     "InputTypeError",
+    "KVCache",
     "Trace",
     "__version__",
     "attention",
     "attention_vjp",
     "attention_weights",
     "explain",
+    "merge",
     "reference",
     "scores",
     "softmax",

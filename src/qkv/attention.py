@@ -12,7 +12,7 @@ import numpy as np
 
 from .errors import InputError
 from .integrations import torch as _torch
-from .kernels import dense
+from .kernels import dense, dispatch
 from .validate import as_array, make_plan
 
 __all__ = ["attention", "attention_weights", "scores", "softmax"]
@@ -151,6 +151,7 @@ def attention(
     window: Any = None,
     return_lse: bool = False,
     check_finite: bool = False,
+    kernel: str = "auto",
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Scaled dot-product attention ``softmax(q · kᵀ · scale + bias) · v``.
 
@@ -170,6 +171,12 @@ def attention(
     check_finite : bool, optional
         Raise on NaN or infinity in ``q``, ``k`` or ``v`` instead of letting them propagate to
         the rows they touch (the default, as in every framework).
+    kernel : {"auto", "dense", "tiled", "decode"}, optional
+        Which kernel computes the result; all give the same numbers (up to rounding).
+        ``"auto"`` picks by shape (:func:`qkv.kernels.dispatch.choose`): ``"dense"`` for tiny
+        problems, ``"decode"`` for a few queries per head against many keys, ``"tiled"``
+        (online softmax, ``O(tile · S)`` extra memory) otherwise. Forcing one is for tests
+        and benchmarks.
 
     Returns
     -------
@@ -199,11 +206,13 @@ def attention(
             window=window,
             return_lse=return_lse,
             check_finite=check_finite,
+            kernel=kernel,
         )
+    kernel = dispatch.check_kernel(kernel)
     plan = make_plan(
         q, k, v, scale=scale, causal=causal, mask=mask, window=window, check_finite=check_finite
     )
-    out, lse = dense.attend(plan)
+    out, lse = dispatch.attend(plan, kernel)
     out = out.astype(plan.out_dtype, copy=False)
     if plan.squeeze:
         out, lse = out[..., 0, :], lse[..., 0]

@@ -1,0 +1,55 @@
+"""The machine's own limits, measured in this process: float32 GEMM rate and memory read rate.
+
+Run alone (``python bench/machine.py``) or imported by the other benchmarks, which report their
+results as fractions of these numbers.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import _common  # noqa: F401  (puts ../src on the path)
+import numpy as np
+
+from qkv.kernels._threads import cpu_count, single_threaded_blas
+
+
+def gemm_gflops(n: int = 2048, repeat: int = 5) -> float:
+    """Best float32 ``n x n @ n x n`` rate, BLAS with its default threads (GFLOP/s)."""
+    a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
+    b = np.random.default_rng(1).standard_normal((n, n), dtype=np.float32)
+    t = _common.best_time(lambda: a @ b, repeat=repeat, pause=0.05)
+    return 2 * n**3 / t / 1e9
+
+
+def read_gbps(nbytes: int = 1 << 30, repeat: int = 3) -> float:
+    """Best rate of reading a large float32 array once (GB/s).
+
+    The best over 1 up to every core (one thread each on its part of the array) and two
+    streaming reductions (BLAS ``sdot`` and NumPy ``sum``): which one saturates the
+    memory differs between machines, and the best is the honest denominator.
+    """
+    x = np.ones(nbytes // 4, dtype=np.float32)
+    readers = (lambda p: float(p @ p), lambda p: float(p.sum()))
+    best = 0.0
+    with single_threaded_blas(), ThreadPoolExecutor(cpu_count()) as pool:
+        for threads in range(1, cpu_count() + 1):
+            parts = np.array_split(x, threads)
+            for read in readers:
+
+                def run(parts=parts, read=read) -> None:
+                    list(pool.map(read, parts))
+
+                t = _common.best_time(run, repeat=repeat, pause=0.05)
+                best = max(best, x.nbytes / t / 1e9)
+    return best
+
+
+def main() -> None:
+    print(f"float32 GEMM (2048^3):  {gemm_gflops():7.1f} GFLOP/s")
+    print(f"memory read (1 GiB):   {read_gbps():7.1f} GB/s")
+    print(f"threads: {_common.threads_info()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""Prefill benchmark: causal attention, float32, batch 1, 8 heads, N = 4096, d = 64.
+
+    python bench/prefill.py [--n 4096] [--heads 8] [--d 64] [--repeat 3]
+
+Measures in one process qkv.attention (kernel "auto" -> tiled), PyTorch's CPU
+scaled_dot_product_attention and naive NumPy (materialised scores); prints the time ratio
+against PyTorch, effective GFLOP/s (causal counts half of 4·N²·d per head) as a fraction of
+this machine's float32 GEMM rate, peak extra memory and threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import _common
+import machine
+import numpy as np
+
+import qkv
+
+
+def naive(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """The textbook formula: full score matrix, mask, softmax, weighted sum."""
+    n = q.shape[-2]
+    s = q @ np.swapaxes(k, -1, -2) / np.sqrt(q.shape[-1])
+    s = np.where(np.tri(n, dtype=bool), s, -np.inf)
+    w = np.exp(s - s.max(axis=-1, keepdims=True))
+    return (w / w.sum(axis=-1, keepdims=True)) @ v
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=4096)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--d", type=int, default=64)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--no-naive", action="store_true")
+    args = ap.parse_args()
+    n, h, d = args.n, args.heads, args.d
+
+    gemm = machine.gemm_gflops()
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, h, n, d), dtype=np.float32) for _ in range(3))
+    flops = h * 4 * n * n * d / 2
+    contenders = {"qkv": lambda: qkv.attention(q, k, v, causal=True)}
+    try:
+        import torch
+
+        tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+
+        def run_torch():
+            with torch.no_grad():
+                return sdpa(tq, tk, tv, is_causal=True)  # L == S: top-left == bottom-right
+
+        contenders["torch sdpa"] = run_torch
+    except ImportError:
+        print("PyTorch not installed: no peer to compare against")
+    if not args.no_naive:
+        contenders["naive numpy"] = lambda: naive(q, k, v)
+
+    ref = np.asarray(contenders["qkv"]())
+    rows = []
+    times = _common.race(contenders, repeat=args.repeat)
+    for name, fn in contenders.items():
+        out = np.asarray(fn())
+        peak = _common.peak_extra_bytes(fn)
+        rows.append(
+            {
+                "contender": name,
+                "time": f"{times[name] * 1e3:,.1f} ms",
+                "GFLOP/s": f"{flops / times[name] / 1e9:.1f}",
+                "of GEMM": f"{flops / times[name] / 1e9 / gemm:.0%}",
+                "peak extra": _common.mib(peak),
+                "max |diff| vs qkv": f"{np.max(np.abs(out - ref)):.1e}",
+            }
+        )
+    peer = times.get("torch sdpa")
+    for row, name in zip(rows, times, strict=True):
+        row["time / torch"] = f"{times[name] / peer:.2f}x" if peer else "-"
+    print(f"prefill causal float32 B1 H{h} N{n} d{d}; GEMM {gemm:.0f} GFLOP/s")
+    print(f"threads: {_common.threads_info()}")
+    cols = ["contender", "time", "time / torch", "GFLOP/s", "of GEMM", "peak extra"]
+    print(_common.table(rows, cols + ["max |diff| vs qkv"]))
+
+
+if __name__ == "__main__":
+    main()

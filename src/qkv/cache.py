@@ -1,0 +1,260 @@
+"""A KV cache for a batch of sequences of different lengths, for autoregressive decoding.
+
+Each sequence's keys and values live in one growing buffer per batch, shaped
+``(batch, kv_heads, capacity, head_dim)``; when a sequence outgrows it the capacity doubles,
+so appends cost amortised O(1) per token and a sequence's cache is always a plain contiguous
+view (no gather before attending). Attention goes through the same dispatch and kernels as
+:func:`qkv.attention`, so it equals :func:`qkv.reference.attention` on each sequence.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import numpy as np
+
+from .errors import InputError, InputTypeError
+from .kernels import dispatch
+from .validate import as_array, make_plan
+
+__all__ = ["KVCache"]
+
+
+def _positive_int(x: Any, name: str) -> int:
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        raise InputTypeError(f"{name}: expected a positive int, got {x!r}")
+    if x < 1:
+        raise InputError(f"{name}: expected a positive int, got {x}")
+    return int(x)
+
+
+class KVCache:
+    """Keys and values of ``batch`` sequences, each with its own length.
+
+    Parameters
+    ----------
+    batch : int
+        Number of sequences.
+    kv_heads : int
+        Key/value heads (query heads may be any multiple: grouped-query attention).
+    head_dim : int
+        Size ``d`` of each key (and query).
+    value_dim : int, optional
+        Size ``dv`` of each value (default ``head_dim``).
+    dtype : float dtype, optional
+        Storage dtype (default float32). Appended arrays are cast to it.
+
+    Examples
+    --------
+    Decoding token by token through the cache equals causal attention over the whole sequence:
+
+    >>> import numpy as np
+    >>> import qkv
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 1, 2, 5, 4))   # batch 1, 2 heads, 5 tokens, d = 4
+    >>> cache = qkv.KVCache(1, 2, 4, dtype=np.float64)
+    >>> steps = []
+    >>> for t in range(5):
+    ...     cache.append(k[:, :, t : t + 1], v[:, :, t : t + 1])
+    ...     steps.append(cache.attend(q[:, :, t : t + 1]))
+    >>> bool(np.allclose(np.concatenate(steps, axis=2), qkv.attention(q, k, v, causal=True)))
+    True
+    >>> cache.lengths.tolist()
+    [5]
+
+    Sequences may differ in length; append to one of them with ``seq``:
+
+    >>> cache = qkv.KVCache(2, 1, 4)
+    >>> cache.append(np.ones((1, 3, 4)), np.ones((1, 3, 4)), seq=1)
+    >>> cache.lengths.tolist()
+    [0, 3]
+    """
+
+    def __init__(
+        self,
+        batch: int,
+        kv_heads: int,
+        head_dim: int,
+        *,
+        value_dim: int | None = None,
+        dtype: Any = np.float32,
+    ) -> None:
+        self.batch = _positive_int(batch, "batch")
+        self.kv_heads = _positive_int(kv_heads, "kv_heads")
+        self.head_dim = _positive_int(head_dim, "head_dim")
+        self.value_dim = (
+            self.head_dim if value_dim is None else _positive_int(value_dim, "value_dim")
+        )
+        try:
+            dt = np.dtype(dtype)
+        except TypeError:
+            raise InputTypeError(f"dtype: expected a float dtype, got {dtype!r}") from None
+        if dt not in (np.float16, np.float32, np.float64):
+            raise InputTypeError(f"dtype: expected float16, float32 or float64, got {dt}")
+        self.dtype = dt
+        self._lengths = np.zeros(self.batch, dtype=np.int64)
+        self._k = np.empty((self.batch, self.kv_heads, 0, self.head_dim), dtype=dt)
+        self._v = np.empty((self.batch, self.kv_heads, 0, self.value_dim), dtype=dt)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Tokens cached for each sequence, shape ``(batch,)`` (a copy)."""
+        return self._lengths.copy()
+
+    @property
+    def capacity(self) -> int:
+        """Tokens each sequence can hold before the buffers grow (they double)."""
+        return self._k.shape[2]
+
+    def __repr__(self) -> str:
+        return (
+            f"KVCache(batch={self.batch}, kv_heads={self.kv_heads}, head_dim={self.head_dim}, "
+            f"value_dim={self.value_dim}, dtype={self.dtype}, lengths={self._lengths.tolist()})"
+        )
+
+    def _check_seq(self, seq: Any) -> int:
+        if isinstance(seq, bool) or not isinstance(seq, numbers.Integral):
+            raise InputTypeError(f"seq: expected an int or None, got {seq!r}")
+        if not 0 <= seq < self.batch:
+            raise InputError(f"seq: {seq} is out of range for a cache of batch {self.batch}")
+        return int(seq)
+
+    def _reserve(self, need: int) -> None:
+        """Make room for ``need`` tokens per sequence, at least doubling the capacity."""
+        cap = self.capacity
+        if need <= cap:
+            return
+        new = max(need, 2 * cap, 16)
+        used = int(self._lengths.max())
+        for name, dim in (("_k", self.head_dim), ("_v", self.value_dim)):
+            grown = np.empty((self.batch, self.kv_heads, new, dim), dtype=self.dtype)
+            grown[:, :, :used] = getattr(self, name)[:, :, :used]
+            setattr(self, name, grown)
+
+    def append(self, k: Any, v: Any, seq: int | None = None) -> None:
+        """Add ``T >= 1`` tokens to every sequence, or to sequence ``seq`` alone.
+
+        Parameters
+        ----------
+        k, v : array_like
+            With ``seq=None``: shapes ``(batch, kv_heads, T, head_dim)`` and
+            ``(batch, kv_heads, T, value_dim)``; each sequence gets its slice after its own last
+            token. With ``seq``: shapes ``(kv_heads, T, head_dim)`` and
+            ``(kv_heads, T, value_dim)``.
+        seq : int, optional
+            The sequence to append to.
+        """
+        ka, va = as_array(k, "k"), as_array(v, "v")
+        lead = (self.kv_heads,) if seq is not None else (self.batch, self.kv_heads)
+        which = "" if seq is None else f" for seq={seq}"
+        for name, a, dim, dname in (
+            ("k", ka, self.head_dim, "head_dim"),
+            ("v", va, self.value_dim, "value_dim"),
+        ):
+            want = lead + ("T", dim)
+            if a.ndim != len(want) or a.shape[: len(lead)] != lead or a.shape[-1] != dim:
+                raise InputError(
+                    f"{name}: expected shape {want}{which} ({dname}={dim}), got {a.shape}"
+                )
+        T = ka.shape[-2]
+        if va.shape[-2] != T:
+            raise InputError(f"k, v: token counts T differ: k has shape {ka.shape}, v {va.shape}")
+        if T < 1:
+            raise InputError(f"k: expected at least one token (T >= 1), got shape {ka.shape}")
+        if seq is None:
+            self._reserve(int(self._lengths.max()) + T)
+            if np.all(self._lengths == self._lengths[0]):
+                n = int(self._lengths[0])
+                self._k[:, :, n : n + T] = ka
+                self._v[:, :, n : n + T] = va
+            else:
+                for b, n in enumerate(self._lengths.tolist()):
+                    self._k[b, :, n : n + T] = ka[b]
+                    self._v[b, :, n : n + T] = va[b]
+            self._lengths += T
+        else:
+            b = self._check_seq(seq)
+            n = int(self._lengths[b])
+            self._reserve(n + T)
+            self._k[b, :, n : n + T] = ka
+            self._v[b, :, n : n + T] = va
+            self._lengths[b] += T
+
+    def keys(self, seq: int) -> np.ndarray:
+        """Cached keys of sequence ``seq``, shape ``(kv_heads, length, head_dim)`` (a view)."""
+        b = self._check_seq(seq)
+        return self._k[b, :, : self._lengths[b]]
+
+    def values(self, seq: int) -> np.ndarray:
+        """Cached values of sequence ``seq``, shape ``(kv_heads, length, value_dim)`` (a view)."""
+        b = self._check_seq(seq)
+        return self._v[b, :, : self._lengths[b]]
+
+    def attend(
+        self,
+        q: Any,
+        *,
+        scale: Any = None,
+        window: Any = None,
+        causal: bool = True,
+        return_lse: bool = False,
+        kernel: str = "auto",
+    ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+        """Attention of new queries to each sequence's cache.
+
+        Parameters
+        ----------
+        q : array_like, shape ``(batch, heads, Lq, head_dim)``
+            ``heads`` a multiple of ``kv_heads``. The ``Lq`` queries of sequence ``b`` are its
+            last ``Lq`` positions (bottom-right causal): row ``i`` sits at position
+            ``length_b - Lq + i`` and sees the keys up to it. Append their keys first.
+        scale, window, kernel
+            As in :func:`qkv.attention`; positions are counted within each sequence.
+        causal : bool, optional
+            Default True (decoding); False lets every query see the whole cache.
+        return_lse : bool, optional
+            Also return the log-sum-exp, shape ``(batch, heads, Lq)``.
+
+        Returns
+        -------
+        ndarray, shape ``(batch, heads, Lq, value_dim)``
+            Equal to ``qkv.attention(q[b], cache.keys(b), cache.values(b), causal=causal, ...)``
+            for every sequence ``b``; a sequence with no cached keys gives zeros.
+        """
+        kernel = dispatch.check_kernel(kernel)
+        qa = as_array(q, "q")
+        if qa.ndim != 4 or qa.shape[0] != self.batch or qa.shape[-1] != self.head_dim:
+            raise InputError(
+                f"q: expected shape (batch={self.batch}, heads, Lq, head_dim={self.head_dim}), "
+                f"got {qa.shape}"
+            )
+        heads, Lq = qa.shape[1], qa.shape[2]
+        if heads % self.kv_heads:
+            raise InputError(
+                f"q: {heads} query heads cannot share {self.kv_heads} kv heads: q has shape "
+                f"{qa.shape}, the cache holds {self.kv_heads} kv heads"
+            )
+        out_dt = np.result_type(qa, self.dtype)
+        acc_dt = np.float32 if out_dt == np.float16 else out_dt
+        out = np.zeros((self.batch, heads, Lq, self.value_dim), dtype=out_dt)
+        lse = np.full((self.batch, heads, Lq), -np.inf, dtype=acc_dt)
+        lengths = self._lengths.tolist()
+        # One call per run of neighbouring sequences of equal length (all of them, when equal).
+        start = 0
+        for stop in range(1, self.batch + 1):
+            if stop < self.batch and lengths[stop] == lengths[start]:
+                continue
+            n, sl, start = lengths[start], slice(start, stop), stop
+            plan = make_plan(
+                qa[sl],
+                self._k[sl, :, :n],
+                self._v[sl, :, :n],
+                scale=scale,
+                causal=causal,
+                window=window,
+            )
+            o, s = dispatch.attend(plan, kernel)
+            out[sl] = o
+            lse[sl] = s
+        return (out, lse) if return_lse else out

@@ -1,0 +1,177 @@
+"""Decode kernel: a few queries against a long K/V, streamed once at memory speed.
+
+Must equal :func:`qkv.reference.attention`. With ``L`` small the work is memory-bound: every
+key and value is read once, and the score rows (``L · S`` numbers per head) are small enough to
+keep whole, so the softmax is exact in one piece — no running max is needed.
+
+Work items are a batch index with a run of kv heads and a range of keys. Grouped-query heads
+stack their ``group · L`` queries against their kv head, so K/V are read once per kv head.
+When the batch and heads are too few to keep every core busy, the keys are split instead and
+the partial results are combined with :func:`qkv.merge.merge` (split-K, as in FlashDecoding).
+Only the keys that causal or a window leave visible are read.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..masks import allowed, key_range
+from ..merge import merge_arrays
+from ..validate import Plan
+from ._threads import cpu_count, parallel_map
+
+__all__ = ["ITEM_BYTES", "MIN_SPLIT", "attend"]
+
+ITEM_BYTES = 32 << 20  # K/V bytes per work item: large enough to hide Python's overhead
+PARALLEL_BYTES = 4 << 20  # below this much K/V, threads cost more than they save
+MIN_SPLIT = 1024  # fewest keys worth a split of their own
+EINSUM_ROWS = 4  # up to this many queries per kv head, einsum streams K/V faster than BLAS
+MAX_KEYS = 32768  # keys per item at most: einsum sums in order, and merging halves the error
+
+Item = tuple[tuple[int, ...], int, int, int, int]
+
+
+def _heads(x: np.ndarray | None, nbatch: int) -> np.ndarray | None:
+    """View with an explicit heads axis at -3 (a plan with no batch gets one head)."""
+    if x is None or nbatch:
+        return x
+    return x[None]
+
+
+class _Problem:
+    def __init__(self, plan: Plan) -> None:
+        nb = len(plan.batch)
+        self.plan = plan
+        self.dt = plan.acc_dtype
+        self.g, self.L, self.S = plan.group, plan.L, plan.S
+        self.q, self.k, self.v = (_heads(a, nb) for a in (plan.q, plan.k, plan.v))
+        full = plan.batch + (plan.L, plan.S)
+        self.mask = None if plan.mask is None else _heads(np.broadcast_to(plan.mask, full), nb)
+        self.bias = None if plan.bias is None else _heads(np.broadcast_to(plan.bias, full), nb)
+        self.outer = self.q.shape[:-3]
+        self.kv_heads = self.k.shape[-3]
+        # Keys any query row may see, and those every row sees (no edge mask needed there).
+        p = plan.S - plan.L
+        (self.lo, self.inner_hi), (self.inner_lo, self.hi) = (
+            key_range(p, plan.S, plan.causal, plan.window),
+            key_range(p + plan.L - 1, plan.S, plan.causal, plan.window),
+        )
+        if not plan.structured:
+            self.inner_lo, self.inner_hi = self.lo, self.hi
+        self.out = np.zeros(plan.batch + (plan.L, plan.dv), dtype=self.dt)
+        self.lse = np.full(plan.batch + (plan.L,), -np.inf, dtype=self.dt)
+
+    def items(self, threads: int) -> list[Item]:
+        """Split heads, then keys, into items of about ``ITEM_BYTES`` and at least ``threads``."""
+        plan = self.plan
+        keys = self.hi - self.lo
+        per_head = keys * (plan.d + plan.dv) * self.dt.itemsize
+        n_outer = math.prod(self.outer)
+        if n_outer * self.kv_heads * per_head < PARALLEL_BYTES:
+            threads = 1
+        heads = max(1, min(self.kv_heads, ITEM_BYTES // max(per_head, 1)))
+        chunks = n_outer * -(-self.kv_heads // heads)
+        while chunks < threads and heads > 1:
+            heads = -(-heads // 2)
+            chunks = n_outer * -(-self.kv_heads // heads)
+        splits = 1
+        if chunks < threads:
+            splits = max(1, min(-(-threads // chunks), keys // MIN_SPLIT))
+        splits = max(splits, -(-keys // MAX_KEYS))
+        step = -(-keys // splits)
+        return [
+            (outer, h0, min(h0 + heads, self.kv_heads), c0, min(c0 + step, self.hi))
+            for outer in np.ndindex(*self.outer)
+            for h0 in range(0, self.kv_heads, heads)
+            for c0 in range(self.lo, self.hi, step)
+        ]
+
+    def run(self, item: Item) -> tuple[np.ndarray, np.ndarray]:
+        """Normalised output ``(nh, g·L, dv)`` and lse ``(nh, g·L)`` over keys ``[c0, c1)``."""
+        outer, h0, h1, c0, c1 = item
+        plan, dt, g, L = self.plan, self.dt, self.g, self.L
+        nh, rows = h1 - h0, self.g * self.L
+        k = self.k[outer][h0:h1, c0:c1]
+        v = self.v[outer][h0:h1, c0:c1]
+        q = (self.q[outer][h0 * g : h1 * g] * dt.type(plan.scale)).reshape(nh, rows, plan.d)
+        # One query per head: einsum streams K and V at close to memory speed where BLAS's
+        # matrix-vector path does not; several queries per head make a real GEMM worthwhile.
+        if rows <= EINSUM_ROWS:
+            s = np.einsum("hsd,hqd->hqs", k, q)
+        else:
+            s = q @ k.transpose(0, 2, 1)
+        per_query = s.reshape(nh * g, L, c1 - c0)
+        if self.bias is not None:
+            per_query += self.bias[outer][h0 * g : h1 * g, :, c0:c1]
+        if plan.structured and (c0 < self.inner_lo or c1 > self.inner_hi):
+            ok = allowed(self.L, self.S, causal=plan.causal, window=plan.window, cols=range(c0, c1))
+            per_query += np.where(ok, dt.type(0), dt.type(-np.inf))
+        if self.mask is not None:
+            per_query[~self.mask[outer][h0 * g : h1 * g, :, c0:c1]] = -np.inf
+        m = s.max(axis=-1)
+        m_safe = np.where(np.isneginf(m), dt.type(0), m)
+        s -= m_safe[..., None]
+        np.exp(s, out=s)
+        denom = s.sum(axis=-1)
+        o = np.einsum("hqs,hsd->hqd", s, v) if rows <= EINSUM_ROWS else s @ v
+        empty = denom == 0  # no key allowed in this range: output 0, lse -inf
+        o /= np.where(empty, dt.type(1), denom)[..., None]
+        o[empty] = 0
+        with np.errstate(divide="ignore"):
+            lse = m_safe + np.log(denom)
+        lse[empty] = -np.inf
+        return o, lse
+
+    def store(self, item: Item, o: np.ndarray, lse: np.ndarray) -> None:
+        outer, h0, h1 = item[:3]
+        g, L = self.g, self.L
+        out = _heads(self.out, len(self.plan.batch))[outer]
+        lse_all = _heads(self.lse, len(self.plan.batch))[outer]
+        out[h0 * g : h1 * g] = o.reshape((h1 - h0) * g, L, -1)
+        lse_all[h0 * g : h1 * g] = lse.reshape((h1 - h0) * g, L)
+
+
+def attend(plan: Plan, *, threads: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Decode attention: output ``(*batch, L, dv)`` and lse ``(*batch, L)``, compute dtype.
+
+    Must equal :func:`qkv.reference.attention` on the same plan. Meant for small ``L`` (each
+    row of scores is kept whole: extra memory about ``L · S`` numbers per head in flight).
+
+    Parameters
+    ----------
+    plan : Plan
+        A checked problem from :func:`qkv.validate.make_plan`.
+    threads : int, optional
+        Worker threads (default: every core this process may use).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from qkv import reference
+    >>> from qkv.validate import make_plan
+    >>> rng = np.random.default_rng(0)
+    >>> q = rng.standard_normal((2, 4, 1, 8))          # batch 2, 4 query heads, one token
+    >>> k, v = rng.standard_normal((2, 2, 2, 50, 8))    # 2 kv heads, 50 cached tokens
+    >>> out, lse = attend(make_plan(q, k, v, causal=True))
+    >>> bool(np.allclose(out, reference.attention(q, k, v, causal=True)))
+    True
+    """
+    prob = _Problem(plan)
+    n = cpu_count() if threads is None else max(1, int(threads))
+    if not (plan.L and prob.hi > prob.lo and math.prod(plan.batch)):
+        return prob.out, prob.lse  # nothing to attend: zeros and -inf as allocated
+    items = prob.items(n)
+    rows = plan.group * plan.L  # up to EINSUM_ROWS the work is einsum, not BLAS
+    results = parallel_map(prob.run, items, n, blas_heavy=rows > EINSUM_ROWS)
+    pending: dict[tuple[tuple[int, ...], int], list[tuple[Item, np.ndarray, np.ndarray]]] = {}
+    for item, (o, lse) in zip(items, results, strict=True):
+        pending.setdefault(item[:2], []).append((item, o, lse))
+    for parts in pending.values():
+        if len(parts) == 1:
+            prob.store(*parts[0])
+        else:
+            o, lse = merge_arrays([(o, lse) for _, o, lse in parts])
+            prob.store(parts[0][0], o, lse)
+    return prob.out, prob.lse

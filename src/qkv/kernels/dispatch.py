@@ -1,0 +1,87 @@
+"""Pick the kernel for a checked plan by its shape, or run the one the caller forces.
+
+- ``"dense"``: the whole score matrix at once; fastest while ``L · S`` is small, and for a
+  few queries against a K/V small enough to sit in the caches.
+- ``"decode"``: few queries (``L <= DECODE_MAX_L``) against a large K/V (at least
+  ``DECODE_MIN_BYTES``); memory-bound, streams K and V once, splits the keys over the cores
+  when batch × heads are too few.
+- ``"tiled"``: online-softmax prefill over tiles; ``O(tile · S)`` extra memory.
+
+The thresholds were measured on a 2-core machine (see ``bench/``); they only pick the faster
+path, never change a result.
+
+``"auto"`` (the default) chooses among them; the others force one, for tests and benchmarks.
+Every kernel returns ``(out, lse)`` in the plan's compute dtype and equals the reference.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..errors import InputError, InputTypeError
+from ..validate import Plan
+from . import decode, dense, tiled
+
+__all__ = [
+    "DECODE_MAX_L",
+    "DECODE_MIN_BYTES",
+    "DENSE_MAX_SCORES",
+    "KERNELS",
+    "attend",
+    "check_kernel",
+    "choose",
+]
+
+KERNELS = ("auto", "dense", "tiled", "decode")
+DENSE_MAX_SCORES = 1 << 14  # L · S per head below which materialising the scores is fastest
+DECODE_MAX_L = 8  # queries per head up to which the scores are small enough to keep whole
+DECODE_MIN_BYTES = 16 << 20  # K/V bytes from which streaming them (decode) beats BLAS (dense)
+
+
+def check_kernel(kernel: Any) -> str:
+    """Validate a ``kernel=`` argument (one of :data:`KERNELS`)."""
+    if not isinstance(kernel, str):
+        raise InputTypeError(f"kernel: expected one of {KERNELS}, got {type(kernel).__name__}")
+    if kernel not in KERNELS:
+        raise InputError(f"kernel: expected one of {KERNELS}, got {kernel!r}")
+    return kernel
+
+
+def choose(plan: Plan) -> str:
+    """The kernel ``"auto"`` runs for ``plan``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from qkv.validate import make_plan
+    >>> choose(make_plan(np.ones((4, 8)), np.ones((4, 8)), np.ones((4, 8))))
+    'dense'
+    >>> choose(make_plan(np.ones((1, 8)), np.ones((5000, 8)), np.ones((5000, 8))))
+    'dense'
+    >>> choose(make_plan(np.ones((1, 8)), np.ones((200_000, 8)), np.ones((200_000, 8))))
+    'decode'
+    >>> choose(make_plan(np.ones((500, 8)), np.ones((500, 8)), np.ones((500, 8))))
+    'tiled'
+    """
+    if plan.L == 0 or plan.S == 0:
+        return "tiled"  # nothing to attend: zeros and lse -inf without touching a reduction
+    if plan.L <= DECODE_MAX_L:
+        kv_bytes = plan.k.size * (plan.d + plan.dv) // plan.d * plan.acc_dtype.itemsize
+        return "decode" if kv_bytes >= DECODE_MIN_BYTES else "dense"
+    if plan.L * plan.S <= DENSE_MAX_SCORES:
+        return "dense"
+    return "tiled"
+
+
+def attend(plan: Plan, kernel: str = "auto") -> tuple[np.ndarray, np.ndarray]:
+    """Run ``kernel`` (or the one :func:`choose` picks) on ``plan``: ``(out, lse)``."""
+    name = choose(plan) if kernel == "auto" else check_kernel(kernel)
+    if name == "dense" and (plan.L == 0 or plan.S == 0):
+        name = "tiled"  # the dense softmax cannot reduce over zero keys
+    if name == "dense":
+        return dense.attend(plan)
+    if name == "decode":
+        return decode.attend(plan)
+    return tiled.attend(plan)

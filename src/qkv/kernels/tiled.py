@@ -1,0 +1,296 @@
+"""Tiled prefill kernel: online softmax over key blocks, never the full ``L x S`` matrix.
+
+Must equal :func:`qkv.reference.attention`. The loop is the FlashAttention-2 recurrence, one
+query tile at a time (``Bq`` rows) against key blocks of ``Bk`` columns::
+
+    s   = k_block · q_tileᵀ · scale                  # (keys, rows): the faster GEMM layout
+    m'  = new offset per row (see below)             # the "running max"
+    l   = l · exp(m - m') + Σ_j exp(s_j - m')        # running sum, rescaled
+    acc = acc · exp(m - m') + exp(s - m')ᵀ · v_block # rescaled accumulator
+    out = acc / l,  lse = m + log l
+
+``l`` rides along as a column of ones appended to ``v``, so the GEMM that weights the values
+also sums the weights.
+
+Memory: ``O(Bq · Bk + S · dv)`` extra per thread (one tile of scores; the values the query tile
+may see, with the ones column), plus whole heads' values kept for reuse up to ``VALUES_CACHE``
+bytes — never ``L x S``.
+
+Masks: keys that causal or a window hide from every row of a tile are never visited, so causal
+costs about half of full attention. Across the mask's edge the keys are visited in narrower
+pieces, each with only the rows that see some of it, and an additive 0/-inf tile (cached: it
+depends only on the tile's shape and diagonal offset) masks the rest.
+
+Grouped-query heads read their kv head's rows directly (K/V are never repeated). float16 inputs
+arrive as float32 (the plan's compute dtype) and accumulate there.
+
+The offset ``m`` is the row's running maximum, moved lazily: it only moves when a block's
+maximum exceeds it by more than ``TAU``, and it stays at ``0`` while the scores are within
+``±TAU``. When Cauchy-Schwarz (``|q·k| <= |q| max|k|``) proves that for a whole tile in advance,
+no maximum is taken at all; for ordinary attention logits that means no subtraction pass and no
+rescaling. Exponentials are then at most ``exp(TAU)``; ``TAU`` is lowered for huge values so the
+accumulator cannot overflow.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+
+from ..masks import allowed
+from ..validate import Plan
+from ._threads import parallel_map
+
+__all__ = ["BLOCK_K", "BLOCK_Q", "TAU", "attend"]
+
+BLOCK_Q = 768
+BLOCK_K = 1024
+TAU = 40.0
+VALUES_CACHE = 64 << 20  # bytes of whole kv heads' values (with ones) kept for reuse per call
+EDGE_SPLIT = 2  # key pieces across a mask edge are block_q / EDGE_SPLIT wide
+
+
+def _kv_index(idx: tuple[int, ...], group: int) -> tuple[int, ...]:
+    """Index of the kv head serving query batch index ``idx`` (heads are axis -3)."""
+    if group == 1 or not idx:
+        return idx
+    return idx[:-1] + (idx[-1] // group,)
+
+
+def _safe_tau(v: np.ndarray, S: int, dtype: np.dtype) -> float:
+    """``TAU``, lowered so that ``exp(tau) · S · max|v|`` stays far below the dtype's maximum."""
+    if v.size == 0:
+        return TAU
+    vmax = float(max(np.max(v), -np.min(v)))
+    if not math.isfinite(vmax) or vmax == 0.0:
+        return TAU
+    room = math.log(float(np.finfo(dtype).max)) - math.log(vmax * max(S, 1)) - 8.0
+    return max(0.0, min(TAU, room))
+
+
+class _Problem:
+    """What every work item of one call shares: views, masks, sizes, tile shape, scratch."""
+
+    def __init__(self, plan: Plan, block_q: int, block_k: int) -> None:
+        self.plan = plan
+        self.dt = plan.acc_dtype
+        self.L, self.S = plan.L, plan.S
+        self.bq, self.bk = block_q, block_k
+        self.qscale = self.dt.type(plan.scale)
+        full = plan.batch + (self.L, self.S)
+        self.mask = None if plan.mask is None else np.broadcast_to(plan.mask, full)
+        self.bias = None if plan.bias is None else np.broadcast_to(plan.bias, full)
+        self.tau = _safe_tau(plan.v, self.S, self.dt)
+        self.out = np.zeros(plan.batch + (self.L, plan.dv), dtype=self.dt)
+        self.lse = np.full(plan.batch + (self.L,), -np.inf, dtype=self.dt)
+        self.local = threading.local()  # per-thread score buffer, reused across tiles
+        self.edges: dict[tuple[int, int, int], np.ndarray] = {}
+        self.norms: dict[tuple[int, ...], np.ndarray] = {}
+        self.vaug: dict[tuple[int, ...], np.ndarray] = {}
+        self.vaug_bytes = 0
+
+    def scratch(self, rows: int, cols: int) -> np.ndarray:
+        """A reused ``(rows, cols)`` buffer of this thread (fresh arrays cost page faults)."""
+        buf = getattr(self.local, "buf", None)
+        if buf is None:
+            buf = self.local.buf = np.empty(self.bq * self.bk, dtype=self.dt)
+        return buf[: rows * cols].reshape(rows, cols)
+
+    def edge(self, r0: int, r1: int, c0: int, c1: int) -> np.ndarray:
+        """Additive ``(keys, rows)`` tile, 0 where causal/window allow and -inf elsewhere.
+
+        It depends only on the tile's shape and diagonal offset, so it is built once and reused.
+        """
+        key = (r1 - r0, c1 - c0, c0 - r0)
+        tile = self.edges.get(key)
+        if tile is None:
+            ok = allowed(
+                self.L,
+                self.S,
+                causal=self.plan.causal,
+                window=self.plan.window,
+                rows=range(r0, r1),
+                cols=range(c0, c1),
+            )
+            tile = np.ascontiguousarray(np.where(ok.T, self.dt.type(0), self.dt.type(-np.inf)))
+            if len(self.edges) < 8:  # a few offsets recur; bound the memory anyway
+                self.edges[key] = tile
+        return tile
+
+    def values_and_ones(self, kidx: tuple[int, ...], lo: int, hi: int) -> tuple[np.ndarray, int]:
+        """Values of kv head ``kidx`` with a column of ones appended, and the first key they
+        hold: the GEMM that weights the values then also sums the weights (one pass over the
+        scores fewer). Whole heads are kept for reuse up to ``VALUES_CACHE`` bytes in all;
+        beyond that each tile copies just its keys ``[lo, hi)``."""
+        va = self.vaug.get(kidx)
+        if va is not None:
+            return va, 0
+        v = self.plan.v[kidx]
+        whole = v.shape[0] * (v.shape[1] + 1) * self.dt.itemsize
+        keep = self.vaug_bytes + whole <= VALUES_CACHE
+        if keep:
+            lo, hi = 0, v.shape[0]
+        va = np.empty((hi - lo, v.shape[1] + 1), dtype=self.dt)
+        va[:, :-1] = v[lo:hi]
+        va[:, -1] = 1
+        if keep:
+            self.vaug[kidx] = va
+            self.vaug_bytes += whole
+        return va, lo
+
+    def key_norms(self, kidx: tuple[int, ...]) -> np.ndarray:
+        """Euclidean norm of every key of kv head ``kidx`` (computed once per call)."""
+        norms = self.norms.get(kidx)
+        if norms is None:
+            k = self.plan.k[kidx]
+            norms = self.norms[kidx] = np.sqrt(np.einsum("ij,ij->i", k, k))
+        return norms
+
+    def row_bounds(self, r0: int, r1: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per query row of ``r0..r1-1``: keys ``[lo, hi)`` it may attend (both nondecreasing)."""
+        p = np.arange(r0, r1, dtype=np.int64) + (self.S - self.L)
+        lo = np.zeros_like(p)
+        hi = np.full_like(p, self.S)
+        if self.plan.causal:
+            hi = np.minimum(hi, p + 1)
+        if self.plan.window is not None:
+            left, right = self.plan.window
+            if left is not None:
+                lo = np.maximum(lo, p - left)
+            if right is not None:
+                hi = np.minimum(hi, p + right + 1)
+        lo = np.clip(lo, 0, self.S)
+        return lo, np.maximum(lo, np.minimum(hi, self.S))
+
+    def pieces(self, los: np.ndarray, his: np.ndarray) -> list[tuple[int, int]]:
+        """Key ranges to visit: ``block_k`` wide where every row sees every key, narrower
+        (``block_q / EDGE_SPLIT``) across the mask's edges, so each can skip the rows that see
+        none of it and causal wastes little beyond the diagonal."""
+        lo, hi, bk = int(los[0]), int(his[-1]), self.bk
+        if not self.plan.structured:
+            return [(c, min(c + bk, hi)) for c in range(lo, hi, bk)]
+        a, b = int(los[-1]), int(his[0])  # keys [a, b) are seen by every row
+        edge = min(bk, max(16, self.bq // EDGE_SPLIT))
+        if b - a < edge:  # too few for a piece of their own: let the edge pieces take them
+            a = b = min(max(a, lo), hi)
+        return _split(lo, a, edge) + _split(a, b, bk) + _split(b, hi, edge)
+
+    def run(self, item: tuple[tuple[int, ...], int, int]) -> None:
+        idx, r0, r1 = item
+        plan, dt, tau = self.plan, self.dt, self.tau
+        kidx = _kv_index(idx, plan.group)
+        k = plan.k[kidx]
+        # Queries as columns, scale folded in: scores come out as (keys, rows), the faster GEMM.
+        qt = np.ascontiguousarray((plan.q[idx][r0:r1] * self.qscale).T)
+        los, his = self.row_bounds(r0, r1)
+        lo, hi = int(los[0]), int(his[-1])
+        rows = r1 - r0
+        v, v0 = self.values_and_ones(kidx, lo, hi)
+        # Cauchy-Schwarz: |q·k| <= |q| max|k|. Within ±tau no row needs an offset at all.
+        bounded = False
+        if self.bias is None and hi > lo:
+            qn = np.sqrt(np.einsum("ij,ij->j", qt, qt))
+            bound = float(np.max(qn)) * float(np.max(self.key_norms(kidx)[lo:hi]))
+            bounded = bound <= tau  # False for NaN or inf
+        m = np.full(rows, 0.0 if bounded else -np.inf, dtype=dt)  # per-row offset, lazy max
+        acc = np.zeros((rows, plan.dv + 1), dtype=dt)  # last column: the softmax denominators
+        denom = acc[:, -1]
+        for c0, c1 in self.pieces(los, his):
+            # only rows [a, b) of the tile see any key of [c0, c1)
+            a = int(np.searchsorted(his, c0, side="right"))
+            b = int(np.searchsorted(los, c1, side="left"))
+            if a >= b:
+                continue
+            s = self.scratch(c1 - c0, b - a)
+            np.matmul(k[c0:c1], qt[:, a:b], out=s)
+            if self.bias is not None:
+                s += self.bias[idx][r0 + a : r0 + b, c0:c1].T
+            if los[b - 1] > c0 or his[a] < c1:  # the piece crosses causal/window's edge
+                s += self.edge(r0 + a, r0 + b, c0, c1)
+            if self.mask is not None:
+                s[~self.mask[idx][r0 + a : r0 + b, c0:c1].T] = -np.inf
+            if not bounded:
+                ma = m[a:b]
+                mt = s.max(axis=0)
+                grow = mt > ma + tau  # NaN rows stay put and propagate through s
+                if grow.any():
+                    centred = (mt <= tau) & (mt >= -tau)
+                    new = np.where(grow, np.where(centred, dt.type(0), mt), ma)
+                    # m = -inf (nothing accumulated yet) gives alpha = 0; others keep 1.
+                    alpha = np.exp(np.where(grow, ma, 0) - np.where(grow, new, 0))
+                    acc[a:b] *= alpha[:, None]  # the denominators too (last column)
+                    m[a:b] = new
+                if np.any(ma != 0):
+                    s -= np.where(np.isfinite(ma), ma, dt.type(0))
+            np.exp(s, out=s)  # (exp2 is faster on plain numbers but slow on -inf and underflow)
+            acc[a:b] += s.T @ v[c0 - v0 : c1 - v0]
+        empty = denom == 0  # rows that may attend no key: output 0, lse -inf (NaN rows stay NaN)
+        out = acc[:, :-1] / np.where(empty, dt.type(1), denom)[:, None]
+        out[empty] = 0
+        with np.errstate(divide="ignore"):
+            lse = m + np.log(denom)
+        lse[empty] = -np.inf
+        self.out[idx][r0:r1] = out
+        self.lse[idx][r0:r1] = lse
+
+
+def _split(lo: int, hi: int, width: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` in the fewest pieces at most ``width`` wide, of nearly equal widths."""
+    if hi <= lo:
+        return []
+    n = -(-(hi - lo) // width)
+    step = -(-(hi - lo) // n)
+    return [(c, min(c + step, hi)) for c in range(lo, hi, step)]
+
+
+def _items(plan: Plan, block_q: int) -> list[tuple[tuple[int, ...], int, int]]:
+    """Work items ``(batch index, first row, end row)``, costliest first for causal."""
+    items = [
+        (idx, r0, min(r0 + block_q, plan.L))
+        for idx in np.ndindex(*plan.batch)
+        for r0 in range(0, plan.L, block_q)
+    ]
+    if plan.causal:  # late rows see more keys: start them first so the threads end together
+        items.sort(key=lambda it: -it[2])
+    return items
+
+
+def attend(
+    plan: Plan,
+    *,
+    block_q: int = BLOCK_Q,
+    block_k: int = BLOCK_K,
+    threads: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Tiled attention: output ``(*batch, L, dv)`` and lse ``(*batch, L)``, compute dtype.
+
+    Must equal :func:`qkv.reference.attention` on the same plan.
+
+    Parameters
+    ----------
+    plan : Plan
+        A checked problem from :func:`qkv.validate.make_plan`.
+    block_q, block_k : int, optional
+        Query rows and keys per tile; extra memory is about ``block_q · block_k + S · dv`` per
+        thread.
+    threads : int, optional
+        Worker threads (default: every core this process may use).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from qkv import reference
+    >>> from qkv.validate import make_plan
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 2, 7, 4))
+    >>> plan = make_plan(q, k, v, causal=True)
+    >>> out, lse = attend(plan, block_q=3, block_k=2)
+    >>> bool(np.allclose(out, reference.attention(q, k, v, causal=True)))
+    True
+    """
+    prob = _Problem(plan, max(1, int(block_q)), max(1, int(block_k)))
+    if plan.L and plan.S:  # otherwise every row is empty: out 0, lse -inf as allocated
+        parallel_map(prob.run, _items(plan, prob.bq), threads)
+    return prob.out, prob.lse

@@ -1,0 +1,116 @@
+"""Combine attention over disjoint key sets: ``merge([(out_a, lse_a), (out_b, lse_b), …])``.
+
+Attention over keys ``A ∪ B`` is a weighted mean of the attentions over ``A`` and over ``B``,
+each weighted by its share of the softmax denominator, ``exp(lse_part - lse_union)``::
+
+    lse = log Σ_i exp(lse_i)
+    out = Σ_i exp(lse_i - lse) · out_i
+
+This is the primitive behind split-K decoding, chunked prefill and attention spread over
+several processes. A part whose lse is ``-inf`` (it saw no key) has weight 0 and contributes
+nothing, even if its output holds garbage; if every part is ``-inf`` the result is output 0
+and lse ``-inf``, as for any row that may attend no key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .errors import InputError, InputTypeError
+from .validate import as_array
+
+__all__ = ["merge", "merge_arrays"]
+
+
+def merge_arrays(parts: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`merge` without argument checks: floating arrays of matching shapes.
+
+    Computed in at least float32; returned in the outputs' and the lse's own common dtypes.
+    """
+    out_dt = np.result_type(*(o for o, _ in parts))
+    lse_dt = np.result_type(*(lse for _, lse in parts))
+    dt = np.result_type(np.float32, out_dt, lse_dt)
+    lses = [np.asarray(lse, dtype=dt) for _, lse in parts]
+    top = lses[0]
+    for lse in lses[1:]:
+        top = np.maximum(top, lse)  # NaN propagates
+    shift = np.where(np.isneginf(top), dt.type(0), top)
+    total = np.zeros(top.shape, dtype=dt)
+    out = np.zeros(np.shape(parts[0][0]), dtype=dt)
+    for (o, _), lse in zip(parts, lses, strict=True):
+        w = np.exp(lse - shift)
+        total += w
+        # where the weight is 0 the part contributes nothing (also not a NaN from 0 · inf)
+        with np.errstate(invalid="ignore"):
+            out += np.where((w != 0)[..., None], w[..., None] * o, dt.type(0))
+    empty = total == 0
+    out /= np.where(empty, dt.type(1), total)[..., None]
+    with np.errstate(divide="ignore"):
+        lse = np.where(empty, dt.type(-np.inf), shift + np.log(total))
+    return out.astype(out_dt, copy=False), lse.astype(lse_dt, copy=False)
+
+
+def merge(parts: Sequence[tuple[Any, Any]]) -> tuple[np.ndarray, np.ndarray]:
+    """Attention over the union of disjoint key sets, from the attention over each set.
+
+    Parameters
+    ----------
+    parts : sequence of (out, lse)
+        ``out`` of shape ``(..., dv)`` and ``lse`` of shape ``(...)``, as returned by
+        ``qkv.attention(..., return_lse=True)`` over disjoint sets of keys for the same queries.
+        Every part has the same shapes.
+
+    Returns
+    -------
+    out : ndarray, shape ``(..., dv)``
+        In the outputs' common dtype (computed in at least float32).
+    lse : ndarray, shape ``(...)``
+        Log-sum-exp over the union (``-inf`` for rows that no part saw any key for), in the
+        lse's common dtype.
+
+    Raises
+    ------
+    InputError
+        No parts, a part that is not a pair, or shapes that disagree.
+
+    Examples
+    --------
+    Split the keys in two, attend to each half, and merge: the same as attending to all.
+
+    >>> import numpy as np
+    >>> import qkv
+    >>> q, k, v = np.array([2.0, 1.0]), np.array([[1.0, 0], [3, 2]]), np.array([[1.0, 2], [3, 4]])
+    >>> a = qkv.attention(q, k[:1], v[:1], scale=0.5, return_lse=True)
+    >>> b = qkv.attention(q, k[1:], v[1:], scale=0.5, return_lse=True)
+    >>> out, lse = qkv.merge([a, b])
+    >>> out.round(6).tolist(), round(float(lse), 6)
+    ([2.905148, 3.905148], 4.048587)
+    >>> qkv.merge([(np.zeros(2), -np.inf), b])[0].round(6).tolist()  # an empty part adds nothing
+    [3.0, 4.0]
+    """
+    if isinstance(parts, (str, bytes)) or not isinstance(parts, Sequence):
+        raise InputTypeError(
+            f"parts: expected a sequence of (out, lse) pairs, got {type(parts).__name__}"
+        )
+    if len(parts) == 0:
+        raise InputError("parts: expected at least one (out, lse) pair, got none")
+    arrays = []
+    for i, part in enumerate(parts):
+        if not isinstance(part, (tuple, list)) or len(part) != 2:
+            raise InputError(f"parts[{i}]: expected an (out, lse) pair, got {type(part).__name__}")
+        o, lse = as_array(part[0], f"parts[{i}] out"), as_array(part[1], f"parts[{i}] lse")
+        if o.ndim < 1 or o.shape[:-1] != lse.shape:
+            raise InputError(
+                f"parts[{i}]: out must have shape (..., dv) and lse the shape (...): got out "
+                f"{o.shape} and lse {lse.shape}"
+            )
+        if arrays and o.shape != arrays[0][0].shape:
+            raise InputError(
+                f"parts[{i}]: out has shape {o.shape} but parts[0] out has shape "
+                f"{arrays[0][0].shape}"
+            )
+        arrays.append((o, lse))
+    return merge_arrays(arrays)
