@@ -177,3 +177,16 @@ def test_fully_masked_rows_give_zero_and_neg_inf_lse():
     )
     assert np.all(out2[:2] == 0) and np.all(lse2[:2] == -np.inf)
     np.testing.assert_allclose(out2[2:], 1.0)
+
+
+def test_no_keys_at_all_gives_zeros_in_every_path():
+    q = np.ones((2, 3, 4))
+    k = np.ones((2, 0, 4))
+    v = np.ones((2, 0, 5))
+    for impl in (qkv, reference):
+        out, lse = impl.attention(q, k, v, return_lse=True)
+        assert out.shape == (2, 3, 5) and np.all(out == 0) and np.all(lse == -np.inf)
+        assert impl.attention_weights(q, k).shape == (2, 3, 0)
+    for kernel in ("dense", "tiled", "decode"):
+        out = qkv.attention(q, k, v, kernel=kernel)
+        assert out.shape == (2, 3, 5) and np.all(out == 0)

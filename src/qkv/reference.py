@@ -44,7 +44,7 @@ def _logits(plan: Plan) -> np.ndarray:
 def softmax(x: Any, axis: int = -1) -> np.ndarray:
     """``exp(x - max) / sum(exp(x - max))`` in float64; an all ``-inf`` slice gives zeros."""
     x = np.asarray(x, dtype=np.float64)
-    m = np.max(x, axis=axis, keepdims=True)
+    m = np.max(x, axis=axis, keepdims=True, initial=-np.inf)  # no keys at all: -inf too
     m = np.where(m == -np.inf, 0.0, m)
     e = np.exp(x - m)
     total = np.sum(e, axis=axis, keepdims=True)
@@ -92,7 +92,7 @@ def attention(
     )
     z = _logits(plan)
     out = softmax(z) @ _repeat_kv(plan.v, plan)
-    m = np.max(z, axis=-1)
+    m = np.max(z, axis=-1, initial=-np.inf)
     finite_m = np.where(m == -np.inf, 0.0, m)
     with np.errstate(divide="ignore"):
         lse = finite_m + np.log(np.sum(np.exp(z - finite_m[..., None]), axis=-1))

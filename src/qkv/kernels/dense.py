@@ -46,7 +46,7 @@ def logits(plan: Plan) -> np.ndarray:
 
 def row_max(z: np.ndarray) -> np.ndarray:
     """Row maxima (keepdims) that softmax subtracts; 0 for a row that is all ``-inf``."""
-    m = np.max(z, axis=-1, keepdims=True)
+    m = np.max(z, axis=-1, keepdims=True, initial=-np.inf)
     m[m == -np.inf] = 0.0
     return m
 
