@@ -52,11 +52,8 @@ def test_trace_like_object_greys_excluded_cells_and_labels_positions():
     assert ax.get_title() == "t" and len(ax.texts) == 7  # excluded cell not annotated
 
 
-def test_real_trace_if_the_explain_layer_is_present():
-    explain = getattr(qkv, "explain", None)
-    if explain is None:
-        pytest.skip("qkv.explain is not in this build")
-    trace = explain([[2, 1]], [[1, 0], [3, 2]], [[1, 2], [3, 4]], d=4)
+def test_real_trace():
+    trace = qkv.explain([[2, 1]], [[1, 0], [3, 2]], [[1, 2], [3, 4]], d=4)
     ax = plot.weights(trace)
     np.testing.assert_allclose(drawn(ax)[0], [0.04742587317756679, 0.9525741268224334])
 
