@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import InputError
+from .errors import InputError, InputTypeError
 from .integrations import torch as _torch
 from .kernels import dense, dispatch
 from .validate import as_array, make_plan
@@ -47,6 +47,8 @@ def softmax(x: Any, axis: int = -1) -> np.ndarray:
     """
     if _torch.is_tensor_input(x):
         return _torch.softmax(x, axis=axis)
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+        raise InputTypeError(f"axis: expected an int, got {type(axis).__name__}")
     a = as_array(x, "x")
     if a.ndim == 0:
         raise InputError(f"x: expected at least 1 dimension, got shape {a.shape}")

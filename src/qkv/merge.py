@@ -38,18 +38,22 @@ def merge_arrays(parts: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.nda
     for lse in lses[1:]:
         top = np.maximum(top, lse)  # NaN propagates
     shift = np.where(np.isneginf(top), dt.type(0), top)
+    weights = [np.exp(lse - shift) for lse in lses]
     total = np.zeros(top.shape, dtype=dt)
-    out = np.zeros(np.shape(parts[0][0]), dtype=dt)
-    for (o, _), lse in zip(parts, lses, strict=True):
-        w = np.exp(lse - shift)
+    for w in weights:
         total += w
-        # where the weight is 0 the part contributes nothing (also not a NaN from 0 · inf)
-        with np.errstate(invalid="ignore"):
-            out += np.where((w != 0)[..., None], w[..., None] * o, dt.type(0))
     empty = total == 0
-    out /= np.where(empty, dt.type(1), total)[..., None]
+    total = np.where(empty, dt.type(1), total)
+    out = np.zeros(np.shape(parts[0][0]), dtype=dt)
+    for (o, _), w in zip(parts, weights, strict=True):
+        # Shares that sum to 1: a convex combination cannot overflow where the parts did not.
+        # Where the share is 0 the part contributes nothing (also not a NaN from 0 · inf).
+        share = (w / total)[..., None]
+        with np.errstate(invalid="ignore"):
+            out += np.where(share != 0, share * o, dt.type(0))
     with np.errstate(divide="ignore"):
         lse = np.where(empty, dt.type(-np.inf), shift + np.log(total))
+    out[empty] = 0
     return out.astype(out_dt, copy=False), lse.astype(lse_dt, copy=False)
 
 

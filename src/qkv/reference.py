@@ -48,7 +48,8 @@ def softmax(x: Any, axis: int = -1) -> np.ndarray:
     m = np.where(m == -np.inf, 0.0, m)
     e = np.exp(x - m)
     total = np.sum(e, axis=axis, keepdims=True)
-    return np.where(total > 0, e / np.where(total > 0, total, 1.0), 0.0)
+    empty = total == 0  # nothing to attend: zeros; a NaN row stays NaN
+    return np.where(empty, 0.0, e / np.where(empty, 1.0, total))
 
 
 def scores(q: Any, k: Any, *, scale: Any = None) -> np.ndarray:

@@ -51,7 +51,10 @@ def check_scale(scale: Any, d: int) -> float:
         return 1.0 / math.sqrt(d)
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise InputTypeError(f"scale: expected a real number or None, got {type(scale).__name__}")
-    s = float(scale)
+    try:
+        s = float(scale)
+    except OverflowError:
+        raise InputError("scale: must be finite and > 0, got a number beyond float range") from None
     if not math.isfinite(s) or s <= 0.0:
         raise InputError(f"scale: must be finite and > 0, got {s}")
     return s
@@ -83,6 +86,15 @@ def _broadcast(a: tuple[int, ...], b: tuple[int, ...], what: str) -> tuple[int, 
         return tuple(np.broadcast_shapes(a, b))
     except ValueError:
         raise InputError(f"{what}: batch dimensions {a} and {b} do not broadcast") from None
+
+
+def _clamp_window(window: Window | None, L: int, S: int) -> Window | None:
+    """A side of ``L + S`` keys or more restricts nothing: make it ``None`` (unbounded), so no
+    position arithmetic ever sees a huge number."""
+    if window is None:
+        return None
+    left, right = (None if w is None or w >= L + S else w for w in window)
+    return None if left is None and right is None else (left, right)
 
 
 @dataclass(frozen=True)
@@ -205,7 +217,7 @@ def make_plan(
     group = 1
     if len(qb) >= 1 and len(kvb) >= 1:
         hq, hkv = qb[-1], kvb[-1]
-        if hq != hkv and hq != 1 and hkv != 1:
+        if hq != hkv and hq > 1 and hkv > 1:
             if hq % hkv != 0:
                 raise InputError(
                     f"q, k: {hq} query heads cannot share {hkv} kv heads (axis -3): "
@@ -230,7 +242,10 @@ def make_plan(
     if mask is not None:
         if hasattr(mask, "detach") and hasattr(mask, "cpu"):
             mask = mask.detach().cpu().numpy()
-        m = np.asarray(mask)
+        try:
+            m = np.asarray(mask)
+        except (ValueError, TypeError) as exc:
+            raise InputError(f"mask: cannot be read as a rectangular array ({exc})") from None
         if m.dtype == bool:
             bool_mask = m
         elif np.issubdtype(m.dtype, np.floating):
@@ -263,7 +278,7 @@ def make_plan(
         v=va,
         scale=check_scale(scale, d),
         causal=bool(causal),
-        window=check_window(window),
+        window=_clamp_window(check_window(window), L, S),
         mask=bool_mask,
         bias=bias,
         group=group,

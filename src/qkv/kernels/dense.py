@@ -25,10 +25,13 @@ def _grouped_matmul(a: np.ndarray, b: np.ndarray, group: int) -> np.ndarray:
 
 
 def raw_scores(plan: Plan) -> np.ndarray:
-    """``q kᵀ · scale`` in the compute dtype, shape ``(*batch, L, S)``."""
-    s = _grouped_matmul(plan.q, np.swapaxes(plan.k, -1, -2), plan.group)
-    s *= plan.acc_dtype.type(plan.scale)
-    return s
+    """``q kᵀ · scale`` in the compute dtype, shape ``(*batch, L, S)``.
+
+    The scale is folded into ``q`` first, as in the other kernels, so a product ``q·k`` beyond
+    the dtype's range whose scaled value fits does not overflow.
+    """
+    q = plan.q * plan.acc_dtype.type(plan.scale)
+    return _grouped_matmul(q, np.swapaxes(plan.k, -1, -2), plan.group)
 
 
 def logits(plan: Plan) -> np.ndarray:

@@ -16,6 +16,8 @@ Every kernel returns ``(out, lse)`` in the plan's compute dtype and equals the r
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -80,8 +82,26 @@ def attend(plan: Plan, kernel: str = "auto") -> tuple[np.ndarray, np.ndarray]:
     name = choose(plan) if kernel == "auto" else check_kernel(kernel)
     if name == "dense" and (plan.L == 0 or plan.S == 0):
         name = "tiled"  # the dense softmax cannot reduce over zero keys
-    if name == "dense":
-        return dense.attend(plan)
-    if name == "decode":
-        return decode.attend(plan)
-    return tiled.attend(plan)
+    run = {"dense": dense.attend, "decode": decode.attend, "tiled": tiled.attend}[name]
+    out, lse = run(plan)
+    if not np.isfinite(out).all() and plan.v.size and np.isfinite(plan.v).all():
+        out, lse = _rescaled(run, plan, out, lse)
+    return out, lse
+
+
+def _rescaled(run: Any, plan: Plan, out: np.ndarray, lse: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Rerun with ``v`` divided by a power of two when the kernel's accumulator overflowed.
+
+    Tiled and decode sum ``exp(s - m) · v`` before dividing by the softmax denominator, so
+    ``S · max|v|`` beyond the dtype's maximum overflows although the answer (a weighted mean of
+    the values) fits. Scaling by ``2**-e`` is exact, and the check costs nothing on the usual
+    path: it only runs when the output is not finite while ``v`` is.
+    """
+    vmax = float(np.max(np.abs(plan.v)))
+    room = float(np.finfo(plan.acc_dtype).max) / 2**20
+    e = max(0, math.ceil(math.log2(vmax * max(plan.S, 1) / room))) if vmax > 0 else 0
+    if e == 0:
+        return out, lse  # not an accumulator overflow: NaN or inf came from q or k
+    f = plan.acc_dtype.type(2.0**e)
+    out2, lse2 = run(replace(plan, v=plan.v / f))
+    return out2 * f, lse2
