@@ -1,0 +1,72 @@
+"""Hostile command-line input: every problem is one line on stderr, never a traceback or a hang."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from qkv.cli import main
+from qkv.scale_expr import MAX_EXACT_BITS, parse_scale
+from qkv.trace import explain
+
+QK = ["--q", "2,1", "--k", "1,0;3,2"]
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def assert_one_line_error(rc: int, out: str, err: str, needle: str, status: int = 2) -> None:
+    assert rc == status and out == "", (rc, out)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("qkv") and needle in lines[0], lines[0]
+
+
+# ----- 1. scale expressions whose exact value is astronomically long -----
+
+
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        ("(1.001**64)**64", (1.001**64) ** 64),
+        ("(((1.0000001**64)**64)**64)**64", (((1.0000001**64) ** 64) ** 64) ** 64),
+        ("(sqrt(1.001)**64)**64", (math.sqrt(1.001) ** 64) ** 64),
+    ],
+)
+def test_nested_powers_fall_back_to_the_float(capsys, text, value):
+    expr = parse_scale(text)
+    assert expr.exact() is None
+    assert math.isclose(expr.value(), value, rel_tol=1e-12)
+    rc, out, err = run(capsys, "scores", *QK, "--scale", text)
+    assert rc == 0 and err == "", err
+    t = explain([2, 1], [[1, 0], [3, 2]], scale=text)
+    assert t.scale.exact_text is None and len(t.scale.describe()) < 80
+    assert t.scaled[0, 1] == pytest.approx(8 * value, rel=1e-12)
+
+
+def test_exact_scale_with_a_nested_power_stays_small(capsys):
+    rc, out, err = run(
+        capsys, "explain", *QK, "--v", "1,2;3,4", "--scale", "(1.01**64)**64", "--exact"
+    )
+    assert rc == 0 and err == "", err
+    line = next(x for x in out.splitlines() if "Exact: scale" in x)
+    assert len(line) < 80 and float(line.split("=")[-1]) == pytest.approx(
+        (1.01**64) ** 64, rel=1e-12
+    )
+
+
+def test_exact_fractions_are_bounded_but_small_ones_stay_exact():
+    assert str(parse_scale("1/sqrt(d)").exact(4)) == "1/2"
+    assert str(parse_scale("0.5**64").exact()) == f"1/{2**64}"
+    big = parse_scale("2**64 * 2**64 * 2**64 * 2**64 * 2**64")  # 321 bits
+    assert 2**320 > 2**MAX_EXACT_BITS and big.exact() is None and big.value() == 2.0**320
+
+
+def test_scale_error_mentions_d_only_when_used(capsys):
+    rc, out, err = run(capsys, "scores", *QK, "--scale", "(sqrt(3)**64)**64")
+    assert_one_line_error(rc, out, err, "is not a finite number > 0")
+    assert "d =" not in err
