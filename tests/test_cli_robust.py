@@ -70,3 +70,35 @@ def test_scale_error_mentions_d_only_when_used(capsys):
     rc, out, err = run(capsys, "scores", *QK, "--scale", "(sqrt(3)**64)**64")
     assert_one_line_error(rc, out, err, "is not a finite number > 0")
     assert "d =" not in err
+
+
+# ----- 2. JSON matrices that are too large or too deep -----
+
+
+@pytest.mark.parametrize(
+    "q, needle",
+    [
+        ("[1" + "0" * 400 + ",1]", "309 or more digits"),
+        ("[" + "9" * 5000 + ",1]", "thousands of digits"),
+        ("[" * 5000, "nested too deeply"),
+        ("[" * 5000 + "1" + "]" * 5000, "nested too deeply"),
+        ("[[[[[[1]]]]]]", "expected a non-empty list"),
+        ("[2,1", "not valid JSON"),
+    ],
+    ids=["int-401-digits", "int-5000-digits", "open-5000-deep", "5000-deep", "6-deep", "bad"],
+)
+def test_json_matrix_errors_are_one_line(capsys, q, needle):
+    rc, out, err = run(capsys, "scores", "--q", q, "--k", "1,0;3,2")
+    assert_one_line_error(rc, out, err, needle)
+
+
+def test_json_file_nested_100000_deep_is_one_line(capsys, tmp_path):
+    path = tmp_path / "deep.json"
+    path.write_text("[" * 100_000)
+    rc, out, err = run(capsys, "scores", "--q", f"@{path}", "--k", "1,0;3,2")
+    assert_one_line_error(rc, out, err, "nested too deeply")
+
+
+def test_json_large_but_finite_integers_are_read(capsys):
+    rc, out, err = run(capsys, "scores", "--q", "[2, 1" + "0" * 300 + "]", "--k", "1,0;3,2")
+    assert rc == 0 and err == "" and "1e+300" in out
