@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import math
 
+import numpy as np
 import pytest
 
 from qkv.cli import main
+from qkv.errors import InputError
 from qkv.scale_expr import MAX_EXACT_BITS, parse_scale
 from qkv.trace import explain
 
@@ -102,3 +105,42 @@ def test_json_file_nested_100000_deep_is_one_line(capsys, tmp_path):
 def test_json_large_but_finite_integers_are_read(capsys):
     rc, out, err = run(capsys, "scores", "--q", "[2, 1" + "0" * 300 + "]", "--k", "1,0;3,2")
     assert rc == 0 and err == "" and "1e+300" in out
+
+
+# ----- 3. explain: a huge d, and exact mode with no keys -----
+
+
+@pytest.mark.parametrize(
+    "d",
+    [10**400, 10**5000, 2**60, 1e300, math.nan, 0, 2.5],
+    ids=["10**400", "10**5000", "2**60", "1e300", "nan", "0", "2.5"],
+)
+def test_explain_rejects_unusable_d_naming_it(d):
+    with pytest.raises(InputError, match=r"^d: expected a positive integer up to 2\*\*53"):
+        explain([2, 1], [[1, 0], [3, 2]], d=d)
+
+
+def test_explain_accepts_the_largest_d():
+    t = explain([2, 1], [[1, 0], [3, 2]], d=2**53)
+    assert t.scale.value == pytest.approx(2.0**-26.5, rel=1e-15)
+    assert t.scaled[0, 1] == pytest.approx(8 * 2.0**-26.5, rel=1e-15)
+
+
+def test_cli_d_with_thousands_of_digits_is_one_line(capsys):
+    rc, out, err = run(capsys, "scores", *QK, "--d", "9" * 5000)
+    assert_one_line_error(rc, out, err, "--d: expected a positive integer up to 2**53")
+
+
+def test_exact_trace_with_no_keys_gives_zeros():
+    pytest.importorskip("sympy")
+    q, k, v = np.ones((2, 4)), np.zeros((0, 4)), np.zeros((0, 2))
+    t = explain(q, k, v, exact=True)
+    assert t.weights.shape == (2, 0) and np.array_equal(t.output, np.zeros((2, 2)))
+    assert t.exact.raw == [[], []] and t.exact.weights == [[], []]
+    assert [[int(x) for x in row] for row in t.exact.output] == [[0, 0], [0, 0]]
+    assert "Exact output: [0, 0]" in t.to_text() and json.loads(t.to_json())["exact"][
+        "weights"
+    ] == [
+        [],
+        [],
+    ]

@@ -321,13 +321,27 @@ class Trace:
         return self.render("latex", standalone=False, math_only=True)
 
 
+#: The largest ``d`` accepted: every integer up to it is exact in float64.
+MAX_D = 2**53
+
+
+def _check_d(d: Any) -> int:
+    if isinstance(d, bool) or not isinstance(d, numbers.Real):
+        raise InputTypeError(f"d: expected a positive integer, got {d!r}")
+    try:
+        f = float(d)
+    except OverflowError:  # an integer (or fraction) beyond the float range: never repr it
+        raise InputError("d: expected a positive integer up to 2**53, got one > 1e308") from None
+    if not (math.isfinite(f) and f.is_integer() and d >= 1):
+        raise InputError(f"d: expected a positive integer up to 2**53, got {d!r}")
+    if f > MAX_D:
+        raise InputError(f"d: expected a positive integer up to 2**53, got {f:.4g}")
+    return int(d)
+
+
 def _resolve_scale(scale: Any, d: Any, q_dim: int) -> ScaleInfo:
     if d is not None:
-        if isinstance(d, bool) or not isinstance(d, numbers.Real):
-            raise InputTypeError(f"d: expected a positive integer, got {d!r}")
-        if not (math.isfinite(float(d)) and float(d).is_integer() and d >= 1):
-            raise InputError(f"d: expected a positive integer, got {d!r}")
-        d = int(d)
+        d = _check_d(d)
     if scale is None:
         expr = parse_scale("1/sqrt(d)")
     elif isinstance(scale, (str, ScaleExpr)):

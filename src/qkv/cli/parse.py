@@ -185,8 +185,9 @@ def window(text: str) -> tuple[int | None, int | None]:
 
 def d_value(text: str) -> int:
     """``--d``: a positive integer."""
-    if not re.fullmatch(r"\s*\d+\s*", text) or int(text) < 1:
-        raise InputError(f"--d: expected a positive integer, got {text!r}")
+    if not re.fullmatch(r"\s*\d{1,16}\s*", text) or int(text) < 1:
+        shown = text if len(text) <= 30 else text[:20] + "…"
+        raise InputError(f"--d: expected a positive integer up to 2**53, got {shown!r}")
     return int(text)
 
 
