@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import errno
+import io
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -144,3 +151,59 @@ def test_exact_trace_with_no_keys_gives_zeros():
         [],
         [],
     ]
+
+
+# ----- 5. standard output that cannot be written or cannot encode the output -----
+
+SEED = ["--q", "2,1", "--k", "1,0;3,2", "--v", "1,2;3,4", "--d", "4"]
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def _qkv(*argv: str, stdout: Any = subprocess.PIPE, **env: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), **env)
+    return subprocess.run(
+        [sys.executable, "-m", "qkv", *argv],
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+
+
+class _FullDisk(io.StringIO):
+    def write(self, text: str) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.mark.parametrize(
+    "argv", [["explain", *SEED], ["exercise", "--seed", "1"], ["study", "training", "--steps", "1"]]
+)
+def test_unwritable_stdout_is_one_line_status_1(monkeypatch, capsys, argv):
+    monkeypatch.setattr(sys, "stdout", _FullDisk())
+    rc = main([*argv, "--no-progress"] if argv[0] == "study" else argv)
+    err = capsys.readouterr().err
+    assert rc == 1 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith(f"qkv {argv[0]}: error: cannot write to standard output: No space")
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_dev_full_in_a_real_process():
+    with open("/dev/full", "w") as full:
+        r = _qkv("explain", *SEED, stdout=full)
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "ignored" not in r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "qkv explain: error: cannot write to standard output: No space left on device "
+        "(try --output FILE)"
+    ]
+
+
+def test_ascii_stdout_escapes_what_it_cannot_encode():
+    text = _qkv("explain", *SEED, PYTHONIOENCODING="ascii")
+    assert text.returncode == 0 and text.stderr == "", text.stderr
+    assert "1/\\u221ad with d = 4 (given; len(q) = 2): 1/\\u221a4 = 1/2 = 0.5" in text.stdout
+    doc = _qkv("explain", *SEED, "--format", "json", PYTHONIOENCODING="ascii")
+    assert doc.returncode == 0 and doc.stderr == "" and doc.stdout.isascii()
+    assert json.loads(doc.stdout)["scale"]["text"] == (
+        "1/√d with d = 4 (given; len(q) = 2): 1/√4 = 1/2 = 0.5"
+    )

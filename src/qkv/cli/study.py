@@ -151,7 +151,9 @@ def _progress(total: int, enabled: bool, desc: str) -> Iterator[Callable[[int], 
 
 def _emit(text: str) -> None:
     """Print ``text`` on stdout, ending in exactly one newline."""
-    print(text, end="" if text.endswith("\n") else "\n")
+    from .options import write_stdout
+
+    write_stdout(text if text.endswith("\n") else text + "\n")
 
 
 def _fail(args: argparse.Namespace, exc: Exception) -> int:
