@@ -15,10 +15,12 @@ from typing import Any
 import numpy as np
 import pytest
 
+import qkv.trace as trace_module
 from qkv.cli import main
 from qkv.errors import InputError
+from qkv.render import as_json
 from qkv.scale_expr import MAX_EXACT_BITS, parse_scale
-from qkv.trace import explain
+from qkv.trace import explain, fmt
 
 QK = ["--q", "2,1", "--k", "1,0;3,2"]
 
@@ -207,3 +209,56 @@ def test_ascii_stdout_escapes_what_it_cannot_encode():
     assert json.loads(doc.stdout)["scale"]["text"] == (
         "1/√d with d = 4 (given; len(q) = 2): 1/√4 = 1/2 = 0.5"
     )
+
+
+# ----- 4. memory: nothing of size L·S·dv is built, large work is refused up front -----
+
+
+def test_explain_refuses_more_query_key_pairs_than_documented():
+    q, v = np.ones((5000, 2)), np.ones((5000, 1000))
+    with pytest.raises(InputError, match=r"^q, k: .* L·S = 5000·5000 = 25000000 is more than"):
+        explain(q, q, v)
+    assert trace_module.MAX_CELLS == 1 << 24
+
+
+def test_weighted_values_are_computed_only_when_read(monkeypatch):
+    t = explain([2, 1], [[1, 0], [3, 2]], [[1, 2], [3, 4]], d=4)
+    w0, w1 = t.weights[0]
+    expected = np.array([[1 * w0, 2 * w0], [3 * w1, 4 * w1]])
+    assert "weighted" not in vars(t)  # a property, not a stored (L, S, dv) array
+    np.testing.assert_allclose(t.weighted[0], expected, rtol=1e-15)
+    np.testing.assert_allclose(t.weighted_row(0), expected, rtol=1e-15)
+    monkeypatch.setattr(trace_module, "MAX_WEIGHTED", 3)
+    with pytest.raises(InputError, match=r"L·S·dv = 1·2·2 = 4 numbers is more than 3"):
+        t.weighted  # noqa: B018
+    np.testing.assert_allclose(t.weighted_row(0), expected, rtol=1e-15)
+    text = t.to_text()  # the renderers need no (L, S, dv) array
+    assert "[2.90515, 3.90515]" in text and f"[{fmt(w1 * 3)}, {fmt(w1 * 4)}]" in text
+
+
+def test_json_of_a_too_large_trace_is_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(as_json, "MAX_NUMBERS", 10)
+    rc, out, err = run(capsys, "explain", *SEED, "--format", "json")
+    assert_one_line_error(rc, out, err, "json: the document would hold every number")
+    assert "(8 + dv) = 20 for L = 1, S = 2, dv = 2" in err
+
+
+def test_memory_error_is_one_line(monkeypatch, capsys):
+    def boom(**_: Any) -> None:
+        raise MemoryError
+
+    monkeypatch.setattr(sys.modules["qkv.cli.explain"], "explain", boom)
+    rc, out, err = run(capsys, "explain", *SEED)
+    assert_one_line_error(rc, out, err, "out of memory; try smaller inputs")
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--dims", "65536", "--keys", "65536", "--samples", "2"], "(2 + 65536) · 65536"),
+        (["--dims", "4", "--keys", "65536", "--samples", "16777216"], "16777216 · 65536"),
+    ],
+)
+def test_study_scaling_refuses_work_too_large_for_memory(capsys, argv, needle):
+    rc, out, err = run(capsys, "study", "scaling", *argv, "--no-progress")
+    assert_one_line_error(rc, out, err, needle)

@@ -36,10 +36,18 @@ from .masks import allowed, query_positions
 from .scale_expr import ScaleExpr, parse_scale
 from .validate import as_array, make_plan
 
-__all__ = ["STAGES", "ScaleInfo", "Trace", "explain", "fmt"]
+__all__ = ["MAX_CELLS", "MAX_WEIGHTED", "STAGES", "ScaleInfo", "Trace", "explain", "fmt"]
 
 #: How far a trace goes, in order: inputs only, pre-softmax scores, weights, output.
 STAGES = ("inputs", "scores", "weights", "output")
+
+#: The most query-key pairs ``L·S`` a trace holds: it keeps about eight ``(L, S)`` arrays of
+#: every step (1 GiB at this size in float64); compute larger attention with qkv.attention.
+MAX_CELLS = 1 << 24
+
+#: The most numbers ``L·S·dv`` :attr:`Trace.weighted` builds at once (128 MiB in float64);
+#: :meth:`Trace.weighted_row` gives one row's at any size.
+MAX_WEIGHTED = 1 << 24
 
 
 def fmt(x: Any) -> str:
@@ -172,7 +180,8 @@ class Trace:
         The softmax: the subtracted maximum (0 for a row that sees nothing), ``logits - max``,
         ``exp`` of that, its row sum, the weights and the log-sum-exp.
     weighted : ndarray or None, ``(L, S, dv)``
-        ``weights[i, j] · v[j]``.
+        ``weights[i, j] · v[j]``, computed when read (at most :data:`MAX_WEIGHTED` numbers;
+        :meth:`weighted_row` gives one query row's at any size).
     output : ndarray or None, ``(L, dv)``
         Exactly :func:`qkv.attention`'s output (as rows).
     exact : qkv.exact.ExactSteps or None
@@ -201,7 +210,6 @@ class Trace:
     sums: np.ndarray | None = None
     weights: np.ndarray | None = None
     lse: np.ndarray | None = None
-    weighted: np.ndarray | None = None
     output: np.ndarray | None = None
     exact: Any = None
     title: str | None = None
@@ -222,6 +230,29 @@ class Trace:
     @property
     def dv(self) -> int:
         return 0 if self.v is None else self.v.shape[1]
+
+    @property
+    def weighted(self) -> np.ndarray | None:
+        """``weights[i, j] · v[j]`` for every row and key, ``(L, S, dv)``; ``None`` before output.
+
+        Built when read, never stored; refused (:class:`InputError`) above
+        :data:`MAX_WEIGHTED` numbers: use :meth:`weighted_row` for large traces.
+        """
+        if self.output is None or self.v is None:
+            return None
+        n = self.L * self.S * self.dv
+        if n > MAX_WEIGHTED:
+            raise InputError(
+                f"weighted: L·S·dv = {self.L}·{self.S}·{self.dv} = {n} numbers is more than "
+                f"{MAX_WEIGHTED} at once; use weighted_row(i) for one query row"
+            )
+        return self.weights[:, :, None] * self.v[None, :, :]
+
+    def weighted_row(self, i: int) -> np.ndarray:
+        """``weights[i, j] · v[j]`` for query row ``i`` and every key ``j``, ``(S, dv)``."""
+        if self.output is None or self.v is None:
+            raise InputError("weighted_row: the trace does not reach the output (no v)")
+        return self.weights[i][:, None] * self.v
 
     def reaches(self, stage: str) -> bool:
         """Whether the trace goes at least as far as ``stage``."""
@@ -454,6 +485,12 @@ def explain(
             + " — pick one batch element and head with indexing first"
         )
     L, S = plan.L, plan.S
+    if L * S > MAX_CELLS:
+        raise InputError(
+            f"q, k: explain keeps every step for each query-key pair, and L·S = {L}·{S} = "
+            f"{L * S} is more than {MAX_CELLS}; explain fewer rows or keys (slice q and k), "
+            "or compute with qkv.attention"
+        )
     base = dict(
         q=plan.q,
         k=plan.k,
@@ -495,10 +532,7 @@ def explain(
         )
         if stage == "output":
             out = attention(q, k, v, scale=info.value, causal=causal, mask=mask, window=window)
-            fields.update(
-                weighted=weights[:, :, None] * plan.v[None, :, :],
-                output=np.asarray(out).reshape(L, plan.dv),
-            )
+            fields.update(output=np.asarray(out).reshape(L, plan.dv))
     trace = Trace(**base, **fields)
     if exact:
         from .exact import exact_steps

@@ -160,6 +160,10 @@ def _main(argv: Sequence[str] | None) -> int:
     except InputError as exc:
         print(f"qkv {args.command}: error: {_one_line(exc)}", file=sys.stderr)
         return 2
+    except MemoryError:
+        what = "qkv" if args is None or args.command is None else f"qkv {args.command}"
+        print(f"{what}: error: out of memory; try smaller inputs", file=sys.stderr)
+        return 2
     except BrokenPipeError:  # e.g. piped into head
         _silence_stdout()
         return 0
