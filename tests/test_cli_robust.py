@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -262,3 +263,33 @@ def test_memory_error_is_one_line(monkeypatch, capsys):
 def test_study_scaling_refuses_work_too_large_for_memory(capsys, argv, needle):
     rc, out, err = run(capsys, "study", "scaling", *argv, "--no-progress")
     assert_one_line_error(rc, out, err, needle)
+
+
+# ----- 6. scores that overflow float64 -----
+
+
+@pytest.mark.parametrize("command", ["explain", "scores"])
+def test_overflowing_scores_are_one_line(capsys, command):
+    v = ["--v", "1,2;3,4"] if command == "explain" else []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no RuntimeWarning either
+        rc, out, err = run(capsys, command, "--q", "1e300,1", "--k", "1e300,0;3,2", *v)
+    assert_one_line_error(rc, out, err, "score of query row 0 and key 0 overflows float64")
+    assert "(q·k = inf, scale = 0.70711)" in err and "NaN" in err
+
+
+def test_overflow_from_the_scale_or_the_bias_is_refused():
+    with pytest.raises(InputError, match=r"key 1 overflows float64 \(q·k = 3, scale = 1e\+308\)"):
+        explain([1, 1], [[1, 0], [1, 2]], scale=1e308)
+    with pytest.raises(
+        InputError, match=r"^q, k, mask: the score plus bias of query row 0 and key 0"
+    ):
+        explain([1e154, 1], [[1e154, 0]], mask=np.array([[1e308]]), scale=1)
+
+
+def test_scores_near_the_limit_still_explain_without_warnings():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        t = explain([1e154, 1], [[1e154, 0], [-1e154, 2]], [[1, 2], [3, 4]], scale=1)
+    assert t.shifted[0].tolist() == [0.0, -np.inf] and t.weights[0].tolist() == [1.0, 0.0]
+    assert t.output[0].tolist() == [1.0, 2.0]

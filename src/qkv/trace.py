@@ -508,17 +508,27 @@ def explain(
     if stage == "inputs":
         return Trace(**base)
 
-    raw = dense.raw_scores(dataclasses.replace(plan, scale=1.0))
-    scaled = dense.raw_scores(plan)
+    with np.errstate(over="ignore", invalid="ignore"):
+        raw = dense.raw_scores(dataclasses.replace(plan, scale=1.0))
+        scaled = dense.raw_scores(plan)
+    _check_scores_finite(raw, scaled, info.value)
     fields: dict[str, Any] = dict(raw=raw, scaled=scaled)
     if stage != "scores":
-        logits = dense.logits(plan)
+        with np.errstate(over="ignore", invalid="ignore"):
+            logits = dense.logits(plan)
+        if np.isnan(logits).any() or np.isposinf(logits).any():
+            i, j = (int(x) for x in np.argwhere(np.isnan(logits) | np.isposinf(logits))[0])
+            raise InputError(
+                f"q, k, mask: the score plus bias of query row {i} and key {j} overflows "
+                f"({fmt(scaled[i, j])} + bias), so attention would be NaN"
+            )
         exclusions = _exclusions(plan, base["mask"], base["bias"])
         m = dense.row_max(logits.copy())
-        shifted = logits - m
-        exps = np.exp(shifted)
-        sums = np.sum(exps, axis=-1)
-        weights, lse = dense.softmax_rows(logits.copy())
+        with np.errstate(over="ignore"):  # a shift past the float range is -inf: weight 0
+            shifted = logits - m
+            exps = np.exp(shifted)
+            sums = np.sum(exps, axis=-1)
+            weights, lse = dense.softmax_rows(logits.copy())
         fields.update(
             logits=logits,
             excluded=logits == -np.inf,
@@ -531,7 +541,8 @@ def explain(
             lse=lse,
         )
         if stage == "output":
-            out = attention(q, k, v, scale=info.value, causal=causal, mask=mask, window=window)
+            with np.errstate(over="ignore"):  # as above: shifts past the range are -inf
+                out = attention(q, k, v, scale=info.value, causal=causal, mask=mask, window=window)
             fields.update(output=np.asarray(out).reshape(L, plan.dv))
     trace = Trace(**base, **fields)
     if exact:
@@ -539,6 +550,18 @@ def explain(
 
         trace = trace.replace(exact=exact_steps(trace, q, k, v if need_v else None))
     return trace
+
+
+def _check_scores_finite(raw: np.ndarray, scaled: np.ndarray, scale: float) -> None:
+    """Refuse scores that overflow: every later step (and the output) would be NaN."""
+    bad = ~np.isfinite(scaled)
+    if bad.any():
+        i, j = (int(x) for x in np.argwhere(bad)[0])
+        raise InputError(
+            f"q, k: the score of query row {i} and key {j} overflows float{scaled.itemsize * 8} "
+            f"(q·k = {fmt(raw[i, j])}, scale = {fmt(scale)}), so attention would be NaN; "
+            "divide q or k (or the scale) by a constant first"
+        )
 
 
 def _exclusions(
