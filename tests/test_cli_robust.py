@@ -58,6 +58,7 @@ def test_nested_powers_fall_back_to_the_float(capsys, text, value):
     assert rc == 0 and err == "", err
     t = explain([2, 1], [[1, 0], [3, 2]], scale=text)
     assert t.scale.exact_text is None and len(t.scale.describe()) < 80
+    assert t.scale.describe().endswith(f" ≈ {fmt(value)}")
     assert t.scaled[0, 1] == pytest.approx(8 * value, rel=1e-12)
 
 

@@ -130,6 +130,8 @@ class ScaleInfo:
             text = f"scale = {self.formula} (given)"
             if exact is not None and "/" in exact and len(exact) < len(self.formula):
                 text += f" = {exact}"
+            elif exact is None:  # irrational, or too long to write exactly: its float value
+                text += f" ≈ {fmt(self.value)}"
             return text
         src = "given" if self.d_given else "len(q)"
         if self.d_given:
