@@ -66,8 +66,8 @@ def to_rational(x: Any) -> Any:
     return sympy.Rational(text)
 
 
-def _matrix(x: Any, name: str, rows: int) -> list[list[Any]]:
-    a = as_array(x, name).reshape(rows, -1)
+def _matrix(x: Any, name: str, rows: int, cols: int) -> list[list[Any]]:
+    a = as_array(x, name).reshape(rows, cols)  # explicit: -1 cannot be inferred when rows = 0
     return [[to_rational(e) for e in row] for row in a]
 
 
@@ -123,8 +123,8 @@ def exact_steps(trace: Any, q: Any, k: Any, v: Any = None) -> ExactSteps:
             f"exact: too large for exact arithmetic (L={L}, S={S}, d={d}, dv={dv}; at most "
             f"{MAX_CELLS} cells): drop exact or use fewer rows"
         )
-    Q, K = _matrix(q, "q", L), _matrix(k, "k", S)
-    V = None if v is None else _matrix(v, "v", S)
+    Q, K = _matrix(q, "q", L, d), _matrix(k, "k", S, d)
+    V = None if v is None else _matrix(v, "v", S, dv)
     info = trace.scale
     scale = info.expr.sympy(info.d if info.d is not None else 1)
     steps: dict[str, Any] = dict(q=Q, k=K, v=V, scale=scale)

@@ -30,6 +30,9 @@ from .errors import InputError
 __all__ = ["ScaleExpr", "parse_scale"]
 
 _MAX_LEN = 100
+#: Exact values (fractions) larger than this many bits, numerator and denominator together, are
+#: not computed: nested powers such as ``(1.001**64)**64`` would otherwise grow without bound.
+MAX_EXACT_BITS = 256
 _TOKEN = re.compile(
     r"\s*(?:(?P<num>(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d{1,3}(?!\d))?)|(?P<name>[A-Za-z_]+)|(?P<op>\*\*|[-+*/^()]))"
 )
@@ -126,6 +129,15 @@ class _Parser:
         raise InputError(f"scale: unexpected {tok!r} in {self.text!r}")
 
 
+def _bits(x: Fraction) -> int:
+    return x.numerator.bit_length() + x.denominator.bit_length()
+
+
+def _bounded(x: Fraction | None) -> Fraction | None:
+    """``x``, or ``None`` when it is too large to be worth writing exactly."""
+    return x if x is None or _bits(x) <= MAX_EXACT_BITS else None
+
+
 def _isqrt_exact(x: Fraction) -> Fraction | None:
     if x < 0:
         return None
@@ -165,9 +177,8 @@ class ScaleExpr:
         except (ZeroDivisionError, OverflowError, ValueError, TypeError):
             v = math.nan
         if isinstance(v, complex) or not math.isfinite(v) or v <= 0:
-            raise InputError(
-                f"scale: {self.text!r} with d = {_num_text(d)} is not a finite number > 0"
-            )
+            where = f" with d = {_num_text(d)}" if self.uses_d else ""
+            raise InputError(f"scale: {self.text!r}{where} is not a finite number > 0")
         return float(v)
 
     def _float(self, n: Node, d: float) -> float:
@@ -188,7 +199,16 @@ class ScaleExpr:
         )
 
     def exact(self, d: int | Fraction = 1) -> Fraction | None:
-        """The exact value as a :class:`~fractions.Fraction`, or ``None`` if irrational."""
+        """The exact value as a :class:`~fractions.Fraction`, or ``None``.
+
+        ``None`` when the value is irrational, or when it (or a step on the way) takes more
+        than :data:`MAX_EXACT_BITS` bits to write exactly.
+
+        Examples
+        --------
+        >>> parse_scale("(1.001**64)**64").exact() is None
+        True
+        """
         try:
             return self._exact(self.tree, Fraction(d))
         except (ZeroDivisionError, OverflowError, ValueError):
@@ -197,9 +217,9 @@ class ScaleExpr:
     def _exact(self, n: Node, d: Fraction) -> Fraction | None:
         kind = n[0]
         if kind == "num":
-            return Fraction(n[1])
+            return _bounded(Fraction(n[1]))
         if kind == "d":
-            return d
+            return _bounded(d)
         if kind in ("sqrt", "neg"):
             x = self._exact(n[1], d)
             if x is None:
@@ -209,26 +229,29 @@ class ScaleExpr:
         if a is None or b is None:
             return None
         if kind == "+":
-            return a + b
+            return _bounded(a + b)
         if kind == "-":
-            return a - b
+            return _bounded(a - b)
         if kind == "*":
-            return a * b
+            return _bounded(a * b)
         if kind == "/":
-            return a / b
+            return _bounded(a / b)
         # a ** b: integer powers exactly; halves through an exact square root
         if abs(b.numerator) > 64 or b.denominator not in (1, 2):
             return None
+        if _bits(a) * abs(b.numerator) > 2 * MAX_EXACT_BITS + 128:
+            return None  # the power alone would be too large: never compute it
         if a == 0 and b < 0:
             raise ZeroDivisionError
         p = a**b.numerator if b.numerator >= 0 else 1 / a ** (-b.numerator)
-        return p if b.denominator == 1 else _isqrt_exact(p)
+        return _bounded(p if b.denominator == 1 else _isqrt_exact(p))
 
     def sympy(self, d: Any) -> Any:
         """The expression in SymPy for this ``d`` (SymPy is imported here, lazily).
 
-        Powers stay exact for small integer or half-integer exponents; any other power is
-        taken as its float value, so no expression can make SymPy compute a huge number.
+        Powers stay exact for small integer or half-integer exponents of numbers of at most
+        :data:`MAX_EXACT_BITS` bits; any other power is taken as its float value, so no
+        expression can make SymPy compute a huge number.
         """
         import sympy
 
@@ -245,6 +268,8 @@ class ScaleExpr:
             a, b = go(n[1]), go(n[2])
             if kind == "**":
                 small = b.is_Rational and abs(b.p) <= 64 and b.q <= 2
+                if small and a.is_Rational:
+                    small = (int(a.p).bit_length() + int(a.q).bit_length()) <= MAX_EXACT_BITS
                 if not small:
                     return sympy.Float(self._float(n, float(d)), 30)
                 return a**b

@@ -36,10 +36,18 @@ from .masks import allowed, query_positions
 from .scale_expr import ScaleExpr, parse_scale
 from .validate import as_array, make_plan
 
-__all__ = ["STAGES", "ScaleInfo", "Trace", "explain", "fmt"]
+__all__ = ["MAX_CELLS", "MAX_WEIGHTED", "STAGES", "ScaleInfo", "Trace", "explain", "fmt"]
 
 #: How far a trace goes, in order: inputs only, pre-softmax scores, weights, output.
 STAGES = ("inputs", "scores", "weights", "output")
+
+#: The most query-key pairs ``L·S`` a trace holds: it keeps about eight ``(L, S)`` arrays of
+#: every step (1 GiB at this size in float64); compute larger attention with qkv.attention.
+MAX_CELLS = 1 << 24
+
+#: The most numbers ``L·S·dv`` :attr:`Trace.weighted` builds at once (128 MiB in float64);
+#: :meth:`Trace.weighted_row` gives one row's at any size.
+MAX_WEIGHTED = 1 << 24
 
 
 def fmt(x: Any) -> str:
@@ -122,6 +130,8 @@ class ScaleInfo:
             text = f"scale = {self.formula} (given)"
             if exact is not None and "/" in exact and len(exact) < len(self.formula):
                 text += f" = {exact}"
+            elif exact is None:  # irrational, or too long to write exactly: its float value
+                text += f" ≈ {fmt(self.value)}"
             return text
         src = "given" if self.d_given else "len(q)"
         if self.d_given:
@@ -172,7 +182,8 @@ class Trace:
         The softmax: the subtracted maximum (0 for a row that sees nothing), ``logits - max``,
         ``exp`` of that, its row sum, the weights and the log-sum-exp.
     weighted : ndarray or None, ``(L, S, dv)``
-        ``weights[i, j] · v[j]``.
+        ``weights[i, j] · v[j]``, computed when read (at most :data:`MAX_WEIGHTED` numbers;
+        :meth:`weighted_row` gives one query row's at any size).
     output : ndarray or None, ``(L, dv)``
         Exactly :func:`qkv.attention`'s output (as rows).
     exact : qkv.exact.ExactSteps or None
@@ -201,7 +212,6 @@ class Trace:
     sums: np.ndarray | None = None
     weights: np.ndarray | None = None
     lse: np.ndarray | None = None
-    weighted: np.ndarray | None = None
     output: np.ndarray | None = None
     exact: Any = None
     title: str | None = None
@@ -222,6 +232,29 @@ class Trace:
     @property
     def dv(self) -> int:
         return 0 if self.v is None else self.v.shape[1]
+
+    @property
+    def weighted(self) -> np.ndarray | None:
+        """``weights[i, j] · v[j]`` for every row and key, ``(L, S, dv)``; ``None`` before output.
+
+        Built when read, never stored; refused (:class:`InputError`) above
+        :data:`MAX_WEIGHTED` numbers: use :meth:`weighted_row` for large traces.
+        """
+        if self.output is None or self.v is None:
+            return None
+        n = self.L * self.S * self.dv
+        if n > MAX_WEIGHTED:
+            raise InputError(
+                f"weighted: L·S·dv = {self.L}·{self.S}·{self.dv} = {n} numbers is more than "
+                f"{MAX_WEIGHTED} at once; use weighted_row(i) for one query row"
+            )
+        return self.weights[:, :, None] * self.v[None, :, :]
+
+    def weighted_row(self, i: int) -> np.ndarray:
+        """``weights[i, j] · v[j]`` for query row ``i`` and every key ``j``, ``(S, dv)``."""
+        if self.output is None or self.v is None:
+            raise InputError("weighted_row: the trace does not reach the output (no v)")
+        return self.weights[i][:, None] * self.v
 
     def reaches(self, stage: str) -> bool:
         """Whether the trace goes at least as far as ``stage``."""
@@ -321,13 +354,27 @@ class Trace:
         return self.render("latex", standalone=False, math_only=True)
 
 
+#: The largest ``d`` accepted: every integer up to it is exact in float64.
+MAX_D = 2**53
+
+
+def _check_d(d: Any) -> int:
+    if isinstance(d, bool) or not isinstance(d, numbers.Real):
+        raise InputTypeError(f"d: expected a positive integer, got {d!r}")
+    try:
+        f = float(d)
+    except OverflowError:  # an integer (or fraction) beyond the float range: never repr it
+        raise InputError("d: expected a positive integer up to 2**53, got one > 1e308") from None
+    if not (math.isfinite(f) and f.is_integer() and d >= 1):
+        raise InputError(f"d: expected a positive integer up to 2**53, got {d!r}")
+    if f > MAX_D:
+        raise InputError(f"d: expected a positive integer up to 2**53, got {f:.4g}")
+    return int(d)
+
+
 def _resolve_scale(scale: Any, d: Any, q_dim: int) -> ScaleInfo:
     if d is not None:
-        if isinstance(d, bool) or not isinstance(d, numbers.Real):
-            raise InputTypeError(f"d: expected a positive integer, got {d!r}")
-        if not (math.isfinite(float(d)) and float(d).is_integer() and d >= 1):
-            raise InputError(f"d: expected a positive integer, got {d!r}")
-        d = int(d)
+        d = _check_d(d)
     if scale is None:
         expr = parse_scale("1/sqrt(d)")
     elif isinstance(scale, (str, ScaleExpr)):
@@ -440,6 +487,12 @@ def explain(
             + " — pick one batch element and head with indexing first"
         )
     L, S = plan.L, plan.S
+    if L * S > MAX_CELLS:
+        raise InputError(
+            f"q, k: explain keeps every step for each query-key pair, and L·S = {L}·{S} = "
+            f"{L * S} is more than {MAX_CELLS}; explain fewer rows or keys (slice q and k), "
+            "or compute with qkv.attention"
+        )
     base = dict(
         q=plan.q,
         k=plan.k,
@@ -457,17 +510,27 @@ def explain(
     if stage == "inputs":
         return Trace(**base)
 
-    raw = dense.raw_scores(dataclasses.replace(plan, scale=1.0))
-    scaled = dense.raw_scores(plan)
+    with np.errstate(over="ignore", invalid="ignore"):
+        raw = dense.raw_scores(dataclasses.replace(plan, scale=1.0))
+        scaled = dense.raw_scores(plan)
+    _check_scores_finite(raw, scaled, info.value)
     fields: dict[str, Any] = dict(raw=raw, scaled=scaled)
     if stage != "scores":
-        logits = dense.logits(plan)
+        with np.errstate(over="ignore", invalid="ignore"):
+            logits = dense.logits(plan)
+        if np.isnan(logits).any() or np.isposinf(logits).any():
+            i, j = (int(x) for x in np.argwhere(np.isnan(logits) | np.isposinf(logits))[0])
+            raise InputError(
+                f"q, k, mask: the score plus bias of query row {i} and key {j} overflows "
+                f"({fmt(scaled[i, j])} + bias), so attention would be NaN"
+            )
         exclusions = _exclusions(plan, base["mask"], base["bias"])
         m = dense.row_max(logits.copy())
-        shifted = logits - m
-        exps = np.exp(shifted)
-        sums = np.sum(exps, axis=-1)
-        weights, lse = dense.softmax_rows(logits.copy())
+        with np.errstate(over="ignore"):  # a shift past the float range is -inf: weight 0
+            shifted = logits - m
+            exps = np.exp(shifted)
+            sums = np.sum(exps, axis=-1)
+            weights, lse = dense.softmax_rows(logits.copy())
         fields.update(
             logits=logits,
             excluded=logits == -np.inf,
@@ -480,17 +543,27 @@ def explain(
             lse=lse,
         )
         if stage == "output":
-            out = attention(q, k, v, scale=info.value, causal=causal, mask=mask, window=window)
-            fields.update(
-                weighted=weights[:, :, None] * plan.v[None, :, :],
-                output=np.asarray(out).reshape(L, plan.dv),
-            )
+            with np.errstate(over="ignore"):  # as above: shifts past the range are -inf
+                out = attention(q, k, v, scale=info.value, causal=causal, mask=mask, window=window)
+            fields.update(output=np.asarray(out).reshape(L, plan.dv))
     trace = Trace(**base, **fields)
     if exact:
         from .exact import exact_steps
 
         trace = trace.replace(exact=exact_steps(trace, q, k, v if need_v else None))
     return trace
+
+
+def _check_scores_finite(raw: np.ndarray, scaled: np.ndarray, scale: float) -> None:
+    """Refuse scores that overflow: every later step (and the output) would be NaN."""
+    bad = ~np.isfinite(scaled)
+    if bad.any():
+        i, j = (int(x) for x in np.argwhere(bad)[0])
+        raise InputError(
+            f"q, k: the score of query row {i} and key {j} overflows float{scaled.itemsize * 8} "
+            f"(q·k = {fmt(raw[i, j])}, scale = {fmt(scale)}), so attention would be NaN; "
+            "divide q or k (or the scale) by a constant first"
+        )
 
 
 def _exclusions(

@@ -11,7 +11,11 @@ from ..errors import InputError
 from ..render import FORMATS
 from . import parse
 
-__all__ = ["add_format", "add_inputs", "emit", "trace_kwargs"]
+__all__ = ["OutputError", "add_format", "add_inputs", "emit", "trace_kwargs", "write_stdout"]
+
+
+class OutputError(Exception):
+    """Standard output could not be written (disk full, closed): an environment error."""
 
 
 def add_inputs(p: argparse.ArgumentParser, *, values: bool, masks: bool) -> None:
@@ -66,10 +70,25 @@ def trace_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def emit(text: str, output: str | None) -> None:
     """Write ``text`` to ``output`` (a file) or to standard output."""
     if output is None:
-        sys.stdout.write(text)
-        sys.stdout.flush()
+        write_stdout(text)
         return
     try:
         Path(output).write_text(text, encoding="utf-8")
     except OSError as exc:
         raise InputError(f"--output: cannot write {output!r}: {exc.strerror or exc}") from None
+
+
+def write_stdout(text: str) -> None:
+    """Write ``text`` to standard output and flush; a failure raises :class:`OutputError`.
+
+    A closed pipe (``BrokenPipeError``, e.g. piped into ``head``) is let through unchanged.
+    """
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as exc:
+        raise OutputError(
+            f"cannot write to standard output: {exc.strerror or exc} (try --output FILE)"
+        ) from None

@@ -76,8 +76,14 @@ def _from_json(data: Any, name: str) -> np.ndarray:
                 check(e, depth + 1)
         elif isinstance(x, bool) or not isinstance(x, (int, float)):
             raise InputError(f"{name}: {json.dumps(x)[:20]} is not a number")
-        elif not math.isfinite(x):
-            raise InputError(f"{name}: {x} is not a finite number")
+        else:
+            try:
+                finite = math.isfinite(x)
+            except OverflowError:  # an integer beyond the float range
+                finite = False
+            if not finite:
+                shown = str(x) if isinstance(x, float) else "an integer of 309 or more digits"
+                raise InputError(f"{name}: {shown} is not a finite number (too large for float64)")
 
     check(data, 0)
     try:
@@ -89,6 +95,22 @@ def _from_json(data: Any, name: str) -> np.ndarray:
     if a.ndim == 0:
         a = a.reshape(1)
     return a
+
+
+def _loads(text: str, name: str, where: str) -> Any:
+    """``json.loads``, with every way it can fail as an :class:`InputError` naming ``name``."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputError(
+            f"{name}: {where}not valid JSON ({exc.msg}, line {exc.lineno} column {exc.colno})"
+        ) from None
+    except RecursionError:
+        raise InputError(f"{name}: {where}JSON nested too deeply for a matrix") from None
+    except ValueError:  # an integer longer than Python converts from text (4300 digits)
+        raise InputError(
+            f"{name}: {where}not a usable JSON matrix: a number has thousands of digits"
+        ) from None
 
 
 def _from_file(path_text: str, name: str) -> np.ndarray:
@@ -121,13 +143,7 @@ def _from_file(path_text: str, name: str) -> np.ndarray:
     except UnicodeDecodeError:
         raise InputError(f"{name}: {path_text!r} is not UTF-8 text") from None
     if suffix == ".json":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise InputError(
-                f"{name}: {path_text!r} is not valid JSON ({exc.msg}, line {exc.lineno})"
-            ) from None
-        return _from_json(data, name)
+        return _from_json(_loads(text, name, f"{path_text!r} is "), name)
     a = _rows_text(text, name, "\n")
     return a[0] if a.shape[0] == 1 else a
 
@@ -140,11 +156,7 @@ def matrix(text: str, name: str, *, min_ndim: int = 1) -> np.ndarray:
     if text.startswith("@"):
         a = _from_file(text[1:], name)
     elif text.startswith("["):
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"{name}: not valid JSON ({exc.msg} at character {exc.pos})") from None
-        a = _from_json(data, name)
+        a = _from_json(_loads(text, name, ""), name)
     else:
         a = _rows_text(text, name, ";")
     if a.ndim > 2 and name != "--q":
@@ -173,8 +185,9 @@ def window(text: str) -> tuple[int | None, int | None]:
 
 def d_value(text: str) -> int:
     """``--d``: a positive integer."""
-    if not re.fullmatch(r"\s*\d+\s*", text) or int(text) < 1:
-        raise InputError(f"--d: expected a positive integer, got {text!r}")
+    if not re.fullmatch(r"\s*\d{1,16}\s*", text) or int(text) < 1:
+        shown = text if len(text) <= 30 else text[:20] + "…"
+        raise InputError(f"--d: expected a positive integer up to 2**53, got {shown!r}")
     return int(text)
 
 

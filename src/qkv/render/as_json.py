@@ -12,12 +12,17 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import InputError
 from ..trace import Trace
 
-__all__ = ["SCHEMA", "decode", "render", "trace_dict"]
+__all__ = ["MAX_NUMBERS", "SCHEMA", "decode", "render", "trace_dict"]
 
 #: The schema identifier written into every document.
 SCHEMA = "qkv.trace/1"
+
+#: The most numbers a document may hold, counted as ``L·S·(8 + dv)`` (the ``(L, S)`` steps and
+#: the weighted values); larger traces are refused rather than written as gigabytes of JSON.
+MAX_NUMBERS = 1 << 24
 
 
 def _num(x: Any) -> Any:
@@ -68,6 +73,13 @@ def trace_dict(t: Trace) -> dict[str, Any]:
     """The trace as plain Python objects (the JSON document before ``json.dumps``)."""
     from .. import __version__
 
+    n = t.L * t.S * (8 + t.dv)
+    if n > MAX_NUMBERS:
+        raise InputError(
+            f"json: the document would hold every number of every step, about L·S·(8 + dv) = "
+            f"{n} for L = {t.L}, S = {t.S}, dv = {t.dv}, more than {MAX_NUMBERS}; use a "
+            "summarised format (text, markdown, latex, html) or fewer rows or keys"
+        )
     s = t.scale
     doc: dict[str, Any] = {
         "schema": SCHEMA,

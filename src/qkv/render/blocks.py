@@ -331,7 +331,7 @@ def _weighted(t: Trace, i: int, keys: list[int | None]) -> list[Any]:
                 Cell(f"k{j}", kind="label", style=st),
                 _num(t.weights[i, j], st),
                 Cell(_vec_text(t.v[j]), style=st),
-                Cell(_vec_text(t.weighted[i, j]), style=st),
+                Cell(_vec_text(t.weights[i, j] * t.v[j]), style=st),  # only what is shown
             ]
         )
     rows.append(
