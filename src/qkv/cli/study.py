@@ -161,31 +161,6 @@ def _fail(args: argparse.Namespace, exc: Exception) -> int:
     return 2
 
 
-#: The most numbers ``study scaling`` may hold in one array: ``(min(samples, 64) + keys) · d``
-#: for the queries and keys of one set, and ``samples · keys`` for the weights it keeps.
-MAX_STUDY_NUMBERS = 1 << 25
-
-
-def _check_scaling_size(dims: list[int], keys: int, samples: int) -> None:
-    """Refuse, before anything is allocated, a study whose arrays would not fit in memory."""
-    if not dims or not (1 <= keys <= 1 << 16 and 1 <= samples <= 1 << 24):
-        return  # out of range: the study itself reports these
-    d = max(dims)
-    per_set = (min(samples, 64) + keys) * d
-    if per_set > MAX_STUDY_NUMBERS:
-        raise InputError(
-            f"--dims, --keys: one set of queries and keys needs (min(samples, 64) + keys) · d = "
-            f"({min(samples, 64)} + {keys}) · {d} = {per_set} numbers, more than "
-            f"{MAX_STUDY_NUMBERS} ({MAX_STUDY_NUMBERS * 8 >> 20} MiB); use a smaller d or fewer "
-            "keys"
-        )
-    if samples * keys > MAX_STUDY_NUMBERS:
-        raise InputError(
-            f"--samples, --keys: the study keeps samples · keys = {samples} · {keys} = "
-            f"{samples * keys} weights, more than {MAX_STUDY_NUMBERS}; use fewer samples or keys"
-        )
-
-
 def _prepare_output(path: str | None) -> Path | None:
     if path is None:
         return None
@@ -213,7 +188,6 @@ def _scaling(args: argparse.Namespace) -> int:
             modes=[m.strip() for m in args.modes.split(",") if m.strip()],
             panel_d=None if args.panel_d is None else _int(args.panel_d, "--panel-d"),
         )
-        _check_scaling_size(list(kw["dims"]), kw["keys"], kw["samples"])
         out = _prepare_output(args.output)
         total = scaling.total_work(kw["dims"], max(kw["samples"], 1))
         with _progress(total, not args.no_progress, "qkv study scaling") as bar:

@@ -231,6 +231,31 @@ def _se(values: list[float]) -> float:
     return float(np.std(values, ddof=1) / math.sqrt(len(values))) if len(values) > 1 else math.nan
 
 
+#: The most numbers ``study scaling`` may hold in one array: ``(min(samples, 64) + keys) · d``
+#: for the queries and keys of one set, and ``samples · keys`` for the weights it keeps.
+MAX_STUDY_NUMBERS = 1 << 25
+
+
+def _check_size(dims: list[int], keys: int, samples: int) -> None:
+    """Refuse, before anything is allocated, a study whose arrays would not fit in memory."""
+    if not dims or not (1 <= keys <= 1 << 16 and 1 <= samples <= 1 << 24):
+        return  # out of range: the study itself reports these
+    d = max(dims)
+    per_set = (min(samples, 64) + keys) * d
+    if per_set > MAX_STUDY_NUMBERS:
+        raise InputError(
+            f"dims, keys: one set of queries and keys needs (min(samples, 64) + keys) · d = "
+            f"({min(samples, 64)} + {keys}) · {d} = {per_set} numbers, more than "
+            f"{MAX_STUDY_NUMBERS} ({MAX_STUDY_NUMBERS * 8 >> 20} MiB); use a smaller d or fewer "
+            "keys"
+        )
+    if samples * keys > MAX_STUDY_NUMBERS:
+        raise InputError(
+            f"samples, keys: the study keeps samples · keys = {samples} · {keys} = "
+            f"{samples * keys} weights, more than {MAX_STUDY_NUMBERS}; use fewer samples or keys"
+        )
+
+
 def scaling_study(
     dims: Sequence[int] = DEFAULT_DIMS,
     *,
@@ -275,6 +300,7 @@ def scaling_study(
         mode_scale(m, 1)
     if not modes:
         raise InputError("modes: expected at least one of " + ", ".join(MODES))
+    _check_size(list(dims), keys, samples)
     if panel_d is None:
         small = [d for d in dims if d <= 1024]
         panel_d = small[-1] if small else dims[0]
