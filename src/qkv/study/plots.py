@@ -70,31 +70,21 @@ def plot_scaling(study: ScalingStudy, outdir: str | Path) -> list[Path]:
     paths = []
 
     fig, (ax_e, ax_m) = _figure(2)
+    panels = ((ax_e, "entropy", "entropy_se"), (ax_m, "mean_max_weight", "max_weight_se"))
     for m in modes:
-        d, ent = _series(study, m, "entropy")
-        _, se = _series(study, m, "entropy_se")
-        ax_e.errorbar(
-            d,
-            ent,
-            yerr=np.nan_to_num(se),
-            color=COLORS[m],
-            marker="o",
-            ms=3,
-            label=LABELS[m],
-            capsize=2,
-        )
-        d, mx = _series(study, m, "mean_max_weight")
-        _, se = _series(study, m, "max_weight_se")
-        ax_m.errorbar(
-            d,
-            mx,
-            yerr=np.nan_to_num(se),
-            color=COLORS[m],
-            marker="o",
-            ms=3,
-            label=LABELS[m],
-            capsize=2,
-        )
+        for ax, key, se_key in panels:
+            d, y = _series(study, m, key)
+            _, se = _series(study, m, se_key)
+            ax.errorbar(
+                d,
+                y,
+                yerr=np.nan_to_num(se),
+                color=COLORS[m],
+                marker="o",
+                ms=3,
+                label=LABELS[m],
+                capsize=2,
+            )
     ax_e.axhline(math.log(keys), color="grey", ls=":", label=f"uniform: log {keys}")
     ax_e.set_ylabel("mean entropy of the weights (nats)")
     ax_e.set_title(f"Entropy, {keys} keys")
