@@ -67,8 +67,6 @@ def choose(plan: Plan) -> str:
     >>> choose(make_plan(np.ones((500, 8)), np.ones((500, 8)), np.ones((500, 8))))
     'tiled'
     """
-    if plan.L == 0 or plan.S == 0:
-        return "tiled"  # nothing to attend: zeros and lse -inf without touching a reduction
     if plan.L <= DECODE_MAX_L:
         kv_bytes = plan.k.size * (plan.d + plan.dv) // plan.d * plan.acc_dtype.itemsize
         return "decode" if kv_bytes >= DECODE_MIN_BYTES else "dense"
@@ -80,8 +78,6 @@ def choose(plan: Plan) -> str:
 def attend(plan: Plan, kernel: str = "auto") -> tuple[np.ndarray, np.ndarray]:
     """Run ``kernel`` (or the one :func:`choose` picks) on ``plan``: ``(out, lse)``."""
     name = choose(plan) if kernel == "auto" else check_kernel(kernel)
-    if name == "dense" and (plan.L == 0 or plan.S == 0):
-        name = "tiled"  # the dense softmax cannot reduce over zero keys
     run = {"dense": dense.attend, "decode": decode.attend, "tiled": tiled.attend}[name]
     out, lse = run(plan)
     if not np.isfinite(out).all() and plan.v.size and np.isfinite(plan.v).all():
