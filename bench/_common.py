@@ -127,6 +127,32 @@ def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     return "\n".join([head, rule, *body])
 
 
+def flop_table(
+    times: dict[str, float],
+    peaks: dict[str, int],
+    diffs: dict[str, float],
+    flops: float,
+    gemm: float,
+    time_text: Callable[[float], str],
+) -> str:
+    """The table of a GEMM-bound workload: time, ratio to PyTorch, GFLOP/s, fraction of GEMM."""
+    peer = times.get("torch sdpa")
+    rows = [
+        {
+            "contender": name,
+            "time": time_text(t),
+            "time / torch": f"{t / peer:.2f}x" if peer else "-",
+            "GFLOP/s": f"{flops / t / 1e9:.1f}",
+            "of GEMM": f"{flops / t / 1e9 / gemm:.0%}",
+            "peak extra": mib(peaks[name]),
+            "max |diff| vs qkv": f"{diffs[name]:.1e}",
+        }
+        for name, t in times.items()
+    ]
+    cols = ["contender", "time", "time / torch", "GFLOP/s", "of GEMM", "peak extra"]
+    return table(rows, cols + ["max |diff| vs qkv"])
+
+
 def progress(total: float, desc: str):
     """A tqdm bar when tqdm is installed, else a minimal stand-in that prints percentages."""
     try:

@@ -47,7 +47,7 @@ def main() -> None:
                 bar.update(2 * (r1 - r0) * (r0 + r1) * d / 1e9)  # rows x mean keys x 4d
         return out
 
-    rows, times, outs = [], {}, {}
+    times, outs, peaks = {}, {}, {}
     contenders = {"qkv": run_qkv}
     if not args.no_torch:
         try:
@@ -76,24 +76,11 @@ def main() -> None:
 
         peak = _common.peak_extra_bytes(once)  # two runs (RSS view, tracemalloc view) ...
         once()  # ... and a timed one without tracing
-        times[name], outs[name] = result["t"], result["out"]
-        rows.append(
-            {
-                "contender": name,
-                "time": f"{times[name]:,.2f} s",
-                "GFLOP/s": f"{flops / times[name] / 1e9:.1f}",
-                "of GEMM": f"{flops / times[name] / 1e9 / gemm:.0%}",
-                "peak extra": _common.mib(peak),
-                "max |diff| vs qkv": f"{np.max(np.abs(outs[name] - outs['qkv'])):.1e}",
-            }
-        )
-    peer = times.get("torch sdpa")
-    for row, name in zip(rows, times, strict=True):
-        row["time / torch"] = f"{times[name] / peer:.2f}x" if peer else "-"
+        times[name], outs[name], peaks[name] = result["t"], result["out"], peak
+    diffs = {name: float(np.max(np.abs(out - outs["qkv"]))) for name, out in outs.items()}
     print(f"long context causal float32 B1 H1 N{n} d{d}; GEMM {gemm:.0f} GFLOP/s")
     print(f"threads: {_common.threads_info()}")
-    cols = ["contender", "time", "time / torch", "GFLOP/s", "of GEMM", "peak extra"]
-    print(_common.table(rows, cols + ["max |diff| vs qkv"]))
+    print(_common.flop_table(times, peaks, diffs, flops, gemm, lambda t: f"{t:,.2f} s"))
 
 
 if __name__ == "__main__":

@@ -60,28 +60,14 @@ def main() -> None:
         contenders["naive numpy"] = lambda: naive(q, k, v)
 
     ref = np.asarray(contenders["qkv"]())
-    rows = []
     times = _common.race(contenders, repeat=args.repeat)
+    peaks, diffs = {}, {}
     for name, fn in contenders.items():
-        out = np.asarray(fn())
-        peak = _common.peak_extra_bytes(fn)
-        rows.append(
-            {
-                "contender": name,
-                "time": f"{times[name] * 1e3:,.1f} ms",
-                "GFLOP/s": f"{flops / times[name] / 1e9:.1f}",
-                "of GEMM": f"{flops / times[name] / 1e9 / gemm:.0%}",
-                "peak extra": _common.mib(peak),
-                "max |diff| vs qkv": f"{np.max(np.abs(out - ref)):.1e}",
-            }
-        )
-    peer = times.get("torch sdpa")
-    for row, name in zip(rows, times, strict=True):
-        row["time / torch"] = f"{times[name] / peer:.2f}x" if peer else "-"
+        diffs[name] = float(np.max(np.abs(np.asarray(fn()) - ref)))
+        peaks[name] = _common.peak_extra_bytes(fn)
     print(f"prefill causal float32 B1 H{h} N{n} d{d}; GEMM {gemm:.0f} GFLOP/s")
     print(f"threads: {_common.threads_info()}")
-    cols = ["contender", "time", "time / torch", "GFLOP/s", "of GEMM", "peak extra"]
-    print(_common.table(rows, cols + ["max |diff| vs qkv"]))
+    print(_common.flop_table(times, peaks, diffs, flops, gemm, lambda t: f"{t * 1e3:,.1f} ms"))
 
 
 if __name__ == "__main__":
