@@ -1,10 +1,10 @@
 """Scale expressions in ``d``: ``"1/sqrt(d)"``, ``"sqrt(d)"``, ``"1"``, ``"d**-0.5"``.
 
-A tiny hand-written recursive-descent parser: numbers, the name ``d``, ``sqrt(...)``,
-parentheses, ``+ - * /`` and ``**`` (or ``^``). Nothing else is accepted, and nothing is ever
-passed to ``eval`` or to SymPy's string parser. A parsed :class:`ScaleExpr` can be evaluated as
-a float, as an exact fraction where the value is rational, or (lazily) as a SymPy expression,
-and printed as Unicode or LaTeX.
+Python's own :mod:`ast` parses the text; only numbers, the name ``d``, ``sqrt(...)``,
+parentheses, ``+ - * /`` and ``**`` (or ``^``) are kept, anything else is refused, and nothing
+is ever passed to ``eval`` or to SymPy's string parser. A parsed :class:`ScaleExpr` can be
+evaluated as a float, as an exact fraction where the value is rational, or (lazily) as a SymPy
+expression, and printed as Unicode or LaTeX.
 
 Examples
 --------
@@ -19,6 +19,7 @@ False
 
 from __future__ import annotations
 
+import ast
 import math
 import re
 from dataclasses import dataclass
@@ -33,100 +34,47 @@ _MAX_LEN = 100
 #: Exact values (fractions) larger than this many bits, numerator and denominator together, are
 #: not computed: nested powers such as ``(1.001**64)**64`` would otherwise grow without bound.
 MAX_EXACT_BITS = 256
-_TOKEN = re.compile(
-    r"\s*(?:(?P<num>(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d{1,3}(?!\d))?)|(?P<name>[A-Za-z_]+)|(?P<op>\*\*|[-+*/^()]))"
-)
+_NUMBER = re.compile(r"(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d{1,3})?")
+_BINARY = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.Pow: "**"}
 
 # A node is a tuple: ("num", text) | ("d",) | ("sqrt", x) | ("neg", x) | (op, a, b).
 Node = tuple
 
 
-def _tokens(text: str) -> list[str]:
-    out, pos = [], 0
-    text = text.rstrip()
-    while pos < len(text):
-        m = _TOKEN.match(text, pos)
-        if m is None or m.end() == pos:
-            raise InputError(f"scale: unexpected {text[pos:].strip()[:10]!r} in {text!r}")
-        tok = m.group("num") or m.group("name") or m.group("op")
-        if m.group("name") and tok not in ("d", "sqrt"):
-            raise InputError(f"scale: unknown name {tok!r} in {text!r} (only d and sqrt)")
-        out.append("**" if tok == "^" else tok)
-        pos = m.end()
-    return out
+def _tree(node: ast.AST, text: str) -> Node:
+    """Python's own parser did the grammar; keep only the node types a scale may use."""
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+        return (_BINARY[type(node.op)], _tree(node.left, text), _tree(node.right, text))
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        inner = _tree(node.operand, text)
+        return ("neg", inner) if isinstance(node.op, ast.USub) else inner
+    if isinstance(node, ast.Name) and node.id == "d":
+        return ("d",)
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "sqrt"
+        and len(node.args) == 1
+        and not node.keywords
+    ):
+        return ("sqrt", _tree(node.args[0], text))
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        literal = ast.get_source_segment(text, node) or ""
+        if _NUMBER.fullmatch(literal):  # plain decimals: no 0x, 1_000, or 1e9999
+            return ("num", literal)
+    part = ast.get_source_segment(text, node) or type(node).__name__
+    raise InputError(
+        f"scale: {part!r} is not allowed in {text!r} (numbers, d, sqrt( ), + - * / ** only)"
+    )
 
 
-class _Parser:
-    def __init__(self, text: str) -> None:
-        self.text = text
-        self.toks = _tokens(text)
-        self.i = 0
-
-    def peek(self) -> str | None:
-        return self.toks[self.i] if self.i < len(self.toks) else None
-
-    def take(self, want: str | None = None) -> str:
-        tok = self.peek()
-        if tok is None or (want is not None and tok != want):
-            found = "the end" if tok is None else repr(tok)
-            raise InputError(
-                f"scale: expected {want or 'a value'} but found {found} in {self.text!r}"
-            )
-        self.i += 1
-        return tok
-
-    def parse(self) -> Node:
-        node = self.sum()
-        if self.peek() is not None:
-            raise InputError(f"scale: unexpected {self.peek()!r} in {self.text!r}")
-        return node
-
-    def sum(self) -> Node:
-        node = self.product()
-        while self.peek() in ("+", "-"):
-            op = self.take()
-            node = (op, node, self.product())
-        return node
-
-    def product(self) -> Node:
-        node = self.unary()
-        while self.peek() in ("*", "/"):
-            op = self.take()
-            node = (op, node, self.unary())
-        return node
-
-    def unary(self) -> Node:
-        if self.peek() == "-":
-            self.take()
-            return ("neg", self.unary())
-        if self.peek() == "+":
-            self.take()
-            return self.unary()
-        return self.power()
-
-    def power(self) -> Node:
-        node = self.atom()
-        if self.peek() == "**":
-            self.take()
-            node = ("**", node, self.unary())  # right-associative, binds tighter than unary minus
-        return node
-
-    def atom(self) -> Node:
-        tok = self.take()
-        if tok == "(":
-            node = self.sum()
-            self.take(")")
-            return node
-        if tok == "d":
-            return ("d",)
-        if tok == "sqrt":
-            self.take("(")
-            node = self.sum()
-            self.take(")")
-            return ("sqrt", node)
-        if tok[0].isdigit() or tok[0] == ".":
-            return ("num", tok)
-        raise InputError(f"scale: unexpected {tok!r} in {self.text!r}")
+def _parse(text: str) -> Node:
+    source = text.replace("^", "**")  # the usual written power; Python's ^ is xor
+    try:
+        body = ast.parse(source, mode="eval").body
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        raise InputError(f"scale: {text!r} is not a valid expression in d") from None
+    return _tree(body, source)
 
 
 def _bits(x: Fraction) -> int:
@@ -356,4 +304,4 @@ def parse_scale(text: str | ScaleExpr) -> ScaleExpr:
         raise InputError(f"scale: expression longer than {_MAX_LEN} characters")
     if not text.strip():
         raise InputError("scale: empty expression")
-    return ScaleExpr(text=text.strip(), tree=_Parser(text).parse())
+    return ScaleExpr(text=text.strip(), tree=_parse(text.strip()))
