@@ -17,7 +17,7 @@ has the shape of its input.
 Versions: :func:`attention_vjp`, the fast path (the dense kernel's weights, grouped heads
 served without repeating ``k`` and ``v``, compute dtype as the forward pass) — or, given the
 forward pass's ``out`` and ``lse`` or a ``block`` size, the tiled FlashAttention-2 backward of
-:mod:`qkv.kernels.flash_grad`, which recomputes the weights tile by tile from ``lse`` in
+:mod:`qkv.kernels.tiled_backward`, which recomputes the weights tile by tile from ``lse`` in
 O(block²) extra memory; and :func:`reference_attention_vjp`, the formulas above in float64 on
 weights from :mod:`qkv.reference`, kv heads repeated literally, the oracle both are tested
 against.
@@ -39,7 +39,8 @@ import numpy as np
 
 from . import reference
 from .errors import InputError
-from .kernels import dense, flash_grad
+from .kernels import dense, tiled, tiled_backward
+from .kernels.blocks import heads_by_kv
 from .validate import Plan, as_array, make_plan
 
 __all__ = ["attention_vjp", "reference_attention_vjp"]
@@ -94,14 +95,6 @@ def _finish(
     if squeeze:
         res[0] = res[0][0]
     return res[0], res[1], res[2]
-
-
-def _merge_groups(x: np.ndarray, group: int) -> np.ndarray:
-    """``(..., Hq, m, n)`` → ``(..., Hq // group, group * m, n)``: heads beside their kv head."""
-    if group == 1:
-        return x
-    *rest, hq, m, n = x.shape
-    return x.reshape(*rest, hq // group, group * m, n)
 
 
 def attention_vjp(
@@ -164,10 +157,10 @@ def attention_vjp(
     if out is not None or lse is not None or block is not None:
         return _tiled(plan, q, k, v, grad_out, out, lse, block)
     g = plan.group
-    d_out = _merge_groups(_grad_out(grad_out, plan), g)  # (*kv_batch, g·L, dv)
+    d_out = heads_by_kv(_grad_out(grad_out, plan), g)  # (*kv_batch, g·L, dv)
     p, _ = dense.softmax_rows(dense.logits(plan))  # (*batch, L, S)
-    p = _merge_groups(p, g)
-    qm = _merge_groups(plan.q, g)
+    p = heads_by_kv(p, g)
+    qm = heads_by_kv(plan.q, g)
     dv = np.swapaxes(p, -1, -2) @ d_out
     dp = d_out @ np.swapaxes(plan.v, -1, -2)
     delta = np.sum(dp * p, axis=-1, keepdims=True)  # = rowsum(dO ∘ O)
@@ -190,7 +183,7 @@ def _tiled(
     if (out is None) != (lse is None):
         raise InputError("out, lse: give both (from attention(..., return_lse=True)) or neither")
     if out is None:
-        o, m = flash_grad.forward(plan, int(block))
+        o, m = tiled.attend(plan, block_q=int(block), block_k=int(block))
     else:
         o, m = as_array(out, "out"), as_array(lse, "lse")
         want_o = plan.batch + ((plan.dv,) if plan.squeeze else (plan.L, plan.dv))
@@ -203,7 +196,7 @@ def _tiled(
         o, m = o.astype(plan.acc_dtype, copy=False), m.astype(plan.acc_dtype, copy=False)
         if plan.squeeze:
             o, m = o[..., None, :], m[..., None]
-    grads = flash_grad.backward(plan, d_out, o, m, int(block))
+    grads = tiled_backward.backward(plan, d_out, o, m, int(block))
     return _finish(grads, q, k, v, plan.squeeze)
 
 

@@ -20,41 +20,10 @@ from typing import Any
 import numpy as np
 
 from .errors import InputError, InputTypeError
+from .kernels.blocks import merge_arrays
 from .validate import as_array
 
 __all__ = ["merge", "merge_arrays"]
-
-
-def merge_arrays(parts: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`merge` without argument checks: floating arrays of matching shapes.
-
-    Computed in at least float32; returned in the outputs' and the lse's own common dtypes.
-    """
-    out_dt = np.result_type(*(o for o, _ in parts))
-    lse_dt = np.result_type(*(lse for _, lse in parts))
-    dt = np.result_type(np.float32, out_dt, lse_dt)
-    lses = [np.asarray(lse, dtype=dt) for _, lse in parts]
-    top = lses[0]
-    for lse in lses[1:]:
-        top = np.maximum(top, lse)  # NaN propagates
-    shift = np.where(np.isneginf(top), dt.type(0), top)
-    weights = [np.exp(lse - shift) for lse in lses]
-    total = np.zeros(top.shape, dtype=dt)
-    for w in weights:
-        total += w
-    empty = total == 0
-    total = np.where(empty, dt.type(1), total)
-    out = np.zeros(np.shape(parts[0][0]), dtype=dt)
-    for (o, _), w in zip(parts, weights, strict=True):
-        # Shares that sum to 1: a convex combination cannot overflow where the parts did not.
-        # Where the share is 0 the part contributes nothing (also not a NaN from 0 · inf).
-        share = (w / total)[..., None]
-        with np.errstate(invalid="ignore"):
-            out += np.where(share != 0, share * o, dt.type(0))
-    with np.errstate(divide="ignore"):
-        lse = np.where(empty, dt.type(-np.inf), shift + np.log(total))
-    out[empty] = 0
-    return out.astype(out_dt, copy=False), lse.astype(lse_dt, copy=False)
 
 
 def merge(parts: Sequence[tuple[Any, Any]]) -> tuple[np.ndarray, np.ndarray]:

@@ -11,17 +11,9 @@ import numpy as np
 
 from ..masks import allowed
 from ..validate import Plan
+from .blocks import finish, grouped_matmul
 
 __all__ = ["attend", "logits", "raw_scores", "row_max", "softmax_rows"]
-
-
-def _grouped_matmul(a: np.ndarray, b: np.ndarray, group: int) -> np.ndarray:
-    """``a @ b`` where ``a`` has ``group`` times as many heads (axis -3) as ``b``."""
-    if group == 1:
-        return a @ b
-    *rest, hq, m, n = a.shape
-    ag = a.reshape(*rest, hq // group, group, m, n)
-    return (ag @ b[..., None, :, :]).reshape(*rest, hq, m, b.shape[-1])
 
 
 def raw_scores(plan: Plan) -> np.ndarray:
@@ -31,7 +23,7 @@ def raw_scores(plan: Plan) -> np.ndarray:
     the dtype's range whose scaled value fits does not overflow.
     """
     q = plan.q * plan.acc_dtype.type(plan.scale)
-    return _grouped_matmul(q, np.swapaxes(plan.k, -1, -2), plan.group)
+    return grouped_matmul(q, np.swapaxes(plan.k, -1, -2), plan.group)
 
 
 def logits(plan: Plan) -> np.ndarray:
@@ -59,15 +51,10 @@ def softmax_rows(z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     m = row_max(z)
     z -= m
     np.exp(z, out=z)
-    total = np.sum(z, axis=-1, keepdims=True)
-    with np.errstate(divide="ignore"):
-        lse = (m + np.log(total))[..., 0]
-    total[total == 0] = 1.0
-    z /= total
-    return z, lse
+    return finish(z, np.sum(z, axis=-1), m[..., 0])
 
 
 def attend(plan: Plan) -> tuple[np.ndarray, np.ndarray]:
     """Output ``(*batch, L, dv)`` and lse ``(*batch, L)``, both in the compute dtype."""
     w, lse = softmax_rows(logits(plan))
-    return _grouped_matmul(w, plan.v, plan.group), lse
+    return grouped_matmul(w, plan.v, plan.group), lse

@@ -15,8 +15,8 @@ rows' saved log-sum-exp, ``P = exp(Z − lse)``, and used at once::
 
 Tiles that causal or a window rule out entirely are skipped. Grouped query heads are served by
 viewing ``(Hq, rows)`` as ``(Hkv, group · rows)``, so k and v are never repeated. When the
-forward pass's output and lse are not supplied, :func:`forward` recomputes them with the same
-tiling (online softmax), also in O(block²) extra memory.
+forward pass's output and lse are not supplied, the tiled forward kernel
+(:mod:`qkv.kernels.tiled`) recomputes them.
 """
 
 from __future__ import annotations
@@ -25,29 +25,9 @@ import numpy as np
 
 from ..masks import allowed
 from ..validate import Plan
+from .blocks import grouped_matmul, grouped_matmul_t
 
-__all__ = ["backward", "forward"]
-
-
-def _merge(x: np.ndarray, group: int) -> np.ndarray:
-    """``(..., Hq, m, n)`` → ``(..., Hkv, group·m, n)``."""
-    if group == 1:
-        return x
-    *rest, hq, m, n = x.shape
-    return x.reshape(*rest, hq // group, group * m, n)
-
-
-def _gmm(a: np.ndarray, b: np.ndarray, group: int) -> np.ndarray:
-    """``a @ b`` where ``a`` has ``group`` query heads per kv head of ``b``."""
-    if group == 1:
-        return a @ b
-    *rest, hq, m, _ = a.shape
-    return (_merge(a, group) @ b).reshape(*rest, hq, m, b.shape[-1])
-
-
-def _gmm_t(a: np.ndarray, c: np.ndarray, group: int) -> np.ndarray:
-    """``aᵀ @ c`` summed over the query heads that share a kv head."""
-    return np.swapaxes(_merge(a, group), -1, -2) @ _merge(c, group)
+__all__ = ["backward"]
 
 
 def _tile(m: np.ndarray, rows: range, cols: range) -> np.ndarray:
@@ -64,7 +44,7 @@ def _logits(plan: Plan, rows: range, cols: range) -> np.ndarray | None:
         return None
     qi = plan.q[..., rows.start : rows.stop, :]
     kj = plan.k[..., cols.start : cols.stop, :]
-    s = _gmm(qi, np.swapaxes(kj, -1, -2), plan.group)
+    s = grouped_matmul(qi, np.swapaxes(kj, -1, -2), plan.group)
     s *= plan.acc_dtype.type(plan.scale)
     if plan.bias is not None:
         s += _tile(plan.bias, rows, cols)
@@ -74,36 +54,6 @@ def _logits(plan: Plan, rows: range, cols: range) -> np.ndarray | None:
     if ok is not None:
         s = np.where(ok, s, plan.acc_dtype.type(-np.inf))
     return s
-
-
-def forward(plan: Plan, block: int) -> tuple[np.ndarray, np.ndarray]:
-    """Output ``(*batch, L, dv)`` and lse ``(*batch, L)`` by online softmax over key tiles."""
-    acc = plan.acc_dtype
-    out = np.zeros(plan.batch + (plan.L, plan.dv), dtype=acc)
-    lse = np.full(plan.batch + (plan.L,), -np.inf, dtype=acc)
-    for i0 in range(0, plan.L, block):
-        rows = range(i0, min(i0 + block, plan.L))
-        m = np.full(plan.batch + (len(rows), 1), -np.inf, dtype=acc)
-        total = np.zeros_like(m)
-        o = np.zeros(plan.batch + (len(rows), plan.dv), dtype=acc)
-        for j0 in range(0, plan.S, block):
-            cols = range(j0, min(j0 + block, plan.S))
-            s = _logits(plan, rows, cols)
-            if s is None:
-                continue
-            m_new = np.maximum(m, s.max(axis=-1, keepdims=True))
-            shift = np.where(m_new == -np.inf, 0.0, m_new).astype(acc, copy=False)
-            p = np.exp(s - shift)
-            alpha = np.exp(m - shift)
-            total = total * alpha + p.sum(axis=-1, keepdims=True)
-            o = o * alpha + _gmm(p, plan.v[..., j0 : cols.stop, :], plan.group)
-            m = m_new
-        with np.errstate(divide="ignore"):
-            lse[..., rows.start : rows.stop] = (np.where(m == -np.inf, 0.0, m) + np.log(total))[
-                ..., 0
-            ]
-        out[..., rows.start : rows.stop, :] = o / np.where(total > 0, total, 1.0)
-    return out, lse
 
 
 def backward(
@@ -134,10 +84,10 @@ def backward(
             r = slice(i0, rows.stop)
             p = np.exp(s - lse_safe[..., r, :])
             do_i = d_out[..., r, :]
-            dv[..., j0 : cols.stop, :] += _gmm_t(p, do_i, g)
-            dp = _gmm(do_i, np.swapaxes(vj, -1, -2), g)
+            dv[..., j0 : cols.stop, :] += grouped_matmul_t(p, do_i, g)
+            dp = grouped_matmul(do_i, np.swapaxes(vj, -1, -2), g)
             dz = p * (dp - delta[..., r, :])
             dz *= scale
-            dq[..., r, :] += _gmm(dz, kj, g)
-            dk[..., j0 : cols.stop, :] += _gmm_t(dz, plan.q[..., r, :], g)
+            dq[..., r, :] += grouped_matmul(dz, kj, g)
+            dk[..., j0 : cols.stop, :] += grouped_matmul_t(dz, plan.q[..., r, :], g)
     return dq, dk, dv
