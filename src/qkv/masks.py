@@ -13,7 +13,14 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["Window", "allowed", "key_range", "query_positions"]
+__all__ = [
+    "Window",
+    "allowed",
+    "exclusion_reasons",
+    "key_bounds",
+    "key_range",
+    "query_positions",
+]
 
 Window = tuple[int | None, int | None]
 
@@ -30,6 +37,36 @@ def query_positions(L: int, S: int, rows: range | None = None) -> np.ndarray:
     return np.arange(rows.start, rows.stop, dtype=np.int64) + (S - L)
 
 
+def key_bounds(
+    positions: np.ndarray, S: int, causal: bool, window: Window | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Half-open key ranges ``[lo, hi)`` that queries at ``positions`` may attend.
+
+    This is the one statement of the rule: causal allows ``j <= p``; a window ``(left, right)``
+    allows ``p - left <= j <= p + right``; both are clipped to the ``S`` keys. For positions in
+    increasing order, ``lo`` and ``hi`` are nondecreasing.
+
+    Examples
+    --------
+    >>> lo, hi = key_bounds(np.array([0, 3]), 5, causal=True, window=(1, None))
+    >>> lo.tolist(), hi.tolist()
+    ([0, 2], [1, 4])
+    """
+    p = np.asarray(positions, dtype=np.int64)
+    lo = np.zeros_like(p)
+    hi = np.full_like(p, S)
+    if causal:
+        hi = np.minimum(hi, p + 1)
+    if window is not None:
+        left, right = window
+        if left is not None:
+            lo = np.maximum(lo, p - left)
+        if right is not None:
+            hi = np.minimum(hi, p + right + 1)
+    lo = np.clip(lo, 0, S)
+    return lo, np.maximum(lo, np.minimum(hi, S))
+
+
 def key_range(p: int, S: int, causal: bool, window: Window | None) -> tuple[int, int]:
     """Half-open range ``[lo, hi)`` of keys that the query at position ``p`` may attend.
 
@@ -40,17 +77,30 @@ def key_range(p: int, S: int, causal: bool, window: Window | None) -> tuple[int,
     >>> key_range(3, 10, causal=False, window=(1, 2))
     (2, 6)
     """
-    lo, hi = 0, S
-    if causal:
-        hi = min(hi, p + 1)
+    lo, hi = key_bounds(np.array([p]), S, causal, window)
+    return int(lo[0]), int(hi[0])
+
+
+def exclusion_reasons(p: int, j: int, causal: bool, window: Window | None) -> list[str]:
+    """Why causal or the window hide key ``j`` from the query at position ``p``, in words.
+
+    Examples
+    --------
+    >>> exclusion_reasons(0, 1, causal=True, window=None)
+    ['causal: key 1 is after position 0']
+    >>> exclusion_reasons(5, 1, causal=False, window=(2, 0))
+    ['window: key 1 < 5 - 2']
+    """
+    out = []
+    if causal and j > p:
+        out.append(f"causal: key {j} is after position {p}")
     if window is not None:
         left, right = window
-        if left is not None:
-            lo = max(lo, p - left)
-        if right is not None:
-            hi = min(hi, p + right + 1)
-    lo = min(max(lo, 0), S)
-    return lo, max(lo, min(hi, S))
+        if left is not None and j < p - left:
+            out.append(f"window: key {j} < {p} - {left}")
+        if right is not None and j > p + right:
+            out.append(f"window: key {j} > {p} + {right}")
+    return out
 
 
 def allowed(
@@ -78,15 +128,6 @@ def allowed(
         return None
     rows = range(L) if rows is None else rows
     cols = range(S) if cols is None else cols
-    p = query_positions(L, S, rows)[:, None]
+    lo, hi = key_bounds(query_positions(L, S, rows), S, causal, window)
     j = np.arange(cols.start, cols.stop, dtype=np.int64)[None, :]
-    ok = np.ones((len(rows), len(cols)), dtype=bool)
-    if causal:
-        ok &= j <= p
-    if window is not None:
-        left, right = window
-        if left is not None:
-            ok &= j >= p - left
-        if right is not None:
-            ok &= j <= p + right
-    return ok
+    return (j >= lo[:, None]) & (j < hi[:, None])
