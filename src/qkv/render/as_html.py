@@ -73,14 +73,14 @@ def heatmap_svg(h: Heatmap) -> str:
         if j is not None and c % every and c != nc - 1:
             continue
         x = left + c * cell + cell / 2
-        label = "…" if j is None else f"k{j}"
+        label = "…" if j is None else h.col_name(j)
         parts.append(
             f'<text x="{x:.1f}" y="{top - 6}" font-size="10" text-anchor="middle" '
             f'fill="#333">{_e(label)}</text>'
         )
     for r, i in enumerate(h.rows):
         y = top + r * cell
-        label = "⋮" if i is None else f"q{i}"
+        label = "⋮" if i is None else h.row_name(i)
         if i is None or r % max(1, int(np.ceil(14 / cell))) == 0 or r == nr - 1:
             parts.append(
                 f'<text x="{left - 6}" y="{y + cell / 2 + 4:.1f}" font-size="10" '
@@ -95,10 +95,11 @@ def heatmap_svg(h: Heatmap) -> str:
                 )
                 continue
             w = float(h.weights[i, j])
+            pair = f"{h.row_name(i)} → {h.col_name(j)}"
             if h.excluded[i, j]:
-                fill, tip = "#d9d9d9", f"q{i} → k{j}: excluded (weight 0)"
+                fill, tip = "#d9d9d9", f"{pair}: excluded (weight 0)"
             else:
-                fill, tip = _color(w), f"q{i} → k{j}: weight {fmt(w)}"
+                fill, tip = _color(w), f"{pair}: weight {fmt(w)}"
             parts.append(
                 f'<rect class="cell" x="{x}" y="{y}" width="{cell}" height="{cell}" '
                 f'fill="{fill}" stroke="#ffffff"><title>{_e(tip)}</title></rect>'
