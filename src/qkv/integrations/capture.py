@@ -98,11 +98,14 @@ class Record:
         from ..trace import explain
 
         h = self._slot(head)
+        d = self.q.shape[-1]
+        standard = self.scale == d**-0.5  # shown as 1/√d with d = head size
         return explain(
             self.q[batch, h],
             self.k[batch, h],
             self.v[batch, h],
-            scale=self.scale,
+            d=d if standard else None,
+            scale=None if standard else self.scale,
             causal=self.causal,
             window=self.window,
             mask=self.head_mask(head, batch),

@@ -14,7 +14,7 @@ import numpy as np
 from ..trace import Trace, fmt
 from .blocks import Cell, Heading, Heatmap, Para, Table, build
 
-__all__ = ["heatmap_svg", "render", "render_blocks"]
+__all__ = ["heatmap_grid", "heatmap_svg", "render", "render_blocks"]
 
 CSS = """
 .qkv-trace { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; color: #1a1a1a;
@@ -58,7 +58,7 @@ def _color(w: float) -> str:
 def heatmap_svg(h: Heatmap) -> str:
     """The weights as an inline SVG grid: darker is more weight, grey × is excluded."""
     nr, nc = len(h.rows), len(h.cols)
-    cell = int(min(56, max(14, 520 // max(nr, nc, 1))))
+    cell = h.cell or int(min(56, max(14, 520 // max(nr, nc, 1))))
     left, top = 64, 34
     width, height = left + nc * cell + 8, top + nr * cell + 8
     parts = [
@@ -117,6 +117,17 @@ def heatmap_svg(h: Heatmap) -> str:
                 )
     parts.append("</svg>")
     return "".join(parts)
+
+
+def heatmap_grid(maps: list[Heatmap], caption: str = "") -> str:
+    """Several heatmaps side by side (every head of a layer, say), each titled, as HTML."""
+    figures = "".join(
+        f'<figure class="qkv-grid-item"><figcaption>{_e(h.title)}</figcaption>'
+        f"{heatmap_svg(h)}</figure>"
+        for h in maps
+    )
+    note = f"<figcaption>{_e(caption)}</figcaption>" if caption else ""
+    return f'<div class="qkv-grid" style="display:flex;flex-wrap:wrap;gap:6px 18px">{figures}</div>{note}'
 
 
 def _cell(c: Cell, tag: str = "td") -> str:

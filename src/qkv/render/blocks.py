@@ -72,6 +72,7 @@ class Heatmap:
     counts: dict[str, int] = field(default_factory=dict)
     row_names: list[str] | None = None  # one per query row (default q0, q1, …)
     col_names: list[str] | None = None  # one per key (default k0, k1, …)
+    cell: int | None = None  # pixels per cell in HTML (default: fit about 520 px)
 
     def row_name(self, i: int) -> str:
         return f"q{i}" if self.row_names is None else self.row_names[i]
@@ -215,12 +216,20 @@ def _inputs(t: Trace, max_rows: int, max_dims: int) -> list[Any]:
             max_rows,
             max_dims,
             caption="q (queries, one per row)" if not t.squeeze else "q (the query)",
+            row_names=None if t.query_labels is None else list(t.query_labels),
         )
     )
-    out.append(_matrix_table(t.k, "k", "", max_rows, max_dims, caption="K (keys, one per row)"))
+    keys = None if t.key_labels is None else list(t.key_labels)
+    out.append(
+        _matrix_table(
+            t.k, "k", "", max_rows, max_dims, caption="K (keys, one per row)", row_names=keys
+        )
+    )
     if t.v is not None:
         out.append(
-            _matrix_table(t.v, "v", "", max_rows, max_dims, caption="V (values, one per row)")
+            _matrix_table(
+                t.v, "v", "", max_rows, max_dims, caption="V (values, one per row)", row_names=keys
+            )
         )
     if t.causal or t.window is not None:
         out.append(Para("Query positions: " + _vec_text(t.positions, max_rows) + "."))
