@@ -127,7 +127,8 @@ def heatmap_grid(maps: list[Heatmap], caption: str = "") -> str:
         for h in maps
     )
     note = f"<figcaption>{_e(caption)}</figcaption>" if caption else ""
-    return f'<div class="qkv-grid" style="display:flex;flex-wrap:wrap;gap:6px 18px">{figures}</div>{note}'
+    style = "display:flex;flex-wrap:wrap;gap:6px 18px"
+    return f'<div class="qkv-grid" style="{style}">{figures}</div>{note}'
 
 
 def _cell(c: Cell, tag: str = "td") -> str:

@@ -167,7 +167,8 @@ SCRIPT = """
       if (v === undefined) { return; }
       if (i !== null) { v = v[+i]; }
       if (j !== null) { v = v[+j]; }
-      if (el.getAttribute("data-excluded") === "1" && (f === "weights" || f === "short")) { v = "×"; }
+      var out = el.getAttribute("data-excluded") === "1";
+      if (out && (f === "weights" || f === "short")) { v = "×"; }
       el.textContent = v;
     });
     all("td.w").forEach(function (el) {
