@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from ..errors import InputError
 from ..render.explore import explore_page
 from ..trace import explain
 from .options import add_inputs, emit, trace_kwargs
@@ -37,8 +38,11 @@ def run(args: argparse.Namespace) -> int:
     from .explain_model import _index
 
     kw = trace_kwargs(args)
-    kw["exact"] = False
+    if kw.pop("exact"):
+        raise InputError("--exact: the explore page shows numbers; use qkv explain --exact")
     trace = explain(**kw)
     row = None if args.row is None else _index(args.row, "--row")
+    if row is not None and row >= trace.L:
+        raise InputError(f"--row: expected 0 to {trace.L - 1} (one per query row), got {row}")
     emit(explore_page(trace, row=row), args.output)
     return 0
