@@ -215,6 +215,8 @@ class Trace:
     output: np.ndarray | None = None
     exact: Any = None
     title: str | None = None
+    key_labels: tuple[str, ...] | None = None
+    query_labels: tuple[str, ...] | None = None
 
     # ----- shape helpers -----
     @property
@@ -255,6 +257,14 @@ class Trace:
         if self.output is None or self.v is None:
             raise InputError("weighted_row: the trace does not reach the output (no v)")
         return self.weights[i][:, None] * self.v
+
+    def key_label(self, j: int) -> str:
+        """The name of key ``j``: its label, else ``"k{j}"``."""
+        return f"k{j}" if self.key_labels is None else self.key_labels[j]
+
+    def query_label(self, i: int) -> str:
+        """The name of query row ``i``: its label, else ``"q{i}"``."""
+        return f"q{i}" if self.query_labels is None else self.query_labels[i]
 
     def reaches(self, stage: str) -> bool:
         """Whether the trace goes at least as far as ``stage``."""
@@ -411,6 +421,8 @@ def explain(
     exact: bool = False,
     stop_at: str | None = None,
     title: str | None = None,
+    key_labels: Any = None,
+    query_labels: Any = None,
 ) -> Trace:
     """Compute attention and record every intermediate number.
 
@@ -439,6 +451,9 @@ def explain(
         Stop the trace early (``"scores"``: pre-softmax scores only).
     title : str, optional
         A heading for rendered output (escaped by every renderer).
+    key_labels, query_labels : sequence of str, optional
+        One name per key (per query row), shown by the renderers in place of ``k0, k1, …``
+        (``q0, q1, …``): the tokens of a sentence, for instance.
 
     Returns
     -------
@@ -457,6 +472,8 @@ def explain(
     ('weights', [[2.0, 8.0]], [[1.0, 4.0]])
     >>> qkv.explain([2, 1], [[1, 0], [3, 2]], d=4, scale="sqrt(d)").scaled.tolist()
     [[4.0, 16.0]]
+    >>> qkv.explain([2, 1], [[1, 0], [3, 2]], d=4, key_labels=["cat", "sat"]).key_label(1)
+    'sat'
     """
     if stop_at is not None and stop_at not in STAGES:
         raise InputError(f"stop_at: expected one of {', '.join(STAGES)}, got {stop_at!r}")
@@ -506,6 +523,8 @@ def explain(
         stage=stage,
         squeeze=plan.squeeze,
         title=title,
+        key_labels=_labels(key_labels, plan.S, "key_labels", "keys"),
+        query_labels=_labels(query_labels, plan.L, "query_labels", "query rows"),
     )
     if stage == "inputs":
         return Trace(**base)
@@ -552,6 +571,17 @@ def explain(
 
         trace = trace.replace(exact=exact_steps(trace, q, k, v if need_v else None))
     return trace
+
+
+def _labels(labels: Any, n: int, name: str, what: str) -> tuple[str, ...] | None:
+    if labels is None:
+        return None
+    if isinstance(labels, str) or not all(isinstance(x, str) for x in labels):
+        raise InputTypeError(f"{name}: expected a sequence of strings, one per {what[:-1]}")
+    labels = tuple(labels)
+    if len(labels) != n:
+        raise InputError(f"{name}: expected {n} labels (one per {what[:-1]}), got {len(labels)}")
+    return labels
 
 
 def _check_scores_finite(raw: np.ndarray, scaled: np.ndarray, scale: float) -> None:

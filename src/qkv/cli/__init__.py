@@ -22,13 +22,13 @@ from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from ..errors import InputError
-from . import exercise, explain, scores, study
+from . import exercise, explain, explain_model, explore, scores, study
 from .options import OutputError
 
 __all__ = ["COMMANDS", "UsageError", "build_parser", "main"]
 
 #: The command modules, in the order ``qkv --help`` lists them.
-COMMANDS = [explain, scores, exercise, study]
+COMMANDS = [explain, scores, exercise, study, explore, explain_model]
 
 EPILOG = """examples:
   qkv explain --q "2,1" --k "1,0;3,2" --v "1,2;3,4" --d 4

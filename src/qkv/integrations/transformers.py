@@ -50,6 +50,10 @@ __all__ = ["NAME", "attention_forward", "register"]
 
 NAME = "qkv"
 
+#: Callables ``f(module, query, key, value, options, out)`` told of every call, after qkv has
+#: computed ``out``; :mod:`qkv.integrations.capture` adds and removes its recorder here.
+OBSERVERS: list[Any] = []
+
 
 def _split_mask(attention_mask: Any, position_bias: Any) -> Any:
     """One mask for qkv: the boolean/float mask, with a learned position bias added."""
@@ -145,6 +149,8 @@ def attention_forward(
             window = (int(sliding) - 1, 0)
     options = {"scale": scaling, "causal": causal, "mask": mask, "window": window}
     out = qkv_attention(query, key, value, **options)
+    for observe in OBSERVERS:
+        observe(module, query, key, value, options, out)
     weights = None
     if kwargs.get("output_attentions"):
         weights = qkv_attention_weights(query, key, **options)

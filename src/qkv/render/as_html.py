@@ -14,7 +14,7 @@ import numpy as np
 from ..trace import Trace, fmt
 from .blocks import Cell, Heading, Heatmap, Para, Table, build
 
-__all__ = ["heatmap_svg", "render", "render_blocks"]
+__all__ = ["heatmap_grid", "heatmap_svg", "render", "render_blocks"]
 
 CSS = """
 .qkv-trace { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; color: #1a1a1a;
@@ -58,7 +58,7 @@ def _color(w: float) -> str:
 def heatmap_svg(h: Heatmap) -> str:
     """The weights as an inline SVG grid: darker is more weight, grey × is excluded."""
     nr, nc = len(h.rows), len(h.cols)
-    cell = int(min(56, max(14, 520 // max(nr, nc, 1))))
+    cell = h.cell or int(min(56, max(14, 520 // max(nr, nc, 1))))
     left, top = 64, 34
     width, height = left + nc * cell + 8, top + nr * cell + 8
     parts = [
@@ -73,14 +73,14 @@ def heatmap_svg(h: Heatmap) -> str:
         if j is not None and c % every and c != nc - 1:
             continue
         x = left + c * cell + cell / 2
-        label = "…" if j is None else f"k{j}"
+        label = "…" if j is None else h.col_name(j)
         parts.append(
             f'<text x="{x:.1f}" y="{top - 6}" font-size="10" text-anchor="middle" '
             f'fill="#333">{_e(label)}</text>'
         )
     for r, i in enumerate(h.rows):
         y = top + r * cell
-        label = "⋮" if i is None else f"q{i}"
+        label = "⋮" if i is None else h.row_name(i)
         if i is None or r % max(1, int(np.ceil(14 / cell))) == 0 or r == nr - 1:
             parts.append(
                 f'<text x="{left - 6}" y="{y + cell / 2 + 4:.1f}" font-size="10" '
@@ -95,10 +95,11 @@ def heatmap_svg(h: Heatmap) -> str:
                 )
                 continue
             w = float(h.weights[i, j])
+            pair = f"{h.row_name(i)} → {h.col_name(j)}"
             if h.excluded[i, j]:
-                fill, tip = "#d9d9d9", f"q{i} → k{j}: excluded (weight 0)"
+                fill, tip = "#d9d9d9", f"{pair}: excluded (weight 0)"
             else:
-                fill, tip = _color(w), f"q{i} → k{j}: weight {fmt(w)}"
+                fill, tip = _color(w), f"{pair}: weight {fmt(w)}"
             parts.append(
                 f'<rect class="cell" x="{x}" y="{y}" width="{cell}" height="{cell}" '
                 f'fill="{fill}" stroke="#ffffff"><title>{_e(tip)}</title></rect>'
@@ -116,6 +117,18 @@ def heatmap_svg(h: Heatmap) -> str:
                 )
     parts.append("</svg>")
     return "".join(parts)
+
+
+def heatmap_grid(maps: list[Heatmap], caption: str = "") -> str:
+    """Several heatmaps side by side (every head of a layer, say), each titled, as HTML."""
+    figures = "".join(
+        f'<figure class="qkv-grid-item"><figcaption>{_e(h.title)}</figcaption>'
+        f"{heatmap_svg(h)}</figure>"
+        for h in maps
+    )
+    note = f"<figcaption>{_e(caption)}</figcaption>" if caption else ""
+    style = "display:flex;flex-wrap:wrap;gap:6px 18px"
+    return f'<div class="qkv-grid" style="{style}">{figures}</div>{note}'
 
 
 def _cell(c: Cell, tag: str = "td") -> str:

@@ -106,6 +106,10 @@ def trace_dict(t: Trace) -> dict[str, Any]:
         "mask": _arr(t.mask),
         "bias": _arr(t.bias),
         "positions": [int(p) for p in t.positions],
+        "labels": {
+            "keys": None if t.key_labels is None else list(t.key_labels),
+            "queries": None if t.query_labels is None else list(t.query_labels),
+        },
         "scores": None,
         "softmax": None,
         "output": None,

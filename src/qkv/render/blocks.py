@@ -70,6 +70,15 @@ class Heatmap:
     row_label: str = "query"
     col_label: str = "key"
     counts: dict[str, int] = field(default_factory=dict)
+    row_names: list[str] | None = None  # one per query row (default q0, q1, …)
+    col_names: list[str] | None = None  # one per key (default k0, k1, …)
+    cell: int | None = None  # pixels per cell in HTML (default: fit about 520 px)
+
+    def row_name(self, i: int) -> str:
+        return f"q{i}" if self.row_names is None else self.row_names[i]
+
+    def col_name(self, j: int) -> str:
+        return f"k{j}" if self.col_names is None else self.col_names[j]
 
 
 def pick(n: int, limit: int, tail: int = 2) -> list[int | None]:
@@ -116,13 +125,23 @@ def _vec_text(v: np.ndarray, limit: int = MAX_DIMS) -> str:
 
 
 def _matrix_table(
-    a: np.ndarray, row_name: str, col_name: str, max_rows: int, max_cols: int, caption: str = ""
+    a: np.ndarray,
+    row_name: str,
+    col_name: str,
+    max_rows: int,
+    max_cols: int,
+    caption: str = "",
+    row_names: Any = None,
+    col_names: Any = None,
 ) -> Table:
     rows_i, cols_j = pick(a.shape[0], max_rows), pick(a.shape[1], max_cols)
     header = [Cell("", kind="label")] + [
         Cell("…", kind="gap")
         if j is None
-        else Cell(f"{col_name}{j}" if col_name else f"[{j}]", kind="label")
+        else Cell(
+            col_names[j] if col_names else f"{col_name}{j}" if col_name else f"[{j}]",
+            kind="label",
+        )
         for j in cols_j
     ]
     rows = []
@@ -133,7 +152,8 @@ def _matrix_table(
                 [Cell(gap_text(hidden, "rows"), kind="gap")] + [Cell("⋮", kind="gap")] * len(cols_j)
             )
             continue
-        row = [Cell(f"{row_name}{i}" if row_name else "", kind="label")]
+        name = row_names[i] if row_names else f"{row_name}{i}" if row_name else ""
+        row = [Cell(name, kind="label")]
         for j in cols_j:
             row.append(Cell("…", kind="gap") if j is None else _num(a[i, j]))
         rows.append(row)
@@ -196,12 +216,20 @@ def _inputs(t: Trace, max_rows: int, max_dims: int) -> list[Any]:
             max_rows,
             max_dims,
             caption="q (queries, one per row)" if not t.squeeze else "q (the query)",
+            row_names=None if t.query_labels is None else list(t.query_labels),
         )
     )
-    out.append(_matrix_table(t.k, "k", "", max_rows, max_dims, caption="K (keys, one per row)"))
+    keys = None if t.key_labels is None else list(t.key_labels)
+    out.append(
+        _matrix_table(
+            t.k, "k", "", max_rows, max_dims, caption="K (keys, one per row)", row_names=keys
+        )
+    )
     if t.v is not None:
         out.append(
-            _matrix_table(t.v, "v", "", max_rows, max_dims, caption="V (values, one per row)")
+            _matrix_table(
+                t.v, "v", "", max_rows, max_dims, caption="V (values, one per row)", row_names=keys
+            )
         )
     if t.causal or t.window is not None:
         out.append(Para("Query positions: " + _vec_text(t.positions, max_rows) + "."))
@@ -221,6 +249,8 @@ def _row_label(t: Trace, i: int) -> str:
     if t.squeeze:
         return "The query"
     text = f"Query row {i}"
+    if t.query_labels is not None:
+        text += f" ({t.query_labels[i]})"
     if t.causal or t.window is not None:
         text += f" (position {int(t.positions[i])})"
     return text
@@ -256,7 +286,7 @@ def _row_steps(t: Trace, i: int, keys: list[int | None]) -> list[Any]:
         masked = has_w and bool(t.excluded[i, j])
         st = "masked" if masked else ""
         row = [
-            Cell(f"k{j}", kind="label", style=st),
+            Cell(t.key_label(j), kind="label", style=st),
             Cell(t.dot_terms(i, j), kind="text", style=st),
             _num(t.raw[i, j], st),
         ]
@@ -328,7 +358,7 @@ def _weighted(t: Trace, i: int, keys: list[int | None]) -> list[Any]:
         st = "masked" if t.excluded[i, j] else ""
         rows.append(
             [
-                Cell(f"k{j}", kind="label", style=st),
+                Cell(t.key_label(j), kind="label", style=st),
                 _num(t.weights[i, j], st),
                 Cell(_vec_text(t.v[j]), style=st),
                 Cell(_vec_text(t.weights[i, j] * t.v[j]), style=st),  # only what is shown
@@ -360,8 +390,12 @@ def build(
     max_dims: int = MAX_DIMS,
     heatmap: bool = True,
     title: str | None = None,
+    rows: list[int] | None = None,
 ) -> list[Any]:
-    """The blocks that every document renderer draws, in order."""
+    """The blocks that every document renderer draws, in order.
+
+    ``rows`` picks the query rows explained step by step (default: the first and last few).
+    """
     blocks: list[Any] = [
         Heading(1, title or t.title or "Scaled dot-product attention, step by step")
     ]
@@ -370,11 +404,18 @@ def build(
     blocks += _scale(t)
     if not t.reaches("scores"):
         return blocks
-    rows, keys = pick(t.L, max_rows), pick(t.S, max_keys)
+    keys = pick(t.S, max_keys)
+    rows = pick(t.L, max_rows) if rows is None else [int(i) for i in rows]
     if t.reaches("weights") and heatmap:
         blocks.append(
             Heatmap(
-                t.weights, t.excluded, pick(t.L, 48), pick(t.S, 48), counts={"L": t.L, "S": t.S}
+                t.weights,
+                t.excluded,
+                pick(t.L, 48),
+                pick(t.S, 48),
+                counts={"L": t.L, "S": t.S},
+                row_names=None if t.query_labels is None else list(t.query_labels),
+                col_names=None if t.key_labels is None else list(t.key_labels),
             )
         )
     blocks.append(Heading(2, "Step by step, one query row at a time"))
@@ -385,11 +426,20 @@ def build(
             )
             continue
         blocks.append(Heading(3, _row_label(t, i)))
-        blocks.append(Para(("q" if t.squeeze else f"q{i}") + " = " + _vec_text(t.q[i])))
+        name = "q" if t.squeeze else f"q{i}"
+        if t.query_labels is not None:
+            name += f" ({t.query_labels[i]})"
+        blocks.append(Para(name + " = " + _vec_text(t.q[i])))
         blocks += _row_steps(t, i, keys)
     blocks.append(Heading(2, "Results"))
+    names = dict(
+        row_names=None if t.query_labels is None else list(t.query_labels),
+        col_names=None if t.key_labels is None else list(t.key_labels),
+    )
     blocks.append(
-        _matrix_table(t.scaled, "q", "k", max_rows, max_keys, caption="scaled scores q·kᵀ · scale")
+        _matrix_table(
+            t.scaled, "q", "k", max_rows, max_keys, caption="scaled scores q·kᵀ · scale", **names
+        )
     )
     if t.reaches("weights"):
         blocks.append(
@@ -400,10 +450,19 @@ def build(
                 max_rows,
                 max_keys,
                 caption="attention weights (each row sums to 1)",
+                **names,
             )
         )
     if t.reaches("output"):
         blocks.append(
-            _matrix_table(t.output, "q", "", max_rows, max_dims, caption="output = weights · V")
+            _matrix_table(
+                t.output,
+                "q",
+                "",
+                max_rows,
+                max_dims,
+                caption="output = weights · V",
+                row_names=names["row_names"],
+            )
         )
     return blocks

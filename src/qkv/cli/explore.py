@@ -1,0 +1,48 @@
+"""``qkv explore``: a page that switches between the three readings of the scale."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ..errors import InputError
+from ..render.explore import explore_page
+from ..trace import explain
+from .options import add_inputs, emit, trace_kwargs
+
+NAME = "explore"
+HELP = "an HTML page: divide by √d, multiply by √d, or no scale, side by side"
+EPILOG = """examples:
+  qkv explore --q "2,1" --k "1,0;3,2" --v "1,2;3,4" --d 4 --output explore.html
+  qkv explore --q "1,0;0,1;2,1" --k "1,0;3,2;0,1" --v "1,2;3,4;5,6" --d 4 --causal --output c.html
+
+The page is self-contained (it loads nothing); every number on it is qkv's, embedded when the
+page is written. --row picks the query row shown key by key (default: the last)."""
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        NAME,
+        help=HELP,
+        description=HELP,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_inputs(p, values=True, masks=True)
+    p.add_argument("--row", metavar="I", help="the query row shown key by key (default: last)")
+    p.add_argument("--output", metavar="FILE", help="write to FILE instead of standard output")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .explain_model import _index
+
+    kw = trace_kwargs(args)
+    if kw.pop("exact"):
+        raise InputError("--exact: the explore page shows numbers; use qkv explain --exact")
+    trace = explain(**kw)
+    row = None if args.row is None else _index(args.row, "--row")
+    if row is not None and row >= trace.L:
+        raise InputError(f"--row: expected 0 to {trace.L - 1} (one per query row), got {row}")
+    emit(explore_page(trace, row=row), args.output)
+    return 0

@@ -1,0 +1,223 @@
+"""Practice with feedback: check a learner's answer for each step and name the likely slip.
+
+A :class:`Practice` takes an :class:`qkv.exercise.Exercise` and asks for its steps in turn —
+raw scores, scaled scores, the exponentials ``exp(s − max)``, the weights and the output. Each
+answer is compared with the library's value (:func:`qkv.explain`) within a tolerance; a wrong
+one is compared with what each common slip gives, computed by the same library on the same
+inputs:
+
+- *forgot to scale* — the scale left out (``scale = 1``);
+- *multiplied by √d* — the card's literal formula (``scale = √d``);
+- *used len(q) for d* — ``1/√len(q)`` where ``d`` was given;
+- *forgot to subtract the max* — ``exp(s)`` instead of ``exp(s − max)``;
+- *summed the wrong axis* — the exponentials divided by their column sums (over queries)
+  instead of the row sum (over keys).
+
+Examples
+--------
+>>> from qkv.exercise import make_exercise
+>>> p = Practice(make_exercise(seed=7))
+>>> [s.key for s in p.steps]
+['raw', 'scaled', 'exps', 'weights', 'output']
+>>> step = p.step("scaled")
+>>> p.check("scaled", step.expected).correct
+True
+>>> p.check("scaled", p.trace.raw).slip
+'forgot to scale'
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .errors import InputError
+from .exercise import Exercise
+from .trace import Trace, explain, fmt
+
+__all__ = ["ATOL", "RTOL", "SLIPS", "Feedback", "Practice", "Step"]
+
+#: An answer is right when it is within ``ATOL + RTOL·|value|`` of the library's, entry by entry.
+RTOL, ATOL = 1e-2, 5e-3
+
+#: The slips diagnosed, in the order they are tried.
+SLIPS = (
+    "forgot to scale",
+    "multiplied by √d",
+    "used len(q) for d",
+    "forgot to subtract the max",
+    "summed the wrong axis",
+)
+
+_WHY = {
+    "forgot to scale": "these are the scores without the scale: multiply every q·k by 1/√d",
+    "multiplied by √d": "this multiplies by √d, as the card's text writes it; standard "
+    "attention divides by √d",
+    "used len(q) for d": "this uses d = len(q); here d is given and is not the length of q",
+    "forgot to subtract the max": "these are exp(s), not exp(s − max): subtract the row's "
+    "maximum first (same weights in exact arithmetic, but exp overflows without it)",
+    "summed the wrong axis": "each exponential was divided by the sum down its column (over "
+    "queries); divide by the sum along its row (over the keys of that query)",
+}
+
+
+@dataclass
+class Step:
+    """One step to answer: what is asked, the library's value and the slips' values."""
+
+    key: str
+    prompt: str
+    expected: np.ndarray
+    worked: list[str]
+    slips: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+@dataclass
+class Feedback:
+    """The verdict on one answer."""
+
+    correct: bool
+    slip: str | None
+    message: str
+
+
+def _close(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and bool(np.allclose(a, b, rtol=RTOL, atol=ATOL, equal_nan=False))
+
+
+class Practice:
+    """The steps of an exercise, each checked against the library and the common slips."""
+
+    def __init__(self, exercise: Exercise) -> None:
+        self.exercise = exercise
+        self.trace: Trace = exercise.trace()
+        ex, t = exercise, self.trace
+        q = ex.q[0] if ex.q.shape[0] == 1 else ex.q
+        args = (q, ex.k, ex.v)
+        slip_traces = {
+            "forgot to scale": explain(*args, scale=1, causal=ex.causal),
+            "multiplied by √d": explain(*args, d=ex.d, scale="sqrt(d)", causal=ex.causal),
+        }
+        if ex.q.shape[1] != ex.d:
+            slip_traces["used len(q) for d"] = explain(*args, causal=ex.causal)
+        unshifted = np.where(t.excluded, 0.0, np.exp(np.where(t.excluded, 0.0, t.logits)))
+        with np.errstate(invalid="ignore", divide="ignore"):
+            wrong_axis = t.exps / t.exps.sum(axis=0, keepdims=True)
+
+        def slips(name: str) -> dict[str, np.ndarray]:
+            return {k: getattr(s, name) for k, s in slip_traces.items()}
+
+        self.steps = [
+            Step("raw", "the raw dot products q·k, one per key", t.raw, self._worked_raw()),
+            Step(
+                "scaled",
+                "the scaled scores q·k · 1/√d",
+                t.scaled,
+                self._worked_scaled(),
+                slips("scaled"),
+            ),
+            Step(
+                "exps",
+                "the exponentials exp(s − max) (0 for an excluded key)",
+                t.exps,
+                self._worked_exps(),
+                {**slips("exps"), "forgot to subtract the max": unshifted},
+            ),
+            Step(
+                "weights",
+                "the weights exp / Σ exp",
+                t.weights,
+                self._worked_weights(),
+                {**slips("weights"), "summed the wrong axis": wrong_axis},
+            ),
+            Step(
+                "output",
+                "the output Σ weight · v",
+                t.output,
+                self._worked_output(),
+                {**slips("output"), "summed the wrong axis": wrong_axis @ ex.v},
+            ),
+        ]
+
+    def step(self, key: str) -> Step:
+        """The step named ``key`` (one of ``raw, scaled, exps, weights, output``)."""
+        for s in self.steps:
+            if s.key == key:
+                return s
+        raise InputError(f"step: expected one of {', '.join(s.key for s in self.steps)}")
+
+    def check(self, key: str, answer: Any) -> Feedback:
+        """Compare ``answer`` with step ``key``'s value; on a miss, name the likely slip."""
+        s = self.step(key)
+        a = np.asarray(answer, dtype=float)
+        want = s.expected
+        if a.shape != want.shape and a.size == want.size:
+            a = a.reshape(want.shape)  # one query: a row or a flat list
+        if a.shape != want.shape:
+            rows, cols = want.shape
+            what = f"{cols} numbers" if rows == 1 else f"{rows} rows of {cols} numbers"
+            return Feedback(False, None, f"expected {what}, got {a.size}")
+        if _close(a, want):
+            return Feedback(True, None, "right")
+        for name in SLIPS:
+            cand = s.slips.get(name)
+            if cand is not None and not _close(cand, want) and _close(a, cand):
+                return Feedback(False, name, f"not quite: {_WHY[name]}")
+        return Feedback(False, None, "not quite")
+
+    # ----- the worked steps, one line per query row and key -----
+    def _rows(self) -> list[tuple[int, str]]:
+        t = self.trace
+        return [(i, "" if t.L == 1 else f"query row {i}: ") for i in range(t.L)]
+
+    def _worked_raw(self) -> list[str]:
+        t = self.trace
+        return [f"{p}k{j}: {t.dot_terms(i, j)}" for i, p in self._rows() for j in range(t.S)]
+
+    def _worked_scaled(self) -> list[str]:
+        t = self.trace
+        head = [f"scale = {t.scale.describe()}"]
+        return head + [
+            f"{p}k{j}: {fmt(t.raw[i, j])} × {fmt(t.scale.value)} = {fmt(t.scaled[i, j])}"
+            for i, p in self._rows()
+            for j in range(t.S)
+        ]
+
+    def _worked_exps(self) -> list[str]:
+        t, out = self.trace, []
+        for i, p in self._rows():
+            out.append(f"{p}max = {fmt(t.row_max[i])}")
+            for j in range(t.S):
+                if t.excluded[i, j]:
+                    out.append(f"{p}k{j}: excluded ({t.reason_text(i, j)}) → 0")
+                else:
+                    out.append(
+                        f"{p}k{j}: exp({fmt(t.scaled[i, j])} − {fmt(t.row_max[i])}) = "
+                        f"exp({fmt(t.shifted[i, j])}) = {fmt(t.exps[i, j])}"
+                    )
+        return out
+
+    def _worked_weights(self) -> list[str]:
+        t, out = self.trace, []
+        for i, p in self._rows():
+            out.append(f"{p}Σ = " + " + ".join(fmt(x) for x in t.exps[i]) + f" = {fmt(t.sums[i])}")
+            out += [
+                f"{p}k{j}: {fmt(t.exps[i, j])} / {fmt(t.sums[i])} = {fmt(t.weights[i, j])}"
+                for j in range(t.S)
+            ]
+        return out
+
+    def _worked_output(self) -> list[str]:
+        t = self.trace
+
+        def vec(v: np.ndarray) -> str:
+            return "[" + ", ".join(fmt(x) for x in v) + "]"
+
+        return [
+            f"{p}"
+            + " + ".join(f"{fmt(t.weights[i, j])}·{vec(t.v[j])}" for j in range(t.S))
+            + f" = {vec(t.output[i])}"
+            for i, p in self._rows()
+        ]

@@ -1,0 +1,366 @@
+"""A page to explore the three readings of the scale: divide by √d, multiply by √d, none.
+
+:func:`explore_page` computes one :func:`qkv.explain` trace per reading of the same inputs and
+embeds every number the page shows, already formatted (and every heatmap colour), as JSON in a
+self-contained HTML page; its small script only swaps which reading is shown and highlights on
+hover — it does no arithmetic, so the page shows exactly the library's numbers.
+
+- The toggle (also ``#reading=divide|multiply|none`` in the address) switches the scale.
+- Hovering a weight highlights its key, the key's dot-product terms and its share
+  ``weight · v`` of the output.
+- Keys a query may not attend (causal, window, mask) are greyed and marked ``×`` in the heatmap
+  and the tables, with the reason.
+
+Examples
+--------
+>>> import qkv
+>>> page = explore_page(qkv.explain([2, 1], [[1, 0], [3, 2]], [[1, 2], [3, 4]], d=4))
+>>> page.startswith("<!DOCTYPE html>"), "0.95257" in page, '"16"' in page
+(True, True, True)
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import InputError
+from ..trace import Trace, explain, fmt
+from .as_html import _color
+
+__all__ = ["READINGS", "explore_page", "reading_traces"]
+
+#: The three readings of "scale by √d": (key, button text, scale expression in d).
+READINGS = (
+    ("divide", "divide by √d (standard)", "1/sqrt(d)"),
+    ("multiply", "multiply by √d (a common slip)", "sqrt(d)"),
+    ("none", "no scale", "1"),
+)
+
+#: The most query-key pairs the page embeds (every number of every reading).
+MAX_PAIRS = 4096
+
+
+def reading_traces(t: Trace) -> dict[str, Trace]:
+    """The trace's inputs explained under each of :data:`READINGS` (same ``d``, masks, labels).
+
+    ``d`` is the trace's own ``d`` when its scale used one, else ``len(q)``.
+    """
+    d = t.scale.d if t.scale.d is not None else t.d
+    mask = t.mask if t.mask is not None else t.bias
+    out = {}
+    for key, _, expr in READINGS:
+        kw: dict[str, Any] = {"scale": expr} if expr != "1/sqrt(d)" else {}
+        if "d" in expr:
+            kw["d"] = d
+        q = t.q[0] if t.squeeze else t.q
+        out[key] = explain(
+            q,
+            t.k,
+            t.v,
+            causal=t.causal,
+            window=t.window,
+            mask=mask,
+            key_labels=t.key_labels,
+            query_labels=t.query_labels,
+            **kw,
+        )
+    return out
+
+
+def _strings(a: np.ndarray) -> list[Any]:
+    return [_strings(x) for x in a] if a.ndim > 1 else [fmt(x) for x in a]
+
+
+def _vec(v: np.ndarray, limit: int = 6) -> str:
+    if len(v) <= limit:
+        return "[" + ", ".join(fmt(x) for x in v) + "]"
+    return "[" + ", ".join([fmt(x) for x in v[:4]] + ["…"] + [fmt(x) for x in v[-1:]]) + "]"
+
+
+def _reading_data(t: Trace, row: int) -> dict[str, Any]:
+    L, S = t.L, t.S
+    colors = [
+        ["#d9d9d9" if t.excluded[i, j] else _color(float(t.weights[i, j])) for j in range(S)]
+        for i in range(L)
+    ]
+    data = {
+        "scale": fmt(t.scale.value),
+        "describe": t.scale.describe(),
+        "note": t.scale.note or "",
+        "header": f"× {t.scale.substituted}",
+        "scaled": _strings(t.scaled),
+        "shifted": _strings(t.shifted),
+        "exps": _strings(t.exps),
+        "weights": _strings(t.weights),
+        "short": [[fmt(round(float(w), 3)) for w in r] for r in t.weights],
+        "colors": colors,
+        "ink": [
+            [
+                "#777777" if t.excluded[i, j] else "#ffffff" if t.weights[i, j] > 0.5 else "#111111"
+                for j in range(S)
+            ]
+            for i in range(L)
+        ],
+        "rowMax": fmt(t.row_max[row]),
+        "sum": fmt(t.sums[row]),
+    }
+    if t.reaches("output"):
+        data["share"] = [_vec(t.weighted_row(row)[j]) for j in range(S)]
+        data["output"] = _vec(t.output[row])
+    return data
+
+
+def _e(x: Any) -> str:
+    return html.escape(str(x), quote=True)
+
+
+CSS = """
+body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; color: #1a1a1a;
+  max-width: 1200px; margin: 1em auto; padding: 0 1em; line-height: 1.45; }
+h1 { font-size: 1.45em; } h2 { font-size: 1.15em; border-bottom: 1px solid #ddd; }
+.toggle button { font: inherit; padding: 4px 12px; margin-right: 6px; border: 1px solid #8aa;
+  background: #fff; border-radius: 4px; cursor: pointer; }
+.toggle button[aria-pressed="true"] { background: #08306b; color: #fff; border-color: #08306b; }
+p.formula { font-family: ui-monospace, "DejaVu Sans Mono", monospace; background: #f6f8fa;
+  padding: 4px 8px; }
+p.note { background: #fff8e1; border-left: 4px solid #f0b400; padding: 4px 8px; }
+p.note:empty { display: none; }
+table { border-collapse: collapse; margin: 0.4em 0 1em; font-size: 0.9em; }
+th, td { border: 1px solid #d0d7de; padding: 2px 7px; }
+th { background: #f0f3f6; }
+td.num { text-align: right; font-family: ui-monospace, "DejaVu Sans Mono", monospace; }
+td.terms { font-family: ui-monospace, "DejaVu Sans Mono", monospace; font-size: 0.85em; }
+table.heat td.w { width: 52px; height: 30px; text-align: center; font-size: 0.75em; padding: 0; }
+.excluded { color: #888; background: #f0f0f0; }
+tr.excluded td.key { text-decoration: line-through; }
+.hl { outline: 3px solid #e6550d; outline-offset: -3px; }
+.hl:not(.w) { background: #fee6ce; }
+.explained { font-weight: 700; }
+"""
+
+SCRIPT = """
+(function () {
+  var D = JSON.parse(document.getElementById("qkv-data").textContent);
+  var errors = [];
+  window.addEventListener("error", function (e) {
+    errors.push(String(e.message)); document.body.setAttribute("data-errors", errors.join("|"));
+  });
+  function all(sel) { return Array.prototype.slice.call(document.querySelectorAll(sel)); }
+  function show(name) {
+    var R = D.readings[name];
+    if (!R) { name = D.initial; R = D.readings[name]; }
+    document.body.setAttribute("data-reading", name);
+    all(".toggle button").forEach(function (b) {
+      b.setAttribute("aria-pressed", b.getAttribute("data-reading") === name ? "true" : "false");
+    });
+    document.getElementById("describe").textContent = R.describe;
+    document.getElementById("note").textContent = R.note;
+    document.getElementById("scaled-head").textContent = R.header;
+    all("[data-field]").forEach(function (el) {
+      var f = el.getAttribute("data-field"), i = el.getAttribute("data-i");
+      var j = el.getAttribute("data-j"), v = R[f];
+      if (v === undefined) { return; }
+      if (i !== null) { v = v[+i]; }
+      if (j !== null) { v = v[+j]; }
+      var out = el.getAttribute("data-excluded") === "1";
+      if (out && (f === "weights" || f === "short")) { v = "×"; }
+      el.textContent = v;
+    });
+    all("td.w").forEach(function (el) {
+      var i = +el.getAttribute("data-i"), j = +el.getAttribute("data-j");
+      el.style.background = R.colors[i][j];
+      el.style.color = R.ink[i][j];
+    });
+  }
+  function highlight(j) {
+    all(".hl").forEach(function (el) { el.classList.remove("hl"); });
+    if (j === null) { return; }
+    all('[data-key="' + j + '"]').forEach(function (el) { el.classList.add("hl"); });
+  }
+  function fromHash() {
+    var h = {}; location.hash.replace(/^#/, "").split("&").forEach(function (kv) {
+      var p = kv.split("="); if (p[0]) { h[p[0]] = p[1] || ""; }
+    });
+    show(h.reading || D.initial);
+    highlight(h.hover === undefined ? null : h.hover);
+  }
+  all(".toggle button").forEach(function (b) {
+    b.addEventListener("click", function () {
+      location.hash = "reading=" + b.getAttribute("data-reading");
+    });
+  });
+  all("[data-hover]").forEach(function (el) {
+    el.addEventListener("mouseenter", function () { highlight(el.getAttribute("data-hover")); });
+    el.addEventListener("mouseleave", function () { highlight(null); });
+  });
+  window.addEventListener("hashchange", fromHash);
+  fromHash();
+  document.body.setAttribute("data-ready", "1");
+})();
+"""
+
+
+def explore_page(
+    trace: Trace,
+    *,
+    row: int | None = None,
+    title: str | None = None,
+    extra_sections: Sequence[tuple[str, str]] = (),
+) -> str:
+    """A self-contained HTML page exploring the three readings of the scale for ``trace``.
+
+    Parameters
+    ----------
+    trace : qkv.Trace
+        Inputs, masks and labels to explore; it must reach the weights.
+    row : int, optional
+        The query row explained key by key (default: the trace's last row).
+    title : str, optional
+    extra_sections : sequence of (heading, html)
+        Trusted HTML appended as sections (the library's own, e.g. a grid of heatmaps).
+
+    Returns
+    -------
+    str
+        The page; it loads nothing (a Content Security Policy forbids it).
+    """
+    if not trace.reaches("weights"):
+        raise InputError("trace: the explore page needs a trace that reaches the weights")
+    if trace.L * trace.S > MAX_PAIRS:
+        raise InputError(
+            f"q, k: the explore page embeds every number, and L·S = {trace.L * trace.S} is more "
+            f"than {MAX_PAIRS}; use fewer rows or keys"
+        )
+    row = trace.L - 1 if row is None else int(row)
+    if not 0 <= row < trace.L:
+        raise InputError(f"row: expected 0 to {trace.L - 1}, got {row}")
+    traces = reading_traces(trace)
+    initial = next(
+        (k for k, t in traces.items() if t.scale.value == trace.scale.value), READINGS[0][0]
+    )
+    ref = traces[initial]
+    L, S, i = ref.L, ref.S, row
+    data = {
+        "initial": initial,
+        "row": i,
+        "readings": {k: _reading_data(t, i) for k, t in traces.items()},
+    }
+    excluded = ref.excluded
+    title = title or "Explore the scale: divide by √d, multiply by √d, or none"
+    qn = ref.query_label(i)
+    out = [f"<h1>{_e(title)}</h1>"]
+    out.append(
+        "<p>The same inputs under three readings of the scale. Every number on this page was "
+        "computed by qkv and embedded in it; the buttons only switch which reading is shown. "
+        "Hover over a weight to see its key, its dot-product terms and its share of the "
+        "output.</p>"
+    )
+    out.append('<div class="toggle">')
+    for key, text, _ in READINGS:
+        out.append(f'<button type="button" data-reading="{key}">{_e(text)}</button>')
+    out.append("</div>")
+    out.append(f'<p class="formula" id="describe">{_e(ref.scale.describe())}</p>')
+    out.append(f'<p class="note" id="note">{_e(ref.scale.note or "")}</p>')
+    if excluded.any():
+        rules = sorted({r for a in range(L) for b in range(S) for r in ref.reasons(a, b)})
+        out.append(
+            f"<p>Excluded pairs ({_e(', '.join(rules))}) are grey and marked × everywhere: "
+            "they get weight 0 under every reading.</p>"
+        )
+
+    # the heatmap of every row
+    out.append("<h2>Weights of every query (rows) over every key (columns)</h2>")
+    out.append('<table class="heat"><thead><tr><th></th>')
+    out += [f"<th>{_e(ref.key_label(j))}</th>" for j in range(S)]
+    out.append("</tr></thead><tbody>")
+    for a in range(L):
+        cls = ' class="explained"' if a == i else ""
+        out.append(f"<tr><th{cls}>{_e(ref.query_label(a))}</th>")
+        for b in range(S):
+            x = "1" if excluded[a, b] else "0"
+            why = ref.reason_text(a, b)
+            tip = f"{ref.query_label(a)} → {ref.key_label(b)}" + (
+                f": excluded ({why})" if x == "1" else ""
+            )
+            hover = f' data-hover="{b}"' if a == i else ""
+            key = f' data-key="{b}"' if a == i else ""
+            out.append(
+                f'<td class="w" title="{_e(tip)}" data-field="short" data-i="{a}" '
+                f'data-j="{b}" data-excluded="{x}"{hover}{key} '
+                f'style="background:{data["readings"][initial]["colors"][a][b]}">'
+                f"{'×' if x == '1' else _e(fmt(round(float(ref.weights[a, b]), 3)))}</td>"
+            )
+        out.append("</tr>")
+    out.append("</tbody></table>")
+
+    # one query, key by key
+    out.append(f"<h2>Query {_e(qn)}, key by key</h2>")
+    out.append(
+        '<table class="steps"><thead><tr><th>key</th><th>q·k (terms)</th><th>raw</th>'
+        '<th id="scaled-head"></th><th>excluded?</th><th>s − max</th><th>exp</th>'
+        "<th>weight</th>"
+        + ("<th>weight · v (share of the output)</th>" if ref.v is not None else "")
+        + "</tr></thead><tbody>"
+    )
+    for j in range(S):
+        x = bool(excluded[i, j])
+        cls = ' class="excluded"' if x else ""
+        reason = ("yes — " + ref.reason_text(i, j)) if x else "no"
+        cells = [
+            f'<td class="key" data-key="{j}">{_e(ref.key_label(j))}</td>',
+            f'<td class="terms" data-key="{j}">{_e(ref.dot_terms(i, j))}</td>',
+            f'<td class="num">{_e(fmt(ref.raw[i, j]))}</td>',
+            f'<td class="num" data-field="scaled" data-i="{i}" data-j="{j}"></td>',
+            f"<td>{_e(reason)}</td>",
+            f'<td class="num" data-field="shifted" data-i="{i}" data-j="{j}"></td>',
+            f'<td class="num" data-field="exps" data-i="{i}" data-j="{j}"></td>',
+            f'<td class="num weight" data-field="weights" data-i="{i}" data-j="{j}" '
+            f'data-excluded="{int(x)}" data-hover="{j}"></td>',
+        ]
+        if ref.v is not None:
+            cells.append(f'<td class="num" data-field="share" data-i="{j}" data-key="{j}"></td>')
+        out.append(f"<tr{cls}>" + "".join(cells) + "</tr>")
+    out.append("</tbody></table>")
+    out.append(
+        '<p class="formula">row max = <span data-field="rowMax"></span>; Σ exp = '
+        '<span data-field="sum"></span>; weight = exp / Σ'
+        + (
+            '; output = Σ weight · v = <span data-field="output" id="output"></span>'
+            if ref.v is not None
+            else ""
+        )
+        + "</p>"
+    )
+
+    # the inputs
+    out.append("<h2>Inputs</h2>")
+    out.append(f'<p class="formula">{_e(qn)}: q = {_e(_vec(ref.q[i]))}</p>')
+    out.append("<table><thead><tr><th>key</th><th>k</th>")
+    out.append("<th>v</th>" if ref.v is not None else "")
+    out.append("</tr></thead><tbody>")
+    for j in range(S):
+        vcell = f"<td>{_e(_vec(ref.v[j]))}</td>" if ref.v is not None else ""
+        out.append(
+            f'<tr><td class="key" data-key="{j}">{_e(ref.key_label(j))}</td>'
+            f"<td>{_e(_vec(ref.k[j]))}</td>{vcell}</tr>"
+        )
+    out.append("</tbody></table>")
+    for heading, body in extra_sections:
+        out.append(f"<h2>{_e(heading)}</h2>{body}")
+
+    blob = json.dumps(data, ensure_ascii=False).replace("<", "\\u003c")
+    return (
+        '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
+        '<meta http-equiv="Content-Security-Policy" content="default-src \'none\'; '
+        "style-src 'unsafe-inline'; script-src 'unsafe-inline'; img-src data:\">\n"
+        '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
+        f"<title>{_e(title)}</title>\n<style>{CSS}</style>\n</head>\n<body>\n"
+        + "\n".join(out)
+        + f'\n<script type="application/json" id="qkv-data">{blob}</script>\n'
+        f"<script>{SCRIPT}</script>\n</body>\n</html>\n"
+    )
