@@ -108,9 +108,13 @@ def test_decode_split_k_equals_reference(L, causal, window, dtype):
     _check(out, lse, *ref, dtype)
 
 
-def test_decode_through_the_api_chooses_it_for_few_queries():
+def test_decode_through_the_api_chooses_it_for_few_queries(monkeypatch):
+    calls = []
+    real = launch.decode
+    monkeypatch.setattr(launch, "decode", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     q, k, v = _inputs((3, 4, 1, 20), (3, 1, 70, 20), (3, 1, 70, 20), torch.float32, seed=3)
     out, lse = api.attention(q, k, v, return_lse=True)  # auto: group·L = 4 rows -> decode
+    assert calls == [1]
     _check(out, lse, *reference.attention(_np(q), _np(k), _np(v), return_lse=True), torch.float32)
 
 
@@ -126,6 +130,14 @@ def test_bool_mask_and_float_bias_with_fully_masked_rows(kernel):
         out, lse = api.attention(q, k, v, mask=m, causal=True, return_lse=True, kernel=kernel)
         ref = reference.attention(_np(q), _np(k), _np(v), mask=_np(m), causal=True, return_lse=True)
         _check(out, lse, *ref, torch.float32)
+
+
+def test_mask_given_as_an_array_beside_tensors_is_applied():
+    q, k, v = _inputs((1, 2, 4, 8), (1, 2, 9, 8), (1, 2, 9, 8), torch.float32, seed=12)
+    mask = np.arange(9)[None, :] % 2 == np.arange(4)[:, None] % 2  # as a NumPy array
+    out, lse = api.attention(q, k, v, mask=mask, return_lse=True)
+    ref = reference.attention(_np(q), _np(k), _np(v), mask=mask, return_lse=True)
+    _check(out, lse, *ref, torch.float32)
 
 
 def test_shapes_one_dimensional_query_and_broadcast_batch():

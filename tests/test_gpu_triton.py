@@ -50,6 +50,12 @@ def test_device_tensors_are_routed_to_the_gpu_package(monkeypatch):
         tq.attention(q, q, q)
 
 
+def test_devices_the_kernels_do_not_run_on_are_refused():
+    meta = torch.empty((1, 2, 3, 4), device="meta")
+    with pytest.raises(qkv.InputError, match=r"k: tensors on device meta.*\.cuda\(\)"):
+        qkv.attention(torch.ones(1, 2, 3, 4), meta, meta)
+
+
 def test_cpu_tensors_reach_the_kernels_only_under_the_interpreter():
     from qkv.gpu import _kernels, api
 

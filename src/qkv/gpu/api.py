@@ -14,7 +14,9 @@ host and the result back, gradients included) with a :class:`GpuFallbackWarning`
 
 - dtypes other than float16, bfloat16 and float32, or inputs of mixed dtypes;
 - ``d`` or ``dv`` above 256;
-- a float mask that requires grad (refused, as on the CPU).
+
+Refused with :class:`qkv.InputError`, as on the CPU path: a float mask that requires grad;
+and here also tensors on devices other than CUDA, or on several devices.
 
 Triton's interpreter (``TRITON_INTERPRET=1`` when :mod:`qkv.gpu._kernels` is first imported)
 runs the same kernels on CPU tensors; :func:`attention` accepts CPU tensors only then, which
@@ -60,6 +62,13 @@ def _shadow(x: Any) -> Any:
 def _device(q: Any, k: Any, v: Any, mask: Any) -> torch.device:
     named = [(n, t) for n, t in zip(("q", "k", "v", "mask"), (q, k, v, mask), strict=True)]
     tensors = [(n, t) for n, t in named if isinstance(t, torch.Tensor)]
+    for n, t in tensors:
+        if t.device.type not in ("cuda", "cpu"):
+            raise InputError(
+                f"{n}: tensors on device {t.device} are not supported (shape "
+                f"{tuple(t.shape)}); qkv's GPU kernels run on CUDA devices, so move them with "
+                ".cuda() or .cpu()"
+            )
     devices = {t.device for _, t in tensors}
     if len(devices) > 1 or any(n != "mask" and not isinstance(t, torch.Tensor) for n, t in named):
         where = ", ".join(
@@ -160,7 +169,9 @@ def attention(
     """
     if kernel not in _GPU_KERNELS:
         raise InputError(f"kernel: expected one of {tuple(_GPU_KERNELS)}, got {kernel!r}")
-    _device(q, k, v, mask)
+    dev = _device(q, k, v, mask)
+    if mask is not None and not isinstance(mask, torch.Tensor):  # an array or list
+        mask = torch.as_tensor(np.asarray(mask), device=dev)
     kw = {
         "scale": scale,
         "causal": causal,

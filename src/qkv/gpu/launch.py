@@ -80,7 +80,13 @@ def _tuned_prefill() -> Any:
     """The prefill kernel wrapped in ``triton.autotune``: built only when a device runs it."""
     configs = [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-        for bm, bn, w, s in [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 4), (128, 32, 4, 4)]
+        for bm, bn, w, s in [
+            (128, 64, 4, 3),
+            (128, 128, 8, 3),
+            (64, 64, 4, 4),
+            (128, 32, 4, 4),
+            (64, 32, 4, 2),  # fits 256-wide heads
+        ]
     ]
     return triton.autotune(configs, key=["size_key", "d", "dv"])(K.prefill_fwd)
 
@@ -171,6 +177,7 @@ def decode(
         Hkv, L, S, d, dv, left, right, qk_scale, chunk, n,
         **_flags(q, opts, mask, bias),
         BLOCK_M=_p2(rows), BLOCK_N=block_n, BLOCK_D=_p2(d), BLOCK_DV=block_dv,
+        **({} if _interpreted() else {"num_warps": 4, "num_stages": 2}),
     )  # fmt: skip
     K.decode_merge[(Z * Hq * L,)](
         part_out, part_lse, out, lse, L, Hq, dv, *out.stride(), n,
@@ -222,7 +229,8 @@ def backward(
     out = out.contiguous()
     do = grad_out.to(q.dtype).contiguous()
     delta = torch.empty((Z, Hq, L), dtype=torch.float32, device=q.device)
-    bm, bn = (16, 16) if _interpreted() else (64, 64)
+    wide = max(d, dv) > 128  # 64-row tiles of 256-wide heads would not fit in shared memory
+    bm, bn = (16, 16) if _interpreted() else ((32, 32) if wide else (64, 64))
     K.bwd_delta[(triton.cdiv(L, bm), Z * Hq)](out, do, delta, L, dv, BLOCK_M=bm, BLOCK_DV=_p2(dv))
     m, b = _mask_args(q, mask, bias)
     left, right, qk_scale = _scalars(opts)
