@@ -11,6 +11,6 @@
   kernels' layout, the autograd function, and the documented CPU fallback.
 
 Needs ``triton`` and ``torch`` (the ``gpu`` extra). With ``TRITON_INTERPRET=1`` set before
-the kernels are first imported, Triton's interpreter runs them on CPU tensors; that is how they
+Triton is first imported, Triton's interpreter runs them on CPU tensors; that is how they
 are tested on machines without a GPU.
 """

@@ -11,7 +11,9 @@ natural log. Query row ``i`` sits at absolute position ``S − L + i`` (bottom-r
 row that may attend no key gets output 0 and lse ``−inf``.
 
 Whether the kernels are compiled for a device or run by Triton's interpreter is fixed when
-this module is imported (``TRITON_INTERPRET=1`` then): :data:`INTERPRETED` records it.
+Triton and this module are imported: ``TRITON_INTERPRET=1`` must be set before Triton's own
+first import, since Triton's library functions (``tl.sum``, ``tl.zeros``, …) are themselves
+compiled or interpreted from then on. :data:`INTERPRETED` is true only when both are.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-INTERPRETED = bool(triton.knobs.runtime.interpret)
+INTERPRETED = bool(triton.knobs.runtime.interpret) and type(tl.sum).__name__ == (
+    "InterpretedFunction"
+)
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453

@@ -18,9 +18,9 @@ host and the result back, gradients included) with a :class:`GpuFallbackWarning`
 Refused with :class:`qkv.InputError`, as on the CPU path: a float mask that requires grad;
 and here also tensors on devices other than CUDA, or on several devices.
 
-Triton's interpreter (``TRITON_INTERPRET=1`` when :mod:`qkv.gpu._kernels` is first imported)
-runs the same kernels on CPU tensors; :func:`attention` accepts CPU tensors only then, which
-is how the kernels are tested on machines without a GPU.
+Triton's interpreter (``TRITON_INTERPRET=1`` set before Triton is first imported) runs the
+same kernels on CPU tensors; :func:`attention` accepts CPU tensors only then, which is how
+the kernels are tested on machines without a GPU.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def _device(q: Any, k: Any, v: Any, mask: Any) -> torch.device:
         if not _kernels.INTERPRETED:
             raise InputError(
                 "q: CPU tensors reach the Triton kernels only under Triton's interpreter "
-                "(TRITON_INTERPRET=1 before qkv.gpu is imported); use qkv.attention instead"
+                "(TRITON_INTERPRET=1 before Triton is first imported); use qkv.attention instead"
             )
     return dev
 
