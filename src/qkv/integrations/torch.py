@@ -18,8 +18,11 @@ What happens to a tensor:
   tensors that are not part of the autograd graph.
 - Masks may be tensors too (bool: ``True`` = may attend; float: added bias), as may any mix of
   tensors, arrays and lists (the result is a tensor when ``q``, ``k`` or ``v`` is one).
-- Tensors on a GPU (or any device but the CPU) are refused with :class:`qkv.InputError`: qkv
-  computes on the CPU, and silently copying across devices would hide a large cost.
+- :func:`attention` on tensors on a GPU runs qkv's Triton kernels on the device
+  (:mod:`qkv.gpu`, the ``gpu`` extra), forward and backward, with the same semantics; what
+  they do not cover falls back to the CPU with a warning (see :mod:`qkv.gpu.api`). The other
+  functions refuse device tensors with :class:`qkv.InputError`: silently copying across
+  devices would hide a large cost.
 
 Alignment differs from PyTorch in one place: ``causal=True`` is bottom-right aligned (PyTorch's
 ``causal_lower_right``); ``scaled_dot_product_attention(is_causal=True)`` is top-left aligned.
@@ -165,6 +168,11 @@ def attention(
     ``return_lse``; it carries no gradient). Keywords in ``more`` (such as a choice of kernel)
     go to :func:`qkv.attention` unchanged; the gradient does not depend on them.
     """
+    if _on_device(q, k, v, mask):
+        return _device_attention(
+            q, k, v, scale=scale, causal=causal, mask=mask, window=window,
+            return_lse=return_lse, check_finite=check_finite, **more,
+        )  # fmt: skip
     torch = _torch()
     options = {
         "scale": scale,
@@ -194,6 +202,25 @@ def attention(
     )
     out_t, lse_t = _function().apply(*tensors, options)
     return (out_t, lse_t) if return_lse else out_t
+
+
+def _on_device(*xs: Any) -> bool:
+    """True when any of ``xs`` is a tensor on a device other than the CPU."""
+    torch = _torch()
+    return any(isinstance(x, torch.Tensor) and x.device.type != "cpu" for x in xs)
+
+
+def _device_attention(q: Any, k: Any, v: Any, **options: Any) -> Any:
+    """:func:`qkv.gpu.api.attention`, or a clear error when Triton is not installed."""
+    try:
+        from ..gpu.api import attention as gpu_attention
+    except ImportError as exc:
+        device = next(x.device for x in (q, k, v) if hasattr(x, "device"))
+        raise InputError(
+            f"q: tensors on device {device} need Triton ({exc}); install the gpu extra "
+            "(pip install 'qkv[gpu]') or move them with .cpu()"
+        ) from None
+    return gpu_attention(q, k, v, **options)
 
 
 def _arrays(*tensors: Any) -> tuple[Any, ...]:
