@@ -36,7 +36,7 @@ EMPTY, PARTIAL, FULL = 0, 1, 2
 
 
 def _batch_head(plan: Plan, sel: Any) -> tuple[Any, Any]:
-    """``(batch, head)`` index arrays of the tile at ``sel``, ready to broadcast (``[..., 1, 1]``)."""
+    """``(batch, head)`` index arrays of the tile at ``sel``, shaped ``[..., 1, 1]``."""
     shape = plan.batch
     if not shape:
         return np.int64(0), np.int64(0)
