@@ -30,7 +30,16 @@ import numpy as np
 from ..errors import InputError
 from ..validate import Plan
 
-__all__ = ["EMPTY", "FULL", "PARTIAL", "apply", "block_mask", "sink_factor", "with_sinks"]
+__all__ = [
+    "EMPTY",
+    "FULL",
+    "PARTIAL",
+    "add_sink",
+    "apply",
+    "block_mask",
+    "sink_factor",
+    "with_sinks",
+]
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
@@ -128,14 +137,23 @@ def sink_factor(plan: Plan, lse: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     ``lse`` is ``(*batch, L)``. The factor rescales outputs and weights computed without the
     sink; a row with no key (``lse = -inf``) gets factor 0 and ``lse' = sink``.
     """
-    sink = plan.sinks[..., None].astype(lse.dtype, copy=False)
+    return _factor(lse, plan.sinks[..., None].astype(lse.dtype, copy=False))
+
+
+def _factor(lse: np.ndarray, sink: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     new = np.logaddexp(lse, sink)
     return np.exp(lse - new), new
+
+
+def add_sink(out: np.ndarray, lse: np.ndarray, sink: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(out · exp(lse − lse'), lse')`` with ``lse' = log(exp(lse) + exp(sink))`` (``sink``
+    broadcast to ``lse``): a finished result over all the keys, with the sink counted once."""
+    f, new = _factor(lse, sink)
+    return out * f[..., None].astype(out.dtype, copy=False), new.astype(lse.dtype, copy=False)
 
 
 def with_sinks(plan: Plan, out: np.ndarray, lse: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Add the plan's sinks (if any) to a finished ``(out, lse)`` over all the keys."""
     if plan.sinks is None:
         return out, lse
-    f, new = sink_factor(plan, lse)
-    return out * f[..., None].astype(out.dtype, copy=False), new
+    return add_sink(out, lse, plan.sinks[..., None].astype(lse.dtype, copy=False))
