@@ -428,3 +428,40 @@ def test_torch_autograd_through_softcap_and_sinks():
         np.testing.assert_allclose(t.grad.numpy(), e, atol=1e-12)
     with pytest.raises(qkv.InputError, match="score_mod"):
         qkv.attention(*ts[:3], score_mod=bias_mod)
+
+
+# ----- explain -----
+
+
+def test_explain_shows_each_variants_step_and_equals_reference():
+    q, k, v = (RNG.standard_normal((n, 3)) for n in (4, 6, 6))
+    kw = {
+        "softcap": 0.7,
+        "sinks": 0.4,
+        "alibi_slopes": 0.3,
+        "score_mod": lambda s, b, h, qi, kj: s + 0.05 * kj,
+        "mask_mod": prefix_lm(1),
+    }
+    t = qkv.explain(q, k, v, **kw)
+    scaled = q @ k.T / np.sqrt(3)
+    capped = 0.7 * np.tanh(scaled / 0.7)
+    p, j = np.arange(4)[:, None] + 2, np.arange(6)[None, :]
+    alibi = -0.3 * np.maximum(p - j, 0)
+    np.testing.assert_allclose(t.steps["softcap"], capped, rtol=1e-12)
+    np.testing.assert_allclose(t.steps["alibi"], alibi, atol=1e-15)
+    np.testing.assert_allclose(t.steps["score_mod"], capped + alibi + 0.05 * j, rtol=1e-12)
+    expect, lse = reference.attention(q, k, v, return_lse=True, **kw)
+    np.testing.assert_allclose(t.output, expect, rtol=1e-12)
+    np.testing.assert_allclose(t.lse, lse, rtol=1e-12)
+    np.testing.assert_allclose(t.sink_share, np.exp(0.4 - lse), rtol=1e-12)
+    np.testing.assert_allclose(t.weights.sum(-1) + t.sink_share, 1.0, rtol=1e-12)
+    assert t.reasons(0, 5) == ["mask_mod"]
+    text = t.to_text()
+    assert "c·tanh(s/c)" in text and "+ ALiBi" in text and "score_mod" in text
+    assert "sink = 0.4" in text and "mask_mod is False" in text
+    for fmt in ("markdown", "latex", "html"):
+        assert "ALiBi" in t.render(fmt)
+    doc = t.to_dict()
+    assert doc["sink"] == 0.4 and set(doc["steps"]) == {"softcap", "alibi", "score_mod"}
+    with pytest.raises(qkv.InputError, match="exact: not available"):
+        qkv.explain(q, k, v, exact=True, softcap=1.0)
