@@ -21,6 +21,11 @@ costs about half of full attention. Across the mask's edge the keys are visited 
 pieces, each with only the rows that see some of it, and an additive 0/-inf tile (cached: it
 depends only on the tile's shape and diagonal offset) masks the rest.
 
+Variants: each score tile passes through :func:`qkv.kernels.mods.apply` right after its GEMM
+(soft-cap, ALiBi, ``score_mod``, ``mask_mod``). A ``mask_mod``'s block mask is computed once
+per call on ``block_q × MASK_BLOCK_K`` tiles (``block_q`` at most ``MASK_BLOCK_Q`` then): runs
+of empty blocks are never visited, and blocks it allows entirely skip the ``mask_mod``.
+
 Grouped-query heads read their kv head's rows directly (K/V are never repeated). float16 inputs
 arrive as float32 (the plan's compute dtype) and accumulate there.
 
@@ -52,6 +57,7 @@ TAU = 40.0
 VALUES_CACHE = 64 << 20  # bytes of whole kv heads' values (with ones) kept for reuse per call
 EDGE_SPLIT = 2  # key pieces across a mask edge are block_q / EDGE_SPLIT wide
 MASK_BLOCK_K = 128  # keys per block of a mask_mod's block mask (empty runs of them are skipped)
+MASK_BLOCK_Q = 256  # query rows per tile with a mask_mod: finer tiles skip more (bench/variants.py)
 
 
 def _kv_index(idx: tuple[int, ...], group: int) -> tuple[int, ...]:
@@ -319,6 +325,8 @@ def attend(
     >>> bool(np.allclose(out, reference.attention(q, k, v, causal=True)))
     True
     """
+    if plan.mask_mod is not None:
+        block_q = min(block_q, MASK_BLOCK_Q)
     prob = _Problem(plan, max(1, int(block_q)), max(1, int(block_k)))
     if plan.L and plan.S:  # otherwise every row is empty: out 0, lse -inf as allocated
         parallel_map(prob.run, _items(plan, prob.bq), threads)
