@@ -90,8 +90,15 @@ def apply(
         s *= c
     b = h = None
     if plan.alibi is not None:
-        dist = np.maximum(np.asarray(q_idx) - np.asarray(kv_idx), 0).astype(s.dtype)
-        s -= _per_head(plan.alibi, sel) * dist
+        dist = np.subtract(q_idx, kv_idx, dtype=s.dtype)  # exact: positions < 2**24
+        if np.max(kv_idx) > np.min(q_idx):  # some key after its query: no bias there
+            np.maximum(dist, 0, out=dist)
+        slope = _per_head(plan.alibi, sel)
+        if np.ndim(slope) == 2:  # one slope for the whole tile: scale in place
+            dist *= slope.item()
+            s -= dist
+        else:
+            s -= slope * dist
     if plan.score_mod is not None:
         b, h = _batch_head(plan, sel)
         r = _checked(plan.score_mod(s, b, h, q_idx, kv_idx), s.shape, "score_mod", "float")
