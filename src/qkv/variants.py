@@ -10,6 +10,9 @@ tile at a time by every kernel, so memory stays O(tile); see :func:`qkv.attentio
 ``batch`` is the index over the leading dimensions before the heads axis (flattened; 0 when
 there are none) and ``head`` the query head (axis ``-3``; 0 when there is none).
 
+Write them elementwise: the tile's layout is the kernel's (the tiled kernel holds keys on the
+first axis and queries on the second), and the index arrays are shaped to broadcast against it.
+
 Examples
 --------
 >>> import numpy as np
