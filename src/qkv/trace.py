@@ -221,11 +221,11 @@ class Trace:
     weights: np.ndarray | None = None
     lse: np.ndarray | None = None
     output: np.ndarray | None = None
-    exact: Any = None
-    title: str | None = None
     steps: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     sink: float | None = None
     sink_share: np.ndarray | None = None
+    exact: Any = None
+    title: str | None = None
 
     # ----- shape helpers -----
     @property
@@ -451,12 +451,12 @@ def explain(
         read as the decimals they print as (``0.1`` is ``1/10``).
     stop_at : {"inputs", "scores", "weights", "output"}, optional
         Stop the trace early (``"scores"``: pre-softmax scores only).
-    title : str, optional
-        A heading for rendered output (escaped by every renderer).
     **variants
         ``softcap``, ``sinks``, ``alibi_slopes``, ``score_mod``, ``mask_mod`` as in
         :func:`qkv.attention` (one head: ``sinks`` and ``alibi_slopes`` are single numbers).
         The trace shows each one's step (:attr:`Trace.steps`, :attr:`Trace.sink_share`).
+    title : str, optional
+        A heading for rendered output (escaped by every renderer).
 
     Returns
     -------
@@ -473,11 +473,11 @@ def explain(
     >>> t = qkv.explain([2, 1], [[1, 0], [3, 2]], d=4)
     >>> t.stage, t.raw.tolist(), t.scaled.tolist()
     ('weights', [[2.0, 8.0]], [[1.0, 4.0]])
-    >>> qkv.explain([2, 1], [[1, 0], [3, 2]], d=4, scale="sqrt(d)").scaled.tolist()
-    [[4.0, 16.0]]
     >>> t = qkv.explain([2, 1], [[1, 0], [3, 2]], d=4, softcap=2.0, sinks=0.0)
     >>> t.steps["softcap"].round(4).tolist(), t.sink_share.round(4).tolist()
     ([[0.9242, 1.9281]], [0.0962])
+    >>> qkv.explain([2, 1], [[1, 0], [3, 2]], d=4, scale="sqrt(d)").scaled.tolist()
+    [[4.0, 16.0]]
     """
     if stop_at is not None and stop_at not in STAGES:
         raise InputError(f"stop_at: expected one of {', '.join(STAGES)}, got {stop_at!r}")
