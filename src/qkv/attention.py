@@ -12,7 +12,7 @@ import numpy as np
 
 from .errors import InputError, InputTypeError
 from .integrations import torch as _torch
-from .kernels import dense, dispatch
+from .kernels import dense, dispatch, mods
 from .validate import as_array, make_plan
 
 __all__ = ["attention", "attention_weights", "scores", "softmax"]
@@ -105,6 +105,7 @@ def attention_weights(
     causal: bool = False,
     mask: Any = None,
     window: Any = None,
+    **variants: Any,
 ) -> np.ndarray:
     """Attention weights ``softmax(q · kᵀ · scale + bias)`` with masked keys at weight 0.
 
@@ -122,11 +123,14 @@ def attention_weights(
     window : (int or None, int or None), optional
         ``(left, right)``: the query at position ``p`` sees keys ``p - left <= j <= p + right``;
         ``None`` on a side is unbounded.
+    **variants
+        ``softcap``, ``sinks``, ``alibi_slopes``, ``score_mod``, ``mask_mod``: see
+        :func:`attention`.
 
     Returns
     -------
     ndarray, shape ``(..., L, S)`` or ``(S,)`` for a 1-D ``q``
-        Rows sum to 1, or are all zeros where a row may attend no key.
+        Rows sum to 1 (less with sinks), or are all zeros where a row may attend no key.
 
     Examples
     --------
@@ -135,9 +139,15 @@ def attention_weights(
     [[1.0, 0.0], [0.3302, 0.6698]]
     """
     if _torch.is_tensor_input(q, k):
-        return _torch.attention_weights(q, k, scale=scale, causal=causal, mask=mask, window=window)
-    plan = make_plan(q, k, need_v=False, scale=scale, causal=causal, mask=mask, window=window)
-    w, _ = dense.softmax_rows(dense.logits(plan))
+        return _torch.attention_weights(
+            q, k, scale=scale, causal=causal, mask=mask, window=window, **variants
+        )
+    plan = make_plan(
+        q, k, need_v=False, scale=scale, causal=causal, mask=mask, window=window, **variants
+    )
+    w, lse = dense.softmax_rows(dense.logits(plan))
+    if plan.sinks is not None:
+        w *= mods.sink_factor(plan, lse)[0][..., None]
     w = w.astype(plan.out_dtype, copy=False)
     return w[..., 0, :] if plan.squeeze else w
 
@@ -154,6 +164,7 @@ def attention(
     return_lse: bool = False,
     check_finite: bool = False,
     kernel: str = "auto",
+    **variants: Any,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Scaled dot-product attention ``softmax(q · kᵀ · scale + bias) · v``.
 
@@ -179,6 +190,20 @@ def attention(
         problems, ``"decode"`` for a few queries per head against many keys, ``"tiled"``
         (online softmax, ``O(tile · S)`` extra memory) otherwise. Forcing one is for tests
         and benchmarks.
+    **variants
+        Attention variants, applied in this order to the scaled scores (then the float mask is
+        added and the masks applied):
+
+        - ``softcap=c`` (float > 0): scores become ``c · tanh(s / c)`` (Gemma 2).
+        - ``alibi_slopes`` (shape ``(heads,)``): adds ``−slope · (query position − key
+          position)`` for keys at or before the query (BLOOM, MPT); positions bottom-right.
+        - ``score_mod(score, batch, head, q_idx, kv_idx)``: returns new scores of the same
+          shape, from NumPy operations on broadcastable index arrays (absolute positions).
+        - ``mask_mod(batch, head, q_idx, kv_idx)``: boolean, ``True`` = may attend; ANDed with
+          the other masks. Tiles it rules out entirely are skipped (see :mod:`qkv.variants`).
+        - ``sinks`` (shape ``(heads,)``): a logit per query head that joins every row's
+          softmax denominator with no value (gpt-oss); a row with no key gives output 0 and
+          lse equal to the sink.
 
     Returns
     -------
@@ -209,10 +234,19 @@ def attention(
             return_lse=return_lse,
             check_finite=check_finite,
             kernel=kernel,
+            **variants,
         )
     kernel = dispatch.check_kernel(kernel)
     plan = make_plan(
-        q, k, v, scale=scale, causal=causal, mask=mask, window=window, check_finite=check_finite
+        q,
+        k,
+        v,
+        scale=scale,
+        causal=causal,
+        mask=mask,
+        window=window,
+        check_finite=check_finite,
+        **variants,
     )
     out, lse = dispatch.attend(plan, kernel)
     out = out.astype(plan.out_dtype, copy=False)

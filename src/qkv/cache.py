@@ -200,6 +200,7 @@ class KVCache:
         causal: bool = True,
         return_lse: bool = False,
         kernel: str = "auto",
+        **variants: Any,
     ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
         """Attention of new queries to each sequence's cache.
 
@@ -215,6 +216,9 @@ class KVCache:
             Default True (decoding); False lets every query see the whole cache.
         return_lse : bool, optional
             Also return the log-sum-exp, shape ``(batch, heads, Lq)``.
+        **variants
+            ``softcap``, ``sinks``, ``alibi_slopes``, ``score_mod``, ``mask_mod`` as in
+            :func:`qkv.attention`; positions are each sequence's own, ``batch`` its index.
 
         Returns
         -------
@@ -245,7 +249,7 @@ class KVCache:
         for stop in range(1, self.batch + 1):
             if stop < self.batch and lengths[stop] == lengths[start]:
                 continue
-            n, sl, start = lengths[start], slice(start, stop), stop
+            n, sl = lengths[start], slice(start, stop)
             plan = make_plan(
                 qa[sl],
                 self._k[sl, :, :n],
@@ -253,8 +257,22 @@ class KVCache:
                 scale=scale,
                 causal=causal,
                 window=window,
+                **_offset_batch(variants, start),
             )
+            start = stop
             o, s = dispatch.attend(plan, kernel)
             out[sl] = o
             lse[sl] = s
         return (out, lse) if return_lse else out
+
+
+def _offset_batch(variants: dict[str, Any], first: int) -> dict[str, Any]:
+    """``score_mod``/``mask_mod`` see the cache's sequence index, not the slice's."""
+    out = dict(variants)
+    if first and out.get("score_mod") is not None:
+        f = out["score_mod"]
+        out["score_mod"] = lambda s, b, h, qi, kj: f(s, b + first, h, qi, kj)
+    if first and out.get("mask_mod") is not None:
+        g = out["mask_mod"]
+        out["mask_mod"] = lambda b, h, qi, kj: g(b + first, h, qi, kj)
+    return out

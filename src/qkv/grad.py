@@ -9,6 +9,12 @@ the gradients for an upstream gradient ``dO`` are::
     dq = dZ k · scale
     dk = dZᵀ q · scale
 
+Variants: with ``softcap`` the raw scaled scores ``s`` pass through ``c · tanh(s / c)``, so
+``dZ`` is multiplied by ``1 − tanh²(s / c)`` before ``dq`` and ``dk``. ALiBi and ``mask_mod`` are
+constants. With ``sinks`` (``P`` then sums to ``1 − P_sink`` per row, ``P_sink = exp(sink −
+lse)``) the formulas above hold unchanged, and ``dsink = − Σ_rows P_sink · rowsum(dO ∘ O)``,
+returned as a fourth array. A ``score_mod`` has no derivative qkv could know: the VJP refuses it.
+
 Masked keys have ``P = 0`` and so get no gradient; a row that may attend nothing has ``P = 0``
 throughout and contributes nothing. Grouped query heads add their contributions into the kv
 head they share, and leading dimensions that were broadcast are summed back, so every gradient
@@ -39,7 +45,7 @@ import numpy as np
 
 from . import reference
 from .errors import InputError
-from .kernels import dense, tiled, tiled_backward
+from .kernels import dense, mods, tiled, tiled_backward
 from .kernels.blocks import heads_by_kv
 from .validate import Plan, as_array, make_plan
 
@@ -110,7 +116,8 @@ def attention_vjp(
     out: Any = None,
     lse: Any = None,
     block: int | None = None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    **variants: Any,
+) -> tuple[np.ndarray, ...]:
     """Gradients of ``sum(attention(q, k, v) * grad_out)`` with respect to ``q``, ``k``, ``v``.
 
     Must equal :func:`reference_attention_vjp` (and the finite differences of
@@ -133,6 +140,10 @@ def attention_vjp(
         Tile size (queries and keys) of the tiled backward; selects it even without ``out`` and
         ``lse``, which are then recomputed tile by tile. Default: the dense path, or 128 when
         ``out`` and ``lse`` are given.
+    **variants
+        ``softcap``, ``sinks``, ``alibi_slopes``, ``mask_mod`` as in :func:`qkv.attention`
+        (``score_mod`` is refused: its derivative is unknown). ``out`` and ``lse`` given with
+        sinks must be the forward pass's with the same sinks.
 
     Returns
     -------
@@ -141,6 +152,8 @@ def attention_vjp(
         Query heads that share a kv head add into it; broadcast dimensions are summed back.
         Keys a row may not attend get nothing from it; a row that may attend no key gives
         zeros everywhere.
+    dsinks : ndarray
+        Only when ``sinks`` is given: the gradient with respect to the sinks, in their shape.
 
     Examples
     --------
@@ -153,27 +166,51 @@ def attention_vjp(
     >>> dq.round(4).tolist(), dv.round(4).tolist()
     ([0.0904, 0.0904], [[0.0474], [0.9526]])
     """
-    plan = make_plan(q, k, v, scale=scale, causal=causal, mask=mask, window=window)
+    plan = make_plan(q, k, v, scale=scale, causal=causal, mask=mask, window=window, **variants)
+    if plan.score_mod is not None:
+        raise InputError(
+            "score_mod: attention_vjp cannot differentiate a user function; use the torch "
+            "bridge's own autograd on PyTorch's attention, or express it with alibi_slopes/mask"
+        )
     if out is not None or lse is not None or block is not None:
-        return _tiled(plan, q, k, v, grad_out, out, lse, block)
+        return _tiled(plan, q, k, v, grad_out, out, lse, block, variants.get("sinks"))
     g = plan.group
     d_out = heads_by_kv(_grad_out(grad_out, plan), g)  # (*kv_batch, g·L, dv)
-    p, _ = dense.softmax_rows(dense.logits(plan))  # (*batch, L, S)
+    p, lse_keys = dense.softmax_rows(dense.logits(plan))  # (*batch, L, S)
+    if plan.sinks is not None:
+        share, lse_all = mods.sink_factor(plan, lse_keys)
+        p *= share[..., None]
     p = heads_by_kv(p, g)
     qm = heads_by_kv(plan.q, g)
     dv = np.swapaxes(p, -1, -2) @ d_out
     dp = d_out @ np.swapaxes(plan.v, -1, -2)
     delta = np.sum(dp * p, axis=-1, keepdims=True)  # = rowsum(dO ∘ O)
     dz = p * (dp - delta)
+    if plan.softcap is not None:
+        dz *= heads_by_kv(1 - np.tanh(dense.raw_scores(plan) / plan.softcap) ** 2, g)
     dz *= plan.acc_dtype.type(plan.scale)
     dq = (dz @ plan.k).reshape(plan.q.shape)
     dk = np.swapaxes(dz, -1, -2) @ qm
-    return _finish((dq, dk, dv), q, k, v, plan.squeeze)
+    grads = _finish((dq, dk, dv), q, k, v, plan.squeeze)
+    if plan.sinks is None:
+        return grads
+    delta = delta.reshape(plan.batch + (plan.L,))
+    return (*grads, _dsinks(plan, lse_all, delta, variants["sinks"]))
+
+
+def _dsinks(plan: Plan, lse: np.ndarray, delta: np.ndarray, sinks: Any) -> np.ndarray:
+    """``− Σ_rows exp(sink − lse) · δ``, summed back to the shape the sinks were given in."""
+    p_sink = np.exp(plan.sinks[..., None] - lse)
+    g = -np.sum(p_sink * delta, axis=-1)
+    given = as_array(sinks, "sinks")
+    if not plan.batch:
+        return np.asarray(g, dtype=given.dtype).reshape(given.shape)
+    return _sum_to(g, given.shape).astype(given.dtype, copy=False)
 
 
 def _tiled(
-    plan: Plan, q: Any, k: Any, v: Any, grad_out: Any, out: Any, lse: Any, block: Any
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    plan: Plan, q: Any, k: Any, v: Any, grad_out: Any, out: Any, lse: Any, block: Any, sinks: Any
+) -> tuple[np.ndarray, ...]:
     """Check ``out``, ``lse`` and ``block``, then run the tiled backward."""
     if block is None:
         block = 128
@@ -183,7 +220,7 @@ def _tiled(
     if (out is None) != (lse is None):
         raise InputError("out, lse: give both (from attention(..., return_lse=True)) or neither")
     if out is None:
-        o, m = tiled.attend(plan, block_q=int(block), block_k=int(block))
+        o, m = mods.with_sinks(plan, *tiled.attend(plan, block_q=int(block), block_k=int(block)))
     else:
         o, m = as_array(out, "out"), as_array(lse, "lse")
         want_o = plan.batch + ((plan.dv,) if plan.squeeze else (plan.L, plan.dv))
@@ -196,8 +233,10 @@ def _tiled(
         o, m = o.astype(plan.acc_dtype, copy=False), m.astype(plan.acc_dtype, copy=False)
         if plan.squeeze:
             o, m = o[..., None, :], m[..., None]
-    grads = tiled_backward.backward(plan, d_out, o, m, int(block))
-    return _finish(grads, q, k, v, plan.squeeze)
+    grads = _finish(tiled_backward.backward(plan, d_out, o, m, int(block)), q, k, v, plan.squeeze)
+    if plan.sinks is None:
+        return grads
+    return (*grads, _dsinks(plan, m, np.sum(d_out * o, axis=-1), sinks))
 
 
 def reference_attention_vjp(
@@ -210,7 +249,8 @@ def reference_attention_vjp(
     causal: bool = False,
     mask: Any = None,
     window: Any = None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    **variants: Any,
+) -> tuple[np.ndarray, ...]:
     """The vector-Jacobian product of :func:`qkv.reference.attention`, literally, in float64.
 
     Weights from :func:`qkv.reference.attention_weights`; kv heads repeated for grouped-query
@@ -225,18 +265,23 @@ def reference_attention_vjp(
     [[-0.0904, -0.0452], [0.0904, 0.0452]]
     """
     plan = make_plan(
-        q, k, v, scale=scale, causal=causal, mask=mask, window=window, dtype=np.float64
+        q, k, v, scale=scale, causal=causal, mask=mask, window=window, dtype=np.float64, **variants
     )
+    if plan.score_mod is not None:
+        raise InputError("score_mod: its derivative is unknown, so there is no VJP")
     d_out = _grad_out(grad_out, plan)
     kr, vr = plan.k, plan.v
     if plan.group > 1:
         kr, vr = np.repeat(kr, plan.group, axis=-3), np.repeat(vr, plan.group, axis=-3)
     w = reference.attention_weights(
-        plan.q, kr, scale=plan.scale, causal=causal, mask=mask, window=window
+        plan.q, kr, scale=plan.scale, causal=causal, mask=mask, window=window, **variants
     )
     dvr = np.swapaxes(w, -1, -2) @ d_out
     dp = d_out @ np.swapaxes(vr, -1, -2)
-    dz = w * (dp - np.sum(dp * w, axis=-1, keepdims=True)) * plan.scale
+    delta = np.sum(dp * w, axis=-1, keepdims=True)  # rowsum(dO ∘ O)
+    dz = w * (dp - delta) * plan.scale
+    if plan.softcap is not None:  # d/ds of c · tanh(s / c)
+        dz = dz * (1 - np.tanh((plan.q @ np.swapaxes(kr, -1, -2)) * plan.scale / plan.softcap) ** 2)
     dq = dz @ kr
     dkr = np.swapaxes(dz, -1, -2) @ plan.q
 
@@ -247,4 +292,21 @@ def reference_attention_vjp(
         return x.reshape(*rest, hq // plan.group, plan.group, m, n).sum(axis=-3)
 
     res = _finish((dq, unrepeat(dkr), unrepeat(dvr)), q, k, v, plan.squeeze)
-    return res[0].astype(np.float64), res[1].astype(np.float64), res[2].astype(np.float64)
+    res = tuple(r.astype(np.float64) for r in res)
+    if plan.sinks is None:
+        return res
+    _, lse = reference.attention(
+        plan.q,
+        kr,
+        vr,
+        scale=plan.scale,
+        causal=causal,
+        mask=mask,
+        window=window,
+        return_lse=True,
+        **variants,
+    )
+    lse = lse[..., None, :] if plan.squeeze and lse.ndim == len(plan.batch) else lse
+    p_sink = np.exp(plan.sinks[..., None] - lse.reshape(plan.batch + (plan.L,)))
+    dsinks = -np.sum(p_sink * delta[..., 0], axis=-1)
+    return (*res, _sum_to(dsinks, as_array(variants["sinks"], "sinks").shape).astype(np.float64))

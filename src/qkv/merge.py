@@ -10,6 +10,11 @@ This is the primitive behind split-K decoding, chunked prefill and attention spr
 several processes. A part whose lse is ``-inf`` (it saw no key) has weight 0 and contributes
 nothing, even if its output holds garbage; if every part is ``-inf`` the result is output 0
 and lse ``-inf``, as for any row that may attend no key.
+
+Sinks (a per-head logit in every row's denominator, with no value) belong to the whole row,
+not to any key set: compute the parts *without* sinks and pass ``sinks=`` here, and the sink
+is added once, after the parts are combined. (Parts that each included the sink would count
+it once per part.)
 """
 
 from __future__ import annotations
@@ -21,12 +26,13 @@ import numpy as np
 
 from .errors import InputError, InputTypeError
 from .kernels.blocks import merge_arrays
+from .kernels.mods import add_sink
 from .validate import as_array
 
 __all__ = ["merge", "merge_arrays"]
 
 
-def merge(parts: Sequence[tuple[Any, Any]]) -> tuple[np.ndarray, np.ndarray]:
+def merge(parts: Sequence[tuple[Any, Any]], *, sinks: Any = None) -> tuple[np.ndarray, np.ndarray]:
     """Attention over the union of disjoint key sets, from the attention over each set.
 
     Parameters
@@ -34,7 +40,11 @@ def merge(parts: Sequence[tuple[Any, Any]]) -> tuple[np.ndarray, np.ndarray]:
     parts : sequence of (out, lse)
         ``out`` of shape ``(..., dv)`` and ``lse`` of shape ``(...)``, as returned by
         ``qkv.attention(..., return_lse=True)`` over disjoint sets of keys for the same queries.
-        Every part has the same shapes.
+        Every part has the same shapes. Parts are computed without sinks.
+    sinks : array_like, optional
+        One logit per query head, shape ``(heads,)``, as in :func:`qkv.attention`: for lse of
+        shape ``(..., heads, L)`` it is applied as ``sinks[..., None]``. Added once, to the
+        merged result.
 
     Returns
     -------
@@ -63,6 +73,9 @@ def merge(parts: Sequence[tuple[Any, Any]]) -> tuple[np.ndarray, np.ndarray]:
     ([2.905148, 3.905148], 4.048587)
     >>> qkv.merge([(np.zeros(2), -np.inf), b])[0].round(6).tolist()  # an empty part adds nothing
     [3.0, 4.0]
+    >>> s = qkv.merge([a, b], sinks=0.5)   # == qkv.attention(q, k, v, scale=0.5, sinks=0.5)
+    >>> bool(np.allclose(s[0], qkv.attention(q, k, v, scale=0.5, sinks=0.5)))
+    True
     """
     if isinstance(parts, (str, bytes)) or not isinstance(parts, Sequence):
         raise InputTypeError(
@@ -86,4 +99,16 @@ def merge(parts: Sequence[tuple[Any, Any]]) -> tuple[np.ndarray, np.ndarray]:
                 f"{arrays[0][0].shape}"
             )
         arrays.append((o, lse))
-    return merge_arrays(arrays)
+    out, lse = merge_arrays(arrays)
+    if sinks is None:
+        return out, lse
+    s = as_array(sinks, "sinks")
+    try:
+        s = s.reshape(()) if s.size == 1 else np.broadcast_to(s[..., None], lse.shape)
+    except ValueError:
+        raise InputError(
+            f"sinks: shape {s.shape} does not match the heads of lse {lse.shape} (axis -2)"
+        ) from None
+    if not np.all(np.isfinite(s)):
+        raise InputError(f"sinks: must be finite (shape {s.shape})")
+    return add_sink(out, lse, s)

@@ -31,7 +31,7 @@ import numpy as np
 
 from .attention import attention
 from .errors import InputError, InputTypeError
-from .kernels import dense
+from .kernels import dense, mods
 from .masks import allowed, query_positions
 from .scale_expr import ScaleExpr, parse_scale
 from .validate import as_array, make_plan
@@ -188,6 +188,14 @@ class Trace:
         Exactly :func:`qkv.attention`'s output (as rows).
     exact : qkv.exact.ExactSteps or None
         The same steps in exact arithmetic (``exact=True``).
+    steps : dict of str to ndarray
+        The variants' steps between the scaled scores and the bias, in order, each ``(L, S)``:
+        ``"softcap"`` (the soft-capped score ``c · tanh(s / c)``), ``"alibi"`` (the ALiBi bias
+        of each key, already added in the next step), ``"score_mod"`` (the user function's
+        value). Empty without variants.
+    sink, sink_share : float and ndarray ``(L,)``, or None
+        The sink's logit and its share of each row's denominator, ``exp(sink − lse)``; the sums
+        ``Σ`` then include ``exp(sink − max)``.
     """
 
     q: np.ndarray
@@ -213,6 +221,9 @@ class Trace:
     weights: np.ndarray | None = None
     lse: np.ndarray | None = None
     output: np.ndarray | None = None
+    steps: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    sink: float | None = None
+    sink_share: np.ndarray | None = None
     exact: Any = None
     title: str | None = None
     key_labels: tuple[str, ...] | None = None
@@ -309,6 +320,8 @@ class Trace:
                 out.append("mask is False")
             elif r == "bias":
                 out.append("bias is -inf")
+            elif r == "mask_mod":
+                out.append("mask_mod is False")
             else:
                 out.append(r)
         return "; ".join(out)
@@ -423,6 +436,7 @@ def explain(
     title: str | None = None,
     key_labels: Any = None,
     query_labels: Any = None,
+    **variants: Any,
 ) -> Trace:
     """Compute attention and record every intermediate number.
 
@@ -449,6 +463,10 @@ def explain(
         read as the decimals they print as (``0.1`` is ``1/10``).
     stop_at : {"inputs", "scores", "weights", "output"}, optional
         Stop the trace early (``"scores"``: pre-softmax scores only).
+    **variants
+        ``softcap``, ``sinks``, ``alibi_slopes``, ``score_mod``, ``mask_mod`` as in
+        :func:`qkv.attention` (one head: ``sinks`` and ``alibi_slopes`` are single numbers).
+        The trace shows each one's step (:attr:`Trace.steps`, :attr:`Trace.sink_share`).
     title : str, optional
         A heading for rendered output (escaped by every renderer).
     key_labels, query_labels : sequence of str, optional
@@ -470,6 +488,9 @@ def explain(
     >>> t = qkv.explain([2, 1], [[1, 0], [3, 2]], d=4)
     >>> t.stage, t.raw.tolist(), t.scaled.tolist()
     ('weights', [[2.0, 8.0]], [[1.0, 4.0]])
+    >>> t = qkv.explain([2, 1], [[1, 0], [3, 2]], d=4, softcap=2.0, sinks=0.0)
+    >>> t.steps["softcap"].round(4).tolist(), t.sink_share.round(4).tolist()
+    ([[0.9242, 1.9281]], [0.0962])
     >>> qkv.explain([2, 1], [[1, 0], [3, 2]], d=4, scale="sqrt(d)").scaled.tolist()
     [[4.0, 16.0]]
     >>> qkv.explain([2, 1], [[1, 0], [3, 2]], d=4, key_labels=["cat", "sat"]).key_label(1)
@@ -495,7 +516,10 @@ def explain(
         mask=mask,
         window=window,
         need_v=need_v,
+        **variants,
     )
+    if exact and (plan.modded or plan.sinks is not None):
+        raise InputError(f"exact: not available with {', '.join(sorted(variants))}")
     if plan.batch != ():
         raise InputError(
             "q, k, v: explain takes one sequence: q (L, d) or (d,), k (S, d), v (S, dv); "
@@ -533,7 +557,7 @@ def explain(
         raw = dense.raw_scores(dataclasses.replace(plan, scale=1.0))
         scaled = dense.raw_scores(plan)
     _check_scores_finite(raw, scaled, info.value)
-    fields: dict[str, Any] = dict(raw=raw, scaled=scaled)
+    fields: dict[str, Any] = dict(raw=raw, scaled=scaled, steps=_variant_steps(plan, scaled))
     if stage != "scores":
         with np.errstate(over="ignore", invalid="ignore"):
             logits = dense.logits(plan)
@@ -550,6 +574,12 @@ def explain(
             exps = np.exp(shifted)
             sums = np.sum(exps, axis=-1)
             weights, lse = dense.softmax_rows(logits.copy())
+            if plan.sinks is not None:  # the sink joins every row's denominator
+                sink = float(plan.sinks)
+                share, lse = mods.sink_factor(plan, lse)
+                weights *= share[:, None]
+                sums = sums + np.exp(sink - m[:, 0])
+                fields.update(sink=sink, sink_share=np.exp(sink - lse))
         fields.update(
             logits=logits,
             excluded=logits == -np.inf,
@@ -563,7 +593,9 @@ def explain(
         )
         if stage == "output":
             with np.errstate(over="ignore"):  # as above: shifts past the range are -inf
-                out = attention(q, k, v, scale=info.value, causal=causal, mask=mask, window=window)
+                out = attention(
+                    q, k, v, scale=info.value, causal=causal, mask=mask, window=window, **variants
+                )
             fields.update(output=np.asarray(out).reshape(L, plan.dv))
     trace = Trace(**base, **fields)
     if exact:
@@ -609,4 +641,28 @@ def _exclusions(
         parts["mask"] = ~mask
     if bias is not None:
         parts["bias"] = bias == -np.inf
+    if plan.mask_mod is not None:
+        keep = plan.mask_mod(0, 0, query_positions(L, S)[:, None], np.arange(S)[None, :])
+        parts["mask_mod"] = ~np.broadcast_to(np.asarray(keep, dtype=bool), (L, S))
     return parts
+
+
+def _variant_steps(plan: Any, scaled: np.ndarray) -> dict[str, np.ndarray]:
+    """The soft-capped scores, the ALiBi bias per key and the score_mod's value, in order —
+    each step computed by the kernels' own hook (:func:`qkv.kernels.mods.apply`)."""
+    steps: dict[str, np.ndarray] = {}
+    p, j = query_positions(plan.L, plan.S)[:, None], np.arange(plan.S)[None, :]
+    bare = dataclasses.replace(plan, alibi=None, score_mod=None, mask_mod=None)
+    if plan.softcap is not None:
+        steps["softcap"] = mods.apply(bare, scaled.copy(), ..., p, j)
+    s = steps.get("softcap", scaled)
+    if plan.alibi is not None:
+        zero = np.zeros_like(scaled)
+        steps["alibi"] = mods.apply(
+            dataclasses.replace(bare, softcap=None, alibi=plan.alibi), zero, ..., p, j
+        )
+        s = s + steps["alibi"]
+    if plan.score_mod is not None:
+        only = dataclasses.replace(bare, softcap=None, score_mod=plan.score_mod)
+        steps["score_mod"] = mods.apply(only, s.copy(), ..., p, j)
+    return steps

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,6 +115,9 @@ class Plan:
     mask, bias : ndarray or None
         A boolean mask (``True`` = may attend) or float bias, with ``len(batch) + 2`` dims,
         broadcastable to ``(*batch, L, S)``.
+    softcap, sinks, alibi, score_mod, mask_mod
+        The attention variants (:mod:`qkv.kernels.mods`): a positive float; per-head arrays of
+        shape ``batch`` (sink logits, ALiBi slopes); user functions. ``None`` when unused.
     """
 
     q: np.ndarray
@@ -128,6 +132,21 @@ class Plan:
     out_dtype: np.dtype
     acc_dtype: np.dtype
     squeeze: bool
+    softcap: float | None = None
+    sinks: np.ndarray | None = None
+    alibi: np.ndarray | None = None
+    score_mod: Callable[..., Any] | None = None
+    mask_mod: Callable[..., Any] | None = None
+
+    @property
+    def modded(self) -> bool:
+        """True when a variant changes the scores of a tile (all but sinks)."""
+        return (
+            self.softcap is not None
+            or self.alibi is not None
+            or self.score_mod is not None
+            or self.mask_mod is not None
+        )
 
     @property
     def batch(self) -> tuple[int, ...]:
@@ -167,6 +186,11 @@ def make_plan(
     need_v: bool = True,
     check_finite: bool = False,
     dtype: Any = None,
+    softcap: Any = None,
+    sinks: Any = None,
+    alibi_slopes: Any = None,
+    score_mod: Any = None,
+    mask_mod: Any = None,
 ) -> Plan:
     """Check every argument and return a :class:`Plan`.
 
@@ -285,4 +309,46 @@ def make_plan(
         out_dtype=out_dtype,
         acc_dtype=acc_dtype,
         squeeze=squeeze,
+        softcap=check_softcap(softcap),
+        sinks=_per_head(sinks, "sinks", batch, acc_dtype),
+        alibi=_per_head(alibi_slopes, "alibi_slopes", batch, acc_dtype),
+        score_mod=_callable(score_mod, "score_mod"),
+        mask_mod=_callable(mask_mod, "mask_mod"),
     )
+
+
+def check_softcap(softcap: Any) -> float | None:
+    """``softcap=c``: a finite float > 0, or ``None``."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise InputTypeError(f"softcap: expected a real number or None, got {softcap!r}")
+    c = float(softcap)
+    if not math.isfinite(c) or c <= 0.0:
+        raise InputError(f"softcap: must be finite and > 0, got {c}")
+    return c
+
+
+def _per_head(x: Any, name: str, batch: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
+    """One finite number per query head (``(heads,)``, broadcast like the heads axis)."""
+    if x is None:
+        return None
+    a = as_array(x, name)
+    if not batch and a.size == 1:
+        a = a.reshape(())
+    try:
+        a = np.broadcast_to(a.astype(dtype, copy=False), batch)
+    except ValueError:
+        raise InputError(
+            f"{name}: shape {a.shape} does not broadcast to the query heads {batch} "
+            "(one value per head, shape (heads,))"
+        ) from None
+    if not np.all(np.isfinite(a)):
+        raise InputError(f"{name}: must be finite (shape {a.shape})")
+    return a
+
+
+def _callable(f: Any, name: str) -> Callable[..., Any] | None:
+    if f is not None and not callable(f):
+        raise InputTypeError(f"{name}: expected a function or None, got {type(f).__name__}")
+    return f

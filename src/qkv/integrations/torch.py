@@ -16,6 +16,10 @@ What happens to a tensor:
   ``loss.backward()`` gives the gradients PyTorch's own attention would. A float ``mask`` is a
   constant bias: it cannot require grad. :func:`scores` and :func:`attention_weights` return
   tensors that are not part of the autograd graph.
+- Attention variants (``softcap``, ``sinks``, ``alibi_slopes``, ``score_mod``, ``mask_mod``)
+  pass through. ``sinks`` may be a tensor that requires grad (gpt-oss's learned sinks): its
+  gradient comes from :func:`qkv.attention_vjp` like the others. A ``score_mod`` has no
+  gradient in qkv and is refused when gradients are wanted.
 - Masks may be tensors too (bool: ``True`` = may attend; float: added bias), as may any mix of
   tensors, arrays and lists (the result is a tensor when ``q``, ``k`` or ``v`` is one).
 - :func:`attention` on tensors on a GPU runs qkv's Triton kernels on the device
@@ -134,6 +138,7 @@ def attention_weights(
     causal: bool = False,
     mask: Any = None,
     window: Any = None,
+    **variants: Any,
 ) -> torch.Tensor:
     """:func:`qkv.attention_weights` for tensor inputs; returns a tensor (outside autograd)."""
     from ..attention import attention_weights as np_weights
@@ -145,8 +150,17 @@ def attention_weights(
         causal=causal,
         mask=_to_numpy(mask, "mask"),
         window=window,
+        **_variant_arrays(variants),
     )
     return _as_tensor(w, _out_dtype(w.dtype, (q, k)))
+
+
+def _variant_arrays(variants: dict[str, Any]) -> dict[str, Any]:
+    """Per-head tensors among the variants as NumPy arrays."""
+    return {
+        key: _to_numpy(x, key) if key in ("sinks", "alibi_slopes") else x
+        for key, x in variants.items()
+    }
 
 
 def attention(
@@ -174,18 +188,26 @@ def attention(
             return_lse=return_lse, check_finite=check_finite, **more,
         )  # fmt: skip
     torch = _torch()
+    sinks = more.pop("sinks", None)
     options = {
         "scale": scale,
         "causal": causal,
         "mask": _to_numpy(mask, "mask"),
         "window": window,
         "check_finite": check_finite,
-        **more,
+        **_variant_arrays(more),
     }
+    if sinks is not None:
+        options["sinks"] = _to_numpy(sinks, "sinks")
     arrays = (_to_numpy(q, "q"), _to_numpy(k, "k"), _to_numpy(v, "v"))
     wants_grad = torch.is_grad_enabled() and any(
-        isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v)
+        isinstance(x, torch.Tensor) and x.requires_grad for x in (q, k, v, sinks)
     )
+    if wants_grad and options.get("score_mod") is not None:
+        raise InputError(
+            "score_mod: qkv cannot differentiate a user function; run under torch.no_grad() "
+            "or use PyTorch's flex_attention for gradients"
+        )
     if isinstance(mask, torch.Tensor) and mask.requires_grad and wants_grad:
         raise InputError(
             f"mask: qkv gives no gradient for a float mask (shape {tuple(mask.shape)}); "
@@ -200,7 +222,10 @@ def attention(
         x if isinstance(x, torch.Tensor) else _tensor(np.asarray(as_array(a, name)))
         for x, a, name in zip((q, k, v), arrays, "qkv", strict=True)
     )
-    out_t, lse_t = _function().apply(*tensors, options)
+    sink_t = (
+        sinks if isinstance(sinks, torch.Tensor) or sinks is None else _tensor(options["sinks"])
+    )
+    out_t, lse_t = _function().apply(*tensors, sink_t, options)
     return (out_t, lse_t) if return_lse else out_t
 
 
@@ -243,9 +268,10 @@ def _function() -> type:
         """Forward: :func:`qkv.attention`; backward: :func:`qkv.attention_vjp`."""
 
         @staticmethod
-        def forward(ctx: Any, q: Any, k: Any, v: Any, options: Any) -> Any:
+        def forward(ctx: Any, q: Any, k: Any, v: Any, sinks: Any, options: Any) -> Any:
             out, lse = _forward(_arrays(q, k, v), options)
             ctx.save_for_backward(q, k, v)  # torch checks they are not modified in place
+            ctx.sinks = sinks
             ctx.options = options
             lse_t = _tensor(lse)
             ctx.mark_non_differentiable(lse_t)
@@ -256,13 +282,19 @@ def _function() -> type:
             from ..grad import attention_vjp
 
             saved = ctx.saved_tensors
-            opts = {key: ctx.options[key] for key in ("scale", "causal", "mask", "window")}
+            opts = {
+                key: x for key, x in ctx.options.items() if key not in ("check_finite", "kernel")
+            }
             grads = attention_vjp(*_arrays(*saved), _to_numpy(grad_out, "grad_out"), **opts)
+            d_sinks = None
+            if ctx.sinks is not None and ctx.needs_input_grad[3]:
+                d_sinks = _as_tensor(np.asarray(grads[3]), ctx.sinks.dtype)
             return (
                 *(
                     _as_tensor(g, t.dtype) if needed else None
-                    for g, t, needed in zip(grads, saved, ctx.needs_input_grad[:3], strict=True)
+                    for g, t, needed in zip(grads[:3], saved, ctx.needs_input_grad[:3], strict=True)
                 ),
+                d_sinks,
                 None,
             )
 

@@ -27,8 +27,10 @@ What the backend does with what models pass (:func:`attention_forward`):
 - ``dropout`` must be 0 (it is at inference: models pass ``0.0`` unless training). qkv has no
   attention dropout, so training with dropout raises :class:`qkv.InputError`; set the config's
   attention dropout to 0 to train through qkv (gradients come from :func:`qkv.attention_vjp`).
-- ``position_bias`` (T5-style learned biases) is added to the scores; ``softcap`` and attention
-  sinks (``s_aux``) are not supported and raise :class:`qkv.InputError`.
+- ``position_bias`` (T5-style learned biases) is added to the scores; ``softcap`` (Gemma 2's
+  ``attn_logit_softcapping``) becomes qkv's ``softcap``, and attention sinks, passed as ``s_aux``
+  by gpt-oss (or ``sinks``), become qkv's ``sinks`` (with their gradient when training).
+  Per-layer sliding windows arrive in the mask each layer is given (or as ``sliding_window``).
 - It returns ``(attn_output, attn_weights)`` with ``attn_output`` of shape
   ``(batch, L, heads, dv)``; ``attn_weights`` are computed (by
   :func:`qkv.attention_weights`) only when ``output_attentions=True`` is passed, else ``None``.
@@ -95,8 +97,8 @@ def attention_forward(
     dropout : float, optional
         Must be 0.
     **kwargs
-        ``is_causal``, ``sliding_window``, ``position_bias`` and ``output_attentions`` are
-        used; ``softcap`` and ``s_aux`` raise; anything else is ignored.
+        ``is_causal``, ``sliding_window``, ``position_bias``, ``softcap``, ``s_aux`` (or
+        ``sinks``) and ``output_attentions`` are used; anything else is ignored.
 
     Returns
     -------
@@ -121,9 +123,6 @@ def attention_forward(
             f"dropout: qkv has no attention dropout, got {dropout}; use the model in eval() "
             "mode, or set its attention dropout to 0 to train through qkv"
         )
-    for name in ("softcap", "s_aux"):
-        if kwargs.get(name) is not None:
-            raise InputError(f"{name}: not supported by the qkv attention backend")
     from torch.nn.functional import pad as torch_pad
 
     from .. import attention as qkv_attention
@@ -147,7 +146,14 @@ def attention_forward(
         sliding = kwargs.get("sliding_window")
         if sliding:
             window = (int(sliding) - 1, 0)
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        sinks = kwargs.get("sinks")
     options = {"scale": scaling, "causal": causal, "mask": mask, "window": window}
+    if kwargs.get("softcap") is not None:
+        options["softcap"] = kwargs["softcap"]
+    if sinks is not None:
+        options["sinks"] = sinks
     out = qkv_attention(query, key, value, **options)
     for observe in OBSERVERS:
         observe(module, query, key, value, options, out)

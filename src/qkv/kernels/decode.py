@@ -17,9 +17,10 @@ import math
 
 import numpy as np
 
-from ..masks import allowed, key_range
+from ..masks import allowed, key_range, query_positions
 from ..merge import merge_arrays
 from ..validate import Plan
+from . import mods
 from ._threads import cpu_count, parallel_map
 
 __all__ = ["ITEM_BYTES", "MIN_SPLIT", "attend"]
@@ -103,6 +104,10 @@ class _Problem:
         else:
             s = q @ k.transpose(0, 2, 1)
         per_query = s.reshape(nh * g, L, c1 - c0)
+        if plan.modded:  # soft-cap, ALiBi, score_mod, mask_mod: this item's heads and keys
+            sel = outer + (slice(h0 * g, h1 * g),) if plan.batch else ()
+            qi = query_positions(L, self.S)[:, None]
+            mods.apply(plan, per_query, sel, qi, np.arange(c0, c1)[None, :])
         if self.bias is not None:
             per_query += self.bias[outer][h0 * g : h1 * g, :, c0:c1]
         if plan.structured and (c0 < self.inner_lo or c1 > self.inner_hi):

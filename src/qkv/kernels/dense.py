@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..masks import allowed
+from ..masks import allowed, query_positions
 from ..validate import Plan
+from . import mods
 from .blocks import finish, grouped_matmul
 
 __all__ = ["attend", "logits", "raw_scores", "row_max", "softmax_rows"]
@@ -27,8 +28,11 @@ def raw_scores(plan: Plan) -> np.ndarray:
 
 
 def logits(plan: Plan) -> np.ndarray:
-    """Scaled scores plus bias, ``-inf`` where masked."""
+    """Scaled scores with the variants (:func:`mods.apply`) plus bias, ``-inf`` where masked."""
     s = raw_scores(plan)
+    if plan.modded:
+        p = query_positions(plan.L, plan.S)[:, None]
+        s = mods.apply(plan, s, ..., p, np.arange(plan.S)[None, :])
     if plan.bias is not None:
         s += plan.bias
     ok = allowed(plan.L, plan.S, causal=plan.causal, window=plan.window)

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..errors import InputError, InputTypeError
 from ..validate import Plan
-from . import decode, dense, tiled
+from . import decode, dense, mods, tiled
 
 __all__ = [
     "DECODE_MAX_L",
@@ -76,13 +76,16 @@ def choose(plan: Plan) -> str:
 
 
 def attend(plan: Plan, kernel: str = "auto") -> tuple[np.ndarray, np.ndarray]:
-    """Run ``kernel`` (or the one :func:`choose` picks) on ``plan``: ``(out, lse)``."""
+    """Run ``kernel`` (or the one :func:`choose` picks) on ``plan``: ``(out, lse)``.
+
+    Sinks are added once, to the kernel's finished result (:func:`mods.with_sinks`).
+    """
     name = choose(plan) if kernel == "auto" else check_kernel(kernel)
     run = {"dense": dense.attend, "decode": decode.attend, "tiled": tiled.attend}[name]
     out, lse = run(plan)
     if not np.isfinite(out).all() and plan.v.size and np.isfinite(plan.v).all():
         out, lse = _rescaled(run, plan, out, lse)
-    return out, lse
+    return mods.with_sinks(plan, out, lse)
 
 
 def _rescaled(run: Any, plan: Plan, out: np.ndarray, lse: np.ndarray) -> tuple[np.ndarray, ...]:

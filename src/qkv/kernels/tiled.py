@@ -21,6 +21,11 @@ costs about half of full attention. Across the mask's edge the keys are visited 
 pieces, each with only the rows that see some of it, and an additive 0/-inf tile (cached: it
 depends only on the tile's shape and diagonal offset) masks the rest.
 
+Variants: each score tile passes through :func:`qkv.kernels.mods.apply` right after its GEMM
+(soft-cap, ALiBi, ``score_mod``, ``mask_mod``). A ``mask_mod``'s block mask is computed once
+per call on ``block_q × MASK_BLOCK_K`` tiles (``block_q`` at most ``MASK_BLOCK_Q`` then): runs
+of empty blocks are never visited, and blocks it allows entirely skip the ``mask_mod``.
+
 Grouped-query heads read their kv head's rows directly (K/V are never repeated). float16 inputs
 arrive as float32 (the plan's compute dtype) and accumulate there.
 
@@ -41,6 +46,7 @@ import numpy as np
 
 from ..masks import allowed
 from ..validate import Plan
+from . import mods
 from ._threads import parallel_map
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "TAU", "attend"]
@@ -50,6 +56,8 @@ BLOCK_K = 1024
 TAU = 40.0
 VALUES_CACHE = 64 << 20  # bytes of whole kv heads' values (with ones) kept for reuse per call
 EDGE_SPLIT = 2  # key pieces across a mask edge are block_q / EDGE_SPLIT wide
+MASK_BLOCK_K = 128  # keys per block of a mask_mod's block mask (empty runs of them are skipped)
+MASK_BLOCK_Q = 256  # query rows per tile with a mask_mod: finer tiles skip more (bench/variants.py)
 
 
 def _kv_index(idx: tuple[int, ...], group: int) -> tuple[int, ...]:
@@ -90,6 +98,8 @@ class _Problem:
         self.norms: dict[tuple[int, ...], np.ndarray] = {}
         self.vaug: dict[tuple[int, ...], np.ndarray] = {}
         self.vaug_bytes = 0
+        self.gk = min(block_k, MASK_BLOCK_K)
+        self.blocks = mods.block_mask(plan, block_q, self.gk)  # None without a mask_mod
 
     def scratch(self, rows: int, cols: int) -> np.ndarray:
         """A reused ``(rows, cols)`` buffer of this thread (fresh arrays cost page faults)."""
@@ -177,6 +187,28 @@ class _Problem:
             a = b = min(max(a, lo), hi)
         return _split(lo, a, edge) + _split(a, b, bk) + _split(b, hi, edge)
 
+    def visit(
+        self, idx: tuple[int, ...], r0: int, pieces: list[tuple[int, int]]
+    ) -> list[tuple[int, int, bool]]:
+        """``(c0, c1, full)`` for each piece, split by the ``mask_mod``'s block mask: runs of
+        empty blocks are dropped, and ``full`` says no ``mask_mod`` needs evaluating."""
+        if self.blocks is None:
+            return [(c0, c1, True) for c0, c1 in pieces]
+        status, g, out = self.blocks[idx][r0 // self.bq], self.gk, []
+        for c0, c1 in pieces:
+            j, end = c0 // g, -(-c1 // g)
+            while j < end:
+                if status[j] == mods.EMPTY:
+                    j += 1
+                    continue
+                e = j
+                while e < end and status[e] != mods.EMPTY:
+                    e += 1
+                full = bool(np.all(status[j:e] == mods.FULL))
+                out.append((max(c0, j * g), min(c1, e * g), full))
+                j = e
+        return out
+
     def run(self, item: tuple[tuple[int, ...], int, int]) -> None:
         idx, r0, r1 = item
         plan, dt, tau = self.plan, self.dt, self.tau
@@ -190,14 +222,14 @@ class _Problem:
         v, v0 = self.values_and_ones(kidx, lo, hi)
         # Cauchy-Schwarz: |q·k| <= |q| max|k|. Within ±tau no row needs an offset at all.
         bounded = False
-        if self.bias is None and hi > lo:
+        if self.bias is None and hi > lo and plan.alibi is None and plan.score_mod is None:
             qn = np.sqrt(np.einsum("ij,ij->j", qt, qt))
             bound = float(np.max(qn)) * float(np.max(self.key_norms(kidx)[lo:hi]))
             bounded = bound <= tau  # False for NaN or inf
         m = np.full(rows, 0.0 if bounded else -np.inf, dtype=dt)  # per-row offset, lazy max
         acc = np.zeros((rows, plan.dv + 1), dtype=dt)  # last column: the softmax denominators
         denom = acc[:, -1]
-        for c0, c1 in self.pieces(los, his):
+        for c0, c1, full in self.visit(idx, r0, self.pieces(los, his)):
             # only rows [a, b) of the tile see any key of [c0, c1)
             a = int(np.searchsorted(his, c0, side="right"))
             b = int(np.searchsorted(los, c1, side="left"))
@@ -205,6 +237,9 @@ class _Problem:
                 continue
             s = self.scratch(c1 - c0, b - a)
             np.matmul(k[c0:c1], qt[:, a:b], out=s)
+            if plan.modded:  # soft-cap, ALiBi, score_mod, mask_mod on this (keys, rows) tile
+                qi = np.arange(r0 + a, r0 + b)[None, :] + (self.S - self.L)
+                mods.apply(plan, s, idx, qi, np.arange(c0, c1)[:, None], full=full)
             if self.bias is not None:
                 s += self.bias[idx][r0 + a : r0 + b, c0:c1].T
             if los[b - 1] > c0 or his[a] < c1:  # the piece crosses causal/window's edge
@@ -290,6 +325,8 @@ def attend(
     >>> bool(np.allclose(out, reference.attention(q, k, v, causal=True)))
     True
     """
+    if plan.mask_mod is not None:
+        block_q = min(block_q, MASK_BLOCK_Q)
     prob = _Problem(plan, max(1, int(block_q)), max(1, int(block_k)))
     if plan.L and plan.S:  # otherwise every row is empty: out 0, lse -inf as allocated
         parallel_map(prob.run, _items(plan, prob.bq), threads)

@@ -13,6 +13,11 @@ rows' saved log-sum-exp, ``P = exp(Z − lse)``, and used at once::
             dq_i += dZ k_j
             dk_j += dZᵀ q_i
 
+Variants: the tile's scores go through :func:`qkv.kernels.mods.apply` as in the forward pass;
+with ``softcap`` the chain rule adds the factor ``1 − tanh²(s / c)`` to ``dZ``. Sinks need
+nothing here: ``lse`` and ``O`` already include them (``dZ`` is the same formula), and their own
+gradient is taken from ``δ`` by :func:`qkv.attention_vjp`.
+
 Tiles that causal or a window rule out entirely are skipped. Grouped query heads are served by
 viewing ``(Hq, rows)`` as ``(Hkv, group · rows)``, so k and v are never repeated. When the
 forward pass's output and lse are not supplied, the tiled forward kernel
@@ -23,8 +28,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..masks import allowed
+from ..masks import allowed, query_positions
 from ..validate import Plan
+from . import mods
 from .blocks import grouped_matmul, grouped_matmul_t
 
 __all__ = ["backward"]
@@ -37,15 +43,22 @@ def _tile(m: np.ndarray, rows: range, cols: range) -> np.ndarray:
     return m[..., r, c]
 
 
-def _logits(plan: Plan, rows: range, cols: range) -> np.ndarray | None:
-    """Scaled, biased, masked scores of one tile; ``None`` when the tile is entirely masked."""
+def _logits(plan: Plan, rows: range, cols: range) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """Scaled, modified, biased, masked scores of one tile (``None`` when the tile is entirely
+    masked) and, with ``softcap``, the derivative ``1 − tanh²`` of the cap."""
     ok = allowed(plan.L, plan.S, causal=plan.causal, window=plan.window, rows=rows, cols=cols)
     if ok is not None and not ok.any():
-        return None
+        return None, None
     qi = plan.q[..., rows.start : rows.stop, :]
     kj = plan.k[..., cols.start : cols.stop, :]
     s = grouped_matmul(qi, np.swapaxes(kj, -1, -2), plan.group)
     s *= plan.acc_dtype.type(plan.scale)
+    dcap = None
+    if plan.softcap is not None:
+        dcap = 1 - np.tanh(s / plan.acc_dtype.type(plan.softcap)) ** 2
+    if plan.modded:
+        qi = query_positions(plan.L, plan.S, rows)[:, None]
+        s = mods.apply(plan, s, ..., qi, np.arange(cols.start, cols.stop)[None, :])
     if plan.bias is not None:
         s += _tile(plan.bias, rows, cols)
     if plan.mask is not None:
@@ -53,7 +66,7 @@ def _logits(plan: Plan, rows: range, cols: range) -> np.ndarray | None:
         ok = m if ok is None else ok & m
     if ok is not None:
         s = np.where(ok, s, plan.acc_dtype.type(-np.inf))
-    return s
+    return s, dcap
 
 
 def backward(
@@ -78,7 +91,7 @@ def backward(
         vj = plan.v[..., j0 : cols.stop, :]
         for i0 in range(0, plan.L, block):
             rows = range(i0, min(i0 + block, plan.L))
-            s = _logits(plan, rows, cols)
+            s, dcap = _logits(plan, rows, cols)
             if s is None:
                 continue
             r = slice(i0, rows.stop)
@@ -87,6 +100,8 @@ def backward(
             dv[..., j0 : cols.stop, :] += grouped_matmul_t(p, do_i, g)
             dp = grouped_matmul(do_i, np.swapaxes(vj, -1, -2), g)
             dz = p * (dp - delta[..., r, :])
+            if dcap is not None:
+                dz *= dcap
             dz *= scale
             dq[..., r, :] += grouped_matmul(dz, kj, g)
             dk[..., j0 : cols.stop, :] += grouped_matmul_t(dz, plan.q[..., r, :], g)

@@ -105,6 +105,9 @@ def trace_dict(t: Trace) -> dict[str, Any]:
         "window": None if t.window is None else list(t.window),
         "mask": _arr(t.mask),
         "bias": _arr(t.bias),
+        "steps": {name: _arr(a) for name, a in t.steps.items()},
+        "sink": t.sink,
+        "sink_share": _arr(t.sink_share),
         "positions": [int(p) for p in t.positions],
         "labels": {
             "keys": None if t.key_labels is None else list(t.key_labels),

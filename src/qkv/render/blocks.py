@@ -194,6 +194,8 @@ def _overview(t: Trace) -> list[Any]:
         rules.append("a boolean mask (True = may attend)")
     if t.bias is not None:
         rules.append("a float mask added to the scaled scores as a bias")
+    if t.exclusions and "mask_mod" in t.exclusions:
+        rules.append("a mask_mod function (True = may attend)")
     if t.stage == "scores":
         return blocks
     blocks.append(
@@ -265,6 +267,8 @@ def _row_steps(t: Trace, i: int, keys: list[int | None]) -> list[Any]:
         Cell("raw", kind="label"),
         Cell(f"× {t.scale.substituted}", kind="label"),
     ]
+    steps = {"softcap": "c·tanh(s/c)", "alibi": "+ ALiBi", "score_mod": "score_mod"}
+    header += [Cell(steps[name], kind="label") for name in t.steps]
     if t.bias is not None and has_w:
         header.append(Cell("+ bias", kind="label"))
     if has_w:
@@ -293,6 +297,7 @@ def _row_steps(t: Trace, i: int, keys: list[int | None]) -> list[Any]:
         row.append(
             _exact_cell(ex, ex.scaled[i][j], st) if ex is not None else _num(t.scaled[i, j], st)
         )
+        row += [_num(a[i, j], st) for a in t.steps.values()]
         if t.bias is not None and has_w:
             row.append(_num(t.bias[i, j], st))
         if has_w:
@@ -315,6 +320,14 @@ def _row_steps(t: Trace, i: int, keys: list[int | None]) -> list[Any]:
     out: list[Any] = [Table(header, rows)]
     if has_w:
         seen = int((~t.excluded[i]).sum())
+        if t.sink is not None:
+            out.append(
+                Para(
+                    f"sink = {fmt(t.sink)}: exp(sink − max) joins Σ with no value; its share "
+                    f"of the denominator is {fmt(t.sink_share[i])}",
+                    style="formula",
+                )
+            )
         if seen == 0:
             out.append(
                 Para("This row may attend no key: its weights and output are 0.", style="note")
