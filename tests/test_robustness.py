@@ -65,3 +65,36 @@ def test_concurrent_calls_leave_blas_threads_as_found():
         t.join(timeout=120)
     assert not errors and not any(t.is_alive() for t in threads)
     assert _blas_threads() == before
+
+
+# ----- KVCache growth is all or nothing -----
+
+
+def test_failed_cache_growth_leaves_cache_unchanged(monkeypatch):
+    rng = np.random.default_rng(2)
+    k, v = rng.standard_normal((2, 1, 2, 20, 4)).astype(np.float32)
+    cache = qkv.KVCache(1, 2, 4, value_dim=4)
+    cache.append(k[:, :, :16], v[:, :, :16])  # exactly the first capacity (16)
+    before = (cache.lengths, cache.capacity, cache.keys(0).copy(), cache.values(0).copy())
+    real_empty = np.empty
+    calls = []
+
+    def failing_empty(shape, *args, **kwargs):
+        calls.append(shape)
+        if len(calls) == 2:  # the second buffer of the growth (k grew already, before the fix)
+            raise MemoryError("simulated")
+        return real_empty(shape, *args, **kwargs)
+
+    monkeypatch.setattr(np, "empty", failing_empty)
+    with pytest.raises(MemoryError):
+        cache.append(k[:, :, 16:], v[:, :, 16:])
+    monkeypatch.undo()
+    assert cache.lengths.tolist() == before[0].tolist() and cache.capacity == before[1]
+    np.testing.assert_array_equal(cache.keys(0), before[2])
+    np.testing.assert_array_equal(cache.values(0), before[3])
+    # and it goes on working: the retried append and attention equal the reference
+    cache.append(k[:, :, 16:], v[:, :, 16:])
+    q = rng.standard_normal((1, 2, 3, 4)).astype(np.float32)
+    np.testing.assert_allclose(
+        cache.attend(q), reference.attention(q, k, v, causal=True), rtol=1e-4, atol=1e-5
+    )

@@ -127,10 +127,13 @@ class KVCache:
             return
         new = max(need, 2 * cap, 16)
         used = int(self._lengths.max())
-        for name, dim in (("_k", self.head_dim), ("_v", self.value_dim)):
-            grown = np.empty((self.batch, self.kv_heads, new, dim), dtype=self.dtype)
-            grown[:, :, :used] = getattr(self, name)[:, :, :used]
-            setattr(self, name, grown)
+        # All or nothing: both buffers are allocated before either replaces the old one, so a
+        # MemoryError leaves the cache exactly as it was.
+        k = np.empty((self.batch, self.kv_heads, new, self.head_dim), dtype=self.dtype)
+        v = np.empty((self.batch, self.kv_heads, new, self.value_dim), dtype=self.dtype)
+        k[:, :, :used] = self._k[:, :, :used]
+        v[:, :, :used] = self._v[:, :, :used]
+        self._k, self._v = k, v
 
     def append(self, k: Any, v: Any, seq: int | None = None) -> None:
         """Add ``T >= 1`` tokens to every sequence, or to sequence ``seq`` alone.
