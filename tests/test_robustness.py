@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import multiprocessing
 import threading
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +15,12 @@ import qkv
 from qkv import reference
 
 threadpoolctl = pytest.importorskip("threadpoolctl")
+
+_spec = importlib.util.spec_from_file_location(
+    "qkv_fuzz", Path(__file__).resolve().parents[1] / "scripts" / "fuzz.py"
+)
+fuzz = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fuzz)
 
 
 # ----- processes and threads -----
@@ -98,3 +106,101 @@ def test_failed_cache_growth_leaves_cache_unchanged(monkeypatch):
     np.testing.assert_allclose(
         cache.attend(q), reference.attention(q, k, v, causal=True), rtol=1e-4, atol=1e-5
     )
+
+
+# ----- non-finite inputs: every kernel agrees with the reference, NaN where it has NaN -----
+
+KERNELS = ("dense", "tiled", "decode")
+
+
+def assert_same_with_nan(got: np.ndarray, ref: np.ndarray, rtol: float = 1e-5) -> None:
+    """Equal values, NaN in exactly the reference's places."""
+    got = np.asarray(got, dtype=np.float64)
+    assert got.shape == ref.shape
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(ref))
+    np.testing.assert_allclose(got, ref, rtol=rtol, atol=1e-6, equal_nan=True)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+def test_non_finite_key_hidden_by_causal(kernel, bad):
+    q, k, v = np.ones((2, 1)), np.array([[1.0], [bad]]), np.array([[1.0], [2.0]])
+    with np.errstate(all="ignore"):
+        ref = reference.attention(q, k, v, causal=True)
+    assert ref[0, 0] == 1.0  # row 0 never sees key 1
+    assert_same_with_nan(qkv.attention(q, k, v, causal=True, kernel=kernel), ref)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+@pytest.mark.parametrize("window", [None, (1, 0), (0, 2)])
+def test_non_finite_inputs_under_masks_match_reference(kernel, where, bad, window):
+    rng = np.random.default_rng(3)
+    arrays = dict(zip("qkv", rng.standard_normal((3, 2, 9, 4)), strict=True))
+    arrays[where][1, 4, 2] = bad
+    q, k, v = arrays["q"], arrays["k"], arrays["v"]
+    with np.errstate(all="ignore"):
+        ref = reference.attention(q, k, v, causal=True, window=window)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # qkv warns about nothing: NaN propagates by policy
+        got = qkv.attention(q, k, v, causal=True, window=window, kernel=kernel)
+    if where == "v":  # documented: a non-finite value may also reach rows that mask its key
+        case = dict(q=q, k=k, v=v, scale=None, causal=True, window=window)
+        with np.errstate(all="ignore"):
+            skip = fuzz.without_hidden(case)  # the answer with the hidden keys left out
+        differ = ~np.isclose(got, ref, rtol=1e-5, atol=1e-6, equal_nan=True)
+        assert np.all(np.isnan(got[differ]) | np.isclose(got[differ], skip[differ]))
+        assert differ.sum() < got.size // 4  # the rows that see the key agree
+    else:
+        assert_same_with_nan(got, ref)
+
+
+# ----- the edges of the float ranges -----
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("scale", [1e38, 1e39, 1e300])
+def test_scale_beyond_float32_range_is_computed(kernel, scale):
+    rng = np.random.default_rng(4)
+    q, k, v = rng.standard_normal((3, 5, 4)).astype(np.float32)
+    ref = reference.attention(q, k, v, scale=scale)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = qkv.attention(q, k, v, scale=scale, kernel=kernel)
+        w = qkv.attention_weights(q, k, scale=scale)
+    assert out.dtype == np.float32
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(w, reference.attention_weights(q, k, scale=scale), atol=1e-6)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_large_valid_values_raise_no_warning(kernel):
+    v = np.full((64, 2), 3e37, np.float32)
+    q = k = np.ones((64, 2), np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = qkv.attention(q, k, v, kernel=kernel)
+    np.testing.assert_allclose(out, reference.attention(q, k, v), rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_bias_beyond_compute_range_is_refused(dtype):
+    x = np.ones((2, 2), dtype)
+    bias = np.full((2, 2), np.finfo(np.float64).min)
+    with pytest.raises(qkv.InputError, match=r"mask: float bias .* beyond the range of float32"):
+        qkv.attention(x, x, x, mask=bias)
+    # -inf stays the way to hide keys, and in-range biases are fine
+    bias = np.array([[0.0, -np.inf], [-1e30, 0.0]])
+    np.testing.assert_allclose(
+        qkv.attention(x, x, x, mask=bias), reference.attention(x, x, x, mask=bias), atol=1e-3
+    )
+
+
+# ----- a slice of scripts/fuzz.py: every kernel against the reference on random problems -----
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_fuzz_slice(seed):
+    """50 random problems per seed (shapes, masks, windows, dtypes, magnitudes, NaN/inf)."""
+    assert fuzz.run(50, seed=1000 + seed) == 0

@@ -137,8 +137,7 @@ def attention_weights(
     if _torch.is_tensor_input(q, k):
         return _torch.attention_weights(q, k, scale=scale, causal=causal, mask=mask, window=window)
     plan = make_plan(q, k, need_v=False, scale=scale, causal=causal, mask=mask, window=window)
-    w, _ = dense.softmax_rows(dense.logits(plan))
-    w = w.astype(plan.out_dtype, copy=False)
+    w = dispatch.weights(plan).astype(plan.out_dtype, copy=False)
     return w[..., 0, :] if plan.squeeze else w
 
 

@@ -97,6 +97,24 @@ def _clamp_window(window: Window | None, L: int, S: int) -> Window | None:
     return None if left is None and right is None else (left, right)
 
 
+def _narrow_bias(m: np.ndarray, acc_dtype: np.dtype) -> np.ndarray:
+    """The float bias in the compute dtype; refuses finite values it would turn into ``±inf``
+    (a bias of -1e300 would otherwise silently hide keys the definition lets a row see)."""
+    if m.dtype.itemsize <= acc_dtype.itemsize:
+        return m.astype(acc_dtype, copy=False)
+    with np.errstate(over="ignore"):
+        bias = m.astype(acc_dtype)
+    lost = np.isinf(bias) & np.isfinite(m)
+    if lost.any():
+        worst = float(m[lost].flat[np.argmax(np.abs(m[lost]))])
+        raise InputError(
+            f"mask: float bias {worst:.4g} (shape {m.shape}) is beyond the range of {acc_dtype} "
+            f"(±{float(np.finfo(acc_dtype).max):.4g}), the dtype q, k, v are computed in; use "
+            "-inf (or a boolean mask) to hide keys, a smaller bias, or float64 inputs"
+        )
+    return bias
+
+
 @dataclass(frozen=True)
 class Plan:
     """A checked attention problem, ready for any kernel.
@@ -249,7 +267,7 @@ def make_plan(
         if m.dtype == bool:
             bool_mask = m
         elif np.issubdtype(m.dtype, np.floating):
-            bias = m.astype(acc_dtype, copy=False)
+            bias = _narrow_bias(m, acc_dtype)
         else:
             raise InputTypeError(
                 f"mask: expected bool (True = may attend) or float (added bias), got dtype "

@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
+import numpy as np
+
 __all__ = ["cpu_count", "parallel_map", "single_threaded_blas"]
 
 T = TypeVar("T")
@@ -76,6 +78,18 @@ if hasattr(os, "register_at_fork"):  # not on Windows
     os.register_at_fork(after_in_child=_reinit_after_fork)
 
 
+def _free_blas_control() -> None:
+    """Let this thread set OpenBLAS's limit (threadpoolctl >= 3.8 lets only one thread at a
+    time change a process-wide OpenBLAS pool, silently ignoring the others)."""
+    try:
+        from threadpoolctl import OpenBLASController
+    except ImportError:
+        return
+    clear = getattr(OpenBLASController, "clear_controlling_thread", None)
+    if clear is not None:
+        clear(force=True)
+
+
 @contextmanager
 def single_threaded_blas() -> Iterator[None]:
     """Hold BLAS to one thread inside the block (a no-op without ``threadpoolctl``).
@@ -98,6 +112,7 @@ def single_threaded_blas() -> Iterator[None]:
         return
     with _limit_lock:
         if _limit_users == 0:
+            _free_blas_control()
             _limit_active.append(_controller[0].limit(limits=1, user_api="blas"))
         _limit_users += 1
         _limit_depth.n = getattr(_limit_depth, "n", 0) + 1
@@ -108,7 +123,9 @@ def single_threaded_blas() -> Iterator[None]:
             _limit_depth.n -= 1
             _limit_users -= 1
             if _limit_users == 0:
+                _free_blas_control()  # the last user may be another thread than the first
                 _limit_active.pop().restore_original_limits()
+                _free_blas_control()  # and leave OpenBLAS to whichever thread comes next
 
 
 def _blas_limitable() -> bool:
@@ -139,4 +156,10 @@ def parallel_map(
     with single_threaded_blas():  # many small GEMMs: BLAS's own threads only add overhead
         if n <= 1:
             return [fn(x) for x in items]
-        return list(_pool(n).map(fn, items))
+        err = np.geterr()  # NumPy's error state is per thread: the workers take the caller's
+
+        def call(x: Any) -> T:
+            with np.errstate(**err):
+                return fn(x)
+
+        return list(_pool(n).map(call, items))
