@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import multiprocessing
+import re
 import threading
 import warnings
 from pathlib import Path
@@ -204,3 +205,50 @@ def test_bias_beyond_compute_range_is_refused(dtype):
 def test_fuzz_slice(seed):
     """50 random problems per seed (shapes, masks, windows, dtypes, magnitudes, NaN/inf)."""
     assert fuzz.run(50, seed=1000 + seed) == 0
+
+
+# ----- inputs that were silently accepted -----
+
+
+@pytest.mark.parametrize("dtype", ["datetime64[s]", "timedelta64[ms]"])
+def test_datetime_arrays_are_refused(dtype):
+    x = np.arange(4).astype(dtype).reshape(2, 2)
+    with pytest.raises(qkv.InputTypeError, match=re.escape(f"q: expected real numbers, got dtype {dtype}")):
+        qkv.attention(x, np.ones((2, 2)), np.ones((2, 2)))
+    with pytest.raises(qkv.InputTypeError, match="mask: expected bool"):
+        qkv.attention(np.ones((2, 2)), np.ones((2, 2)), np.ones((2, 2)), mask=x)
+
+
+def test_cache_dtype_none_is_refused():
+    with pytest.raises(qkv.InputTypeError, match="dtype: expected a float dtype, got None"):
+        qkv.KVCache(1, 1, 4, dtype=None)
+
+
+@pytest.mark.parametrize("flag", ["return_lse", "check_finite"])
+@pytest.mark.parametrize("value", ["no", 0, 1, None, [True]])
+def test_flags_must_be_bool(flag, value):
+    x = np.ones((2, 2))
+    with pytest.raises(qkv.InputTypeError, match=f"{flag}: expected True or False"):
+        qkv.attention(x, x, x, **{flag: value})
+    if flag == "return_lse":
+        cache = qkv.KVCache(1, 1, 2)
+        with pytest.raises(qkv.InputTypeError, match="return_lse: expected True or False"):
+            cache.attend(np.ones((1, 1, 1, 2)), return_lse=value)
+
+
+def test_sparse_and_quantized_tensors_name_the_argument():
+    torch = pytest.importorskip("torch")
+    q = torch.ones(3, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's beta/deprecation notes
+        cases = {
+            "q": (q.to_sparse(), q, q, {}),
+            "k": (q, q.to_sparse_csr(), q, {}),
+            "v": (q, q, torch.quantize_per_tensor(q, 0.1, 0, torch.qint8), {}),
+            "mask": (q, q, q, {"mask": (q > 0).to_sparse()}),
+        }
+    for name, (a, b, c, opts) in cases.items():
+        with pytest.raises(qkv.InputTypeError, match=f"^{name}: "):
+            qkv.attention(a, b, c, **opts)
+    with pytest.raises(qkv.InputTypeError, match="^mask: "):  # NumPy inputs, tensor mask
+        qkv.attention(q.numpy(), q.numpy(), q.numpy(), mask=(q > 0).to_sparse())

@@ -13,7 +13,7 @@ import numpy as np
 from .errors import InputError, InputTypeError
 from .integrations import torch as _torch
 from .kernels import dense, dispatch
-from .validate import as_array, make_plan
+from .validate import as_array, check_flag, make_plan
 
 __all__ = ["attention", "attention_weights", "scores", "softmax"]
 
@@ -196,6 +196,7 @@ def attention(
     >>> out.round(6).tolist()
     [2.905148, 3.905148]
     """
+    check_flag(return_lse, "return_lse")
     if _torch.is_tensor_input(q, k, v):
         return _torch.attention(
             q,

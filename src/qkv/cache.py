@@ -16,7 +16,7 @@ import numpy as np
 
 from .errors import InputError, InputTypeError
 from .kernels import dispatch
-from .validate import as_array, make_plan
+from .validate import as_array, check_flag, make_plan
 
 __all__ = ["KVCache"]
 
@@ -87,6 +87,8 @@ class KVCache:
             self.head_dim if value_dim is None else _positive_int(value_dim, "value_dim")
         )
         try:
+            if dtype is None:  # np.dtype(None) would silently be float64
+                raise TypeError
             dt = np.dtype(dtype)
         except TypeError:
             raise InputTypeError(f"dtype: expected a float dtype, got {dtype!r}") from None
@@ -226,6 +228,7 @@ class KVCache:
             for every sequence ``b``; a sequence with no cached keys gives zeros.
         """
         kernel = dispatch.check_kernel(kernel)
+        check_flag(return_lse, "return_lse")
         qa = as_array(q, "q")
         if qa.ndim != 4 or qa.shape[0] != self.batch or qa.shape[-1] != self.head_dim:
             raise InputError(

@@ -20,7 +20,7 @@ import numpy as np
 from .errors import InputError, InputTypeError
 from .masks import Window
 
-__all__ = ["Plan", "as_array", "check_scale", "check_window", "make_plan"]
+__all__ = ["Plan", "as_array", "check_flag", "check_scale", "check_window", "make_plan"]
 
 
 def as_array(x: Any, name: str) -> np.ndarray:
@@ -28,21 +28,40 @@ def as_array(x: Any, name: str) -> np.ndarray:
 
     Raises :class:`InputTypeError` for anything that is not real numbers.
     """
-    if hasattr(x, "detach") and hasattr(x, "cpu"):  # a torch tensor; interop converts first
-        x = x.detach().cpu().numpy()
+    x = _from_tensor(x, name)
     try:
         a = np.asarray(x)
     except (ValueError, TypeError) as exc:  # ragged lists and the like
         raise InputError(f"{name}: cannot be read as a rectangular array ({exc})") from None
-    if a.dtype == bool or not (
-        np.issubdtype(a.dtype, np.integer) or np.issubdtype(a.dtype, np.floating)
-    ):
+    if a.dtype.kind not in "iuf":  # not bool, complex, datetime64/timedelta64, objects...
         raise InputTypeError(
             f"{name}: expected real numbers, got dtype {a.dtype} with shape {a.shape}"
         )
     if not np.issubdtype(a.dtype, np.floating):
         a = a.astype(np.float64)
     return a
+
+
+def _from_tensor(x: Any, name: str) -> Any:
+    """A torch tensor as a NumPy array (interop converts first; this is the fallback), with an
+    error naming the argument for tensors NumPy cannot hold (sparse, quantized)."""
+    if not (hasattr(x, "detach") and hasattr(x, "cpu")):
+        return x
+    try:
+        return x.detach().cpu().numpy()
+    except (TypeError, RuntimeError) as exc:
+        shape = tuple(getattr(x, "shape", ()))
+        raise InputTypeError(
+            f"{name}: a tensor NumPy cannot read (shape {shape}, dtype {getattr(x, 'dtype', '?')}, "
+            f"layout {getattr(x, 'layout', '?')}): {exc}"
+        ) from None
+
+
+def check_flag(x: Any, name: str) -> bool:
+    """A True/False argument: refuses ``"no"``, ``0``, ``None`` and the like."""
+    if not isinstance(x, (bool, np.bool_)):
+        raise InputTypeError(f"{name}: expected True or False, got {x!r}")
+    return bool(x)
 
 
 def check_scale(scale: Any, d: int) -> float:
@@ -191,8 +210,8 @@ def make_plan(
     ``dtype`` forces the compute dtype (the reference uses float64); otherwise float16 is
     computed in float32 and other float dtypes in themselves.
     """
-    if not isinstance(causal, (bool, np.bool_)):
-        raise InputTypeError(f"causal: expected True or False, got {causal!r}")
+    check_flag(causal, "causal")
+    check_flag(check_finite, "check_finite")
     qa, ka = as_array(q, "q"), as_array(k, "k")
     arrays = [qa, ka]
     va = None
@@ -258,8 +277,7 @@ def make_plan(
 
     bool_mask, bias = None, None
     if mask is not None:
-        if hasattr(mask, "detach") and hasattr(mask, "cpu"):
-            mask = mask.detach().cpu().numpy()
+        mask = _from_tensor(mask, "mask")
         try:
             m = np.asarray(mask)
         except (ValueError, TypeError) as exc:
