@@ -213,7 +213,8 @@ def test_fuzz_slice(seed):
 @pytest.mark.parametrize("dtype", ["datetime64[s]", "timedelta64[ms]"])
 def test_datetime_arrays_are_refused(dtype):
     x = np.arange(4).astype(dtype).reshape(2, 2)
-    with pytest.raises(qkv.InputTypeError, match=re.escape(f"q: expected real numbers, got dtype {dtype}")):
+    want = re.escape(f"q: expected real numbers, got dtype {dtype}")
+    with pytest.raises(qkv.InputTypeError, match=want):
         qkv.attention(x, np.ones((2, 2)), np.ones((2, 2)))
     with pytest.raises(qkv.InputTypeError, match="mask: expected bool"):
         qkv.attention(np.ones((2, 2)), np.ones((2, 2)), np.ones((2, 2)), mask=x)
