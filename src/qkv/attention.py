@@ -80,14 +80,14 @@ def scores(q: Any, k: Any, *, scale: Any = None) -> np.ndarray:
 
     Examples
     --------
-    The seed's card: ``q = [2, 1]``, ``K = [[1, 0], [3, 2]]`` and ``d = 4`` (not ``len(q)``):
+    A worked example: ``q = [2, 1]``, ``K = [[1, 0], [3, 2]]`` and ``d = 4`` (not ``len(q)``):
 
     >>> import qkv
     >>> qkv.scores([2, 1], [[1, 0], [3, 2]], scale=1.0).tolist()     # raw q·kᵀ
     [2.0, 8.0]
     >>> qkv.scores([2, 1], [[1, 0], [3, 2]], scale=1 / 4**0.5).tolist()  # ÷√d, standard
     [1.0, 4.0]
-    >>> qkv.scores([2, 1], [[1, 0], [3, 2]], scale=4**0.5).tolist()  # ×√d, the card's text
+    >>> qkv.scores([2, 1], [[1, 0], [3, 2]], scale=4**0.5).tolist()  # ×√d, a common slip
     [4.0, 16.0]
     """
     if _torch.is_tensor_input(q, k):
@@ -189,7 +189,7 @@ def attention(
 
     Examples
     --------
-    The seed's worked example with ``d = 4``:
+    The worked example ``q = [2, 1]``, ``K = [[1, 0], [3, 2]]`` with ``d = 4``:
 
     >>> import qkv
     >>> out = qkv.attention([2, 1], [[1, 0], [3, 2]], [[1, 2], [3, 4]], scale=1 / 2)

@@ -68,6 +68,12 @@ def check_scale(scale: Any, d: int) -> float:
     """The scale to multiply scores by: ``1/sqrt(d)`` when ``scale`` is ``None``."""
     if scale is None:
         return 1.0 / math.sqrt(d)
+    if isinstance(scale, str):
+        raise InputTypeError(
+            f"scale: expected a real number or None, got the text {scale[:40]!r}; expressions in d "
+            "such as 'sqrt(d)' are read by qkv.explain and the qkv command's --scale, here pass "
+            "a number (e.g. math.sqrt(d))"
+        )
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise InputTypeError(f"scale: expected a real number or None, got {type(scale).__name__}")
     try:

@@ -147,7 +147,7 @@ def _matrix_table(
 def _overview(t: Trace) -> list[Any]:
     L, S = t.L, t.S
     qs = "1 query" if t.squeeze else f"L = {L} queries"
-    parts = [f"{qs} of size {t.d}", f"S = {S} keys"]
+    parts = [f"{qs} of size {t.d}", f"S = {S} key" + ("" if S == 1 else "s")]
     if t.v is not None:
         parts.append(f"values of size dv = {t.dv}")
     facts = ", ".join(parts) + "."
