@@ -253,3 +253,48 @@ def test_sparse_and_quantized_tensors_name_the_argument():
             qkv.attention(a, b, c, **opts)
     with pytest.raises(qkv.InputTypeError, match="^mask: "):  # NumPy inputs, tensor mask
         qkv.attention(q.numpy(), q.numpy(), q.numpy(), mask=(q > 0).to_sparse())
+
+
+# ----- the README's plot line, then what a matplotlib user writes next -----
+
+
+def test_plot_weights_shows_through_pyplot(tmp_path):
+    pytest.importorskip("matplotlib")
+    import matplotlib.image
+    import matplotlib.pyplot as plt
+
+    from qkv import plot
+
+    q = np.random.default_rng(5).standard_normal((1, 8, 16, 64)).astype(np.float32)
+    k = np.random.default_rng(6).standard_normal((1, 2, 16, 64)).astype(np.float32)
+    plt.close("all")
+    ax = plot.weights(qkv.attention_weights(q, k, causal=True), index=(0, 0))  # README's line
+    path = tmp_path / "w.png"
+    plt.savefig(path)
+    plt.close("all")
+    img = matplotlib.image.imread(path)[..., :3]
+    coloured = np.mean(np.ptp(img, axis=-1) > 0.1)  # pixels that are not grey/white
+    assert ax.figure.get_size_inches()[0] > 3 and coloured > 0.2, coloured
+
+
+# ----- the HTML page -----
+
+
+def test_html_marks_masked_scores_and_heatmap_uses_table_digits():
+    import re as _re
+
+    from qkv.trace import fmt
+
+    t = qkv.explain(
+        [[1, 0], [0, 1], [1, 1]], [[1, 0], [0, 1], [1, 1]], [[1, 0], [0, 1], [2, 2]], causal=True
+    )
+    page = t.to_html()
+    scaled = page[page.index("scaled scores q·kᵀ · scale") :].split("</table>")[0]
+    assert "greyed: pairs the query may not see" in scaled
+    masked = _re.findall(r'<td class="num masked">([^<]*)</td>', scaled)
+    assert masked == [fmt(t.scaled[0, 1]), fmt(t.scaled[0, 2]), fmt(t.scaled[1, 2])]
+    svg = page[page.index("<svg") : page.index("</svg>")]
+    assert int(_re.search(r'class="cell" x="\d+" y="\d+" width="(\d+)"', svg).group(1)) >= 60
+    shown = _re.findall(r'text-anchor="middle" fill="#(?:ffffff|1a1a1a)">([^<]*)</text>', svg)
+    kept = [fmt(w) for w in t.weights[~t.excluded]]
+    assert shown == kept and any(len(s) >= 6 for s in shown)  # e.g. 0.33022, as in the tables

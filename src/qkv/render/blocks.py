@@ -116,8 +116,16 @@ def _vec_text(v: np.ndarray, limit: int = MAX_DIMS) -> str:
 
 
 def _matrix_table(
-    a: np.ndarray, row_name: str, col_name: str, max_rows: int, max_cols: int, caption: str = ""
+    a: np.ndarray,
+    row_name: str,
+    col_name: str,
+    max_rows: int,
+    max_cols: int,
+    caption: str = "",
+    masked: np.ndarray | None = None,
 ) -> Table:
+    """``a`` as a table of at most ``max_rows × max_cols`` shown entries; entries where
+    ``masked`` is True (pairs a query may not see) are styled ``"masked"``."""
     rows_i, cols_j = pick(a.shape[0], max_rows), pick(a.shape[1], max_cols)
     header = [Cell("", kind="label")] + [
         Cell("…", kind="gap")
@@ -135,7 +143,10 @@ def _matrix_table(
             continue
         row = [Cell(f"{row_name}{i}" if row_name else "", kind="label")]
         for j in cols_j:
-            row.append(Cell("…", kind="gap") if j is None else _num(a[i, j]))
+            hidden = masked is not None and j is not None and bool(masked[i, j])
+            row.append(
+                Cell("…", kind="gap") if j is None else _num(a[i, j], "masked" if hidden else "")
+            )
         rows.append(row)
     if a.shape[1] > max_cols:
         caption = (
@@ -388,8 +399,18 @@ def build(
         blocks.append(Para(("q" if t.squeeze else f"q{i}") + " = " + _vec_text(t.q[i])))
         blocks += _row_steps(t, i, keys)
     blocks.append(Heading(2, "Results"))
+    some_excluded = t.excluded is not None and bool(t.excluded.any())
     blocks.append(
-        _matrix_table(t.scaled, "q", "k", max_rows, max_keys, caption="scaled scores q·kᵀ · scale")
+        _matrix_table(
+            t.scaled,
+            "q",
+            "k",
+            max_rows,
+            max_keys,
+            caption="scaled scores q·kᵀ · scale"
+            + (" (greyed: pairs the query may not see, weight 0)" if some_excluded else ""),
+            masked=t.excluded,
+        )
     )
     if t.reaches("weights"):
         blocks.append(
