@@ -299,7 +299,7 @@ def test_scores_near_the_limit_still_explain_without_warnings():
 # ----- issue 9: the first hour of a new user -----
 
 
-def _qkv(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def _entry_point(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """The real entry point, ``python -m qkv``, with this checkout's sources first."""
     src = str(Path(__file__).resolve().parents[1] / "src")
     full = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -310,27 +310,29 @@ def _qkv(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
 
 
 def test_matrices_starting_with_a_minus_sign_just_work():
-    r = _qkv("explain", "--q", "-1,2", "--k", "-1,0;3,2", "--v", "-1,2;3,-4", "--format", "json")
+    r = _entry_point(
+        "explain", "--q", "-1,2", "--k", "-1,0;3,2", "--v", "-1,2;3,-4", "--format", "json"
+    )
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     import qkv
 
     want = qkv.reference.attention([-1, 2], [[-1, 0], [3, 2]], [[-1, 2], [3, -4]])
     np.testing.assert_allclose(doc["output"]["output"][0], want, rtol=1e-12)
-    r = _qkv("explain", "--q", "-1,2", "--k", "1,0;3,2", "--window", "-1,0")
+    r = _entry_point("explain", "--q", "-1,2", "--k", "1,0;3,2", "--window", "-1,0")
     err = r.stderr.decode()
     assert r.returncode == 2 and err.count("\n") == 1, err
     assert "--window: left must be an integer >= 0" in err  # read as the window's value
-    r = _qkv("scores", "--q", "-h")  # a real option is still not taken as a value
+    r = _entry_point("scores", "--q", "-h")  # a real option is still not taken as a value
     assert r.returncode == 2 and b"--q: expected one argument" in r.stderr
 
 
 def test_c_locale_output_is_escaped_not_a_traceback():
     env = {"LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONIOENCODING": ""}
-    r = _qkv("scores", "--q", "2,1", "--k", "1,0;3,2", "--d", "4", env=env)
+    r = _entry_point("scores", "--q", "2,1", "--k", "1,0;3,2", "--d", "4", env=env)
     assert r.returncode == 0 and b"Traceback" not in r.stderr, r.stderr
     assert b"q0   1   4" in r.stdout and b"\\u00b7" in r.stdout  # · escaped as \u00b7
-    r = _qkv("scores", "--q", "2,\u22121", "--k", "1,0;3,2", "--d", "4", env=env)
+    r = _entry_point("scores", "--q", "2,\u22121", "--k", "1,0;3,2", "--d", "4", env=env)
     assert r.returncode == 0 and b"q0   1   2" in r.stdout, r.stderr  # 2·1-1·0=2, 2·3-1·2=4
 
 
