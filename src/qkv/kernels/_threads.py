@@ -71,7 +71,9 @@ def _reinit_after_fork() -> None:
     _limit_lock = threading.Lock()
     _limit_users = getattr(_limit_depth, "n", 0)
     if _limit_users == 0 and _limit_active:
+        _free_blas_control()
         _limit_active.pop().restore_original_limits()
+        _free_blas_control()
 
 
 if hasattr(os, "register_at_fork"):  # not on Windows
