@@ -72,7 +72,7 @@ def test_scores_divide_and_card_literal(capsys):
         capsys, "scores", "--q", "2,1", "--k", "1,0;3,2", "--d", "4", "--scale", "sqrt(d)"
     )
     assert rc == 0 and "√d with d = 4 (given; len(q) = 2): √4 = 2" in out
-    assert "as the card's text writes it; standard attention divides" in out
+    assert "multiplying by √d instead of dividing is a common slip" in " ".join(out.split())
     row = [line.split() for line in out.splitlines() if line.strip().startswith("q0")][-1]
     assert row == ["q0", "4", "16"]
     rc, out, _ = run(

@@ -294,3 +294,75 @@ def test_scores_near_the_limit_still_explain_without_warnings():
         t = explain([1e154, 1], [[1e154, 0], [-1e154, 2]], [[1, 2], [3, 4]], scale=1)
     assert t.shifted[0].tolist() == [0.0, -np.inf] and t.weights[0].tolist() == [1.0, 0.0]
     assert t.output[0].tolist() == [1.0, 2.0]
+
+
+# ----- issue 9: the first hour of a new user -----
+
+
+def _entry_point(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """The real entry point, ``python -m qkv``, with this checkout's sources first."""
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    full = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    full.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "qkv", *argv], capture_output=True, timeout=60, env=full
+    )
+
+
+def test_matrices_starting_with_a_minus_sign_just_work():
+    r = _entry_point(
+        "explain", "--q", "-1,2", "--k", "-1,0;3,2", "--v", "-1,2;3,-4", "--format", "json"
+    )
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    import qkv
+
+    want = qkv.reference.attention([-1, 2], [[-1, 0], [3, 2]], [[-1, 2], [3, -4]])
+    np.testing.assert_allclose(doc["output"]["output"][0], want, rtol=1e-12)
+    r = _entry_point("explain", "--q", "-1,2", "--k", "1,0;3,2", "--window", "-1,0")
+    err = r.stderr.decode()
+    assert r.returncode == 2 and err.count("\n") == 1, err
+    assert "--window: left must be an integer >= 0" in err  # read as the window's value
+    r = _entry_point("scores", "--q", "-h")  # a real option is still not taken as a value
+    assert r.returncode == 2 and b"--q: expected one argument" in r.stderr
+
+
+def test_c_locale_output_is_escaped_not_a_traceback():
+    env = {"LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONIOENCODING": ""}
+    r = _entry_point("scores", "--q", "2,1", "--k", "1,0;3,2", "--d", "4", env=env)
+    assert r.returncode == 0 and b"Traceback" not in r.stderr, r.stderr
+    assert b"q0   1   4" in r.stdout and b"\\u00b7" in r.stdout  # · escaped as \u00b7
+    r = _entry_point("scores", "--q", "2,\u22121", "--k", "1,0;3,2", "--d", "4", env=env)
+    assert r.returncode == 0 and b"q0   1   2" in r.stdout, r.stderr  # 2·1-1·0=2, 2·3-1·2=4
+
+
+def test_smaller_first_hour_messages(tmp_path, capsys):
+    rc, out, err = run(capsys, "scores", "--q", "2,\u22121", "--k", "1,0;3,2", "--d", "4")
+    assert rc == 0 and "q0   1   2" in out  # the typographic minus is a minus
+    rc, out, err = run(capsys, "scores", "--q", "2,1\u20ac", "--k", "1,0")
+    assert_one_line_error(rc, out, err, "holds U+20AC: write numbers in ASCII")
+    rc, out, err = run(capsys, "scores", "--q", f"@{tmp_path}", "--k", "1,0")
+    assert_one_line_error(rc, out, err, "it is a directory, not a file")
+    (tmp_path / "q.csv").write_text("x,y\n2,1\n")
+    rc, out, err = run(capsys, "scores", "--q", f"@{tmp_path / 'q.csv'}", "--k", "1,0")
+    assert_one_line_error(rc, out, err, "q.csv': row 1 looks like a header ('x,y')")
+    rc, out, err = run(capsys, "explain", "--q", "1", "--k", "1")
+    assert rc == 0 and "S = 1 key." in out
+
+
+def test_study_help_is_its_own_and_names_the_modes(capsys):
+    assert main(["study", "training", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "qkv study training --d" in out and "qkv study scaling" not in out
+    assert main(["study", "scaling", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "subset of: scaled, unscaled, times_sqrt_d" in out
+    assert "seed" not in out.replace("--seed", "").replace("random seed", "")
+    assert "card" not in out
+
+
+def test_scale_text_in_the_library_says_where_expressions_work():
+    import qkv
+
+    with pytest.raises(qkv.InputTypeError, match="qkv.explain and the qkv command's --scale"):
+        qkv.attention([1.0, 0.0], [[1.0, 0.0]], [[1.0]], scale="sqrt(d)")

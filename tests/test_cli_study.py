@@ -24,7 +24,7 @@ def test_scaling_json(capsys):
     data = json.loads(capsys.readouterr().out)
     rows = data["rows"]
     assert [(r["d"], r["mode"]) for r in rows] == [
-        (d, m) for d in (4, 64) for m in ("scaled", "unscaled", "card")
+        (d, m) for d in (4, 64) for m in ("scaled", "unscaled", "times_sqrt_d")
     ]
     for r in rows:
         assert {"d", "mode", "score_std", "mean_max_weight", "entropy"} <= set(r)
@@ -35,14 +35,16 @@ def test_scaling_json(capsys):
 
 def test_scaling_text_markdown_csv(capsys):
     assert run("study", "scaling", *SMALL, "--dims", "8", "--format", "text") == 0
-    lines = capsys.readouterr().out.splitlines()
+    lines = capsys.readouterr().out.split("\n\ncolumns:\n")[0].splitlines()  # table, legend
     assert lines[0].split()[:3] == ["d", "mode", "score_std"] and len(lines) == 5
     assert run("study", "scaling", *SMALL, "--format", "markdown") == 0
-    md = capsys.readouterr().out.splitlines()
+    md, legend = capsys.readouterr().out.split("\n\ncolumns:\n")
+    md = md.splitlines()
     assert md[0].startswith("| d | mode | score_std |") and len(md) == 8
+    assert "- `jacobian_norm`: mean Frobenius norm of the softmax Jacobian" in legend
     assert run("study", "scaling", *SMALL, "--format", "csv", "--modes", "card") == 0
     rows = list(csv.DictReader(capsys.readouterr().out.splitlines()))
-    assert [r["mode"] for r in rows] == ["card", "card"]
+    assert [r["mode"] for r in rows] == ["times_sqrt_d", "times_sqrt_d"]  # "card": old name
     assert float(rows[1]["score_std_theory"]) == 64.0
 
 

@@ -79,7 +79,7 @@ def test_same_seed_same_rows_and_modes_share_draws():
     # common random numbers: the raw scores are the same draws, only scaled differently
     r8 = {r.mode: r for r in a.rows if r.d == 8}
     assert r8["unscaled"].score_std == pytest.approx(r8["scaled"].score_std * math.sqrt(8))
-    assert r8["card"].score_std == pytest.approx(r8["scaled"].score_std * 8)
+    assert r8["times_sqrt_d"].score_std == pytest.approx(r8["scaled"].score_std * 8)
 
 
 @settings(max_examples=40, deadline=None)
@@ -117,9 +117,9 @@ def test_table_formats():
     data = json.loads(render_rows(rows, "json"))
     assert [(r["d"], r["mode"]) for r in data["rows"]] == [
         (4, "scaled"),
-        (4, "card"),
+        (4, "times_sqrt_d"),
         (16, "scaled"),
-        (16, "card"),
+        (16, "times_sqrt_d"),
     ]
     assert data["rows"][0]["max_weight_se"] is None  # one set of keys: no error estimate
     parsed = list(csv.DictReader(render_rows(rows, "csv").splitlines()))
@@ -142,7 +142,7 @@ def test_plots_are_valid_png(tmp_path):
     from qkv.study.plots import plot_scaling
 
     s = scaling_study(dims=[4, 16, 64], keys=16, samples=64, seed=0)
-    assert s.panel_d == 64 and set(s.profiles) == {"scaled", "unscaled", "card"}
+    assert s.panel_d == 64 and set(s.profiles) == {"scaled", "unscaled", "times_sqrt_d"}
     prof = s.profiles["scaled"]["mean"]
     assert prof.shape == (16,) and np.all(np.diff(prof) <= 0) and prof.sum() == pytest.approx(1)
     paths = plot_scaling(s, tmp_path)

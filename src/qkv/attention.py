@@ -13,7 +13,7 @@ import numpy as np
 from .errors import InputError, InputTypeError
 from .integrations import torch as _torch
 from .kernels import dense, dispatch, mods
-from .validate import as_array, make_plan
+from .validate import as_array, check_flag, make_plan
 
 __all__ = ["attention", "attention_weights", "scores", "softmax"]
 
@@ -80,14 +80,14 @@ def scores(q: Any, k: Any, *, scale: Any = None) -> np.ndarray:
 
     Examples
     --------
-    The seed's card: ``q = [2, 1]``, ``K = [[1, 0], [3, 2]]`` and ``d = 4`` (not ``len(q)``):
+    A worked example: ``q = [2, 1]``, ``K = [[1, 0], [3, 2]]`` and ``d = 4`` (not ``len(q)``):
 
     >>> import qkv
     >>> qkv.scores([2, 1], [[1, 0], [3, 2]], scale=1.0).tolist()     # raw q·kᵀ
     [2.0, 8.0]
     >>> qkv.scores([2, 1], [[1, 0], [3, 2]], scale=1 / 4**0.5).tolist()  # ÷√d, standard
     [1.0, 4.0]
-    >>> qkv.scores([2, 1], [[1, 0], [3, 2]], scale=4**0.5).tolist()  # ×√d, the card's text
+    >>> qkv.scores([2, 1], [[1, 0], [3, 2]], scale=4**0.5).tolist()  # ×√d, a common slip
     [4.0, 16.0]
     """
     if _torch.is_tensor_input(q, k):
@@ -145,8 +145,9 @@ def attention_weights(
     plan = make_plan(
         q, k, need_v=False, scale=scale, causal=causal, mask=mask, window=window, **variants
     )
-    w, lse = dense.softmax_rows(dense.logits(plan))
+    w = dispatch.weights(plan)
     if plan.sinks is not None:
+        _, lse = dense.softmax_rows(dense.logits(plan))
         w *= mods.sink_factor(plan, lse)[0][..., None]
     w = w.astype(plan.out_dtype, copy=False)
     return w[..., 0, :] if plan.squeeze else w
@@ -215,13 +216,14 @@ def attention(
 
     Examples
     --------
-    The seed's worked example with ``d = 4``:
+    The worked example ``q = [2, 1]``, ``K = [[1, 0], [3, 2]]`` with ``d = 4``:
 
     >>> import qkv
     >>> out = qkv.attention([2, 1], [[1, 0], [3, 2]], [[1, 2], [3, 4]], scale=1 / 2)
     >>> out.round(6).tolist()
     [2.905148, 3.905148]
     """
+    check_flag(return_lse, "return_lse")
     if _torch.is_tensor_input(q, k, v):
         return _torch.attention(
             q,

@@ -16,7 +16,7 @@ import numpy as np
 
 from .errors import InputError, InputTypeError
 from .kernels import dispatch
-from .validate import as_array, make_plan
+from .validate import as_array, check_flag, make_plan
 
 __all__ = ["KVCache"]
 
@@ -87,6 +87,8 @@ class KVCache:
             self.head_dim if value_dim is None else _positive_int(value_dim, "value_dim")
         )
         try:
+            if dtype is None:  # np.dtype(None) would silently be float64
+                raise TypeError
             dt = np.dtype(dtype)
         except TypeError:
             raise InputTypeError(f"dtype: expected a float dtype, got {dtype!r}") from None
@@ -127,10 +129,13 @@ class KVCache:
             return
         new = max(need, 2 * cap, 16)
         used = int(self._lengths.max())
-        for name, dim in (("_k", self.head_dim), ("_v", self.value_dim)):
-            grown = np.empty((self.batch, self.kv_heads, new, dim), dtype=self.dtype)
-            grown[:, :, :used] = getattr(self, name)[:, :, :used]
-            setattr(self, name, grown)
+        # All or nothing: both buffers are allocated before either replaces the old one, so a
+        # MemoryError leaves the cache exactly as it was.
+        k = np.empty((self.batch, self.kv_heads, new, self.head_dim), dtype=self.dtype)
+        v = np.empty((self.batch, self.kv_heads, new, self.value_dim), dtype=self.dtype)
+        k[:, :, :used] = self._k[:, :, :used]
+        v[:, :, :used] = self._v[:, :, :used]
+        self._k, self._v = k, v
 
     def append(self, k: Any, v: Any, seq: int | None = None) -> None:
         """Add ``T >= 1`` tokens to every sequence, or to sequence ``seq`` alone.
@@ -227,6 +232,7 @@ class KVCache:
             for every sequence ``b``; a sequence with no cached keys gives zeros.
         """
         kernel = dispatch.check_kernel(kernel)
+        check_flag(return_lse, "return_lse")
         qa = as_array(q, "q")
         if qa.ndim != 4 or qa.shape[0] != self.batch or qa.shape[-1] != self.head_dim:
             raise InputError(

@@ -1,7 +1,7 @@
 """Exact arithmetic for a trace, with SymPy (the ``exact`` extra; imported only here).
 
 Integers and rationals stay exact, square roots stay symbolic, and each weight appears in
-closed form: for the seed's example ``exp(3)/(1 + exp(3))`` rather than ``0.95257``. Float
+closed form: for the worked example ``exp(3)/(1 + exp(3))`` rather than ``0.95257``. Float
 inputs are read as the decimals they print as (``0.1`` becomes ``1/10``), so the exact trace is
 of the numbers the user wrote.
 

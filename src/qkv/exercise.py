@@ -1,7 +1,7 @@
-"""Practice problems like the seed's cards: small integer inputs and a worked solution.
+"""Practice problems: small integer inputs and a worked solution.
 
 The same seed always gives the same problem. The scale uses a ``d`` that is a perfect square
-(so ``1/√d`` is a simple fraction) and, as on the card, need not be ``len(q)``.
+(so ``1/√d`` is a simple fraction) and, as in the worked example, need not be ``len(q)``.
 
 Examples
 --------

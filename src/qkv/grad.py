@@ -32,7 +32,7 @@ Examples
 --------
 >>> import qkv
 >>> q, k, v = [2.0, 1.0], [[1.0, 0.0], [3.0, 2.0]], [[1.0], [3.0]]
->>> dq, dk, dv = qkv.attention_vjp(q, k, v, [1.0], scale=1 / 2)   # the seed's d = 4
+>>> dq, dk, dv = qkv.attention_vjp(q, k, v, [1.0], scale=1 / 2)   # d = 4
 >>> dv.round(4).tolist()                       # the attention weights, seen from the values
 [[0.0474], [0.9526]]
 """
@@ -157,7 +157,7 @@ def attention_vjp(
 
     Examples
     --------
-    The seed's query against two keys with ``d = 4``: the gradient pulls ``q`` towards the
+    The worked example's query against two keys with ``d = 4``: the gradient pulls ``q`` towards the
     key whose value is larger.
 
     >>> import qkv

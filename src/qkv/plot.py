@@ -1,8 +1,9 @@
 """Plots of attention: heatmaps of the weights (matplotlib, the ``plot`` extra).
 
-matplotlib is imported on the first call, never by ``import qkv``. Figures are built with
-:class:`matplotlib.figure.Figure` directly, not through ``pyplot``, so plotting works without a
-display and leaves no global state behind; save one with ``ax.figure.savefig("w.png")``.
+matplotlib is imported on the first call, never by ``import qkv``. A new figure is made through
+``pyplot``, as matplotlib users expect: ``plt.show()`` shows it and ``plt.savefig("w.png")``
+saves it (and ``plt.close(ax.figure)`` releases it); pass ``ax=`` to draw into a figure of your
+own. Without a display pyplot picks a non-interactive backend by itself.
 
 Examples
 --------
@@ -135,7 +136,7 @@ def weights(
     >>> [t.get_text() for t in ax.get_xticklabels()]
     ['a', 'b', 'c', 'd']
     """
-    mpl, Figure = _matplotlib()
+    mpl, _ = _matplotlib()
     excluded, positions = None, None
     if hasattr(w, "weights") and not hasattr(w, "shape"):  # a trace
         trace = w
@@ -154,8 +155,10 @@ def weights(
             raise InputError(f"{name}: expected {n} labels for weights of shape {a.shape}")
 
     if ax is None:
-        fig = Figure(figsize=(1.2 + 0.45 * min(S, 40), 0.8 + 0.45 * min(L, 40)), layout="tight")
-        ax = fig.add_subplot()
+        import matplotlib.pyplot as plt  # so that plt.show() / plt.savefig() see the figure
+
+        size = (1.2 + 0.45 * min(S, 40), 0.8 + 0.45 * min(L, 40))
+        ax = plt.figure(figsize=size, layout="tight").add_subplot()
     shown = np.ma.masked_array(a, mask=excluded) if excluded is not None else a
     colours = ax.figure.colorbar if colorbar else None
     cm = mpl.colormaps[cmap].with_extremes(bad="0.85")

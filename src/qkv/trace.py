@@ -7,7 +7,7 @@ computes the raw and scaled scores, the row maxima and the weights, and the fina
 
 Examples
 --------
-The seed's worked example, with ``d = 4`` given (it is not ``len(q)``):
+A worked example, with ``d = 4`` given (it is not ``len(q)``):
 
 >>> import qkv
 >>> t = qkv.explain([2, 1], [[1, 0], [3, 2]], [[1, 2], [3, 4]], d=4)
@@ -115,11 +115,12 @@ class ScaleInfo:
 
     @property
     def note(self) -> str | None:
-        """A warning when the formula multiplies by a growing factor (the card's ``√d``)."""
+        """A warning when the formula multiplies by a growing factor (such as ``√d``)."""
         if self.expr.uses_d and self.d is not None and self.d > 1 and self.value > 1:
             return (
-                f"this multiplies the scores by {self.substituted} = {fmt(self.value)}, as the "
-                "card's text writes it; standard attention divides by √d (scale 1/√d)"
+                f"this multiplies the scores by {self.substituted} = {fmt(self.value)}: "
+                "multiplying by √d instead of dividing is a common slip; standard attention "
+                "divides by √d (scale 1/√d)"
             )
         return None
 
@@ -449,12 +450,12 @@ def explain(
     v : array_like, shape ``(S, dv)``, optional
         Values. Without ``v`` the trace stops at the weights.
     d : int, optional
-        Sets the scale to ``1/√d``; it need not be ``len(q)`` (the seed's card uses ``d = 4``
-        with 2-vectors). An alternative to ``scale``.
+        Sets the scale to ``1/√d``; it need not be ``len(q)`` (the worked example
+        ``q = [2, 1]`` uses ``d = 4`` with 2-vectors). An alternative to ``scale``.
     scale : float or str, optional
-        A number, or an expression in ``d`` such as ``"sqrt(d)"`` (the card's literal
-        formula) or ``"1/sqrt(d)"`` (the default); ``d`` is then the given ``d`` or
-        ``len(q)``. Giving ``d`` with a scale that does not use ``d`` is an error.
+        A number, or an expression in ``d`` such as ``"sqrt(d)"`` (multiplying by √d instead
+        of dividing, a common slip) or ``"1/sqrt(d)"`` (the default); ``d`` is then the given
+        ``d`` or ``len(q)``. Giving ``d`` with a scale that does not use ``d`` is an error.
     causal, mask, window
         As in :func:`qkv.attention` (causal is bottom-right aligned).
     exact : bool, optional

@@ -21,7 +21,7 @@ import numpy as np
 from .errors import InputError, InputTypeError
 from .masks import Window
 
-__all__ = ["Plan", "as_array", "check_scale", "check_window", "make_plan"]
+__all__ = ["Plan", "as_array", "check_flag", "check_scale", "check_window", "make_plan"]
 
 
 def as_array(x: Any, name: str) -> np.ndarray:
@@ -29,15 +29,12 @@ def as_array(x: Any, name: str) -> np.ndarray:
 
     Raises :class:`InputTypeError` for anything that is not real numbers.
     """
-    if hasattr(x, "detach") and hasattr(x, "cpu"):  # a torch tensor; interop converts first
-        x = x.detach().cpu().numpy()
+    x = _from_tensor(x, name)
     try:
         a = np.asarray(x)
     except (ValueError, TypeError) as exc:  # ragged lists and the like
         raise InputError(f"{name}: cannot be read as a rectangular array ({exc})") from None
-    if a.dtype == bool or not (
-        np.issubdtype(a.dtype, np.integer) or np.issubdtype(a.dtype, np.floating)
-    ):
+    if a.dtype.kind not in "iuf":  # not bool, complex, datetime64/timedelta64, objects...
         raise InputTypeError(
             f"{name}: expected real numbers, got dtype {a.dtype} with shape {a.shape}"
         )
@@ -46,10 +43,38 @@ def as_array(x: Any, name: str) -> np.ndarray:
     return a
 
 
+def _from_tensor(x: Any, name: str) -> Any:
+    """A torch tensor as a NumPy array (interop converts first; this is the fallback), with an
+    error naming the argument for tensors NumPy cannot hold (sparse, quantized)."""
+    if not (hasattr(x, "detach") and hasattr(x, "cpu")):
+        return x
+    try:
+        return x.detach().cpu().numpy()
+    except (TypeError, RuntimeError) as exc:
+        shape = tuple(getattr(x, "shape", ()))
+        raise InputTypeError(
+            f"{name}: a tensor NumPy cannot read (shape {shape}, dtype {getattr(x, 'dtype', '?')}, "
+            f"layout {getattr(x, 'layout', '?')}): {exc}"
+        ) from None
+
+
+def check_flag(x: Any, name: str) -> bool:
+    """A True/False argument: refuses ``"no"``, ``0``, ``None`` and the like."""
+    if not isinstance(x, (bool, np.bool_)):
+        raise InputTypeError(f"{name}: expected True or False, got {x!r}")
+    return bool(x)
+
+
 def check_scale(scale: Any, d: int) -> float:
     """The scale to multiply scores by: ``1/sqrt(d)`` when ``scale`` is ``None``."""
     if scale is None:
         return 1.0 / math.sqrt(d)
+    if isinstance(scale, str):
+        raise InputTypeError(
+            f"scale: expected a real number or None, got the text {scale[:40]!r}; expressions in d "
+            "such as 'sqrt(d)' are read by qkv.explain and the qkv command's --scale, here pass "
+            "a number (e.g. math.sqrt(d))"
+        )
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise InputTypeError(f"scale: expected a real number or None, got {type(scale).__name__}")
     try:
@@ -96,6 +121,24 @@ def _clamp_window(window: Window | None, L: int, S: int) -> Window | None:
         return None
     left, right = (None if w is None or w >= L + S else w for w in window)
     return None if left is None and right is None else (left, right)
+
+
+def _narrow_bias(m: np.ndarray, acc_dtype: np.dtype) -> np.ndarray:
+    """The float bias in the compute dtype; refuses finite values it would turn into ``±inf``
+    (a bias of -1e300 would otherwise silently hide keys the definition lets a row see)."""
+    if m.dtype.itemsize <= acc_dtype.itemsize:
+        return m.astype(acc_dtype, copy=False)
+    with np.errstate(over="ignore"):
+        bias = m.astype(acc_dtype)
+    lost = np.isinf(bias) & np.isfinite(m)
+    if lost.any():
+        worst = float(m[lost].flat[np.argmax(np.abs(m[lost]))])
+        raise InputError(
+            f"mask: float bias {worst:.4g} (shape {m.shape}) is beyond the range of {acc_dtype} "
+            f"(±{float(np.finfo(acc_dtype).max):.4g}), the dtype q, k, v are computed in; use "
+            "-inf (or a boolean mask) to hide keys, a smaller bias, or float64 inputs"
+        )
+    return bias
 
 
 @dataclass(frozen=True)
@@ -197,8 +240,8 @@ def make_plan(
     ``dtype`` forces the compute dtype (the reference uses float64); otherwise float16 is
     computed in float32 and other float dtypes in themselves.
     """
-    if not isinstance(causal, (bool, np.bool_)):
-        raise InputTypeError(f"causal: expected True or False, got {causal!r}")
+    check_flag(causal, "causal")
+    check_flag(check_finite, "check_finite")
     qa, ka = as_array(q, "q"), as_array(k, "k")
     arrays = [qa, ka]
     va = None
@@ -264,8 +307,7 @@ def make_plan(
 
     bool_mask, bias = None, None
     if mask is not None:
-        if hasattr(mask, "detach") and hasattr(mask, "cpu"):
-            mask = mask.detach().cpu().numpy()
+        mask = _from_tensor(mask, "mask")
         try:
             m = np.asarray(mask)
         except (ValueError, TypeError) as exc:
@@ -273,7 +315,7 @@ def make_plan(
         if m.dtype == bool:
             bool_mask = m
         elif np.issubdtype(m.dtype, np.floating):
-            bias = m.astype(acc_dtype, copy=False)
+            bias = _narrow_bias(m, acc_dtype)
         else:
             raise InputTypeError(
                 f"mask: expected bool (True = may attend) or float (added bias), got dtype "

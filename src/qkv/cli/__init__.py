@@ -19,13 +19,13 @@ import codecs
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from ..errors import InputError
 from . import exercise, explain, explain_model, explore, scores, study
 from .options import OutputError
 
-__all__ = ["COMMANDS", "UsageError", "build_parser", "main"]
+__all__ = ["COMMANDS", "UsageError", "attach_values", "build_parser", "main"]
 
 #: The command modules, in the order ``qkv --help`` lists them.
 COMMANDS = [explain, scores, exercise, study, explore, explain_model]
@@ -92,11 +92,26 @@ ESCAPE = "qkv-escape"
 codecs.register_error(ESCAPE, _escape)
 
 
+# Error handlers that fail on a character the encoding lacks ("surrogateescape" is what Python
+# picks for the C/POSIX locale); the others (replace, backslashreplace...) never fail.
+_FAILING_HANDLERS = ("strict", "surrogateescape", "surrogatepass")
+
+
 def _encodable_stdout() -> Callable[[], None]:
-    """Let standard output escape what its encoding cannot hold (·, √, ᵀ on ASCII); undo."""
-    out = sys.stdout
+    """Let standard output and error escape what their encoding cannot hold (·, √, ᵀ on
+    ASCII); returns a function that undoes it."""
+    undo = [_encodable(sys.stdout), _encodable(sys.stderr)]
+
+    def restore() -> None:
+        for u in undo:
+            u()
+
+    return restore
+
+
+def _encodable(out: Any) -> Callable[[], None]:
     encoding, errors = getattr(out, "encoding", None), getattr(out, "errors", None)
-    if not encoding or errors != "strict" or not hasattr(out, "reconfigure"):
+    if not encoding or errors not in _FAILING_HANDLERS or not hasattr(out, "reconfigure"):
         return lambda: None
     try:
         if codecs.lookup(encoding).name.startswith("utf"):
@@ -143,10 +158,61 @@ def main(argv: Sequence[str] | None = None) -> int:
         restore()
 
 
+def _value_options(parser: argparse.ArgumentParser) -> tuple[set[str], set[str]]:
+    """Option strings that take exactly one value, and all option strings, of every (sub)parser."""
+    takes, known = set(), set()
+    for action in parser._actions:
+        known.update(action.option_strings)
+        if action.option_strings and action.nargs is None:
+            takes.update(action.option_strings)
+        subparsers = action.choices if isinstance(action, argparse._SubParsersAction) else {}
+        for sub in subparsers.values():
+            if isinstance(sub, argparse.ArgumentParser):
+                t, k = _value_options(sub)
+                takes |= t
+                known |= k
+    return takes, known
+
+
+def attach_values(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
+    """Keep a value that starts with ``-`` with its option: ``--q -1,2`` becomes ``--q=-1,2``.
+
+    argparse takes ``-1,2`` for an option of its own and fails with "expected one argument";
+    a matrix, window or scale may well start with a minus sign. A token is attached when it
+    follows an option that takes one value, starts with a single ``-`` and is no option itself.
+
+    >>> attach_values(build_parser(), ["explain", "--q", "-1,2", "--k", "1,0", "--window", "-1,0"])
+    ['explain', '--q=-1,2', '--k', '1,0', '--window=-1,0']
+    """
+    takes, known = _value_options(parser)
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        nxt = argv[i + 1] if i + 1 < len(argv) else None
+        if (
+            tok in takes
+            and nxt is not None
+            and nxt.startswith("-")
+            and not nxt.startswith("--")
+            and nxt not in known
+        ):
+            out.append(f"{tok}={nxt}")
+            i += 2
+            continue
+        out.append(tok)
+        if tok == "--":
+            out.extend(argv[i + 1 :])
+            break
+        i += 1
+    return out
+
+
 def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = None
     try:
+        argv = attach_values(parser, sys.argv[1:] if argv is None else list(argv))
         args = parser.parse_args(argv)
         if args.command is None:
             names = ", ".join(m.NAME for m in COMMANDS)

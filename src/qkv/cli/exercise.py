@@ -1,4 +1,4 @@
-"""``qkv exercise``: a practice problem like the seed's cards, with its worked solution."""
+"""``qkv exercise``: a practice problem with small integers, with its worked solution."""
 
 from __future__ import annotations
 

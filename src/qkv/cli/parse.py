@@ -37,9 +37,13 @@ _SPLIT = re.compile(r"[,\s]+")
 
 def _number(tok: str, name: str, where: str) -> float:
     try:
-        x = float(tok)
+        x = float(tok.replace("\u2212", "-"))  # the typographic minus sign, as in "−2"
     except ValueError:
-        raise InputError(f"{name}: {tok!r} is not a number ({where})") from None
+        why = ""
+        odd = sorted({c for c in tok if not c.isascii()})
+        if odd:
+            why = f"; it holds {', '.join(f'U+{ord(c):04X}' for c in odd)}: write numbers in ASCII"
+        raise InputError(f"{name}: {tok!r} is not a number ({where}{why})") from None
     if not math.isfinite(x):
         raise InputError(f"{name}: {tok!r} is not a finite number ({where})")
     return x
@@ -116,6 +120,8 @@ def _loads(text: str, name: str, where: str) -> Any:
 def _from_file(path_text: str, name: str) -> np.ndarray:
     path = Path(path_text)
     suffix = path.suffix.lower()
+    if path.is_dir():
+        raise InputError(f"{name}: cannot read {path_text!r}: it is a directory, not a file")
     if suffix not in (".npy", ".json", ".csv", ".txt"):
         raise InputError(
             f"{name}: cannot read {path_text!r}: expected a .npy, .json, .csv or .txt file"
@@ -144,13 +150,28 @@ def _from_file(path_text: str, name: str) -> np.ndarray:
         raise InputError(f"{name}: {path_text!r} is not UTF-8 text") from None
     if suffix == ".json":
         return _from_json(_loads(text, name, f"{path_text!r} is "), name)
-    a = _rows_text(text, name, "\n")
+    try:
+        a = _rows_text(text, name, "\n")
+    except InputError as exc:
+        why = str(exc).removeprefix(f"{name}: ")
+        line = text.strip().split("\n")[0].strip()
+        if "(row 1," in why and not any(_is_number(t) for t in _SPLIT.split(line) if t):
+            why = f"row 1 looks like a header ({line[:40]!r}); qkv reads numbers only"
+        raise InputError(f"{name}: {path_text!r}: {why}") from None
     return a[0] if a.shape[0] == 1 else a
+
+
+def _is_number(tok: str) -> bool:
+    try:
+        float(tok)
+    except ValueError:
+        return False
+    return True
 
 
 def matrix(text: str, name: str, *, min_ndim: int = 1) -> np.ndarray:
     """A matrix (or vector) from an option's text; ``min_ndim=2`` turns one row into ``(1, n)``."""
-    text = text.strip()
+    text = _undo_surrogates(text).strip()
     if not text:
         raise InputError(f"{name}: empty")
     if text.startswith("@"):
@@ -164,6 +185,14 @@ def matrix(text: str, name: str, *, min_ndim: int = 1) -> np.ndarray:
     if not np.all(np.isfinite(a)):
         raise InputError(f"{name}: contains NaN or infinity")
     return a.reshape(1, -1) if a.ndim < min_ndim else a
+
+
+def _undo_surrogates(text: str) -> str:
+    """Arguments Python could not decode (the C locale) as UTF-8, where they are UTF-8."""
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8")
+    except UnicodeError:
+        return text
 
 
 def window(text: str) -> tuple[int | None, int | None]:

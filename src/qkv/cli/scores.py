@@ -12,7 +12,7 @@ NAME = "scores"
 HELP = "pre-softmax scores q·Kᵀ·scale, saying which scale formula was used"
 EPILOG = """examples:
   qkv scores --q "2,1" --k "1,0;3,2" --d 4                    # divides by sqrt(d): [1, 4]
-  qkv scores --q "2,1" --k "1,0;3,2" --d 4 --scale "sqrt(d)"  # the card's literal formula: [4, 16]
+  qkv scores --q "2,1" --k "1,0;3,2" --d 4 --scale "sqrt(d)"  # x sqrt(d), a common slip: [4, 16]
   qkv scores --q "2,1" --k "1,0;3,2" --scale 1                # raw dot products: [2, 8]"""
 
 

@@ -1,4 +1,4 @@
-"""``qkv study scaling`` and ``qkv study training``: the seed's fifth card, measured.
+"""``qkv study scaling`` and ``qkv study training``: why attention divides by √d, measured.
 
 Thin: parse, call :mod:`qkv.study`, render. :func:`register` adds the ``study`` command to the
 main parser's subparsers; each leaf sets ``run=handler(args) -> int`` (0 on success, 2 on bad
@@ -20,10 +20,39 @@ __all__ = ["NAME", "register"]
 
 NAME = "study"
 
-EXAMPLES = """examples:
+SCALING_EXAMPLES = """examples:
   qkv study scaling --dims 4 64 1024 --keys 64 --format markdown
-  qkv study scaling --output study-out        # CSV and PNG plots
-  qkv study training --d 1024 --steps 100 --format json"""
+  qkv study scaling --output study-out        # CSV and PNG plots"""
+TRAINING_EXAMPLES = """examples:
+  qkv study training --d 1024 --steps 100
+  qkv study training --d 256 --lr 0.5 --format json"""
+EXAMPLES = SCALING_EXAMPLES + "\n" + TRAINING_EXAMPLES.removeprefix("examples:\n")
+
+MODE_HELP = (
+    "scaled (scores divided by sqrt(d), standard), unscaled (not scaled at all) and "
+    "times_sqrt_d (multiplied by sqrt(d) instead of divided, a common slip)"
+)
+
+#: What each column of the tables means (printed under text and Markdown tables).
+SCALING_LEGEND = {
+    "d": "feature size of q and k",
+    "mode": MODE_HELP,
+    "score_std": "measured standard deviation of the scores that reach the softmax",
+    "score_std_theory": "the same in theory: scale * sqrt(d)",
+    "mean_max_weight": "mean largest attention weight of a row (1 = one-hot, saturated)",
+    "entropy": "mean entropy of a row's weights, in nats (0 = one-hot)",
+    "entropy_fraction": "entropy as a fraction of its maximum, log(keys)",
+    "jacobian_norm": "mean Frobenius norm of the softmax Jacobian (0 = no gradient flows)",
+    "grad_q_norm": "mean norm of the gradient reaching q through attention",
+    "grad_q_median": "median of that norm (robust to a few large rows)",
+}
+TRAINING_LEGEND = {
+    "mode": "scaled (divides scores by sqrt(d)) or unscaled",
+    "loss_N": "mean 1/2 |weights - target|^2 after N steps (0 = every query on its own key)",
+    "accuracy_N": "fraction of queries whose largest weight is on their own key, after N steps",
+    "steps_to_100%": "first step at which every query attends its own key",
+    "grad_norm_N": "norm of the gradient of the loss with respect to W at step N",
+}
 
 SCALING_COLUMNS = [
     "d",
@@ -44,7 +73,10 @@ def register(subparsers: Any) -> None:
     study = subparsers.add_parser(
         NAME,
         help="measure why attention scales scores by 1/sqrt(d)",
-        description="Measure what omitting the 1/sqrt(d) scaling does (the seed's fifth card).",
+        description=(
+            "Measure why attention divides its scores by sqrt(d): what the softmax and its "
+            "gradients do without that scaling, and with sqrt(d) multiplied instead."
+        ),
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -55,12 +87,12 @@ def register(subparsers: Any) -> None:
         "scaling",
         help="Monte Carlo over d: score spread, saturation, entropy, gradients",
         description=(
-            "Monte Carlo with q, k ~ N(0, I_d) for each d and each mode: scaled (/sqrt(d)), "
-            "unscaled (x1) and card (x sqrt(d), the card's literal formula). Reports the score "
-            "std against the sqrt(d) theory, mean max weight, entropy, softmax Jacobian norm and "
-            "the gradient reaching q (qkv.attention_vjp)."
+            "Monte Carlo with q, k ~ N(0, I_d) for each d and each mode: " + MODE_HELP + ". "
+            "Reports the score std against the sqrt(d) theory, mean max weight, entropy, "
+            "softmax Jacobian norm and the gradient reaching q (qkv.attention_vjp); the text "
+            "and Markdown tables end with a legend of the columns."
         ),
-        epilog=EXAMPLES,
+        epilog=SCALING_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     s.add_argument(
@@ -73,7 +105,9 @@ def register(subparsers: Any) -> None:
     s.add_argument("--samples", default="1024", help="query rows per d (default 1024)")
     s.add_argument("--seed", default="0", help="random seed (default 0)")
     s.add_argument(
-        "--modes", default="scaled,unscaled,card", help="comma-separated subset of the modes"
+        "--modes",
+        default="scaled,unscaled,times_sqrt_d",
+        help="comma-separated subset of: scaled, unscaled, times_sqrt_d (default all three)",
     )
     s.add_argument("--panel-d", default=None, help="d of the weight-distribution panel")
     _common(s)
@@ -87,7 +121,7 @@ def register(subparsers: Any) -> None:
             "mean 1/2 |p - e|^2), by plain gradient descent on qkv.attention_vjp; once scaled "
             "and once unscaled, same seed, start and learning rate."
         ),
-        epilog=EXAMPLES,
+        epilog=TRAINING_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     t.add_argument("--d", default="1024", help="feature size d (default 1024)")
@@ -156,6 +190,16 @@ def _emit(text: str) -> None:
     write_stdout(text if text.endswith("\n") else text + "\n")
 
 
+def _legend(legend: dict[str, str], fmt: str) -> str:
+    """What the columns mean, under a text or Markdown table (CSV and JSON stay data only)."""
+    if fmt not in ("text", "markdown"):
+        return ""
+    bullet = "- " if fmt == "markdown" else "  "
+    name = (lambda c: f"`{c}`") if fmt == "markdown" else (lambda c: c)
+    lines = [f"{bullet}{name(c)}: {text}" for c, text in legend.items()]
+    return "\n\ncolumns:\n" + ("\n" if fmt == "markdown" else "") + "\n".join(lines)
+
+
 def _fail(args: argparse.Namespace, exc: Exception) -> int:
     print(f"qkv study {args.study_command}: error: {exc}", file=sys.stderr)
     return 2
@@ -199,7 +243,10 @@ def _scaling(args: argparse.Namespace) -> int:
 
             written = [out / "scaling.csv", *plot_scaling(study, out)]
             print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
-        _emit(render_rows(rows, args.format, columns=SCALING_COLUMNS))
+        _emit(
+            render_rows(rows, args.format, columns=SCALING_COLUMNS)
+            + _legend(SCALING_LEGEND, args.format)
+        )
     except (InputError, OSError) as exc:
         return _fail(args, exc)
     return 0
@@ -236,7 +283,7 @@ def _training(args: argparse.Namespace) -> int:
         elif args.format == "csv":
             _emit(render_rows(per_step, "csv"))
         else:
-            _emit(render_rows(_summary(runs), args.format))
+            _emit(render_rows(_summary(runs), args.format) + _legend(TRAINING_LEGEND, args.format))
     except (InputError, OSError) as exc:
         return _fail(args, exc)
     return 0

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import InputError
+from ..errors import InputError, InputTypeError
 from ..validate import as_array
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -84,6 +84,12 @@ def _to_numpy(x: Any, name: str) -> Any:
         raise InputError(
             f"{name}: tensors on device {x.device} are not supported yet (shape "
             f"{tuple(x.shape)}); qkv computes on the CPU, so move them with .cpu()"
+        )
+    if x.layout != torch.strided or x.is_quantized:
+        kind = "quantized" if x.is_quantized else f"{x.layout}".replace("torch.", "")
+        raise InputTypeError(
+            f"{name}: {kind} tensors are not supported (shape {tuple(x.shape)}, dtype "
+            f"{x.dtype}); convert with .to_dense() or .dequantize() first"
         )
     x = x.detach()
     if x.is_floating_point() and x.dtype not in (torch.float16, torch.float32, torch.float64):

@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
+import numpy as np
+
 __all__ = ["cpu_count", "parallel_map", "single_threaded_blas"]
 
 T = TypeVar("T")
@@ -48,22 +50,84 @@ def _pool(n: int) -> Any:
 
 _controller: list[Any] = []  # the threadpoolctl controller, found once (scanning is slow)
 
+# BLAS thread limits are process-wide, not per thread: callers on several Python threads share
+# one limit. The first to arrive sets it, the last to leave restores what was there before, so
+# the process's BLAS settings end exactly as they began whatever the callers' threads do.
+_limit_lock = threading.Lock()
+_limit_users = 0
+_limit_active: list[Any] = []  # the threadpoolctl limiter while anyone holds the limit
+_limit_depth = threading.local()  # how many of the users are this thread (survives a fork)
+
+
+def _reinit_after_fork() -> None:
+    """In a forked child: forget the parent's pools (their threads did not survive the fork).
+
+    The locks are new too: another parent thread may have held them at the moment of the fork.
+    Only the forking thread lives on, so only its own holds on the BLAS limit still count.
+    """
+    global _pools_lock, _limit_lock, _limit_users
+    _pools.clear()
+    _pools_lock = threading.Lock()
+    _limit_lock = threading.Lock()
+    _limit_users = getattr(_limit_depth, "n", 0)
+    if _limit_users == 0 and _limit_active:
+        _free_blas_control()
+        _limit_active.pop().restore_original_limits()
+        _free_blas_control()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows
+    os.register_at_fork(after_in_child=_reinit_after_fork)
+
+
+def _free_blas_control() -> None:
+    """Let this thread set OpenBLAS's limit (threadpoolctl >= 3.8 lets only one thread at a
+    time change a process-wide OpenBLAS pool, silently ignoring the others)."""
+    try:
+        from threadpoolctl import OpenBLASController
+    except ImportError:
+        return
+    clear = getattr(OpenBLASController, "clear_controlling_thread", None)
+    if clear is not None:
+        clear(force=True)
+
 
 @contextmanager
 def single_threaded_blas() -> Iterator[None]:
-    """Hold BLAS to one thread inside the block (a no-op without ``threadpoolctl``)."""
-    if not _controller:
-        try:
-            from threadpoolctl import ThreadpoolController
+    """Hold BLAS to one thread inside the block (a no-op without ``threadpoolctl``).
 
-            _controller.append(ThreadpoolController())
-        except ImportError:
-            _controller.append(None)
+    Safe to enter from several threads at once: the original limits are restored when the last
+    caller leaves.
+    """
+    global _limit_users
+    if not _controller:
+        with _limit_lock:
+            if not _controller:
+                try:
+                    from threadpoolctl import ThreadpoolController
+
+                    _controller.append(ThreadpoolController())
+                except ImportError:
+                    _controller.append(None)
     if _controller[0] is None:
         yield
         return
-    with _controller[0].limit(limits=1, user_api="blas"):
+    with _limit_lock:
+        if _limit_users == 0:
+            _free_blas_control()
+            _limit_active.append(_controller[0].limit(limits=1, user_api="blas"))
+        _limit_users += 1
+        _limit_depth.n = getattr(_limit_depth, "n", 0) + 1
+    try:
         yield
+    finally:
+        with _limit_lock:
+            _limit_depth.n -= 1
+            _limit_users -= 1
+            if _limit_users == 0:
+                _free_blas_control()  # the last user may be another thread than the first
+                _limit_active.pop().restore_original_limits()
+                _free_blas_control()  # and leave OpenBLAS to whichever thread comes next
 
 
 def _blas_limitable() -> bool:
@@ -94,4 +158,10 @@ def parallel_map(
     with single_threaded_blas():  # many small GEMMs: BLAS's own threads only add overhead
         if n <= 1:
             return [fn(x) for x in items]
-        return list(_pool(n).map(fn, items))
+        err = np.geterr()  # NumPy's error state is per thread: the workers take the caller's
+
+        def call(x: Any) -> T:
+            with np.errstate(**err):
+                return fn(x)
+
+        return list(_pool(n).map(call, items))

@@ -112,7 +112,7 @@ class _Problem:
             per_query += self.bias[outer][h0 * g : h1 * g, :, c0:c1]
         if plan.structured and (c0 < self.inner_lo or c1 > self.inner_hi):
             ok = allowed(self.L, self.S, causal=plan.causal, window=plan.window, cols=range(c0, c1))
-            per_query += np.where(ok, dt.type(0), dt.type(-np.inf))
+            np.copyto(per_query, -np.inf, where=~ok)  # not += -inf: inf + -inf is NaN
         if self.mask is not None:
             per_query[~self.mask[outer][h0 * g : h1 * g, :, c0:c1]] = -np.inf
         m = s.max(axis=-1)

@@ -34,6 +34,8 @@ __all__ = [
     "attend",
     "check_kernel",
     "choose",
+    "scale_fits",
+    "weights",
 ]
 
 KERNELS = ("auto", "dense", "tiled", "decode")
@@ -82,10 +84,75 @@ def attend(plan: Plan, kernel: str = "auto") -> tuple[np.ndarray, np.ndarray]:
     """
     name = choose(plan) if kernel == "auto" else check_kernel(kernel)
     run = {"dense": dense.attend, "decode": decode.attend, "tiled": tiled.attend}[name]
-    out, lse = run(plan)
-    if not np.isfinite(out).all() and plan.v.size and np.isfinite(plan.v).all():
-        out, lse = _rescaled(run, plan, out, lse)
+    # An intermediate may overflow on the way to a finite answer (the retries below repair it),
+    # and NaN or inf inputs propagate by policy: neither is worth a NumPy warning.
+    with np.errstate(over="ignore", invalid="ignore"):
+        if not scale_fits(plan):
+            return mods.with_sinks(plan, *_in_float64(run, plan))
+        out, lse = run(plan)
+        if not np.isfinite(out).all() and plan.v.size:
+            out, lse = _rescaled(run, plan, out, lse)
+        if not np.isfinite(out).all() and plan.acc_dtype != np.float64 and _may_overflow(plan):
+            out, lse = _in_float64(run, plan)
     return mods.with_sinks(plan, out, lse)
+
+
+def weights(plan: Plan) -> np.ndarray:
+    """The attention weights ``(*batch, L, S)`` in the compute dtype (the dense kernel's).
+
+    As in :func:`attend`, finite inputs whose scores overflow the compute dtype are redone in
+    float64, without NumPy warnings on the way.
+    """
+    with np.errstate(over="ignore", invalid="ignore"):
+        w, _ = dense.softmax_rows(dense.logits(plan if scale_fits(plan) else _widened(plan)))
+        if not np.isfinite(w).all() and plan.acc_dtype != np.float64 and _may_overflow(plan):
+            w, _ = dense.softmax_rows(dense.logits(_widened(plan)))
+            w = w.astype(plan.acc_dtype)
+    return w
+
+
+def _may_overflow(plan: Plan) -> bool:
+    """Whether the finite entries of ``q``, ``k`` and the bias can make a score overflow the
+    compute dtype (a bound: ``scale · d · max|q| · max|k| + max|bias|``)."""
+
+    def finite_max(a: np.ndarray) -> float:
+        return float(np.max(np.abs(a), where=np.isfinite(a), initial=0.0)) if a.size else 0.0
+
+    bound = plan.scale * plan.d * finite_max(plan.q) * finite_max(plan.k)
+    if plan.bias is not None:
+        bound += finite_max(plan.bias)
+    return bound > float(np.finfo(plan.acc_dtype).max) / 4
+
+
+def _in_float64(run: Any, plan: Plan) -> tuple[np.ndarray, np.ndarray]:
+    """Rerun in float64 when the scores may have overflowed the compute dtype on the way.
+
+    ``q · kᵀ · scale`` can exceed float32's range (a large ``scale``, large entries) where
+    the weights and the output — a weighted mean of the values — are perfectly finite. Only
+    runs when the output is not finite and the finite inputs are that large.
+    """
+    out, lse = run(_widened(plan))
+    return out.astype(plan.acc_dtype), lse.astype(plan.acc_dtype)
+
+
+def _widened(plan: Plan) -> Plan:
+    """``plan`` computed in float64."""
+    f64 = np.dtype(np.float64)
+    return replace(
+        plan,
+        q=plan.q.astype(f64),
+        k=plan.k.astype(f64),
+        v=None if plan.v is None else plan.v.astype(f64),
+        bias=None if plan.bias is None else plan.bias.astype(f64),
+        acc_dtype=f64,
+    )
+
+
+def scale_fits(plan: Plan) -> bool:
+    """Whether the scale is a normal number of the compute dtype (the kernels fold it into
+    ``q`` there); a scale like ``1e-50`` or ``1e39`` needs float64 for float32 inputs."""
+    info = np.finfo(plan.acc_dtype)
+    return float(info.tiny) <= plan.scale <= float(info.max)
 
 
 def _rescaled(run: Any, plan: Plan, out: np.ndarray, lse: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -94,11 +161,14 @@ def _rescaled(run: Any, plan: Plan, out: np.ndarray, lse: np.ndarray) -> tuple[n
     Tiled and decode sum ``exp(s - m) · v`` before dividing by the softmax denominator, so
     ``S · max|v|`` beyond the dtype's maximum overflows although the answer (a weighted mean of
     the values) fits. Scaling by ``2**-e`` is exact, and the check costs nothing on the usual
-    path: it only runs when the output is not finite while ``v`` is.
+    path: it only runs when the output is not finite (NaN and inf in ``v`` are left out of the
+    measure: they reach their own rows either way).
     """
-    vmax = float(np.max(np.abs(plan.v)))
+    vmax = float(np.max(np.abs(plan.v), where=np.isfinite(plan.v), initial=0.0))
     room = float(np.finfo(plan.acc_dtype).max) / 2**20
-    e = max(0, math.ceil(math.log2(vmax * max(plan.S, 1) / room))) if vmax > 0 else 0
+    # in logarithms: vmax · S / room may underflow (tiny values) or overflow
+    need = math.log2(vmax) + math.log2(max(plan.S, 1)) - math.log2(room) if vmax > 0 else 0.0
+    e = max(0, math.ceil(need))
     if e == 0:
         return out, lse  # not an accumulator overflow: NaN or inf came from q or k
     f = plan.acc_dtype.type(2.0**e)

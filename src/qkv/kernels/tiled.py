@@ -18,8 +18,8 @@ bytes — never ``L x S``.
 
 Masks: keys that causal or a window hide from every row of a tile are never visited, so causal
 costs about half of full attention. Across the mask's edge the keys are visited in narrower
-pieces, each with only the rows that see some of it, and an additive 0/-inf tile (cached: it
-depends only on the tile's shape and diagonal offset) masks the rest.
+pieces, each with only the rows that see some of it, and a boolean tile (cached: it depends
+only on the tile's shape and diagonal offset) sets the rest to -inf.
 
 Variants: each score tile passes through :func:`qkv.kernels.mods.apply` right after its GEMM
 (soft-cap, ALiBi, ``score_mod``, ``mask_mod``). A ``mask_mod``'s block mask is computed once
@@ -71,8 +71,8 @@ def _safe_tau(v: np.ndarray, S: int, dtype: np.dtype) -> float:
     """``TAU``, lowered so that ``exp(tau) · S · max|v|`` stays far below the dtype's maximum."""
     if v.size == 0:
         return TAU
-    vmax = float(max(np.max(v), -np.min(v)))
-    if not math.isfinite(vmax) or vmax == 0.0:
+    vmax = float(np.max(np.abs(v), where=np.isfinite(v), initial=0.0))  # NaN/inf: their rows
+    if vmax == 0.0:
         return TAU
     room = math.log(float(np.finfo(dtype).max)) - math.log(vmax * max(S, 1)) - 8.0
     return max(0.0, min(TAU, room))
@@ -109,9 +109,11 @@ class _Problem:
         return buf[: rows * cols].reshape(rows, cols)
 
     def edge(self, r0: int, r1: int, c0: int, c1: int) -> np.ndarray:
-        """Additive ``(keys, rows)`` tile, 0 where causal/window allow and -inf elsewhere.
+        """Boolean ``(keys, rows)`` tile, True where causal/window hide the key from the row.
 
-        It depends only on the tile's shape and diagonal offset, so it is built once and reused.
+        The scores there are overwritten with -inf (not added to: an infinite score plus -inf
+        would be NaN). It depends only on the tile's shape and diagonal offset, so it is built
+        once and reused.
         """
         key = (r1 - r0, c1 - c0, c0 - r0)
         tile = self.edges.get(key)
@@ -124,7 +126,7 @@ class _Problem:
                 rows=range(r0, r1),
                 cols=range(c0, c1),
             )
-            tile = np.ascontiguousarray(np.where(ok.T, self.dt.type(0), self.dt.type(-np.inf)))
+            tile = np.ascontiguousarray(~ok.T)
             if len(self.edges) < 8:  # a few offsets recur; bound the memory anyway
                 self.edges[key] = tile
         return tile
@@ -243,7 +245,7 @@ class _Problem:
             if self.bias is not None:
                 s += self.bias[idx][r0 + a : r0 + b, c0:c1].T
             if los[b - 1] > c0 or his[a] < c1:  # the piece crosses causal/window's edge
-                s += self.edge(r0 + a, r0 + b, c0, c1)
+                np.copyto(s, -np.inf, where=self.edge(r0 + a, r0 + b, c0, c1))
             if self.mask is not None:
                 s[~self.mask[idx][r0 + a : r0 + b, c0:c1].T] = -np.inf
             if not bounded:
@@ -258,7 +260,7 @@ class _Problem:
                     acc[a:b] *= alpha[:, None]  # the denominators too (last column)
                     m[a:b] = new
                 if np.any(ma != 0):
-                    s -= np.where(np.isfinite(ma), ma, dt.type(0))
+                    s -= np.where(ma == -np.inf, dt.type(0), ma)  # +inf - +inf: NaN, as reference
             np.exp(s, out=s)  # (exp2 is faster on plain numbers but slow on -inf and underflow)
             acc[a:b] += s.T @ v[c0 - v0 : c1 - v0]
         empty = denom == 0  # rows that may attend no key: output 0, lse -inf (NaN rows stay NaN)

@@ -58,7 +58,7 @@ def _color(w: float) -> str:
 def heatmap_svg(h: Heatmap) -> str:
     """The weights as an inline SVG grid: darker is more weight, grey × is excluded."""
     nr, nc = len(h.rows), len(h.cols)
-    cell = h.cell or int(min(56, max(14, 520 // max(nr, nc, 1))))
+    cell = h.cell or int(min(76, max(14, 640 // max(nr, nc, 1))))
     left, top = 64, 34
     width, height = left + nc * cell + 8, top + nr * cell + 8
     parts = [
@@ -109,11 +109,11 @@ def heatmap_svg(h: Heatmap) -> str:
                     f'<text x="{x + cell / 2:.1f}" y="{y + cell / 2 + 4:.1f}" font-size="11" '
                     'text-anchor="middle" fill="#777">×</text>'
                 )
-            elif cell >= 40:
+            elif cell >= 60:  # the tables' digits (fmt), in cells wide enough for them
                 ink = "#ffffff" if w > 0.5 else "#1a1a1a"
                 parts.append(
                     f'<text x="{x + cell / 2:.1f}" y="{y + cell / 2 + 4:.1f}" font-size="10" '
-                    f'text-anchor="middle" fill="{ink}">{_e(fmt(round(w, 3)))}</text>'
+                    f'text-anchor="middle" fill="{ink}">{_e(fmt(w))}</text>'
                 )
     parts.append("</svg>")
     return "".join(parts)

@@ -133,7 +133,10 @@ def _matrix_table(
     caption: str = "",
     row_names: Any = None,
     col_names: Any = None,
+    masked: np.ndarray | None = None,
 ) -> Table:
+    """``a`` as a table of at most ``max_rows × max_cols`` shown entries; entries where
+    ``masked`` is True (pairs a query may not see) are styled ``"masked"``."""
     rows_i, cols_j = pick(a.shape[0], max_rows), pick(a.shape[1], max_cols)
     header = [Cell("", kind="label")] + [
         Cell("…", kind="gap")
@@ -155,7 +158,10 @@ def _matrix_table(
         name = row_names[i] if row_names else f"{row_name}{i}" if row_name else ""
         row = [Cell(name, kind="label")]
         for j in cols_j:
-            row.append(Cell("…", kind="gap") if j is None else _num(a[i, j]))
+            hidden = masked is not None and j is not None and bool(masked[i, j])
+            row.append(
+                Cell("…", kind="gap") if j is None else _num(a[i, j], "masked" if hidden else "")
+            )
         rows.append(row)
     if a.shape[1] > max_cols:
         caption = (
@@ -167,7 +173,7 @@ def _matrix_table(
 def _overview(t: Trace) -> list[Any]:
     L, S = t.L, t.S
     qs = "1 query" if t.squeeze else f"L = {L} queries"
-    parts = [f"{qs} of size {t.d}", f"S = {S} keys"]
+    parts = [f"{qs} of size {t.d}", f"S = {S} key" + ("" if S == 1 else "s")]
     if t.v is not None:
         parts.append(f"values of size dv = {t.dv}")
     facts = ", ".join(parts) + "."
@@ -449,9 +455,18 @@ def build(
         row_names=None if t.query_labels is None else list(t.query_labels),
         col_names=None if t.key_labels is None else list(t.key_labels),
     )
+    some_excluded = t.excluded is not None and bool(t.excluded.any())
     blocks.append(
         _matrix_table(
-            t.scaled, "q", "k", max_rows, max_keys, caption="scaled scores q·kᵀ · scale", **names
+            t.scaled,
+            "q",
+            "k",
+            max_rows,
+            max_keys,
+            caption="scaled scores q·kᵀ · scale"
+            + (" (greyed: pairs the query may not see, weight 0)" if some_excluded else ""),
+            masked=t.excluded,
+            **names,
         )
     )
     if t.reaches("weights"):

@@ -19,8 +19,8 @@ from .training import TrainingRun
 
 __all__ = ["plot_scaling", "plot_training"]
 
-COLORS = {"scaled": "#1b7837", "unscaled": "#c51b7d", "card": "#2166ac"}
-LABELS = {"scaled": "scaled  (÷√d)", "unscaled": "unscaled (×1)", "card": "card  (×√d)"}
+COLORS = {"scaled": "#1b7837", "unscaled": "#c51b7d", "times_sqrt_d": "#2166ac"}
+LABELS = {"scaled": "scaled  (÷√d)", "unscaled": "unscaled (×1)", "times_sqrt_d": "×√d (a slip)"}
 
 
 def _figure(ncols: int, width: float = 4.2, height: float = 3.4) -> tuple[Any, Any]:

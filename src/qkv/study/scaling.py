@@ -9,8 +9,10 @@ mode       scale        score std (theory)
 =========  ===========  ==================================
 scaled     ``1/√d``     1, whatever ``d`` is
 unscaled   ``1``        ``√d``
-card       ``√d``       ``d`` (the seed card's literal ×√d)
+times_sqrt_d ``√d``     ``d`` (multiplying by √d instead of dividing, a common slip)
 =========  ===========  ==================================
+
+``"card"`` is accepted as an older name of ``"times_sqrt_d"``.
 
 Each query row attends ``keys`` keys; rows come in sets of up to 64 queries that share one set of
 keys, values and upstream gradients (as the rows of one attention call do), and the standard
@@ -28,7 +30,7 @@ Examples
 >>> from qkv.study import scaling_study
 >>> study = scaling_study(dims=[4, 256], keys=16, samples=128, seed=0)
 >>> [(r.d, r.mode, round(r.score_std_theory, 1)) for r in study.rows[:3]]
-[(4, 'scaled', 1.0), (4, 'unscaled', 2.0), (4, 'card', 4.0)]
+[(4, 'scaled', 1.0), (4, 'unscaled', 2.0), (4, 'times_sqrt_d', 4.0)]
 >>> row = study.row(256, "unscaled")
 >>> row.mean_max_weight > 0.6 > study.row(256, "scaled").mean_max_weight
 True
@@ -58,7 +60,15 @@ __all__ = [
     "softmax_jacobian_norm",
 ]
 
-MODES: tuple[str, ...] = ("scaled", "unscaled", "card")
+MODES: tuple[str, ...] = ("scaled", "unscaled", "times_sqrt_d")
+ALIASES = {"card": "times_sqrt_d"}  # the name this mode had before
+
+
+def mode_name(mode: str) -> str:
+    """The mode's name, with an older alias replaced by the current one."""
+    return ALIASES.get(mode, mode) if isinstance(mode, str) else mode
+
+
 DEFAULT_DIMS: tuple[int, ...] = tuple(2**i for i in range(2, 13))  # 4 … 4096
 VALUE_DIM = 16
 QUERIES_PER_SET = 64
@@ -73,11 +83,12 @@ def mode_scale(mode: str, d: int) -> float:
     >>> [mode_scale(m, 4) for m in MODES]
     [0.5, 1.0, 2.0]
     """
+    mode = mode_name(mode)
     if mode == "scaled":
         return 1.0 / math.sqrt(d)
     if mode == "unscaled":
         return 1.0
-    if mode == "card":
+    if mode == "times_sqrt_d":
         return math.sqrt(d)
     raise InputError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")
 
@@ -172,6 +183,7 @@ class ScalingStudy:
 
     def row(self, d: int, mode: str) -> ScalingRow:
         """The row for ``(d, mode)``."""
+        mode = mode_name(mode)
         for r in self.rows:
             if r.d == d and r.mode == mode:
                 return r
@@ -279,7 +291,7 @@ def scaling_study(
     seed : int
         Seed of :func:`numpy.random.default_rng`; the same seed gives the same table.
     modes : sequence of str
-        Any of ``"scaled"`` (÷√d), ``"unscaled"`` (scale 1) and ``"card"`` (×√d).
+        Any of ``"scaled"`` (÷√d), ``"unscaled"`` (scale 1) and ``"times_sqrt_d"`` (×√d).
     panel_d : int, optional
         The ``d`` whose weight profiles are kept for the distribution panel; default the largest
         ``d`` ≤ 1024 in ``dims`` (else the smallest).
@@ -295,7 +307,7 @@ def scaling_study(
     keys = _check_int(keys, "keys", 1, 1 << 16)
     samples = _check_int(samples, "samples", 2, 1 << 24)
     seed = _check_int(seed, "seed", 0)
-    modes = list(dict.fromkeys(modes))
+    modes = list(dict.fromkeys(mode_name(m) for m in modes))
     for m in modes:
         mode_scale(m, 1)
     if not modes:

@@ -3,16 +3,16 @@
 Examples
 --------
 >>> rows = [{"d": 4, "mode": "scaled", "entropy": 3.6983},
-...         {"d": 64, "mode": "card", "entropy": 0.06}]
+...         {"d": 64, "mode": "unscaled", "entropy": 0.06}]
 >>> print(render_rows(rows, "markdown", columns=["d", "mode", "entropy"]))
 | d | mode | entropy |
 |---:|:---|---:|
 | 4 | scaled | 3.698 |
-| 64 | card | 0.06 |
+| 64 | unscaled | 0.06 |
 >>> print(render_rows(rows, "csv"), end="")
 d,mode,entropy
 4,scaled,3.6983
-64,card,0.06
+64,unscaled,0.06
 """
 
 from __future__ import annotations
