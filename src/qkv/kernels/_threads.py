@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-__all__ = ["cpu_count", "parallel_map", "single_threaded_blas"]
+__all__ = ["cpu_count", "default_threads", "limit_threads", "parallel_map", "single_threaded_blas"]
 
 T = TypeVar("T")
 
@@ -29,6 +29,33 @@ def cpu_count() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not Linux
         return max(1, os.cpu_count() or 1)
+
+
+_limit: list[int] = []  # innermost limit_threads() cap, if any
+
+
+def default_threads() -> int:
+    """Worker threads for a call that names none: the cores this process may use, capped by
+    :func:`limit_threads` or else by ``OMP_NUM_THREADS`` (how launchers such as ``torchrun``
+    give each of several ranks on one host its share)."""
+    n = cpu_count()
+    if _limit:
+        return max(1, min(n, _limit[-1]))
+    try:
+        omp = int(os.environ.get("OMP_NUM_THREADS", ""))
+    except ValueError:
+        return n
+    return max(1, min(n, omp)) if omp > 0 else n
+
+
+@contextmanager
+def limit_threads(n: int) -> Iterator[None]:
+    """Use at most ``n`` worker threads inside the block (for calls that name none)."""
+    _limit.append(max(1, int(n)))
+    try:
+        yield
+    finally:
+        _limit.pop()
 
 
 _pools: dict[int, Any] = {}
@@ -83,11 +110,11 @@ def parallel_map(
     *,
     blas_heavy: bool = True,
 ) -> list[T]:
-    """``[fn(x) for x in items]`` on up to ``threads`` threads (default: every core).
+    """``[fn(x) for x in items]`` on up to ``threads`` threads (default: :func:`default_threads`).
 
     ``blas_heavy`` work falls back to one thread when BLAS cannot be held to one thread.
     """
-    n = cpu_count() if threads is None else max(1, int(threads))
+    n = default_threads() if threads is None else max(1, int(threads))
     n = min(n, len(items))
     if blas_heavy and n > 1 and not _blas_limitable():
         n = 1
