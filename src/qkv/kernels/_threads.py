@@ -50,10 +50,12 @@ def default_threads() -> int:
 
 @contextmanager
 def limit_threads(n: int) -> Iterator[None]:
-    """Use at most ``n`` worker threads inside the block (for calls that name none)."""
+    """Use at most ``n`` worker threads inside the block (for calls that name none), and at
+    most ``n`` BLAS threads (with ``threadpoolctl``)."""
     _limit.append(max(1, int(n)))
     try:
-        yield
+        with _blas_threads(_limit[-1]):
+            yield
     finally:
         _limit.pop()
 
@@ -77,8 +79,8 @@ _controller: list[Any] = []  # the threadpoolctl controller, found once (scannin
 
 
 @contextmanager
-def single_threaded_blas() -> Iterator[None]:
-    """Hold BLAS to one thread inside the block (a no-op without ``threadpoolctl``)."""
+def _blas_threads(n: int) -> Iterator[None]:
+    """Hold BLAS to ``n`` threads inside the block (a no-op without ``threadpoolctl``)."""
     if not _controller:
         try:
             from threadpoolctl import ThreadpoolController
@@ -89,8 +91,13 @@ def single_threaded_blas() -> Iterator[None]:
     if _controller[0] is None:
         yield
         return
-    with _controller[0].limit(limits=1, user_api="blas"):
+    with _controller[0].limit(limits=n, user_api="blas"):
         yield
+
+
+def single_threaded_blas() -> Any:
+    """Hold BLAS to one thread inside the block (a no-op without ``threadpoolctl``)."""
+    return _blas_threads(1)
 
 
 def _blas_limitable() -> bool:
