@@ -33,7 +33,7 @@ import numpy as np
 
 from ..grad import _sum_to
 from ..kernels import dispatch, flash_grad
-from ..kernels._threads import limit_threads
+from ..kernels._threads import limit_threads, single_threaded_blas
 from ..merge import merge_arrays
 from ..validate import as_array, make_plan
 from .agree import Setup, setup
@@ -167,9 +167,11 @@ def _backward(
         for lo, hi, n, diag in _calls(s, owner):
             bp = _block_plan(s, lo, hi, kb, vb, n, diag)
             g = np.broadcast_to(d_out[..., lo:hi, :], bp.batch + (hi - lo, p.dv))
-            dqb, dkb, dvb = flash_grad.backward(
-                bp, g, out[..., lo:hi, :], lse[..., lo:hi], GRAD_BLOCK
-            )
+            # one BLAS thread: its small GEMMs ran ~15x slower on 2 threads (2 shared cores)
+            with single_threaded_blas():
+                dqb, dkb, dvb = flash_grad.backward(
+                    bp, g, out[..., lo:hi, :], lse[..., lo:hi], GRAD_BLOCK
+                )
             dq[..., lo:hi, :] += dqb
             blk[0][..., :n, :] += _sum_to(dkb, s.k.shape[:-2] + (n, s.k.shape[-1]))
             blk[1][..., :n, :] += _sum_to(dvb, s.v.shape[:-2] + (n, s.v.shape[-1]))
