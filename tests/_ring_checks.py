@@ -134,24 +134,33 @@ def check_mismatch(comm: Any, rank: int, W: int) -> int:
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((2, 8, 4))
-    wrong = {
-        "q shape": lambda: (rng.standard_normal((2, 12, 4)),) * 3 if rank == W - 1 else (x,) * 3,
-        "dtype": lambda: (x.astype(np.float32 if rank == W - 1 else np.float64),) * 3,
-        "odd shard": lambda: (rng.standard_normal((2, 7, 4)),) * 3 if rank == 0 else (x,) * 3,
-    }
-    for what, make in wrong.items():
+    last = W - 1
+    bigger, odd = rng.standard_normal((2, 12, 4)), rng.standard_normal((2, 7, 4))
+    cases = [  # (this rank's q = k = v, options, what every rank's error says)
+        (
+            bigger if rank == last else x,
+            {},
+            f"disagree on q shape: rank 0 has (2, 8, 4), rank {last} has (2, 12, 4)",
+        ),
+        (
+            x.astype(np.float32) if rank == last else x,
+            {},
+            f"disagree on q dtype: rank 0 has float64, rank {last} has float32",
+        ),
+        (
+            odd if rank == 0 else x,
+            {},
+            f"world size {W}" if rank == 0 else f"rank(s) [0] of {W} rejected their arguments",
+        ),
+        (x, {"causal": rank == 0}, "ranks disagree on causal"),
+    ]
+    for arr, opts, message in cases:
         try:
-            ring_attention(*make(), comm=comm, causal=True)
+            ring_attention(arr, arr, arr, comm=comm, **{"causal": True, **opts})
         except qkv.InputError as exc:
-            assert "rank" in str(exc) or "world size" in str(exc), f"{what}: {exc}"
+            assert message in str(exc), f"rank {rank}: expected {message!r}, got {exc}"
         else:
-            raise AssertionError(f"mismatch '{what}' was not refused on rank {rank}")
-    try:
-        ring_attention(x, x, x, comm=comm, causal=(rank == 0))
-    except qkv.InputError as exc:
-        assert "causal" in str(exc)
-    else:
-        raise AssertionError("causal mismatch not refused")
+            raise AssertionError(f"rank {rank}: {message!r} was not raised")
     return 4
 
 

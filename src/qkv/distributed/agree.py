@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InputError, InputTypeError
-from ..kernels._threads import cpu_count
+from ..kernels._threads import cpu_count, default_threads
 from ..validate import Plan, as_array, make_plan
 from .comm import Communicator, get_comm
 from .layout import check_layout, chunk_ids
@@ -80,7 +80,7 @@ def _show(name: str, names: list[str], row: np.ndarray) -> str:
     if name.endswith("shape"):
         return str(tuple(vals[1 : 1 + vals[0]])) if vals[0] >= 0 else "no array"
     if name.endswith("dtype"):
-        return str(np.dtype(np.sctypeDict[vals[0]])) if vals[0] in np.sctypeDict else "?"
+        return _DTYPES[vals[0]] if 0 <= vals[0] < len(_DTYPES) else "another dtype"
     if name == "scale":
         return repr(float(np.int64(vals[0]).view(np.float64)))
     if name == "layout":
@@ -88,14 +88,21 @@ def _show(name: str, names: list[str], row: np.ndarray) -> str:
     return str(vals[0] if len(vals) == 1 else vals)
 
 
+_DTYPES = ("float16", "float32", "float64", "longdouble")
+
+
 def dtype_code(a: np.ndarray | None) -> list[int]:
-    return [-1 if a is None else a.dtype.num]
+    if a is None:
+        return [-1]
+    names = [np.dtype(n) for n in _DTYPES]
+    return [names.index(a.dtype) if a.dtype in names else len(names)]
 
 
 def threads_for(comm: Communicator, rows: np.ndarray) -> int:
-    """This rank's share of the cores it may use: ranks on one host split them."""
+    """This rank's share of the cores it may use (ranks on one host split them), at most
+    ``OMP_NUM_THREADS`` when that is set."""
     local = int(np.count_nonzero(rows[:, 1] == rows[comm.rank, 1]))
-    return max(1, cpu_count() // max(local, 1))
+    return max(1, min(default_threads(), cpu_count() // max(local, 1)))
 
 
 def setup(
