@@ -69,10 +69,10 @@ class RingStats:
 class _Packed:
     """Two reused contiguous byte buffers holding arrays of fixed shapes, with views."""
 
-    def __init__(self, like: list[np.ndarray]) -> None:
+    def __init__(self, like: list[np.ndarray], world: int) -> None:
         self.specs = [(a.dtype, a.shape, a.nbytes) for a in like]
         total = sum(n for _, _, n in self.specs)
-        self.bufs = [np.empty(total, dtype=np.uint8), np.empty(total, dtype=np.uint8)]
+        self.bufs = [np.empty(total, dtype=np.uint8) for _ in range(2 if world > 1 else 1)]
 
     def views(self, i: int) -> list[np.ndarray]:
         out, off = [], 0
@@ -109,7 +109,7 @@ def _forward(s: Setup, stats: RingStats) -> tuple[np.ndarray, np.ndarray]:
     p, comm, W = s.plan, s.comm, s.comm.size
     out = np.zeros(p.batch + (p.L, p.dv), dtype=p.acc_dtype)
     lse = np.full(p.batch + (p.L,), -np.inf, dtype=p.acc_dtype)
-    kv = _Packed([s.k, s.v])
+    kv = _Packed([s.k, s.v], W)
     cur = 0
     for a, b in zip(kv.views(cur), (s.k, s.v), strict=True):
         a[...] = b
@@ -145,8 +145,8 @@ def _backward(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     p, comm, W, acc = s.plan, s.comm, s.comm.size, s.plan.acc_dtype
     dq = np.zeros(p.q.shape, dtype=acc)
-    kv = _Packed([s.k, s.v])
-    grads = _Packed([np.empty(s.k.shape, acc), np.empty(s.v.shape, acc)])
+    kv = _Packed([s.k, s.v], W)
+    grads = _Packed([np.empty(s.k.shape, acc), np.empty(s.v.shape, acc)], W)
     for a in grads.views(0):
         a[...] = 0
     blk = [np.empty(s.k.shape, acc), np.empty(s.v.shape, acc)]  # this step's dK, dV
