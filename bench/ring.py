@@ -39,6 +39,7 @@ def _env() -> dict[str, str]:
 
 
 def run_demo(world: int, n: int, *, layout: str = "zigzag", backward: bool = True) -> dict:
+    """One launch of ``world`` MPI ranks of the demo; its JSON report."""
     cmd = [
         shutil.which("mpiexec") or "mpiexec",
         "-n",
@@ -155,6 +156,19 @@ def model_step(
     }
 
 
+def step_kernel_time(n_local: int, d: int) -> float:
+    """Best time of one zigzag ring step's kernel call on one thread: ``n_local`` queries
+    against ``n_local / 2`` keys, unmasked (float32)."""
+    import qkv
+    from qkv.kernels._threads import limit_threads
+
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, n_local, d), dtype=np.float32)
+    k, v = (rng.standard_normal((1, n_local // 2, d), dtype=np.float32) for _ in range(2))
+    with limit_threads(1):
+        return _common.best_time(lambda: qkv.attention(q, k, v), repeat=2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--sizes", type=int, nargs="+", default=[16384, 32768, 65536])
@@ -259,37 +273,45 @@ def main() -> None:
     if hrows:
         print(_common.table(hrows, list(hrows[0])) + "\n")
 
-    # cost model: kernel rate per rank from the W = 1 run, hop rate from the MPI measurement
+    # cost model: one step's kernel time measured here on one thread (a zigzag step: both local
+    # query chunks against one key chunk), ranks sharing this host's cores, hop at the MPI rate
     n_cal = max(args.sizes)
-    r1 = runs[(1, n_cal)]["ranks"][0]
-    rate = causal_pairs(n_cal) * 4 * 64 / r1["fwd_compute_s"]
-    mpi_hop = max(hops.get("mpi", {"0": 1e9}).values())
     cores = os.cpu_count() or 1
-    print(
-        f"## cost model\n\nkernel rate {rate / 1e9:.1f} GFLOP/s per host (W = 1, N = {n_cal}); "
-        f"ranks sharing this host get 1/W of it. Check against the measured forward:\n"
-    )
+    mpi_hop = max(hops.get("mpi", {"0": 1e9}).values())
+    print("## cost model\n")
     crows = []
+    rate = None
     for w in args.worlds:
         if w == 1 or (w, n_cal) not in runs:
             continue
-        m = model_step(n_cal, w, 64, rate * min(1.0, cores / w) / min(w, cores), mpi_hop, 20e-6)
+        t_block = step_kernel_time(n_cal // w, 64)
+        rate = (n_cal // w) ** 2 / 2 * 4 * 64 / t_block  # FLOP/s of one thread
+        share = min(1.0, cores / w)
+        m = model_step(n_cal, w, 64, rate * share, mpi_hop, 20e-6)
         meas = max(x["fwd_s"] for x in runs[(w, n_cal)]["ranks"])
         crows.append(
             {
                 "W": w,
                 "N": n_cal,
-                "model compute/step ms": f"{m['compute'] * 1e3:.1f}",
+                "1-thread step kernel s": f"{t_block:.2f}",
+                "core share": f"{share:.2f}",
+                "model compute/step s": f"{m['compute']:.2f}",
                 "model hop ms": f"{m['comm'] * 1e3:.2f}",
                 "model fwd s": f"{m['total']:.2f}",
                 "measured fwd s": f"{meas:.2f}",
                 "measured/model": f"{meas / m['total']:.2f}",
             }
         )
+    print(
+        "A step's kernel work timed in this process on one thread; ranks on this host share "
+        f"its {cores} cores; hop at the measured MPI rate. Against the measured forward:\n"
+    )
     print(_common.table(crows, list(crows[0])) + "\n")
+    rate = (rate or 1e10) * cores  # a host like this one, every core busy
     link = args.link_gbit * 1e9 / 8
     print(
-        f"Prediction: one such host per rank, {args.link_gbit:g} Gb/s links "
+        f"Prediction: one host like this per rank ({rate / 1e9:.0f} GFLOP/s: the one-thread "
+        f"kernel rate times {cores} cores), {args.link_gbit:g} Gb/s links "
         f"({args.latency_us:g} µs latency), forward of one causal head, d = 64:\n"
     )
     prows = []
