@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-__all__ = ["cpu_count", "parallel_map", "single_threaded_blas"]
+__all__ = ["cpu_count", "default_threads", "limit_threads", "parallel_map", "single_threaded_blas"]
 
 T = TypeVar("T")
 
@@ -31,6 +31,38 @@ def cpu_count() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not Linux
         return max(1, os.cpu_count() or 1)
+
+
+_limit: list[int] = []  # worker caps set by limit_threads, innermost last
+
+
+def default_threads() -> int:
+    """Worker threads for a call that names none: the cores this process may use, capped by
+    :func:`limit_threads` or else by ``OMP_NUM_THREADS`` (how launchers such as ``torchrun``
+    give each of several ranks on one host its share)."""
+    n = cpu_count()
+    if _limit:
+        return max(1, min(n, _limit[-1]))
+    try:
+        omp = int(os.environ.get("OMP_NUM_THREADS", ""))
+    except ValueError:
+        return n
+    return max(1, min(n, omp)) if omp > 0 else n
+
+
+@contextmanager
+def limit_threads(n: int) -> Iterator[None]:
+    """Use at most ``n`` worker threads inside the block (for calls that name none); with
+    ``n == 1`` BLAS is held to one thread too."""
+    _limit.append(max(1, int(n)))
+    try:
+        if _limit[-1] == 1:
+            with single_threaded_blas():
+                yield
+        else:
+            yield
+    finally:
+        _limit.pop()
 
 
 _pools: dict[int, Any] = {}
@@ -151,7 +183,7 @@ def parallel_map(
 
     ``blas_heavy`` work falls back to one thread when BLAS cannot be held to one thread.
     """
-    n = cpu_count() if threads is None else max(1, int(threads))
+    n = default_threads() if threads is None else max(1, int(threads))
     n = min(n, len(items))
     if blas_heavy and n > 1 and not _blas_limitable():
         n = 1

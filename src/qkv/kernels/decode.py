@@ -21,7 +21,7 @@ from ..masks import allowed, key_range, query_positions
 from ..merge import merge_arrays
 from ..validate import Plan
 from . import mods
-from ._threads import cpu_count, parallel_map
+from ._threads import default_threads, parallel_map
 
 __all__ = ["ITEM_BYTES", "MIN_SPLIT", "attend"]
 
@@ -164,7 +164,7 @@ def attend(plan: Plan, *, threads: int | None = None) -> tuple[np.ndarray, np.nd
     True
     """
     prob = _Problem(plan)
-    n = cpu_count() if threads is None else max(1, int(threads))
+    n = default_threads() if threads is None else max(1, int(threads))
     if not (plan.L and prob.hi > prob.lo and math.prod(plan.batch)):
         return prob.out, prob.lse  # nothing to attend: zeros and -inf as allocated
     items = prob.items(n)

@@ -1,0 +1,89 @@
+"""Decoding from a KV cache whose keys are spread across ranks: attend locally, all-gather the
+``(out, lse)`` pairs, merge."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..errors import InputError, InputTypeError
+from ..kernels import dispatch
+from ..kernels._threads import limit_threads
+from ..merge import merge_arrays
+from ..validate import as_array, make_plan
+from .agree import agree, dtype_code, shape_field, threads_for
+from .comm import get_comm
+
+__all__ = ["decode"]
+
+
+def decode(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    comm: Any = None,
+    scale: Any = None,
+    return_lse: bool = False,
+) -> Any:
+    """Attention of the same queries over a KV cache whose keys are spread across ranks.
+
+    Each rank attends its own keys, then every rank's ``(out, lse)`` are all-gathered and
+    merged (:func:`qkv.merge`). Every rank returns the whole result, equal to
+    :func:`qkv.attention` over all ranks' keys together. Ranks may hold different numbers of
+    keys (also none).
+
+    Parameters
+    ----------
+    q : array_like, shape ``(..., L, d)`` or ``(d,)``
+        The same queries on every rank.
+    k, v : array_like, shapes ``(..., S_rank, d)`` and ``(..., S_rank, dv)``
+        This rank's part of the cache.
+    comm, scale, return_lse
+        As in :func:`ring_attention`.
+
+    Examples
+    --------
+    >>> import numpy as np, qkv
+    >>> from qkv.distributed import decode
+    >>> rng = np.random.default_rng(0)
+    >>> q, (k, v) = rng.standard_normal((4, 8)), rng.standard_normal((2, 50, 8))
+    >>> bool(np.allclose(decode(q, k, v), qkv.attention(q, k, v)))
+    True
+    """
+    from ..integrations.torch import is_tensor_input
+
+    if is_tensor_input(q, k, v):
+        from ._torch import decode as torch_decode
+
+        return torch_decode(q, k, v, comm=comm, scale=scale, return_lse=return_lse)
+    c = get_comm(comm)
+    err: Exception | None = None
+    plan = None
+    shapes: list[tuple[int, ...] | None] = [None, None, None]
+    dtypes: list[np.ndarray | None] = [None, None, None]
+    try:
+        arrays = [as_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))]
+        dtypes = list(arrays)  # type: ignore[arg-type]
+        shapes = [a.shape for a in arrays]
+        shapes[1] = shapes[1][:-2] + (-1,) + shapes[1][-1:] if len(shapes[1]) >= 2 else shapes[1]
+        shapes[2] = shapes[2][:-2] + (-1,) + shapes[2][-1:] if len(shapes[2]) >= 2 else shapes[2]
+        plan = make_plan(*arrays, scale=scale)
+    except (InputError, InputTypeError) as exc:
+        err = exc
+    fields = [("scale", [int(np.float64(plan.scale if plan else 0.0).view(np.int64))])]
+    for name, a, shape in zip("qkv", dtypes, shapes, strict=True):
+        fields += [(f"{name} dtype", dtype_code(a)), (f"{name} shape", shape_field(shape))]
+    rows = agree(c, "decode", fields, err)
+    assert plan is not None
+    with limit_threads(threads_for(c, rows)):
+        o, m = dispatch.attend(plan)
+    packed = np.concatenate([o.reshape(-1), m.reshape(-1)])
+    every = c.allgather(packed)
+    parts = [(r[: o.size].reshape(o.shape), r[o.size :].reshape(m.shape)) for r in every]
+    out, lse = merge_arrays(parts)
+    out = out.astype(plan.out_dtype, copy=False)
+    if plan.squeeze:
+        out, lse = out[..., 0, :], lse[..., 0]
+    return (out, lse) if return_lse else out
