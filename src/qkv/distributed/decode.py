@@ -10,7 +10,7 @@ import numpy as np
 from ..errors import InputError, InputTypeError
 from ..kernels import dispatch
 from ..kernels._threads import limit_threads
-from ..merge import merge_arrays
+from ..kernels.blocks import merge_arrays
 from ..validate import as_array, make_plan
 from .agree import agree, dtype_code, shape_field, threads_for
 from .comm import get_comm

@@ -34,7 +34,7 @@ import numpy as np
 from ..grad import _sum_to
 from ..kernels import dispatch, tiled_backward
 from ..kernels._threads import limit_threads, single_threaded_blas
-from ..merge import merge_arrays
+from ..kernels.blocks import merge_arrays
 from ..validate import as_array, make_plan
 from .agree import Setup, setup
 from .layout import chunk_ids, visible_prefix

@@ -18,10 +18,10 @@ import math
 import numpy as np
 
 from ..masks import allowed, key_range, query_positions
-from ..merge import merge_arrays
 from ..validate import Plan
 from . import mods
 from ._threads import default_threads, parallel_map
+from .blocks import merge_arrays
 
 __all__ = ["ITEM_BYTES", "MIN_SPLIT", "attend"]
 
