@@ -32,6 +32,7 @@ __all__ = [
     "DENSE_MAX_SCORES",
     "KERNELS",
     "attend",
+    "attend_many",
     "check_kernel",
     "choose",
 ]
@@ -83,6 +84,36 @@ def attend(plan: Plan, kernel: str = "auto") -> tuple[np.ndarray, np.ndarray]:
     if not np.isfinite(out).all() and plan.v.size and np.isfinite(plan.v).all():
         out, lse = _rescaled(run, plan, out, lse)
     return out, lse
+
+
+def _kv_bytes(plan: Plan) -> int:
+    return plan.k.size * (plan.d + plan.dv) // max(plan.d, 1) * plan.acc_dtype.itemsize
+
+
+def attend_many(plans: list[Plan], kernel: str = "auto") -> list[tuple[np.ndarray, np.ndarray]]:
+    """:func:`attend` on each of ``plans``; the decode ones run in one parallel pass.
+
+    ``"auto"`` picks decode for every plan when all have few queries and their K/V together
+    are large enough (:data:`DECODE_MIN_BYTES`) — a batch of short caches is one large
+    memory-bound job, not many small ones — and otherwise chooses for each plan alone.
+    """
+    if kernel == "auto":
+        few = all(p.L <= DECODE_MAX_L for p in plans)
+        big = sum(_kv_bytes(p) for p in plans) >= DECODE_MIN_BYTES
+        names = ["decode" if few and big else choose(p) for p in plans]
+    else:
+        names = [check_kernel(kernel)] * len(plans)
+    at = [i for i, name in enumerate(names) if name == "decode"]
+    results: list[Any] = [None] * len(plans)
+    for i, res in zip(at, decode.attend_many([plans[i] for i in at]), strict=True):
+        results[i] = res
+    run = {"dense": dense.attend, "decode": decode.attend, "tiled": tiled.attend}
+    for i, (plan, name) in enumerate(zip(plans, names, strict=True)):
+        out, lse = results[i] if results[i] is not None else run[name](plan)
+        if not np.isfinite(out).all() and plan.v.size and np.isfinite(plan.v).all():
+            out, lse = _rescaled(run[name], plan, out, lse)
+        results[i] = (out, lse)
+    return results
 
 
 def _rescaled(run: Any, plan: Plan, out: np.ndarray, lse: np.ndarray) -> tuple[np.ndarray, ...]:
