@@ -105,8 +105,9 @@ def attend_many(plans: list[Plan], kernel: str = "auto") -> list[tuple[np.ndarra
         names = [check_kernel(kernel)] * len(plans)
     at = [i for i, name in enumerate(names) if name == "decode"]
     results: list[Any] = [None] * len(plans)
-    for i, res in zip(at, decode.attend_many([plans[i] for i in at]), strict=True):
-        results[i] = res
+    if at:
+        for i, res in zip(at, decode.attend_many([plans[i] for i in at]), strict=True):
+            results[i] = res
     run = {"dense": dense.attend, "decode": decode.attend, "tiled": tiled.attend}
     for i, (plan, name) in enumerate(zip(plans, names, strict=True)):
         out, lse = results[i] if results[i] is not None else run[name](plan)
