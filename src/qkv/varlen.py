@@ -11,9 +11,12 @@ bucket a sequence is padded at the *front* (right-aligned), which keeps bottom-r
 alignment and windows exact in the padded coordinates (query row ``i'`` and key ``j'`` of the
 padded arrays are ``Lmax - L`` and ``Smax - S`` places after the sequence's own, so
 ``j <= S - L + i`` is ``j' <= Smax - Lmax + i'``); the padded keys are masked out and the
-padded query rows dropped. Buckets bound the padding to a fraction of the work
-(:data:`BUCKET_RATIO`), and the number of calls grows with the logarithm of the length range,
-not with the number of sequences.
+padded query rows dropped. Causal buckets whose sequences all have the same ``S - L`` (prompts,
+``L == S``) are padded at the back instead: no real query then sees a padded key, so no mask is
+needed and the kernel still skips the tiles above the diagonal. A bucket grows while its padding
+costs less than the calls it saves (:data:`CALL_FLOPS` each) plus :data:`PAD_FRACTION` of its
+work: many short sequences share a call; long ones, whose call overhead is negligible, waste
+little on padding.
 """
 
 from __future__ import annotations
@@ -26,10 +29,13 @@ from .errors import InputError, InputTypeError
 from .kernels import dispatch
 from .validate import as_array, check_scale, check_window, make_plan
 
-__all__ = ["BUCKET_RATIO", "attention_varlen"]
+__all__ = ["CALL_FLOPS", "PAD_FRACTION", "SOLO_FLOPS", "attention_varlen"]
 
-BUCKET_RATIO = 1.25  # longest / shortest length in a bucket (plus BUCKET_SLACK tokens)
-BUCKET_SLACK = 16  # short sequences pad to a few tokens more at almost no cost
+CALL_FLOPS = 4e6  # a call's fixed cost (about 0.1 ms) in flops of attention work
+PAD_FRACTION = 0.05  # padding allowed beyond that, as a fraction of a group's work
+# A sequence with this much work runs alone on views of the packed arrays: gathering it into
+# a padded block (a copy of q, k, v and the output) costs more than the call it would save.
+SOLO_FLOPS = 2e6
 
 
 def _offsets(cu: Any, name: str, total: int, total_name: str) -> np.ndarray:
@@ -60,33 +66,28 @@ def _offsets(cu: Any, name: str, total: int, total_name: str) -> np.ndarray:
     return a
 
 
-def _buckets(lq: np.ndarray, lk: np.ndarray) -> list[np.ndarray]:
-    """Sequences (indices) grouped so that lengths in a group differ by at most the ratio."""
+def _buckets(lq: np.ndarray, lk: np.ndarray, unit: int) -> list[np.ndarray]:
+    """Sequences (indices) grouped into batched calls, sorted by length.
+
+    A sequence joins the current group while the group's padding costs less than the calls it
+    saves (:data:`CALL_FLOPS` each) plus :data:`PAD_FRACTION` of its work; ``unit`` is the
+    flops of one score (heads times ``2·d + 2·dv``).
+    """
     order = np.lexsort((lq, lk))
     groups: list[list[int]] = []
-    bounds: list[list[int]] = []  # min/max of lq and lk per group
+    work = qmax = kmax = 0.0  # the current group's work and longest lengths
     for i in order.tolist():
-        a, b = int(lq[i]), int(lk[i])
+        a, b = float(lq[i]), float(lk[i])
         if groups:
-            qlo, qhi, klo, khi = bounds[-1]
-            qlo, qhi, klo, khi = min(qlo, a), max(qhi, a), min(klo, b), max(khi, b)
-            if (
-                qhi <= BUCKET_RATIO * qlo + BUCKET_SLACK
-                and khi <= BUCKET_RATIO * klo + BUCKET_SLACK
-            ):
+            n, w = len(groups[-1]) + 1, work + a * b * unit
+            padded = n * max(qmax, a) * max(kmax, b) * unit
+            if padded - w <= (n - 1) * CALL_FLOPS + PAD_FRACTION * w:
                 groups[-1].append(i)
-                bounds[-1] = [qlo, qhi, klo, khi]
+                work, qmax, kmax = w, max(qmax, a), max(kmax, b)
                 continue
         groups.append([i])
-        bounds.append([a, a, b, b])
+        work, qmax, kmax = a * b * unit, a, b
     return [np.asarray(g, dtype=np.int64) for g in groups]
-
-
-def _gather(x: np.ndarray, starts: np.ndarray, lengths: np.ndarray, width: int) -> tuple:
-    """Right-aligned rows of each sequence: index arrays ``(valid, src)`` of shape (n, width)."""
-    pos = np.arange(width)[None, :] - (width - lengths)[:, None]
-    valid = pos >= 0
-    return valid, (starts[:, None] + pos)[valid]
 
 
 def attention_varlen(
@@ -187,10 +188,23 @@ def attention_varlen(
     out = np.zeros((qa.shape[0], heads, va.shape[2]), dtype=out_dt)
     lse = np.full((qa.shape[0], heads), -np.inf, dtype=acc_dt)
     lq, lk = np.diff(cq), np.diff(ck)
-    live = np.flatnonzero((lq > 0) & (lk > 0))  # the others give zeros and -inf
-    if live.size:
-        for idx in _buckets(lq[live], lk[live]):
-            _bucket(qa, ka, va, cq, ck, live[idx], lq, lk, out, lse, causal, scale, window)
+    unit = heads * 2 * (qa.shape[2] + va.shape[2])  # flops per score
+    live = (lq > 0) & (lk > 0)  # the others give zeros and -inf
+    solo = live & (lq * lk * unit >= SOLO_FLOPS)
+    for b in np.flatnonzero(solo).tolist():  # enough work to pay for a call: no copies
+        sq, sk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        plan = make_plan(
+            *(x.transpose(1, 0, 2) for x in (qa[sq], ka[sk], va[sk])),
+            scale=scale,
+            causal=causal,
+            window=window,
+        )
+        o, s = dispatch.attend(plan)
+        out[sq], lse[sq] = o.transpose(1, 0, 2), s.T
+    short = np.flatnonzero(live & ~solo)
+    if short.size:
+        for idx in _buckets(lq[short], lk[short], unit):
+            _bucket(qa, ka, va, cq, ck, short[idx], lq, lk, out, lse, causal, scale, window)
     return (out, lse) if return_lse else out
 
 
@@ -210,28 +224,35 @@ def _bucket(
     window: Any,
 ) -> None:
     """One batched call for the sequences ``seqs``, front-padded to their longest."""
-    nq, nk = lq[seqs], lk[seqs]
-    Lm, Sm = int(nq.max()), int(nk.max())
-    qvalid, qsrc = _gather(qa, cq[seqs], nq, Lm)
-    kvalid, ksrc = _gather(ka, ck[seqs], nk, Sm)
+    nq, nk = lq[seqs].tolist(), lk[seqs].tolist()
+    Lm, Sm = max(nq), max(nk)
+    # Causal with one offset S - L for every sequence (prompts: L == S): pad at the back, and
+    # no real query sees a padded key, so no mask is needed and the kernel skips the tiles above
+    # the diagonal. Otherwise pad at the front and mask the padded keys.
+    back = causal and all(b - a == Sm - Lm for a, b in zip(nq, nk, strict=True))
+    rows = [(int(cq[i]), n, 0 if back else Lm - n) for i, n in zip(seqs.tolist(), nq, strict=True)]
+    keys = [(int(ck[i]), n, 0 if back else Sm - n) for i, n in zip(seqs.tolist(), nk, strict=True)]
 
-    def padded(x: np.ndarray, valid: np.ndarray, src: np.ndarray, width: int) -> np.ndarray:
-        p = np.zeros((len(seqs), x.shape[1], width, x.shape[2]), dtype=x.dtype)
-        p.transpose(0, 2, 1, 3)[valid] = x[src]
+    def padded(x: np.ndarray, where: list[tuple[int, int, int]], width: int) -> np.ndarray:
+        # Heads first and contiguous, as the kernels read fastest; one strided copy each.
+        p = np.zeros((len(where), x.shape[1], width, x.shape[2]), dtype=x.dtype)
+        for j, (start, n, off) in enumerate(where):
+            p[j, :, off : off + n] = x[start : start + n].transpose(1, 0, 2)
         return p
 
     mask = None
-    if np.any(nk < Sm):
-        mask = (np.arange(Sm)[None, :] >= (Sm - nk)[:, None])[:, None, None, :]
+    if not back and min(nk) < Sm:
+        mask = (np.arange(Sm)[None, :] >= Sm - np.asarray(nk)[:, None])[:, None, None, :]
     plan = make_plan(
-        padded(qa, qvalid, qsrc, Lm),
-        padded(ka, kvalid, ksrc, Sm),
-        padded(va, kvalid, ksrc, Sm),
+        padded(qa, rows, Lm),
+        padded(ka, keys, Sm),
+        padded(va, keys, Sm),
         scale=scale,
         causal=causal,
         window=window,
         mask=mask,
     )
     o, s = dispatch.attend(plan)
-    out[qsrc] = o.transpose(0, 2, 1, 3)[qvalid]
-    lse[qsrc] = s.transpose(0, 2, 1)[qvalid]
+    for j, (start, n, off) in enumerate(rows):
+        out[start : start + n] = o[j, :, off : off + n].transpose(1, 0, 2)
+        lse[start : start + n] = s[j, :, off : off + n].T
