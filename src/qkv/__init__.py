@@ -21,6 +21,7 @@ from .errors import InputError, InputTypeError
 from .grad import attention_vjp
 from .merge import merge
 from .trace import Trace, explain
+from .varlen import attention_varlen
 
 try:
     __version__ = version("qkv")
@@ -34,6 +35,7 @@ __all__ = [
     "Trace",
     "__version__",
     "attention",
+    "attention_varlen",
     "attention_vjp",
     "attention_weights",
     "explain",

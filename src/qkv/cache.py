@@ -250,23 +250,26 @@ class KVCache:
         out = np.zeros((self.batch, heads, Lq, self.value_dim), dtype=out_dt)
         lse = np.full((self.batch, heads, Lq), -np.inf, dtype=acc_dt)
         lengths = self._lengths.tolist()
-        # One call per run of neighbouring sequences of equal length (all of them, when equal).
-        start = 0
+        # One plan per run of neighbouring sequences of equal length (one plan when all are
+        # equal); the kernels then run them together, the decode ones in one parallel pass.
+        runs, start = [], 0
         for stop in range(1, self.batch + 1):
-            if stop < self.batch and lengths[stop] == lengths[start]:
-                continue
-            n, sl = lengths[start], slice(start, stop)
-            plan = make_plan(
+            if stop == self.batch or lengths[stop] != lengths[start]:
+                runs.append((slice(start, stop), lengths[start]))
+                start = stop
+        plans = [
+            make_plan(
                 qa[sl],
                 self._k[sl, :, :n],
                 self._v[sl, :, :n],
                 scale=scale,
                 causal=causal,
                 window=window,
-                **_offset_batch(variants, start),
+                **_offset_batch(variants, sl.start),
             )
-            start = stop
-            o, s = dispatch.attend(plan, kernel)
+            for sl, n in runs
+        ]
+        for (sl, _), (o, s) in zip(runs, dispatch.attend_many(plans, kernel), strict=True):
             out[sl] = o
             lse[sl] = s
         return (out, lse) if return_lse else out

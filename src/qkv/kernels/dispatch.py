@@ -32,6 +32,7 @@ __all__ = [
     "DENSE_MAX_SCORES",
     "KERNELS",
     "attend",
+    "attend_many",
     "check_kernel",
     "choose",
     "scale_fits",
@@ -153,6 +154,38 @@ def scale_fits(plan: Plan) -> bool:
     ``q`` there); a scale like ``1e-50`` or ``1e39`` needs float64 for float32 inputs."""
     info = np.finfo(plan.acc_dtype)
     return float(info.tiny) <= plan.scale <= float(info.max)
+
+
+def _kv_bytes(plan: Plan) -> int:
+    return plan.k.size * (plan.d + plan.dv) // max(plan.d, 1) * plan.acc_dtype.itemsize
+
+
+def attend_many(plans: list[Plan], kernel: str = "auto") -> list[tuple[np.ndarray, np.ndarray]]:
+    """:func:`attend` on each of ``plans``; the decode ones run in one parallel pass.
+
+    ``"auto"`` picks decode for every plan when all have few queries and their K/V together
+    are large enough (:data:`DECODE_MIN_BYTES`) — a batch of short caches is one large
+    memory-bound job, not many small ones — and otherwise chooses for each plan alone.
+    """
+    if kernel == "auto":
+        few = all(p.L <= DECODE_MAX_L for p in plans)
+        big = sum(_kv_bytes(p) for p in plans) >= DECODE_MIN_BYTES
+        names = ["decode" if few and big else choose(p) for p in plans]
+    else:
+        names = [check_kernel(kernel)] * len(plans)
+    at = [i for i, name in enumerate(names) if name == "decode"]
+    results: list[Any] = [None] * len(plans)
+    if at:
+        with np.errstate(over="ignore", invalid="ignore"):
+            done = decode.attend_many([plans[i] for i in at])
+        for i, (out, lse) in zip(at, done, strict=True):
+            plan = plans[i]
+            if scale_fits(plan) and (np.isfinite(out).all() or not plan.v.size):
+                results[i] = mods.with_sinks(plan, out, lse)
+    for i, (plan, name) in enumerate(zip(plans, names, strict=True)):
+        if results[i] is None:  # not decode, or a rare retry: attend's full path
+            results[i] = attend(plan, name)
+    return results
 
 
 def _rescaled(run: Any, plan: Plan, out: np.ndarray, lse: np.ndarray) -> tuple[np.ndarray, ...]:

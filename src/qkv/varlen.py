@@ -1,0 +1,258 @@
+"""Packed variable-length attention: a batch of sequences of different lengths, no padding.
+
+The layout of FlashAttention's ``flash_attn_varlen_func``: the queries of every sequence are
+stacked along one axis, ``q (total_q, heads, d)``, and ``cu_seqlens_q`` holds the cumulative
+offsets (sequence ``b`` is rows ``cu_seqlens_q[b] : cu_seqlens_q[b + 1]``); the same for the
+keys and values. Each sequence equals :func:`qkv.attention` on it alone.
+
+How it runs fast for many short sequences: the sequences are sorted by length and grouped into
+buckets of similar lengths; each bucket is one batched call of the ordinary kernels. Inside a
+bucket a sequence is padded at the *front* (right-aligned), which keeps bottom-right causal
+alignment and windows exact in the padded coordinates (query row ``i'`` and key ``j'`` of the
+padded arrays are ``Lmax - L`` and ``Smax - S`` places after the sequence's own, so
+``j <= S - L + i`` is ``j' <= Smax - Lmax + i'``); the padded keys are masked out and the
+padded query rows dropped. Causal buckets whose sequences all have the same ``S - L`` (prompts,
+``L == S``) are padded at the back instead: no real query then sees a padded key, so no mask is
+needed and the kernel still skips the tiles above the diagonal. A bucket grows while its padding
+costs less than the calls it saves (:data:`CALL_FLOPS` each) plus :data:`PAD_FRACTION` of its
+work: many short sequences share a call; long ones, whose call overhead is negligible, waste
+little on padding.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .errors import InputError, InputTypeError
+from .kernels import dispatch
+from .validate import as_array, check_scale, check_window, make_plan
+
+__all__ = ["CALL_FLOPS", "PAD_FRACTION", "SOLO_FLOPS", "attention_varlen"]
+
+CALL_FLOPS = 4e6  # a call's fixed cost (about 0.1 ms) in flops of attention work
+PAD_FRACTION = 0.05  # padding allowed beyond that, as a fraction of a group's work
+# A sequence with this much work runs alone on views of the packed arrays: gathering it into
+# a padded block (a copy of q, k, v and the output) costs more than the call it would save.
+SOLO_FLOPS = 2e6
+
+
+def _offsets(cu: Any, name: str, total: int, total_name: str) -> np.ndarray:
+    """Check cumulative offsets: 1-D ints, start 0, non-decreasing, end at ``total``."""
+    if hasattr(cu, "detach") and hasattr(cu, "cpu"):
+        cu = cu.detach().cpu().numpy()
+    try:
+        a = np.asarray(cu)
+    except (ValueError, TypeError) as exc:
+        raise InputError(f"{name}: cannot be read as a 1-D array of ints ({exc})") from None
+    if a.dtype == bool or not np.issubdtype(a.dtype, np.integer):
+        if not (a.size == 0 and a.dtype == np.float64):  # an empty list reads as float64
+            raise InputTypeError(
+                f"{name}: expected integer offsets, got dtype {a.dtype} with shape {a.shape}"
+            )
+    if a.ndim != 1 or a.size < 1:
+        raise InputError(f"{name}: expected a 1-D array of batch + 1 offsets, got shape {a.shape}")
+    a = a.astype(np.int64)
+    if a[0] != 0:
+        raise InputError(f"{name}: must start at 0, got {a[0]}")
+    if np.any(np.diff(a) < 0):
+        raise InputError(f"{name}: must be non-decreasing, got {a.tolist()}")
+    if a[-1] != total:
+        raise InputError(
+            f"{name}: must end at {total_name} = {total} (the rows of the packed array), "
+            f"got {a[-1]}"
+        )
+    return a
+
+
+def _buckets(lq: np.ndarray, lk: np.ndarray, unit: int) -> list[np.ndarray]:
+    """Sequences (indices) grouped into batched calls, sorted by length.
+
+    A sequence joins the current group while the group's padding costs less than the calls it
+    saves (:data:`CALL_FLOPS` each) plus :data:`PAD_FRACTION` of its work; ``unit`` is the
+    flops of one score (heads times ``2·d + 2·dv``).
+    """
+    order = np.lexsort((lq, lk))
+    groups: list[list[int]] = []
+    work = qmax = kmax = 0.0  # the current group's work and longest lengths
+    for i in order.tolist():
+        a, b = float(lq[i]), float(lk[i])
+        if groups:
+            n, w = len(groups[-1]) + 1, work + a * b * unit
+            padded = n * max(qmax, a) * max(kmax, b) * unit
+            if padded - w <= (n - 1) * CALL_FLOPS + PAD_FRACTION * w:
+                groups[-1].append(i)
+                work, qmax, kmax = w, max(qmax, a), max(kmax, b)
+                continue
+        groups.append([i])
+        work, qmax, kmax = a * b * unit, a, b
+    return [np.asarray(g, dtype=np.int64) for g in groups]
+
+
+def attention_varlen(
+    q: Any,
+    k: Any,
+    v: Any,
+    cu_seqlens_q: Any,
+    cu_seqlens_k: Any,
+    *,
+    causal: bool = False,
+    scale: Any = None,
+    window: Any = None,
+    return_lse: bool = False,
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """Attention over a packed batch of sequences of different lengths.
+
+    Parameters
+    ----------
+    q : array_like, shape ``(total_q, heads, d)``
+        The queries of every sequence, one after another.
+    k : array_like, shape ``(total_k, kv_heads, d)``
+        Keys, packed the same way; ``heads`` must be a multiple of ``kv_heads`` (query head
+        ``h`` reads kv head ``h // (heads // kv_heads)``).
+    v : array_like, shape ``(total_k, kv_heads, dv)``
+        Values.
+    cu_seqlens_q, cu_seqlens_k : array_like of int, shape ``(batch + 1,)``
+        Cumulative offsets: sequence ``b`` is ``q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]]`` and
+        ``k[cu_seqlens_k[b]:cu_seqlens_k[b + 1]]``. Start at 0, never decrease, end at the
+        totals. Empty sequences are allowed.
+    causal : bool, optional
+        Bottom-right aligned within each sequence: with ``L`` queries and ``S`` keys, query
+        ``i`` sees keys ``j <= S - L + i`` (as in FlashAttention).
+    scale : float, optional
+        Default ``1/sqrt(d)``.
+    window : (int or None, int or None), optional
+        ``(left, right)`` within each sequence, as in :func:`qkv.attention`.
+    return_lse : bool, optional
+        Also return the log-sum-exp, shape ``(total_q, heads)`` (``-inf`` where a row sees no
+        key), in the accumulation dtype.
+
+    Returns
+    -------
+    ndarray, shape ``(total_q, heads, dv)``
+        Rows of sequence ``b`` equal ``qkv.attention`` on that sequence alone (heads moved to
+        axis 0 and back); a query with no keys to see gives zeros.
+
+    Examples
+    --------
+    Two sequences, of 2 and 3 tokens, packed:
+
+    >>> import numpy as np
+    >>> import qkv
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 5, 4, 8))    # 5 tokens, 4 heads, d = 8
+    >>> cu = [0, 2, 5]
+    >>> out = qkv.attention_varlen(q, k[:, :2], v[:, :2], cu, cu, causal=True)  # 2 kv heads
+    >>> one = qkv.attention(
+    ...     q[2:5].transpose(1, 0, 2), k[2:5, :2].transpose(1, 0, 2),
+    ...     v[2:5, :2].transpose(1, 0, 2), causal=True)
+    >>> bool(np.allclose(out[2:5], one.transpose(1, 0, 2)))
+    True
+    """
+    if not isinstance(causal, (bool, np.bool_)):
+        raise InputTypeError(f"causal: expected True or False, got {causal!r}")
+    if not isinstance(return_lse, (bool, np.bool_)):
+        raise InputTypeError(f"return_lse: expected True or False, got {return_lse!r}")
+    qa, ka, va = as_array(q, "q"), as_array(k, "k"), as_array(v, "v")
+    for name, a, want in (
+        ("q", qa, "(total_q, heads, d)"),
+        ("k", ka, "(total_k, kv_heads, d)"),
+        ("v", va, "(total_k, kv_heads, dv)"),
+    ):
+        if a.ndim != 3:
+            raise InputError(f"{name}: expected shape {want}, got {a.shape}")
+    if qa.shape[2] != ka.shape[2]:
+        raise InputError(f"q, k: feature size d differs: q has shape {qa.shape}, k {ka.shape}")
+    if qa.shape[2] == 0:
+        raise InputError(f"q: feature size d must be at least 1, got shape {qa.shape}")
+    if ka.shape[:2] != va.shape[:2]:
+        raise InputError(f"k, v: (total_k, kv_heads) differ: k has shape {ka.shape}, v {va.shape}")
+    heads, kv_heads = qa.shape[1], ka.shape[1]
+    if kv_heads == 0 or heads % kv_heads:
+        raise InputError(
+            f"q, k: {heads} query heads cannot share {kv_heads} kv heads: q has shape "
+            f"{qa.shape}, k {ka.shape}"
+        )
+    cq = _offsets(cu_seqlens_q, "cu_seqlens_q", qa.shape[0], "total_q")
+    ck = _offsets(cu_seqlens_k, "cu_seqlens_k", ka.shape[0], "total_k")
+    if cq.size != ck.size:
+        raise InputError(
+            f"cu_seqlens_q, cu_seqlens_k: batch sizes differ: shapes {cq.shape} and {ck.shape}"
+        )
+    check_scale(scale, qa.shape[2])
+    check_window(window)
+
+    out_dt = np.result_type(qa, ka, va)
+    acc_dt = np.dtype(np.float32) if out_dt == np.float16 else out_dt
+    out = np.zeros((qa.shape[0], heads, va.shape[2]), dtype=out_dt)
+    lse = np.full((qa.shape[0], heads), -np.inf, dtype=acc_dt)
+    lq, lk = np.diff(cq), np.diff(ck)
+    unit = heads * 2 * (qa.shape[2] + va.shape[2])  # flops per score
+    live = (lq > 0) & (lk > 0)  # the others give zeros and -inf
+    solo = live & (lq * lk * unit >= SOLO_FLOPS)
+    for b in np.flatnonzero(solo).tolist():  # enough work to pay for a call: no copies
+        sq, sk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        plan = make_plan(
+            *(x.transpose(1, 0, 2) for x in (qa[sq], ka[sk], va[sk])),
+            scale=scale,
+            causal=causal,
+            window=window,
+        )
+        o, s = dispatch.attend(plan)
+        out[sq], lse[sq] = o.transpose(1, 0, 2), s.T
+    short = np.flatnonzero(live & ~solo)
+    if short.size:
+        for idx in _buckets(lq[short], lk[short], unit):
+            _bucket(qa, ka, va, cq, ck, short[idx], lq, lk, out, lse, causal, scale, window)
+    return (out, lse) if return_lse else out
+
+
+def _bucket(
+    qa: np.ndarray,
+    ka: np.ndarray,
+    va: np.ndarray,
+    cq: np.ndarray,
+    ck: np.ndarray,
+    seqs: np.ndarray,
+    lq: np.ndarray,
+    lk: np.ndarray,
+    out: np.ndarray,
+    lse: np.ndarray,
+    causal: bool,
+    scale: Any,
+    window: Any,
+) -> None:
+    """One batched call for the sequences ``seqs``, front-padded to their longest."""
+    nq, nk = lq[seqs].tolist(), lk[seqs].tolist()
+    Lm, Sm = max(nq), max(nk)
+    # Causal with one offset S - L for every sequence (prompts: L == S): pad at the back, and
+    # no real query sees a padded key, so no mask is needed and the kernel skips the tiles above
+    # the diagonal. Otherwise pad at the front and mask the padded keys.
+    back = causal and all(b - a == Sm - Lm for a, b in zip(nq, nk, strict=True))
+    rows = [(int(cq[i]), n, 0 if back else Lm - n) for i, n in zip(seqs.tolist(), nq, strict=True)]
+    keys = [(int(ck[i]), n, 0 if back else Sm - n) for i, n in zip(seqs.tolist(), nk, strict=True)]
+
+    def padded(x: np.ndarray, where: list[tuple[int, int, int]], width: int) -> np.ndarray:
+        # Heads first and contiguous, as the kernels read fastest; one strided copy each.
+        p = np.zeros((len(where), x.shape[1], width, x.shape[2]), dtype=x.dtype)
+        for j, (start, n, off) in enumerate(where):
+            p[j, :, off : off + n] = x[start : start + n].transpose(1, 0, 2)
+        return p
+
+    mask = None
+    if not back and min(nk) < Sm:
+        mask = (np.arange(Sm)[None, :] >= Sm - np.asarray(nk)[:, None])[:, None, None, :]
+    plan = make_plan(
+        padded(qa, rows, Lm),
+        padded(ka, keys, Sm),
+        padded(va, keys, Sm),
+        scale=scale,
+        causal=causal,
+        window=window,
+        mask=mask,
+    )
+    o, s = dispatch.attend(plan)
+    for j, (start, n, off) in enumerate(rows):
+        out[start : start + n] = o[j, :, off : off + n].transpose(1, 0, 2)
+        lse[start : start + n] = s[j, :, off : off + n].T

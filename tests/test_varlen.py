@@ -1,0 +1,222 @@
+"""attention_varlen: each packed sequence equals attention on it alone (reference, qkv, torch)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import qkv
+from qkv import reference
+
+TOL = {np.float16: 2e-3, np.float32: 2e-5, np.float64: 1e-12}
+
+
+def packed(rng, lq, lk, heads, kv_heads, d, dv, dtype=np.float64):
+    cq, ck = (np.concatenate([[0], np.cumsum(x, dtype=np.int64)]) for x in (lq, lk))
+    q = rng.standard_normal((cq[-1], heads, d)).astype(dtype)
+    k = rng.standard_normal((ck[-1], kv_heads, d)).astype(dtype)
+    v = rng.standard_normal((ck[-1], kv_heads, dv)).astype(dtype)
+    return q, k, v, cq, ck
+
+
+def per_sequence(fn, q, k, v, cq, ck, **kw):
+    """Run ``fn`` on each sequence alone (heads first), packed back: output and lse."""
+    out = np.zeros((q.shape[0], q.shape[1], v.shape[2]))
+    lse = np.full(q.shape[:2], -np.inf)
+    for b in range(len(cq) - 1):
+        qs = q[cq[b] : cq[b + 1]].transpose(1, 0, 2)
+        ks = k[ck[b] : ck[b + 1]].transpose(1, 0, 2)
+        vs = v[ck[b] : ck[b + 1]].transpose(1, 0, 2)
+        o, s = fn(qs, ks, vs, return_lse=True, **kw)
+        out[cq[b] : cq[b + 1]] = o.transpose(1, 0, 2)
+        lse[cq[b] : cq[b + 1]] = s.T
+    return out, lse
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("causal", [False, True])
+def test_equals_reference_per_sequence_with_grouped_heads(group, causal):
+    rng = np.random.default_rng(group)
+    lq = [5, 0, 1, 13, 37, 3, 1, 70, 0, 29]
+    lk = [5, 4, 1, 13, 41, 0, 9, 70, 0, 29]  # L < S, L == S, no keys, no queries
+    q, k, v, cq, ck = packed(rng, lq, lk, 8, 8 // group, 6, 5)
+    out, lse = qkv.attention_varlen(q, k, v, cq, ck, causal=causal, return_lse=True)
+    want, want_lse = per_sequence(reference.attention, q, k, v, cq, ck, causal=causal)
+    np.testing.assert_allclose(out, want, atol=1e-12)
+    np.testing.assert_allclose(lse, want_lse, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("window", [(3, 0), (None, 2), (7, 7)])
+def test_windows_and_dtypes_equal_per_sequence_attention(dtype, window):
+    rng = np.random.default_rng(3)
+    lq, lk = [1, 17, 4, 33, 2], [1, 17, 20, 33, 50]
+    q, k, v, cq, ck = packed(rng, lq, lk, 4, 2, 8, 8, dtype)
+    out = qkv.attention_varlen(q, k, v, cq, ck, causal=True, window=window, scale=0.3)
+    assert out.dtype == dtype
+    want, _ = per_sequence(qkv.attention, q, k, v, cq, ck, causal=True, window=window, scale=0.3)
+    ref, _ = per_sequence(
+        reference.attention, q, k, v, cq, ck, causal=True, window=window, scale=0.3
+    )
+    np.testing.assert_allclose(out, want, atol=TOL[dtype])
+    np.testing.assert_allclose(out, ref, atol=10 * TOL[dtype])
+
+
+def test_many_short_sequences_in_few_buckets_equal_reference():
+    rng = np.random.default_rng(4)
+    lens = rng.integers(0, 60, size=200)
+    q, k, v, cq, ck = packed(rng, lens, lens, 4, 1, 8, 8)
+    got = qkv.attention_varlen(q, k, v, cq, ck, causal=True)
+    want, _ = per_sequence(reference.attention, q, k, v, cq, ck, causal=True)
+    np.testing.assert_allclose(got, want, atol=1e-12)
+    assert (
+        len(qkv.varlen._buckets(lens, lens, 4 * 2 * 16)) < 30
+    )  # grouped, not one call per sequence
+
+
+def test_decode_rows_against_long_caches():
+    """One query per sequence against caches of different lengths (the decode kernel)."""
+    rng = np.random.default_rng(5)
+    lq, lk = [1] * 6, [300, 1, 0, 1029, 517, 2]
+    q, k, v, cq, ck = packed(rng, lq, lk, 8, 2, 16, 16, np.float32)
+    got = qkv.attention_varlen(q, k, v, cq, ck, causal=True)
+    want, _ = per_sequence(reference.attention, q, k, v, cq, ck, causal=True)
+    np.testing.assert_allclose(got, want, atol=2e-6)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 12), st.integers(0, 12)), min_size=0, max_size=8),
+    st.sampled_from([1, 2, 4]),
+    st.booleans(),
+)
+def test_property_equals_reference(lengths, group, causal):
+    rng = np.random.default_rng(len(lengths))
+    lq = [a for a, _ in lengths]
+    lk = [b for _, b in lengths]
+    q, k, v, cq, ck = packed(rng, lq, lk, 4, 4 // group, 3, 2)
+    got, lse = qkv.attention_varlen(q, k, v, cq, ck, causal=causal, return_lse=True)
+    want, want_lse = per_sequence(reference.attention, q, k, v, cq, ck, causal=causal)
+    np.testing.assert_allclose(got, want, atol=1e-12)
+    np.testing.assert_allclose(lse, want_lse, atol=1e-12)
+    assert got.shape == (sum(lq), 4, 2)
+
+
+def test_equals_torch_sdpa_causal_lower_right_per_sequence():
+    torch = pytest.importorskip("torch")
+    from torch.nn.attention.bias import causal_lower_right
+
+    rng = np.random.default_rng(6)
+    lq, lk = [3, 1, 8, 20], [9, 5, 8, 31]
+    q, k, v, cq, ck = packed(rng, lq, lk, 4, 2, 8, 8)
+    got = qkv.attention_varlen(q, k, v, cq, ck, causal=True)
+    for b in range(4):
+        qs, ks, vs = (
+            torch.from_numpy(np.ascontiguousarray(x.transpose(1, 0, 2)))[None]
+            for x in (q[cq[b] : cq[b + 1]], k[ck[b] : ck[b + 1]], v[ck[b] : ck[b + 1]])
+        )
+        want = torch.nn.functional.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=causal_lower_right(lq[b], lk[b]), enable_gqa=True
+        )
+        np.testing.assert_allclose(
+            got[cq[b] : cq[b + 1]], want[0].numpy().transpose(1, 0, 2), atol=1e-12
+        )
+
+
+def test_empty_batch_and_no_rows():
+    q, k, v = np.zeros((0, 2, 4)), np.zeros((0, 1, 4)), np.zeros((0, 1, 3))
+    out, lse = qkv.attention_varlen(q, k, v, [0], [0], return_lse=True)
+    assert out.shape == (0, 2, 3) and lse.shape == (0, 2)
+    out = qkv.attention_varlen(np.ones((2, 2, 4)), k, v, [0, 2], [0, 0])
+    assert out.tolist() == np.zeros((2, 2, 3)).tolist()
+
+
+@pytest.mark.parametrize(
+    ("args", "kw", "exc", "words"),
+    [
+        (
+            (np.ones((3, 4)), np.ones((3, 1, 4)), np.ones((3, 1, 4)), [0, 3], [0, 3]),
+            {},
+            qkv.InputError,
+            "q: expected shape (total_q, heads, d)",
+        ),
+        (
+            (np.ones((3, 3, 4)), np.ones((3, 2, 4)), np.ones((3, 2, 4)), [0, 3], [0, 3]),
+            {},
+            qkv.InputError,
+            "3 query heads cannot share 2 kv heads",
+        ),
+        (
+            (np.ones((3, 2, 4)), np.ones((3, 1, 5)), np.ones((3, 1, 4)), [0, 3], [0, 3]),
+            {},
+            qkv.InputError,
+            "q, k: feature size d",
+        ),
+        (
+            (np.ones((3, 2, 4)), np.ones((3, 1, 4)), np.ones((2, 1, 4)), [0, 3], [0, 3]),
+            {},
+            qkv.InputError,
+            "k, v:",
+        ),
+        (
+            (np.ones((3, 2, 4)), np.ones((3, 1, 4)), np.ones((3, 1, 4)), [0, 2], [0, 3]),
+            {},
+            qkv.InputError,
+            "cu_seqlens_q: must end at total_q = 3",
+        ),
+        (
+            (np.ones((3, 2, 4)), np.ones((3, 1, 4)), np.ones((3, 1, 4)), [0, 3], [1, 3]),
+            {},
+            qkv.InputError,
+            "cu_seqlens_k: must start at 0",
+        ),
+        (
+            (
+                np.ones((3, 2, 4)),
+                np.ones((3, 1, 4)),
+                np.ones((3, 1, 4)),
+                [0, 2, 1, 3],
+                [0, 1, 2, 3],
+            ),
+            {},
+            qkv.InputError,
+            "cu_seqlens_q: must be non-decreasing",
+        ),
+        (
+            (np.ones((3, 2, 4)), np.ones((3, 1, 4)), np.ones((3, 1, 4)), [0, 3], [0, 1, 3]),
+            {},
+            qkv.InputError,
+            "batch sizes differ",
+        ),
+        (
+            (np.ones((3, 2, 4)), np.ones((3, 1, 4)), np.ones((3, 1, 4)), [0.0, 3.0], [0, 3]),
+            {},
+            qkv.InputTypeError,
+            "cu_seqlens_q: expected integer offsets",
+        ),
+        (
+            (np.ones((3, 2, 4)), np.ones((3, 1, 4)), np.ones((3, 1, 4)), [0, 3], [0, 3]),
+            {"scale": -1.0},
+            qkv.InputError,
+            "scale",
+        ),
+        (
+            (np.ones((3, 2, 4)), np.ones((3, 1, 4)), np.ones((3, 1, 4)), [0, 3], [0, 3]),
+            {"window": (-1, 2)},
+            qkv.InputError,
+            "window",
+        ),
+        (
+            (np.ones((3, 2, 4)), np.ones((3, 1, 4)), np.ones((3, 1, 4)), [0, 3], [0, 3]),
+            {"causal": "yes"},
+            qkv.InputTypeError,
+            "causal",
+        ),
+    ],
+)
+def test_bad_input_names_the_argument(args, kw, exc, words):
+    with pytest.raises(exc, match=None) as info:
+        qkv.attention_varlen(*args, **kw)
+    assert words in str(info.value)
