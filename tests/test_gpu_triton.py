@@ -38,7 +38,6 @@ def test_kernels_equal_the_reference_under_the_triton_interpreter():
 
 def test_device_tensors_are_routed_to_the_gpu_package(monkeypatch):
     from qkv.gpu import api
-    from qkv.integrations import torch as tq
 
     seen = {}
     monkeypatch.setattr(api, "attention", lambda *a, **kw: seen.update(kw) or "routed")
@@ -47,7 +46,7 @@ def test_device_tensors_are_routed_to_the_gpu_package(monkeypatch):
     assert seen["causal"] is True and seen["kernel"] == "decode"
     monkeypatch.setitem(sys.modules, "qkv.gpu.api", None)  # as if Triton were not installed
     with pytest.raises(qkv.InputError, match="qkv\\[gpu\\]"):
-        tq.attention(q, q, q)
+        qkv.attention(q, q, q)
 
 
 def test_devices_the_kernels_do_not_run_on_are_refused():

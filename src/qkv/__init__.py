@@ -15,9 +15,9 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 from . import reference
-from .attention import attention, attention_weights, scores, softmax
 from .cache import KVCache
 from .errors import InputError, InputTypeError
+from .front import attention, attention_weights, scores, softmax
 from .grad import attention_vjp
 from .merge import merge
 from .trace import Trace, explain

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from .errors import InputError, InputTypeError
+from .validate import from_foreign
 
 __all__ = ["weights"]
 
@@ -39,8 +40,7 @@ def _matplotlib() -> Any:
 
 
 def _as_numpy(x: Any, name: str) -> np.ndarray:
-    if hasattr(x, "detach") and hasattr(x, "cpu"):  # a torch tensor
-        x = x.detach().cpu().float().numpy()
+    x = from_foreign(x, name)  # a tensor, through the torch bridge's reader
     try:
         a = np.asarray(x, dtype=np.float64)
     except (TypeError, ValueError):

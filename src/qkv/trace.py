@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from .attention import attention
+from .core import attention
 from .errors import InputError, InputTypeError
 from .kernels import dense, mods
 from .masks import allowed, query_positions

@@ -29,7 +29,7 @@ def as_array(x: Any, name: str) -> np.ndarray:
 
     Raises :class:`InputTypeError` for anything that is not real numbers.
     """
-    x = _from_tensor(x, name)
+    x = from_foreign(x, name)
     try:
         a = np.asarray(x)
     except (ValueError, TypeError) as exc:  # ragged lists and the like
@@ -43,19 +43,26 @@ def as_array(x: Any, name: str) -> np.ndarray:
     return a
 
 
-def _from_tensor(x: Any, name: str) -> Any:
-    """A torch tensor as a NumPy array (interop converts first; this is the fallback), with an
-    error naming the argument for tensors NumPy cannot hold (sparse, quantized)."""
-    if not (hasattr(x, "detach") and hasattr(x, "cpu")):
-        return x
-    try:
-        return x.detach().cpu().numpy()
-    except (TypeError, RuntimeError) as exc:
-        shape = tuple(getattr(x, "shape", ()))
-        raise InputTypeError(
-            f"{name}: a tensor NumPy cannot read (shape {shape}, dtype {getattr(x, 'dtype', '?')}, "
-            f"layout {getattr(x, 'layout', '?')}): {exc}"
-        ) from None
+#: Readers for array types from other libraries, added by their bridges (the torch bridge
+#: adds one for tensors): ``(accepts(x), read(x, name))`` pairs. The core knows no such library;
+#: a bridge teaches it to read that library's arrays when the bridge is imported.
+_readers: list[tuple[Callable[[Any], bool], Callable[[Any, str], Any]]] = []
+
+
+def add_reader(accepts: Callable[[Any], bool], read: Callable[[Any, str], Any]) -> None:
+    """Teach :func:`as_array` to read a foreign array type: ``read(x, name)`` is called for
+    every ``x`` that ``accepts(x)`` and returns something :func:`numpy.asarray` can read (or
+    raises :class:`InputError` naming ``name``)."""
+    if (accepts, read) not in _readers:
+        _readers.append((accepts, read))
+
+
+def from_foreign(x: Any, name: str) -> Any:
+    """``x`` read by the first reader that accepts it (:func:`add_reader`), else ``x``."""
+    for accepts, read in _readers:
+        if accepts(x):
+            return read(x, name)
+    return x
 
 
 def check_flag(x: Any, name: str) -> bool:
@@ -307,7 +314,7 @@ def make_plan(
 
     bool_mask, bias = None, None
     if mask is not None:
-        mask = _from_tensor(mask, "mask")
+        mask = from_foreign(mask, "mask")
         try:
             m = np.asarray(mask)
         except (ValueError, TypeError) as exc:

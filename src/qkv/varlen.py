@@ -27,7 +27,7 @@ import numpy as np
 
 from .errors import InputError, InputTypeError
 from .kernels import dispatch
-from .validate import as_array, check_scale, check_window, make_plan
+from .validate import as_array, check_scale, check_window, from_foreign, make_plan
 
 __all__ = ["CALL_FLOPS", "PAD_FRACTION", "SOLO_FLOPS", "attention_varlen"]
 
@@ -40,8 +40,7 @@ SOLO_FLOPS = 2e6
 
 def _offsets(cu: Any, name: str, total: int, total_name: str) -> np.ndarray:
     """Check cumulative offsets: 1-D ints, start 0, non-decreasing, end at ``total``."""
-    if hasattr(cu, "detach") and hasattr(cu, "cpu"):
-        cu = cu.detach().cpu().numpy()
+    cu = from_foreign(cu, name)
     try:
         a = np.asarray(cu)
     except (ValueError, TypeError) as exc:

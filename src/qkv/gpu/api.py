@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from ..errors import InputError
+from ..integrations import torch as torch_bridge
 from ..validate import make_plan
 from . import launch
 
@@ -105,14 +106,12 @@ def _on_cpu(x: Any) -> Any:
 
 def _fallback(reason: str, q: Any, k: Any, v: Any, mask: Any, **kw: Any) -> Any:
     """qkv's CPU path on host copies; the result (and its gradients) go back to the device."""
-    from ..integrations import torch as cpu_torch
-
     warnings.warn(
         f"qkv.attention on {q.device}: {reason}; computed on the CPU instead",
         GpuFallbackWarning,
         stacklevel=4,
     )
-    res = cpu_torch.attention(_on_cpu(q), _on_cpu(k), _on_cpu(v), mask=_on_cpu(mask), **kw)
+    res = torch_bridge.attention(_on_cpu(q), _on_cpu(k), _on_cpu(v), mask=_on_cpu(mask), **kw)
     if isinstance(res, tuple):
         return tuple(r.to(q.device) for r in res)
     return res.to(q.device)

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InputError
+from ..front import attention
 
 __all__ = ["Capture", "Record", "capture"]
 
@@ -75,8 +76,6 @@ class Record:
 
     def attention(self) -> np.ndarray:
         """:func:`qkv.attention` on the recorded inputs, ``(batch, len(heads), L, dv)``."""
-        from .. import attention
-
         return attention(self.q, self.k, self.v, **self.options())
 
     def _slot(self, head: int) -> int:

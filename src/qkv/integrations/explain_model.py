@@ -262,7 +262,7 @@ def explain_model(
     i = _find_query(query, tokens, set(getattr(tok, "all_special_tokens", [])))
     labels = _labels(tokens)
     trace = rec.explain(head, key_labels=labels, query_labels=labels)
-    from .. import attention_weights
+    from ..front import attention_weights
 
     weights = attention_weights(rec.q[0], rec.k[0], **_options(rec))
     excluded = np.zeros(weights.shape, dtype=bool)

@@ -22,11 +22,14 @@ What happens to a tensor:
   gradient in qkv and is refused when gradients are wanted.
 - Masks may be tensors too (bool: ``True`` = may attend; float: added bias), as may any mix of
   tensors, arrays and lists (the result is a tensor when ``q``, ``k`` or ``v`` is one).
-- :func:`attention` on tensors on a GPU runs qkv's Triton kernels on the device
-  (:mod:`qkv.gpu`, the ``gpu`` extra), forward and backward, with the same semantics; what
-  they do not cover falls back to the CPU with a warning (see :mod:`qkv.gpu.api`). The other
-  functions refuse device tensors with :class:`qkv.InputError`: silently copying across
-  devices would hide a large cost.
+- :func:`qkv.attention` on tensors on a GPU does not come here: the public front
+  (:mod:`qkv.front`) sends them to qkv's Triton kernels (:mod:`qkv.gpu`, the ``gpu`` extra),
+  which fall back to this bridge, with a warning, for what they do not cover. The functions
+  here refuse device tensors with :class:`qkv.InputError`: silently copying across devices
+  would hide a large cost.
+- Importing this module teaches the NumPy core to read tensors
+  (:func:`qkv.validate.add_reader`), so the NumPy-only functions (:func:`qkv.merge`,
+  :class:`qkv.KVCache`, :func:`qkv.attention_vjp`...) accept CPU tensors as arrays.
 
 Alignment differs from PyTorch in one place: ``causal=True`` is bottom-right aligned (PyTorch's
 ``causal_lower_right``); ``scaled_dot_product_attention(is_causal=True)`` is top-left aligned.
@@ -43,13 +46,22 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .. import core
 from ..errors import InputError, InputTypeError
-from ..validate import as_array
+from ..grad import attention_vjp
+from ..validate import add_reader, as_array, check_flag
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["attention", "attention_weights", "is_tensor_input", "scores", "softmax"]
+__all__ = [
+    "attention",
+    "attention_weights",
+    "is_tensor_input",
+    "on_device",
+    "scores",
+    "softmax",
+]
 
 
 def is_tensor_input(*xs: Any) -> bool:
@@ -75,6 +87,40 @@ def _torch() -> Any:
     return torch
 
 
+@cache
+def _NUMPY_FLOATS() -> tuple[Any, ...]:  # noqa: N802 (a constant, built once torch is imported)
+    torch = _torch()
+    return (torch.float16, torch.float32, torch.float64)
+
+
+def on_device(*xs: Any) -> bool:
+    """True when any of ``xs`` is a tensor on a device other than the CPU (the public front
+    sends those to :mod:`qkv.gpu`)."""
+    if not is_tensor_input(*xs):
+        return False
+    torch = _torch()
+    return any(isinstance(x, torch.Tensor) and x.device.type != "cpu" for x in xs)
+
+
+def _read_tensor(x: Any, name: str) -> Any:
+    """A tensor given to a NumPy-only function (``merge``, ``KVCache``, ``attention_vjp``...)
+    as a NumPy array, with an error naming the argument for tensors NumPy cannot hold."""
+    try:
+        x = x.detach().cpu()
+        if x.is_floating_point() and x.dtype not in _NUMPY_FLOATS():
+            x = x.float()  # bfloat16 and float8, which NumPy lacks
+        return x.numpy()
+    except (TypeError, RuntimeError) as exc:
+        raise InputTypeError(
+            f"{name}: a tensor NumPy cannot read (shape {tuple(x.shape)}, dtype {x.dtype}, "
+            f"layout {x.layout}): {exc}"
+        ) from None
+
+
+# Importing the bridge teaches the NumPy core to read tensors (the core never imports torch).
+add_reader(is_tensor_input, _read_tensor)
+
+
 def _to_numpy(x: Any, name: str) -> Any:
     """A CPU tensor as a NumPy array (bfloat16 and other NumPy-less floats as float32)."""
     torch = _torch()
@@ -92,7 +138,7 @@ def _to_numpy(x: Any, name: str) -> Any:
             f"{x.dtype}); convert with .to_dense() or .dequantize() first"
         )
     x = x.detach()
-    if x.is_floating_point() and x.dtype not in (torch.float16, torch.float32, torch.float64):
+    if x.is_floating_point() and x.dtype not in _NUMPY_FLOATS():
         x = x.float()
     return x.resolve_conj().resolve_neg().numpy()
 
@@ -122,17 +168,13 @@ def _as_tensor(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 
 def softmax(x: Any, axis: int = -1) -> torch.Tensor:
     """:func:`qkv.softmax` for a tensor ``x``; returns a tensor of ``x``'s dtype."""
-    from ..attention import softmax as np_softmax
-
-    w = np_softmax(_to_numpy(x, "x"), axis=axis)
+    w = core.softmax(_to_numpy(x, "x"), axis=axis)
     return _as_tensor(w, _out_dtype(w.dtype, (x,)))
 
 
 def scores(q: Any, k: Any, *, scale: Any = None) -> torch.Tensor:
     """:func:`qkv.scores` for tensor inputs; returns a tensor (outside the autograd graph)."""
-    from ..attention import scores as np_scores
-
-    s = np_scores(_to_numpy(q, "q"), _to_numpy(k, "k"), scale=scale)
+    s = core.scores(_to_numpy(q, "q"), _to_numpy(k, "k"), scale=scale)
     return _as_tensor(s, _out_dtype(s.dtype, (q, k)))
 
 
@@ -147,9 +189,7 @@ def attention_weights(
     **variants: Any,
 ) -> torch.Tensor:
     """:func:`qkv.attention_weights` for tensor inputs; returns a tensor (outside autograd)."""
-    from ..attention import attention_weights as np_weights
-
-    w = np_weights(
+    w = core.attention_weights(
         _to_numpy(q, "q"),
         _to_numpy(k, "k"),
         scale=scale,
@@ -188,11 +228,7 @@ def attention(
     ``return_lse``; it carries no gradient). Keywords in ``more`` (such as a choice of kernel)
     go to :func:`qkv.attention` unchanged; the gradient does not depend on them.
     """
-    if _on_device(q, k, v, mask):
-        return _device_attention(
-            q, k, v, scale=scale, causal=causal, mask=mask, window=window,
-            return_lse=return_lse, check_finite=check_finite, **more,
-        )  # fmt: skip
+    check_flag(return_lse, "return_lse")
     torch = _torch()
     sinks = more.pop("sinks", None)
     options = {
@@ -235,33 +271,12 @@ def attention(
     return (out_t, lse_t) if return_lse else out_t
 
 
-def _on_device(*xs: Any) -> bool:
-    """True when any of ``xs`` is a tensor on a device other than the CPU."""
-    torch = _torch()
-    return any(isinstance(x, torch.Tensor) and x.device.type != "cpu" for x in xs)
-
-
-def _device_attention(q: Any, k: Any, v: Any, **options: Any) -> Any:
-    """:func:`qkv.gpu.api.attention`, or a clear error when Triton is not installed."""
-    try:
-        from ..gpu.api import attention as gpu_attention
-    except ImportError as exc:
-        device = next(x.device for x in (q, k, v) if hasattr(x, "device"))
-        raise InputError(
-            f"q: tensors on device {device} need Triton ({exc}); install the gpu extra "
-            "(pip install 'qkv[gpu]') or move them with .cpu()"
-        ) from None
-    return gpu_attention(q, k, v, **options)
-
-
 def _arrays(*tensors: Any) -> tuple[Any, ...]:
     return tuple(_to_numpy(t, name) for t, name in zip(tensors, "qkv", strict=True))
 
 
 def _forward(arrays: tuple[Any, ...], options: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
-    from ..attention import attention as np_attention
-
-    out, lse = np_attention(*arrays, return_lse=True, **options)
+    out, lse = core.attention(*arrays, return_lse=True, **options)
     return out, np.asarray(lse)
 
 
@@ -285,8 +300,6 @@ def _function() -> type:
 
         @staticmethod
         def backward(ctx: Any, grad_out: Any, grad_lse: Any) -> Any:
-            from ..grad import attention_vjp
-
             saved = ctx.saved_tensors
             opts = {
                 key: x for key, x in ctx.options.items() if key not in ("check_finite", "kernel")

@@ -125,8 +125,8 @@ def attention_forward(
         )
     from torch.nn.functional import pad as torch_pad
 
-    from .. import attention as qkv_attention
-    from .. import attention_weights as qkv_attention_weights
+    from ..front import attention as qkv_attention
+    from ..front import attention_weights as qkv_attention_weights
 
     is_causal = kwargs.get("is_causal")
     if is_causal is None:

@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from ..attention import softmax
+from ..core import softmax
 from ..errors import InputError, InputTypeError
 from ..grad import attention_vjp
 

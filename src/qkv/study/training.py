@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from ..attention import attention
+from ..core import attention
 from ..errors import InputError, InputTypeError
 from ..grad import attention_vjp
 from .scaling import _check_int, mode_scale

@@ -1,24 +1,29 @@
-"""The public attention functions: validate once, then run a kernel.
+"""The public attention functions: one door, three paths.
 
-Semantics (shapes, scale, bottom-right causal alignment, masks, windows, grouped-query heads,
-dtypes) are those of :mod:`qkv.reference`, which every path here is tested to equal.
+:func:`softmax`, :func:`scores`, :func:`attention_weights` and :func:`attention` look at what
+they are given and send it on, with nothing else to do:
+
+- NumPy arrays, lists and scalars → the NumPy core (:mod:`qkv.core`);
+- PyTorch tensors on the CPU → the torch bridge (:mod:`qkv.integrations.torch`), which reads
+  them as arrays, calls the same core and gives tensors back (with autograd);
+- tensors on a GPU → the Triton kernels (:mod:`qkv.gpu.api`, the ``gpu`` extra).
+
+The core never imports a bridge: the bridges import the core.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
-from .errors import InputError, InputTypeError
-from .integrations import torch as _torch
-from .kernels import dense, dispatch, mods
-from .validate import as_array, check_flag, make_plan
+from . import core
+from .errors import InputError
+from .integrations import torch as torch_bridge
+from .validate import check_flag
 
 __all__ = ["attention", "attention_weights", "scores", "softmax"]
 
 
-def softmax(x: Any, axis: int = -1) -> np.ndarray:
+def softmax(x: Any, axis: int = -1) -> Any:
     """Numerically stable softmax along ``axis``.
 
     The maximum is subtracted before exponentiating, so no finite input overflows. A slice
@@ -45,22 +50,12 @@ def softmax(x: Any, axis: int = -1) -> np.ndarray:
     >>> qkv.softmax([-float("inf"), -float("inf")]).tolist()
     [0.0, 0.0]
     """
-    if _torch.is_tensor_input(x):
-        return _torch.softmax(x, axis=axis)
-    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
-        raise InputTypeError(f"axis: expected an int, got {type(axis).__name__}")
-    a = as_array(x, "x")
-    if a.ndim == 0:
-        raise InputError(f"x: expected at least 1 dimension, got shape {a.shape}")
-    if not -a.ndim <= axis < a.ndim:
-        raise InputError(f"axis: {axis} is out of range for x with shape {a.shape}")
-    acc = np.float32 if a.dtype == np.float16 else a.dtype
-    z = np.moveaxis(a.astype(acc, copy=True), axis, -1)
-    w, _ = dense.softmax_rows(z)
-    return np.moveaxis(w, -1, axis).astype(a.dtype, copy=False)
+    if torch_bridge.is_tensor_input(x):
+        return torch_bridge.softmax(x, axis=axis)
+    return core.softmax(x, axis=axis)
 
 
-def scores(q: Any, k: Any, *, scale: Any = None) -> np.ndarray:
+def scores(q: Any, k: Any, *, scale: Any = None) -> Any:
     """Scaled pre-softmax scores ``q · kᵀ · scale``.
 
     Parameters
@@ -90,11 +85,9 @@ def scores(q: Any, k: Any, *, scale: Any = None) -> np.ndarray:
     >>> qkv.scores([2, 1], [[1, 0], [3, 2]], scale=4**0.5).tolist()  # ×√d, a common slip
     [4.0, 16.0]
     """
-    if _torch.is_tensor_input(q, k):
-        return _torch.scores(q, k, scale=scale)
-    plan = make_plan(q, k, need_v=False, scale=scale)
-    s = dense.raw_scores(plan).astype(plan.out_dtype, copy=False)
-    return s[..., 0, :] if plan.squeeze else s
+    if torch_bridge.is_tensor_input(q, k):
+        return torch_bridge.scores(q, k, scale=scale)
+    return core.scores(q, k, scale=scale)
 
 
 def attention_weights(
@@ -106,7 +99,7 @@ def attention_weights(
     mask: Any = None,
     window: Any = None,
     **variants: Any,
-) -> np.ndarray:
+) -> Any:
     """Attention weights ``softmax(q · kᵀ · scale + bias)`` with masked keys at weight 0.
 
     Parameters
@@ -138,19 +131,10 @@ def attention_weights(
     >>> qkv.attention_weights([[1, 0], [0, 1]], [[1, 0], [0, 1]], causal=True).round(4).tolist()
     [[1.0, 0.0], [0.3302, 0.6698]]
     """
-    if _torch.is_tensor_input(q, k):
-        return _torch.attention_weights(
-            q, k, scale=scale, causal=causal, mask=mask, window=window, **variants
-        )
-    plan = make_plan(
-        q, k, need_v=False, scale=scale, causal=causal, mask=mask, window=window, **variants
+    path = torch_bridge if torch_bridge.is_tensor_input(q, k) else core
+    return path.attention_weights(
+        q, k, scale=scale, causal=causal, mask=mask, window=window, **variants
     )
-    w = dispatch.weights(plan)
-    if plan.sinks is not None:
-        _, lse = dense.softmax_rows(dense.logits(plan))
-        w *= mods.sink_factor(plan, lse)[0][..., None]
-    w = w.astype(plan.out_dtype, copy=False)
-    return w[..., 0, :] if plan.squeeze else w
 
 
 def attention(
@@ -166,7 +150,7 @@ def attention(
     check_finite: bool = False,
     kernel: str = "auto",
     **variants: Any,
-) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+) -> Any:
     """Scaled dot-product attention ``softmax(q · kᵀ · scale + bias) · v``.
 
     Parameters
@@ -224,34 +208,30 @@ def attention(
     [2.905148, 3.905148]
     """
     check_flag(return_lse, "return_lse")
-    if _torch.is_tensor_input(q, k, v):
-        return _torch.attention(
-            q,
-            k,
-            v,
-            scale=scale,
-            causal=causal,
-            mask=mask,
-            window=window,
-            return_lse=return_lse,
-            check_finite=check_finite,
-            kernel=kernel,
-            **variants,
-        )
-    kernel = dispatch.check_kernel(kernel)
-    plan = make_plan(
-        q,
-        k,
-        v,
-        scale=scale,
-        causal=causal,
-        mask=mask,
-        window=window,
-        check_finite=check_finite,
+    options = {
+        "scale": scale,
+        "causal": causal,
+        "mask": mask,
+        "window": window,
+        "return_lse": return_lse,
+        "check_finite": check_finite,
+        "kernel": kernel,
         **variants,
-    )
-    out, lse = dispatch.attend(plan, kernel)
-    out = out.astype(plan.out_dtype, copy=False)
-    if plan.squeeze:
-        out, lse = out[..., 0, :], lse[..., 0]
-    return (out, lse) if return_lse else out
+    }
+    if not torch_bridge.is_tensor_input(q, k, v):
+        return core.attention(q, k, v, **options)
+    if torch_bridge.on_device(q, k, v, mask):
+        return _gpu_attention()(q, k, v, **options)
+    return torch_bridge.attention(q, k, v, **options)
+
+
+def _gpu_attention() -> Any:
+    """:func:`qkv.gpu.api.attention`, or a clear error when Triton is not installed."""
+    try:
+        from .gpu.api import attention as gpu_attention
+    except ImportError as exc:
+        raise InputError(
+            f"q: tensors on a GPU need Triton ({exc}); install the gpu extra "
+            "(pip install 'qkv[gpu]') or move them with .cpu()"
+        ) from None
+    return gpu_attention
