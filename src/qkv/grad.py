@@ -47,7 +47,7 @@ from . import reference
 from .errors import InputError
 from .kernels import dense, mods, tiled, tiled_backward
 from .kernels.blocks import heads_by_kv
-from .validate import Plan, as_array, make_plan
+from .validate import Plan, as_array, broadcasts_to, make_plan
 
 __all__ = ["attention_vjp", "reference_attention_vjp"]
 
@@ -69,11 +69,7 @@ def _grad_out(grad_out: Any, plan: Plan) -> np.ndarray:
     """``grad_out`` checked against the output's shape, as ``(*batch, L, dv)``."""
     g = as_array(grad_out, "grad_out")
     out_shape = plan.batch + ((plan.dv,) if plan.squeeze else (plan.L, plan.dv))
-    try:
-        ok = np.broadcast_shapes(g.shape, out_shape) == out_shape
-    except ValueError:
-        ok = False
-    if not ok:
+    if not broadcasts_to(g.shape, out_shape):
         raise InputError(
             f"grad_out: shape {g.shape} does not broadcast to the output's shape {out_shape} "
             f"(q {plan.q.shape}, k {plan.k.shape}, v {plan.v.shape} after broadcasting)"

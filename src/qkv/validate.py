@@ -249,14 +249,58 @@ def make_plan(
     """
     check_flag(causal, "causal")
     check_flag(check_finite, "check_finite")
+    qa, ka, va, squeeze = _read_inputs(q, k, v, need_v, check_finite)
+    out_dtype = np.result_type(*(a for a in (qa, ka, va) if a is not None))
+    out_dtype = out_dtype if dtype is None else np.dtype(dtype)
+    acc_dtype = np.dtype(np.float32) if out_dtype == np.float16 else out_dtype
+    batch, kv_batch, group = _heads(qa, ka, va)
+    L, S, d = qa.shape[-2], ka.shape[-2], qa.shape[-1]
+    qa = np.broadcast_to(qa.astype(acc_dtype, copy=False), batch + (L, d))
+    ka = np.broadcast_to(ka.astype(acc_dtype, copy=False), kv_batch + (S, d))
+    if va is not None:
+        va = np.broadcast_to(va.astype(acc_dtype, copy=False), kv_batch + (S, va.shape[-1]))
+    bool_mask, bias = _read_mask(mask, batch + (L, S), acc_dtype)
+
+    return Plan(
+        q=qa,
+        k=ka,
+        v=va,
+        scale=check_scale(scale, d),
+        causal=bool(causal),
+        window=_clamp_window(check_window(window), L, S),
+        mask=bool_mask,
+        bias=bias,
+        group=group,
+        out_dtype=out_dtype,
+        acc_dtype=acc_dtype,
+        squeeze=squeeze,
+        softcap=check_softcap(softcap),
+        sinks=_per_head(sinks, "sinks", batch, acc_dtype),
+        alibi=_per_head(alibi_slopes, "alibi_slopes", batch, acc_dtype),
+        score_mod=_callable(score_mod, "score_mod"),
+        mask_mod=_callable(mask_mod, "mask_mod"),
+    )
+
+
+def broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    """Whether an array of ``shape`` broadcasts to exactly ``target`` (masks, ``grad_out``)."""
+    try:
+        return np.broadcast_shapes(shape, target) == target
+    except ValueError:
+        return False
+
+
+def _read_inputs(
+    q: Any, k: Any, v: Any, need_v: bool, check_finite: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, bool]:
+    """``q``, ``k``, ``v`` as arrays with their ranks, ``d`` and ``S`` checked; a 1-D ``q``
+    becomes one row (``squeeze``)."""
     qa, ka = as_array(q, "q"), as_array(k, "k")
-    arrays = [qa, ka]
     va = None
     if need_v:
         if v is None:
             raise InputError("v: required")
         va = as_array(v, "v")
-        arrays.append(va)
     if qa.ndim < 1:
         raise InputError(f"q: expected shape (..., L, d) or (d,), got a scalar (shape {qa.shape})")
     if ka.ndim < 2:
@@ -278,14 +322,20 @@ def make_plan(
             f"k, v: number of keys S differs: k has shape {ka.shape}, v has shape {va.shape}"
         )
     if check_finite:
-        for name, a in zip("qkv", arrays, strict=False):
-            if not np.all(np.isfinite(a)):
+        for name, a in (("q", qa), ("k", ka), ("v", va)):
+            if a is not None and not np.all(np.isfinite(a)):
                 raise InputError(f"{name}: contains NaN or infinity (shape {a.shape})")
+    return qa, ka, va, squeeze
 
-    out_dtype = np.result_type(*arrays) if dtype is None else np.dtype(dtype)
-    acc_dtype = np.dtype(np.float32) if out_dtype == np.float16 else out_dtype
 
-    # Batch dimensions: k and v broadcast together; then q against them, with grouped heads.
+def _heads(
+    qa: np.ndarray, ka: np.ndarray, va: np.ndarray | None
+) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """The batch dimensions of the scores and of K/V, and the query heads per kv head.
+
+    ``k`` and ``v`` broadcast together; then ``q`` against them, except that axis -3 may hold
+    fewer kv heads than query heads when they divide (grouped-query attention).
+    """
     kvb = ka.shape[:-2] if va is None else _broadcast(ka.shape[:-2], va.shape[:-2], "k, v")
     qb = qa.shape[:-2]
     group = 1
@@ -298,72 +348,36 @@ def make_plan(
                     f"q has shape {qa.shape}, k has shape {ka.shape}"
                 )
             group = hq // hkv
-    if group > 1:
-        rest = _broadcast(qb[:-1], kvb[:-1], "q, k")
-        batch = rest + (qb[-1],)
-        kv_batch = rest + (kvb[-1],)
-    else:
+    if group == 1:
         batch = _broadcast(qb, kvb, "q, k")
-        kv_batch = batch
-    L, S, d = qa.shape[-2], ka.shape[-2], qa.shape[-1]
+        return batch, batch, 1
+    rest = _broadcast(qb[:-1], kvb[:-1], "q, k")
+    return rest + (qb[-1],), rest + (kvb[-1],), group
 
-    qa = np.broadcast_to(qa.astype(acc_dtype, copy=False), batch + (L, d))
-    ka = np.broadcast_to(ka.astype(acc_dtype, copy=False), kv_batch + (S, d))
-    if va is not None:
-        va = np.broadcast_to(va.astype(acc_dtype, copy=False), kv_batch + (S, va.shape[-1]))
 
-    bool_mask, bias = None, None
-    if mask is not None:
-        mask = from_foreign(mask, "mask")
-        try:
-            m = np.asarray(mask)
-        except (ValueError, TypeError) as exc:
-            raise InputError(f"mask: cannot be read as a rectangular array ({exc})") from None
-        if m.dtype == bool:
-            bool_mask = m
-        elif np.issubdtype(m.dtype, np.floating):
-            bias = _narrow_bias(m, acc_dtype)
-        else:
-            raise InputTypeError(
-                f"mask: expected bool (True = may attend) or float (added bias), got dtype "
-                f"{m.dtype} with shape {m.shape}"
-            )
-        target = batch + (L, S)
-        try:
-            ok = np.broadcast_shapes(m.shape, target) == target
-        except ValueError:
-            ok = False
-        if not ok:
-            raise InputError(
-                f"mask: shape {m.shape} does not broadcast to the scores' shape {target}"
-            )
-        m = (bool_mask if bool_mask is not None else bias).reshape(
-            (1,) * (len(target) - m.ndim) + m.shape
+def _read_mask(
+    mask: Any, target: tuple[int, ...], acc_dtype: np.dtype
+) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """``(bool_mask, bias)``: a bool mask (``True`` = may attend) or a float bias, broadcastable
+    to the scores' shape ``target`` and given that many dimensions."""
+    if mask is None:
+        return None, None
+    mask = from_foreign(mask, "mask")
+    try:
+        m = np.asarray(mask)
+    except (ValueError, TypeError) as exc:
+        raise InputError(f"mask: cannot be read as a rectangular array ({exc})") from None
+    if m.dtype != bool and not np.issubdtype(m.dtype, np.floating):
+        raise InputTypeError(
+            f"mask: expected bool (True = may attend) or float (added bias), got dtype "
+            f"{m.dtype} with shape {m.shape}"
         )
-        if bool_mask is not None:
-            bool_mask = m
-        else:
-            bias = m
-
-    return Plan(
-        q=qa,
-        k=ka,
-        v=va,
-        scale=check_scale(scale, d),
-        causal=bool(causal),
-        window=_clamp_window(check_window(window), L, S),
-        mask=bool_mask,
-        bias=bias,
-        group=group,
-        out_dtype=out_dtype,
-        acc_dtype=acc_dtype,
-        squeeze=squeeze,
-        softcap=check_softcap(softcap),
-        sinks=_per_head(sinks, "sinks", batch, acc_dtype),
-        alibi=_per_head(alibi_slopes, "alibi_slopes", batch, acc_dtype),
-        score_mod=_callable(score_mod, "score_mod"),
-        mask_mod=_callable(mask_mod, "mask_mod"),
-    )
+    if m.dtype != bool:
+        m = _narrow_bias(m, acc_dtype)
+    if not broadcasts_to(m.shape, target):
+        raise InputError(f"mask: shape {m.shape} does not broadcast to the scores' shape {target}")
+    m = m.reshape((1,) * (len(target) - m.ndim) + m.shape)
+    return (m, None) if m.dtype == bool else (None, m)
 
 
 def check_softcap(softcap: Any) -> float | None:
