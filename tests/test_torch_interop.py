@@ -47,7 +47,7 @@ def np64(t):
 
 def test_importing_qkv_imports_neither_torch_nor_other_optional_packages():
     code = (
-        "import sys, qkv, qkv.plot, qkv.integrations.torch, qkv.integrations.transformers\n"
+        "import sys, qkv, qkv.plot, qkv.torch_bridge, qkv.integrations.transformers\n"
         "qkv.attention([1.0, 0.0], [[1.0, 0.0]], [[2.0]])\n"
         "bad = [m for m in ('torch', 'transformers', 'matplotlib') if m in sys.modules]\n"
         "print(bad)\n"

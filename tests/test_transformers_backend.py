@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 
-from qkv.integrations import torch as qkv_torch  # noqa: E402
+from qkv import torch_bridge as qkv_torch  # noqa: E402
 from qkv.integrations.transformers import attention_forward, register  # noqa: E402
 
 VOCAB = 96

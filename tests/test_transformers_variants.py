@@ -100,7 +100,7 @@ def tokens(batch, length, seed=0):
 def test_logits_equal_eager(pair, monkeypatch):
     name, ours, ref = pair
     seen = []
-    from qkv.integrations import torch as qkv_torch
+    from qkv import torch_bridge as qkv_torch
 
     inner = qkv_torch.attention
 

@@ -1,7 +1,7 @@
 """The NumPy path of the public attention functions: validate once, then run a kernel.
 
 :mod:`qkv.front` holds the public functions and their documentation; it sends NumPy arrays,
-lists and scalars here, and tensors to :mod:`qkv.integrations.torch`, which calls here too.
+lists and scalars here, and tensors to :mod:`qkv.torch_bridge`, which calls here too.
 Nothing here knows of PyTorch: tensors reach the core only as arrays.
 
 Semantics (shapes, scale, bottom-right causal alignment, masks, windows, grouped-query heads,

@@ -4,7 +4,7 @@
 they are given and send it on, with nothing else to do:
 
 - NumPy arrays, lists and scalars → the NumPy core (:mod:`qkv.core`);
-- PyTorch tensors on the CPU → the torch bridge (:mod:`qkv.integrations.torch`), which reads
+- PyTorch tensors on the CPU → the torch bridge (:mod:`qkv.torch_bridge`), which reads
   them as arrays, calls the same core and gives tensors back (with autograd);
 - tensors on a GPU → the Triton kernels (:mod:`qkv.gpu.api`, the ``gpu`` extra).
 
@@ -15,9 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import core
+from . import core, torch_bridge
 from .errors import InputError
-from .integrations import torch as torch_bridge
 from .validate import check_flag
 
 __all__ = ["attention", "attention_weights", "scores", "softmax"]

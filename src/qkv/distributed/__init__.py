@@ -20,9 +20,50 @@ True
 
 from __future__ import annotations
 
-from .decode import decode
+from functools import wraps
+from typing import Any
+
+from ..torch_bridge import is_tensor_input
+from . import ring as _ring
+from .decode import decode as _decode
 from .layout import LAYOUTS, positions, shard, unshard
-from .ring import RingStats, ring_attention, ring_attention_vjp
+from .ring import RingStats, ring_attention_vjp
+
+# The public functions send tensors to the torch side (._torch, imported on first use) and
+# everything else to the NumPy ring; neither of those imports this router.
+
+
+@wraps(_ring.ring_attention)
+def ring_attention(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    comm: Any = None,
+    causal: bool = False,
+    scale: Any = None,
+    layout: str = "zigzag",
+    return_lse: bool = False,
+    stats: RingStats | None = None,
+) -> Any:
+    run = _ring.ring_attention
+    if is_tensor_input(q, k, v):
+        from ._torch import ring_attention as run
+    return run(
+        q, k, v, comm=comm, causal=causal, scale=scale, layout=layout, return_lse=return_lse,
+        stats=stats,
+    )  # fmt: skip
+
+
+@wraps(_decode)
+def decode(
+    q: Any, k: Any, v: Any, *, comm: Any = None, scale: Any = None, return_lse: bool = False
+) -> Any:
+    run = _decode
+    if is_tensor_input(q, k, v):
+        from ._torch import decode as run
+    return run(q, k, v, comm=comm, scale=scale, return_lse=return_lse)
+
 
 __all__ = [
     "LAYOUTS",

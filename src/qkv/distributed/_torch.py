@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ..integrations.torch import _as_tensor, _out_dtype, _tensor, _to_numpy
+from ..torch_bridge import _as_tensor, _out_dtype, _tensor, _to_numpy
 from .decode import decode as np_decode
 from .ring import RingStats, ring_attention_vjp, ring_forward
 

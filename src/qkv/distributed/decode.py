@@ -52,12 +52,6 @@ def decode(
     >>> bool(np.allclose(decode(q, k, v), qkv.attention(q, k, v)))
     True
     """
-    from ..integrations.torch import is_tensor_input
-
-    if is_tensor_input(q, k, v):
-        from ._torch import decode as torch_decode
-
-        return torch_decode(q, k, v, comm=comm, scale=scale, return_lse=return_lse)
     c = get_comm(comm)
     err: Exception | None = None
     plan = None

@@ -115,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
 
     err_out = err_dq = 0.0
     if args.check_rows:
-        import qkv
+        from ..core import attention
+        from ..grad import attention_vjp
 
         pos = np.concatenate([np.arange(ch * h, (ch + 1) * h) for ch in mine])
         rows = np.random.default_rng([args.seed, rank]).choice(len(pos), args.check_rows)
@@ -125,11 +126,11 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows:
             p = int(pos[r])
             q64 = q[:, r : r + 1].astype(np.float64)
-            want = qkv.attention(q64, K[:, : p + 1], V[:, : p + 1])
+            want = attention(q64, K[:, : p + 1], V[:, : p + 1])
             err_out = max(err_out, float(np.abs(out[:, r : r + 1] - want).max()))
             if not args.no_backward:
                 g64 = g[:, r : r + 1].astype(np.float64)
-                dq_want = qkv.attention_vjp(q64, K[:, : p + 1], V[:, : p + 1], g64)[0]
+                dq_want = attention_vjp(q64, K[:, : p + 1], V[:, : p + 1], g64)[0]
                 err_dq = max(err_dq, float(np.abs(dq[:, r : r + 1] - dq_want).max()))
     sums = np.zeros(3)
     if not args.no_backward:

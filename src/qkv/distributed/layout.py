@@ -83,7 +83,7 @@ def _split_size(n: int, world: int, layout: str, shape: tuple[int, ...]) -> int:
 
 
 def _is_tensor(x: Any) -> bool:
-    from ..integrations.torch import is_tensor_input
+    from ..torch_bridge import is_tensor_input
 
     return is_tensor_input(x)
 

@@ -268,22 +268,6 @@ def ring_attention(
     >>> bool(np.allclose(ring_attention(q, k, v, causal=True), qkv.attention(q, k, v, causal=True)))
     True
     """
-    from ..integrations.torch import is_tensor_input
-
-    if is_tensor_input(q, k, v):
-        from ._torch import ring_attention as torch_ring
-
-        return torch_ring(
-            q,
-            k,
-            v,
-            comm=comm,
-            causal=causal,
-            scale=scale,
-            layout=layout,
-            return_lse=return_lse,
-            stats=stats,
-        )
     out, lse = ring_forward(
         q, k, v, comm=comm, causal=causal, scale=scale, layout=layout, stats=stats
     )

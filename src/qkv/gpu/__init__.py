@@ -1,7 +1,7 @@
 """Attention on the GPU: Triton kernels for CUDA tensors, with qkv's semantics.
 
 :func:`qkv.attention` sends tensors on a GPU here by itself (through
-:mod:`qkv.integrations.torch`); nothing in this package is imported by ``import qkv``.
+:mod:`qkv.front`); nothing in this package is imported by ``import qkv``.
 
 - :mod:`qkv.gpu._kernels`: the Triton kernels — prefill forward (online softmax, causal and
   window tiles outside the band skipped, only diagonal and edge tiles masked), split-K decode

@@ -1,6 +1,6 @@
 """:func:`qkv.attention` for tensors on a GPU: check, reshape, run the Triton kernels.
 
-:mod:`qkv.integrations.torch` sends here every call whose ``q``, ``k``, ``v`` or ``mask`` lies
+:mod:`qkv.front` sends here every call whose ``q``, ``k``, ``v`` or ``mask`` lies
 on a device other than the CPU. Arguments are checked by :func:`qkv.validate.make_plan` on
 zero-stride NumPy stand-ins of the tensors' shapes (no data is copied to the host), so the
 errors and the semantics are those of every other path: bottom-right causal, windows, grouped
@@ -32,8 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import torch_bridge
 from ..errors import InputError
-from ..integrations import torch as torch_bridge
 from ..validate import make_plan
 from . import launch
 

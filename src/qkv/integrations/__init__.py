@@ -1,9 +1,13 @@
-"""Bridges from qkv to other frameworks, each imported only when used.
+"""qkv inside other frameworks' models, each imported only when used.
 
-- :mod:`qkv.integrations.torch` — ``torch.Tensor`` in, ``torch.Tensor`` out, with autograd.
-  The public functions in :mod:`qkv` route tensors here by themselves.
 - :mod:`qkv.integrations.transformers` — qkv as an attention backend for Hugging Face
   ``transformers`` (``attn_implementation="qkv"``).
+- :mod:`qkv.integrations.capture` — record a model layer's q, k, v and explain its heads.
+- :mod:`qkv.integrations.explain_model` — ``qkv explain-model``: a real model's heads, step
+  by step.
+
+PyTorch tensors themselves go through :mod:`qkv.torch_bridge` (the public functions send them
+there).
 
 Importing this package imports neither torch nor transformers.
 """

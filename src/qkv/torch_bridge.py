@@ -46,10 +46,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .. import core
-from ..errors import InputError, InputTypeError
-from ..grad import attention_vjp
-from ..validate import add_reader, as_array, check_flag
+from . import core
+from .errors import InputError, InputTypeError
+from .grad import attention_vjp
+from .validate import add_reader, as_array, check_flag
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -72,7 +72,7 @@ def is_tensor_input(*xs: Any) -> bool:
 
     Examples
     --------
-    >>> from qkv.integrations.torch import is_tensor_input
+    >>> from qkv.torch_bridge import is_tensor_input
     >>> is_tensor_input([1.0, 2.0], None)
     False
     """
