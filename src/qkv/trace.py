@@ -32,7 +32,7 @@ import numpy as np
 from .core import attention
 from .errors import InputError, InputTypeError
 from .kernels import dense, mods
-from .masks import allowed, query_positions
+from .masks import allowed, exclusion_reasons, query_positions
 from .scale_expr import ScaleExpr, parse_scale
 from .validate import as_array, make_plan
 
@@ -306,25 +306,16 @@ class Trace:
 
     def reason_text(self, i: int, j: int) -> str:
         """Why key ``j`` is excluded for query row ``i``, in words (empty if it is not)."""
-        p = int(self.positions[i])
-        out = []
-        for r in self.reasons(i, j):
-            if r == "causal":
-                out.append(f"causal: key {j} is after position {p}")
-            elif r == "window":
-                left, right = self.window
-                if left is not None and j < p - left:
-                    out.append(f"window: key {j} < {p} - {left}")
-                else:
-                    out.append(f"window: key {j} > {p} + {right}")
-            elif r == "mask":
-                out.append("mask is False")
-            elif r == "bias":
-                out.append("bias is -inf")
-            elif r == "mask_mod":
-                out.append("mask_mod is False")
-            else:
-                out.append(r)
+        reasons = self.reasons(i, j)
+        # causal and window, worded by the module that owns the rule
+        out = exclusion_reasons(
+            int(self.positions[i]),
+            j,
+            "causal" in reasons,
+            self.window if "window" in reasons else None,
+        )
+        words = {"mask": "mask is False", "bias": "bias is -inf", "mask_mod": "mask_mod is False"}
+        out += [words.get(r, r) for r in reasons if r not in ("causal", "window")]
         return "; ".join(out)
 
     def replace(self, **changes: Any) -> Trace:
