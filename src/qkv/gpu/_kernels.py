@@ -366,6 +366,21 @@ def _bwd_p(
 
 
 @triton.jit
+def _row_terms(dOut, Lse, Delta, zh, L, rows64, rows_ok, offs_dv, dv):
+    """A block of query rows' terms of the backward: dO, lse in base 2 (+inf for a row with no
+    key, so its p is 0) and δ = rowsum(dO ∘ O)."""
+    do = tl.load(
+        dOut + (zh * L + rows64)[:, None] * dv + offs_dv[None, :],
+        mask=rows_ok[:, None] & (offs_dv[None, :] < dv),
+        other=0.0,
+    )
+    lse = tl.load(Lse + zh * L + rows64, mask=rows_ok, other=float("-inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    delta = tl.load(Delta + zh * L + rows64, mask=rows_ok, other=0.0)
+    return do, lse2, delta
+
+
+@triton.jit
 def bwd_dkdv(
     Q, K, V, dOut, Lse, Delta, dK, dV, Mask, Bias,
     sqz, sqh, sqm, sqd, skz, skh, skn, skd, svz, svh, svn, svd,
@@ -427,14 +442,7 @@ def bwd_dkdv(
                 mask=rows_ok[:, None] & (offs_d[None, :] < d),
                 other=0.0,
             )
-            do = tl.load(
-                dOut + (zh_q * L + rows64)[:, None] * dv + offs_dv[None, :],
-                mask=rows_ok[:, None] & (offs_dv[None, :] < dv),
-                other=0.0,
-            )
-            lse = tl.load(Lse + zh_q * L + rows64, mask=rows_ok, other=float("-inf"))
-            lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-            delta = tl.load(Delta + zh_q * L + rows64, mask=rows_ok, other=0.0)
+            do, lse2, delta = _row_terms(dOut, Lse, Delta, zh_q, L, rows64, rows_ok, offs_dv, dv)
             p = _bwd_p(
                 q, kt, lse2, qk_scale, rows + (S - L), rows_ok, cols, S, left, right,
                 Mask + z * smz + h * smh, rows64 * smm, smn, Bias + z * sbz + h * sbh,
@@ -484,14 +492,7 @@ def bwd_dq(
         other=0.0,
     )
     zh64 = zh.to(tl.int64)
-    do = tl.load(
-        dOut + (zh64 * L + rows64)[:, None] * dv + offs_dv[None, :],
-        mask=rows_ok[:, None] & (offs_dv[None, :] < dv),
-        other=0.0,
-    )
-    lse = tl.load(Lse + zh64 * L + rows64, mask=rows_ok, other=float("-inf"))
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    delta = tl.load(Delta + zh64 * L + rows64, mask=rows_ok, other=0.0)
+    do, lse2, delta = _row_terms(dOut, Lse, Delta, zh64, L, rows64, rows_ok, offs_dv, dv)
     last = tl.minimum(pid_m * BLOCK_M + BLOCK_M, L) - 1
     lo, u_lo, u_hi, hi = _key_bounds(
         pid_m * BLOCK_M + (S - L), last + (S - L), S, left, right, CAUSAL, HAS_LEFT, HAS_RIGHT,
