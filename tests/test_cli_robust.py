@@ -16,12 +16,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-import qkv.trace as trace_module
+import qkv.explanation.trace as trace_module
 from qkv.cli import main
 from qkv.errors import InputError
+from qkv.explanation.scale import MAX_EXACT_BITS, parse_scale
+from qkv.explanation.trace import explain, fmt
 from qkv.render import as_json
-from qkv.scale_expr import MAX_EXACT_BITS, parse_scale
-from qkv.trace import explain, fmt
 
 QK = ["--q", "2,1", "--k", "1,0;3,2"]
 

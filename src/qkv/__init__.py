@@ -18,9 +18,9 @@ from . import reference
 from .attention import attention, attention_weights, scores, softmax
 from .cache import KVCache
 from .errors import InputError, InputTypeError
+from .explanation.trace import Trace, explain
 from .grad import attention_vjp
 from .merge import merge
-from .trace import Trace, explain
 from .varlen import attention_varlen
 
 try:

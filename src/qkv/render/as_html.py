@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from ..trace import Trace, fmt
+from ..explanation.trace import Trace, fmt
 from .blocks import Cell, Heading, Heatmap, Para, Table, build
 
 __all__ = ["heatmap_grid", "heatmap_svg", "render", "render_blocks"]

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InputError
-from ..trace import Trace
+from ..explanation.trace import Trace
 
 __all__ = ["MAX_NUMBERS", "SCHEMA", "decode", "render", "trace_dict"]
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ..trace import Trace, fmt
+from ..explanation.trace import Trace, fmt
 
 __all__ = [
     "Cell",

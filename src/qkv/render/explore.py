@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InputError
-from ..trace import Trace, explain, fmt
+from ..explanation.trace import Trace, explain, fmt
 from .as_html import _color
 
 __all__ = ["READINGS", "explore_page", "reading_traces"]

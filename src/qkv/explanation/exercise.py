@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import InputError
+from ..errors import InputError
 from .trace import Trace, explain
 
 __all__ = ["Exercise", "make_exercise"]
@@ -122,8 +122,8 @@ class Exercise:
         """The problem (and, with ``answers``, its worked solution) in ``format``."""
         import json
 
-        from .render import render_blocks
-        from .render.blocks import Heading, Para, build
+        from ..render import render_blocks
+        from ..render.blocks import Heading, Para, build
 
         if format == "json":
             return json.dumps(self.to_dict(answers=answers, exact=exact), indent=1) + "\n"

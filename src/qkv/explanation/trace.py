@@ -29,12 +29,12 @@ from typing import Any
 
 import numpy as np
 
-from .attention import attention
-from .errors import InputError, InputTypeError
-from .kernels import dense, mods
-from .masks import allowed, query_positions
-from .scale_expr import ScaleExpr, parse_scale
-from .validate import as_array, make_plan
+from ..attention import attention
+from ..errors import InputError, InputTypeError
+from ..kernels import dense, mods
+from ..masks import allowed, query_positions
+from ..validate import as_array, make_plan
+from .scale import ScaleExpr, parse_scale
 
 __all__ = ["MAX_CELLS", "MAX_WEIGHTED", "STAGES", "ScaleInfo", "Trace", "explain", "fmt"]
 
@@ -187,7 +187,7 @@ class Trace:
         :meth:`weighted_row` gives one query row's at any size).
     output : ndarray or None, ``(L, dv)``
         Exactly :func:`qkv.attention`'s output (as rows).
-    exact : qkv.exact.ExactSteps or None
+    exact : qkv.explanation.exact.ExactSteps or None
         The same steps in exact arithmetic (``exact=True``).
     steps : dict of str to ndarray
         The variants' steps between the scaled scores and the bias, in order, each ``(L, S)``:
@@ -334,7 +334,7 @@ class Trace:
     # ----- rendering (the renderers live in qkv.render; imported when used) -----
     def render(self, format: str = "text", **options: Any) -> str:
         """Render as ``"text"``, ``"markdown"``, ``"latex"``, ``"json"`` or ``"html"``."""
-        from .render import render
+        from ..render import render
 
         return render(self, format, **options)
 
@@ -355,7 +355,7 @@ class Trace:
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON document as Python objects (see ``docs/trace-schema.md``)."""
-        from .render.as_json import trace_dict
+        from ..render.as_json import trace_dict
 
         return trace_dict(self)
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-from .errors import InputError
+from ..errors import InputError
 
 __all__ = ["ScaleExpr", "parse_scale"]
 
