@@ -14,7 +14,10 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from . import reference
+from . import (
+    reference,
+    render,  # noqa: F401, I001  (registers the formats Trace.render finds)
+)
 from .attention import attention, attention_weights, scores, softmax
 from .cache import KVCache
 from .errors import InputError, InputTypeError

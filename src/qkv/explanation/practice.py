@@ -34,8 +34,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import InputError
+from .display import fmt
 from .exercise import Exercise
-from .trace import Trace, explain, fmt
+from .trace import Trace, explain
 
 __all__ = ["ATOL", "RTOL", "SLIPS", "Feedback", "Practice", "Step"]
 

@@ -11,7 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from ..explanation.trace import Trace, fmt
+from ..explanation.display import fmt
+from ..explanation.trace import Trace
 from .blocks import Cell, Heading, Heatmap, Para, Table, build
 
 __all__ = ["heatmap_grid", "heatmap_svg", "render", "render_blocks"]

@@ -29,7 +29,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import InputError
-from ..explanation.trace import Trace, explain, fmt
+from ..explanation.display import fmt
+from ..explanation.trace import Trace, explain
 from .as_html import _color
 
 __all__ = ["READINGS", "explore_page", "reading_traces"]
