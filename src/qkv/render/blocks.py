@@ -33,12 +33,18 @@ MAX_ROWS, MAX_KEYS, MAX_DIMS = 8, 10, 6
 
 @dataclass
 class Cell:
-    """A table cell: ``text`` (Unicode), optional ``latex`` (math-mode body) and a style."""
+    """A table cell: ``text`` (Unicode), optional ``latex`` (math-mode body) and a style.
+
+    ``attrs`` are HTML attributes (``data-*``, ``title``, ``id``; a ``class`` replaces the
+    classes of ``kind`` and ``style``) for pages that script their tables; other formats
+    ignore them. A ``"head"`` cell is a row's heading (``<th>`` in HTML).
+    """
 
     text: str
     latex: str | None = None
-    kind: str = "num"  # "num" (math), "text", "label", "gap"
+    kind: str = "num"  # "num" (math), "text", "label", "gap", "head"
     style: str = ""  # "", "masked", "total", "strong"
+    attrs: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -59,6 +65,7 @@ class Table:
     header: list[Cell]
     rows: list[list[Cell]]
     caption: str = ""
+    attrs: dict[str, str] = field(default_factory=dict)  # HTML attributes of the table
 
 
 @dataclass
