@@ -7,6 +7,6 @@
 - :mod:`~qkv.explanation.exercise`, :mod:`~qkv.explanation.practice` — problems to work by
   hand, and feedback on a learner's answers.
 
-Nothing here imports :mod:`qkv.render`: the renderers register themselves in
+Nothing here imports the render package: the renderers register themselves in
 :mod:`~qkv.explanation.formats`, and :meth:`Trace.render` looks them up there.
 """

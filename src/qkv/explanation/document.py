@@ -1,6 +1,6 @@
 """The trace as plain data: the JSON-ready dict of ``docs/trace-schema.md``.
 
-:meth:`qkv.Trace.to_dict` builds it here; the JSON renderer (:mod:`qkv.render.as_json`) only
+:meth:`qkv.Trace.to_dict` builds it here; the JSON renderer (in the render package) only
 serialises it. Non-finite numbers, which JSON cannot hold, are the strings ``"inf"``,
 ``"-inf"`` and ``"nan"``.
 

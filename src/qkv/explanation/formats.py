@@ -1,6 +1,6 @@
 """Where a trace (or an exercise) finds the renderer of a format, without importing one.
 
-The explanation side only produces data; :mod:`qkv.render` registers one function per format
+The explanation side only produces data; the render package registers one function per format
 here when it is imported (``import qkv`` does that), and :meth:`Trace.render` looks the
 function up by name. So the explanation never imports a renderer, and a new format is one
 :func:`register` call.

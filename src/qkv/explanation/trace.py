@@ -145,7 +145,7 @@ class Trace(Renderable):
     key_labels: tuple[str, ...] | None = None
     query_labels: tuple[str, ...] | None = None
 
-    # ----- shape helpers -----
+    # ----- shapes -----
     @property
     def L(self) -> int:
         return self.q.shape[0]
@@ -162,6 +162,11 @@ class Trace(Renderable):
     def dv(self) -> int:
         return 0 if self.v is None else self.v.shape[1]
 
+    def reaches(self, stage: str) -> bool:
+        """Whether the trace goes at least as far as ``stage``."""
+        return STAGES.index(self.stage) >= STAGES.index(stage)
+
+    # ----- the weighted values, built when read -----
     @property
     def weighted(self) -> np.ndarray | None:
         """``weights[i, j] · v[j]`` for every row and key, ``(L, S, dv)``; ``None`` before output.
@@ -185,6 +190,7 @@ class Trace(Renderable):
             raise InputError("weighted_row: the trace does not reach the output (no v)")
         return self.weights[i][:, None] * self.v
 
+    # ----- one query row and key, in words -----
     def key_label(self, j: int) -> str:
         """The name of key ``j``: its label, else ``"k{j}"``."""
         return f"k{j}" if self.key_labels is None else self.key_labels[j]
@@ -192,10 +198,6 @@ class Trace(Renderable):
     def query_label(self, i: int) -> str:
         """The name of query row ``i``: its label, else ``"q{i}"``."""
         return f"q{i}" if self.query_labels is None else self.query_labels[i]
-
-    def reaches(self, stage: str) -> bool:
-        """Whether the trace goes at least as far as ``stage``."""
-        return STAGES.index(self.stage) >= STAGES.index(stage)
 
     def dot_terms(self, i: int, j: int, max_terms: int = 5) -> str:
         """The dot product ``q_i · k_j`` written out: ``"2·1 + 1·0 = 2"``.
@@ -222,31 +224,13 @@ class Trace(Renderable):
     def reason_text(self, i: int, j: int) -> str:
         """Why key ``j`` is excluded for query row ``i``, in words (empty if it is not)."""
         p = int(self.positions[i])
-        out = []
-        for r in self.reasons(i, j):
-            if r == "causal":
-                out.append(f"causal: key {j} is after position {p}")
-            elif r == "window":
-                left, right = self.window
-                if left is not None and j < p - left:
-                    out.append(f"window: key {j} < {p} - {left}")
-                else:
-                    out.append(f"window: key {j} > {p} + {right}")
-            elif r == "mask":
-                out.append("mask is False")
-            elif r == "bias":
-                out.append("bias is -inf")
-            elif r == "mask_mod":
-                out.append("mask_mod is False")
-            else:
-                out.append(r)
-        return "; ".join(out)
+        return "; ".join(_rule_in_words(r, p, j, self.window) for r in self.reasons(i, j))
 
+    # ----- copies, data and rendering (render, to_text … come from Renderable) -----
     def replace(self, **changes: Any) -> Trace:
         """A copy with some fields changed (e.g. ``title``)."""
         return dataclasses.replace(self, **changes)
 
-    # ----- rendering: ``render``, ``to_text`` … come from Renderable (the format registry) -----
     def to_dict(self) -> dict[str, Any]:
         """The trace as plain Python objects (see ``docs/trace-schema.md``); JSON serialises it."""
         return trace_dict(self)
@@ -466,6 +450,19 @@ def _softmax_fields(plan: Plan, fields: dict[str, Any]) -> dict[str, Any]:
         lse=lse,
     )
     return out
+
+
+def _rule_in_words(rule: str, p: int, j: int, window: Any) -> str:
+    """One rule that excludes key ``j`` for the query at position ``p``, in words."""
+    if rule == "causal":
+        return f"causal: key {j} is after position {p}"
+    if rule == "window":
+        left, right = window
+        if left is not None and j < p - left:
+            return f"window: key {j} < {p} - {left}"
+        return f"window: key {j} > {p} + {right}"
+    fixed = {"mask": "mask is False", "bias": "bias is -inf", "mask_mod": "mask_mod is False"}
+    return fixed.get(rule, rule)
 
 
 def _labels(labels: Any, n: int, name: str, what: str) -> tuple[str, ...] | None:
