@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from qkv import InputError
 from qkv.cli import parse
-from qkv.scale_expr import parse_scale
+from qkv.explanation.scale import parse_scale
 
 small = st.integers(-50, 50)
 shapes = st.tuples(st.integers(1, 4), st.integers(1, 4))

@@ -16,12 +16,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-import qkv.trace as trace_module
+import qkv.explanation.trace as trace_module
 from qkv.cli import main
 from qkv.errors import InputError
-from qkv.render import as_json
-from qkv.scale_expr import MAX_EXACT_BITS, parse_scale
-from qkv.trace import explain, fmt
+from qkv.explanation import document
+from qkv.explanation.scale import MAX_EXACT_BITS, parse_scale
+from qkv.explanation.trace import explain, fmt
 
 QK = ["--q", "2,1", "--k", "1,0;3,2"]
 
@@ -239,7 +239,7 @@ def test_weighted_values_are_computed_only_when_read(monkeypatch):
 
 
 def test_json_of_a_too_large_trace_is_one_line(monkeypatch, capsys):
-    monkeypatch.setattr(as_json, "MAX_NUMBERS", 10)
+    monkeypatch.setattr(document, "MAX_NUMBERS", 10)
     rc, out, err = run(capsys, "explain", *SEED, "--format", "json")
     assert_one_line_error(rc, out, err, "json: the document would hold every number")
     assert "(8 + dv) = 20 for L = 1, S = 2, dv = 2" in err

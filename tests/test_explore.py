@@ -7,8 +7,8 @@ import re
 
 import qkv
 from qkv.cli import main
+from qkv.explanation.trace import fmt
 from qkv.render.explore import explore_page
-from qkv.trace import fmt
 
 
 def _data(page: str) -> dict:

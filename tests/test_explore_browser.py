@@ -22,8 +22,8 @@ import pytest
 
 import qkv
 from qkv.cli import main
+from qkv.explanation.trace import fmt
 from qkv.render.as_html import _color
-from qkv.trace import fmt
 
 CHROMIUM = next(
     (shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)),

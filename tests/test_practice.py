@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 from qkv import reference
 from qkv.cli import main
-from qkv.exercise import make_exercise
-from qkv.practice import SLIPS, Practice
+from qkv.explanation.exercise import make_exercise
+from qkv.explanation.practice import SLIPS, Practice
 
 
 def _softmax(s):

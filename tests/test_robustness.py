@@ -283,7 +283,7 @@ def test_plot_weights_shows_through_pyplot(tmp_path):
 def test_html_marks_masked_scores_and_heatmap_uses_table_digits():
     import re as _re
 
-    from qkv.trace import fmt
+    from qkv.explanation.trace import fmt
 
     t = qkv.explain(
         [[1, 0], [0, 1], [1, 1]], [[1, 0], [0, 1], [1, 1]], [[1, 0], [0, 1], [2, 2]], causal=True

@@ -12,21 +12,18 @@ Examples
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
-
-from . import reference
+from . import (
+    reference,
+    render,  # noqa: F401, I001  (registers the formats Trace.render finds)
+)
+from ._version import __version__
 from .cache import KVCache
 from .errors import InputError, InputTypeError
+from .explanation.trace import Trace, explain
 from .front import attention, attention_weights, scores, softmax
 from .grad import attention_vjp
 from .merge import merge
-from .trace import Trace, explain
 from .varlen import attention_varlen
-
-try:
-    __version__ = version("qkv")
-except PackageNotFoundError:  # running from a source tree without installing
-    __version__ = "0.0.0"
 
 __all__ = [
     "InputError",

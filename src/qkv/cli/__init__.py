@@ -51,7 +51,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``qkv`` argument parser, with one subparser per module in :data:`COMMANDS`."""
-    from .. import __version__
+    from .._version import __version__
 
     parser = _Parser(
         prog="qkv",

@@ -7,7 +7,7 @@ import re
 from typing import Any
 
 from ..errors import InputError
-from ..exercise import LIMIT, make_exercise
+from ..explanation.exercise import LIMIT, make_exercise
 from .options import add_format, emit, write_stdout
 
 NAME = "exercise"
@@ -98,7 +98,7 @@ def _practice(ex: Any, answers: bool | str) -> int:
     """Ask for each step, read one answer per line, say right or which slip, show the step."""
     import sys
 
-    from ..practice import Practice
+    from ..explanation.practice import Practice
 
     source = sys.stdin
     if isinstance(answers, str) and answers != "-":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..trace import explain
+from ..explanation.trace import explain
 from .options import add_format, add_inputs, emit, trace_kwargs
 
 NAME = "explain"

@@ -6,8 +6,8 @@ import argparse
 from typing import Any
 
 from ..errors import InputError
+from ..explanation.trace import explain
 from ..render.explore import explore_page
-from ..trace import explain
 from .options import add_inputs, emit, trace_kwargs
 
 NAME = "explore"

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InputError
+from ..explanation.scale import check_d_and_scale
 from ..render import FORMATS
 from . import parse
 
@@ -46,11 +47,7 @@ def trace_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """Arguments for :func:`qkv.explain` from the parsed options."""
     d = None if args.d is None else parse.d_value(args.d)
     scale = None if args.scale is None else parse.scale(args.scale)
-    if d is not None and scale is not None and not scale.uses_d:
-        raise InputError(
-            f"--d and --scale: give one of them (--scale {scale.text} does not use d; an "
-            "expression in d such as sqrt(d) uses --d)"
-        )
+    check_d_and_scale(d, scale, label="--d and --scale")
     kw: dict[str, Any] = dict(
         q=parse.matrix(args.q, "--q"),
         k=parse.matrix(args.k, "--k", min_ndim=2),

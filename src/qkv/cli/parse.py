@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InputError
-from ..scale_expr import ScaleExpr, parse_scale
+from ..explanation.scale import ScaleExpr, parse_scale
 
 __all__ = ["d_value", "matrix", "scale", "window"]
 

@@ -94,7 +94,7 @@ class Record:
 
     def explain(self, head: int, batch: int = 0, **options: Any) -> Any:
         """One head's :class:`qkv.Trace` (``options`` go to :func:`qkv.explain`, e.g. labels)."""
-        from ..trace import explain
+        from ..explanation.trace import explain
 
         h = self._slot(head)
         d = self.q.shape[-1]

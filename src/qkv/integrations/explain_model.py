@@ -161,7 +161,7 @@ class ModelExplanation:
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON document: the model, tokens, choice of head and the trace's document."""
-        from ..render.as_json import _arr
+        from ..explanation.document import json_array as _arr
 
         return {
             "schema": "qkv.model-head/1",

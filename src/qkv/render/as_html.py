@@ -11,10 +11,11 @@ from typing import Any
 
 import numpy as np
 
-from ..trace import Trace, fmt
+from ..explanation.display import fmt
+from ..explanation.trace import Trace
 from .blocks import Cell, Heading, Heatmap, Para, Table, build
 
-__all__ = ["heatmap_grid", "heatmap_svg", "render", "render_blocks"]
+__all__ = ["heatmap_grid", "heatmap_svg", "render", "render_blocks", "table_html"]
 
 CSS = """
 .qkv-trace { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; color: #1a1a1a;
@@ -131,14 +132,21 @@ def heatmap_grid(maps: list[Heatmap], caption: str = "") -> str:
     return f'<div class="qkv-grid" style="{style}">{figures}</div>{note}'
 
 
+def _attrs(attrs: dict[str, str]) -> str:
+    return "".join(f' {name}="{_e(value)}"' for name, value in attrs.items() if value != "")
+
+
 def _cell(c: Cell, tag: str = "td") -> str:
-    classes = [c.kind if c.kind != "text" else "txt"] + ([c.style] if c.style else [])
+    classes = " ".join([c.kind if c.kind != "text" else "txt"] + ([c.style] if c.style else []))
+    attrs = {"class": classes, **c.attrs}
     text = _e(c.text) if c.text else "&nbsp;"
-    return f'<{tag} class="{" ".join(classes)}">{text}</{tag}>'
+    tag = "th" if c.kind == "head" else tag
+    return f"<{tag}{_attrs(attrs)}>{text}</{tag}>"
 
 
-def _table(t: Table) -> str:
-    out = ["<table>"]
+def table_html(t: Table) -> str:
+    """A :class:`Table` block as an HTML ``<table>`` (the one table path of the HTML pages)."""
+    out = [f"<table{_attrs(t.attrs)}>"]
     if t.caption:
         out.append(f"<caption>{_e(t.caption)}</caption>")
     out.append("<thead><tr>" + "".join(_cell(c, "th") for c in t.header) + "</tr></thead><tbody>")
@@ -167,7 +175,7 @@ def _body(blocks: list[Any]) -> str:
             cls = f' class="{b.style}"' if b.style else ""
             out.append(f"<p{cls}>{_e(b.text)}</p>")
         elif isinstance(b, Table):
-            out.append(_table(b))
+            out.append(table_html(b))
             if isinstance(prev, Table) and not isinstance(nxt, Table):
                 out.append("</div>")
         elif isinstance(b, Heatmap):

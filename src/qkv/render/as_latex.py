@@ -11,7 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from ..trace import Trace, fmt
+from ..explanation.display import fmt
+from ..explanation.trace import Trace
 from .blocks import Cell, Heading, Heatmap, Para, Table, build, pick
 
 __all__ = ["escape", "math", "math_display", "render", "render_blocks"]

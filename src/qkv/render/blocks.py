@@ -7,12 +7,15 @@ inputs are summarised here, once: the first and last rows and keys, with counts 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from ..trace import Trace, fmt
+from ..errors import InputError
+from ..explanation.display import fmt
+from ..explanation.trace import SECTIONS, Trace
 
 __all__ = [
     "Cell",
@@ -30,12 +33,18 @@ MAX_ROWS, MAX_KEYS, MAX_DIMS = 8, 10, 6
 
 @dataclass
 class Cell:
-    """A table cell: ``text`` (Unicode), optional ``latex`` (math-mode body) and a style."""
+    """A table cell: ``text`` (Unicode), optional ``latex`` (math-mode body) and a style.
+
+    ``attrs`` are HTML attributes (``data-*``, ``title``, ``id``; a ``class`` replaces the
+    classes of ``kind`` and ``style``) for pages that script their tables; other formats
+    ignore them. A ``"head"`` cell is a row's heading (``<th>`` in HTML).
+    """
 
     text: str
     latex: str | None = None
-    kind: str = "num"  # "num" (math), "text", "label", "gap"
+    kind: str = "num"  # "num" (math), "text", "label", "gap", "head"
     style: str = ""  # "", "masked", "total", "strong"
+    attrs: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -56,6 +65,7 @@ class Table:
     header: list[Cell]
     rows: list[list[Cell]]
     caption: str = ""
+    attrs: dict[str, str] = field(default_factory=dict)  # HTML attributes of the table
 
 
 @dataclass
@@ -102,6 +112,7 @@ def gap_text(n_hidden: int, what: str) -> str:
 
 
 def _num(x: Any, style: str = "") -> Cell:
+    """A table cell holding a number, written by the one formatter (:func:`fmt`)."""
     return Cell(fmt(x), style=style)
 
 
@@ -410,34 +421,52 @@ def build(
     heatmap: bool = True,
     title: str | None = None,
     rows: list[int] | None = None,
+    skip: Collection[str] = (),
 ) -> list[Any]:
     """The blocks that every document renderer draws, in order.
 
     ``rows`` picks the query rows explained step by step (default: the first and last few).
+    ``skip`` leaves out sections by key (:data:`~qkv.explanation.trace.SECTIONS`).
     """
-    blocks: list[Any] = [
-        Heading(1, title or t.title or "Scaled dot-product attention, step by step")
-    ]
-    blocks += _overview(t)
-    blocks += _inputs(t, max_rows, max_dims)
-    blocks += _scale(t)
-    if not t.reaches("scores"):
-        return blocks
-    keys = pick(t.S, max_keys)
-    rows = pick(t.L, max_rows) if rows is None else [int(i) for i in rows]
-    if t.reaches("weights") and heatmap:
-        blocks.append(
-            Heatmap(
-                t.weights,
-                t.excluded,
-                pick(t.L, 48),
-                pick(t.S, 48),
-                counts={"L": t.L, "S": t.S},
-                row_names=None if t.query_labels is None else list(t.query_labels),
-                col_names=None if t.key_labels is None else list(t.key_labels),
-            )
+    unknown = sorted(set(skip) - set(SECTIONS))
+    if unknown:
+        raise InputError(f"skip: unknown sections {unknown}; known: {', '.join(SECTIONS)}")
+
+    def steps() -> list[Any]:
+        shown = pick(t.L, max_rows) if rows is None else [int(i) for i in rows]
+        return _steps(t, shown, pick(t.S, max_keys))
+
+    sections: dict[str, Callable[[], list[Any]]] = {
+        "title": lambda: [
+            Heading(1, title or t.title or "Scaled dot-product attention, step by step")
+        ],
+        "overview": lambda: _overview(t),
+        "inputs": lambda: _inputs(t, max_rows, max_dims),
+        "scale": lambda: _scale(t),
+        "heatmap": lambda: _heatmap(t) if heatmap and t.reaches("weights") else [],
+        "steps": steps,
+        "results": lambda: _results(t, max_rows, max_keys, max_dims),
+    }
+    shown = SECTIONS if t.reaches("scores") else SECTIONS[: SECTIONS.index("scale") + 1]
+    return [b for key in shown if key not in skip for b in sections[key]()]
+
+
+def _heatmap(t: Trace) -> list[Any]:
+    return [
+        Heatmap(
+            t.weights,
+            t.excluded,
+            pick(t.L, 48),
+            pick(t.S, 48),
+            counts={"L": t.L, "S": t.S},
+            row_names=None if t.query_labels is None else list(t.query_labels),
+            col_names=None if t.key_labels is None else list(t.key_labels),
         )
-    blocks.append(Heading(2, "Step by step, one query row at a time"))
+    ]
+
+
+def _steps(t: Trace, rows: list[int | None], keys: list[int | None]) -> list[Any]:
+    blocks: list[Any] = [Heading(2, "Step by step, one query row at a time")]
     for i in rows:
         if i is None:
             blocks.append(
@@ -450,7 +479,11 @@ def build(
             name += f" ({t.query_labels[i]})"
         blocks.append(Para(name + " = " + _vec_text(t.q[i])))
         blocks += _row_steps(t, i, keys)
-    blocks.append(Heading(2, "Results"))
+    return blocks
+
+
+def _results(t: Trace, max_rows: int, max_keys: int, max_dims: int) -> list[Any]:
+    blocks: list[Any] = [Heading(2, "Results")]
     names = dict(
         row_names=None if t.query_labels is None else list(t.query_labels),
         col_names=None if t.key_labels is None else list(t.key_labels),

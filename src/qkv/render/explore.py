@@ -29,8 +29,10 @@ from typing import Any
 import numpy as np
 
 from ..errors import InputError
-from ..trace import Trace, explain, fmt
-from .as_html import _color
+from ..explanation.display import fmt
+from ..explanation.trace import Trace, explain
+from .as_html import _color, table_html
+from .blocks import Cell, Table
 
 __all__ = ["READINGS", "explore_page", "reading_traces"]
 
@@ -136,8 +138,8 @@ th { background: #f0f3f6; }
 td.num { text-align: right; font-family: ui-monospace, "DejaVu Sans Mono", monospace; }
 td.terms { font-family: ui-monospace, "DejaVu Sans Mono", monospace; font-size: 0.85em; }
 table.heat td.w { width: 52px; height: 30px; text-align: center; font-size: 0.75em; padding: 0; }
-.excluded { color: #888; background: #f0f0f0; }
-tr.excluded td.key { text-decoration: line-through; }
+tr.masked { color: #888; background: #f0f0f0; }
+tr.masked td.key { text-decoration: line-through; }
 .hl { outline: 3px solid #e6550d; outline-offset: -3px; }
 .hl:not(.w) { background: #fee6ce; }
 .explained { font-weight: 700; }
@@ -250,7 +252,6 @@ def explore_page(
         "row": i,
         "readings": {k: _reading_data(t, i) for k, t in traces.items()},
     }
-    excluded = ref.excluded
     title = title or "Explore the scale: divide by √d, multiply by √d, or none"
     qn = ref.query_label(i)
     out = [f"<h1>{_e(title)}</h1>"]
@@ -266,66 +267,17 @@ def explore_page(
     out.append("</div>")
     out.append(f'<p class="formula" id="describe">{_e(ref.scale.describe())}</p>')
     out.append(f'<p class="note" id="note">{_e(ref.scale.note or "")}</p>')
-    if excluded.any():
+    if ref.excluded.any():
         rules = sorted({r for a in range(L) for b in range(S) for r in ref.reasons(a, b)})
         out.append(
             f"<p>Excluded pairs ({_e(', '.join(rules))}) are grey and marked × everywhere: "
             "they get weight 0 under every reading.</p>"
         )
 
-    # the heatmap of every row
     out.append("<h2>Weights of every query (rows) over every key (columns)</h2>")
-    out.append('<table class="heat"><thead><tr><th></th>')
-    out += [f"<th>{_e(ref.key_label(j))}</th>" for j in range(S)]
-    out.append("</tr></thead><tbody>")
-    for a in range(L):
-        cls = ' class="explained"' if a == i else ""
-        out.append(f"<tr><th{cls}>{_e(ref.query_label(a))}</th>")
-        for b in range(S):
-            x = "1" if excluded[a, b] else "0"
-            why = ref.reason_text(a, b)
-            tip = f"{ref.query_label(a)} → {ref.key_label(b)}" + (
-                f": excluded ({why})" if x == "1" else ""
-            )
-            hover = f' data-hover="{b}"' if a == i else ""
-            key = f' data-key="{b}"' if a == i else ""
-            out.append(
-                f'<td class="w" title="{_e(tip)}" data-field="short" data-i="{a}" '
-                f'data-j="{b}" data-excluded="{x}"{hover}{key} '
-                f'style="background:{data["readings"][initial]["colors"][a][b]}">'
-                f"{'×' if x == '1' else _e(fmt(round(float(ref.weights[a, b]), 3)))}</td>"
-            )
-        out.append("</tr>")
-    out.append("</tbody></table>")
-
-    # one query, key by key
+    out.append(table_html(_heat_table(ref, i, data["readings"][initial]["colors"])))
     out.append(f"<h2>Query {_e(qn)}, key by key</h2>")
-    out.append(
-        '<table class="steps"><thead><tr><th>key</th><th>q·k (terms)</th><th>raw</th>'
-        '<th id="scaled-head"></th><th>excluded?</th><th>s − max</th><th>exp</th>'
-        "<th>weight</th>"
-        + ("<th>weight · v (share of the output)</th>" if ref.v is not None else "")
-        + "</tr></thead><tbody>"
-    )
-    for j in range(S):
-        x = bool(excluded[i, j])
-        cls = ' class="excluded"' if x else ""
-        reason = ("yes — " + ref.reason_text(i, j)) if x else "no"
-        cells = [
-            f'<td class="key" data-key="{j}">{_e(ref.key_label(j))}</td>',
-            f'<td class="terms" data-key="{j}">{_e(ref.dot_terms(i, j))}</td>',
-            f'<td class="num">{_e(fmt(ref.raw[i, j]))}</td>',
-            f'<td class="num" data-field="scaled" data-i="{i}" data-j="{j}"></td>',
-            f"<td>{_e(reason)}</td>",
-            f'<td class="num" data-field="shifted" data-i="{i}" data-j="{j}"></td>',
-            f'<td class="num" data-field="exps" data-i="{i}" data-j="{j}"></td>',
-            f'<td class="num weight" data-field="weights" data-i="{i}" data-j="{j}" '
-            f'data-excluded="{int(x)}" data-hover="{j}"></td>',
-        ]
-        if ref.v is not None:
-            cells.append(f'<td class="num" data-field="share" data-i="{j}" data-key="{j}"></td>')
-        out.append(f"<tr{cls}>" + "".join(cells) + "</tr>")
-    out.append("</tbody></table>")
+    out.append(table_html(_steps_table(ref, i)))
     out.append(
         '<p class="formula">row max = <span data-field="rowMax"></span>; Σ exp = '
         '<span data-field="sum"></span>; weight = exp / Σ'
@@ -337,19 +289,9 @@ def explore_page(
         + "</p>"
     )
 
-    # the inputs
     out.append("<h2>Inputs</h2>")
     out.append(f'<p class="formula">{_e(qn)}: q = {_e(_vec(ref.q[i]))}</p>')
-    out.append("<table><thead><tr><th>key</th><th>k</th>")
-    out.append("<th>v</th>" if ref.v is not None else "")
-    out.append("</tr></thead><tbody>")
-    for j in range(S):
-        vcell = f"<td>{_e(_vec(ref.v[j]))}</td>" if ref.v is not None else ""
-        out.append(
-            f'<tr><td class="key" data-key="{j}">{_e(ref.key_label(j))}</td>'
-            f"<td>{_e(_vec(ref.k[j]))}</td>{vcell}</tr>"
-        )
-    out.append("</tbody></table>")
+    out.append(table_html(_inputs_table(ref)))
     for heading, body in extra_sections:
         out.append(f"<h2>{_e(heading)}</h2>{body}")
 
@@ -364,3 +306,76 @@ def explore_page(
         + f'\n<script type="application/json" id="qkv-data">{blob}</script>\n'
         f"<script>{SCRIPT}</script>\n</body>\n</html>\n"
     )
+
+
+# ----- the page's tables, as Table blocks (drawn by as_html.table_html) -----
+
+
+def _heat_table(t: Trace, row: int, colors: list[list[str]]) -> Table:
+    """Every weight (rounded) in a coloured cell; the explained row's cells lead the hover."""
+    header = [Cell("", kind="label")] + [Cell(t.key_label(j), kind="label") for j in range(t.S)]
+    rows = []
+    for a in range(t.L):
+        cells = [Cell(t.query_label(a), kind="head", attrs={"class": "explained" * (a == row)})]
+        for b in range(t.S):
+            out = bool(t.excluded[a, b])
+            tip = f"{t.query_label(a)} → {t.key_label(b)}"
+            if out:
+                tip += f": excluded ({t.reason_text(a, b)})"
+            attrs = {"class": "w", "title": tip, "data-field": "short", "data-i": str(a)}
+            attrs.update({"data-j": str(b), "data-excluded": str(int(out))})
+            if a == row:
+                attrs.update({"data-hover": str(b), "data-key": str(b)})
+            attrs["style"] = f"background:{colors[a][b]}"
+            text = "×" if out else fmt(round(float(t.weights[a, b]), 3))
+            cells.append(Cell(text, attrs=attrs))
+        rows.append(cells)
+    return Table(header, rows, attrs={"class": "heat"})
+
+
+def _steps_table(t: Trace, i: int) -> Table:
+    """Query row ``i`` key by key; the page's script fills the cells of the chosen reading."""
+    names = ["key", "q·k (terms)", "raw", "", "excluded?", "s − max", "exp", "weight"]
+    if t.v is not None:
+        names.append("weight · v (share of the output)")
+    header = [Cell(name, kind="label") for name in names]
+    header[3].attrs["id"] = "scaled-head"
+
+    def filled(field: str, j: int, **more: str) -> Cell:
+        return Cell("", attrs={"data-field": field, "data-i": str(i), "data-j": str(j), **more})
+
+    rows = []
+    for j in range(t.S):
+        out = bool(t.excluded[i, j])
+        key = {"data-key": str(j)}
+        reason = ("yes — " + t.reason_text(i, j)) if out else "no"
+        row = [
+            Cell(t.key_label(j), kind="text", style="masked" * out, attrs={"class": "key", **key}),
+            Cell(t.dot_terms(i, j), kind="text", attrs={"class": "terms", **key}),
+            Cell(fmt(t.raw[i, j])),
+            filled("scaled", j),
+            Cell(reason, kind="text", attrs={"class": ""}),
+            filled("shifted", j),
+            filled("exps", j),
+            filled("weights", j, **{"class": "num weight"}, **{"data-excluded": str(int(out))}),
+        ]
+        row[-1].attrs["data-hover"] = str(j)
+        if t.v is not None:
+            row.append(Cell("", attrs={"data-field": "share", "data-i": str(j), **key}))
+        rows.append(row)
+    return Table(header, rows, attrs={"class": "steps"})
+
+
+def _inputs_table(t: Trace) -> Table:
+    """Each key's k (and v) vector."""
+    header = [Cell("key", kind="label"), Cell("k", kind="label")]
+    if t.v is not None:
+        header.append(Cell("v", kind="label"))
+    rows = []
+    for j in range(t.S):
+        row = [Cell(t.key_label(j), kind="text", attrs={"class": "key", "data-key": str(j)})]
+        row.append(Cell(_vec(t.k[j]), kind="text", attrs={"class": ""}))
+        if t.v is not None:
+            row.append(Cell(_vec(t.v[j]), kind="text", attrs={"class": ""}))
+        rows.append(row)
+    return Table(header, rows)

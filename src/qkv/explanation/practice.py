@@ -1,10 +1,10 @@
 """Practice with feedback: check a learner's answer for each step and name the likely slip.
 
-A :class:`Practice` takes an :class:`qkv.exercise.Exercise` and asks for its steps in turn —
-raw scores, scaled scores, the exponentials ``exp(s − max)``, the weights and the output. Each
-answer is compared with the library's value (:func:`qkv.explain`) within a tolerance; a wrong
-one is compared with what each common slip gives, computed by the same library on the same
-inputs:
+A :class:`Practice` takes an :class:`qkv.explanation.exercise.Exercise` and asks for its
+steps in turn — raw scores, scaled scores, the exponentials ``exp(s − max)``, the weights and
+the output. Each answer is compared with the library's value (:func:`qkv.explain`) within a
+tolerance; a wrong one is compared with what each common slip gives, computed by the same
+library on the same inputs:
 
 - *forgot to scale* — the scale left out (``scale = 1``);
 - *multiplied by √d* — the card's literal formula (``scale = √d``);
@@ -15,7 +15,7 @@ inputs:
 
 Examples
 --------
->>> from qkv.exercise import make_exercise
+>>> from qkv.explanation.exercise import make_exercise
 >>> p = Practice(make_exercise(seed=7))
 >>> [s.key for s in p.steps]
 ['raw', 'scaled', 'exps', 'weights', 'output']
@@ -33,9 +33,10 @@ from typing import Any
 
 import numpy as np
 
-from .errors import InputError
+from ..errors import InputError
+from .display import fmt
 from .exercise import Exercise
-from .trace import Trace, explain, fmt
+from .trace import Trace, explain
 
 __all__ = ["ATOL", "RTOL", "SLIPS", "Feedback", "Practice", "Step"]
 

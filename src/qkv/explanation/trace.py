@@ -22,24 +22,40 @@ A worked example, with ``d = 4`` given (it is not ``len(q)``):
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from .core import attention
-from .errors import InputError, InputTypeError
-from .kernels import dense, mods
-from .masks import allowed, exclusion_reasons, query_positions
-from .scale_expr import ScaleExpr, parse_scale
-from .validate import as_array, make_plan
+from ..core import attention
+from ..errors import InputError, InputTypeError
+from ..kernels import dense, mods
+from ..masks import allowed, exclusion_reasons, query_positions
+from ..validate import Plan, as_array, make_plan
+from .display import fmt
+from .document import trace_dict
+from .formats import Renderable
+from .scale import ScaleInfo, resolve_scale
 
-__all__ = ["MAX_CELLS", "MAX_WEIGHTED", "STAGES", "ScaleInfo", "Trace", "explain", "fmt"]
+__all__ = [
+    "MAX_CELLS",
+    "MAX_WEIGHTED",
+    "SECTIONS",
+    "STAGES",
+    "ScaleInfo",
+    "Trace",
+    "explain",
+    "fmt",
+]
 
 #: How far a trace goes, in order: inputs only, pre-softmax scores, weights, output.
 STAGES = ("inputs", "scores", "weights", "output")
+
+#: The sections of a rendered trace, in order, by stable key: the title, an overview of the
+#: formula and the rules, the inputs, the scale, the weights at a glance (a heatmap), each
+#: query row step by step, and the result matrices. Renderers and exercises choose sections by
+#: these keys, never by their (English) headings.
+SECTIONS = ("title", "overview", "inputs", "scale", "heatmap", "steps", "results")
 
 #: The most query-key pairs ``L·S`` a trace holds: it keeps about eight ``(L, S)`` arrays of
 #: every step (1 GiB at this size in float64); compute larger attention with qkv.attention.
@@ -50,109 +66,8 @@ MAX_CELLS = 1 << 24
 MAX_WEIGHTED = 1 << 24
 
 
-def fmt(x: Any) -> str:
-    """A number for people: integers plainly, otherwise at least 4 significant digits.
-
-    Examples
-    --------
-    >>> [fmt(x) for x in (2.0, 0.04742587, 0.9525741, 2.905148, 1e-7, -np.inf)]
-    ['2', '0.04743', '0.95257', '2.90515', '1e-07', '-inf']
-    """
-    x = float(x)
-    if math.isnan(x):
-        return "nan"
-    if math.isinf(x):
-        return "inf" if x > 0 else "-inf"
-    if x == 0:
-        return "0"
-    if x.is_integer() and abs(x) < 1e15:
-        return str(int(x))
-    ax = abs(x)
-    if 1e-2 <= ax < 1e5:
-        s = f"{x:.5f}".rstrip("0").rstrip(".")
-    else:
-        s = f"{x:.5g}"
-    return s
-
-
-@dataclass(frozen=True)
-class ScaleInfo:
-    """The scale and how it was chosen.
-
-    Attributes
-    ----------
-    value : float
-        The multiplier of the dot products.
-    expr : ScaleExpr
-        The formula (``1/sqrt(d)`` by default, or a number as given).
-    d : int or None
-        The ``d`` the formula was evaluated at (``None`` when it does not use ``d``).
-    d_given : bool
-        Whether ``d`` was given by the caller rather than taken from ``q.shape[-1]``.
-    q_dim : int
-        ``q.shape[-1]``, to point out when the given ``d`` differs from it.
-    """
-
-    value: float
-    expr: ScaleExpr
-    d: int | None
-    d_given: bool
-    q_dim: int
-
-    @property
-    def exact_text(self) -> str | None:
-        """The exact value as a fraction (``"1/2"``), or ``None`` when it is irrational."""
-        x = self.expr.exact(self.d if self.d is not None else 1)
-        return None if x is None else str(x)
-
-    @property
-    def formula(self) -> str:
-        return self.expr.formula()
-
-    @property
-    def substituted(self) -> str:
-        return self.expr.formula(self.d) if self.expr.uses_d else self.expr.formula()
-
-    @property
-    def note(self) -> str | None:
-        """A warning when the formula multiplies by a growing factor (such as ``√d``)."""
-        if self.expr.uses_d and self.d is not None and self.d > 1 and self.value > 1:
-            return (
-                f"this multiplies the scores by {self.substituted} = {fmt(self.value)}: "
-                "multiplying by √d instead of dividing is a common slip; standard attention "
-                "divides by √d (scale 1/√d)"
-            )
-        return None
-
-    def describe(self) -> str:
-        """One line: the formula, where ``d`` came from, and the value."""
-        exact = self.exact_text
-        if not self.expr.uses_d:
-            text = f"scale = {self.formula} (given)"
-            if exact is not None and "/" in exact and len(exact) < len(self.formula):
-                text += f" = {exact}"
-            elif exact is None:  # irrational, or too long to write exactly: its float value
-                text += f" ≈ {fmt(self.value)}"
-            return text
-        src = "given" if self.d_given else "len(q)"
-        if self.d_given:
-            src += f"; len(q) = {self.q_dim}"
-        text = f"{self.formula} with d = {self.d} ({src}): {self.substituted}"
-        if exact is None:
-            return text + f" ≈ {fmt(self.value)}"
-        if exact != self.substituted:
-            text += f" = {exact}"
-        if "/" in exact:
-            text += (
-                f" = {fmt(self.value)}"
-                if float(fmt(self.value)) == self.value
-                else (f" ≈ {fmt(self.value)}")
-            )
-        return text
-
-
 @dataclass(frozen=True, eq=False)
-class Trace:
+class Trace(Renderable):
     """Every intermediate number of one attention computation; see :func:`explain`.
 
     Arrays are 2-D: ``L`` query rows, ``S`` keys (a 1-D ``q`` is one row; ``squeeze`` says
@@ -187,7 +102,7 @@ class Trace:
         :meth:`weighted_row` gives one query row's at any size).
     output : ndarray or None, ``(L, dv)``
         Exactly :func:`qkv.attention`'s output (as rows).
-    exact : qkv.exact.ExactSteps or None
+    exact : qkv.explanation.exact.ExactSteps or None
         The same steps in exact arithmetic (``exact=True``).
     steps : dict of str to ndarray
         The variants' steps between the scaled scores and the bias, in order, each ``(L, S)``:
@@ -230,7 +145,7 @@ class Trace:
     key_labels: tuple[str, ...] | None = None
     query_labels: tuple[str, ...] | None = None
 
-    # ----- shape helpers -----
+    # ----- shapes -----
     @property
     def L(self) -> int:
         return self.q.shape[0]
@@ -247,6 +162,11 @@ class Trace:
     def dv(self) -> int:
         return 0 if self.v is None else self.v.shape[1]
 
+    def reaches(self, stage: str) -> bool:
+        """Whether the trace goes at least as far as ``stage``."""
+        return STAGES.index(self.stage) >= STAGES.index(stage)
+
+    # ----- the weighted values, built when read -----
     @property
     def weighted(self) -> np.ndarray | None:
         """``weights[i, j] · v[j]`` for every row and key, ``(L, S, dv)``; ``None`` before output.
@@ -270,6 +190,7 @@ class Trace:
             raise InputError("weighted_row: the trace does not reach the output (no v)")
         return self.weights[i][:, None] * self.v
 
+    # ----- one query row and key, in words -----
     def key_label(self, j: int) -> str:
         """The name of key ``j``: its label, else ``"k{j}"``."""
         return f"k{j}" if self.key_labels is None else self.key_labels[j]
@@ -277,10 +198,6 @@ class Trace:
     def query_label(self, i: int) -> str:
         """The name of query row ``i``: its label, else ``"q{i}"``."""
         return f"q{i}" if self.query_labels is None else self.query_labels[i]
-
-    def reaches(self, stage: str) -> bool:
-        """Whether the trace goes at least as far as ``stage``."""
-        return STAGES.index(self.stage) >= STAGES.index(stage)
 
     def dot_terms(self, i: int, j: int, max_terms: int = 5) -> str:
         """The dot product ``q_i · k_j`` written out: ``"2·1 + 1·0 = 2"``.
@@ -306,111 +223,23 @@ class Trace:
 
     def reason_text(self, i: int, j: int) -> str:
         """Why key ``j`` is excluded for query row ``i``, in words (empty if it is not)."""
-        reasons = self.reasons(i, j)
-        # causal and window, worded by the module that owns the rule
-        out = exclusion_reasons(
-            int(self.positions[i]),
-            j,
-            "causal" in reasons,
-            self.window if "window" in reasons else None,
-        )
-        words = {"mask": "mask is False", "bias": "bias is -inf", "mask_mod": "mask_mod is False"}
-        out += [words.get(r, r) for r in reasons if r not in ("causal", "window")]
-        return "; ".join(out)
+        p = int(self.positions[i])
+        return "; ".join(_rule_in_words(r, p, j, self.window) for r in self.reasons(i, j))
 
+    # ----- copies, data and rendering (render, to_text … come from Renderable) -----
     def replace(self, **changes: Any) -> Trace:
         """A copy with some fields changed (e.g. ``title``)."""
         return dataclasses.replace(self, **changes)
 
-    # ----- rendering (the renderers live in qkv.render; imported when used) -----
-    def render(self, format: str = "text", **options: Any) -> str:
-        """Render as ``"text"``, ``"markdown"``, ``"latex"``, ``"json"`` or ``"html"``."""
-        from .render import render
-
-        return render(self, format, **options)
-
-    def to_text(self, **options: Any) -> str:
-        return self.render("text", **options)
-
-    def to_markdown(self, **options: Any) -> str:
-        return self.render("markdown", **options)
-
-    def to_latex(self, **options: Any) -> str:
-        return self.render("latex", **options)
-
-    def to_json(self, **options: Any) -> str:
-        return self.render("json", **options)
-
-    def to_html(self, **options: Any) -> str:
-        return self.render("html", **options)
-
     def to_dict(self) -> dict[str, Any]:
-        """The JSON document as Python objects (see ``docs/trace-schema.md``)."""
-        from .render.as_json import trace_dict
-
+        """The trace as plain Python objects (see ``docs/trace-schema.md``); JSON serialises it."""
         return trace_dict(self)
-
-    def __str__(self) -> str:
-        return self.to_text()
 
     def __repr__(self) -> str:
         return (
             f"<qkv.Trace stage={self.stage!r} L={self.L} S={self.S} d={self.d} dv={self.dv} "
             f"scale={fmt(self.scale.value)}{' exact' if self.exact is not None else ''}>"
         )
-
-    def _repr_html_(self) -> str:
-        return self.render("html", fragment=True)
-
-    def _repr_markdown_(self) -> str:
-        return self.render("markdown")
-
-    def _repr_latex_(self) -> str:
-        return self.render("latex", standalone=False, math_only=True)
-
-
-#: The largest ``d`` accepted: every integer up to it is exact in float64.
-MAX_D = 2**53
-
-
-def _check_d(d: Any) -> int:
-    if isinstance(d, bool) or not isinstance(d, numbers.Real):
-        raise InputTypeError(f"d: expected a positive integer, got {d!r}")
-    try:
-        f = float(d)
-    except OverflowError:  # an integer (or fraction) beyond the float range: never repr it
-        raise InputError("d: expected a positive integer up to 2**53, got one > 1e308") from None
-    if not (math.isfinite(f) and f.is_integer() and d >= 1):
-        raise InputError(f"d: expected a positive integer up to 2**53, got {d!r}")
-    if f > MAX_D:
-        raise InputError(f"d: expected a positive integer up to 2**53, got {f:.4g}")
-    return int(d)
-
-
-def _resolve_scale(scale: Any, d: Any, q_dim: int) -> ScaleInfo:
-    if d is not None:
-        d = _check_d(d)
-    if scale is None:
-        expr = parse_scale("1/sqrt(d)")
-    elif isinstance(scale, (str, ScaleExpr)):
-        expr = parse_scale(scale)
-    else:
-        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-            raise InputTypeError(
-                f"scale: expected a number or an expression in d, got {type(scale).__name__}"
-            )
-        f = float(scale)
-        if not math.isfinite(f) or f <= 0:
-            raise InputError(f"scale: must be finite and > 0, got {f}")
-        expr = parse_scale(fmt(f) if float(fmt(f)) == f else repr(f))
-    if d is not None and not expr.uses_d:
-        raise InputError(
-            f"d, scale: give one of them: d = {d} sets the scale to 1/√{d}, and "
-            f"scale = {expr.text} does not use d"
-        )
-    used_d = (d if d is not None else q_dim) if expr.uses_d else None
-    value = expr.value(used_d if used_d is not None else 1)
-    return ScaleInfo(value=value, expr=expr, d=used_d, d_given=d is not None, q_dim=q_dim)
 
 
 def explain(
@@ -488,28 +317,49 @@ def explain(
     >>> qkv.explain([2, 1], [[1, 0], [3, 2]], d=4, key_labels=["cat", "sat"]).key_label(1)
     'sat'
     """
+    stage = _stage(stop_at, v)
+    if title is not None and not isinstance(title, str):
+        raise InputTypeError(f"title: expected a string, got {type(title).__name__}")
+    qa = as_array(q, "q")
+    info = resolve_scale(scale, d, qa.shape[-1] if qa.ndim >= 1 else 0)
+    masks = dict(causal=causal, mask=mask, window=window, **variants)
+    plan = make_plan(q, k, v, scale=info.value, need_v=v is not None, **masks)
+    _check_explainable(plan, exact, variants, qa, k, v)
+
+    fields = _input_fields(plan, info, stage, title, key_labels, query_labels)
+    if stage != "inputs":
+        fields.update(_score_fields(plan, info))
+    if stage in ("weights", "output"):
+        fields.update(_softmax_fields(plan, fields))
+    if stage == "output":
+        with np.errstate(over="ignore"):  # shifts past the float range are -inf: weight 0
+            out = attention(q, k, v, scale=info.value, **masks)
+        fields["output"] = np.asarray(out).reshape(plan.L, plan.dv)
+    trace = Trace(**fields)
+    if exact:
+        from .exact import exact_steps  # SymPy: imported only when asked for
+
+        trace = trace.replace(exact=exact_steps(trace, q, k, v))
+    return trace
+
+
+# ----- the steps of explain, in order -----
+
+
+def _stage(stop_at: str | None, v: Any) -> str:
+    """How far the trace goes: ``stop_at``, else the output (with ``v``) or the weights."""
     if stop_at is not None and stop_at not in STAGES:
         raise InputError(f"stop_at: expected one of {', '.join(STAGES)}, got {stop_at!r}")
     stage = stop_at or ("output" if v is not None else "weights")
     if stage == "output" and v is None:
         raise InputError("v: required to explain the output (or stop_at='weights')")
-    if title is not None and not isinstance(title, str):
-        raise InputTypeError(f"title: expected a string, got {type(title).__name__}")
-    qa = as_array(q, "q")
-    q_dim = qa.shape[-1] if qa.ndim >= 1 else 0
-    info = _resolve_scale(scale, d, q_dim)
-    need_v = v is not None
-    plan = make_plan(
-        q,
-        k,
-        v if need_v else None,
-        scale=info.value,
-        causal=causal,
-        mask=mask,
-        window=window,
-        need_v=need_v,
-        **variants,
-    )
+    return stage
+
+
+def _check_explainable(
+    plan: Plan, exact: bool, variants: dict[str, Any], qa: np.ndarray, k: Any, v: Any
+) -> None:
+    """A trace is of one sequence and one head, small enough to keep every step."""
     if exact and (plan.modded or plan.sinks is not None):
         raise InputError(f"exact: not available with {', '.join(sorted(variants))}")
     if plan.batch != ():
@@ -526,7 +376,19 @@ def explain(
             f"{L * S} is more than {MAX_CELLS}; explain fewer rows or keys (slice q and k), "
             "or compute with qkv.attention"
         )
-    base = dict(
+
+
+def _input_fields(
+    plan: Plan,
+    info: ScaleInfo,
+    stage: str,
+    title: str | None,
+    key_labels: Any,
+    query_labels: Any,
+) -> dict[str, Any]:
+    """The inputs as the kernels see them (2-D, compute dtype), the masks and the labels."""
+    L, S = plan.L, plan.S
+    return dict(
         q=plan.q,
         k=plan.k,
         v=plan.v,
@@ -539,62 +401,64 @@ def explain(
         stage=stage,
         squeeze=plan.squeeze,
         title=title,
-        key_labels=_labels(key_labels, plan.S, "key_labels", "keys"),
-        query_labels=_labels(query_labels, plan.L, "query_labels", "query rows"),
+        key_labels=_labels(key_labels, S, "key_labels", "keys"),
+        query_labels=_labels(query_labels, L, "query_labels", "query rows"),
     )
-    if stage == "inputs":
-        return Trace(**base)
 
+
+def _score_fields(plan: Plan, info: ScaleInfo) -> dict[str, Any]:
+    """The raw and scaled dot products (the dense kernel's) and the variants' steps."""
     with np.errstate(over="ignore", invalid="ignore"):
         raw = dense.raw_scores(dataclasses.replace(plan, scale=1.0))
         scaled = dense.raw_scores(plan)
     _check_scores_finite(raw, scaled, info.value)
-    fields: dict[str, Any] = dict(raw=raw, scaled=scaled, steps=_variant_steps(plan, scaled))
-    if stage != "scores":
-        with np.errstate(over="ignore", invalid="ignore"):
-            logits = dense.logits(plan)
-        if np.isnan(logits).any() or np.isposinf(logits).any():
-            i, j = (int(x) for x in np.argwhere(np.isnan(logits) | np.isposinf(logits))[0])
-            raise InputError(
-                f"q, k, mask: the score plus bias of query row {i} and key {j} overflows "
-                f"({fmt(scaled[i, j])} + bias), so attention would be NaN"
-            )
-        exclusions = _exclusions(plan, base["mask"], base["bias"])
-        m = dense.row_max(logits.copy())
-        with np.errstate(over="ignore"):  # a shift past the float range is -inf: weight 0
-            shifted = logits - m
-            exps = np.exp(shifted)
-            sums = np.sum(exps, axis=-1)
-            weights, lse = dense.softmax_rows(logits.copy())
-            if plan.sinks is not None:  # the sink joins every row's denominator
-                sink = float(plan.sinks)
-                share, lse = mods.sink_factor(plan, lse)
-                weights *= share[:, None]
-                sums = sums + np.exp(sink - m[:, 0])
-                fields.update(sink=sink, sink_share=np.exp(sink - lse))
-        fields.update(
-            logits=logits,
-            excluded=logits == -np.inf,
-            exclusions=exclusions,
-            row_max=m[:, 0],
-            shifted=shifted,
-            exps=exps,
-            sums=sums,
-            weights=weights,
-            lse=lse,
-        )
-        if stage == "output":
-            with np.errstate(over="ignore"):  # as above: shifts past the range are -inf
-                out = attention(
-                    q, k, v, scale=info.value, causal=causal, mask=mask, window=window, **variants
-                )
-            fields.update(output=np.asarray(out).reshape(L, plan.dv))
-    trace = Trace(**base, **fields)
-    if exact:
-        from .exact import exact_steps
+    return dict(raw=raw, scaled=scaled, steps=_variant_steps(plan, scaled))
 
-        trace = trace.replace(exact=exact_steps(trace, q, k, v if need_v else None))
-    return trace
+
+def _softmax_fields(plan: Plan, fields: dict[str, Any]) -> dict[str, Any]:
+    """The logits, which keys are excluded and why, and every step of the softmax."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        logits = dense.logits(plan)
+    if np.isnan(logits).any() or np.isposinf(logits).any():
+        i, j = (int(x) for x in np.argwhere(np.isnan(logits) | np.isposinf(logits))[0])
+        raise InputError(
+            f"q, k, mask: the score plus bias of query row {i} and key {j} overflows "
+            f"({fmt(fields['scaled'][i, j])} + bias), so attention would be NaN"
+        )
+    out: dict[str, Any] = {}
+    m = dense.row_max(logits.copy())
+    with np.errstate(over="ignore"):  # a shift past the float range is -inf: weight 0
+        shifted = logits - m
+        exps = np.exp(shifted)
+        sums = np.sum(exps, axis=-1)
+        weights, lse = dense.softmax_rows(logits.copy())
+        if plan.sinks is not None:  # the sink joins every row's denominator
+            sink = float(plan.sinks)
+            share, lse = mods.sink_factor(plan, lse)
+            weights *= share[:, None]
+            sums = sums + np.exp(sink - m[:, 0])
+            out.update(sink=sink, sink_share=np.exp(sink - lse))
+    out.update(
+        logits=logits,
+        excluded=logits == -np.inf,
+        exclusions=_exclusions(plan, fields["mask"], fields["bias"]),
+        row_max=m[:, 0],
+        shifted=shifted,
+        exps=exps,
+        sums=sums,
+        weights=weights,
+        lse=lse,
+    )
+    return out
+
+
+def _rule_in_words(rule: str, p: int, j: int, window: Any) -> str:
+    """One rule that excludes key ``j`` for the query at position ``p``, in words."""
+    if rule in ("causal", "window"):  # worded by the module that owns the rule
+        causal, win = rule == "causal", window if rule == "window" else None
+        return "; ".join(exclusion_reasons(p, j, causal, win))
+    fixed = {"mask": "mask is False", "bias": "bias is -inf", "mask_mod": "mask_mod is False"}
+    return fixed.get(rule, rule)
 
 
 def _labels(labels: Any, n: int, name: str, what: str) -> tuple[str, ...] | None:
@@ -621,7 +485,7 @@ def _check_scores_finite(raw: np.ndarray, scaled: np.ndarray, scale: float) -> N
 
 
 def _exclusions(
-    plan: Any, mask: np.ndarray | None, bias: np.ndarray | None
+    plan: Plan, mask: np.ndarray | None, bias: np.ndarray | None
 ) -> dict[str, np.ndarray]:
     L, S = plan.L, plan.S
     parts = {}
@@ -639,7 +503,7 @@ def _exclusions(
     return parts
 
 
-def _variant_steps(plan: Any, scaled: np.ndarray) -> dict[str, np.ndarray]:
+def _variant_steps(plan: Plan, scaled: np.ndarray) -> dict[str, np.ndarray]:
     """The soft-capped scores, the ALiBi bias per key and the score_mod's value, in order —
     each step computed by the kernels' own hook (:func:`qkv.kernels.mods.apply`)."""
     steps: dict[str, np.ndarray] = {}

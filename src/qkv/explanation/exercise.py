@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
-from .errors import InputError
+from ..errors import InputError
+from .formats import renderer
 from .trace import Trace, explain
 
 __all__ = ["Exercise", "make_exercise"]
@@ -36,6 +37,10 @@ class Exercise:
     v: np.ndarray
     d: int
     causal: bool
+
+    #: The trace sections (:data:`qkv.explanation.trace.SECTIONS`) the problem leaves out: the
+    #: scale is the learner's to work out from ``d`` (the tasks say which ``d``).
+    hidden_sections: ClassVar[tuple[str, ...]] = ("scale",)
 
     def __eq__(self, other: object) -> bool:
         return (
@@ -120,28 +125,7 @@ class Exercise:
 
     def render(self, format: str = "text", *, answers: bool = False, exact: bool = False) -> str:
         """The problem (and, with ``answers``, its worked solution) in ``format``."""
-        import json
-
-        from .render import render_blocks
-        from .render.blocks import Heading, Para, build
-
-        if format == "json":
-            return json.dumps(self.to_dict(answers=answers, exact=exact), indent=1) + "\n"
-        blocks = build(self.trace(stop_at="inputs"), title=f"Exercise (seed {self.seed})")
-        blocks = [b for b in blocks if not (isinstance(b, Heading) and b.text == "Scale")]
-        blocks = [
-            b
-            for b in blocks
-            if not (isinstance(b, Para) and b.style == "formula" and b.text.startswith("1/√d with"))
-        ]
-        blocks.append(Heading(2, "Tasks"))
-        blocks += [Para(t) for t in self.tasks()]
-        if answers:
-            solution = build(self.trace(exact=exact), title="Worked solution")
-            blocks += [Heading(1, "Worked solution")] + solution[1:]
-        else:
-            blocks.append(Para(f"Check your work with: {self.command()} --answers", "note"))
-        return render_blocks(blocks, format)
+        return renderer(format, what="exercise")(self, answers=answers, exact=exact)
 
 
 def make_exercise(

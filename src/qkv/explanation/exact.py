@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from .errors import InputError
-from .validate import as_array
+from ..errors import InputError
+from ..validate import as_array
 
 __all__ = ["ExactSteps", "exact_steps", "to_rational"]
 

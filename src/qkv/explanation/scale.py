@@ -1,4 +1,9 @@
-"""Scale expressions in ``d``: ``"1/sqrt(d)"``, ``"sqrt(d)"``, ``"1"``, ``"d**-0.5"``.
+"""The scale rule: a number, or an expression in ``d`` (``"1/sqrt(d)"``, ``"sqrt(d)"``).
+
+:func:`resolve_scale` is the one place that decides the scale of :func:`qkv.explain` and the
+``qkv`` command: ``d`` defaults to ``len(q)``, an expression is evaluated at it, and a ``d``
+given with a scale that does not use it is refused (:func:`check_d_and_scale`). Plain numbers
+are checked by :func:`qkv.validate.check_scale`, as for :func:`qkv.attention`.
 
 Python's own :mod:`ast` parses the text; only numbers, the name ``d``, ``sqrt(...)``,
 parentheses, ``+ - * /`` and ``**`` (or ``^``) are kept, anything else is refused, and nothing
@@ -21,14 +26,25 @@ from __future__ import annotations
 
 import ast
 import math
+import numbers
 import re
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-from .errors import InputError
+from ..errors import InputError, InputTypeError
+from ..validate import check_scale
+from .display import fmt
 
-__all__ = ["ScaleExpr", "parse_scale"]
+__all__ = [
+    "MAX_D",
+    "ScaleExpr",
+    "ScaleInfo",
+    "check_d",
+    "check_d_and_scale",
+    "parse_scale",
+    "resolve_scale",
+]
 
 _MAX_LEN = 100
 #: Exact values (fractions) larger than this many bits, numerator and denominator together, are
@@ -265,6 +281,7 @@ class ScaleExpr:
 
 
 def _num_text(x: Any) -> str:
+    """``d`` in a formula, in full: the formula is exact, where :func:`fmt` would round it."""
     f = float(x)
     return str(int(f)) if f.is_integer() else repr(f)
 
@@ -305,3 +322,156 @@ def parse_scale(text: str | ScaleExpr) -> ScaleExpr:
     if not text.strip():
         raise InputError("scale: empty expression")
     return ScaleExpr(text=text.strip(), tree=_parse(text.strip()))
+
+
+@dataclass(frozen=True)
+class ScaleInfo:
+    """The scale and how it was chosen.
+
+    Attributes
+    ----------
+    value : float
+        The multiplier of the dot products.
+    expr : ScaleExpr
+        The formula (``1/sqrt(d)`` by default, or a number as given).
+    d : int or None
+        The ``d`` the formula was evaluated at (``None`` when it does not use ``d``).
+    d_given : bool
+        Whether ``d`` was given by the caller rather than taken from ``q.shape[-1]``.
+    q_dim : int
+        ``q.shape[-1]``, to point out when the given ``d`` differs from it.
+    """
+
+    value: float
+    expr: ScaleExpr
+    d: int | None
+    d_given: bool
+    q_dim: int
+
+    @property
+    def exact_text(self) -> str | None:
+        """The exact value as a fraction (``"1/2"``), or ``None`` when it is irrational."""
+        x = self.expr.exact(self.d if self.d is not None else 1)
+        return None if x is None else str(x)
+
+    @property
+    def formula(self) -> str:
+        return self.expr.formula()
+
+    @property
+    def substituted(self) -> str:
+        return self.expr.formula(self.d) if self.expr.uses_d else self.expr.formula()
+
+    @property
+    def note(self) -> str | None:
+        """A warning when the formula multiplies by a growing factor (such as ``√d``)."""
+        if self.expr.uses_d and self.d is not None and self.d > 1 and self.value > 1:
+            return (
+                f"this multiplies the scores by {self.substituted} = {fmt(self.value)}: "
+                "multiplying by √d instead of dividing is a common slip; standard attention "
+                "divides by √d (scale 1/√d)"
+            )
+        return None
+
+    def describe(self) -> str:
+        """One line: the formula, where ``d`` came from, and the value."""
+        if not self.expr.uses_d:
+            return self._describe_constant()
+        src = "given" if self.d_given else "len(q)"
+        if self.d_given:
+            src += f"; len(q) = {self.q_dim}"
+        text = f"{self.formula} with d = {self.d} ({src}): {self.substituted}"
+        exact = self.exact_text
+        if exact is None:
+            return text + f" ≈ {fmt(self.value)}"
+        if exact != self.substituted:
+            text += f" = {exact}"
+        if "/" in exact:
+            sign = "=" if float(fmt(self.value)) == self.value else "≈"
+            text += f" {sign} {fmt(self.value)}"
+        return text
+
+    def _describe_constant(self) -> str:
+        exact = self.exact_text
+        text = f"scale = {self.formula} (given)"
+        if exact is not None and "/" in exact and len(exact) < len(self.formula):
+            text += f" = {exact}"
+        elif exact is None:  # irrational, or too long to write exactly: its float value
+            text += f" ≈ {fmt(self.value)}"
+        return text
+
+
+#: The largest ``d`` accepted: every integer up to it is exact in float64.
+MAX_D = 2**53
+
+
+def check_d(d: Any) -> int:
+    """``d`` as a positive integer up to :data:`MAX_D`, or :class:`InputError` naming it."""
+    if isinstance(d, bool) or not isinstance(d, numbers.Real):
+        raise InputTypeError(f"d: expected a positive integer, got {d!r}")
+    try:
+        f = float(d)
+    except OverflowError:  # an integer (or fraction) beyond the float range: never repr it
+        raise InputError("d: expected a positive integer up to 2**53, got one > 1e308") from None
+    if not (math.isfinite(f) and f.is_integer() and d >= 1):
+        raise InputError(f"d: expected a positive integer up to 2**53, got {d!r}")
+    if f > MAX_D:
+        raise InputError(f"d: expected a positive integer up to 2**53, got {f:.4g}")
+    return int(d)
+
+
+def check_d_and_scale(d: int | None, expr: ScaleExpr | None, *, label: str = "d, scale") -> None:
+    """Refuse a ``d`` given with a scale that does not use it: they are alternatives.
+
+    ``label`` names the two arguments in the message (``"--d and --scale"`` on the command
+    line).
+
+    Examples
+    --------
+    >>> check_d_and_scale(4, parse_scale("sqrt(d)"))  # an expression in d: d is its value
+    >>> check_d_and_scale(4, parse_scale("2"))
+    Traceback (most recent call last):
+    ...
+    qkv.errors.InputError: d, scale: give one of them: d = 4 sets the scale to 1/√4, and scale = 2 does not use d (an expression in d such as sqrt(d) uses d)
+    """  # noqa: E501
+    if d is not None and expr is not None and not expr.uses_d:
+        raise InputError(
+            f"{label}: give one of them: d = {d} sets the scale to 1/√{d}, and "
+            f"scale = {expr.text} does not use d (an expression in d such as sqrt(d) uses d)"
+        )
+
+
+def _scale_expr(scale: Any) -> ScaleExpr:
+    """``scale`` as an expression: the default ``1/sqrt(d)``, parsed text, or a number."""
+    if scale is None:
+        return parse_scale("1/sqrt(d)")
+    if isinstance(scale, (str, ScaleExpr)):
+        return parse_scale(scale)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise InputTypeError(
+            f"scale: expected a number or an expression in d, got {type(scale).__name__}"
+        )
+    f = check_scale(scale, 1)  # finite and > 0, as for qkv.attention
+    return parse_scale(fmt(f) if float(fmt(f)) == f else repr(f))
+
+
+def resolve_scale(scale: Any, d: Any, q_dim: int) -> ScaleInfo:
+    """The scale of a trace from ``scale`` (a number, an expression or ``None``) and ``d``.
+
+    ``d`` defaults to ``q_dim`` (``len(q)``) where the expression uses it; a ``d`` given with a
+    scale that does not use it is refused.
+
+    Examples
+    --------
+    >>> resolve_scale(None, 4, 2).describe()
+    '1/√d with d = 4 (given; len(q) = 2): 1/√4 = 1/2 = 0.5'
+    >>> resolve_scale("sqrt(d)", None, 9).value
+    3.0
+    """
+    if d is not None:
+        d = check_d(d)
+    expr = _scale_expr(scale)
+    check_d_and_scale(d, expr)
+    used_d = (d if d is not None else q_dim) if expr.uses_d else None
+    value = expr.value(used_d if used_d is not None else 1)
+    return ScaleInfo(value=value, expr=expr, d=used_d, d_given=d is not None, q_dim=q_dim)
