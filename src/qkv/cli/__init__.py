@@ -215,7 +215,8 @@ def _main(argv: Sequence[str] | None) -> int:
         print(_one_line(exc), file=sys.stderr)
         return 2
     except InputError as exc:
-        print(f"qkv {args.command}: error: {_one_line(exc)}", file=sys.stderr)
+        name = getattr(args, "command_name", args.command)  # e.g. "study scaling"
+        print(f"qkv {name}: error: {_one_line(exc)}", file=sys.stderr)
         return 2
     except MemoryError:
         what = "qkv" if args is None or args.command is None else f"qkv {args.command}"
