@@ -38,6 +38,12 @@ __all__ = ["check_int", "check_real", "parse_int", "parse_real"]
 _INT_TEXT = re.compile(r"[+-]?\d{1,4000}")  # Python converts at most 4300 digits from text
 
 
+def _shown(value: Any) -> str:
+    """``repr(value)`` when short, else its type's name (an array's repr can be megabytes)."""
+    text = repr(value)
+    return text if len(text) <= 60 else f"a {type(value).__name__}"
+
+
 def _bounds(minimum: float | None, maximum: float | None) -> str:
     if maximum is None:
         return f">= {minimum}"
@@ -78,7 +84,7 @@ def check_int(
     qkv.errors.InputTypeError: d: expected an integer, got True
     """
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise InputTypeError(f"{name}: expected an integer, got {value!r}")
+        raise InputTypeError(f"{name}: expected an integer, got {_shown(value)}")
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
         raise InputError(f"{name}: must be {_bounds(minimum, maximum)}, got {value}")
     return int(value)
@@ -119,7 +125,7 @@ def check_real(value: Any, name: str, *, finite: bool = True, positive: bool = F
     qkv.errors.InputError: scale: must be finite, got a number beyond float range
     """
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise InputTypeError(f"{name}: expected a real number, got {value!r}")
+        raise InputTypeError(f"{name}: expected a real number, got {_shown(value)}")
     want = " and ".join(w for w, on in (("finite", finite), ("> 0", positive)) if on)
     try:
         x = float(value)
