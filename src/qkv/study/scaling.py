@@ -12,7 +12,7 @@ unscaled   ``1``        ``√d``
 times_sqrt_d ``√d``     ``d`` (multiplying by √d instead of dividing, a common slip)
 =========  ===========  ==================================
 
-``"card"`` is accepted as an older name of ``"times_sqrt_d"``.
+``"card"`` is accepted as an alias of ``"times_sqrt_d"`` (scripts written before the rename).
 
 Each query row attends ``keys`` keys; rows come in sets of up to 64 queries that share one set of
 keys, values and upstream gradients (as the rows of one attention call do), and the standard
@@ -61,11 +61,11 @@ __all__ = [
 ]
 
 MODES: tuple[str, ...] = ("scaled", "unscaled", "times_sqrt_d")
-ALIASES = {"card": "times_sqrt_d"}  # the name this mode had before
+ALIASES = {"card": "times_sqrt_d"}  # other accepted names of a mode
 
 
 def mode_name(mode: str) -> str:
-    """The mode's name, with an older alias replaced by the current one."""
+    """The mode's name, with an alias (:data:`ALIASES`) replaced by the name it stands for."""
     return ALIASES.get(mode, mode) if isinstance(mode, str) else mode
 
 
