@@ -1,4 +1,4 @@
-"""The qkv command: the seed's example in every format, input forms, and exercises."""
+"""The qkv command: the two-key example in every format, input forms, and exercises."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def test_seed_exact(capsys):
     assert sympy.simplify(sympy.sympify(w[1]["text"]) - e3 / (1 + e3)) == 0
 
 
-def test_scores_divide_and_card_literal(capsys):
+def test_scores_divide_and_multiply_by_sqrt_d(capsys):
     rc, out, _ = run(
         capsys, "scores", "--q", "2,1", "--k", "1,0;3,2", "--d", "4", "--format", "json"
     )

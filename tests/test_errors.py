@@ -148,3 +148,34 @@ def test_softmax_bad_axis():
         qkv.softmax(np.ones((2, 3)), axis=2)
     with pytest.raises(qkv.InputTypeError, match="x"):
         qkv.softmax(["a"])
+
+
+# Inputs at the edges: a scale beyond float range, no keys, a ragged mask, a non-integer axis.
+@pytest.mark.parametrize(
+    "call, exc, needle",
+    [
+        (
+            lambda: qkv.attention(np.ones((2, 4)), np.ones((3, 4)), np.ones((3, 2)), scale=10**400),
+            qkv.InputError,
+            "scale",
+        ),
+        (
+            lambda: qkv.attention(np.ones((4, 2, 8)), np.ones((0, 3, 8)), np.ones((0, 3, 2))),
+            qkv.InputError,
+            "(4,)",
+        ),
+        (
+            lambda: qkv.attention(
+                np.ones((2, 2)), np.ones((2, 2)), np.ones((2, 2)), mask=[[True], [False, True]]
+            ),
+            qkv.InputError,
+            "mask",
+        ),
+        (lambda: qkv.softmax([1, 2], axis="0"), qkv.InputTypeError, "axis"),
+        (lambda: qkv.softmax([1, 2], axis=0.5), qkv.InputTypeError, "axis"),
+    ],
+)
+def test_bad_input_gets_the_project_exceptions(call, exc, needle):
+    with pytest.raises(exc) as info:
+        call()
+    assert needle in str(info.value)

@@ -34,7 +34,7 @@ def test_seed_worked_example_every_step(seed_cases):
     assert not t.excluded.any()
 
 
-def test_card_literal_sqrt_d_and_raw_scores(seed_cases):
+def test_multiplied_by_sqrt_d_and_raw_scores(seed_cases):
     c = seed_cases["seed-scores"]
     lit = qkv.explain(c["q"], c["k"], d=4, scale="sqrt(d)")
     assert lit.scaled.tolist() == [c["expect"]["card_literal_multiply_by_sqrt_d"]]

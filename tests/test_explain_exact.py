@@ -47,7 +47,7 @@ def test_square_roots_stay_symbolic_and_floats_read_as_written():
     assert ex.value(w) == pytest.approx(t.weights[0, 1], rel=1e-14)
 
 
-def test_card_literal_scale_and_causal_exact():
+def test_times_sqrt_d_scale_and_causal_exact():
     t = qkv.explain([2, 1], [[1, 0], [3, 2]], d=4, scale="sqrt(d)", exact=True)
     assert t.exact.scale == 2 and t.exact.scaled == [[4, 16]]
     c = qkv.explain(

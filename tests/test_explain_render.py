@@ -98,7 +98,7 @@ def _check_latex_structure(tex: str) -> None:
 LATEX_CASES = {
     "seed": lambda: qkv.explain(**SEED, title=NASTY),
     "causal-window": lambda: qkv.explain(**CAUSAL, causal=True, window=(1, None)),
-    "card-literal": lambda: qkv.explain(
+    "times-sqrt-d": lambda: qkv.explain(
         [2, 1], [[1, 0], [3, 2]], d=4, scale="sqrt(d)", stop_at="scores"
     ),
     "large": lambda: qkv.explain(

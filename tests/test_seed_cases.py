@@ -1,4 +1,4 @@
-"""The seed's cards, through the fast path and the reference."""
+"""The worked cases of tests/data/seed_cases.json, through the fast path and the reference."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ PATHS = [qkv, reference]
 
 
 @pytest.mark.parametrize("impl", PATHS, ids=["qkv", "reference"])
-def test_scores_card(seed_cases, impl):
+def test_scores_of_the_worked_case(seed_cases, impl):
     case = seed_cases["seed-scores"]
     q, k, d = case["q"], case["k"], case["d"]
     exp = case["expect"]
@@ -22,15 +22,15 @@ def test_scores_card(seed_cases, impl):
     np.testing.assert_allclose(
         impl.scores(q, k, scale=1 / math.sqrt(d)), exp["scaled_scores_divide_by_sqrt_d"]
     )
-    # The card's literal formula multiplies by sqrt(d): scale=2.0 for d=4.
+    # Multiplying by sqrt(d) instead of dividing (a common slip): scale=2.0 for d=4.
     np.testing.assert_allclose(
         impl.scores(q, k, scale=math.sqrt(d)), exp["card_literal_multiply_by_sqrt_d"]
     )
 
 
-def test_default_scale_uses_len_q_not_card_d(seed_cases):
+def test_default_scale_uses_len_q_not_the_given_d(seed_cases):
     case = seed_cases["seed-scores"]
-    # d = q.shape[-1] = 2 by default, which is *not* the card's d = 4.
+    # d = q.shape[-1] = 2 by default, which is *not* the case's d = 4.
     np.testing.assert_allclose(
         qkv.scores(case["q"], case["k"]), np.array(case["expect"]["raw_scores"]) / math.sqrt(2)
     )

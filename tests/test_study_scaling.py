@@ -27,7 +27,7 @@ def test_reproduces_seed_figures(study, seed_cases):
     assert fig["d"] == [4, 64, 1024, 4096]
     for i, d in enumerate(fig["d"]):
         un, sc = study.row(d, "unscaled"), study.row(d, "scaled")
-        # the seed's figures are +-0.03; allow our own Monte Carlo error on top
+        # the reference figures are +-0.03; allow our own Monte Carlo error on top
         assert abs(un.mean_max_weight - fig["unscaled_mean_max_weight"][i]) <= (
             0.03 + 3 * un.max_weight_se
         )
@@ -57,7 +57,7 @@ def test_scaled_is_flat_and_unscaled_saturates(study):
     un = [study.row(d, "unscaled") for d in (4, 64, 1024, 4096)]
     assert all(a.entropy > b.entropy for a, b in zip(un, un[1:], strict=False))
     assert all(a.mean_max_weight < b.mean_max_weight for a, b in zip(un, un[1:], strict=False))
-    # the card's x sqrt(d) saturates harder than no scaling at every d
+    # x sqrt(d) saturates harder than no scaling at every d
     for d in (4, 64, 1024, 4096):
         assert study.row(d, "card").entropy < study.row(d, "unscaled").entropy
     # the typical (median) gradient reaching q vanishes unscaled, not scaled

@@ -9,24 +9,16 @@ view (no gather before attending). Attention goes through the same dispatch and 
 
 from __future__ import annotations
 
-import numbers
 from typing import Any
 
 import numpy as np
 
+from .checks import check_int
 from .errors import InputError, InputTypeError
 from .kernels import dispatch
 from .validate import as_array, check_flag, make_plan
 
 __all__ = ["KVCache"]
-
-
-def _positive_int(x: Any, name: str) -> int:
-    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
-        raise InputTypeError(f"{name}: expected a positive int, got {x!r}")
-    if x < 1:
-        raise InputError(f"{name}: expected a positive int, got {x}")
-    return int(x)
 
 
 class KVCache:
@@ -80,11 +72,11 @@ class KVCache:
         value_dim: int | None = None,
         dtype: Any = np.float32,
     ) -> None:
-        self.batch = _positive_int(batch, "batch")
-        self.kv_heads = _positive_int(kv_heads, "kv_heads")
-        self.head_dim = _positive_int(head_dim, "head_dim")
+        self.batch = check_int(batch, "batch", minimum=1)
+        self.kv_heads = check_int(kv_heads, "kv_heads", minimum=1)
+        self.head_dim = check_int(head_dim, "head_dim", minimum=1)
         self.value_dim = (
-            self.head_dim if value_dim is None else _positive_int(value_dim, "value_dim")
+            self.head_dim if value_dim is None else check_int(value_dim, "value_dim", minimum=1)
         )
         try:
             if dtype is None:  # np.dtype(None) would silently be float64
@@ -116,11 +108,10 @@ class KVCache:
         )
 
     def _check_seq(self, seq: Any) -> int:
-        if isinstance(seq, bool) or not isinstance(seq, numbers.Integral):
-            raise InputTypeError(f"seq: expected an int or None, got {seq!r}")
+        seq = check_int(seq, "seq")
         if not 0 <= seq < self.batch:
             raise InputError(f"seq: {seq} is out of range for a cache of batch {self.batch}")
-        return int(seq)
+        return seq
 
     def _reserve(self, need: int) -> None:
         """Make room for ``need`` tokens per sequence, at least doubling the capacity."""

@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from . import reference
+from .checks import check_int
 from .errors import InputError
 from .kernels import dense, mods, tiled, tiled_backward
 from .kernels.blocks import heads_by_kv
@@ -210,8 +211,7 @@ def _tiled(
     """Check ``out``, ``lse`` and ``block``, then run the tiled backward."""
     if block is None:
         block = 128
-    if isinstance(block, bool) or not isinstance(block, (int, np.integer)) or block < 1:
-        raise InputError(f"block: expected an integer >= 1, got {block!r}")
+    block = check_int(block, "block", minimum=1)
     d_out = _grad_out(grad_out, plan)
     if (out is None) != (lse is None):
         raise InputError("out, lse: give both (from attention(..., return_lse=True)) or neither")

@@ -11,13 +11,13 @@ as in every framework, unless ``check_finite=True`` is passed, which raises inst
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from .checks import check_int, check_real
 from .errors import InputError, InputTypeError
 from .masks import Window
 
@@ -82,15 +82,7 @@ def check_scale(scale: Any, d: int) -> float:
             "such as 'sqrt(d)' are read by qkv.explain and the qkv command's --scale, here pass "
             "a number (e.g. math.sqrt(d))"
         )
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise InputTypeError(f"scale: expected a real number or None, got {type(scale).__name__}")
-    try:
-        s = float(scale)
-    except OverflowError:
-        raise InputError("scale: must be finite and > 0, got a number beyond float range") from None
-    if not math.isfinite(s) or s <= 0.0:
-        raise InputError(f"scale: must be finite and > 0, got {s}")
-    return s
+    return check_real(scale, "scale", positive=True)
 
 
 def check_window(window: Any) -> Window | None:
@@ -104,11 +96,7 @@ def check_window(window: Any) -> Window | None:
         if w is None:
             out.append(None)
             continue
-        if isinstance(w, bool) or not isinstance(w, numbers.Integral):
-            raise InputTypeError(f"window: {side} must be an int or None, got {w!r}")
-        if w < 0:
-            raise InputError(f"window: {side} must be >= 0 (None means unbounded), got {w}")
-        out.append(int(w))
+        out.append(check_int(w, f"window: {side} (None: unbounded)", minimum=0))
     if out == [None, None]:
         return None
     return (out[0], out[1])
@@ -384,12 +372,7 @@ def check_softcap(softcap: Any) -> float | None:
     """``softcap=c``: a finite float > 0, or ``None``."""
     if softcap is None:
         return None
-    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
-        raise InputTypeError(f"softcap: expected a real number or None, got {softcap!r}")
-    c = float(softcap)
-    if not math.isfinite(c) or c <= 0.0:
-        raise InputError(f"softcap: must be finite and > 0, got {c}")
-    return c
+    return check_real(softcap, "softcap", positive=True)
 
 
 def _per_head(x: Any, name: str, batch: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:

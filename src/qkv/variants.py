@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from .checks import check_int
 from .errors import InputError
 
 __all__ = [
@@ -66,8 +67,8 @@ def sliding_window(left: int | None, right: int | None = 0) -> MaskMod:
     [0, 0, 0, 0, 1, 1, 0]
     """
     for name, w in (("left", left), ("right", right)):
-        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 0):
-            raise InputError(f"sliding_window: {name} must be an int >= 0 or None, got {w!r}")
+        if w is not None:
+            check_int(w, f"sliding_window: {name}", minimum=0)
 
     def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         ok = np.ones(np.broadcast_shapes(np.shape(q_idx), np.shape(kv_idx)), dtype=bool)
@@ -111,8 +112,7 @@ def prefix_lm(n: int) -> MaskMod:
     >>> prefix_lm(2)(0, 0, 0, np.arange(4)).astype(int).tolist()
     [1, 1, 0, 0]
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise InputError(f"prefix_lm: n must be an int >= 0, got {n!r}")
+    check_int(n, "prefix_lm: n", minimum=0)
 
     def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         return (kv_idx < n) | (kv_idx <= q_idx)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import json
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -71,21 +72,11 @@ def _one_line(text: str) -> str:
 
 
 def _escape(exc: UnicodeError) -> tuple[str, int]:
-    """Codec error handler: characters the output cannot encode become ``\\uXXXX``.
-
-    The same escapes as JSON's, so a JSON document stays valid (and equal once loaded).
-    """
+    """Codec error handler: characters the output cannot encode become JSON's ``\\uXXXX``
+    escapes (not ``backslashreplace``'s ``\\xb7``), so a JSON document stays valid and equal."""
     if not isinstance(exc, UnicodeEncodeError):
         raise exc
-    out = []
-    for ch in exc.object[exc.start : exc.end]:
-        n = ord(ch)
-        if n > 0xFFFF:  # a UTF-16 surrogate pair, as JSON writes it
-            n -= 0x10000
-            out.append(f"\\u{0xD800 + (n >> 10):04x}\\u{0xDC00 + (n & 0x3FF):04x}")
-        else:
-            out.append(f"\\u{n:04x}")
-    return "".join(out), exc.end
+    return json.dumps(exc.object[exc.start : exc.end])[1:-1], exc.end
 
 
 ESCAPE = "qkv-escape"
@@ -224,7 +215,8 @@ def _main(argv: Sequence[str] | None) -> int:
         print(_one_line(exc), file=sys.stderr)
         return 2
     except InputError as exc:
-        print(f"qkv {args.command}: error: {_one_line(exc)}", file=sys.stderr)
+        name = getattr(args, "command_name", args.command)  # e.g. "study scaling"
+        print(f"qkv {name}: error: {_one_line(exc)}", file=sys.stderr)
         return 2
     except MemoryError:
         what = "qkv" if args is None or args.command is None else f"qkv {args.command}"

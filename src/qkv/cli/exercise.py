@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import re
 from typing import Any
 
+from ..checks import parse_int
 from ..errors import InputError
 from ..explanation.exercise import LIMIT, make_exercise
-from .options import add_format, emit, write_stdout
+from .options import add_format, arg_type, emit, write_stdout
 
 NAME = "exercise"
 HELP = "a practice problem with small integers (same seed, same problem)"
@@ -26,17 +26,6 @@ split by ";"); a wrong one is checked against the common slips (forgot to scale,
 --queries, --keys and --dim go from 1 to {LIMIT}. The scale uses a d that is a perfect square."""
 
 
-def _int(text: str, name: str, lo: int, hi: int | None) -> int:
-    if (
-        not re.fullmatch(r"\s*\d+\s*", text)
-        or int(text) < lo
-        or (hi is not None and int(text) > hi)
-    ):
-        top = f" to {hi}" if hi is not None else " or more"
-        raise InputError(f"{name}: expected an integer from {lo}{top}, got {text!r}")
-    return int(text)
-
-
 def register(sub: Any) -> None:
     p = sub.add_parser(
         NAME,
@@ -46,11 +35,18 @@ def register(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--seed", metavar="N", help="the problem's number (default: a random one, shown)"
+        "--seed",
+        metavar="N",
+        type=arg_type(parse_int, "--seed", minimum=0),
+        help="the problem's number (default: a random one, shown)",
     )
-    p.add_argument("--queries", metavar="L", default="1", help="number of query rows (1)")
-    p.add_argument("--keys", metavar="S", default="3", help="number of keys (3)")
-    p.add_argument("--dim", metavar="d", default="2", help="size of each vector (2)")
+    for name, meta, default, text in (
+        ("--queries", "L", 1, "number of query rows (1)"),
+        ("--keys", "S", 3, "number of keys (3)"),
+        ("--dim", "d", 2, "size of each vector (2)"),
+    ):
+        size = arg_type(parse_int, name, minimum=1, maximum=LIMIT)
+        p.add_argument(name, metavar=meta, default=default, type=size, help=text)
     p.add_argument("--causal", action="store_true", help="ask for causal attention")
     p.add_argument(
         "--answers",
@@ -72,10 +68,10 @@ def run(args: argparse.Namespace) -> int:
     if isinstance(args.answers, str) and not args.practice:
         raise InputError("--answers FILE: answers from a file need --practice")
     ex = make_exercise(
-        None if args.seed is None else _int(args.seed, "--seed", 0, None),
-        queries=_int(args.queries, "--queries", 1, LIMIT),
-        keys=_int(args.keys, "--keys", 1, LIMIT),
-        dim=_int(args.dim, "--dim", 1, LIMIT),
+        args.seed,
+        queries=args.queries,
+        keys=args.keys,
+        dim=args.dim,
         causal=args.causal,
     )
     if args.practice:

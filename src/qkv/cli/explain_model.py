@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import re
 from typing import Any
 
-from ..errors import InputError
-from .options import emit
+from ..checks import parse_int
+from .options import arg_type, emit
 
 NAME = "explain-model"
 HELP = "explain one attention head of a local model for one token of a text"
@@ -24,12 +23,6 @@ token that is not a special token. The HTML page switches between the three read
 scale and shows every head of the layer as a heatmap."""
 
 
-def _index(text: str, name: str) -> int:
-    if not re.fullmatch(r"\s*\d+\s*", text):
-        raise InputError(f"{name}: expected an integer from 0, got {text!r}")
-    return int(text)
-
-
 def register(sub: Any) -> None:
     p = sub.add_parser(
         NAME,
@@ -40,8 +33,9 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--text", required=True, metavar="TEXT", help="the text to tokenise")
     p.add_argument("--model", metavar="DIR", help="a local Hugging Face model folder")
-    p.add_argument("--layer", metavar="L", default="0", help="attention layer, from 0 (0)")
-    p.add_argument("--head", metavar="H", default="0", help="query head, from 0 (0)")
+    for name, meta, text in (("--layer", "L", "attention layer"), ("--head", "H", "query head")):
+        index = arg_type(parse_int, name, minimum=0)
+        p.add_argument(name, metavar=meta, default=0, type=index, help=f"{text}, from 0 (0)")
     p.add_argument("--query", metavar="TOKEN_OR_INDEX", help="the query token (text or index)")
     p.add_argument(
         "--format",
@@ -59,8 +53,8 @@ def run(args: argparse.Namespace) -> int:
     result = explain_model(
         args.text,
         args.model,
-        layer=_index(args.layer, "--layer"),
-        head=_index(args.head, "--head"),
+        layer=args.layer,
+        head=args.head,
         query=args.query,
     )
     emit(result.render(args.format), args.output)

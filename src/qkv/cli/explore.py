@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from ..checks import parse_int
 from ..errors import InputError
 from ..explanation.trace import explain
 from ..render.explore import explore_page
-from .options import add_inputs, emit, trace_kwargs
+from .options import add_inputs, arg_type, emit, trace_kwargs
 
 NAME = "explore"
 HELP = "an HTML page: divide by √d, multiply by √d, or no scale, side by side"
@@ -29,20 +30,22 @@ def register(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_inputs(p, values=True, masks=True)
-    p.add_argument("--row", metavar="I", help="the query row shown key by key (default: last)")
+    p.add_argument(
+        "--row",
+        metavar="I",
+        type=arg_type(parse_int, "--row", minimum=0),
+        help="the query row shown key by key (default: last)",
+    )
     p.add_argument("--output", metavar="FILE", help="write to FILE instead of standard output")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from .explain_model import _index
-
     kw = trace_kwargs(args)
     if kw.pop("exact"):
         raise InputError("--exact: the explore page shows numbers; use qkv explain --exact")
     trace = explain(**kw)
-    row = None if args.row is None else _index(args.row, "--row")
-    if row is not None and row >= trace.L:
-        raise InputError(f"--row: expected 0 to {trace.L - 1} (one per query row), got {row}")
-    emit(explore_page(trace, row=row), args.output)
+    if args.row is not None and args.row >= trace.L:
+        raise InputError(f"--row: expected 0 to {trace.L - 1} (one per query row), got {args.row}")
+    emit(explore_page(trace, row=args.row), args.output)
     return 0

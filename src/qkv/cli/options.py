@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,11 +13,40 @@ from ..explanation.scale import check_d_and_scale
 from ..render import FORMATS
 from . import parse
 
-__all__ = ["OutputError", "add_format", "add_inputs", "emit", "trace_kwargs", "write_stdout"]
+__all__ = [
+    "OutputError",
+    "add_format",
+    "add_inputs",
+    "arg_type",
+    "emit",
+    "trace_kwargs",
+    "write_stdout",
+]
 
 
 class OutputError(Exception):
     """Standard output could not be written (disk full, closed): an environment error."""
+
+
+def arg_type(read: Callable[..., Any], name: str, **limits: Any) -> Callable[[str], Any]:
+    """An argparse ``type=`` from one of :mod:`qkv.checks`' readers (or any reader that raises
+    :class:`~qkv.InputError` starting with ``name``), so the command reads an option with the
+    library's own rule and argparse reports it in one line: ``argument --keys: must be ...``.
+
+    >>> from qkv.checks import parse_int
+    >>> arg_type(parse_int, "--keys", minimum=1)("0")
+    Traceback (most recent call last):
+    ...
+    argparse.ArgumentTypeError: must be >= 1, got 0
+    """
+
+    def read_option(text: str) -> Any:
+        try:
+            return read(text, name, **limits)
+        except InputError as exc:
+            raise argparse.ArgumentTypeError(str(exc).removeprefix(f"{name}: ")) from None
+
+    return read_option
 
 
 def add_inputs(p: argparse.ArgumentParser, *, values: bool, masks: bool) -> None:

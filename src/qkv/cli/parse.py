@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from ..checks import parse_int
 from ..errors import InputError
 from ..explanation.scale import ScaleExpr, parse_scale
 
@@ -206,18 +207,22 @@ def window(text: str) -> tuple[int | None, int | None]:
         if p in ("", "none", "inf"):
             out.append(None)
             continue
-        if not re.fullmatch(r"\d+", p):
-            raise InputError(f"--window: {side} must be an integer >= 0 or empty, got {p!r}")
-        out.append(int(p))
+        try:
+            out.append(parse_int(p, "--window", minimum=0))
+        except InputError:
+            raise InputError(
+                f"--window: {side} must be an integer >= 0 or empty, got {p!r}"
+            ) from None
     return (out[0], out[1])
 
 
 def d_value(text: str) -> int:
     """``--d``: a positive integer."""
-    if not re.fullmatch(r"\s*\d{1,16}\s*", text) or int(text) < 1:
+    try:
+        return parse_int(text, "--d", minimum=1, maximum=2**53)
+    except InputError:
         shown = text if len(text) <= 30 else text[:20] + "…"
-        raise InputError(f"--d: expected a positive integer up to 2**53, got {shown!r}")
-    return int(text)
+        raise InputError(f"--d: expected a positive integer up to 2**53, got {shown!r}") from None
 
 
 def scale(text: str) -> ScaleExpr:

@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InputError, InputTypeError
+from ..checks import check_int
+from ..errors import InputError
 
 __all__ = ["LAYOUTS", "check_layout", "chunk_ids", "positions", "shard", "unshard"]
 
@@ -33,12 +34,10 @@ def check_layout(layout: Any) -> str:
 
 
 def _check_world(rank: Any, world: Any) -> tuple[int, int]:
-    for name, x in (("rank", rank), ("world", world)):
-        if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
-            raise InputTypeError(f"{name}: expected an int, got {type(x).__name__}")
+    rank, world = check_int(rank, "rank"), check_int(world, "world")
     if world < 1 or not 0 <= rank < world:
         raise InputError(f"rank, world: expected 0 <= rank < world, got rank {rank}, world {world}")
-    return int(rank), int(world)
+    return rank, world
 
 
 def chunk_ids(rank: int, world: int, layout: str) -> tuple[int, ...]:
@@ -103,12 +102,11 @@ def _take(x: Any, axis: int, lo: int, hi: int) -> Any:
 
 
 def _axis(x: Any, axis: Any, name: str) -> int:
-    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
-        raise InputTypeError(f"axis: expected an int, got {type(axis).__name__}")
+    axis = check_int(axis, "axis")
     nd = len(x.shape)
     if not -nd <= axis < nd:
         raise InputError(f"axis: {axis} is out of range for {name} with shape {tuple(x.shape)}")
-    return int(axis) % nd
+    return axis % nd
 
 
 def shard(x: Any, rank: int, world: int, *, layout: str = "zigzag", axis: int = -2) -> Any:
@@ -194,6 +192,5 @@ def positions(n: int, rank: int, world: int, *, layout: str = "zigzag") -> np.nd
     >>> positions(8, 1, 2).tolist(), positions(8, 1, 2, layout="contiguous").tolist()
     ([2, 3, 4, 5], [4, 5, 6, 7])
     """
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
-        raise InputError(f"n: expected an int >= 0, got {n!r}")
-    return shard(np.arange(int(n), dtype=np.int64), rank, world, layout=layout, axis=0)
+    n = check_int(n, "n", minimum=0)
+    return shard(np.arange(n, dtype=np.int64), rank, world, layout=layout, axis=0)

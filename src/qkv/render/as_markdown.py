@@ -9,7 +9,8 @@ from .blocks import Cell, Heading, Heatmap, Para, Table, build
 
 __all__ = ["escape", "render", "render_blocks"]
 
-_SPECIAL = re.compile(r"([\\`*_<>|#~]|\[(?=[^\]]*\]\())")
+# "_" between two letters or digits never starts emphasis (CommonMark), so it stays as is.
+_SPECIAL = re.compile(r"([\\`*<>|#~]|(?<![^\W_])_|_(?![^\W_])|\[(?=[^\]]*\]\())")
 
 
 def escape(text: str) -> str:

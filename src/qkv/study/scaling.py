@@ -12,7 +12,7 @@ unscaled   ``1``        ``√d``
 times_sqrt_d ``√d``     ``d`` (multiplying by √d instead of dividing, a common slip)
 =========  ===========  ==================================
 
-``"card"`` is accepted as an older name of ``"times_sqrt_d"``.
+``"card"`` is accepted as an alias of ``"times_sqrt_d"`` (scripts written before the rename).
 
 Each query row attends ``keys`` keys; rows come in sets of up to 64 queries that share one set of
 keys, values and upstream gradients (as the rows of one attention call do), and the standard
@@ -39,13 +39,13 @@ True
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
+from ..checks import check_int
 from ..core import softmax
 from ..errors import InputError, InputTypeError
 from ..grad import attention_vjp
@@ -61,11 +61,11 @@ __all__ = [
 ]
 
 MODES: tuple[str, ...] = ("scaled", "unscaled", "times_sqrt_d")
-ALIASES = {"card": "times_sqrt_d"}  # the name this mode had before
+ALIASES = {"card": "times_sqrt_d"}  # other accepted names of a mode
 
 
 def mode_name(mode: str) -> str:
-    """The mode's name, with an older alias replaced by the current one."""
+    """The mode's name, with an alias (:data:`ALIASES`) replaced by the name it stands for."""
     return ALIASES.get(mode, mode) if isinstance(mode, str) else mode
 
 
@@ -194,18 +194,9 @@ class ScalingStudy:
         return {"rows": [r.as_dict() for r in self.rows]}
 
 
-def _check_int(value: Any, name: str, lo: int, hi: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise InputTypeError(f"{name}: expected an integer, got {value!r}")
-    if value < lo or (hi is not None and value > hi):
-        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise InputError(f"{name}: must be {bound}, got {value}")
-    return int(value)
-
-
 def _check_dims(dims: Iterable[Any]) -> list[int]:
     try:
-        out = [_check_int(x, "dims", 1, 1 << 16) for x in dims]
+        out = [check_int(x, "dims", minimum=1, maximum=1 << 16) for x in dims]
     except TypeError:
         raise InputTypeError(f"dims: expected a sequence of integers, got {dims!r}") from None
     if not out:
@@ -304,9 +295,9 @@ def scaling_study(
         Rows ordered by ``d`` then by mode.
     """
     dims = _check_dims(dims)
-    keys = _check_int(keys, "keys", 1, 1 << 16)
-    samples = _check_int(samples, "samples", 2, 1 << 24)
-    seed = _check_int(seed, "seed", 0)
+    keys = check_int(keys, "keys", minimum=1, maximum=1 << 16)
+    samples = check_int(samples, "samples", minimum=2, maximum=1 << 24)
+    seed = check_int(seed, "seed", minimum=0)
     modes = list(dict.fromkeys(mode_name(m) for m in modes))
     for m in modes:
         mode_scale(m, 1)

@@ -1,12 +1,15 @@
 """Render study rows as a text table, Markdown, CSV or JSON.
 
+Text and Markdown tables are :class:`qkv.render.blocks.Table` blocks drawn by the same
+renderers as the explanation's tables; CSV and JSON carry every field as data.
+
 Examples
 --------
 >>> rows = [{"d": 4, "mode": "scaled", "entropy": 3.6983},
 ...         {"d": 64, "mode": "unscaled", "entropy": 0.06}]
 >>> print(render_rows(rows, "markdown", columns=["d", "mode", "entropy"]))
 | d | mode | entropy |
-|---:|:---|---:|
+| --- | ---: | ---: |
 | 4 | scaled | 3.698 |
 | 64 | unscaled | 0.06 |
 >>> print(render_rows(rows, "csv"), end="")
@@ -21,12 +24,12 @@ import csv
 import io
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..errors import InputError
 
-__all__ = ["FORMATS", "format_value", "render_rows", "write_csv"]
+__all__ = ["FORMATS", "format_value", "legend_text", "render_rows", "write_csv"]
 
 FORMATS = ("text", "markdown", "csv", "json")
 
@@ -44,7 +47,7 @@ def format_value(x: Any) -> str:
     return str(x)
 
 
-def _csv_text(rows: Sequence[dict[str, Any]]) -> str:
+def _csv_text(rows: Sequence[Mapping[str, Any]]) -> str:
     buf = io.StringIO()
     if rows:
         writer = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
@@ -53,14 +56,47 @@ def _csv_text(rows: Sequence[dict[str, Any]]) -> str:
     return buf.getvalue()
 
 
-def write_csv(path: Any, rows: Sequence[dict[str, Any]]) -> None:
+def write_csv(path: Any, rows: Sequence[Mapping[str, Any]]) -> None:
     """Write ``rows`` (dicts with the same keys) as CSV with a header line."""
     with open(path, "w", newline="", encoding="utf-8") as fh:
         fh.write(_csv_text(rows))
 
 
+def legend_text(legend: Mapping[str, str], fmt: str) -> str:
+    """What the columns mean, to print under a text or Markdown table ("" for CSV and JSON).
+
+    Examples
+    --------
+    >>> print(legend_text({"d": "feature size"}, "markdown"))
+    <BLANKLINE>
+    <BLANKLINE>
+    columns:
+    <BLANKLINE>
+    - `d`: feature size
+    """
+    if fmt not in ("text", "markdown"):
+        return ""
+    if fmt == "markdown":
+        return "\n\ncolumns:\n\n" + "\n".join(f"- `{c}`: {text}" for c, text in legend.items())
+    return "\n\ncolumns:\n" + "\n".join(f"  {c}: {text}" for c, text in legend.items())
+
+
+def _table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> Any:
+    """The rows as a :class:`qkv.render.blocks.Table`; text columns are left-aligned."""
+    from ..render.blocks import Cell, Table
+
+    kinds = ["text" if any(isinstance(r[c], str) for r in rows) else "num" for c in columns]
+    return Table(
+        header=[Cell(c, kind="label") for c in columns],
+        rows=[
+            [Cell(format_value(r[c]), kind=k) for c, k in zip(columns, kinds, strict=True)]
+            for r in rows
+        ],
+    )
+
+
 def render_rows(
-    rows: Sequence[dict[str, Any]],
+    rows: Sequence[Mapping[str, Any]],
     fmt: str,
     *,
     columns: Sequence[str] | None = None,
@@ -78,22 +114,10 @@ def render_rows(
         return json.dumps({key: clean}, indent=1, allow_nan=False)
     if fmt == "csv":
         return _csv_text(rows)
+    from ..render import render_blocks
+
     cols = list(columns) if columns is not None else (list(rows[0]) if rows else [])
-    cells = [[format_value(r[c]) for c in cols] for r in rows]
-    numeric = [all(not isinstance(r[c], str) for r in rows) for c in cols]
-    if fmt == "markdown":
-        lines = ["| " + " | ".join(cols) + " |"]
-        lines.append("|" + "|".join("---:" if n else ":---" for n in numeric) + "|")
-        lines += ["| " + " | ".join(row) + " |" for row in cells]
-        return "\n".join(lines)
-    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(cols)]
-
-    def line(vals: Sequence[str]) -> str:
-        return "  ".join(
-            v.rjust(w) if n else v.ljust(w) for v, w, n in zip(vals, widths, numeric, strict=True)
-        ).rstrip()
-
-    return "\n".join([line(cols), line(["-" * w for w in widths])] + [line(r) for r in cells])
+    return render_blocks([_table(rows, cols)], fmt).rstrip("\n")
 
 
 def _plain(x: Any) -> Any:

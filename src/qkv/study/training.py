@@ -37,10 +37,11 @@ from typing import Any
 
 import numpy as np
 
+from ..checks import check_int, check_real
 from ..core import attention
-from ..errors import InputError, InputTypeError
+from ..errors import InputError
 from ..grad import attention_vjp
-from .scaling import _check_int, mode_scale
+from .scaling import mode_scale
 
 __all__ = ["TrainingRun", "training_study"]
 
@@ -120,14 +121,11 @@ def training_study(
     list of TrainingRun
         One per mode, in the order given.
     """
-    d = _check_int(d, "d", 1, 1 << 14)
-    keys = _check_int(keys, "keys", 2, 4096)
-    steps = _check_int(steps, "steps", 1, 1 << 20)
-    seed = _check_int(seed, "seed", 0)
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)):
-        raise InputTypeError(f"lr: expected a number, got {lr!r}")
-    if not (math.isfinite(lr) and lr > 0):
-        raise InputError(f"lr: must be finite and > 0, got {lr}")
+    d = check_int(d, "d", minimum=1, maximum=1 << 14)
+    keys = check_int(keys, "keys", minimum=2, maximum=4096)
+    steps = check_int(steps, "steps", minimum=1, maximum=1 << 20)
+    seed = check_int(seed, "seed", minimum=0)
+    lr = check_real(lr, "lr", positive=True)
     modes = list(dict.fromkeys(modes))
     if not modes:
         raise InputError("modes: expected at least one mode")
@@ -157,7 +155,7 @@ def training_study(
                 scale=scale,
                 d=d,
                 keys=keys,
-                lr=float(lr),
+                lr=lr,
                 loss=losses,
                 accuracy=accs,
                 grad_norm=norms,
