@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from .errors import InputError, InputTypeError
+from .checks import check_int
+from .errors import InputError
 from .kernels import dense, dispatch, mods
 from .validate import as_array, check_flag, make_plan
 
@@ -23,8 +24,7 @@ __all__ = ["attention", "attention_weights", "scores", "softmax"]
 
 def softmax(x: Any, axis: int = -1) -> np.ndarray:
     """The NumPy path of :func:`qkv.softmax` (documented there)."""
-    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
-        raise InputTypeError(f"axis: expected an int, got {type(axis).__name__}")
+    check_int(axis, "axis")
     a = as_array(x, "x")
     if a.ndim == 0:
         raise InputError(f"x: expected at least 1 dimension, got shape {a.shape}")

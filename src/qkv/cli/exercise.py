@@ -105,8 +105,7 @@ def _practice(ex: Any, answers: bool | str) -> int:
     interactive = source is sys.stdin and sys.stdin.isatty()
     practice = Practice(ex)
     say = write_stdout
-    problem = ex.render("text").splitlines(keepends=True)
-    say("".join(x for x in problem if not x.startswith("Check your work with")))
+    say(ex.render("text", hint=False))
     right = 0
     try:
         for n, step in enumerate(practice.steps, 1):

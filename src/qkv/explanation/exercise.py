@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from ..errors import InputError
+from ..checks import check_int
 from .formats import renderer
 from .trace import Trace, explain
 
@@ -123,9 +123,12 @@ class Exercise:
             doc["answers"] = self.trace(exact=exact).to_dict()
         return doc
 
-    def render(self, format: str = "text", *, answers: bool = False, exact: bool = False) -> str:
-        """The problem (and, with ``answers``, its worked solution) in ``format``."""
-        return renderer(format, what="exercise")(self, answers=answers, exact=exact)
+    def render(
+        self, format: str = "text", *, answers: bool = False, exact: bool = False, hint: bool = True
+    ) -> str:
+        """The problem (and, with ``answers``, its worked solution) in ``format``; ``hint=False``
+        leaves out the line naming the command that shows the answers."""
+        return renderer(format, what="exercise")(self, answers=answers, exact=exact, hint=hint)
 
 
 def make_exercise(
@@ -151,13 +154,13 @@ def make_exercise(
     -------
     Exercise
     """
-    for name, n in (("queries", queries), ("keys", keys), ("dim", dim)):
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= LIMIT:
-            raise InputError(f"{name}: expected an integer from 1 to {LIMIT}, got {n!r}")
+    queries, keys, dim = (
+        check_int(n, name, minimum=1, maximum=LIMIT)
+        for name, n in (("queries", queries), ("keys", keys), ("dim", dim))
+    )
     if seed is None:
         seed = int(np.random.default_rng().integers(0, 1_000_000))
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise InputError(f"seed: expected an integer >= 0, got {seed!r}")
+    seed = check_int(seed, "seed", minimum=0)
     rng = np.random.default_rng([int(seed), queries, keys, dim, int(causal)])
     q = rng.integers(0, 4, size=(queries, dim)).astype(np.float64)
     k = rng.integers(0, 4, size=(keys, dim)).astype(np.float64)

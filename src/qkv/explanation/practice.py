@@ -7,7 +7,7 @@ tolerance; a wrong one is compared with what each common slip gives, computed by
 library on the same inputs:
 
 - *forgot to scale* — the scale left out (``scale = 1``);
-- *multiplied by √d* — the card's literal formula (``scale = √d``);
+- *multiplied by √d* — the scale inverted (``scale = √d``), a common misreading of the formula;
 - *used len(q) for d* — ``1/√len(q)`` where ``d`` was given;
 - *forgot to subtract the max* — ``exp(s)`` instead of ``exp(s − max)``;
 - *summed the wrong axis* — the exponentials divided by their column sums (over queries)
@@ -54,8 +54,7 @@ SLIPS = (
 
 _WHY = {
     "forgot to scale": "these are the scores without the scale: multiply every q·k by 1/√d",
-    "multiplied by √d": "this multiplies by √d, as the card's text writes it; standard "
-    "attention divides by √d",
+    "multiplied by √d": "this multiplies by √d; standard attention divides by √d",
     "used len(q) for d": "this uses d = len(q); here d is given and is not the length of q",
     "forgot to subtract the max": "these are exp(s), not exp(s − max): subtract the row's "
     "maximum first (same weights in exact arithmetic, but exp overflows without it)",

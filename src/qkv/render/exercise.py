@@ -15,9 +15,16 @@ __all__ = ["render_exercise"]
 
 
 def render_exercise(
-    ex: Any, format: str = "text", *, answers: bool = False, exact: bool = False
+    ex: Any,
+    format: str = "text",
+    *,
+    answers: bool = False,
+    exact: bool = False,
+    hint: bool = True,
 ) -> str:
-    """The problem (and, with ``answers``, its worked solution) in ``format``.
+    """The problem (and, with ``answers``, its worked solution) in ``format``; ``hint=False``
+    leaves out the line naming the command that shows the answers (``qkv exercise
+    --practice`` asks for them step by step instead).
 
     Examples
     --------
@@ -39,6 +46,6 @@ def render_exercise(
     blocks += [Para(t) for t in ex.tasks()]
     if answers:
         blocks += build(ex.trace(exact=exact), title="Worked solution")
-    else:
+    elif hint:
         blocks.append(Para(f"Check your work with: {ex.command()} --answers", "note"))
     return render_blocks(blocks, format)
