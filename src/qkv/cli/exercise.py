@@ -8,7 +8,7 @@ from typing import Any
 from ..checks import parse_int
 from ..errors import InputError
 from ..explanation.exercise import LIMIT, make_exercise
-from .options import add_format, arg_type, emit, write_stdout
+from .options import add_command, add_format, arg_type, emit, write_stdout
 
 NAME = "exercise"
 HELP = "a practice problem with small integers (same seed, same problem)"
@@ -27,13 +27,7 @@ split by ";"); a wrong one is checked against the common slips (forgot to scale,
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser(
-        NAME,
-        help=HELP,
-        description=HELP,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = add_command(sub, NAME, HELP, EPILOG)
     p.add_argument(
         "--seed",
         metavar="N",

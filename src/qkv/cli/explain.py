@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from ..explanation.trace import explain
-from .options import add_format, add_inputs, emit, trace_kwargs
+from .options import add_command, add_format, add_inputs, emit, trace_kwargs
 
 NAME = "explain"
 HELP = "show every step of softmax(q·Kᵀ·scale)·V"
@@ -21,13 +21,7 @@ Without --v the trace stops at the weights. --d D sets the scale to 1/sqrt(D);
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser(
-        NAME,
-        help=HELP,
-        description=HELP,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = add_command(sub, NAME, HELP, EPILOG)
     add_inputs(p, values=True, masks=True)
     add_format(p)
     p.set_defaults(run=run)

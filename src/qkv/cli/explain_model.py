@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from ..checks import parse_int
-from .options import arg_type, emit
+from .options import add_command, arg_type, emit
 
 NAME = "explain-model"
 HELP = "explain one attention head of a local model for one token of a text"
@@ -24,13 +24,7 @@ scale and shows every head of the layer as a heatmap."""
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser(
-        NAME,
-        help=HELP,
-        description=HELP,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = add_command(sub, NAME, HELP, EPILOG)
     p.add_argument("--text", required=True, metavar="TEXT", help="the text to tokenise")
     p.add_argument("--model", metavar="DIR", help="a local Hugging Face model folder")
     for name, meta, text in (("--layer", "L", "attention layer"), ("--head", "H", "query head")):

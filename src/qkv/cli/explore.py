@@ -9,7 +9,7 @@ from ..checks import parse_int
 from ..errors import InputError
 from ..explanation.trace import explain
 from ..render.explore import explore_page
-from .options import add_inputs, arg_type, emit, trace_kwargs
+from .options import add_command, add_inputs, arg_type, emit, trace_kwargs
 
 NAME = "explore"
 HELP = "an HTML page: divide by √d, multiply by √d, or no scale, side by side"
@@ -22,13 +22,7 @@ page is written. --row picks the query row shown key by key (default: the last).
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser(
-        NAME,
-        help=HELP,
-        description=HELP,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = add_command(sub, NAME, HELP, EPILOG)
     add_inputs(p, values=True, masks=True)
     p.add_argument(
         "--row",

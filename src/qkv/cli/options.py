@@ -73,6 +73,18 @@ def add_format(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", metavar="FILE", help="write to FILE instead of standard output")
 
 
+def add_command(sub: Any, name: str, help: str, epilog: str) -> argparse.ArgumentParser:
+    """A subcommand's parser: ``help`` is also its description, ``epilog`` its examples (kept
+    as written)."""
+    return sub.add_parser(
+        name,
+        help=help,
+        description=help,
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
 def trace_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """Arguments for :func:`qkv.explain` from the parsed options."""
     d = None if args.d is None else parse.d_value(args.d)

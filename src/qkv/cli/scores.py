@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from ..explanation.trace import explain
-from .options import add_format, add_inputs, emit, trace_kwargs
+from .options import add_command, add_format, add_inputs, emit, trace_kwargs
 
 NAME = "scores"
 HELP = "pre-softmax scores q·Kᵀ·scale, saying which scale formula was used"
@@ -17,13 +17,7 @@ EPILOG = """examples:
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser(
-        NAME,
-        help=HELP,
-        description=HELP,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = add_command(sub, NAME, HELP, EPILOG)
     add_inputs(p, values=False, masks=False)
     add_format(p)
     p.set_defaults(run=run)
