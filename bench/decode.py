@@ -2,6 +2,8 @@
 
     python bench/decode.py [--batch 8] [--heads 32] [--kv-heads 32] [--s 4096] [--d 128]
     python bench/decode.py --kv-heads 8 --ragged 1024 8192   # KVCache, lengths 1024..8192
+    python bench/decode.py --grid                  # group sizes 1/4/8 x d 64/128, and ragged
+    python bench/decode.py --kv-heads 8 --jit off  # qkv's NumPy kernel only (QKV_JIT=0)
 
 Measures in one process qkv.attention (kernel "auto" -> decode), PyTorch's CPU
 scaled_dot_product_attention and naive NumPy; prints the time ratio against PyTorch and the
@@ -10,11 +12,18 @@ With ``--kv-heads`` below ``--heads`` the query heads share kv heads (grouped-qu
 With ``--ragged LO HI`` the sequences have lengths drawn from ``LO..HI`` and live in a
 ``qkv.KVCache``; PyTorch gets them padded to the longest with a key mask, and a loop of
 ``qkv.attention`` over the sequences is measured as well.
+qkv runs with its compiled kernels (``qkv[jit]``, Numba) and without (``QKV_JIT=0``), both in
+the same process, unless ``--jit on`` or ``--jit off`` picks one. ``--grid`` runs the grouped
+workloads of group sizes 1, 4, 8 by head dims 64 and 128 (heads 32) and the ragged cache of
+lengths 1024..8192 (kv heads 8, d 128), one table each.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+from collections.abc import Callable
+from typing import Any
 
 import _common
 import machine
@@ -29,6 +38,33 @@ def naive(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
     return (w / w.sum(axis=-1, keepdims=True)) @ v
 
 
+def with_jit(on: bool, fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` run with qkv's compiled kernels switched on or off (``QKV_JIT``)."""
+
+    def run() -> Any:
+        old = os.environ.get("QKV_JIT")
+        os.environ["QKV_JIT"] = "1" if on else "0"
+        try:
+            return fn()
+        finally:
+            if old is None:
+                del os.environ["QKV_JIT"]
+            else:
+                os.environ["QKV_JIT"] = old
+
+    return run
+
+
+def qkv_contenders(name: str, fn: Callable[[], Any], jit: str) -> dict[str, Callable[[], Any]]:
+    """``fn`` with the compiled kernels (``name (jit)``) and without (``name (numpy)``)."""
+    from qkv.kernels.jit import enabled
+
+    modes = {"both": (True, False), "on": (True,), "off": (False,)}[jit]
+    if not enabled():
+        modes = tuple(m for m in modes if not m) or (False,)
+    return {f"{name} ({'jit' if on else 'numpy'})": with_jit(on, fn) for on in modes}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=8)
@@ -38,19 +74,34 @@ def main() -> None:
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--ragged", type=int, nargs=2, metavar=("LO", "HI"), default=None)
+    ap.add_argument("--jit", choices=("both", "on", "off"), default="both")
+    ap.add_argument("--grid", action="store_true", help="groups 1/4/8 x d 64/128, and ragged")
     args = ap.parse_args()
     b, h, s, d = args.batch, args.heads, args.s, args.d
     hkv = args.kv_heads or h
-    if args.ragged:
-        ragged(args, b, h, hkv, d)
-        return
-
     read = machine.read_gbps()
+    if args.grid:
+        for dim in (64, 128):
+            for group in (1, 4, 8):
+                grouped(args, b, h, h // group, s, dim, read)
+                print()
+        args.ragged = (1024, 8192)
+        ragged(args, b, h, 8, 128, read)
+    elif args.ragged:
+        ragged(args, b, h, hkv, d, read)
+    else:
+        grouped(args, b, h, hkv, s, d, read)
+
+
+def grouped(
+    args: argparse.Namespace, b: int, h: int, hkv: int, s: int, d: int, read: float
+) -> None:
+    """One query per head against equal-length K/V, ``h // hkv`` query heads per kv head."""
     rng = np.random.default_rng(0)
     q = rng.standard_normal((b, h, 1, d), dtype=np.float32)
     k, v = (rng.standard_normal((b, hkv, s, d), dtype=np.float32) for _ in range(2))
     nbytes = k.nbytes + v.nbytes
-    contenders = {"qkv": lambda: qkv.attention(q, k, v, causal=True)}
+    contenders = qkv_contenders("qkv", lambda: qkv.attention(q, k, v, causal=True), args.jit)
     try:
         import torch
 
@@ -68,7 +119,7 @@ def main() -> None:
     if hkv == h:
         contenders["naive numpy"] = lambda: naive(q, k, v)
 
-    ref = np.asarray(contenders["qkv"]())
+    ref = np.asarray(next(iter(contenders.values()))())
     rows = []
     times = _common.race(contenders, repeat=args.repeat, pause=0.1)
     for name, fn in contenders.items():
@@ -85,7 +136,7 @@ def main() -> None:
             }
         )
     print(
-        f"decode float32 B{b} H{h} (kv {hkv}) S{s} d{d}, one query each; "
+        f"decode float32 B{b} H{h} (kv {hkv}, group {h // hkv}) S{s} d{d}, one query each; "
         f"K+V {_common.mib(nbytes)}; memory read {read:.1f} GB/s"
     )
     report(contenders, rows, times)
@@ -101,10 +152,9 @@ def report(contenders: dict, rows: list[dict], times: dict[str, float]) -> None:
     print(_common.table(rows, cols + ["max |diff| vs qkv"]))
 
 
-def ragged(args: argparse.Namespace, b: int, h: int, hkv: int, d: int) -> None:
+def ragged(args: argparse.Namespace, b: int, h: int, hkv: int, d: int, read: float) -> None:
     """Sequences of different lengths in a KVCache, one new query each."""
     lo, hi = args.ragged
-    read = machine.read_gbps()
     rng = np.random.default_rng(0)
     lengths = np.sort(rng.integers(lo, hi + 1, size=b))[::-1].copy()
     lengths[0], lengths[-1] = hi, lo  # the whole range, every time
@@ -116,9 +166,13 @@ def ragged(args: argparse.Namespace, b: int, h: int, hkv: int, d: int) -> None:
     q = rng.standard_normal((b, h, 1, d), dtype=np.float32)
     nbytes = int(lengths.sum()) * hkv * 2 * d * 4
     contenders = {
-        "qkv KVCache.attend": lambda: cache.attend(q),
-        "qkv loop of attention": lambda: np.stack(
-            [qkv.attention(q[i], cache.keys(i), cache.values(i), causal=True) for i in range(b)]
+        **qkv_contenders("qkv KVCache.attend", lambda: cache.attend(q), args.jit),
+        **qkv_contenders(
+            "qkv loop of attention",
+            lambda: np.stack(
+                [qkv.attention(q[i], cache.keys(i), cache.values(i), causal=True) for i in range(b)]
+            ),
+            args.jit,
         ),
     }
     try:
@@ -140,7 +194,7 @@ def ragged(args: argparse.Namespace, b: int, h: int, hkv: int, d: int) -> None:
         contenders["torch sdpa"] = run_torch
     except ImportError:
         print("PyTorch not installed: no peer to compare against")
-    ref = np.asarray(contenders["qkv KVCache.attend"]())
+    ref = np.asarray(next(iter(contenders.values()))())
     times = _common.race(contenders, repeat=args.repeat, pause=0.1)
     rows = []
     for name, fn in contenders.items():
