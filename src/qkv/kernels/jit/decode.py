@@ -75,7 +75,7 @@ _EXP32 = _exp_kernel(np.float32, 7, 126)
 _EXP64 = _exp_kernel(np.float64, 13, 1022)
 
 
-@overload(_exp_nonpositive, inline="always", jit_options={"fastmath": _FAST})
+@overload(_exp_nonpositive, jit_options={"fastmath": _FAST})
 def _exp_nonpositive_compiled(x):  # pragma: no cover - compiled
     if isinstance(x, types.Float):
         return _EXP32 if x.bitwidth == 32 else _EXP64
@@ -227,7 +227,23 @@ def head(q, k, v, lo, hi, L, out, lse):  # pragma: no cover - compiled
         for r in range(R):
             a = lo[r % L] - j0
             b = hi[r % L] - j0
-            mb = m[r]
+            mr = m[r]
+            if a <= 0 and b >= nb and mr != ninf:
+                # Every key of the block visible to this row: unless one beats the running
+                # max (rare once a few blocks are in), the weights need no rescaling. Counting
+                # is a reduction LLVM vectorises; NaN never counts, and turns its weight NaN.
+                above = 0
+                for jj in range(nb):
+                    above += s[r, jj] > mr
+                if above == 0:
+                    total = zero
+                    for jj in range(nb):
+                        p = _exp_nonpositive(s[r, jj] - mr)
+                        s[r, jj] = p
+                        total += p
+                    den[r] += total
+                    continue
+            mb = mr
             for jj in range(nb):
                 if jj < a or jj >= b:
                     s[r, jj] = ninf
@@ -237,8 +253,8 @@ def head(q, k, v, lo, hi, L, out, lse):  # pragma: no cover - compiled
                 safe = zero  # nothing seen yet: every weight is exp(-inf) = 0
             else:
                 safe = mb
-                if m[r] != mb:
-                    alpha = np.exp(m[r] - mb)
+                if mr != mb:
+                    alpha = np.exp(mr - mb)
                     den[r] *= alpha
                     for c in range(dv):
                         out[r, c] *= alpha
