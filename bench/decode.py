@@ -16,6 +16,9 @@ qkv runs with its compiled kernels (``qkv[jit]``, Numba) and without (``QKV_JIT=
 the same process, unless ``--jit on`` or ``--jit off`` picks one. ``--grid`` runs the grouped
 workloads of group sizes 1, 4, 8 by head dims 64 and 128 (heads 32) and the ragged cache of
 lengths 1024..8192 (kv heads 8, d 128), one table each.
+The machine is shared and its read rate drifts with the load: a plain read of the same K/V on
+every core races with the contenders (row ``read K+V``), and "of read rate" divides by the
+larger of it and ``bench/machine.py``'s rate measured at the start.
 """
 
 from __future__ import annotations
@@ -119,37 +122,80 @@ def grouped(
     if hkv == h:
         contenders["naive numpy"] = lambda: naive(q, k, v)
 
+    read = table(contenders, [k, v], nbytes, read, args.repeat)
+    print(
+        f"decode float32 B{b} H{h} (kv {hkv}, group {h // hkv}) S{s} d{d}, one query each; "
+        f"K+V {_common.mib(nbytes)}; memory read {read:.1f} GB/s"
+    )
+    report(contenders)
+
+
+def reader(arrays: list[np.ndarray]) -> Callable[[], Any]:
+    """Read ``arrays`` once on every core (BLAS ``dot`` of each core's share with itself, as
+    ``bench/machine.py`` reads): the read rate for these very bytes, raced with the contenders
+    so that it meets the same background load."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from qkv.kernels._threads import cpu_count, single_threaded_blas
+
+    flat = [a.reshape(-1) for a in arrays]
+    parts = [p for a in flat for p in np.array_split(a, cpu_count())]
+    pool = ThreadPoolExecutor(cpu_count())
+
+    def run() -> None:
+        with single_threaded_blas():
+            list(pool.map(lambda p: float(p @ p), parts))
+
+    return run
+
+
+_ROWS: list[dict] = []
+_TIMES: dict[str, float] = {}
+
+
+def table(
+    contenders: dict[str, Callable[[], Any]],
+    arrays: list[np.ndarray],
+    nbytes: int,
+    read: float,
+    repeat: int,
+) -> float:
+    """Race the contenders and a reader of the same K/V; fill the rows. Returns the read rate
+    used as the denominator: the larger of ``read`` and the raced reader's rate."""
     ref = np.asarray(next(iter(contenders.values()))())
-    rows = []
-    times = _common.race(contenders, repeat=args.repeat, pause=0.1)
-    for name, fn in contenders.items():
-        out = np.asarray(fn())
+    timed = {**contenders, READER: reader(arrays)}
+    times = _common.race(timed, repeat=repeat, pause=0.1)
+    read = max(read, nbytes / times[READER] / 1e9)
+    _ROWS.clear()
+    _TIMES.clear()
+    _TIMES.update(times)
+    for name, fn in timed.items():
         rate = nbytes / times[name] / 1e9
-        rows.append(
+        diff = "-" if name == READER else f"{np.max(np.abs(np.asarray(fn()) - ref)):.1e}"
+        _ROWS.append(
             {
                 "contender": name,
                 "time": f"{times[name] * 1e3:,.2f} ms",
                 "K+V GB/s": f"{rate:.1f}",
                 "of read rate": f"{rate / read:.0%}",
                 "peak extra": _common.mib(_common.peak_extra_bytes(fn)),
-                "max |diff| vs qkv": f"{np.max(np.abs(out - ref)):.1e}",
+                "max |diff| vs qkv": diff,
             }
         )
-    print(
-        f"decode float32 B{b} H{h} (kv {hkv}, group {h // hkv}) S{s} d{d}, one query each; "
-        f"K+V {_common.mib(nbytes)}; memory read {read:.1f} GB/s"
-    )
-    report(contenders, rows, times)
+    return read
 
 
-def report(contenders: dict, rows: list[dict], times: dict[str, float]) -> None:
-    """Print the threads line and the table (rows already filled but for the ratio)."""
-    peer = times.get("torch sdpa")
-    for row, name in zip(rows, contenders, strict=True):
-        row["time / torch"] = f"{times[name] / peer:.2f}x" if peer else "-"
+READER = "read K+V (all cores)"
+
+
+def report(contenders: dict) -> None:
+    """Print the threads line and the table of the last :func:`table` (ratio to PyTorch)."""
+    peer = _TIMES.get("torch sdpa")
+    for row in _ROWS:
+        row["time / torch"] = f"{_TIMES[row['contender']] / peer:.2f}x" if peer else "-"
     print(f"threads: {_common.threads_info()}")
     cols = ["contender", "time", "time / torch", "K+V GB/s", "of read rate", "peak extra"]
-    print(_common.table(rows, cols + ["max |diff| vs qkv"]))
+    print(_common.table(_ROWS, cols + ["max |diff| vs qkv"]))
 
 
 def ragged(args: argparse.Namespace, b: int, h: int, hkv: int, d: int, read: float) -> None:
@@ -194,27 +240,14 @@ def ragged(args: argparse.Namespace, b: int, h: int, hkv: int, d: int, read: flo
         contenders["torch sdpa"] = run_torch
     except ImportError:
         print("PyTorch not installed: no peer to compare against")
-    ref = np.asarray(next(iter(contenders.values()))())
-    times = _common.race(contenders, repeat=args.repeat, pause=0.1)
-    rows = []
-    for name, fn in contenders.items():
-        rate = nbytes / times[name] / 1e9
-        rows.append(
-            {
-                "contender": name,
-                "time": f"{times[name] * 1e3:,.2f} ms",
-                "K+V GB/s": f"{rate:.1f}",
-                "of read rate": f"{rate / read:.0%}",
-                "peak extra": _common.mib(_common.peak_extra_bytes(fn)),
-                "max |diff| vs qkv": f"{np.max(np.abs(np.asarray(fn()) - ref)):.1e}",
-            }
-        )
+    arrays = [cache.keys(i) for i in range(b)] + [cache.values(i) for i in range(b)]
+    read = table(contenders, [np.ascontiguousarray(a) for a in arrays], nbytes, read, args.repeat)
     print(
         f"ragged decode float32 B{b} H{h} (kv {hkv}) d{d}, lengths {lo}..{hi} "
         f"(sum {int(lengths.sum())}), one query each; K+V {_common.mib(nbytes)}; "
         f"memory read {read:.1f} GB/s"
     )
-    report(contenders, rows, times)
+    report(contenders)
 
 
 if __name__ == "__main__":
