@@ -2,6 +2,8 @@
 
     python bench/decode.py [--batch 8] [--heads 32] [--kv-heads 32] [--s 4096] [--d 128]
     python bench/decode.py --kv-heads 8 --ragged 1024 8192   # KVCache, lengths 1024..8192
+    python bench/decode.py --grid                  # group sizes 1/4/8 x d 64/128, and ragged
+    python bench/decode.py --kv-heads 8 --jit off  # qkv's NumPy kernel only (QKV_JIT=0)
 
 Measures in one process qkv.attention (kernel "auto" -> decode), PyTorch's CPU
 scaled_dot_product_attention and naive NumPy; prints the time ratio against PyTorch and the
@@ -10,11 +12,21 @@ With ``--kv-heads`` below ``--heads`` the query heads share kv heads (grouped-qu
 With ``--ragged LO HI`` the sequences have lengths drawn from ``LO..HI`` and live in a
 ``qkv.KVCache``; PyTorch gets them padded to the longest with a key mask, and a loop of
 ``qkv.attention`` over the sequences is measured as well.
+qkv runs with its compiled kernels (``qkv[jit]``, Numba) and without (``QKV_JIT=0``), both in
+the same process, unless ``--jit on`` or ``--jit off`` picks one. ``--grid`` runs the grouped
+workloads of group sizes 1, 4, 8 by head dims 64 and 128 (heads 32) and the ragged cache of
+lengths 1024..8192 (kv heads 8, d 128), one table each.
+The machine is shared and its read rate drifts with the load: a plain read of the same K/V on
+every core races with the contenders (row ``read K+V``), and "of read rate" divides by the
+larger of it and ``bench/machine.py``'s rate measured at the start.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+from collections.abc import Callable
+from typing import Any
 
 import _common
 import machine
@@ -29,6 +41,33 @@ def naive(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
     return (w / w.sum(axis=-1, keepdims=True)) @ v
 
 
+def with_jit(on: bool, fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` run with qkv's compiled kernels switched on or off (``QKV_JIT``)."""
+
+    def run() -> Any:
+        old = os.environ.get("QKV_JIT")
+        os.environ["QKV_JIT"] = "1" if on else "0"
+        try:
+            return fn()
+        finally:
+            if old is None:
+                del os.environ["QKV_JIT"]
+            else:
+                os.environ["QKV_JIT"] = old
+
+    return run
+
+
+def qkv_contenders(name: str, fn: Callable[[], Any], jit: str) -> dict[str, Callable[[], Any]]:
+    """``fn`` with the compiled kernels (``name (jit)``) and without (``name (numpy)``)."""
+    from qkv.kernels.jit import enabled
+
+    modes = {"both": (True, False), "on": (True,), "off": (False,)}[jit]
+    if not enabled():
+        modes = tuple(m for m in modes if not m) or (False,)
+    return {f"{name} ({'jit' if on else 'numpy'})": with_jit(on, fn) for on in modes}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=8)
@@ -38,19 +77,34 @@ def main() -> None:
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--ragged", type=int, nargs=2, metavar=("LO", "HI"), default=None)
+    ap.add_argument("--jit", choices=("both", "on", "off"), default="both")
+    ap.add_argument("--grid", action="store_true", help="groups 1/4/8 x d 64/128, and ragged")
     args = ap.parse_args()
     b, h, s, d = args.batch, args.heads, args.s, args.d
     hkv = args.kv_heads or h
-    if args.ragged:
-        ragged(args, b, h, hkv, d)
-        return
-
     read = machine.read_gbps()
+    if args.grid:
+        for dim in (64, 128):
+            for group in (1, 4, 8):
+                grouped(args, b, h, h // group, s, dim, read)
+                print()
+        args.ragged = (1024, 8192)
+        ragged(args, b, h, 8, 128, read)
+    elif args.ragged:
+        ragged(args, b, h, hkv, d, read)
+    else:
+        grouped(args, b, h, hkv, s, d, read)
+
+
+def grouped(
+    args: argparse.Namespace, b: int, h: int, hkv: int, s: int, d: int, read: float
+) -> None:
+    """One query per head against equal-length K/V, ``h // hkv`` query heads per kv head."""
     rng = np.random.default_rng(0)
     q = rng.standard_normal((b, h, 1, d), dtype=np.float32)
     k, v = (rng.standard_normal((b, hkv, s, d), dtype=np.float32) for _ in range(2))
     nbytes = k.nbytes + v.nbytes
-    contenders = {"qkv": lambda: qkv.attention(q, k, v, causal=True)}
+    contenders = qkv_contenders("qkv", lambda: qkv.attention(q, k, v, causal=True), args.jit)
     try:
         import torch
 
@@ -68,43 +122,85 @@ def main() -> None:
     if hkv == h:
         contenders["naive numpy"] = lambda: naive(q, k, v)
 
-    ref = np.asarray(contenders["qkv"]())
-    rows = []
-    times = _common.race(contenders, repeat=args.repeat, pause=0.1)
-    for name, fn in contenders.items():
-        out = np.asarray(fn())
+    read = table(contenders, [k, v], nbytes, read, args.repeat)
+    print(
+        f"decode float32 B{b} H{h} (kv {hkv}, group {h // hkv}) S{s} d{d}, one query each; "
+        f"K+V {_common.mib(nbytes)}; memory read {read:.1f} GB/s"
+    )
+    report(contenders)
+
+
+def reader(arrays: list[np.ndarray]) -> Callable[[], Any]:
+    """Read ``arrays`` once on every core (BLAS ``dot`` of each core's share with itself, as
+    ``bench/machine.py`` reads): the read rate for these very bytes, raced with the contenders
+    so that it meets the same background load."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from qkv.kernels._threads import cpu_count, single_threaded_blas
+
+    flat = [a.reshape(-1) for a in arrays]
+    parts = [p for a in flat for p in np.array_split(a, cpu_count())]
+    pool = ThreadPoolExecutor(cpu_count())
+
+    def run() -> None:
+        with single_threaded_blas():
+            list(pool.map(lambda p: float(p @ p), parts))
+
+    return run
+
+
+_ROWS: list[dict] = []
+_TIMES: dict[str, float] = {}
+
+
+def table(
+    contenders: dict[str, Callable[[], Any]],
+    arrays: list[np.ndarray],
+    nbytes: int,
+    read: float,
+    repeat: int,
+) -> float:
+    """Race the contenders and a reader of the same K/V; fill the rows. Returns the read rate
+    used as the denominator: the larger of ``read`` and the raced reader's rate."""
+    ref = np.asarray(next(iter(contenders.values()))())
+    timed = {**contenders, READER: reader(arrays)}
+    times = _common.race(timed, repeat=repeat, pause=0.1)
+    read = max(read, nbytes / times[READER] / 1e9)
+    _ROWS.clear()
+    _TIMES.clear()
+    _TIMES.update(times)
+    for name, fn in timed.items():
         rate = nbytes / times[name] / 1e9
-        rows.append(
+        diff = "-" if name == READER else f"{np.max(np.abs(np.asarray(fn()) - ref)):.1e}"
+        _ROWS.append(
             {
                 "contender": name,
                 "time": f"{times[name] * 1e3:,.2f} ms",
                 "K+V GB/s": f"{rate:.1f}",
                 "of read rate": f"{rate / read:.0%}",
                 "peak extra": _common.mib(_common.peak_extra_bytes(fn)),
-                "max |diff| vs qkv": f"{np.max(np.abs(out - ref)):.1e}",
+                "max |diff| vs qkv": diff,
             }
         )
-    print(
-        f"decode float32 B{b} H{h} (kv {hkv}) S{s} d{d}, one query each; "
-        f"K+V {_common.mib(nbytes)}; memory read {read:.1f} GB/s"
-    )
-    report(contenders, rows, times)
+    return read
 
 
-def report(contenders: dict, rows: list[dict], times: dict[str, float]) -> None:
-    """Print the threads line and the table (rows already filled but for the ratio)."""
-    peer = times.get("torch sdpa")
-    for row, name in zip(rows, contenders, strict=True):
-        row["time / torch"] = f"{times[name] / peer:.2f}x" if peer else "-"
+READER = "read K+V (all cores)"
+
+
+def report(contenders: dict) -> None:
+    """Print the threads line and the table of the last :func:`table` (ratio to PyTorch)."""
+    peer = _TIMES.get("torch sdpa")
+    for row in _ROWS:
+        row["time / torch"] = f"{_TIMES[row['contender']] / peer:.2f}x" if peer else "-"
     print(f"threads: {_common.threads_info()}")
     cols = ["contender", "time", "time / torch", "K+V GB/s", "of read rate", "peak extra"]
-    print(_common.table(rows, cols + ["max |diff| vs qkv"]))
+    print(_common.table(_ROWS, cols + ["max |diff| vs qkv"]))
 
 
-def ragged(args: argparse.Namespace, b: int, h: int, hkv: int, d: int) -> None:
+def ragged(args: argparse.Namespace, b: int, h: int, hkv: int, d: int, read: float) -> None:
     """Sequences of different lengths in a KVCache, one new query each."""
     lo, hi = args.ragged
-    read = machine.read_gbps()
     rng = np.random.default_rng(0)
     lengths = np.sort(rng.integers(lo, hi + 1, size=b))[::-1].copy()
     lengths[0], lengths[-1] = hi, lo  # the whole range, every time
@@ -116,9 +212,13 @@ def ragged(args: argparse.Namespace, b: int, h: int, hkv: int, d: int) -> None:
     q = rng.standard_normal((b, h, 1, d), dtype=np.float32)
     nbytes = int(lengths.sum()) * hkv * 2 * d * 4
     contenders = {
-        "qkv KVCache.attend": lambda: cache.attend(q),
-        "qkv loop of attention": lambda: np.stack(
-            [qkv.attention(q[i], cache.keys(i), cache.values(i), causal=True) for i in range(b)]
+        **qkv_contenders("qkv KVCache.attend", lambda: cache.attend(q), args.jit),
+        **qkv_contenders(
+            "qkv loop of attention",
+            lambda: np.stack(
+                [qkv.attention(q[i], cache.keys(i), cache.values(i), causal=True) for i in range(b)]
+            ),
+            args.jit,
         ),
     }
     try:
@@ -140,27 +240,14 @@ def ragged(args: argparse.Namespace, b: int, h: int, hkv: int, d: int) -> None:
         contenders["torch sdpa"] = run_torch
     except ImportError:
         print("PyTorch not installed: no peer to compare against")
-    ref = np.asarray(contenders["qkv KVCache.attend"]())
-    times = _common.race(contenders, repeat=args.repeat, pause=0.1)
-    rows = []
-    for name, fn in contenders.items():
-        rate = nbytes / times[name] / 1e9
-        rows.append(
-            {
-                "contender": name,
-                "time": f"{times[name] * 1e3:,.2f} ms",
-                "K+V GB/s": f"{rate:.1f}",
-                "of read rate": f"{rate / read:.0%}",
-                "peak extra": _common.mib(_common.peak_extra_bytes(fn)),
-                "max |diff| vs qkv": f"{np.max(np.abs(np.asarray(fn()) - ref)):.1e}",
-            }
-        )
+    arrays = [cache.keys(i) for i in range(b)] + [cache.values(i) for i in range(b)]
+    read = table(contenders, [np.ascontiguousarray(a) for a in arrays], nbytes, read, args.repeat)
     print(
         f"ragged decode float32 B{b} H{h} (kv {hkv}) d{d}, lengths {lo}..{hi} "
         f"(sum {int(lengths.sum())}), one query each; K+V {_common.mib(nbytes)}; "
         f"memory read {read:.1f} GB/s"
     )
-    report(contenders, rows, times)
+    report(contenders)
 
 
 if __name__ == "__main__":

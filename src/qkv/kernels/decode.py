@@ -9,6 +9,12 @@ stack their ``group · L`` queries against their kv head, so K/V are read once p
 When the batch and heads are too few to keep every core busy, the keys are split instead and
 the partial results are combined with :func:`qkv.merge.merge` (split-K, as in FlashDecoding).
 Only the keys that causal or a window leave visible are read.
+
+With Numba installed (``qkv[jit]``, not switched off by ``QKV_JIT=0``) a plan with no mask,
+bias or score-changing variant runs the compiled kernel (:mod:`qkv.kernels.jit.decode`) on the
+same work items: one pass over each kv head's keys and values in cache-sized blocks for all the
+group's query rows, instead of a skinny GEMM that BLAS runs far below the read rate. Other
+plans, and every plan without Numba, run the NumPy kernel here; both equal the reference.
 """
 
 from __future__ import annotations
@@ -18,13 +24,14 @@ from typing import Any
 
 import numpy as np
 
-from ..masks import allowed, key_range, query_positions
+from ..masks import allowed, key_bounds, key_range, query_positions
 from ..validate import Plan
 from . import mods
 from ._threads import default_threads, parallel_map
 from .blocks import merge_arrays
+from .jit import enabled as jit_enabled
 
-__all__ = ["ITEM_BYTES", "MIN_SPLIT", "attend", "attend_many"]
+__all__ = ["ITEM_BYTES", "MIN_SPLIT", "attend", "attend_many", "use_jit"]
 
 ITEM_BYTES = 32 << 20  # K/V bytes per work item: large enough to hide Python's overhead
 PARALLEL_BYTES = 4 << 20  # below this much K/V, threads cost more than they save
@@ -33,6 +40,9 @@ MIN_SPLIT = 1024  # fewest keys worth a split of their own
 # rows on (a grouped head's queries), one skinny GEMM over the head beats einsum by 2-4x.
 EINSUM_ROWS = 1
 MAX_KEYS = 32768  # keys per item at most: einsum sums in order, and merging halves the error
+# The compiled kernel costs microseconds per call, so its items can be smaller: more of them
+# keep both cores busy to the end when the sequences (a ragged cache) differ in length.
+JIT_ITEM_BYTES = 8 << 20
 
 Item = tuple[tuple[int, ...], int, int, int, int]
 
@@ -64,6 +74,11 @@ class _Problem:
         )
         if not plan.structured:
             self.inner_lo, self.inner_hi = self.lo, self.hi
+        self.jit = use_jit(plan)
+        # Each query row's own key range (the compiled kernel masks by it, row by row).
+        self.row_lo, self.row_hi = key_bounds(
+            query_positions(plan.L, plan.S), plan.S, plan.causal, plan.window
+        )
         self.out = np.zeros(plan.batch + (plan.L, plan.dv), dtype=self.dt)
         self.lse = np.full(plan.batch + (plan.L,), -np.inf, dtype=self.dt)
 
@@ -75,7 +90,8 @@ class _Problem:
         n_outer = math.prod(self.outer)
         if n_outer * self.kv_heads * per_head < PARALLEL_BYTES:
             threads = 1
-        heads = max(1, min(self.kv_heads, ITEM_BYTES // max(per_head, 1)))
+        budget = JIT_ITEM_BYTES if self.jit else ITEM_BYTES
+        heads = max(1, min(self.kv_heads, budget // max(per_head, 1)))
         chunks = n_outer * -(-self.kv_heads // heads)
         while chunks < threads and heads > 1:
             heads = -(-heads // 2)
@@ -94,6 +110,8 @@ class _Problem:
 
     def run(self, item: Item) -> tuple[np.ndarray, np.ndarray]:
         """Normalised output ``(nh, g·L, dv)`` and lse ``(nh, g·L)`` over keys ``[c0, c1)``."""
+        if self.jit:
+            return self._run_jit(item)
         outer, h0, h1, c0, c1 = item
         plan, dt, g, L = self.plan, self.dt, self.g, self.L
         nh, rows = h1 - h0, self.g * self.L
@@ -132,6 +150,27 @@ class _Problem:
         lse[empty] = -np.inf
         return o, lse
 
+    def _run_jit(self, item: Item) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`run` by the compiled kernel, one call per kv head."""
+        from .jit import decode as compiled
+
+        outer, h0, h1, c0, c1 = item
+        plan, dt, g, L = self.plan, self.dt, self.g, self.L
+        nh, rows, n = h1 - h0, g * L, c1 - c0
+        q = self.q[outer][h0 * g : h1 * g] * dt.type(plan.scale)
+        q = np.ascontiguousarray(q.reshape(nh, rows, plan.d))
+        lo = np.clip(self.row_lo - c0, 0, n)
+        hi = np.clip(self.row_hi - c0, 0, n)
+        o = np.empty((nh, rows, plan.dv), dtype=dt)
+        lse = np.empty((nh, rows), dtype=dt)
+        for i in range(nh):
+            # Rows of one head are contiguous in any C-ordered K/V (a KVCache too); anything
+            # else is copied piecewise, so only C-ordered arrays are ever compiled for.
+            k = np.ascontiguousarray(self.k[outer][h0 + i, c0:c1])
+            v = np.ascontiguousarray(self.v[outer][h0 + i, c0:c1])
+            compiled.head(q[i], k, v, lo, hi, L, o[i], lse[i])
+        return o, lse
+
     def store(self, item: Item, o: np.ndarray, lse: np.ndarray) -> None:
         outer, h0, h1 = item[:3]
         g, L = self.g, self.L
@@ -139,6 +178,25 @@ class _Problem:
         lse_all = _heads(self.lse, len(self.plan.batch))[outer]
         out[h0 * g : h1 * g] = o.reshape((h1 - h0) * g, L, -1)
         lse_all[h0 * g : h1 * g] = lse.reshape((h1 - h0) * g, L)
+
+
+def use_jit(plan: Plan) -> bool:
+    """Whether :func:`attend` runs ``plan`` with the compiled kernel.
+
+    Numba installed and not switched off (:func:`qkv.kernels.jit.enabled`), float32 or
+    float64 compute, and nothing but causal and a window restricting the keys: masks, biases
+    and the score-changing variants run the NumPy kernel (sinks are added afterwards either
+    way).
+    """
+    return (
+        plan.mask is None
+        and plan.bias is None
+        and not plan.modded
+        and plan.acc_dtype in (np.float32, np.float64)
+        and plan.d > 0
+        and plan.dv > 0
+        and jit_enabled()
+    )
 
 
 def attend(plan: Plan, *, threads: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -198,7 +256,10 @@ def attend_many(
         if prob.plan.L and prob.hi > prob.lo and math.prod(prob.plan.batch)
         for item in prob.items(n)
     ]
-    heavy = any(p.plan.group * p.plan.L > EINSUM_ROWS for p in probs)  # BLAS, not einsum
+    # Largest items first: the last ones to finish are then small, and both cores stay busy.
+    work.sort(key=lambda w: -(w[1][2] - w[1][1]) * (w[1][4] - w[1][3]) * probs[w[0]].g)
+    # BLAS, not einsum (nor the compiled kernel)
+    heavy = any(not p.jit and p.plan.group * p.plan.L > EINSUM_ROWS for p in probs)
     results = parallel_map(lambda w: probs[w[0]].run(w[1]), work, n, blas_heavy=heavy)
     pending: dict[tuple[Any, ...], list[tuple[Item, np.ndarray, np.ndarray]]] = {}
     for (i, item), (o, lse) in zip(work, results, strict=True):

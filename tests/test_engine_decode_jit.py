@@ -1,0 +1,185 @@
+"""The decode kernel with and without the compiled (Numba) path equals the reference.
+
+Every test runs twice: ``jit`` on (skipped without Numba) and ``QKV_JIT=0`` (the NumPy kernel),
+and checks which of the two actually ran, so both stay tested whatever is installed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import qkv
+from qkv import reference
+from qkv.kernels import decode
+from qkv.validate import make_plan
+
+TOL = {np.float16: 3e-3, np.float32: 3e-6, np.float64: 1e-12}
+
+
+@pytest.fixture(params=["jit", "numpy"])
+def jit(request, monkeypatch) -> bool:
+    if request.param == "jit":
+        pytest.importorskip("numba")
+        monkeypatch.setenv("QKV_JIT", "1")
+        return True
+    monkeypatch.setenv("QKV_JIT", "0")
+    return False
+
+
+def _data(rng, B, H, hkv, L, S, d, dv, dtype=np.float64):
+    q = rng.standard_normal((B, H, L, d)).astype(dtype)
+    k = rng.standard_normal((B, hkv, S, d)).astype(dtype)
+    v = rng.standard_normal((B, hkv, S, dv)).astype(dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("L", [1, 2, 3, 4])
+@pytest.mark.parametrize(
+    ("causal", "window"), [(True, None), (False, None), (True, (100, None)), (False, (3, 40))]
+)
+def test_decode_equals_reference(jit, group, L, causal, window):
+    rng = np.random.default_rng(group * 100 + L * 10 + causal)
+    q, k, v = _data(rng, 2, 8, 8 // group, L, 1037, 24, 7)  # 1037 keys: no whole blocks
+    plan = make_plan(q, k, v, causal=causal, window=window)
+    assert decode.use_jit(plan) is jit
+    got, lse = decode.attend(plan)
+    want, want_lse = reference.attention(q, k, v, causal=causal, window=window, return_lse=True)
+    np.testing.assert_allclose(got, want, atol=1e-12)
+    np.testing.assert_allclose(lse, want_lse, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("S", [0, 1, 2, 63, 65, 5000])
+@pytest.mark.parametrize("group", [1, 4])
+def test_dtypes_and_short_caches(jit, dtype, S, group):
+    rng = np.random.default_rng(S + group)
+    q, k, v = _data(rng, 2, 8, 8 // group, 1, S, 16, 16, dtype)
+    got = qkv.attention(q, k, v, kernel="decode", causal=True)
+    assert got.dtype == dtype
+    want = reference.attention(q, k, v, causal=True)
+    np.testing.assert_allclose(got, want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_float32_head_dims_of_real_models(jit, d):
+    rng = np.random.default_rng(d)
+    q, k, v = _data(rng, 2, 8, 2, 1, 3001, d, d, np.float32)
+    got = qkv.attention(q, k, v, kernel="decode")
+    np.testing.assert_allclose(got, reference.attention(q, k, v), atol=3e-6)
+
+
+def test_keys_split_over_threads_merge_back(jit):
+    rng = np.random.default_rng(5)
+    q, k, v = _data(rng, 1, 8, 1, 2, 70_001, 32, 16, np.float32)
+    got, lse = decode.attend(make_plan(q, k, v, causal=True), threads=2)
+    want, want_lse = reference.attention(q, k, v, causal=True, return_lse=True)
+    np.testing.assert_allclose(got, want, atol=3e-6)
+    np.testing.assert_allclose(lse, want_lse, rtol=3e-6)
+
+
+def test_masks_and_variants_fall_back_and_stay_exact(jit):
+    """A boolean mask, a bias or soft-capping: the NumPy kernel, whatever QKV_JIT says."""
+    rng = np.random.default_rng(6)
+    q, k, v = _data(rng, 2, 8, 2, 2, 999, 16, 16)
+    mask = rng.random((2, 8, 2, 999)) > 0.3
+    for kwargs in ({"mask": mask}, {"mask": mask.astype(float) - 1.0}, {"softcap": 5.0}):
+        plan = make_plan(q, k, v, **kwargs)
+        assert not decode.use_jit(plan)
+        got = qkv.attention(q, k, v, kernel="decode", **kwargs)
+        np.testing.assert_allclose(got, reference.attention(q, k, v, **kwargs), atol=1e-12)
+
+
+def test_sinks_are_added_after_the_compiled_kernel(jit):
+    rng = np.random.default_rng(9)
+    q, k, v = _data(rng, 2, 8, 2, 1, 700, 16, 16)
+    sinks = rng.standard_normal(8)
+    plan = make_plan(q, k, v, sinks=sinks)
+    assert decode.use_jit(plan) is jit
+    got = qkv.attention(q, k, v, kernel="decode", sinks=sinks)
+    np.testing.assert_allclose(got, reference.attention(q, k, v, sinks=sinks), atol=1e-12)
+
+
+def test_row_that_sees_no_key_gives_zero_and_minus_inf(jit):
+    """Causal with more queries than keys: the first rows sit before the cache's start."""
+    rng = np.random.default_rng(10)
+    q, k, v = _data(rng, 1, 4, 2, 4, 2, 8, 8)
+    got, lse = decode.attend(make_plan(q, k, v, causal=True))
+    want, want_lse = reference.attention(q, k, v, causal=True, return_lse=True)
+    assert not got[..., :2, :].any() and (lse[..., :2] == -np.inf).all()
+    np.testing.assert_allclose(got, want, atol=1e-12)
+    np.testing.assert_allclose(lse, want_lse, atol=1e-12)
+
+
+def test_nan_and_inf_propagate_as_in_the_numpy_kernel(jit, monkeypatch):
+    rng = np.random.default_rng(11)
+    q, k, v = _data(rng, 2, 8, 2, 2, 1500, 16, 16, np.float32)
+    k[0, 0, 100, 3] = np.nan  # every row of kv head 0, batch 0: NaN
+    v[1, 1, 700, 5] = np.inf  # column 5 of kv head 1, batch 1: inf or NaN
+    k[1, 0, 1499, :] = -np.inf  # a key that only the last row sees, -inf scores for some
+    q[0, 5, 1, 2] = np.inf
+    with np.errstate(invalid="ignore", over="ignore"):  # as dispatch calls the kernels
+        got, lse = decode.attend(make_plan(q, k, v, causal=True))
+        monkeypatch.setenv("QKV_JIT", "0")
+        want, want_lse = decode.attend(make_plan(q, k, v, causal=True))
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+    np.testing.assert_allclose(got, want, rtol=3e-6, atol=3e-6, equal_nan=True)
+    np.testing.assert_array_equal(np.isnan(lse), np.isnan(want_lse))
+    assert np.isnan(got[0, :4]).all() and np.isfinite(got[0, 4:]).any()
+
+
+def test_non_contiguous_keys_and_values(jit):
+    rng = np.random.default_rng(12)
+    q, k, v = _data(rng, 2, 8, 2, 1, 800, 16, 16)
+    k = np.swapaxes(np.swapaxes(k, -1, -2).copy(), -1, -2)  # column-major rows
+    v = v[..., ::-1]
+    got = qkv.attention(q, k, v, kernel="decode")
+    np.testing.assert_allclose(got, reference.attention(q, k, v), atol=1e-12)
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+def test_ragged_kvcache_equals_reference_per_sequence(jit, group):
+    rng = np.random.default_rng(group)
+    lengths = [0, 1, 64, 1037, 3000, 5, 2048]
+    hkv, d = 8 // group, 16
+    cache = qkv.KVCache(len(lengths), hkv, d, dtype=np.float32)
+    for b, n in enumerate(lengths):
+        kv = rng.standard_normal((2, hkv, n, d)).astype(np.float32)
+        if n:
+            cache.append(kv[0], kv[1], seq=b)
+    for L in (1, 3):
+        q = rng.standard_normal((len(lengths), 8, L, d)).astype(np.float32)
+        for b, n in enumerate(lengths):  # the new queries' own keys are in the cache
+            if n < L:
+                q[b] = 0
+        got = cache.attend(q, kernel="decode")
+        for b, n in enumerate(lengths):
+            if n < L:
+                continue
+            want = reference.attention(q[b], cache.keys(b), cache.values(b), causal=True)
+            np.testing.assert_allclose(got[b], want, atol=3e-6, err_msg=f"seq {b} of {n}")
+        assert not got[0].any()  # an empty sequence gives zeros
+
+
+def test_compiled_kernel_directly_on_rows_with_different_ranges():
+    pytest.importorskip("numba")
+    from qkv.kernels.jit import decode as compiled
+
+    rng = np.random.default_rng(13)
+    R, L, n, d, dv = 6, 3, 200, 5, 3
+    q = rng.standard_normal((R, d))
+    k, v = rng.standard_normal((n, d)), rng.standard_normal((n, dv))
+    lo, hi = np.array([0, 70, 150]), np.array([0, 130, 200])  # row 0 of each query: no key
+    out, lse = np.empty((R, dv)), np.empty(R)
+    compiled.head(q, k, v, lo, hi, L, out, lse)
+    for r in range(R):
+        a, b = lo[r % L], hi[r % L]
+        if a == b:
+            assert not out[r].any() and lse[r] == -np.inf
+            continue
+        s = k[a:b] @ q[r]
+        w = np.exp(s - s.max())
+        np.testing.assert_allclose(out[r], w @ v[a:b] / w.sum(), atol=1e-13)
+        np.testing.assert_allclose(lse[r], s.max() + np.log(w.sum()), atol=1e-13)
