@@ -28,7 +28,7 @@ from ..masks import allowed, key_bounds, key_range, query_positions
 from ..validate import Plan
 from . import mods
 from ._threads import default_threads, parallel_map
-from .blocks import merge_arrays
+from .blocks import finish, merge_arrays
 from .jit import enabled as jit_enabled
 
 __all__ = ["ITEM_BYTES", "MIN_SPLIT", "attend", "attend_many", "use_jit"]
@@ -142,13 +142,7 @@ class _Problem:
         np.exp(s, out=s)
         denom = s.sum(axis=-1)
         o = np.einsum("hqs,hsd->hqd", s, v) if rows <= EINSUM_ROWS else s @ v
-        empty = denom == 0  # no key allowed in this range: output 0, lse -inf
-        o /= np.where(empty, dt.type(1), denom)[..., None]
-        o[empty] = 0
-        with np.errstate(divide="ignore"):
-            lse = m_safe + np.log(denom)
-        lse[empty] = -np.inf
-        return o, lse
+        return finish(o, denom, m_safe)  # a row with no key here: output 0, lse -inf
 
     def _run_jit(self, item: Item) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`run` by the compiled kernel, one call per kv head."""
