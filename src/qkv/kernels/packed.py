@@ -1,0 +1,222 @@
+"""Packed prefill: online softmax over many sequences of different lengths in one call.
+
+The layout of FlashAttention's varlen functions: ``q (total_q, heads, d)``, ``k``/``v
+(total_k, kv_heads, ·)``, sequence ``b`` in rows ``cq[b]:cq[b + 1]`` and ``ck[b]:ck[b + 1]``.
+Must equal :func:`qkv.reference.attention` on each sequence alone.
+
+Work items are ``(sequence, kv head)`` pairs, run on qkv's worker threads costliest first, so a
+batch of many sequences is one parallel pass with no per-sequence plan, dispatch or copy of
+the queries. Inside an item the ``group`` query heads that share the kv head are stacked as
+rows (row ``t`` is query ``t // group`` of head ``t % group``, the packed layout's own order):
+each key block is read once for the whole group and the products are ``group`` times taller.
+Query tiles of :data:`BLOCK_ROWS` stacked rows meet key blocks of :data:`BLOCK_K` keys::
+
+    s   = q_tile · k_blockᵀ · scale              # (rows, keys)
+    m'  = max(m, max_j s_j)   (skipped, m = 0, when Cauchy-Schwarz bounds every score)
+    acc = acc · exp(m - m') + exp(s - m') · [v_block | 1]
+
+the ones column summing the weights in the same product. Rows see keys by
+:func:`qkv.masks.key_bounds` (bottom-right causal, windows per sequence); key blocks no row of
+a tile sees are never visited, and only blocks across a row's bound are masked. Rows are
+finished by :func:`qkv.kernels.blocks.finish` (a row that sees no key: output 0, lse ``-inf``;
+NaN stays NaN). Plain attention only: masks, biases and score variants go to the other kernels.
+
+Memory: per thread one score block and one sequence's kv head of values with the ones column.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..masks import key_bounds
+from ._threads import parallel_map
+from .blocks import finish
+from .tiled import EDGE_SPLIT, _split
+
+__all__ = ["BLOCK_K", "BLOCK_ROWS", "TAU", "attend"]
+
+BLOCK_ROWS = 512  # stacked rows (queries × heads of a group) per tile
+BLOCK_K = 512  # keys per block
+TAU = 40.0  # scores within ±TAU need no running maximum (exp stays far from overflow)
+
+
+class _Walk:
+    """One call's shared state: arrays, offsets, scale, the visibility rule and outputs."""
+
+    def __init__(
+        self,
+        q: np.ndarray,
+        k: np.ndarray,
+        v: np.ndarray,
+        cq: np.ndarray,
+        ck: np.ndarray,
+        scale: float,
+        causal: bool,
+        window: Any,
+        dtype: np.dtype,
+        block_rows: int,
+        block_k: int,
+    ) -> None:
+        self.q, self.k, self.v, self.cq, self.ck = q, k, v, cq, ck
+        self.dt = dtype
+        self.group = q.shape[1] // k.shape[1]
+        self.scale = dtype.type(scale)
+        self.rule = (causal, window)
+        self.rows = max(1, block_rows // self.group)  # queries per tile
+        self.bk = max(1, block_k)
+        self.out = np.zeros((q.shape[0], q.shape[1], v.shape[2]), dtype=dtype)
+        self.lse = np.full(q.shape[:2], -np.inf, dtype=dtype)
+        self.tau = _safe_tau(v, int(np.max(np.diff(ck), initial=0)), dtype)
+
+    def item(self, it: tuple[int, int]) -> None:
+        """Every query tile of sequence ``b`` for the query heads of kv head ``h``."""
+        b, h = it
+        q0, k0 = int(self.cq[b]), int(self.ck[b])
+        L, S = int(self.cq[b + 1]) - q0, int(self.ck[b + 1]) - k0
+        g, dt = self.group, self.dt
+        k = self.k[k0 : k0 + S, h]
+        if k.dtype != dt:
+            k = k.astype(dt)
+        va = np.empty((S, self.v.shape[2] + 1), dtype=dt)
+        va[:, :-1] = self.v[k0 : k0 + S, h]
+        va[:, -1] = 1
+        knorm = np.sqrt(np.einsum("ij,ij->i", k, k))
+        heads = slice(h * g, (h + 1) * g)
+        pos = np.arange(L, dtype=np.int64) + (S - L)
+        lo_all, hi_all = key_bounds(pos, S, *self.rule)
+        for r0 in range(0, L, self.rows):
+            r1 = min(r0 + self.rows, L)
+            q = np.multiply(self.q[q0 + r0 : q0 + r1, heads], self.scale, dtype=dt)
+            acc, m = self.tile(
+                q.reshape(-1, q.shape[2]), k, va, knorm, lo_all[r0:r1], hi_all[r0:r1]
+            )
+            out, lse = finish(acc[:, :-1], acc[:, -1], m)
+            self.out[q0 + r0 : q0 + r1, heads] = out.reshape(r1 - r0, g, -1)
+            self.lse[q0 + r0 : q0 + r1, heads] = lse.reshape(r1 - r0, g)
+
+    def tile(
+        self,
+        q: np.ndarray,
+        k: np.ndarray,
+        va: np.ndarray,
+        knorm: np.ndarray,
+        lo: np.ndarray,
+        hi: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Stacked rows ``q`` (scaled) against their keys: accumulator (values and sums) and
+        offsets per row."""
+        g, dt, tau = self.group, self.dt, self.tau
+        n = q.shape[0]
+        first, last = int(lo[0]), int(hi[-1])
+        acc = np.zeros((n, va.shape[1]), dtype=dt)
+        bounded = False
+        if last > first:  # Cauchy-Schwarz: |q·k| <= |q| max|k|
+            qn = np.sqrt(np.einsum("ij,ij->i", q, q))
+            bounded = float(np.max(qn)) * float(np.max(knorm[first:last])) <= tau
+        m = np.full(n, 0.0 if bounded else -np.inf, dtype=dt)
+        buf = np.empty(n * min(self.bk, max(last - first, 1)), dtype=dt)
+        for c0, c1 in self.pieces(lo, hi):
+            a = int(np.searchsorted(hi, c0, side="right"))  # queries [a, b) see keys here
+            b = int(np.searchsorted(lo, c1, side="left"))
+            if a >= b:
+                continue
+            rows = slice(a * g, b * g)
+            s = buf[: (b - a) * g * (c1 - c0)].reshape((b - a) * g, c1 - c0)
+            np.matmul(q[rows], k[c0:c1].T, out=s)
+            if lo[b - 1] > c0 or hi[a] < c1:  # some row's bound falls inside the block
+                j = np.arange(c0, c1)
+                hidden = (j < lo[a:b, None]) | (j >= hi[a:b, None])
+                np.copyto(s.reshape(b - a, g, -1), -np.inf, where=hidden[:, None, :])
+            if not bounded:
+                self.move_offsets(s, m[rows], acc[rows])
+            np.exp(s, out=s)
+            acc[rows] += s @ va[c0:c1]
+        return acc, m
+
+    def pieces(self, lo: np.ndarray, hi: np.ndarray) -> list[tuple[int, int]]:
+        """Key ranges to visit: ``block_k`` wide where every row of the tile sees every key,
+        narrower (half the tile's queries) across the rows' bounds, so that each piece skips
+        the rows that see none of it and causal wastes little beyond the diagonal."""
+        first, last, bk = int(lo[0]), int(hi[-1]), self.bk
+        a, b = int(lo[-1]), int(hi[0])  # keys [a, b) are seen by every row
+        edge = min(bk, max(16, self.rows // EDGE_SPLIT))
+        if b - a < edge:  # too few for a piece of their own: let the edge pieces take them
+            a = b = min(max(a, first), last)
+        return _split(first, a, edge) + _split(a, b, bk) + _split(b, last, edge)
+
+    def move_offsets(self, s: np.ndarray, m: np.ndarray, acc: np.ndarray) -> None:
+        """The running maximum: raise a row's offset to the block's maximum when that exceeds
+        it by more than ``tau`` (rescaling what the row holds), then subtract it from ``s``."""
+        dt, tau = self.dt, self.tau
+        top = s.max(axis=1)
+        grow = top > m + tau  # NaN rows stay put and propagate through s
+        if grow.any():
+            new = np.where(grow, top, m)
+            alpha = np.exp(np.where(grow, m, 0) - np.where(grow, new, 0))  # m = -inf: 0
+            acc *= alpha[:, None]
+            m[...] = new
+        if np.any(m != 0):
+            s -= np.where(m == -np.inf, dt.type(0), m)[:, None]  # +inf - +inf: NaN, as reference
+
+
+def _safe_tau(v: np.ndarray, S: int, dtype: np.dtype) -> float:
+    """``TAU``, lowered so that ``exp(tau) · S · max|v|`` stays far below the dtype's maximum."""
+    if v.size == 0:
+        return TAU
+    vmax = float(np.max(np.abs(v), where=np.isfinite(v), initial=0.0))
+    if vmax == 0.0:
+        return TAU
+    room = np.log(float(np.finfo(dtype).max)) - np.log(vmax * max(S, 1)) - 8.0
+    return max(0.0, min(TAU, float(room)))
+
+
+def attend(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    cq: np.ndarray,
+    ck: np.ndarray,
+    *,
+    scale: float,
+    causal: bool = False,
+    window: Any = None,
+    dtype: Any = None,
+    seqs: np.ndarray | None = None,
+    block_rows: int = BLOCK_ROWS,
+    block_k: int = BLOCK_K,
+    threads: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Attention of every packed sequence alone: output ``(total_q, heads, dv)`` and lse
+    ``(total_q, heads)`` in ``dtype`` (the compute dtype, float32 or float64; default: that of
+    ``q``, ``k`` and ``v``, float16 computed in float32). No argument checks: ``heads`` a
+    multiple of ``kv_heads``, offsets valid, the window already checked. ``seqs``: the
+    sequences to compute (default all); the rows of the others stay 0 and ``-inf``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from qkv import reference
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 7, 2, 4))       # 7 tokens, 2 heads, d = 4
+    >>> cu = np.array([0, 3, 7])
+    >>> out, lse = attend(q, k, v, cu, cu, scale=0.5, causal=True, block_rows=2, block_k=2)
+    >>> one = reference.attention(*(x[3:].transpose(1, 0, 2) for x in (q, k, v)), causal=True)
+    >>> bool(np.allclose(out[3:], one.transpose(1, 0, 2)))
+    True
+    """
+    if dtype is None:
+        dtype = np.result_type(np.float32, q, k, v)
+    dt = np.dtype(dtype)
+    walk = _Walk(q, k, v, cq, ck, scale, causal, window, dt, block_rows, block_k)
+    lq, lk = np.diff(cq), np.diff(ck)
+    live = np.flatnonzero((lq > 0) & (lk > 0))
+    if seqs is not None:
+        live = np.intersect1d(live, seqs)
+    cost = lq[live] * lk[live]
+    order = live[np.argsort(-cost, kind="stable")]  # costliest first: threads end together
+    items = [(int(b), h) for b in order for h in range(k.shape[1])]
+    if items:
+        parallel_map(walk.item, items, threads)
+    return walk.out, walk.lse
