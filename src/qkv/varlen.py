@@ -197,6 +197,7 @@ def attention_varlen(
     walk = live & (lq * lk * (unit // kv_heads) >= WALK_FLOPS)  # work per kv head
     if not _fits(fscale, acc_dt):
         walk[:] = False  # the scale needs float64 (dispatch.attend does that per sequence)
+    redo: set[int] = set()  # an overflow on the way, or NaN/inf inputs
     with np.errstate(over="ignore", invalid="ignore"):
         o, lse = packed.attend(
             qa,
@@ -209,10 +210,10 @@ def attention_varlen(
             window=window,
             dtype=acc_dt,
             seqs=np.flatnonzero(walk),
+            bad=redo,
         )
     out = o if o.dtype == out_dt else o.astype(out_dt)
-    redo = walk & ~_finite_rows(out, cq)  # an overflow on the way, or NaN/inf inputs
-    for b in np.flatnonzero(redo).tolist():
+    for b in sorted(redo):
         _alone(qa, ka, va, cq, ck, b, out, lse, causal, scale, window)
     short = np.flatnonzero(live & ~walk)
     if short.size:
@@ -225,12 +226,6 @@ def _fits(scale: float, dt: np.dtype) -> bool:
     """Whether ``scale`` is a normal number of ``dt`` (as :func:`dispatch.scale_fits`)."""
     info = np.finfo(dt)
     return float(info.tiny) <= scale <= float(info.max)
-
-
-def _finite_rows(out: np.ndarray, cq: np.ndarray) -> np.ndarray:
-    """Per sequence: whether every output of its rows is finite."""
-    bad = np.concatenate([[0], np.cumsum(~np.isfinite(out).all(axis=(1, 2)))])
-    return bad[cq[1:]] == bad[cq[:-1]]
 
 
 def _alone(

@@ -31,56 +31,63 @@ from typing import Any
 import numpy as np
 
 from ..masks import key_bounds
+from ..validate import Plan
 from ._threads import parallel_map
 from .blocks import finish
 from .tiled import EDGE_SPLIT, _split
 
-__all__ = ["BLOCK_K", "BLOCK_ROWS", "TAU", "attend"]
+__all__ = ["BLOCK_K", "BLOCK_ROWS", "TAU", "attend", "attend_plan", "supports"]
 
 BLOCK_ROWS = 512  # stacked rows (queries × heads of a group) per tile
 BLOCK_K = 512  # keys per block
 TAU = 40.0  # scores within ±TAU need no running maximum (exp stays far from overflow)
 
 
+# One sequence's views: q (L, heads, d), k (S, kv_heads, d), v (S, kv_heads, dv), and where its
+# output (L, heads, dv) and lse (L, heads) go.
+Seq = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
 class _Walk:
-    """One call's shared state: arrays, offsets, scale, the visibility rule and outputs."""
+    """One call's shared state: the sequences, scale, visibility rule and tile sizes."""
 
     def __init__(
         self,
-        q: np.ndarray,
-        k: np.ndarray,
-        v: np.ndarray,
-        cq: np.ndarray,
-        ck: np.ndarray,
+        seqs: list[Seq],
         scale: float,
         causal: bool,
         window: Any,
         dtype: np.dtype,
+        tau: float,
         block_rows: int,
         block_k: int,
     ) -> None:
-        self.q, self.k, self.v, self.cq, self.ck = q, k, v, cq, ck
-        self.dt = dtype
-        self.group = q.shape[1] // k.shape[1]
+        self.seqs, self.dt, self.tau = seqs, dtype, tau
+        self.group = seqs[0][0].shape[1] // seqs[0][1].shape[1] if seqs else 1
         self.scale = dtype.type(scale)
         self.rule = (causal, window)
         self.rows = max(1, block_rows // self.group)  # queries per tile
         self.bk = max(1, block_k)
-        self.out = np.zeros((q.shape[0], q.shape[1], v.shape[2]), dtype=dtype)
-        self.lse = np.full(q.shape[:2], -np.inf, dtype=dtype)
-        self.tau = _safe_tau(v, int(np.max(np.diff(ck), initial=0)), dtype)
+        self.edges: dict[tuple[int, bytes, bytes], np.ndarray] = {}
+        self.bad: set[int] = set()  # sequences with a non-finite output
+
+    def items(self) -> list[tuple[int, int]]:
+        """``(sequence, kv head)`` pairs, costliest first (the threads then end together)."""
+        cost = [q.shape[0] * k.shape[0] for q, k, *_ in self.seqs]
+        order = np.argsort(-np.asarray(cost, dtype=np.int64), kind="stable").tolist()
+        return [(i, h) for i in order if cost[i] for h in range(self.seqs[i][1].shape[1])]
 
     def item(self, it: tuple[int, int]) -> None:
-        """Every query tile of sequence ``b`` for the query heads of kv head ``h``."""
-        b, h = it
-        q0, k0 = int(self.cq[b]), int(self.ck[b])
-        L, S = int(self.cq[b + 1]) - q0, int(self.ck[b + 1]) - k0
+        """Every query tile of one sequence for the query heads of kv head ``h``."""
+        i, h = it
+        qs, ks, vs, outs, lses = self.seqs[i]
+        L, S = qs.shape[0], ks.shape[0]
         g, dt = self.group, self.dt
-        k = self.k[k0 : k0 + S, h]
+        k = ks[:, h]
         if k.dtype != dt:
             k = k.astype(dt)
-        va = np.empty((S, self.v.shape[2] + 1), dtype=dt)
-        va[:, :-1] = self.v[k0 : k0 + S, h]
+        va = np.empty((S, vs.shape[2] + 1), dtype=dt)
+        va[:, :-1] = vs[:, h]
         va[:, -1] = 1
         knorm = np.sqrt(np.einsum("ij,ij->i", k, k))
         heads = slice(h * g, (h + 1) * g)
@@ -88,13 +95,15 @@ class _Walk:
         lo_all, hi_all = key_bounds(pos, S, *self.rule)
         for r0 in range(0, L, self.rows):
             r1 = min(r0 + self.rows, L)
-            q = np.multiply(self.q[q0 + r0 : q0 + r1, heads], self.scale, dtype=dt)
+            q = np.multiply(qs[r0:r1, heads], self.scale, dtype=dt)
             acc, m = self.tile(
                 q.reshape(-1, q.shape[2]), k, va, knorm, lo_all[r0:r1], hi_all[r0:r1]
             )
             out, lse = finish(acc[:, :-1], acc[:, -1], m)
-            self.out[q0 + r0 : q0 + r1, heads] = out.reshape(r1 - r0, g, -1)
-            self.lse[q0 + r0 : q0 + r1, heads] = lse.reshape(r1 - r0, g)
+            if not np.isfinite(out).all():
+                self.bad.add(i)
+            outs[r0:r1, heads] = out.reshape(r1 - r0, g, -1)
+            lses[r0:r1, heads] = lse.reshape(r1 - r0, g)
 
     def tile(
         self,
@@ -126,14 +135,26 @@ class _Walk:
             s = buf[: (b - a) * g * (c1 - c0)].reshape((b - a) * g, c1 - c0)
             np.matmul(q[rows], k[c0:c1].T, out=s)
             if lo[b - 1] > c0 or hi[a] < c1:  # some row's bound falls inside the block
-                j = np.arange(c0, c1)
-                hidden = (j < lo[a:b, None]) | (j >= hi[a:b, None])
+                hidden = self.edge(lo[a:b] - c0, hi[a:b] - c0, c1 - c0)
                 np.copyto(s.reshape(b - a, g, -1), -np.inf, where=hidden[:, None, :])
             if not bounded:
                 self.move_offsets(s, m[rows], acc[rows])
             np.exp(s, out=s)
             acc[rows] += s @ va[c0:c1]
         return acc, m
+
+    def edge(self, lo: np.ndarray, hi: np.ndarray, n: int) -> np.ndarray:
+        """Boolean ``(rows, n)``: True where key ``j`` of the piece is outside row ``i``'s
+        ``[lo_i, hi_i)`` (both relative to the piece). Causal and windows repeat the same
+        few patterns along the diagonal, so they are built once (a few kept) and reused."""
+        key = (n, lo.tobytes(), hi.tobytes())
+        tile = self.edges.get(key)
+        if tile is None:
+            j = np.arange(n)
+            tile = (j < lo[:, None]) | (j >= hi[:, None])
+            if len(self.edges) < 64:  # bound the memory; a dict write is atomic
+                self.edges[key] = tile
+        return tile
 
     def pieces(self, lo: np.ndarray, hi: np.ndarray) -> list[tuple[int, int]]:
         """Key ranges to visit: ``block_k`` wide where every row of the tile sees every key,
@@ -184,6 +205,7 @@ def attend(
     window: Any = None,
     dtype: Any = None,
     seqs: np.ndarray | None = None,
+    bad: set[int] | None = None,
     block_rows: int = BLOCK_ROWS,
     block_k: int = BLOCK_K,
     threads: int | None = None,
@@ -192,7 +214,9 @@ def attend(
     ``(total_q, heads)`` in ``dtype`` (the compute dtype, float32 or float64; default: that of
     ``q``, ``k`` and ``v``, float16 computed in float32). No argument checks: ``heads`` a
     multiple of ``kv_heads``, offsets valid, the window already checked. ``seqs``: the
-    sequences to compute (default all); the rows of the others stay 0 and ``-inf``.
+    sequences to compute (default all); the rows of the others stay 0 and ``-inf``. ``bad``,
+    if given, receives the sequences with a non-finite output (NaN or inf inputs, or scores
+    beyond the compute dtype, which :func:`qkv.kernels.dispatch.attend` can redo).
 
     Examples
     --------
@@ -209,14 +233,75 @@ def attend(
     if dtype is None:
         dtype = np.result_type(np.float32, q, k, v)
     dt = np.dtype(dtype)
-    walk = _Walk(q, k, v, cq, ck, scale, causal, window, dt, block_rows, block_k)
-    lq, lk = np.diff(cq), np.diff(ck)
-    live = np.flatnonzero((lq > 0) & (lk > 0))
-    if seqs is not None:
-        live = np.intersect1d(live, seqs)
-    cost = lq[live] * lk[live]
-    order = live[np.argsort(-cost, kind="stable")]  # costliest first: threads end together
-    items = [(int(b), h) for b in order for h in range(k.shape[1])]
+    out = np.zeros((q.shape[0], q.shape[1], v.shape[2]), dtype=dt)
+    lse = np.full(q.shape[:2], -np.inf, dtype=dt)
+    chosen = list(range(len(cq) - 1)) if seqs is None else np.asarray(seqs).tolist()
+    views = []
+    for b in chosen:
+        sq, sk = slice(int(cq[b]), int(cq[b + 1])), slice(int(ck[b]), int(ck[b + 1]))
+        views.append((q[sq], k[sk], v[sk], out[sq], lse[sq]))
+    tau = _safe_tau(v, int(np.max(np.diff(ck), initial=0)), dt)
+    walk = _Walk(views, scale, causal, window, dt, tau, block_rows, block_k)
+    items = walk.items()
     if items:
         parallel_map(walk.item, items, threads)
-    return walk.out, walk.lse
+    if bad is not None:
+        bad.update(chosen[i] for i in walk.bad)
+    return out, lse
+
+
+def supports(plan: Plan) -> bool:
+    """Whether :func:`attend_plan` serves ``plan``: plain attention (no mask, bias or score
+    variant) with heads on axis -3."""
+    return (
+        plan.mask is None
+        and plan.bias is None
+        and not plan.modded
+        and plan.v is not None
+        and len(plan.batch) >= 1
+    )
+
+
+def attend_plan(
+    plan: Plan,
+    *,
+    block_rows: int = BLOCK_ROWS,
+    block_k: int = BLOCK_K,
+    threads: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The walk on a checked plan (:func:`supports`): each batch index is one sequence, read
+    through views. Output ``(*batch, L, dv)`` and lse ``(*batch, L)`` in the compute dtype.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from qkv import reference
+    >>> from qkv.validate import make_plan
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((4, 9, 4)), *rng.standard_normal((2, 2, 9, 4))
+    >>> out, lse = attend_plan(make_plan(q, k, v, causal=True), block_rows=4, block_k=3)
+    >>> bool(np.allclose(out, reference.attention(q, k, v, causal=True)))
+    True
+    """
+    dt = plan.acc_dtype
+    out = np.zeros(plan.batch + (plan.L, plan.dv), dtype=dt)
+    lse = np.full(plan.batch + (plan.L,), -np.inf, dtype=dt)
+    outer = plan.batch[:-1]
+    k = np.broadcast_to(plan.k, outer + plan.k.shape[-3:])
+    v = np.broadcast_to(plan.v, outer + plan.v.shape[-3:])
+    views = [
+        (
+            plan.q[idx].transpose(1, 0, 2),
+            k[idx].transpose(1, 0, 2),
+            v[idx].transpose(1, 0, 2),
+            out[idx].transpose(1, 0, 2),
+            lse[idx].T,
+        )
+        for idx in np.ndindex(*outer)
+    ]
+    tau = _safe_tau(plan.v, plan.S, dt)
+    walk = _Walk(views, plan.scale, plan.causal, plan.window, dt, tau, block_rows, block_k)
+    items = walk.items()
+    if items:
+        parallel_map(walk.item, items, threads)
+    return out, lse
