@@ -12,6 +12,7 @@ import pytest
 import qkv
 from qkv import reference, varlen
 from qkv.kernels import packed
+from qkv.validate import make_plan
 
 LQ = [5, 0, 1, 13, 37, 3, 1, 70, 0, 29, 1]
 LK = [5, 4, 1, 13, 41, 0, 9, 70, 0, 29, 1]  # L < S, L == S, no keys, no queries, length 1
@@ -144,3 +145,54 @@ def test_walk_serves_long_sequences_and_buckets_the_short(monkeypatch):
     want, _ = reference_per_sequence(q, k, v, cq, ck, causal=True)
     assert seen == [[1, 3]]
     np.testing.assert_allclose(got, want, atol=2e-5)
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize(
+    "L, S, causal, window",
+    [(37, 53, True, None), (53, 37, True, None), (29, 29, False, (4, 2)), (1, 9, True, (3, 0))],
+)
+def test_plan_walk_equals_reference(group, L, S, causal, window):
+    """A batched prefill (batch 2, 8 query heads) through the walk, in tiles that divide
+    nothing, with queries cut into runs across 3 threads."""
+    rng = np.random.default_rng(L + group)
+    q = rng.standard_normal((2, 8, L, 8))
+    k, v = rng.standard_normal((2, 2, 8 // group, S, 8))
+    plan = make_plan(q, k, v, causal=causal, window=window, scale=0.4)
+    out, lse = packed.attend_plan(plan, block_rows=12, block_k=7, threads=3)
+    want, want_lse = reference.attention(
+        q, k, v, causal=causal, window=window, scale=0.4, return_lse=True
+    )
+    np.testing.assert_allclose(out, want, atol=1e-12)
+    np.testing.assert_allclose(lse, want_lse, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_auto_prefill_takes_the_walk_and_equals_reference(dtype, monkeypatch):
+    calls = []
+    real = packed.attend_plan
+    monkeypatch.setattr(packed, "attend_plan", lambda plan: calls.append(1) or real(plan))
+    rng = np.random.default_rng(11)
+    q = rng.standard_normal((4, 300, 16)).astype(dtype)
+    k, v = (rng.standard_normal((2, 300, 16)).astype(dtype) for _ in range(2))
+    q[1, 7, 3] = np.nan  # head 1, query 7: its row is NaN, the others are not
+    got = qkv.attention(q, k, v, causal=True)
+    want = reference.attention(*(x.astype(np.float64) for x in (q, k, v)), causal=True)
+    assert calls and got.dtype == dtype
+    np.testing.assert_allclose(got, want, atol=TOL[dtype])  # NaN where the reference has NaN
+    forced = qkv.attention(q, k, v, causal=True, kernel="tiled")
+    np.testing.assert_allclose(got, forced, atol=TOL[dtype])
+
+
+def test_plan_walk_empty_and_single_keys():
+    q = np.ones((2, 0, 4))
+    out, lse = packed.attend_plan(make_plan(q, np.ones((2, 3, 4)), np.ones((2, 3, 4))))
+    assert out.shape == (2, 0, 4) and lse.shape == (2, 0)
+    rng = np.random.default_rng(12)
+    q, k, v = rng.standard_normal((3, 2, 5, 4))
+    plan = make_plan(q, k[:, :1], v[:, :1], causal=True)  # one key: only the last row sees it
+    out, lse = packed.attend_plan(plan)
+    want, want_lse = reference.attention(q, k[:, :1], v[:, :1], causal=True, return_lse=True)
+    np.testing.assert_allclose(out, want, atol=1e-12)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
+    assert (out[:, :-1] == 0).all()

@@ -32,7 +32,7 @@ import numpy as np
 
 from ..masks import key_bounds
 from ..validate import Plan
-from ._threads import parallel_map
+from ._threads import default_threads, parallel_map
 from .blocks import finish
 from .tiled import EDGE_SPLIT, _split
 
@@ -71,15 +71,31 @@ class _Walk:
         self.edges: dict[tuple[int, bytes, bytes], np.ndarray] = {}
         self.bad: set[int] = set()  # sequences with a non-finite output
 
-    def items(self) -> list[tuple[int, int]]:
-        """``(sequence, kv head)`` pairs, costliest first (the threads then end together)."""
-        cost = [q.shape[0] * k.shape[0] for q, k, *_ in self.seqs]
-        order = np.argsort(-np.asarray(cost, dtype=np.int64), kind="stable").tolist()
-        return [(i, h) for i in order if cost[i] for h in range(self.seqs[i][1].shape[1])]
+    def items(self, threads: int) -> list[tuple[int, int, int, int]]:
+        """``(sequence, kv head, first query, end query)``, costliest first (the threads then
+        end together); sequences are cut into runs of query tiles when there are too few
+        ``(sequence, kv head)`` pairs to keep every thread busy."""
+        pairs = sum(k.shape[1] for q, k, *_ in self.seqs if q.shape[0] and k.shape[0])
+        split = -(-4 * threads // max(pairs, 1)) if threads > 1 else 1
+        items, cost = [], []
+        for i, (q, k, *_) in enumerate(self.seqs):
+            L, S = q.shape[0], k.shape[0]
+            if not (L and S):
+                continue
+            tiles = -(-L // self.rows)
+            step = self.rows * -(-tiles // min(split, tiles))
+            for r0 in range(0, L, step):
+                r1 = min(r0 + step, L)
+                seen = min(S, S - L + r1) if self.rule[0] else S  # keys of its last row
+                for h in range(k.shape[1]):
+                    items.append((i, h, r0, r1))
+                    cost.append((r1 - r0) * max(seen, 1))
+        order = np.argsort(-np.asarray(cost, dtype=np.int64), kind="stable")
+        return [items[j] for j in order.tolist()]
 
-    def item(self, it: tuple[int, int]) -> None:
-        """Every query tile of one sequence for the query heads of kv head ``h``."""
-        i, h = it
+    def item(self, it: tuple[int, int, int, int]) -> None:
+        """Query rows ``[start, end)`` of one sequence for the query heads of kv head ``h``."""
+        i, h, start, end = it
         qs, ks, vs, outs, lses = self.seqs[i]
         L, S = qs.shape[0], ks.shape[0]
         g, dt = self.group, self.dt
@@ -93,8 +109,8 @@ class _Walk:
         heads = slice(h * g, (h + 1) * g)
         pos = np.arange(L, dtype=np.int64) + (S - L)
         lo_all, hi_all = key_bounds(pos, S, *self.rule)
-        for r0 in range(0, L, self.rows):
-            r1 = min(r0 + self.rows, L)
+        for r0 in range(start, end, self.rows):
+            r1 = min(r0 + self.rows, end)
             q = np.multiply(qs[r0:r1, heads], self.scale, dtype=dt)
             acc, m = self.tile(
                 q.reshape(-1, q.shape[2]), k, va, knorm, lo_all[r0:r1], hi_all[r0:r1]
@@ -242,9 +258,10 @@ def attend(
         views.append((q[sq], k[sk], v[sk], out[sq], lse[sq]))
     tau = _safe_tau(v, int(np.max(np.diff(ck), initial=0)), dt)
     walk = _Walk(views, scale, causal, window, dt, tau, block_rows, block_k)
-    items = walk.items()
+    n = default_threads() if threads is None else max(1, int(threads))
+    items = walk.items(n)
     if items:
-        parallel_map(walk.item, items, threads)
+        parallel_map(walk.item, items, n)
     if bad is not None:
         bad.update(chosen[i] for i in walk.bad)
     return out, lse
@@ -301,7 +318,8 @@ def attend_plan(
     ]
     tau = _safe_tau(plan.v, plan.S, dt)
     walk = _Walk(views, plan.scale, plan.causal, plan.window, dt, tau, block_rows, block_k)
-    items = walk.items()
+    n = default_threads() if threads is None else max(1, int(threads))
+    items = walk.items(n)
     if items:
-        parallel_map(walk.item, items, threads)
+        parallel_map(walk.item, items, n)
     return out, lse
