@@ -2,7 +2,8 @@
 
     python bench/prefill.py [--n 4096] [--heads 8] [--d 64] [--repeat 3]
 
-Measures in one process qkv.attention (kernel "auto" -> tiled), PyTorch's CPU
+Measures in one process qkv.attention (kernel "auto": the packed walk of kernels/packed.py;
+and the general tiled kernel, forced), PyTorch's CPU
 scaled_dot_product_attention and naive NumPy (materialised scores); prints the time ratio
 against PyTorch, effective GFLOP/s (causal counts half of 4·N²·d per head) as a fraction of
 this machine's float32 GEMM rate, peak extra memory and threads.
@@ -42,7 +43,10 @@ def main() -> None:
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((1, h, n, d), dtype=np.float32) for _ in range(3))
     flops = h * 4 * n * n * d / 2
-    contenders = {"qkv": lambda: qkv.attention(q, k, v, causal=True)}
+    contenders = {
+        "qkv": lambda: qkv.attention(q, k, v, causal=True),  # auto: the packed walk
+        "qkv kernel=tiled": lambda: qkv.attention(q, k, v, causal=True, kernel="tiled"),
+    }
     try:
         import torch
 

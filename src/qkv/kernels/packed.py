@@ -58,11 +58,10 @@ class _Walk:
         causal: bool,
         window: Any,
         dtype: np.dtype,
-        tau: float,
         block_rows: int,
         block_k: int,
     ) -> None:
-        self.seqs, self.dt, self.tau = seqs, dtype, tau
+        self.seqs, self.dt = seqs, dtype
         self.group = seqs[0][0].shape[1] // seqs[0][1].shape[1] if seqs else 1
         self.scale = dtype.type(scale)
         self.rule = (causal, window)
@@ -106,6 +105,7 @@ class _Walk:
         va[:, :-1] = vs[:, h]
         va[:, -1] = 1
         knorm = np.sqrt(np.einsum("ij,ij->i", k, k))
+        tau = _safe_tau(va[:, :-1], S, dt)
         heads = slice(h * g, (h + 1) * g)
         pos = np.arange(L, dtype=np.int64) + (S - L)
         lo_all, hi_all = key_bounds(pos, S, *self.rule)
@@ -113,7 +113,7 @@ class _Walk:
             r1 = min(r0 + self.rows, end)
             q = np.multiply(qs[r0:r1, heads], self.scale, dtype=dt)
             acc, m = self.tile(
-                q.reshape(-1, q.shape[2]), k, va, knorm, lo_all[r0:r1], hi_all[r0:r1]
+                q.reshape(-1, q.shape[2]), k, va, knorm, lo_all[r0:r1], hi_all[r0:r1], tau
             )
             out, lse = finish(acc[:, :-1], acc[:, -1], m)
             if not np.isfinite(out).all():
@@ -129,10 +129,11 @@ class _Walk:
         knorm: np.ndarray,
         lo: np.ndarray,
         hi: np.ndarray,
+        tau: float,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Stacked rows ``q`` (scaled) against their keys: accumulator (values and sums) and
         offsets per row."""
-        g, dt, tau = self.group, self.dt, self.tau
+        g, dt = self.group, self.dt
         n = q.shape[0]
         first, last = int(lo[0]), int(hi[-1])
         acc = np.zeros((n, va.shape[1]), dtype=dt)
@@ -154,7 +155,7 @@ class _Walk:
                 hidden = self.edge(lo[a:b] - c0, hi[a:b] - c0, c1 - c0)
                 np.copyto(s.reshape(b - a, g, -1), -np.inf, where=hidden[:, None, :])
             if not bounded:
-                self.move_offsets(s, m[rows], acc[rows])
+                self.move_offsets(s, m[rows], acc[rows], tau)
             np.exp(s, out=s)
             acc[rows] += s @ va[c0:c1]
         return acc, m
@@ -183,10 +184,10 @@ class _Walk:
             a = b = min(max(a, first), last)
         return _split(first, a, edge) + _split(a, b, bk) + _split(b, last, edge)
 
-    def move_offsets(self, s: np.ndarray, m: np.ndarray, acc: np.ndarray) -> None:
+    def move_offsets(self, s: np.ndarray, m: np.ndarray, acc: np.ndarray, tau: float) -> None:
         """The running maximum: raise a row's offset to the block's maximum when that exceeds
         it by more than ``tau`` (rescaling what the row holds), then subtract it from ``s``."""
-        dt, tau = self.dt, self.tau
+        dt = self.dt
         top = s.max(axis=1)
         grow = top > m + tau  # NaN rows stay put and propagate through s
         if grow.any():
@@ -256,8 +257,7 @@ def attend(
     for b in chosen:
         sq, sk = slice(int(cq[b]), int(cq[b + 1])), slice(int(ck[b]), int(ck[b + 1]))
         views.append((q[sq], k[sk], v[sk], out[sq], lse[sq]))
-    tau = _safe_tau(v, int(np.max(np.diff(ck), initial=0)), dt)
-    walk = _Walk(views, scale, causal, window, dt, tau, block_rows, block_k)
+    walk = _Walk(views, scale, causal, window, dt, block_rows, block_k)
     n = default_threads() if threads is None else max(1, int(threads))
     items = walk.items(n)
     if items:
@@ -316,8 +316,7 @@ def attend_plan(
         )
         for idx in np.ndindex(*outer)
     ]
-    tau = _safe_tau(plan.v, plan.S, dt)
-    walk = _Walk(views, plan.scale, plan.causal, plan.window, dt, tau, block_rows, block_k)
+    walk = _Walk(views, plan.scale, plan.causal, plan.window, dt, block_rows, block_k)
     n = default_threads() if threads is None else max(1, int(threads))
     items = walk.items(n)
     if items:
