@@ -4,20 +4,25 @@ The layout of FlashAttention's varlen functions: ``q (total_q, heads, d)``, ``k`
 (total_k, kv_heads, ·)``, sequence ``b`` in rows ``cq[b]:cq[b + 1]`` and ``ck[b]:ck[b + 1]``.
 Must equal :func:`qkv.reference.attention` on each sequence alone.
 
-Work items are ``(sequence, kv head)`` pairs, run on qkv's worker threads costliest first, so a
-batch of many sequences is one parallel pass with no per-sequence plan, dispatch or copy of
-the queries. Inside an item the ``group`` query heads that share the kv head are stacked as
-rows (row ``t`` is query ``t // group`` of head ``t % group``, the packed layout's own order):
-each key block is read once for the whole group and the products are ``group`` times taller.
+Work items are ``(sequence, kv head)`` pairs (cut into runs of query tiles when there are too
+few to keep the threads busy), run on qkv's worker threads costliest first, so a batch of many
+sequences — or one prefill, :func:`attend_plan` — is one parallel pass with no per-sequence
+plan, dispatch or copy of the queries. Inside an item the ``group`` query heads that share the
+kv head are stacked as rows (row ``t`` is query ``t // group`` of head ``t % group``, the
+packed layout's own order): each key block is read once for the whole group and the products
+are ``group`` times taller.
 Query tiles of :data:`BLOCK_ROWS` stacked rows meet key blocks of :data:`BLOCK_K` keys::
 
     s   = q_tile · k_blockᵀ · scale              # (rows, keys)
-    m'  = max(m, max_j s_j)   (skipped, m = 0, when Cauchy-Schwarz bounds every score)
+    m'  = running max, moved only when max_j s_j exceeds m by more than TAU
+          (skipped, m = 0, when Cauchy-Schwarz bounds every score of the tile by ±TAU)
     acc = acc · exp(m - m') + exp(s - m') · [v_block | 1]
 
 the ones column summing the weights in the same product. Rows see keys by
 :func:`qkv.masks.key_bounds` (bottom-right causal, windows per sequence); key blocks no row of
-a tile sees are never visited, and only blocks across a row's bound are masked. Rows are
+a tile sees are never visited; across the rows' bounds keys are visited in narrower pieces,
+each with only the rows that see some of it, and masked by a boolean tile built once per
+diagonal pattern. Rows are
 finished by :func:`qkv.kernels.blocks.finish` (a row that sees no key: output 0, lse ``-inf``;
 NaN stays NaN). Plain attention only: masks, biases and score variants go to the other kernels.
 
