@@ -2,7 +2,9 @@
 
     python bench/varlen.py [--batch 64] [--lo 16] [--hi 1024] [--heads 32] [--kv-heads 8]
 
-Measures in one process ``qkv.attention_varlen`` on the packed batch, a Python loop of
+Measures in one process ``qkv.attention_varlen`` on the packed batch (its walk over sequences ×
+kv heads × tiles, and with ``--buckets`` also its older form that pads similar lengths into
+batched calls, as it still does for very short sequences), a Python loop of
 ``qkv.attention`` over the sequences, PyTorch's CPU scaled_dot_product_attention looped over
 the sequences (its fastest form here: flash kernel, no padding) and PyTorch on the batch padded
 to the longest prompt with a mask (``--no-padded`` skips it: its memory grows with batch ·
@@ -32,6 +34,7 @@ def main() -> None:
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--no-padded", action="store_true")
+    ap.add_argument("--buckets", action="store_true", help="also time the padded buckets")
     args = ap.parse_args()
     b, h, hkv, d = args.batch, args.heads, args.kv_heads, args.d
 
@@ -62,6 +65,16 @@ def main() -> None:
         "qkv attention_varlen": lambda: qkv.attention_varlen(q, k, v, cu, cu, causal=True),
         "qkv loop of attention": qkv_loop,
     }
+    if args.buckets:
+
+        def buckets() -> np.ndarray:
+            walk, qkv.varlen.WALK_FLOPS = qkv.varlen.WALK_FLOPS, float("inf")
+            try:
+                return qkv.attention_varlen(q, k, v, cu, cu, causal=True)
+            finally:
+                qkv.varlen.WALK_FLOPS = walk
+
+        contenders["qkv attention_varlen, buckets"] = buckets
     try:
         import torch
 

@@ -5,18 +5,24 @@ stacked along one axis, ``q (total_q, heads, d)``, and ``cu_seqlens_q`` holds th
 offsets (sequence ``b`` is rows ``cu_seqlens_q[b] : cu_seqlens_q[b + 1]``); the same for the
 keys and values. Each sequence equals :func:`qkv.attention` on it alone.
 
-How it runs fast for many short sequences: the sequences are sorted by length and grouped into
-buckets of similar lengths; each bucket is one batched call of the ordinary kernels. Inside a
-bucket a sequence is padded at the *front* (right-aligned), which keeps bottom-right causal
-alignment and windows exact in the padded coordinates (query row ``i'`` and key ``j'`` of the
-padded arrays are ``Lmax - L`` and ``Smax - S`` places after the sequence's own, so
-``j <= S - L + i`` is ``j' <= Smax - Lmax + i'``); the padded keys are masked out and the
-padded query rows dropped. Causal buckets whose sequences all have the same ``S - L`` (prompts,
-``L == S``) are padded at the back instead: no real query then sees a padded key, so no mask is
-needed and the kernel still skips the tiles above the diagonal. A bucket grows while its padding
-costs less than the calls it saves (:data:`CALL_FLOPS` each) plus :data:`PAD_FRACTION` of its
-work: many short sequences share a call; long ones, whose call overhead is negligible, waste
-little on padding.
+How it runs fast: the sequences with some work run in one call of the packed kernel
+(:mod:`qkv.kernels.packed`), which walks sequences × kv heads × tiles on the worker threads
+straight from the packed arrays — no padding, no copies of the queries, no per-sequence plan —
+with the query heads of a group stacked against their shared kv head. Sequences too short for
+that (less than :data:`WALK_FLOPS` of work per kv head, where the walk's per-item Python cost
+would dominate) are sorted by length and grouped into buckets of similar lengths; each bucket is
+one batched call of the ordinary kernels. Inside a bucket a sequence is padded at the *front*
+(right-aligned), which keeps bottom-right causal alignment and windows exact in the padded
+coordinates (query row ``i'`` and key ``j'`` of the padded arrays are ``Lmax - L`` and ``Smax -
+S`` places after the sequence's own, so ``j <= S - L + i`` is ``j' <= Smax - Lmax + i'``); the
+padded keys are masked out and the padded query rows dropped. Causal buckets whose sequences all
+have the same ``S - L`` (prompts, ``L == S``) are padded at the back instead: no real query then
+sees a padded key, so no mask is needed and the kernel still skips the tiles above the diagonal.
+A bucket grows while its padding costs less than the calls it saves (:data:`CALL_FLOPS` each)
+plus :data:`PAD_FRACTION` of its work.
+
+Scores that overflow the compute dtype on the way to a finite answer (huge ``scale`` or
+entries) are redone per sequence by :func:`qkv.kernels.dispatch.attend`, which knows how.
 """
 
 from __future__ import annotations
@@ -26,16 +32,16 @@ from typing import Any
 import numpy as np
 
 from .errors import InputError, InputTypeError
-from .kernels import dispatch
+from .kernels import dispatch, packed
 from .validate import as_array, check_scale, check_window, from_foreign, make_plan
 
-__all__ = ["CALL_FLOPS", "PAD_FRACTION", "SOLO_FLOPS", "attention_varlen"]
+__all__ = ["CALL_FLOPS", "PAD_FRACTION", "WALK_FLOPS", "attention_varlen"]
 
 CALL_FLOPS = 4e6  # a call's fixed cost (about 0.1 ms) in flops of attention work
 PAD_FRACTION = 0.05  # padding allowed beyond that, as a fraction of a group's work
-# A sequence with this much work runs alone on views of the packed arrays: gathering it into
-# a padded block (a copy of q, k, v and the output) costs more than the call it would save.
-SOLO_FLOPS = 2e6
+# Work per (sequence, kv head) from which the packed walk serves a sequence: its per-item
+# Python cost (tens of microseconds) is then small beside the arithmetic.
+WALK_FLOPS = 2e6
 
 
 def _offsets(cu: Any, name: str, total: int, total_name: str) -> np.ndarray:
@@ -179,32 +185,72 @@ def attention_varlen(
         raise InputError(
             f"cu_seqlens_q, cu_seqlens_k: batch sizes differ: shapes {cq.shape} and {ck.shape}"
         )
-    check_scale(scale, qa.shape[2])
-    check_window(window)
+    fscale = check_scale(scale, qa.shape[2])
+    window = check_window(window)
 
     out_dt = np.result_type(qa, ka, va)
     acc_dt = np.dtype(np.float32) if out_dt == np.float16 else out_dt
-    out = np.zeros((qa.shape[0], heads, va.shape[2]), dtype=out_dt)
-    lse = np.full((qa.shape[0], heads), -np.inf, dtype=acc_dt)
     lq, lk = np.diff(cq), np.diff(ck)
     unit = heads * 2 * (qa.shape[2] + va.shape[2])  # flops per score
     live = (lq > 0) & (lk > 0)  # the others give zeros and -inf
-    solo = live & (lq * lk * unit >= SOLO_FLOPS)
-    for b in np.flatnonzero(solo).tolist():  # enough work to pay for a call: no copies
-        sq, sk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
-        plan = make_plan(
-            *(x.transpose(1, 0, 2) for x in (qa[sq], ka[sk], va[sk])),
-            scale=scale,
+    walk = live & (lq * lk * (unit // kv_heads) >= WALK_FLOPS)  # work per kv head
+    if not _fits(fscale, acc_dt):
+        walk[:] = False  # the scale needs float64 (dispatch.attend does that per sequence)
+    redo: set[int] = set()  # an overflow on the way, or NaN/inf inputs
+    with np.errstate(over="ignore", invalid="ignore"):
+        o, lse = packed.attend(
+            qa,
+            ka,
+            va,
+            cq,
+            ck,
+            scale=fscale,
             causal=causal,
             window=window,
+            dtype=acc_dt,
+            seqs=np.flatnonzero(walk),
+            bad=redo,
         )
-        o, s = dispatch.attend(plan)
-        out[sq], lse[sq] = o.transpose(1, 0, 2), s.T
-    short = np.flatnonzero(live & ~solo)
+    out = o if o.dtype == out_dt else o.astype(out_dt)
+    for b in sorted(redo):
+        _alone(qa, ka, va, cq, ck, b, out, lse, causal, scale, window)
+    short = np.flatnonzero(live & ~walk)
     if short.size:
         for idx in _buckets(lq[short], lk[short], unit):
             _bucket(qa, ka, va, cq, ck, short[idx], lq, lk, out, lse, causal, scale, window)
     return (out, lse) if return_lse else out
+
+
+def _fits(scale: float, dt: np.dtype) -> bool:
+    """Whether ``scale`` is a normal number of ``dt`` (as :func:`dispatch.scale_fits`)."""
+    info = np.finfo(dt)
+    return float(info.tiny) <= scale <= float(info.max)
+
+
+def _alone(
+    qa: np.ndarray,
+    ka: np.ndarray,
+    va: np.ndarray,
+    cq: np.ndarray,
+    ck: np.ndarray,
+    b: int,
+    out: np.ndarray,
+    lse: np.ndarray,
+    causal: bool,
+    scale: Any,
+    window: Any,
+) -> None:
+    """Sequence ``b`` by the ordinary kernels on views of the packed arrays (with their
+    retries for scores that overflow the compute dtype)."""
+    sq, sk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+    plan = make_plan(
+        *(x.transpose(1, 0, 2) for x in (qa[sq], ka[sk], va[sk])),
+        scale=scale,
+        causal=causal,
+        window=window,
+    )
+    o, s = dispatch.attend(plan)
+    out[sq], lse[sq] = o.transpose(1, 0, 2), s.T
 
 
 def _bucket(

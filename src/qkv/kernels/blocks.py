@@ -20,7 +20,17 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["finish", "grouped_matmul", "grouped_matmul_t", "heads_by_kv", "log_sum", "merge_arrays"]
+__all__ = [
+    "EDGE_SPLIT",
+    "finish",
+    "grouped_matmul",
+    "grouped_matmul_t",
+    "heads_by_kv",
+    "key_pieces",
+    "log_sum",
+    "merge_arrays",
+    "split_range",
+]
 
 
 def heads_by_kv(x: np.ndarray, group: int) -> np.ndarray:
@@ -55,6 +65,48 @@ def grouped_matmul(a: np.ndarray, b: np.ndarray, group: int) -> np.ndarray:
 def grouped_matmul_t(a: np.ndarray, c: np.ndarray, group: int) -> np.ndarray:
     """``aᵀ @ c`` summed over the query heads that share a kv head (gradients of K and V)."""
     return np.swapaxes(heads_by_kv(a, group), -1, -2) @ heads_by_kv(c, group)
+
+
+#: Key pieces across a mask's edge are ``block rows / EDGE_SPLIT`` wide (see :func:`key_pieces`).
+EDGE_SPLIT = 2
+
+
+def split_range(lo: int, hi: int, width: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` in the fewest pieces at most ``width`` wide, of nearly equal widths.
+
+    Examples
+    --------
+    >>> split_range(0, 10, 4)
+    [(0, 4), (4, 8), (8, 10)]
+    """
+    if hi <= lo:
+        return []
+    n = -(-(hi - lo) // width)
+    step = -(-(hi - lo) // n)
+    return [(c, min(c + step, hi)) for c in range(lo, hi, step)]
+
+
+def key_pieces(lo: np.ndarray, hi: np.ndarray, block_k: int, rows: int) -> list[tuple[int, int]]:
+    """The key ranges a block of ``rows`` query rows visits, from each row's bounds
+    ``[lo_i, hi_i)`` (both nondecreasing, as :func:`qkv.masks.key_bounds` gives them).
+
+    ``block_k`` wide where every row sees every key; narrower (``rows / EDGE_SPLIT``) across
+    the rows' bounds, so each piece can skip the rows that see none of it and causal wastes
+    little beyond the diagonal.
+
+    Examples
+    --------
+    Two causal rows that both see keys 0..19 and one of which sees up to 59:
+
+    >>> key_pieces(np.array([0, 0]), np.array([20, 60]), block_k=32, rows=32)
+    [(0, 20), (20, 34), (34, 48), (48, 60)]
+    """
+    first, last = int(lo[0]), int(hi[-1])
+    a, b = int(lo[-1]), int(hi[0])  # keys [a, b) are seen by every row
+    edge = min(block_k, max(16, rows // EDGE_SPLIT))
+    if b - a < edge:  # too few for a piece of their own: let the edge pieces take them
+        a = b = min(max(a, first), last)
+    return split_range(first, a, edge) + split_range(a, b, block_k) + split_range(b, last, edge)
 
 
 def log_sum(offset: np.ndarray, denom: np.ndarray) -> np.ndarray:

@@ -44,10 +44,11 @@ import threading
 
 import numpy as np
 
-from ..masks import allowed
+from ..masks import allowed, key_bounds, query_positions
 from ..validate import Plan
 from . import mods
 from ._threads import parallel_map
+from .blocks import finish, key_pieces
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "TAU", "attend"]
 
@@ -55,7 +56,6 @@ BLOCK_Q = 768
 BLOCK_K = 1024
 TAU = 40.0
 VALUES_CACHE = 64 << 20  # bytes of whole kv heads' values (with ones) kept for reuse per call
-EDGE_SPLIT = 2  # key pieces across a mask edge are block_q / EDGE_SPLIT wide
 MASK_BLOCK_K = 128  # keys per block of a mask_mod's block mask (empty runs of them are skipped)
 MASK_BLOCK_Q = 256  # query rows per tile with a mask_mod: finer tiles skip more (bench/variants.py)
 
@@ -86,6 +86,7 @@ class _Problem:
         self.dt = plan.acc_dtype
         self.L, self.S = plan.L, plan.S
         self.bq, self.bk = block_q, block_k
+        self.rule = (plan.causal, plan.window)
         self.qscale = self.dt.type(plan.scale)
         full = plan.batch + (self.L, self.S)
         self.mask = None if plan.mask is None else np.broadcast_to(plan.mask, full)
@@ -162,32 +163,15 @@ class _Problem:
 
     def row_bounds(self, r0: int, r1: int) -> tuple[np.ndarray, np.ndarray]:
         """Per query row of ``r0..r1-1``: keys ``[lo, hi)`` it may attend (both nondecreasing)."""
-        p = np.arange(r0, r1, dtype=np.int64) + (self.S - self.L)
-        lo = np.zeros_like(p)
-        hi = np.full_like(p, self.S)
-        if self.plan.causal:
-            hi = np.minimum(hi, p + 1)
-        if self.plan.window is not None:
-            left, right = self.plan.window
-            if left is not None:
-                lo = np.maximum(lo, p - left)
-            if right is not None:
-                hi = np.minimum(hi, p + right + 1)
-        lo = np.clip(lo, 0, self.S)
-        return lo, np.maximum(lo, np.minimum(hi, self.S))
+        rows = range(r0, r1)
+        return key_bounds(query_positions(self.L, self.S, rows), self.S, *self.rule)
 
     def pieces(self, los: np.ndarray, his: np.ndarray) -> list[tuple[int, int]]:
-        """Key ranges to visit: ``block_k`` wide where every row sees every key, narrower
-        (``block_q / EDGE_SPLIT``) across the mask's edges, so each can skip the rows that see
-        none of it and causal wastes little beyond the diagonal."""
+        """Key ranges to visit (:func:`~qkv.kernels.blocks.key_pieces`)."""
         lo, hi, bk = int(los[0]), int(his[-1]), self.bk
         if not self.plan.structured:
             return [(c, min(c + bk, hi)) for c in range(lo, hi, bk)]
-        a, b = int(los[-1]), int(his[0])  # keys [a, b) are seen by every row
-        edge = min(bk, max(16, self.bq // EDGE_SPLIT))
-        if b - a < edge:  # too few for a piece of their own: let the edge pieces take them
-            a = b = min(max(a, lo), hi)
-        return _split(lo, a, edge) + _split(a, b, bk) + _split(b, hi, edge)
+        return key_pieces(los, his, bk, self.bq)
 
     def visit(
         self, idx: tuple[int, ...], r0: int, pieces: list[tuple[int, int]]
@@ -212,74 +196,92 @@ class _Problem:
         return out
 
     def run(self, item: tuple[tuple[int, ...], int, int]) -> None:
+        """One work item: query rows ``[r0, r1)`` of batch index ``idx`` against their keys."""
         idx, r0, r1 = item
-        plan, dt, tau = self.plan, self.dt, self.tau
-        kidx = _kv_index(idx, plan.group)
-        k = plan.k[kidx]
-        # Queries as columns, scale folded in: scores come out as (keys, rows), the faster GEMM.
-        qt = np.ascontiguousarray((plan.q[idx][r0:r1] * self.qscale).T)
-        los, his = self.row_bounds(r0, r1)
-        lo, hi = int(los[0]), int(his[-1])
-        rows = r1 - r0
-        v, v0 = self.values_and_ones(kidx, lo, hi)
-        # Cauchy-Schwarz: |q·k| <= |q| max|k|. Within ±tau no row needs an offset at all.
-        bounded = False
-        if self.bias is None and hi > lo and plan.alibi is None and plan.score_mod is None:
-            qn = np.sqrt(np.einsum("ij,ij->j", qt, qt))
-            bound = float(np.max(qn)) * float(np.max(self.key_norms(kidx)[lo:hi]))
-            bounded = bound <= tau  # False for NaN or inf
-        m = np.full(rows, 0.0 if bounded else -np.inf, dtype=dt)  # per-row offset, lazy max
-        acc = np.zeros((rows, plan.dv + 1), dtype=dt)  # last column: the softmax denominators
-        denom = acc[:, -1]
-        for c0, c1, full in self.visit(idx, r0, self.pieces(los, his)):
+        tile = _Tile(self, idx, r0, r1)
+        for c0, c1, full in self.visit(idx, r0, self.pieces(tile.los, tile.his)):
             # only rows [a, b) of the tile see any key of [c0, c1)
-            a = int(np.searchsorted(his, c0, side="right"))
-            b = int(np.searchsorted(los, c1, side="left"))
-            if a >= b:
-                continue
-            s = self.scratch(c1 - c0, b - a)
-            np.matmul(k[c0:c1], qt[:, a:b], out=s)
-            if plan.modded:  # soft-cap, ALiBi, score_mod, mask_mod on this (keys, rows) tile
-                qi = np.arange(r0 + a, r0 + b)[None, :] + (self.S - self.L)
-                mods.apply(plan, s, idx, qi, np.arange(c0, c1)[:, None], full=full)
-            if self.bias is not None:
-                s += self.bias[idx][r0 + a : r0 + b, c0:c1].T
-            if los[b - 1] > c0 or his[a] < c1:  # the piece crosses causal/window's edge
-                np.copyto(s, -np.inf, where=self.edge(r0 + a, r0 + b, c0, c1))
-            if self.mask is not None:
-                s[~self.mask[idx][r0 + a : r0 + b, c0:c1].T] = -np.inf
-            if not bounded:
-                ma = m[a:b]
-                mt = s.max(axis=0)
-                grow = mt > ma + tau  # NaN rows stay put and propagate through s
-                if grow.any():
-                    centred = (mt <= tau) & (mt >= -tau)
-                    new = np.where(grow, np.where(centred, dt.type(0), mt), ma)
-                    # m = -inf (nothing accumulated yet) gives alpha = 0; others keep 1.
-                    alpha = np.exp(np.where(grow, ma, 0) - np.where(grow, new, 0))
-                    acc[a:b] *= alpha[:, None]  # the denominators too (last column)
-                    m[a:b] = new
-                if np.any(ma != 0):
-                    s -= np.where(ma == -np.inf, dt.type(0), ma)  # +inf - +inf: NaN, as reference
-            np.exp(s, out=s)  # (exp2 is faster on plain numbers but slow on -inf and underflow)
-            acc[a:b] += s.T @ v[c0 - v0 : c1 - v0]
-        empty = denom == 0  # rows that may attend no key: output 0, lse -inf (NaN rows stay NaN)
-        out = acc[:, :-1] / np.where(empty, dt.type(1), denom)[:, None]
-        out[empty] = 0
-        with np.errstate(divide="ignore"):
-            lse = m + np.log(denom)
-        lse[empty] = -np.inf
+            a = int(np.searchsorted(tile.his, c0, side="right"))
+            b = int(np.searchsorted(tile.los, c1, side="left"))
+            if a < b:
+                s = self.scores(tile, a, b, c0, c1, full)
+                tile.accumulate(s, a, b, c0, c1)
+        out, lse = finish(tile.acc[:, :-1], tile.acc[:, -1], tile.m)
         self.out[idx][r0:r1] = out
         self.lse[idx][r0:r1] = lse
 
+    def scores(self, tile: _Tile, a: int, b: int, c0: int, c1: int, full: bool) -> np.ndarray:
+        """Scaled scores of keys ``[c0, c1)`` against the tile's rows ``[a, b)``, ``(keys,
+        rows)``, with the variants, bias and masks applied (``-inf`` where a key is hidden)."""
+        plan, idx, r0 = self.plan, tile.idx, tile.r0
+        s = self.scratch(c1 - c0, b - a)
+        np.matmul(tile.k[c0:c1], tile.qt[:, a:b], out=s)
+        if plan.modded:  # soft-cap, ALiBi, score_mod, mask_mod on this (keys, rows) tile
+            qi = np.arange(r0 + a, r0 + b)[None, :] + (self.S - self.L)
+            mods.apply(plan, s, idx, qi, np.arange(c0, c1)[:, None], full=full)
+        if self.bias is not None:
+            s += self.bias[idx][r0 + a : r0 + b, c0:c1].T
+        if tile.los[b - 1] > c0 or tile.his[a] < c1:  # the piece crosses causal/window's edge
+            np.copyto(s, -np.inf, where=self.edge(r0 + a, r0 + b, c0, c1))
+        if self.mask is not None:
+            s[~self.mask[idx][r0 + a : r0 + b, c0:c1].T] = -np.inf
+        return s
 
-def _split(lo: int, hi: int, width: int) -> list[tuple[int, int]]:
-    """``[lo, hi)`` in the fewest pieces at most ``width`` wide, of nearly equal widths."""
-    if hi <= lo:
-        return []
-    n = -(-(hi - lo) // width)
-    step = -(-(hi - lo) // n)
-    return [(c, min(c + step, hi)) for c in range(lo, hi, step)]
+
+class _Tile:
+    """The running state of one query tile: its queries, key bounds, offsets and accumulator."""
+
+    def __init__(self, prob: _Problem, idx: tuple[int, ...], r0: int, r1: int) -> None:
+        plan, dt = prob.plan, prob.dt
+        self.prob, self.idx, self.r0 = prob, idx, r0
+        self.tau, self.dt = prob.tau, dt
+        kidx = _kv_index(idx, plan.group)
+        self.k = plan.k[kidx]
+        # Queries as columns, scale folded in: scores come out as (keys, rows), the faster GEMM.
+        self.qt = np.ascontiguousarray((plan.q[idx][r0:r1] * prob.qscale).T)
+        self.los, self.his = prob.row_bounds(r0, r1)
+        lo, hi = int(self.los[0]), int(self.his[-1])
+        self.v, self.v0 = prob.values_and_ones(kidx, lo, hi)
+        self.bounded = self.offsets_fixed(kidx, lo, hi)
+        rows = r1 - r0
+        self.m = np.full(rows, 0.0 if self.bounded else -np.inf, dtype=dt)  # lazy row max
+        self.acc = np.zeros((rows, plan.dv + 1), dtype=dt)  # last column: the denominators
+
+    def offsets_fixed(self, kidx: tuple[int, ...], lo: int, hi: int) -> bool:
+        """Whether Cauchy-Schwarz (``|q·k| <= |q| max|k|``) keeps every score of the tile
+        within ``±tau``, so that no row needs an offset at all."""
+        prob, plan = self.prob, self.prob.plan
+        plain = prob.bias is None and plan.alibi is None and plan.score_mod is None
+        if not plain or hi <= lo:
+            return False
+        qn = np.sqrt(np.einsum("ij,ij->j", self.qt, self.qt))
+        bound = float(np.max(qn)) * float(np.max(prob.key_norms(kidx)[lo:hi]))
+        return bound <= self.tau  # False for NaN or inf
+
+    def accumulate(self, s: np.ndarray, a: int, b: int, c0: int, c1: int) -> None:
+        """Fold the score block ``s`` (keys ``[c0, c1)``, rows ``[a, b)``) into the rows'
+        offsets, denominators and weighted values; ``s`` is overwritten."""
+        if not self.bounded:
+            self.move_offsets(s, a, b)
+        np.exp(s, out=s)  # (exp2 is faster on plain numbers but slow on -inf and underflow)
+        self.acc[a:b] += s.T @ self.v[c0 - self.v0 : c1 - self.v0]
+
+    def move_offsets(self, s: np.ndarray, a: int, b: int) -> None:
+        """The lazy running max: raise a row's offset only when the block's maximum exceeds it
+        by more than ``tau`` (rescaling what it accumulated), then subtract it from ``s``."""
+        dt, tau, m = self.dt, self.tau, self.m
+        ma = m[a:b]
+        mt = s.max(axis=0)
+        grow = mt > ma + tau  # NaN rows stay put and propagate through s
+        if grow.any():
+            centred = (mt <= tau) & (mt >= -tau)
+            new = np.where(grow, np.where(centred, dt.type(0), mt), ma)
+            # m = -inf (nothing accumulated yet) gives alpha = 0; others keep 1.
+            alpha = np.exp(np.where(grow, ma, 0) - np.where(grow, new, 0))
+            self.acc[a:b] *= alpha[:, None]  # the denominators too (last column)
+            m[a:b] = new
+        if np.any(ma != 0):
+            s -= np.where(ma == -np.inf, dt.type(0), ma)  # +inf - +inf: NaN, as reference
 
 
 def _items(plan: Plan, block_q: int) -> list[tuple[tuple[int, ...], int, int]]:
