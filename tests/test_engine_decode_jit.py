@@ -43,7 +43,8 @@ def test_decode_equals_reference(jit, group, L, causal, window):
     rng = np.random.default_rng(group * 100 + L * 10 + causal)
     q, k, v = _data(rng, 2, 8, 8 // group, L, 1037, 24, 7)  # 1037 keys: no whole blocks
     plan = make_plan(q, k, v, causal=causal, window=window)
-    assert decode.use_jit(plan) is jit
+    # one query row per kv head stays on BLAS's matrix-vector product
+    assert decode.use_jit(plan) is (jit and plan.group * L >= 2)
     got, lse = decode.attend(plan)
     want, want_lse = reference.attention(q, k, v, causal=causal, window=window, return_lse=True)
     np.testing.assert_allclose(got, want, atol=1e-12)

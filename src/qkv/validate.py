@@ -329,7 +329,7 @@ def _heads(
     group = 1
     if len(qb) >= 1 and len(kvb) >= 1:
         hq, hkv = qb[-1], kvb[-1]
-        if hq != hkv and hq > 1 and hkv > 1:
+        if hq != hkv and hq > 1 and hkv >= 1:  # one kv head for all (MQA) groups too
             if hq % hkv != 0:
                 raise InputError(
                     f"q, k: {hq} query heads cannot share {hkv} kv heads (axis -3): "
