@@ -326,6 +326,8 @@ def _heads(
     """
     kvb = ka.shape[:-2] if va is None else _broadcast(ka.shape[:-2], va.shape[:-2], "k, v")
     qb = qa.shape[:-2]
+    if qb and not kvb:  # one K/V for every query head: one kv head, read once
+        kvb = (1,)
     group = 1
     if len(qb) >= 1 and len(kvb) >= 1:
         hq, hkv = qb[-1], kvb[-1]
