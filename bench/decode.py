@@ -131,9 +131,11 @@ def grouped(
 
 
 def reader(arrays: list[np.ndarray]) -> Callable[[], Any]:
-    """Read ``arrays`` once on every core (BLAS ``dot`` of each core's share with itself, as
-    ``bench/machine.py`` reads): the read rate for these very bytes, raced with the contenders
+    """Read ``arrays`` once on every core, by the faster of BLAS ``dot`` and NumPy ``sum`` of
+    each core's share (the two reads ``bench/machine.py`` tries; which one saturates the memory
+    differs between machines): the read rate for these very bytes, raced with the contenders
     so that it meets the same background load."""
+    import time
     from concurrent.futures import ThreadPoolExecutor
 
     from qkv.kernels._threads import cpu_count, single_threaded_blas
@@ -142,11 +144,20 @@ def reader(arrays: list[np.ndarray]) -> Callable[[], Any]:
     parts = [p for a in flat for p in np.array_split(a, cpu_count())]
     pool = ThreadPoolExecutor(cpu_count())
 
-    def run() -> None:
+    def by_dot() -> None:
         with single_threaded_blas():
             list(pool.map(lambda p: float(p @ p), parts))
 
-    return run
+    def by_sum() -> None:
+        list(pool.map(lambda p: float(p.sum()), parts))
+
+    def seconds(fn: Callable[[], None]) -> float:
+        fn()
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
+
+    return min((by_dot, by_sum), key=seconds)
 
 
 _ROWS: list[dict] = []
