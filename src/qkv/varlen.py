@@ -194,7 +194,7 @@ def attention_varlen(
     unit = heads * 2 * (qa.shape[2] + va.shape[2])  # flops per score
     live = (lq > 0) & (lk > 0)  # the others give zeros and -inf
     walk = live & (lq * lk * (unit // kv_heads) >= WALK_FLOPS)  # work per kv head
-    if not _fits(fscale, acc_dt):
+    if not dispatch.scale_in_range(fscale, acc_dt):
         walk[:] = False  # the scale needs float64 (dispatch.attend does that per sequence)
     redo: set[int] = set()  # an overflow on the way, or NaN/inf inputs
     with np.errstate(over="ignore", invalid="ignore"):
@@ -219,12 +219,6 @@ def attention_varlen(
         for idx in _buckets(lq[short], lk[short], unit):
             _bucket(qa, ka, va, cq, ck, short[idx], lq, lk, out, lse, causal, scale, window)
     return (out, lse) if return_lse else out
-
-
-def _fits(scale: float, dt: np.dtype) -> bool:
-    """Whether ``scale`` is a normal number of ``dt`` (as :func:`dispatch.scale_fits`)."""
-    info = np.finfo(dt)
-    return float(info.tiny) <= scale <= float(info.max)
 
 
 def _alone(

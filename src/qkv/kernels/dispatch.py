@@ -39,6 +39,7 @@ __all__ = [
     "check_kernel",
     "choose",
     "scale_fits",
+    "scale_in_range",
     "weights",
 ]
 
@@ -157,8 +158,13 @@ def _widened(plan: Plan) -> Plan:
 def scale_fits(plan: Plan) -> bool:
     """Whether the scale is a normal number of the compute dtype (the kernels fold it into
     ``q`` there); a scale like ``1e-50`` or ``1e39`` needs float64 for float32 inputs."""
-    info = np.finfo(plan.acc_dtype)
-    return float(info.tiny) <= plan.scale <= float(info.max)
+    return scale_in_range(plan.scale, plan.acc_dtype)
+
+
+def scale_in_range(scale: float, dtype: np.dtype) -> bool:
+    """Whether ``scale`` is a normal number of ``dtype`` (neither subnormal nor overflowing)."""
+    info = np.finfo(dtype)
+    return float(info.tiny) <= scale <= float(info.max)
 
 
 def _kv_bytes(plan: Plan) -> int:
