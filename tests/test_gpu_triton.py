@@ -40,7 +40,12 @@ def test_device_tensors_are_routed_to_the_gpu_package(monkeypatch):
     from qkv.gpu import api
 
     seen = {}
-    monkeypatch.setattr(api, "attention", lambda *a, **kw: seen.update(kw) or "routed")
+
+    def spy(call):
+        seen.update(causal=call.plan.causal, kernel=call.kernel)
+        return "routed"
+
+    monkeypatch.setattr(api, "run", spy)
     q = torch.empty((1, 2, 3, 4), device="meta")
     assert qkv.attention(q, q, q, causal=True, kernel="decode") == "routed"
     assert seen["causal"] is True and seen["kernel"] == "decode"

@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 
-from qkv import torch_bridge as qkv_torch  # noqa: E402
+from qkv import front as qkv_front  # noqa: E402
 from qkv.integrations.transformers import attention_forward, register  # noqa: E402
 
 VOCAB = 96
@@ -39,13 +39,13 @@ class Layer(torch.nn.Module):
 def calls(monkeypatch):
     """Record the query shape of every tensor call that reaches qkv."""
     seen = []
-    inner = qkv_torch.attention
+    inner = qkv_front._run  # every checked call passes here on its way to a back end
 
-    def spy(q, *args, **kwargs):
-        seen.append(tuple(q.shape))
-        return inner(q, *args, **kwargs)
+    def spy(call):
+        seen.append(tuple(call.given["q"].shape))
+        return inner(call)
 
-    monkeypatch.setattr(qkv_torch, "attention", spy)
+    monkeypatch.setattr(qkv_front, "_run", spy)
     return seen
 
 

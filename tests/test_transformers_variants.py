@@ -100,15 +100,15 @@ def tokens(batch, length, seed=0):
 def test_logits_equal_eager(pair, monkeypatch):
     name, ours, ref = pair
     seen = []
-    from qkv import torch_bridge as qkv_torch
+    from qkv import front as qkv_front
 
-    inner = qkv_torch.attention
+    inner = qkv_front._run  # every checked call passes here on its way to a back end
 
-    def spy(q, *args, **kwargs):
-        seen.append(sorted(k for k in ("softcap", "sinks") if kwargs.get(k) is not None))
-        return inner(q, *args, **kwargs)
+    def spy(call):
+        seen.append(sorted(k for k in ("softcap", "sinks") if getattr(call.plan, k) is not None))
+        return inner(call)
 
-    monkeypatch.setattr(qkv_torch, "attention", spy)
+    monkeypatch.setattr(qkv_front, "_run", spy)
     ids = tokens(2, 11)  # longer than every sliding window
     with torch.no_grad():
         got, expect = ours(ids).logits, ref(ids).logits

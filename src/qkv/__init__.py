@@ -17,13 +17,18 @@ from . import (
     render,  # noqa: F401, I001  (registers the formats Trace.render finds)
 )
 from ._version import __version__
-from .cache import KVCache
 from .errors import InputError, InputTypeError
 from .explanation.trace import Trace, explain
-from .front import attention, attention_weights, scores, softmax
-from .grad import attention_vjp
-from .merge import merge
-from .varlen import attention_varlen
+from .front import (
+    KVCache,
+    attention,
+    attention_varlen,
+    attention_vjp,
+    attention_weights,
+    merge,
+    scores,
+    softmax,
+)
 
 __all__ = [
     "InputError",

@@ -1,8 +1,9 @@
-"""The NumPy path of the public attention functions: validate once, then run a kernel.
+"""The NumPy back end of the public attention functions: run a checked call on a kernel.
 
-:mod:`qkv.front` holds the public functions and their documentation; it sends NumPy arrays,
-lists and scalars here, and tensors to :mod:`qkv.torch_bridge`, which calls here too.
-Nothing here knows of PyTorch: tensors reach the core only as arrays.
+:mod:`qkv.front` holds the public functions and their documentation; it builds one checked
+:class:`qkv.call.Call` and sends it here (NumPy input, and CPU tensors read as arrays), to
+:mod:`qkv.torch_bridge` (autograd) or to :mod:`qkv.gpu` (device tensors). Nothing here checks
+arguments again, and nothing here knows of PyTorch.
 
 Semantics (shapes, scale, bottom-right causal alignment, masks, windows, grouped-query heads,
 dtypes) are those of :mod:`qkv.reference`, which every path here is tested to equal.
@@ -10,16 +11,19 @@ dtypes) are those of :mod:`qkv.reference`, which every path here is tested to eq
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .checks import check_int
 from .errors import InputError
 from .kernels import dense, dispatch, mods
-from .validate import as_array, check_flag, make_plan
+from .validate import Plan, as_array
 
-__all__ = ["attention", "attention_weights", "scores", "softmax"]
+if TYPE_CHECKING:  # pragma: no cover
+    from .call import Call
+
+__all__ = ["attend", "run", "softmax", "weights"]
 
 
 def softmax(x: Any, axis: int = -1) -> np.ndarray:
@@ -36,65 +40,37 @@ def softmax(x: Any, axis: int = -1) -> np.ndarray:
     return np.moveaxis(w, -1, axis).astype(a.dtype, copy=False)
 
 
-def scores(q: Any, k: Any, *, scale: Any = None) -> np.ndarray:
-    """The NumPy path of :func:`qkv.scores` (documented there)."""
-    plan = make_plan(q, k, need_v=False, scale=scale)
-    s = dense.raw_scores(plan).astype(plan.out_dtype, copy=False)
-    return s[..., 0, :] if plan.squeeze else s
+def run(call: Call) -> Any:
+    """Run a checked :class:`qkv.call.Call` on the NumPy kernels; NumPy results.
 
-
-def attention_weights(
-    q: Any,
-    k: Any,
-    *,
-    scale: Any = None,
-    causal: bool = False,
-    mask: Any = None,
-    window: Any = None,
-    **variants: Any,
-) -> np.ndarray:
-    """The NumPy path of :func:`qkv.attention_weights` (documented there)."""
-    plan = make_plan(
-        q, k, need_v=False, scale=scale, causal=causal, mask=mask, window=window, **variants
-    )
-    w = dispatch.weights(plan)
-    if plan.sinks is not None:
-        _, lse = dense.softmax_rows(dense.logits(plan))
-        w *= mods.sink_factor(plan, lse)[0][..., None]
+    ``attention`` gives ``out`` (and ``lse`` with ``return_lse``), ``attention_weights`` the
+    weights, ``scores`` the scaled scores, shaped and typed as :mod:`qkv.front` documents.
+    """
+    plan = call.plan
+    if call.fn == "attention":
+        out, lse = attend(plan, call.kernel)
+        return (out, lse) if call.return_lse else out
+    if call.fn == "attention_weights":
+        w = weights(plan)
+    else:
+        w = dense.raw_scores(plan)
     w = w.astype(plan.out_dtype, copy=False)
     return w[..., 0, :] if plan.squeeze else w
 
 
-def attention(
-    q: Any,
-    k: Any,
-    v: Any,
-    *,
-    scale: Any = None,
-    causal: bool = False,
-    mask: Any = None,
-    window: Any = None,
-    return_lse: bool = False,
-    check_finite: bool = False,
-    kernel: str = "auto",
-    **variants: Any,
-) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
-    """The NumPy path of :func:`qkv.attention` (documented there)."""
-    check_flag(return_lse, "return_lse")
-    kernel = dispatch.check_kernel(kernel)
-    plan = make_plan(
-        q,
-        k,
-        v,
-        scale=scale,
-        causal=causal,
-        mask=mask,
-        window=window,
-        check_finite=check_finite,
-        **variants,
-    )
+def attend(plan: Plan, kernel: str = "auto") -> tuple[np.ndarray, np.ndarray]:
+    """``(out, lse)`` of a checked plan, in the caller's shapes (1-D ``q``) and dtype."""
     out, lse = dispatch.attend(plan, kernel)
     out = out.astype(plan.out_dtype, copy=False)
     if plan.squeeze:
-        out, lse = out[..., 0, :], lse[..., 0]
-    return (out, lse) if return_lse else out
+        return out[..., 0, :], lse[..., 0]
+    return out, lse
+
+
+def weights(plan: Plan) -> np.ndarray:
+    """The attention weights of a checked plan in its compute dtype, sinks included."""
+    w = dispatch.weights(plan)
+    if plan.sinks is not None:
+        _, lse = dense.softmax_rows(dense.logits(plan))
+        w *= mods.sink_factor(plan, lse)[0][..., None]
+    return w

@@ -1,25 +1,54 @@
-"""The public attention functions: one door, three paths.
+"""The public functions: each signature written once, each call checked once.
 
-:func:`softmax`, :func:`scores`, :func:`attention_weights` and :func:`attention` look at what
-they are given and send it on, with nothing else to do:
+:func:`scores`, :func:`attention_weights` and :func:`attention` build one checked
+:class:`qkv.call.Call` (:func:`qkv.call.build`) and hand it to one back end, which runs it
+without checking again:
 
-- NumPy arrays, lists and scalars → the NumPy core (:mod:`qkv.core`);
-- PyTorch tensors on the CPU → the torch bridge (:mod:`qkv.torch_bridge`), which reads
-  them as arrays, calls the same core and gives tensors back (with autograd);
-- tensors on a GPU → the Triton kernels (:mod:`qkv.gpu.api`, the ``gpu`` extra).
+- NumPy arrays, lists, scalars and CPU tensors → the NumPy engine (:func:`qkv.core.run`);
+- CPU tensors that require grad → the torch bridge's autograd (:func:`qkv.torch_bridge.run`);
+- tensors on a GPU → the Triton kernels (:func:`qkv.gpu.api.run`, the ``gpu`` extra).
 
-The core never imports a bridge: the bridges import the core.
+:func:`softmax`, :func:`merge`, :func:`attention_vjp`, :func:`attention_varlen` and
+:class:`KVCache` are the NumPy engine's functions under the same tensor policy
+(:mod:`qkv.tensors`): tensors in, tensors out (dtype and device of the caller), autograd where
+qkv has a gradient and a refusal by name where it has none. The core never imports a bridge:
+the bridges import the core.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from functools import wraps
 from typing import Any
 
-from . import core, torch_bridge
+from . import cache, core, grad, torch_bridge, varlen
+from . import merge as merging
+from .call import Call, build
 from .errors import InputError
-from .validate import check_flag
+from .tensors import give, refuse_grad, want_of, wants_grad
 
-__all__ = ["attention", "attention_weights", "scores", "softmax"]
+__all__ = [
+    "KVCache",
+    "attention",
+    "attention_varlen",
+    "attention_vjp",
+    "attention_weights",
+    "merge",
+    "scores",
+    "softmax",
+]
+
+
+def _run(call: Call) -> Any:
+    """The back end for a checked call (see the module docstring)."""
+    if call.route == "numpy":
+        res = core.run(call)
+        if call.return_lse:  # the lse stays in the accumulation dtype
+            return give(res[0], call.want), give(res[1], call.want, exact=True)
+        return give(res, call.want)
+    if call.route == "autograd":
+        return torch_bridge.run(call)
+    return _gpu_run()(call)
 
 
 def softmax(x: Any, axis: int = -1) -> Any:
@@ -49,9 +78,9 @@ def softmax(x: Any, axis: int = -1) -> Any:
     >>> qkv.softmax([-float("inf"), -float("inf")]).tolist()
     [0.0, 0.0]
     """
-    if torch_bridge.is_tensor_input(x):
-        return torch_bridge.softmax(x, axis=axis)
-    return core.softmax(x, axis=axis)
+    if wants_grad(x):
+        return torch_bridge.softmax(x, axis)
+    return give(core.softmax(x, axis=axis), want_of(x))
 
 
 def scores(q: Any, k: Any, *, scale: Any = None) -> Any:
@@ -84,9 +113,7 @@ def scores(q: Any, k: Any, *, scale: Any = None) -> Any:
     >>> qkv.scores([2, 1], [[1, 0], [3, 2]], scale=4**0.5).tolist()  # ×√d, a common slip
     [4.0, 16.0]
     """
-    if torch_bridge.is_tensor_input(q, k):
-        return torch_bridge.scores(q, k, scale=scale)
-    return core.scores(q, k, scale=scale)
+    return _run(build("scores", q, k, scale=scale))
 
 
 def attention_weights(
@@ -130,10 +157,10 @@ def attention_weights(
     >>> qkv.attention_weights([[1, 0], [0, 1]], [[1, 0], [0, 1]], causal=True).round(4).tolist()
     [[1.0, 0.0], [0.3302, 0.6698]]
     """
-    path = torch_bridge if torch_bridge.is_tensor_input(q, k) else core
-    return path.attention_weights(
-        q, k, scale=scale, causal=causal, mask=mask, window=window, **variants
-    )
+    return _run(
+        build("attention_weights", q, k, scale=scale, causal=causal, mask=mask, window=window,
+              **variants)
+    )  # fmt: skip
 
 
 def attention(
@@ -206,31 +233,66 @@ def attention(
     >>> out.round(6).tolist()
     [2.905148, 3.905148]
     """
-    check_flag(return_lse, "return_lse")
-    options = {
-        "scale": scale,
-        "causal": causal,
-        "mask": mask,
-        "window": window,
-        "return_lse": return_lse,
-        "check_finite": check_finite,
-        "kernel": kernel,
-        **variants,
-    }
-    if not torch_bridge.is_tensor_input(q, k, v):
-        return core.attention(q, k, v, **options)
-    if torch_bridge.on_device(q, k, v, mask):
-        return _gpu_attention()(q, k, v, **options)
-    return torch_bridge.attention(q, k, v, **options)
+    call = build(
+        "attention", q, k, v, scale=scale, causal=causal, mask=mask, window=window,
+        return_lse=return_lse, check_finite=check_finite, kernel=kernel, **variants,
+    )  # fmt: skip
+    return _run(call)
 
 
-def _gpu_attention() -> Any:
-    """:func:`qkv.gpu.api.attention`, or a clear error when Triton is not installed."""
+# The functions below are the NumPy engine's, under the tensor policy; their signatures and
+# documentation are the engine's own (functools.wraps), written once there.
+
+
+@wraps(grad.attention_vjp)
+def attention_vjp(q: Any, k: Any, v: Any, grad_out: Any, **options: Any) -> Any:
+    # Tensors in give tensors out (each input's dtype). No autograd graph: qkv has no second
+    # derivative, so a tensor that requires grad is refused by name.
+    refuse_grad("attention_vjp", q=q, k=k, v=v, grad_out=grad_out)
+    return give(grad.attention_vjp(q, k, v, grad_out, **options), want_of(q, k, v))
+
+
+@wraps(merging.merge)
+def merge(parts: Sequence[tuple[Any, Any]], *, sinks: Any = None) -> Any:
+    # Tensors in give tensors out, with gradients for every part that requires grad.
+    flat = [x for part in parts for x in part] if isinstance(parts, (list, tuple)) else []
+    refuse_grad("merge", sinks=sinks)
+    if any(wants_grad(x) for x in flat):
+        return torch_bridge.merge_parts(parts, sinks, want_of(*flat))
+    return give(merging.merge(parts, sinks=sinks), want_of(*flat, sinks))
+
+
+@wraps(varlen.attention_varlen)
+def attention_varlen(q: Any, k: Any, v: Any, *args: Any, **options: Any) -> Any:
+    # Tensors in give tensors out; qkv has no varlen gradient, so tensors that require grad
+    # are refused by name (attention per sequence has one).
+    refuse_grad("attention_varlen", q=q, k=k, v=v)
+    return give(varlen.attention_varlen(q, k, v, *args, **options), want_of(q, k, v))
+
+
+class KVCache(cache.KVCache):
+    __doc__ = cache.KVCache.__doc__
+
+    def append(self, k: Any, v: Any, seq: int | None = None) -> None:
+        refuse_grad("KVCache.append", k=k, v=v)
+        super().append(k, v, seq)
+
+    append.__doc__ = cache.KVCache.append.__doc__
+
+    def attend(self, q: Any, **options: Any) -> Any:
+        refuse_grad("KVCache.attend", q=q)
+        return give(super().attend(q, **options), want_of(q))
+
+    attend.__doc__ = cache.KVCache.attend.__doc__
+
+
+def _gpu_run() -> Any:
+    """:func:`qkv.gpu.api.run`, or a clear error when Triton is not installed."""
     try:
-        from .gpu.api import attention as gpu_attention
+        from .gpu.api import run
     except ImportError as exc:
         raise InputError(
             f"q: tensors on a GPU need Triton ({exc}); install the gpu extra "
-            "(pip install 'qkv[gpu]') or move them with .cpu()"
+            "(pip install 'qkv[gpu]', or '.[gpu]' in qkv's source tree) or move them with .cpu()"
         ) from None
-    return gpu_attention
+    return run

@@ -48,9 +48,15 @@ from .checks import check_int
 from .errors import InputError
 from .kernels import dense, mods, tiled, tiled_backward
 from .kernels.blocks import heads_by_kv
-from .validate import Plan, as_array, broadcasts_to, make_plan
+from .validate import Plan, as_array, broadcasts_to, check_variants, make_plan
 
-__all__ = ["attention_vjp", "reference_attention_vjp"]
+__all__ = [
+    "attention_vjp",
+    "reference_attention_vjp",
+    "scores_vjp",
+    "vjp",
+    "weights_vjp",
+]
 
 
 def _sum_to(g: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
@@ -79,25 +85,58 @@ def _grad_out(grad_out: Any, plan: Plan) -> np.ndarray:
     return g[..., None, :] if plan.squeeze else g
 
 
-def _input_shapes(q: Any, k: Any, v: Any) -> list[tuple[np.dtype, tuple[int, ...]]]:
-    """dtype and shape of each input as given (1-D ``q`` as ``(1, d)``)."""
-    out = []
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        a = as_array(x, name)
-        out.append((a.dtype, a.shape if a.ndim > 1 or name != "q" else (1,) + a.shape))
-    return out
-
-
-def _finish(
-    grads: tuple[np.ndarray, ...], q: Any, k: Any, v: Any, squeeze: bool
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Reduce broadcast dims, restore the inputs' shapes (1-D q) and dtypes."""
-    res = []
-    for g, (dtype, shape) in zip(grads, _input_shapes(q, k, v), strict=True):
-        res.append(_sum_to(g, shape).astype(dtype, copy=False))
-    if squeeze:
+def _finish(grads: tuple[np.ndarray, ...], plan: Plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Reduce broadcast dims, restore the inputs' shapes (1-D q) and dtypes as given."""
+    res = [
+        _sum_to(g, shape).astype(dtype, copy=False)
+        for g, (dtype, shape) in zip(grads, plan.given, strict=False)
+    ]
+    if plan.squeeze:
         res[0] = res[0][0]
     return res[0], res[1], res[2]
+
+
+def _qk_grads(plan: Plan, dz: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``dq, dk`` (broadcast shapes) from the gradient ``dz`` of the scaled scores."""
+    g = plan.group
+    dz = heads_by_kv(dz * plan.acc_dtype.type(plan.scale), g)
+    dq = (dz @ plan.k).reshape(plan.q.shape)
+    dk = np.swapaxes(dz, -1, -2) @ heads_by_kv(plan.q, g)
+    return dq, dk
+
+
+def scores_vjp(plan: Plan, grad: Any) -> tuple[np.ndarray, np.ndarray]:
+    """``dq, dk`` of ``sum(scores(q, k) * grad)`` for a checked plan (shapes as given)."""
+    g = _grad_like(grad, plan, plan.S)
+    dq, dk = _qk_grads(plan, g)
+    return _finish((dq, dk, dk), plan)[:2]
+
+
+def weights_vjp(plan: Plan, weights: np.ndarray, grad: Any) -> tuple[np.ndarray, ...]:
+    """``dq, dk`` (and ``dsinks``) of ``sum(attention_weights(q, k) * grad)``.
+
+    ``weights`` are the forward pass's (compute dtype, ``(*batch, L, S)``, sinks included):
+    with ``w`` the softmax over the keys and the sink, ``dz = w ∘ (g − rowsum(g ∘ w))`` and
+    ``dsink = −(1 − rowsum(w)) · rowsum(g ∘ w)``.
+    """
+    g = _grad_like(grad, plan, plan.S)
+    delta = np.sum(g * weights, axis=-1, keepdims=True)
+    dz = weights * (g - delta)
+    if plan.softcap is not None:
+        dz *= 1 - np.tanh(dense.raw_scores(plan) / plan.softcap) ** 2
+    dq, dk = _qk_grads(plan, dz)
+    grads = _finish((dq, dk, dk), plan)[:2]
+    if plan.sinks is None:
+        return grads
+    p_sink = 1 - np.sum(weights, axis=-1)
+    dsinks = -np.sum(p_sink * delta[..., 0], axis=-1)
+    return (*grads, _sinks_shaped(dsinks, plan))
+
+
+def _grad_like(grad: Any, plan: Plan, n: int) -> np.ndarray:
+    """An upstream gradient of shape ``(*batch, L, n)`` (``(*batch, n)`` for a 1-D ``q``)."""
+    g = np.asarray(grad, dtype=plan.acc_dtype)
+    return g[..., None, :] if plan.squeeze else g
 
 
 def attention_vjp(
@@ -163,14 +202,24 @@ def attention_vjp(
     >>> dq.round(4).tolist(), dv.round(4).tolist()
     ([0.0904, 0.0904], [[0.0474], [0.9526]])
     """
+    if variants:
+        check_variants("attention_vjp", variants)
     plan = make_plan(q, k, v, scale=scale, causal=causal, mask=mask, window=window, **variants)
     if plan.score_mod is not None:
         raise InputError(
             "score_mod: attention_vjp cannot differentiate a user function; use the torch "
             "bridge's own autograd on PyTorch's attention, or express it with alibi_slopes/mask"
         )
+    return vjp(plan, grad_out, out=out, lse=lse, block=block)
+
+
+def vjp(
+    plan: Plan, grad_out: Any, *, out: Any = None, lse: Any = None, block: Any = None
+) -> tuple[np.ndarray, ...]:
+    """:func:`attention_vjp` for a checked plan (no ``score_mod``): nothing is checked again
+    but ``grad_out``, ``out``, ``lse`` and ``block``."""
     if out is not None or lse is not None or block is not None:
-        return _tiled(plan, q, k, v, grad_out, out, lse, block, variants.get("sinks"))
+        return _tiled(plan, grad_out, out, lse, block)
     g = plan.group
     d_out = heads_by_kv(_grad_out(grad_out, plan), g)  # (*kv_batch, g·L, dv)
     p, lse_keys = dense.softmax_rows(dense.logits(plan))  # (*batch, L, S)
@@ -188,26 +237,28 @@ def attention_vjp(
     dz *= plan.acc_dtype.type(plan.scale)
     dq = (dz @ plan.k).reshape(plan.q.shape)
     dk = np.swapaxes(dz, -1, -2) @ qm
-    grads = _finish((dq, dk, dv), q, k, v, plan.squeeze)
+    grads = _finish((dq, dk, dv), plan)
     if plan.sinks is None:
         return grads
     delta = delta.reshape(plan.batch + (plan.L,))
-    return (*grads, _dsinks(plan, lse_all, delta, variants["sinks"]))
+    return (*grads, _dsinks(plan, lse_all, delta))
 
 
-def _dsinks(plan: Plan, lse: np.ndarray, delta: np.ndarray, sinks: Any) -> np.ndarray:
+def _dsinks(plan: Plan, lse: np.ndarray, delta: np.ndarray) -> np.ndarray:
     """``− Σ_rows exp(sink − lse) · δ``, summed back to the shape the sinks were given in."""
     p_sink = np.exp(plan.sinks[..., None] - lse)
-    g = -np.sum(p_sink * delta, axis=-1)
-    given = as_array(sinks, "sinks")
+    return _sinks_shaped(-np.sum(p_sink * delta, axis=-1), plan)
+
+
+def _sinks_shaped(g: np.ndarray, plan: Plan) -> np.ndarray:
+    """A gradient over the query heads in the shape and dtype the sinks were given in."""
+    dtype, shape = plan.given[3]
     if not plan.batch:
-        return np.asarray(g, dtype=given.dtype).reshape(given.shape)
-    return _sum_to(g, given.shape).astype(given.dtype, copy=False)
+        return np.asarray(g, dtype=dtype).reshape(shape)
+    return _sum_to(g, shape).astype(dtype, copy=False)
 
 
-def _tiled(
-    plan: Plan, q: Any, k: Any, v: Any, grad_out: Any, out: Any, lse: Any, block: Any, sinks: Any
-) -> tuple[np.ndarray, ...]:
+def _tiled(plan: Plan, grad_out: Any, out: Any, lse: Any, block: Any) -> tuple[np.ndarray, ...]:
     """Check ``out``, ``lse`` and ``block``, then run the tiled backward."""
     if block is None:
         block = 128
@@ -229,10 +280,10 @@ def _tiled(
         o, m = o.astype(plan.acc_dtype, copy=False), m.astype(plan.acc_dtype, copy=False)
         if plan.squeeze:
             o, m = o[..., None, :], m[..., None]
-    grads = _finish(tiled_backward.backward(plan, d_out, o, m, int(block)), q, k, v, plan.squeeze)
+    grads = _finish(tiled_backward.backward(plan, d_out, o, m, int(block)), plan)
     if plan.sinks is None:
         return grads
-    return (*grads, _dsinks(plan, m, np.sum(d_out * o, axis=-1), sinks))
+    return (*grads, _dsinks(plan, m, np.sum(d_out * o, axis=-1)))
 
 
 def reference_attention_vjp(
@@ -287,7 +338,7 @@ def reference_attention_vjp(
         *rest, hq, m, n = x.shape
         return x.reshape(*rest, hq // plan.group, plan.group, m, n).sum(axis=-3)
 
-    res = _finish((dq, unrepeat(dkr), unrepeat(dvr)), q, k, v, plan.squeeze)
+    res = _finish((dq, unrepeat(dkr), unrepeat(dvr)), plan)
     res = tuple(r.astype(np.float64) for r in res)
     if plan.sinks is None:
         return res

@@ -29,7 +29,7 @@ from .kernels.blocks import merge_arrays
 from .kernels.mods import add_sink
 from .validate import as_array
 
-__all__ = ["merge", "merge_arrays"]
+__all__ = ["check", "merge", "merge_arrays", "merge_vjp"]
 
 
 def merge(parts: Sequence[tuple[Any, Any]], *, sinks: Any = None) -> tuple[np.ndarray, np.ndarray]:
@@ -77,6 +77,16 @@ def merge(parts: Sequence[tuple[Any, Any]], *, sinks: Any = None) -> tuple[np.nd
     >>> bool(np.allclose(s[0], qkv.attention(q, k, v, scale=0.5, sinks=0.5)))
     True
     """
+    arrays, s = check(parts, sinks)
+    out, lse = merge_arrays(arrays)
+    return (out, lse) if s is None else add_sink(out, lse, s)
+
+
+def check(
+    parts: Sequence[tuple[Any, Any]], sinks: Any = None
+) -> tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray | None]:
+    """The checked arguments of :func:`merge`: the parts as arrays and the sinks broadcast to
+    the lse's shape (``None`` without sinks)."""
     if isinstance(parts, (str, bytes)) or not isinstance(parts, Sequence):
         raise InputTypeError(
             f"parts: expected a sequence of (out, lse) pairs, got {type(parts).__name__}"
@@ -99,16 +109,52 @@ def merge(parts: Sequence[tuple[Any, Any]], *, sinks: Any = None) -> tuple[np.nd
                 f"{arrays[0][0].shape}"
             )
         arrays.append((o, lse))
-    out, lse = merge_arrays(arrays)
     if sinks is None:
-        return out, lse
+        return arrays, None
+    lse_shape = arrays[0][1].shape
     s = as_array(sinks, "sinks")
     try:
-        s = s.reshape(()) if s.size == 1 else np.broadcast_to(s[..., None], lse.shape)
+        s = s.reshape(()) if s.size == 1 else np.broadcast_to(s[..., None], lse_shape)
     except ValueError:
         raise InputError(
-            f"sinks: shape {s.shape} does not match the heads of lse {lse.shape} (axis -2)"
+            f"sinks: shape {s.shape} does not match the heads of lse {lse_shape} (axis -2)"
         ) from None
     if not np.all(np.isfinite(s)):
         raise InputError(f"sinks: must be finite (shape {s.shape})")
-    return add_sink(out, lse, s)
+    return arrays, s
+
+
+def merge_vjp(
+    arrays: Sequence[tuple[np.ndarray, np.ndarray]],
+    sinks: np.ndarray | None,
+    grad_out: Any,
+    grad_lse: Any,
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Gradients ``(d out_i, d lse_i)`` of every part, for upstream gradients of the merged
+    ``out`` and ``lse`` (either may be ``None``: zero); parts as :func:`check` returns them.
+
+    With ``w_i = exp(lse_i − lse)`` the merged ``out = Σ w_i out_i``, so ``d out_i = w_i · g``
+    and ``d lse_i = w_i · (g_lse + Σ_dv g · (out_i − out))``. Sinks (constants here) first pass
+    the gradients through ``out' = a · out``, ``lse' = log(e^lse + e^sink)``, ``a = e^(lse−lse')``.
+    """
+    out, lse = merge_arrays(arrays)
+    dt = np.result_type(np.float32, out.dtype, lse.dtype)
+    out, lse = out.astype(dt), lse.astype(dt)
+    g = np.zeros(out.shape, dt) if grad_out is None else np.asarray(grad_out, dtype=dt)
+    gl = np.zeros(lse.shape, dt) if grad_lse is None else np.asarray(grad_lse, dtype=dt)
+    if sinks is not None:
+        out2, lse2 = add_sink(out, lse, sinks.astype(dt))
+        with np.errstate(invalid="ignore"):
+            a = np.where(np.isneginf(lse), dt.type(0), np.exp(lse - lse2))
+        dot = np.sum(g * out, axis=-1)
+        g, gl = g * a[..., None], gl * a + dot * a * (1 - a)
+    shift = np.where(np.isneginf(lse), dt.type(0), lse)
+    grads = []
+    for o, lse_i in arrays:
+        w = np.where(np.isneginf(lse_i), dt.type(0), np.exp(lse_i.astype(dt) - shift))
+        do = (w[..., None] * g).astype(o.dtype, copy=False)
+        with np.errstate(invalid="ignore"):
+            diff = np.where(w[..., None] != 0, o.astype(dt) - out, dt.type(0))
+        dl = (w * (gl + np.sum(g * diff, axis=-1))).astype(lse_i.dtype, copy=False)
+        grads.append((do, dl))
+    return grads

@@ -10,9 +10,10 @@ as in every framework, unless ``check_finite=True`` is passed, which raises inst
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -21,7 +22,16 @@ from .checks import check_int, check_real
 from .errors import InputError, InputTypeError
 from .masks import Window
 
-__all__ = ["Plan", "as_array", "check_flag", "check_scale", "check_window", "make_plan"]
+__all__ = [
+    "VARIANTS",
+    "Plan",
+    "as_array",
+    "check_flag",
+    "check_scale",
+    "check_variants",
+    "check_window",
+    "make_plan",
+]
 
 
 def as_array(x: Any, name: str) -> np.ndarray:
@@ -63,6 +73,22 @@ def from_foreign(x: Any, name: str) -> Any:
         if accepts(x):
             return read(x, name)
     return x
+
+
+#: The attention variants every path takes (see :func:`qkv.attention`).
+VARIANTS = ("softcap", "sinks", "alibi_slopes", "score_mod", "mask_mod")
+
+
+def check_variants(fn: str, variants: dict[str, Any], allowed: tuple[str, ...] = VARIANTS) -> None:
+    """Refuse a keyword that ``fn`` (a public function's name) does not take, by name."""
+    for name in variants:
+        if name not in allowed:
+            near = difflib.get_close_matches(name, allowed, n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise InputTypeError(
+                f"{name}: {fn}() got an unexpected keyword argument {name!r}{hint} "
+                f"(its variants: {', '.join(allowed)})"
+            )
 
 
 def check_flag(x: Any, name: str) -> bool:
@@ -156,6 +182,9 @@ class Plan:
     softcap, sinks, alibi, score_mod, mask_mod
         The attention variants (:mod:`qkv.kernels.mods`): a positive float; per-head arrays of
         shape ``batch`` (sink logits, ALiBi slopes); user functions. ``None`` when unused.
+    given : tuple of (dtype, shape)
+        ``q`` (a 1-D ``q`` as one row), ``k``, ``v`` and the sinks as the caller gave them,
+        before broadcasting: the gradients take these shapes and dtypes.
     """
 
     q: np.ndarray
@@ -175,6 +204,29 @@ class Plan:
     alibi: np.ndarray | None = None
     score_mod: Callable[..., Any] | None = None
     mask_mod: Callable[..., Any] | None = None
+    given: tuple[tuple[np.dtype, tuple[int, ...]], ...] = ()
+
+    def block(
+        self,
+        rows: slice,
+        k: np.ndarray | None = None,
+        v: np.ndarray | None = None,
+        *,
+        causal: bool | None = None,
+    ) -> Plan:
+        """A block of this checked plan, not checked again: query ``rows`` against ``k``/``v``
+        (default: this plan's), bottom-right ``causal`` within the block (default: this
+        plan's). For plans without a mask, bias or variant (ring steps, decode splits); the
+        block's arrays must come from the same checked call (same dtype, heads and ``d``).
+        """
+        return replace(
+            self,
+            q=self.q[..., rows, :],
+            k=self.k if k is None else k,
+            v=self.v if v is None else v,
+            causal=self.causal if causal is None else causal,
+            given=(),
+        )
 
     @property
     def modded(self) -> bool:
@@ -234,10 +286,30 @@ def make_plan(
 
     ``dtype`` forces the compute dtype (the reference uses float64); otherwise float16 is
     computed in float32 and other float dtypes in themselves.
+
+    The commonest call — NumPy arrays of one float32/float64 dtype and one rank, nothing but
+    ``scale`` and ``causal`` — takes a short road (:func:`_plain_plan`) to the same plan.
     """
+    if (
+        mask is None
+        and window is None
+        and dtype is None
+        and check_finite is False
+        and need_v
+        and (causal is False or causal is True)
+        and softcap is None
+        and sinks is None
+        and alibi_slopes is None
+        and score_mod is None
+        and mask_mod is None
+    ):
+        plan = _plain_plan(q, k, v, scale, causal)
+        if plan is not None:
+            return plan
     check_flag(causal, "causal")
     check_flag(check_finite, "check_finite")
     qa, ka, va, squeeze = _read_inputs(q, k, v, need_v, check_finite)
+    given = tuple((a.dtype, a.shape) for a in (qa, ka, va) if a is not None)
     out_dtype = np.result_type(*(a for a in (qa, ka, va) if a is not None))
     out_dtype = out_dtype if dtype is None else np.dtype(dtype)
     acc_dtype = np.dtype(np.float32) if out_dtype == np.float16 else out_dtype
@@ -248,6 +320,9 @@ def make_plan(
     if va is not None:
         va = np.broadcast_to(va.astype(acc_dtype, copy=False), kv_batch + (S, va.shape[-1]))
     bool_mask, bias = _read_mask(mask, batch + (L, S), acc_dtype)
+    if sinks is not None:  # the sinks' gradient has the shape they were given in
+        sinks = as_array(sinks, "sinks")
+        given += ((sinks.dtype, sinks.shape),)
 
     return Plan(
         q=qa,
@@ -267,7 +342,38 @@ def make_plan(
         alibi=_per_head(alibi_slopes, "alibi_slopes", batch, acc_dtype),
         score_mod=_callable(score_mod, "score_mod"),
         mask_mod=_callable(mask_mod, "mask_mod"),
+        given=given,
     )
+
+
+_PLAIN_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _plain_plan(q: Any, k: Any, v: Any, scale: Any, causal: bool) -> Plan | None:
+    """The plan :func:`make_plan` would build, for NumPy ``q``, ``k``, ``v`` of one
+    float32/float64 dtype and one rank (>= 2) whose batch dimensions agree (kv heads may
+    group); ``None`` for anything else, which then takes the general road (and its messages).
+    """
+    if not (type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray):
+        return None
+    dt = q.dtype
+    if dt not in _PLAIN_DTYPES or k.dtype != dt or v.dtype != dt:
+        return None
+    n = q.ndim
+    qs, ks, vs = q.shape, k.shape, v.shape
+    if n < 2 or k.ndim != n or v.ndim != n or qs[-1] != ks[-1] or ks[-2] != vs[-2] or qs[-1] == 0:
+        return None
+    if ks[:-2] != vs[:-2] or qs[:-3] != ks[:-3]:
+        return None
+    group = 1
+    if n > 2 and qs[-3] != ks[-3]:
+        hq, hkv = qs[-3], ks[-3]
+        if hq < 1 or hkv < 1 or hq % hkv:
+            return None
+        group = hq // hkv
+    fscale = 1.0 / math.sqrt(qs[-1]) if scale is None else check_scale(scale, qs[-1])
+    given = ((dt, qs), (dt, ks), (dt, vs))
+    return Plan(q, k, v, fscale, causal, None, None, None, group, dt, dt, False, given=given)
 
 
 def broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:

@@ -23,7 +23,7 @@ from __future__ import annotations
 from functools import wraps
 from typing import Any
 
-from ..torch_bridge import is_tensor_input
+from ..tensors import is_tensor
 from . import ring as _ring
 from .decode import decode as _decode
 from .layout import LAYOUTS, positions, shard, unshard
@@ -47,7 +47,7 @@ def ring_attention(
     stats: RingStats | None = None,
 ) -> Any:
     run = _ring.ring_attention
-    if is_tensor_input(q, k, v):
+    if is_tensor(q, k, v):
         from ._torch import ring_attention as run
     return run(
         q, k, v, comm=comm, causal=causal, scale=scale, layout=layout, return_lse=return_lse,
@@ -60,7 +60,7 @@ def decode(
     q: Any, k: Any, v: Any, *, comm: Any = None, scale: Any = None, return_lse: bool = False
 ) -> Any:
     run = _decode
-    if is_tensor_input(q, k, v):
+    if is_tensor(q, k, v):
         from ._torch import decode as run
     return run(q, k, v, comm=comm, scale=scale, return_lse=return_lse)
 

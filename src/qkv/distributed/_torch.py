@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ..torch_bridge import _as_tensor, _out_dtype, _tensor, _to_numpy
+from ..tensors import as_dtype, give, read, want_of
 from .decode import decode as np_decode
 from .ring import RingStats, ring_attention_vjp, ring_forward
 
@@ -21,7 +21,7 @@ __all__ = ["decode", "ring_attention"]
 
 
 def _arrays(q: Any, k: Any, v: Any) -> tuple[Any, Any, Any]:
-    return _to_numpy(q, "q"), _to_numpy(k, "k"), _to_numpy(v, "v")
+    return read(q, "q"), read(k, "k"), read(v, "v")
 
 
 def ring_attention(
@@ -44,8 +44,7 @@ def ring_attention(
         out, lse = _function().apply(*tensors, opts)
     else:
         o, m = ring_forward(*_arrays(*tensors), **opts)
-        out = _as_tensor(o, _out_dtype(np.result_type(*_arrays(*tensors)), tensors))
-        lse = _tensor(m)
+        out, lse = give(o, want_of(*tensors)), give(m, want_of(*tensors), exact=True)
     return (out, lse) if return_lse else out
 
 
@@ -62,9 +61,10 @@ def _function() -> type:
             out, lse = ring_forward(*arrays, **opts)
             ctx.save_for_backward(q, k, v)
             ctx.opts, ctx.acc = opts, (out, lse)  # unrounded, for the backward
-            lse_t = _tensor(lse.copy())
+            want = want_of(q, k, v)
+            out_t, lse_t = give(out, want), give(lse.copy(), want, exact=True)
             ctx.mark_non_differentiable(lse_t)
-            return _as_tensor(out, _out_dtype(np.result_type(*arrays), (q, k, v))), lse_t
+            return out_t, lse_t
 
         @staticmethod
         def backward(ctx: Any, grad_out: Any, grad_lse: Any) -> Any:
@@ -72,10 +72,10 @@ def _function() -> type:
             out, lse = ctx.acc
             opts = {key: ctx.opts[key] for key in ("comm", "causal", "scale", "layout")}
             grads = ring_attention_vjp(
-                *_arrays(*saved), _to_numpy(grad_out, "grad_out"), out, lse, **opts
+                *_arrays(*saved), read(grad_out, "grad_out"), out, lse, **opts
             )
             # every rank must join the ring, so all three are computed even if one is unneeded
-            return (*(_as_tensor(g, t.dtype) for g, t in zip(grads, saved, strict=True)), None)
+            return (*(as_dtype(g, t) for g, t in zip(grads, saved, strict=True)), None)
 
     return RingAttention
 
@@ -86,5 +86,9 @@ def decode(q: Any, k: Any, v: Any, *, comm: Any, scale: Any, return_lse: bool) -
     tensors = tuple(x if isinstance(x, torch.Tensor) else torch.as_tensor(x) for x in (q, k, v))
     arrays = _arrays(*tensors)
     out, lse = np_decode(*arrays, comm=comm, scale=scale, return_lse=True)
-    out_t = _as_tensor(out, _out_dtype(out.dtype, tensors))
-    return (out_t, _tensor(np.asarray(lse))) if return_lse else out_t
+    want = want_of(*tensors)
+    return (
+        (give(out, want), give(np.asarray(lse), want, exact=True))
+        if return_lse
+        else give(out, want)
+    )

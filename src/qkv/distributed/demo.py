@@ -115,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
 
     err_out = err_dq = 0.0
     if args.check_rows:
-        from ..core import attention
         from ..grad import attention_vjp
+        from ..reference import attention
 
         pos = np.concatenate([np.arange(ch * h, (ch + 1) * h) for ch in mine])
         rows = np.random.default_rng([args.seed, rank]).choice(len(pos), args.check_rows)

@@ -20,6 +20,7 @@ import numpy as np
 
 from ..checks import check_int
 from ..errors import InputError
+from ..tensors import is_tensor
 
 __all__ = ["LAYOUTS", "check_layout", "chunk_ids", "positions", "shard", "unshard"]
 
@@ -81,14 +82,8 @@ def _split_size(n: int, world: int, layout: str, shape: tuple[int, ...]) -> int:
     return n // parts
 
 
-def _is_tensor(x: Any) -> bool:
-    from ..torch_bridge import is_tensor_input
-
-    return is_tensor_input(x)
-
-
 def _concat(parts: list[Any], axis: int) -> Any:
-    if parts and _is_tensor(parts[0]):
+    if parts and is_tensor(parts[0]):
         import torch
 
         return torch.cat(parts, dim=axis)
@@ -141,7 +136,7 @@ def shard(x: Any, rank: int, world: int, *, layout: str = "zigzag", axis: int = 
     """
     layout = check_layout(layout)
     rank, world = _check_world(rank, world)
-    if not _is_tensor(x):
+    if not is_tensor(x):
         x = np.asarray(x)
     ax = _axis(x, axis, "x")
     h = _split_size(x.shape[ax], world, layout, tuple(x.shape))
@@ -163,7 +158,7 @@ def unshard(parts: Sequence[Any], *, layout: str = "zigzag", axis: int = -2) -> 
     if isinstance(parts, (str, bytes)) or not isinstance(parts, Sequence) or not parts:
         raise InputError("parts: expected a non-empty sequence with one part per rank")
     world = len(parts)
-    parts = [p if _is_tensor(p) else np.asarray(p) for p in parts]
+    parts = [p if is_tensor(p) else np.asarray(p) for p in parts]
     ax = _axis(parts[0], axis, "parts[0]")
     shape0 = tuple(parts[0].shape)
     for r, p in enumerate(parts):

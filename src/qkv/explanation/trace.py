@@ -27,11 +27,10 @@ from typing import Any
 
 import numpy as np
 
-from ..core import attention
 from ..errors import InputError, InputTypeError
-from ..kernels import dense, mods
+from ..kernels import dense, dispatch, mods
 from ..masks import allowed, exclusion_reasons, query_positions
-from ..validate import Plan, as_array, make_plan
+from ..validate import Plan, as_array, check_variants, make_plan
 from .display import fmt
 from .document import trace_dict
 from .formats import Renderable
@@ -320,6 +319,7 @@ def explain(
     stage = _stage(stop_at, v)
     if title is not None and not isinstance(title, str):
         raise InputTypeError(f"title: expected a string, got {type(title).__name__}")
+    check_variants("explain", variants)
     qa = as_array(q, "q")
     info = resolve_scale(scale, d, qa.shape[-1] if qa.ndim >= 1 else 0)
     masks = dict(causal=causal, mask=mask, window=window, **variants)
@@ -333,8 +333,8 @@ def explain(
         fields.update(_softmax_fields(plan, fields))
     if stage == "output":
         with np.errstate(over="ignore"):  # shifts past the float range are -inf: weight 0
-            out = attention(q, k, v, scale=info.value, **masks)
-        fields["output"] = np.asarray(out).reshape(plan.L, plan.dv)
+            out, _ = dispatch.attend(plan)  # qkv.attention's engine, on the same checked plan
+        fields["output"] = out.astype(plan.out_dtype, copy=False).reshape(plan.L, plan.dv)
     trace = Trace(**fields)
     if exact:
         from .exact import exact_steps  # SymPy: imported only when asked for

@@ -1,7 +1,7 @@
 """:func:`qkv.attention` for tensors on a GPU: check, reshape, run the Triton kernels.
 
-:mod:`qkv.front` sends here every call whose ``q``, ``k``, ``v`` or ``mask`` lies
-on a device other than the CPU. Arguments are checked by :func:`qkv.validate.make_plan` on
+:mod:`qkv.front` sends here every checked call (:class:`qkv.call.Call`) whose tensors lie
+on a device other than the CPU. The call was checked once, by :func:`qkv.validate.make_plan` on
 zero-stride NumPy stand-ins of the tensors' shapes (no data is copied to the host), so the
 errors and the semantics are those of every other path: bottom-right causal, windows, grouped
 heads without repeating K/V, bool masks (``True`` = may attend) and float biases broadcast to
@@ -12,6 +12,8 @@ sums gradients over broadcast dimensions as usual.
 What the kernels do not cover falls back to qkv's CPU path (the tensors are copied to the
 host and the result back, gradients included) with a :class:`GpuFallbackWarning` saying why:
 
+- :func:`qkv.attention_weights` and :func:`qkv.scores` (the kernels compute the output);
+- the variants (``softcap``, ``sinks``, ``alibi_slopes``, ``score_mod``, ``mask_mod``);
 - dtypes other than float16, bfloat16 and float32, or inputs of mixed dtypes;
 - ``d`` or ``dv`` above 256;
 
@@ -19,25 +21,31 @@ Refused with :class:`qkv.InputError`, as on the CPU path: a float mask that requ
 and here also tensors on devices other than CUDA, or on several devices.
 
 Triton's interpreter (``TRITON_INTERPRET=1`` set before Triton is first imported) runs the
-same kernels on CPU tensors; :func:`attention` accepts CPU tensors only then, which is how
+same kernels on CPU tensors; :func:`run` accepts CPU tensors only then, which is how
 the kernels are tested on machines without a GPU.
 """
 
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 from functools import cache
 from typing import Any
 
 import numpy as np
 import torch
 
-from .. import torch_bridge
+from .. import core, torch_bridge
+from ..call import Call, build
 from ..errors import InputError
-from ..validate import make_plan
+from ..tensors import give
+from ..validate import VARIANTS
 from . import launch
 
-__all__ = ["GpuFallbackWarning", "attention"]
+__all__ = ["GpuFallbackWarning", "attention", "run"]
+
+#: The plan's field for each variant keyword (the others have the keyword's name).
+_PLAN_FIELD = {"alibi_slopes": "alibi"}
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _GPU_KERNELS = {"auto": "auto", "dense": "prefill", "tiled": "prefill", "decode": "decode"}
@@ -47,22 +55,8 @@ class GpuFallbackWarning(UserWarning):
     """A GPU call that the Triton kernels do not cover ran on qkv's CPU path instead."""
 
 
-def _shadow(x: Any) -> Any:
-    """A zero-stride NumPy array with ``x``'s shape (float32, or bool for a bool tensor)."""
-    if not isinstance(x, torch.Tensor):
-        return x
-    if x.dtype == torch.bool:
-        dtype = np.bool_
-    elif x.is_floating_point():
-        dtype = np.float32
-    else:  # integers, complex: make_plan names what it refuses
-        dtype = np.complex64 if x.is_complex() else np.int64
-    return np.broadcast_to(np.zeros((), dtype=dtype), tuple(x.shape))
-
-
-def _device(q: Any, k: Any, v: Any, mask: Any) -> torch.device:
-    named = [(n, t) for n, t in zip(("q", "k", "v", "mask"), (q, k, v, mask), strict=True)]
-    tensors = [(n, t) for n, t in named if isinstance(t, torch.Tensor)]
+def _device(call: Call) -> torch.device:
+    tensors = [(n, t) for n, t in call.given.items() if isinstance(t, torch.Tensor)]
     for n, t in tensors:
         if t.device.type not in ("cuda", "cpu"):
             raise InputError(
@@ -71,13 +65,17 @@ def _device(q: Any, k: Any, v: Any, mask: Any) -> torch.device:
                 ".cuda() or .cpu()"
             )
     devices = {t.device for _, t in tensors}
-    if len(devices) > 1 or any(n != "mask" and not isinstance(t, torch.Tensor) for n, t in named):
+    named = [(n, call.given.get(n)) for n in ("q", "k", "v", "mask")]
+    untensored = any(
+        n != "mask" and x is not None and not isinstance(x, torch.Tensor) for n, x in named
+    )
+    if len(devices) > 1 or untensored:
         where = ", ".join(
             f"{n} on {t.device}" if isinstance(t, torch.Tensor) else f"{n} not a tensor"
-            for n, t in named
+            for n, t in call.given.items()
             if t is not None
         )
-        raise InputError(f"q, k, v, mask: must be tensors on one device, got {where}")
+        raise InputError(f"{', '.join(call.given)}: must be tensors on one device, got {where}")
     dev = next(iter(devices))
     if dev.type == "cpu":
         from . import _kernels
@@ -90,7 +88,14 @@ def _device(q: Any, k: Any, v: Any, mask: Any) -> torch.device:
     return dev
 
 
-def _fallback_reason(q: Any, k: Any, v: Any, mask: Any) -> str | None:
+def _fallback_reason(call: Call) -> str | None:
+    plan = call.plan
+    if call.fn != "attention":
+        return f"{call.fn} (the kernels compute attention's output)"
+    used = [name for name in VARIANTS if getattr(plan, _PLAN_FIELD.get(name, name)) is not None]
+    if used:
+        return f"{', '.join(used)} (the kernels take none of the variants)"
+    q, k, v = (call.given[n] for n in "qkv")
     dtypes = {q.dtype, k.dtype, v.dtype}
     if len(dtypes) > 1 or q.dtype not in _FLOATS:
         names = ", ".join(sorted(str(t).removeprefix("torch.") for t in dtypes))
@@ -100,21 +105,46 @@ def _fallback_reason(q: Any, k: Any, v: Any, mask: Any) -> str | None:
     return None
 
 
-def _on_cpu(x: Any) -> Any:
-    return x.cpu() if isinstance(x, torch.Tensor) else x
+def _fallback(reason: str, call: Call) -> Any:
+    """qkv's CPU path on host copies; the results (and their gradients) go back to the device.
 
-
-def _fallback(reason: str, q: Any, k: Any, v: Any, mask: Any, **kw: Any) -> Any:
-    """qkv's CPU path on host copies; the result (and its gradients) go back to the device."""
+    The host copies are a new call, checked again (the device call was checked on the
+    tensors' shapes; this one reads their values).
+    """
+    dev = next(t.device for t in call.given.values() if isinstance(t, torch.Tensor))
     warnings.warn(
-        f"qkv.attention on {q.device}: {reason}; computed on the CPU instead",
+        f"qkv.{call.fn} on {dev}: {reason}; computed on the CPU instead",
         GpuFallbackWarning,
         stacklevel=4,
     )
-    res = torch_bridge.attention(_on_cpu(q), _on_cpu(k), _on_cpu(v), mask=_on_cpu(mask), **kw)
+    host = {n: x.cpu() if isinstance(x, torch.Tensor) else x for n, x in call.given.items()}
+    plan = call.plan
+    variants = {
+        n: x
+        for n, x in (
+            ("softcap", plan.softcap),
+            ("score_mod", plan.score_mod),
+            ("mask_mod", plan.mask_mod),
+            ("sinks", host.get("sinks")),
+            ("alibi_slopes", host.get("alibi_slopes")),
+        )
+        if x is not None
+    }
+    cpu = build(
+        call.fn, host["q"], host["k"], host["v"], scale=plan.scale, causal=plan.causal,
+        mask=host["mask"], window=plan.window, return_lse=call.return_lse,
+        check_finite=call.check_finite, kernel=call.kernel, **variants,
+    )  # fmt: skip
+    if cpu.route == "autograd":
+        res = torch_bridge.run(cpu)
+    elif cpu.return_lse:
+        out, lse = core.run(cpu)
+        res = (give(out, cpu.want), give(lse, cpu.want, exact=True))
+    else:
+        res = give(core.run(cpu), cpu.want)
     if isinstance(res, tuple):
-        return tuple(r.to(q.device) for r in res)
-    return res.to(q.device)
+        return tuple(r.to(dev) for r in res)
+    return res.to(dev)
 
 
 def _flatten(x: torch.Tensor, batch: tuple[int, ...], rows: int, cols: int) -> torch.Tensor:
@@ -147,54 +177,26 @@ def _function() -> type:
     return TritonAttention
 
 
-def attention(
-    q: Any,
-    k: Any,
-    v: Any,
-    *,
-    scale: Any = None,
-    causal: bool = False,
-    mask: Any = None,
-    window: Any = None,
-    return_lse: bool = False,
-    check_finite: bool = False,
-    kernel: str = "auto",
-) -> Any:
-    """:func:`qkv.attention` on device tensors by the Triton kernels (differentiable).
+def run(call: Call) -> Any:
+    """A checked call on device tensors, by the Triton kernels (differentiable).
 
     ``kernel``: ``"auto"`` picks decode (split-K) for few query rows per kv head, else
     prefill; ``"decode"`` forces split-K; ``"dense"``/``"tiled"`` force prefill. All give the
     same numbers up to rounding. The lse is float32 and carries no gradient.
     """
-    if kernel not in _GPU_KERNELS:
-        raise InputError(f"kernel: expected one of {tuple(_GPU_KERNELS)}, got {kernel!r}")
-    dev = _device(q, k, v, mask)
+    dev = _device(call)
+    reason = _fallback_reason(call)
+    if reason is not None:
+        return _fallback(reason, call)
+    plan = call.plan
+    q, k, v, mask = (call.given[n] for n in ("q", "k", "v", "mask"))
     if mask is not None and not isinstance(mask, torch.Tensor):  # an array or list
         mask = torch.as_tensor(np.asarray(mask), device=dev)
-    kw = {
-        "scale": scale,
-        "causal": causal,
-        "window": window,
-        "return_lse": return_lse,
-        "check_finite": check_finite,
-    }
-    reason = _fallback_reason(q, k, v, mask)
-    if reason is not None:
-        return _fallback(reason, q, k, v, mask, **kw)
-    plan = make_plan(
-        _shadow(q), _shadow(k), _shadow(v), scale=scale, causal=causal, mask=_shadow(mask),
-        window=window,
-    )  # fmt: skip
-    if check_finite:
+    if call.check_finite:
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not bool(torch.isfinite(t).all()):
                 raise InputError(f"{name}: contains NaN or infinity (shape {tuple(t.shape)})")
     wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    if isinstance(mask, torch.Tensor) and mask.requires_grad and wants_grad:
-        raise InputError(
-            f"mask: qkv gives no gradient for a float mask (shape {tuple(mask.shape)}); "
-            "detach it, or compute its gradient with PyTorch's own attention"
-        )
     batch, L, S, d, dv = plan.batch, plan.L, plan.S, plan.d, plan.dv
     hkv = batch[-1] // plan.group if batch else 1
     kv_batch = batch[:-1] + (hkv,) if batch else batch
@@ -211,17 +213,23 @@ def attention(
             bias4 = m4 if m4.is_floating_point() else m4.float()
     left, right = plan.window if plan.window is not None else (None, None)
     opts = launch.Options(plan.scale, plan.causal, left, right, plan.group)
-    cfg = (opts, _GPU_KERNELS[kernel])
-    if kernel == "auto" or _GPU_KERNELS[kernel] == "decode":
-        if plan.group * L > launch.DECODE_MAX_ROWS:
-            cfg = (opts, "prefill")
+    kernel = _GPU_KERNELS[call.kernel]
+    if kernel in ("auto", "decode") and plan.group * L > launch.DECODE_MAX_ROWS:
+        kernel = "prefill"
     if wants_grad:
-        out4, lse3 = _function().apply(q4, k4, v4, mask4, bias4, cfg)
+        out4, lse3 = _function().apply(q4, k4, v4, mask4, bias4, (opts, kernel))
     else:
         with torch.no_grad():
-            out4, lse3 = launch.forward(q4, k4, v4, opts, mask4, bias4, cfg[1])
+            out4, lse3 = launch.forward(q4, k4, v4, opts, mask4, bias4, kernel)
     out = out4.reshape(*batch, L, dv)
     lse = lse3.reshape(*batch, L)
     if plan.squeeze:
         out, lse = out[..., 0, :], lse[..., 0]
-    return (out, lse) if return_lse else out
+    return (out, lse) if call.return_lse else out
+
+
+def attention(q: Any, k: Any, v: Any, **options: Any) -> Any:
+    """:func:`qkv.attention` forced onto the Triton kernels: for tensors on a GPU (what
+    :func:`qkv.attention` does by itself) and, under Triton's interpreter, CPU tensors (how the
+    kernels are tested without a GPU)."""
+    return run(replace(build("attention", q, k, v, **options), route="device"))

@@ -14,7 +14,7 @@ from ..validate import Plan
 from . import mods
 from .blocks import finish, grouped_matmul
 
-__all__ = ["attend", "logits", "raw_scores", "row_max", "softmax_rows"]
+__all__ = ["attend", "attend_plain", "logits", "raw_scores", "row_max", "softmax_rows"]
 
 
 def raw_scores(plan: Plan) -> np.ndarray:
@@ -62,3 +62,22 @@ def attend(plan: Plan) -> tuple[np.ndarray, np.ndarray]:
     """Output ``(*batch, L, dv)`` and lse ``(*batch, L)``, both in the compute dtype."""
     w, lse = softmax_rows(logits(plan))
     return grouped_matmul(w, plan.v, plan.group), lse
+
+
+def attend_plain(plan: Plan) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`attend` for a plan with no mask, bias, window or variant and ``S >= 1``, where
+    every row sees every key: the same steps with nothing to mask (small calls cost little).
+
+    A row's maximum is finite for finite scores, so its denominator is at least 1; a non-finite
+    maximum (an overflow or a NaN/inf input) gives a non-finite output, which the caller
+    (:func:`qkv.kernels.dispatch.attend`) hands to the general path.
+    """
+    g = plan.group
+    s = grouped_matmul(plan.q * plan.acc_dtype.type(plan.scale), np.swapaxes(plan.k, -1, -2), g)
+    m = s.max(axis=-1, keepdims=True)
+    s -= m
+    np.exp(s, out=s)
+    denom = s.sum(axis=-1)
+    out = grouped_matmul(s, plan.v, g)
+    out /= denom[..., None]
+    return out, m[..., 0] + np.log(denom)

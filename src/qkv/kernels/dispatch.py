@@ -88,6 +88,11 @@ def attend(plan: Plan, kernel: str = "auto") -> tuple[np.ndarray, np.ndarray]:
     Sinks are added once, to the kernel's finished result (:func:`mods.with_sinks`).
     """
     name = choose(plan) if kernel == "auto" else check_kernel(kernel)
+    if name == "dense" and kernel == "auto" and _plain(plan):
+        with np.errstate(over="ignore", invalid="ignore"):
+            out, lse = dense.attend_plain(plan)
+        if np.isfinite(out).all():
+            return out, lse
     run = {"dense": dense.attend, "decode": decode.attend, "tiled": tiled.attend}[name]
     if name == "tiled" and kernel == "auto" and packed.supports(plan):
         run = packed.attend_plan
@@ -102,6 +107,21 @@ def attend(plan: Plan, kernel: str = "auto") -> tuple[np.ndarray, np.ndarray]:
         if not np.isfinite(out).all() and plan.acc_dtype != np.float64 and _may_overflow(plan):
             out, lse = _in_float64(run, plan)
     return mods.with_sinks(plan, out, lse)
+
+
+def _plain(plan: Plan) -> bool:
+    """Whether every row of ``plan`` sees every key, with no variant (:func:`dense.attend_plain`
+    serves it); a single causal query sees all keys too."""
+    return (
+        plan.mask is None
+        and plan.bias is None
+        and plan.window is None
+        and (not plan.causal or plan.L == 1)
+        and not plan.modded
+        and plan.sinks is None
+        and plan.S > 0
+        and scale_fits(plan)
+    )
 
 
 def weights(plan: Plan) -> np.ndarray:

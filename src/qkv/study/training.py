@@ -38,8 +38,8 @@ from typing import Any
 import numpy as np
 
 from ..checks import check_int, check_real
-from ..core import attention
 from ..errors import InputError
+from ..front import attention
 from ..grad import attention_vjp
 from .scaling import mode_scale
 

@@ -1,0 +1,152 @@
+"""One checked call: what the public front builds once and every back end runs.
+
+:func:`qkv.attention`, :func:`qkv.attention_weights` and :func:`qkv.scores` each build a
+:class:`Call` here — the arguments checked once by :func:`qkv.validate.make_plan`, the tensor
+policy (:mod:`qkv.tensors`) applied once — and hand it to one back end, which runs it without
+checking anything again:
+
+- the NumPy engine (:func:`qkv.core.run`), for arrays and for CPU tensors without autograd;
+- the torch bridge (:func:`qkv.torch_bridge.run`), for CPU tensors that require grad;
+- the Triton kernels (:func:`qkv.gpu.api.run`), for tensors on a GPU; the plan then holds
+  zero-stride stand-ins of the tensors' shapes (no data is copied to the host).
+
+Examples
+--------
+>>> from qkv.call import build
+>>> call = build("attention", [2, 1], [[1, 0], [3, 2]], [[1, 2], [3, 4]], scale=0.5)
+>>> call.route, call.plan.scale, call.plan.squeeze
+('numpy', 0.5, True)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import InputError
+from .kernels.dispatch import check_kernel
+from .tensors import Want, is_tensor, on_device, read_shadow, want_of, wants_grad
+from .validate import Plan, check_flag, check_variants, make_plan
+
+__all__ = ["Call", "build"]
+
+
+@dataclass(frozen=True)
+class Call:
+    """A checked call of one of the public attention functions.
+
+    Attributes
+    ----------
+    fn : str
+        ``"attention"``, ``"attention_weights"`` or ``"scores"``.
+    plan : Plan
+        The checked problem (:class:`qkv.validate.Plan`); for device tensors its arrays are
+        zero-stride stand-ins carrying the shapes only.
+    route : str
+        The back end: ``"numpy"``, ``"autograd"`` (CPU tensors that require grad) or
+        ``"device"`` (tensors on a GPU).
+    given : dict
+        The tensor arguments as the caller gave them (``q``, ``k``, ``v``, ``mask``,
+        ``sinks``, ``alibi_slopes``), for autograd and the device path; empty for NumPy input.
+    want : Want or None
+        The type the results go back as (:mod:`qkv.tensors`); ``None`` for NumPy arrays.
+    kernel : str
+        The kernel asked for (``"auto"`` by default).
+    return_lse : bool
+        Whether the caller wants the log-sum-exp too.
+    """
+
+    fn: str
+    plan: Plan
+    route: str
+    given: dict[str, Any]
+    want: Want | None
+    kernel: str = "auto"
+    return_lse: bool = False
+    check_finite: bool = False
+
+
+def build(
+    fn: str,
+    q: Any,
+    k: Any,
+    v: Any = None,
+    *,
+    scale: Any = None,
+    causal: bool = False,
+    mask: Any = None,
+    window: Any = None,
+    return_lse: bool = False,
+    check_finite: bool = False,
+    kernel: str = "auto",
+    **variants: Any,
+) -> Call:
+    """Check a public call once and return it as a :class:`Call`.
+
+    ``fn`` names the public function (for messages); ``v`` is ``None`` for the functions that
+    stop before the values. Raises :class:`qkv.InputError` naming the argument for anything
+    the call cannot run.
+    """
+    check_flag(return_lse, "return_lse")
+    if kernel != "auto":
+        kernel = check_kernel(kernel)
+    if variants:
+        check_variants(fn, variants)
+    need_v = fn == "attention"
+    extra = (mask, variants.get("sinks"), variants.get("alibi_slopes")) if variants else (mask,)
+    if not is_tensor(q, k, v, *extra):
+        plan = make_plan(
+            q, k, v, scale=scale, causal=causal, mask=mask, window=window, need_v=need_v,
+            check_finite=check_finite, **variants,
+        )  # fmt: skip
+        return Call(fn, plan, "numpy", {}, None, kernel, return_lse)
+    given = {"q": q, "k": k, "v": v, "mask": mask}
+    for name in ("sinks", "alibi_slopes"):
+        if variants.get(name) is not None:
+            given[name] = variants[name]
+    want = want_of(q, k, v)
+    if on_device(*given.values()):
+        shadows = {name: read_shadow(x) for name, x in given.items()}
+        plan = make_plan(
+            shadows["q"], shadows["k"], shadows["v"], scale=scale, causal=causal,
+            mask=shadows["mask"], window=window, need_v=need_v,
+            **{**variants, **{n: shadows[n] for n in ("sinks", "alibi_slopes") if n in shadows}},
+        )  # fmt: skip
+        return Call(fn, plan, "device", given, want, kernel, return_lse, check_finite)
+    plan = make_plan(
+        q, k, v, scale=scale, causal=causal, mask=mask, window=window, need_v=need_v,
+        check_finite=check_finite, **variants,
+    )  # fmt: skip
+    for name in ("mask", "alibi_slopes"):
+        _no_grad_for(name, given.get(name))
+    route = "numpy"
+    if wants_grad(q, k, v, variants.get("sinks")):
+        _check_differentiable(fn, plan, given)
+        route = "autograd"
+    return Call(fn, plan, route, given, want, kernel, return_lse)
+
+
+def _check_differentiable(fn: str, plan: Plan, given: dict[str, Any]) -> None:
+    """What qkv cannot differentiate is refused by name when gradients are wanted."""
+    if plan.score_mod is not None:
+        raise InputError(
+            "score_mod: qkv cannot differentiate a user function; run under torch.no_grad() "
+            "or use PyTorch's flex_attention for gradients"
+        )
+    if fn != "attention" and plan.sinks is not None and wants_grad(given.get("sinks")):
+        raise InputError(
+            f"sinks: {fn} gives no gradient for the sinks (shape {tuple(given['sinks'].shape)}); "
+            "qkv.attention does, or detach them"
+        )
+
+
+def _no_grad_for(name: str, x: Any) -> None:
+    """A mask or ALiBi slopes that require grad are refused: qkv has no gradient for them."""
+    if wants_grad(x):
+        kind = "a float mask" if name == "mask" else "ALiBi slopes"
+        raise InputError(
+            f"{name}: qkv gives no gradient for {kind} (shape {tuple(np.shape(x))}); detach "
+            "it, or compute its gradient with PyTorch's own attention"
+        )

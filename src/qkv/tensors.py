@@ -1,0 +1,228 @@
+"""The tensor policy: which array types qkv takes, how it reads them, what it gives back.
+
+One module decides this for every public function (:func:`qkv.attention` and its siblings,
+:func:`qkv.attention_vjp`, :func:`qkv.merge`, :func:`qkv.attention_varlen`,
+:class:`qkv.KVCache`, :mod:`qkv.distributed`):
+
+- **NumPy arrays, lists and scalars** are read by NumPy; results are NumPy arrays.
+- **PyTorch tensors on the CPU** are read as NumPy arrays *without a copy* (a contiguous
+  float tensor shares its memory); ``bfloat16`` and other floats NumPy lacks are read as float32.
+  Results come back as tensors: of the inputs' dtype (``bfloat16`` when every tensor input is),
+  on the CPU. Sparse and quantized tensors are refused by name.
+- **Tensors on another device** (CUDA, ``meta``...) are never copied silently. Only
+  :func:`qkv.attention` takes them, and runs them on qkv's Triton kernels (:mod:`qkv.gpu`), which
+  fall back to the CPU with a warning for what they do not cover. Every other function refuses
+  them with :class:`qkv.InputError` naming the argument and the device.
+- **Autograd**: a tensor that requires grad (with gradients enabled) gets its gradient from
+  qkv's own VJPs where qkv has one (:mod:`qkv.torch_bridge`); where it has none the call is
+  refused by name, never silently detached.
+
+Importing this module does not import torch: a tensor can only exist once torch is imported,
+so :func:`is_tensor` looks in ``sys.modules`` and costs nothing for NumPy users.
+
+Examples
+--------
+>>> from qkv.tensors import is_tensor, want_of
+>>> is_tensor([1.0, 2.0], None)
+False
+>>> want_of([1.0], [2.0]) is None          # NumPy in: NumPy out
+True
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import InputError, InputTypeError
+from .validate import add_reader
+
+__all__ = [
+    "Want",
+    "as_dtype",
+    "give",
+    "is_tensor",
+    "on_device",
+    "read",
+    "read_shadow",
+    "refuse_grad",
+    "wants_grad",
+    "want_of",
+]
+
+
+def _tensor_type() -> Any:
+    torch = sys.modules.get("torch")
+    return getattr(torch, "Tensor", None)
+
+
+def is_tensor(*xs: Any) -> bool:
+    """True when any of ``xs`` is a ``torch.Tensor``; never imports torch itself."""
+    tensor = _tensor_type()
+    if tensor is None:
+        return False
+    return any(isinstance(x, tensor) for x in xs)
+
+
+def on_device(*xs: Any) -> bool:
+    """True when any of ``xs`` is a tensor on a device other than the CPU."""
+    tensor = _tensor_type()
+    if tensor is None:
+        return False
+    return any(isinstance(x, tensor) and x.device.type != "cpu" for x in xs)
+
+
+def _numpy_floats() -> tuple[Any, ...]:
+    import torch
+
+    return (torch.float16, torch.float32, torch.float64)
+
+
+def read(x: Any, name: str) -> Any:
+    """``x`` as something :func:`numpy.asarray` reads: CPU tensors as zero-copy NumPy views.
+
+    Raises :class:`InputError` for a tensor on another device (naming the argument and the
+    device: qkv never moves data between devices silently) and :class:`InputTypeError` for a
+    sparse or quantized tensor. Anything that is not a tensor is returned as it is.
+    """
+    tensor = _tensor_type()
+    if tensor is None or not isinstance(x, tensor):
+        return x
+    if x.device.type != "cpu":
+        raise InputError(
+            f"{name}: a tensor on device {x.device} (shape {tuple(x.shape)}); this function "
+            "computes on the CPU and qkv never copies between devices silently: move it with "
+            ".cpu() (only qkv.attention runs device tensors, on qkv's GPU kernels)"
+        )
+    import torch
+
+    if x.layout != torch.strided or x.is_quantized:
+        kind = "quantized" if x.is_quantized else f"{x.layout}".replace("torch.", "")
+        raise InputTypeError(
+            f"{name}: {kind} tensors are not supported (shape {tuple(x.shape)}, dtype "
+            f"{x.dtype}); convert with .to_dense() or .dequantize() first"
+        )
+    x = x.detach()
+    if x.is_floating_point() and x.dtype not in _numpy_floats():
+        x = x.float()  # bfloat16 and float8, which NumPy lacks
+    if x.is_conj() or x.is_neg():
+        x = x.resolve_conj().resolve_neg()
+    try:
+        return x.numpy()
+    except (TypeError, RuntimeError) as exc:
+        raise InputTypeError(
+            f"{name}: a tensor NumPy cannot read (shape {tuple(x.shape)}, dtype {x.dtype}): {exc}"
+        ) from None
+
+
+def read_shadow(x: Any) -> Any:
+    """A zero-stride NumPy stand-in with a device tensor's shape, for checking shapes only.
+
+    Floats become float32, bools bool; other dtypes keep a kind the checks refuse by name.
+    Anything that is not a tensor is returned as it is.
+    """
+    tensor = _tensor_type()
+    if tensor is None or not isinstance(x, tensor):
+        return x
+    import torch
+
+    if x.dtype == torch.bool:
+        dtype: Any = np.bool_
+    elif x.is_floating_point():
+        dtype = np.float32
+    else:
+        dtype = np.complex64 if x.is_complex() else np.int64
+    return np.broadcast_to(np.zeros((), dtype=dtype), tuple(x.shape))
+
+
+@dataclass(frozen=True)
+class Want:
+    """What a result should be given back as: a tensor of ``dtype`` (``None``: the dtype NumPy
+    computed) on ``device``. ``None`` instead of a :class:`Want` means NumPy arrays."""
+
+    bfloat16: bool
+    device: Any
+
+
+def want_of(*xs: Any) -> Want | None:
+    """The result type for inputs ``xs``: ``None`` (NumPy) unless one of them is a tensor.
+
+    ``bfloat16`` is kept when every tensor among ``xs`` is ``bfloat16`` (computed in float32);
+    otherwise the dtype is the one NumPy's rules gave the result.
+    """
+    tensor = _tensor_type()
+    if tensor is None:
+        return None
+    tensors = [x for x in xs if isinstance(x, tensor)]
+    if not tensors:
+        return None
+    import torch
+
+    bf16 = all(t.dtype == torch.bfloat16 for t in tensors)
+    return Want(bfloat16=bf16, device=tensors[0].device)
+
+
+def give(result: Any, want: Want | None, *, exact: bool = False) -> Any:
+    """``result`` (an array, a tuple of them, or anything else) in the caller's type.
+
+    Arrays become tensors sharing their memory where NumPy allows (a writeable contiguous
+    array); integer and bool arrays keep their dtype; floats follow :class:`Want`, or keep the
+    dtype they were computed in with ``exact`` (a log-sum-exp stays in the accumulation dtype).
+    """
+    if want is None:
+        return result
+    if isinstance(result, tuple):
+        return tuple(give(r, want, exact=exact) for r in result)
+    if isinstance(result, list):
+        return [give(r, want, exact=exact) for r in result]
+    if not isinstance(result, (np.ndarray, np.generic)):
+        return result
+    import torch
+
+    a = np.asarray(result)
+    if not (a.flags.writeable and a.flags.c_contiguous):
+        a = np.array(a, order="C")
+    t = torch.from_numpy(a)
+    if want.bfloat16 and not exact and t.is_floating_point():
+        t = t.to(torch.bfloat16)
+    if want.device.type != "cpu":
+        t = t.to(want.device)
+    return t
+
+
+def as_dtype(a: np.ndarray, like: Any) -> Any:
+    """``a`` as a tensor of ``like``'s dtype and device (gradients back to their input)."""
+    import torch
+
+    arr = np.asarray(a)
+    if not (arr.flags.writeable and arr.flags.c_contiguous):
+        arr = np.array(arr, order="C")
+    return torch.from_numpy(arr).to(dtype=like.dtype, device=like.device)
+
+
+def wants_grad(*xs: Any) -> bool:
+    """True when gradients are enabled and one of ``xs`` is a tensor that requires grad."""
+    tensor = _tensor_type()
+    if tensor is None:
+        return False
+    import torch
+
+    return torch.is_grad_enabled() and any(isinstance(x, tensor) and x.requires_grad for x in xs)
+
+
+def refuse_grad(fn: str, **named: Any) -> None:
+    """Raise :class:`InputError` when one of ``named`` requires grad (with gradients enabled)
+    in a function ``fn`` that has no gradient: the caller hears of it, never a silent detach."""
+    for name, x in named.items():
+        if wants_grad(x):
+            raise InputError(
+                f"{name}: requires grad (shape {tuple(x.shape)}), but {fn} gives no gradient; "
+                "run it under torch.no_grad() or pass a detached tensor"
+            )
+
+
+# Every NumPy function of qkv that reads an argument reads tensors by this same policy.
+add_reader(is_tensor, read)
