@@ -23,11 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from .errors import InputError
 from .kernels.dispatch import check_kernel
-from .tensors import Want, is_tensor, on_device, read_shadow, want_of, wants_grad
+from .tensors import Want, is_tensor, read_cpu, read_shadow, survey
 from .validate import Plan, check_flag, check_variants, make_plan
 
 __all__ = ["Call", "build"]
@@ -106,47 +104,44 @@ def build(
     for name in ("sinks", "alibi_slopes"):
         if variants.get(name) is not None:
             given[name] = variants[name]
-    want = want_of(q, k, v)
-    if on_device(*given.values()):
+    seen = survey(given)
+    if seen.device:
         shadows = {name: read_shadow(x) for name, x in given.items()}
         plan = make_plan(
             shadows["q"], shadows["k"], shadows["v"], scale=scale, causal=causal,
             mask=shadows["mask"], window=window, need_v=need_v,
             **{**variants, **{n: shadows[n] for n in ("sinks", "alibi_slopes") if n in shadows}},
         )  # fmt: skip
-        return Call(fn, plan, "device", given, want, kernel, return_lse, check_finite)
+        return Call(fn, plan, "device", given, seen.want, kernel, return_lse, check_finite)
     plan = make_plan(
-        q, k, v, scale=scale, causal=causal, mask=mask, window=window, need_v=need_v,
-        check_finite=check_finite, **variants,
+        read_cpu(q, "q"), read_cpu(k, "k"), None if v is None else read_cpu(v, "v"), scale=scale,
+        causal=causal, mask=mask, window=window, need_v=need_v, check_finite=check_finite,
+        **variants,
     )  # fmt: skip
-    for name in ("mask", "alibi_slopes"):
-        _no_grad_for(name, given.get(name))
     route = "numpy"
-    if wants_grad(q, k, v, variants.get("sinks")):
-        _check_differentiable(fn, plan, given)
-        route = "autograd"
-    return Call(fn, plan, route, given, want, kernel, return_lse)
+    if seen.grad:
+        _check_differentiable(fn, plan, given, seen.grad)
+        route = "autograd" if set(seen.grad) & {"q", "k", "v", "sinks"} else "numpy"
+    return Call(fn, plan, route, given, seen.want, kernel, return_lse)
 
 
-def _check_differentiable(fn: str, plan: Plan, given: dict[str, Any]) -> None:
+def _check_differentiable(fn: str, plan: Plan, given: dict[str, Any], grad: tuple) -> None:
     """What qkv cannot differentiate is refused by name when gradients are wanted."""
-    if plan.score_mod is not None:
+    for name in ("mask", "alibi_slopes"):  # never differentiable: refused even alone
+        if name in grad:
+            kind = "a float mask" if name == "mask" else "ALiBi slopes"
+            raise InputError(
+                f"{name}: qkv gives no gradient for {kind} (shape "
+                f"{tuple(given[name].shape)}); detach it, or compute its gradient with "
+                "PyTorch's own attention"
+            )
+    if plan.score_mod is not None and set(grad) & {"q", "k", "v", "sinks"}:
         raise InputError(
             "score_mod: qkv cannot differentiate a user function; run under torch.no_grad() "
             "or use PyTorch's flex_attention for gradients"
         )
-    if fn != "attention" and plan.sinks is not None and wants_grad(given.get("sinks")):
+    if fn != "attention" and "sinks" in grad:
         raise InputError(
             f"sinks: {fn} gives no gradient for the sinks (shape {tuple(given['sinks'].shape)}); "
             "qkv.attention does, or detach them"
-        )
-
-
-def _no_grad_for(name: str, x: Any) -> None:
-    """A mask or ALiBi slopes that require grad are refused: qkv has no gradient for them."""
-    if wants_grad(x):
-        kind = "a float mask" if name == "mask" else "ALiBi slopes"
-        raise InputError(
-            f"{name}: qkv gives no gradient for {kind} (shape {tuple(np.shape(x))}); detach "
-            "it, or compute its gradient with PyTorch's own attention"
         )

@@ -47,8 +47,10 @@ __all__ = [
     "is_tensor",
     "on_device",
     "read",
+    "read_cpu",
     "read_shadow",
     "refuse_grad",
+    "survey",
     "wants_grad",
     "want_of",
 ]
@@ -97,6 +99,12 @@ def read(x: Any, name: str) -> Any:
             "computes on the CPU and qkv never copies between devices silently: move it with "
             ".cpu() (only qkv.attention runs device tensors, on qkv's GPU kernels)"
         )
+    if x.requires_grad:
+        x = x.detach()
+    try:
+        return x.numpy()  # zero-copy: the common case ends here
+    except (TypeError, RuntimeError):
+        pass
     import torch
 
     if x.layout != torch.strided or x.is_quantized:
@@ -105,17 +113,23 @@ def read(x: Any, name: str) -> Any:
             f"{name}: {kind} tensors are not supported (shape {tuple(x.shape)}, dtype "
             f"{x.dtype}); convert with .to_dense() or .dequantize() first"
         )
-    x = x.detach()
     if x.is_floating_point() and x.dtype not in _numpy_floats():
         x = x.float()  # bfloat16 and float8, which NumPy lacks
-    if x.is_conj() or x.is_neg():
-        x = x.resolve_conj().resolve_neg()
     try:
-        return x.numpy()
+        return x.resolve_conj().resolve_neg().numpy()
     except (TypeError, RuntimeError) as exc:
         raise InputTypeError(
             f"{name}: a tensor NumPy cannot read (shape {tuple(x.shape)}, dtype {x.dtype}): {exc}"
         ) from None
+
+
+def read_cpu(x: Any, name: str) -> Any:
+    """:func:`read` for an argument already known to be on the CPU: a plain tensor's
+    ``.numpy()`` first (the common case, one call), else the whole policy."""
+    try:
+        return x.numpy()
+    except (AttributeError, TypeError, RuntimeError):
+        return read(x, name)
 
 
 def read_shadow(x: Any) -> Any:
@@ -201,6 +215,37 @@ def as_dtype(a: np.ndarray, like: Any) -> Any:
     if not (arr.flags.writeable and arr.flags.c_contiguous):
         arr = np.array(arr, order="C")
     return torch.from_numpy(arr).to(dtype=like.dtype, device=like.device)
+
+
+@dataclass(frozen=True)
+class Survey:
+    """What the tensor policy needs to know of a call's arguments, gathered in one pass."""
+
+    device: bool  #: a tensor lies on a device other than the CPU
+    grad: tuple[str, ...]  #: the names of the tensors that require grad (gradients enabled)
+    want: Want | None  #: the result type (from ``q``, ``k``, ``v``)
+
+
+def survey(given: dict[str, Any]) -> Survey:
+    """One pass over a call's named arguments (``q``, ``k``, ``v`` first): devices, which
+    require grad, and the result type (:func:`want_of` of ``q``, ``k``, ``v``)."""
+    import torch
+
+    tensor = torch.Tensor
+    device, grad, first, bf16 = False, [], None, True
+    grad_on = torch.is_grad_enabled()
+    for name, x in given.items():
+        if not isinstance(x, tensor):
+            continue
+        if x.device.type != "cpu":
+            device = True
+        if grad_on and x.requires_grad:
+            grad.append(name)
+        if name in ("q", "k", "v"):
+            first = x if first is None else first
+            bf16 = bf16 and x.dtype == torch.bfloat16
+    want = None if first is None else Want(bfloat16=bf16, device=first.device)
+    return Survey(device, tuple(grad), want)
 
 
 def wants_grad(*xs: Any) -> bool:
