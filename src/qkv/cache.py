@@ -16,7 +16,7 @@ import numpy as np
 from .checks import check_int
 from .errors import InputError, InputTypeError
 from .kernels import dispatch
-from .validate import as_array, check_flag, make_plan
+from .validate import Plan, as_array, check_flag, check_variants, make_plan
 
 __all__ = ["KVCache"]
 
@@ -224,6 +224,7 @@ class KVCache:
         """
         kernel = dispatch.check_kernel(kernel)
         check_flag(return_lse, "return_lse")
+        check_variants("KVCache.attend", variants)
         qa = as_array(q, "q")
         if qa.ndim != 4 or qa.shape[0] != self.batch or qa.shape[-1] != self.head_dim:
             raise InputError(
@@ -236,43 +237,36 @@ class KVCache:
                 f"q: {heads} query heads cannot share {self.kv_heads} kv heads: q has shape "
                 f"{qa.shape}, the cache holds {self.kv_heads} kv heads"
             )
-        out_dt = np.result_type(qa, self.dtype)
-        acc_dt = np.float32 if out_dt == np.float16 else out_dt
-        out = np.zeros((self.batch, heads, Lq, self.value_dim), dtype=out_dt)
-        lse = np.full((self.batch, heads, Lq), -np.inf, dtype=acc_dt)
         lengths = self._lengths.tolist()
-        # One plan per run of neighbouring sequences of equal length (one plan when all are
-        # equal); the kernels then run them together, the decode ones in one parallel pass.
+        longest = max(lengths)
+        # One check, over every sequence against the longest; then one part of that checked
+        # plan per run of neighbouring sequences of equal length (one part when all are equal),
+        # which the kernels run together, the decode ones in one parallel pass.
+        whole = make_plan(
+            qa, self._k[:, :, :longest], self._v[:, :, :longest], scale=scale, causal=causal,
+            window=window, **variants,
+        )  # fmt: skip
+        out = np.zeros((self.batch, heads, Lq, self.value_dim), dtype=whole.out_dtype)
+        lse = np.full((self.batch, heads, Lq), -np.inf, dtype=whole.acc_dtype)
         runs, start = [], 0
         for stop in range(1, self.batch + 1):
             if stop == self.batch or lengths[stop] != lengths[start]:
                 runs.append((slice(start, stop), lengths[start]))
                 start = stop
-        plans = [
-            make_plan(
-                qa[sl],
-                self._k[sl, :, :n],
-                self._v[sl, :, :n],
-                scale=scale,
-                causal=causal,
-                window=window,
-                **_offset_batch(variants, sl.start),
-            )
-            for sl, n in runs
-        ]
+        plans = [whole.sequences(sl, n, **_offset_batch(whole, sl.start)) for sl, n in runs]
         for (sl, _), (o, s) in zip(runs, dispatch.attend_many(plans, kernel), strict=True):
             out[sl] = o
             lse[sl] = s
         return (out, lse) if return_lse else out
 
 
-def _offset_batch(variants: dict[str, Any], first: int) -> dict[str, Any]:
+def _offset_batch(plan: Plan, first: int) -> dict[str, Any]:
     """``score_mod``/``mask_mod`` see the cache's sequence index, not the slice's."""
-    out = dict(variants)
-    if first and out.get("score_mod") is not None:
-        f = out["score_mod"]
+    out: dict[str, Any] = {}
+    if first and plan.score_mod is not None:
+        f = plan.score_mod
         out["score_mod"] = lambda s, b, h, qi, kj: f(s, b + first, h, qi, kj)
-    if first and out.get("mask_mod") is not None:
-        g = out["mask_mod"]
+    if first and plan.mask_mod is not None:
+        g = plan.mask_mod
         out["mask_mod"] = lambda b, h, qi, kj: g(b + first, h, qi, kj)
     return out

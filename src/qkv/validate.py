@@ -26,6 +26,7 @@ __all__ = [
     "VARIANTS",
     "Plan",
     "as_array",
+    "block_plan",
     "check_flag",
     "check_scale",
     "check_variants",
@@ -228,6 +229,24 @@ class Plan:
             given=(),
         )
 
+    def sequences(self, batch: slice, n_keys: int, **variants: Any) -> Plan:
+        """Sequences ``batch`` (axis 0) of this checked plan against their first ``n_keys``
+        keys (a KV cache's sequences of one length), not checked again; ``variants``
+        replaces user functions (whose batch index the caller offsets)."""
+        per_head = {
+            name: None if a is None else a[batch]
+            for name, a in (("sinks", self.sinks), ("alibi", self.alibi))
+        }
+        return replace(
+            self,
+            q=self.q[batch],
+            k=self.k[batch, ..., :n_keys, :],
+            v=self.v[batch, ..., :n_keys, :],
+            given=(),
+            **per_head,
+            **variants,
+        )
+
     @property
     def modded(self) -> bool:
         """True when a variant changes the scores of a tile (all but sinks)."""
@@ -374,6 +393,41 @@ def _plain_plan(q: Any, k: Any, v: Any, scale: Any, causal: bool) -> Plan | None
     fscale = 1.0 / math.sqrt(qs[-1]) if scale is None else check_scale(scale, qs[-1])
     given = ((dt, qs), (dt, ks), (dt, vs))
     return Plan(q, k, v, fscale, causal, None, None, None, group, dt, dt, False, given=given)
+
+
+def block_plan(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    *,
+    scale: float,
+    causal: bool,
+    window: Window | None,
+    mask: np.ndarray | None = None,
+    out_dtype: np.dtype,
+) -> Plan:
+    """A plan for a block of a call that was checked already (a varlen bucket, one sequence of
+    a packed batch): ``q (*batch, L, d)``, ``k``/``v`` with the same batch dims but the kv heads
+    (axis -3), a checked ``scale`` and ``window``, a boolean ``mask`` with as many dims as
+    ``q``. Nothing is checked again.
+    """
+    acc = np.dtype(np.float32) if out_dtype == np.float16 else np.dtype(out_dtype)
+    L, S = q.shape[-2], k.shape[-2]
+    group = q.shape[-3] // k.shape[-3] if q.ndim > 2 and k.shape[-3] else 1
+    return Plan(
+        q=q.astype(acc, copy=False),
+        k=k.astype(acc, copy=False),
+        v=v.astype(acc, copy=False),
+        scale=scale,
+        causal=causal,
+        window=_clamp_window(window, L, S),
+        mask=mask,
+        bias=None,
+        group=group,
+        out_dtype=np.dtype(out_dtype),
+        acc_dtype=acc,
+        squeeze=False,
+    )
 
 
 def broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:

@@ -33,7 +33,7 @@ import numpy as np
 
 from .errors import InputError, InputTypeError
 from .kernels import dispatch, packed
-from .validate import as_array, check_scale, check_window, from_foreign, make_plan
+from .validate import as_array, block_plan, check_scale, check_window, from_foreign
 
 __all__ = ["CALL_FLOPS", "PAD_FRACTION", "WALK_FLOPS", "attention_varlen"]
 
@@ -213,11 +213,11 @@ def attention_varlen(
         )
     out = o if o.dtype == out_dt else o.astype(out_dt)
     for b in sorted(redo):
-        _alone(qa, ka, va, cq, ck, b, out, lse, causal, scale, window)
+        _alone(qa, ka, va, cq, ck, b, out, lse, causal, fscale, window)
     short = np.flatnonzero(live & ~walk)
     if short.size:
         for idx in _buckets(lq[short], lk[short], unit):
-            _bucket(qa, ka, va, cq, ck, short[idx], lq, lk, out, lse, causal, scale, window)
+            _bucket(qa, ka, va, cq, ck, short[idx], lq, lk, out, lse, causal, fscale, window)
     return (out, lse) if return_lse else out
 
 
@@ -231,17 +231,18 @@ def _alone(
     out: np.ndarray,
     lse: np.ndarray,
     causal: bool,
-    scale: Any,
+    scale: float,
     window: Any,
 ) -> None:
     """Sequence ``b`` by the ordinary kernels on views of the packed arrays (with their
     retries for scores that overflow the compute dtype)."""
     sq, sk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
-    plan = make_plan(
+    plan = block_plan(
         *(x.transpose(1, 0, 2) for x in (qa[sq], ka[sk], va[sk])),
         scale=scale,
         causal=causal,
         window=window,
+        out_dtype=np.result_type(qa, ka, va),
     )
     o, s = dispatch.attend(plan)
     out[sq], lse[sq] = o.transpose(1, 0, 2), s.T
@@ -259,7 +260,7 @@ def _bucket(
     out: np.ndarray,
     lse: np.ndarray,
     causal: bool,
-    scale: Any,
+    scale: float,
     window: Any,
 ) -> None:
     """One batched call for the sequences ``seqs``, front-padded to their longest."""
@@ -282,7 +283,7 @@ def _bucket(
     mask = None
     if not back and min(nk) < Sm:
         mask = (np.arange(Sm)[None, :] >= Sm - np.asarray(nk)[:, None])[:, None, None, :]
-    plan = make_plan(
+    plan = block_plan(
         padded(qa, rows, Lm),
         padded(ka, keys, Sm),
         padded(va, keys, Sm),
@@ -290,6 +291,7 @@ def _bucket(
         causal=causal,
         window=window,
         mask=mask,
+        out_dtype=np.result_type(qa, ka, va),
     )
     o, s = dispatch.attend(plan)
     for j, (start, n, off) in enumerate(rows):

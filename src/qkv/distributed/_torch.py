@@ -43,7 +43,9 @@ def ring_attention(
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         out, lse = _function().apply(*tensors, opts)
     else:
-        o, m = ring_forward(*_arrays(*tensors), **opts)
+        arrays = _arrays(*tensors)
+        o, m = ring_forward(*arrays, **opts)
+        o = o.astype(np.result_type(*arrays), copy=False)  # rounded once, at the end
         out, lse = give(o, want_of(*tensors)), give(m, want_of(*tensors), exact=True)
     return (out, lse) if return_lse else out
 
@@ -62,7 +64,8 @@ def _function() -> type:
             ctx.save_for_backward(q, k, v)
             ctx.opts, ctx.acc = opts, (out, lse)  # unrounded, for the backward
             want = want_of(q, k, v)
-            out_t, lse_t = give(out, want), give(lse.copy(), want, exact=True)
+            out_t = give(out.astype(np.result_type(*arrays)), want)  # a copy: ctx keeps out
+            lse_t = give(lse.copy(), want, exact=True)
             ctx.mark_non_differentiable(lse_t)
             return out_t, lse_t
 

@@ -35,7 +35,7 @@ from ..grad import _sum_to
 from ..kernels import dispatch, tiled_backward
 from ..kernels._threads import limit_threads, single_threaded_blas
 from ..kernels.blocks import merge_arrays
-from ..validate import as_array, make_plan
+from ..validate import Plan
 from .agree import Setup, setup
 from .layout import chunk_ids, visible_prefix
 
@@ -100,9 +100,15 @@ def _calls(s: Setup, owner: int) -> Iterator[tuple[int, int, int, bool]]:
         yield a * s.h, b * s.h, p * s.h, bool(diag)
 
 
-def _block_plan(s: Setup, lo: int, hi: int, kb: np.ndarray, vb: np.ndarray, n: int, diag: bool):
+def _block_plan(
+    s: Setup, lo: int, hi: int, kb: np.ndarray, vb: np.ndarray, n: int, diag: bool
+) -> Plan:
+    """Query rows ``lo:hi`` against the first ``n`` keys of a travelling K/V block: a block
+    of this rank's checked plan (nothing is checked again)."""
     p = s.plan
-    return make_plan(p.q[..., lo:hi, :], kb[..., :n, :], vb[..., :n, :], scale=p.scale, causal=diag)
+    k = np.broadcast_to(kb[..., :n, :].astype(p.acc_dtype, copy=False), p.k.shape[:-2] + (n, p.d))
+    v = np.broadcast_to(vb[..., :n, :].astype(p.acc_dtype, copy=False), p.v.shape[:-2] + (n, p.dv))
+    return p.block(slice(lo, hi), k, v, causal=diag)
 
 
 def _forward(s: Setup, stats: RingStats) -> tuple[np.ndarray, np.ndarray]:
@@ -268,15 +274,10 @@ def ring_attention(
     >>> bool(np.allclose(ring_attention(q, k, v, causal=True), qkv.attention(q, k, v, causal=True)))
     True
     """
-    out, lse = ring_forward(
-        q, k, v, comm=comm, causal=causal, scale=scale, layout=layout, stats=stats
-    )
-    out = out.astype(_out_dtype(q, k, v), copy=False)
+    s, _ = setup("ring_attention", comm, q, k, v, causal, scale, layout, {})
+    out, lse = _run_forward(s, stats)
+    out = out.astype(s.plan.out_dtype, copy=False)
     return (out, lse) if return_lse else out
-
-
-def _out_dtype(*xs: Any) -> np.dtype:
-    return np.result_type(*(as_array(x, "x") for x in xs))
 
 
 def ring_forward(
@@ -292,6 +293,10 @@ def ring_forward(
 ) -> tuple[np.ndarray, np.ndarray]:
     """:func:`ring_attention` on NumPy input, with ``out`` left in the accumulation dtype."""
     s, _ = setup("ring_attention", comm, q, k, v, causal, scale, layout, {})
+    return _run_forward(s, stats)
+
+
+def _run_forward(s: Setup, stats: RingStats | None) -> tuple[np.ndarray, np.ndarray]:
     stats = stats if stats is not None else RingStats()
     stats.threads = s.threads
     with limit_threads(s.threads):
