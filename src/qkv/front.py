@@ -255,11 +255,15 @@ def attention_vjp(q: Any, k: Any, v: Any, grad_out: Any, **options: Any) -> Any:
 @wraps(merging.merge)
 def merge(parts: Sequence[tuple[Any, Any]], *, sinks: Any = None) -> Any:
     # Tensors in give tensors out, with gradients for every part that requires grad.
-    flat = [x for part in parts for x in part] if isinstance(parts, (list, tuple)) else []
+    pairs = parts if isinstance(parts, (list, tuple)) else []
+    flat = [x for part in pairs if isinstance(part, (list, tuple)) for x in part]
     refuse_grad("merge", sinks=sinks)
+    # out follows the parts' outputs (bfloat16 in, bfloat16 out); the lse keeps its dtype
+    want = want_of(*flat[::2]) or want_of(*flat, sinks)
     if any(wants_grad(x) for x in flat):
-        return torch_bridge.merge_parts(parts, sinks, want_of(*flat))
-    return give(merging.merge(parts, sinks=sinks), want_of(*flat, sinks))
+        return torch_bridge.merge_parts(parts, sinks, want)
+    out, lse = merging.merge(parts, sinks=sinks)
+    return give(out, want), give(lse, want, exact=True)
 
 
 @wraps(varlen.attention_varlen)

@@ -93,7 +93,7 @@ def _finish(grads: tuple[np.ndarray, ...], plan: Plan) -> tuple[np.ndarray, np.n
     ]
     if plan.squeeze:
         res[0] = res[0][0]
-    return res[0], res[1], res[2]
+    return tuple(res)  # type: ignore[return-value]
 
 
 def _qk_grads(plan: Plan, dz: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -109,7 +109,7 @@ def scores_vjp(plan: Plan, grad: Any) -> tuple[np.ndarray, np.ndarray]:
     """``dq, dk`` of ``sum(scores(q, k) * grad)`` for a checked plan (shapes as given)."""
     g = _grad_like(grad, plan, plan.S)
     dq, dk = _qk_grads(plan, g)
-    return _finish((dq, dk, dk), plan)[:2]
+    return _finish((dq, dk), plan)
 
 
 def weights_vjp(plan: Plan, weights: np.ndarray, grad: Any) -> tuple[np.ndarray, ...]:
@@ -125,7 +125,7 @@ def weights_vjp(plan: Plan, weights: np.ndarray, grad: Any) -> tuple[np.ndarray,
     if plan.softcap is not None:
         dz *= 1 - np.tanh(dense.raw_scores(plan) / plan.softcap) ** 2
     dq, dk = _qk_grads(plan, dz)
-    grads = _finish((dq, dk, dk), plan)[:2]
+    grads = _finish((dq, dk), plan)
     if plan.sinks is None:
         return grads
     p_sink = 1 - np.sum(weights, axis=-1)
@@ -214,10 +214,21 @@ def attention_vjp(
 
 
 def vjp(
-    plan: Plan, grad_out: Any, *, out: Any = None, lse: Any = None, block: Any = None
+    plan: Plan,
+    grad_out: Any,
+    *,
+    grad_lse: Any = None,
+    out: Any = None,
+    lse: Any = None,
+    block: Any = None,
 ) -> tuple[np.ndarray, ...]:
     """:func:`attention_vjp` for a checked plan (no ``score_mod``): nothing is checked again
-    but ``grad_out``, ``out``, ``lse`` and ``block``."""
+    but ``grad_out``, ``out``, ``lse`` and ``block``.
+
+    ``grad_lse`` (dense path only), an upstream gradient of the log-sum-exp ``(*batch, L)``:
+    ``∂lse/∂z = p``, so it joins as ``dz = p ∘ (dP − δ + g_lse)``, i.e. ``δ`` less ``g_lse``
+    (how a merge of partial results passes gradients back through each part's lse).
+    """
     if out is not None or lse is not None or block is not None:
         return _tiled(plan, grad_out, out, lse, block)
     g = plan.group
@@ -231,6 +242,9 @@ def vjp(
     dv = np.swapaxes(p, -1, -2) @ d_out
     dp = d_out @ np.swapaxes(plan.v, -1, -2)
     delta = np.sum(dp * p, axis=-1, keepdims=True)  # = rowsum(dO ∘ O)
+    if grad_lse is not None:
+        gl = np.broadcast_to(np.asarray(grad_lse, dtype=plan.acc_dtype), plan.batch + (plan.L,))
+        delta = delta - heads_by_kv(gl[..., None], g)
     dz = p * (dp - delta)
     if plan.softcap is not None:
         dz *= heads_by_kv(1 - np.tanh(dense.raw_scores(plan) / plan.softcap) ** 2, g)

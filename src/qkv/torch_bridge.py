@@ -75,12 +75,15 @@ def _attention() -> type:
             ctx.save_for_backward(*(t for t in (q, k, v) if isinstance(t, torch.Tensor)))
             ctx.call, ctx.likes = call, (q, k, v, sinks)
             lse_t = give(np.asarray(lse), call.want, exact=True)
-            ctx.mark_non_differentiable(lse_t)
             return give(out, call.want), lse_t
 
         @staticmethod
         def backward(ctx: Any, grad_out: Any, grad_lse: Any) -> Any:
-            grads = grad.vjp(ctx.call.plan, read(grad_out, "grad_out"))
+            plan = ctx.call.plan
+            gl = None if grad_lse is None else read(grad_lse, "grad_lse")
+            if gl is not None and plan.squeeze:
+                gl = gl[..., None]
+            grads = grad.vjp(plan, read(grad_out, "grad_out"), grad_lse=gl)
             if len(grads) == 3:
                 grads = (*grads, None)
             return (*_grads(grads, ctx.likes, ctx.needs_input_grad[:4]), None)

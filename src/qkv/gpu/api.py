@@ -76,7 +76,10 @@ def _device(call: Call) -> torch.device:
             if t is not None
         )
         raise InputError(f"{', '.join(call.given)}: must be tensors on one device, got {where}")
-    dev = next(iter(devices))
+    return next(iter(devices))
+
+
+def _check_interpreted(dev: torch.device) -> None:
     if dev.type == "cpu":
         from . import _kernels
 
@@ -85,7 +88,6 @@ def _device(call: Call) -> torch.device:
                 "q: CPU tensors reach the Triton kernels only under Triton's interpreter "
                 "(TRITON_INTERPRET=1 before Triton is first imported); use qkv.attention instead"
             )
-    return dev
 
 
 def _fallback_reason(call: Call) -> str | None:
@@ -188,6 +190,7 @@ def run(call: Call) -> Any:
     reason = _fallback_reason(call)
     if reason is not None:
         return _fallback(reason, call)
+    _check_interpreted(dev)
     plan = call.plan
     q, k, v, mask = (call.given[n] for n in ("q", "k", "v", "mask"))
     if mask is not None and not isinstance(mask, torch.Tensor):  # an array or list
