@@ -54,12 +54,13 @@ __all__ = [
     "attention_vjp",
     "reference_attention_vjp",
     "scores_vjp",
+    "sum_to",
     "vjp",
     "weights_vjp",
 ]
 
 
-def _sum_to(g: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+def sum_to(g: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     """Sum ``g`` over the dimensions that broadcasting added to an array of ``shape``."""
     extra = g.ndim - len(shape)
     if extra > 0:
@@ -88,7 +89,7 @@ def _grad_out(grad_out: Any, plan: Plan) -> np.ndarray:
 def _finish(grads: tuple[np.ndarray, ...], plan: Plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Reduce broadcast dims, restore the inputs' shapes (1-D q) and dtypes as given."""
     res = [
-        _sum_to(g, shape).astype(dtype, copy=False)
+        sum_to(g, shape).astype(dtype, copy=False)
         for g, (dtype, shape) in zip(grads, plan.given, strict=False)
     ]
     if plan.squeeze:
@@ -269,7 +270,7 @@ def _sinks_shaped(g: np.ndarray, plan: Plan) -> np.ndarray:
     dtype, shape = plan.given[3]
     if not plan.batch:
         return np.asarray(g, dtype=dtype).reshape(shape)
-    return _sum_to(g, shape).astype(dtype, copy=False)
+    return sum_to(g, shape).astype(dtype, copy=False)
 
 
 def _tiled(plan: Plan, grad_out: Any, out: Any, lse: Any, block: Any) -> tuple[np.ndarray, ...]:
@@ -370,4 +371,4 @@ def reference_attention_vjp(
     lse = lse[..., None, :] if plan.squeeze and lse.ndim == len(plan.batch) else lse
     p_sink = np.exp(plan.sinks[..., None] - lse.reshape(plan.batch + (plan.L,)))
     dsinks = -np.sum(p_sink * delta[..., 0], axis=-1)
-    return (*res, _sum_to(dsinks, as_array(variants["sinks"], "sinks").shape).astype(np.float64))
+    return (*res, sum_to(dsinks, as_array(variants["sinks"], "sinks").shape).astype(np.float64))

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from ..grad import _sum_to
+from ..grad import sum_to
 from ..kernels import dispatch, tiled_backward
 from ..kernels._threads import limit_threads, single_threaded_blas
 from ..kernels.blocks import merge_arrays
@@ -179,8 +179,8 @@ def _backward(
                     bp, g, out[..., lo:hi, :], lse[..., lo:hi], GRAD_BLOCK
                 )
             dq[..., lo:hi, :] += dqb
-            blk[0][..., :n, :] += _sum_to(dkb, s.k.shape[:-2] + (n, s.k.shape[-1]))
-            blk[1][..., :n, :] += _sum_to(dvb, s.v.shape[:-2] + (n, s.v.shape[-1]))
+            blk[0][..., :n, :] += sum_to(dkb, s.k.shape[:-2] + (n, s.k.shape[-1]))
+            blk[1][..., :n, :] += sum_to(dvb, s.v.shape[:-2] + (n, s.v.shape[-1]))
             n_calls += 1
         stats.blocks += n_calls
         stats.skipped += n_calls == 0
@@ -350,7 +350,7 @@ def ring_attention_vjp(
     with limit_threads(s.threads):
         dq, dk, dv = _backward(s, g, o, m, stats)
     return (
-        _sum_to(dq, s.q.shape).astype(s.q.dtype, copy=False),
+        sum_to(dq, s.q.shape).astype(s.q.dtype, copy=False),
         dk.astype(s.k.dtype, copy=False),
         dv.astype(s.v.dtype, copy=False),
     )
