@@ -71,10 +71,24 @@ def decode(
         fields += [(f"{name} dtype", dtype_code(a)), (f"{name} shape", shape_field(shape))]
     rows = agree(c, "decode", fields, err)
     assert plan is not None
-    with limit_threads(threads_for(c, rows)):
-        o, m = dispatch.attend(plan)
-    packed = np.concatenate([o.reshape(-1), m.reshape(-1)])
-    every = c.allgather(packed)
+    failed: InputError | None = None
+    try:
+        with limit_threads(threads_for(c, rows)):
+            o, m = dispatch.attend(plan)
+    except InputError as exc:  # scores beyond float64: still join the all-gather, then raise
+        failed = exc
+        o = np.zeros(plan.batch + (plan.L, plan.dv), dtype=plan.acc_dtype)
+        m = np.zeros(plan.batch + (plan.L,), dtype=plan.acc_dtype)
+    packed = np.concatenate([o.reshape(-1), m.reshape(-1), [float(failed is not None)]])
+    every = c.allgather(packed.astype(plan.acc_dtype, copy=False))
+    if failed is not None:
+        raise failed
+    bad = [r for r in range(c.size) if every[r, -1]]
+    if bad:
+        raise InputError(
+            f"decode: rank(s) {bad} of {c.size} could not attend their keys; see the error there"
+        )
+    every = every[:, :-1]
     parts = [(r[: o.size].reshape(o.shape), r[o.size :].reshape(m.shape)) for r in every]
     out, lse = merge_arrays(parts)
     out = out.astype(plan.out_dtype, copy=False)

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import InputError
 from ..grad import _sum_to
 from ..kernels import dispatch, tiled_backward
 from ..kernels._threads import limit_threads, single_threaded_blas
@@ -113,6 +114,7 @@ def _forward(s: Setup, stats: RingStats) -> tuple[np.ndarray, np.ndarray]:
     cur = 0
     for a, b in zip(kv.views(cur), (s.k, s.v), strict=True):
         a[...] = b
+    failed: InputError | None = None  # scores beyond float64 in a block of this rank's rows
     for step in range(W):
         owner = (comm.rank - step) % W
         t0 = time.perf_counter()
@@ -121,8 +123,12 @@ def _forward(s: Setup, stats: RingStats) -> tuple[np.ndarray, np.ndarray]:
             stats.bytes_sent += kv.bufs[cur].nbytes
         kb, vb = kv.views(cur)
         n_calls = 0
-        for lo, hi, n, diag in _calls(s, owner):
-            o, m = dispatch.attend(_block_plan(s, lo, hi, kb, vb, n, diag))
+        for lo, hi, n, diag in _calls(s, owner) if failed is None else ():
+            try:
+                o, m = dispatch.attend(_block_plan(s, lo, hi, kb, vb, n, diag))
+            except InputError as exc:  # keep passing K/V on, so no other rank is left waiting
+                failed = exc
+                break
             out[..., lo:hi, :], lse[..., lo:hi] = merge_arrays(
                 [(out[..., lo:hi, :], lse[..., lo:hi]), (o, m)]
             )
@@ -137,6 +143,8 @@ def _forward(s: Setup, stats: RingStats) -> tuple[np.ndarray, np.ndarray]:
         stats.steps.append((t1 - t0, t2 - t1))
         stats.compute_s += t1 - t0
         stats.wait_s += t2 - t1
+    if failed is not None:
+        raise failed
     return out, lse
 
 
