@@ -152,7 +152,7 @@ def check_mismatch(comm: Any, rank: int, W: int) -> int:
             {},
             f"world size {W}" if rank == 0 else f"rank(s) [0] of {W} rejected their arguments",
         ),
-        (x, {"causal": rank == 0}, "ranks disagree on causal"),
+        (x, {"causal": rank == 0}, "ranks disagree on causal: rank 0 has True, rank 1 has False"),
     ]
     for arr, opts, message in cases:
         try:

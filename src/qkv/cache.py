@@ -16,7 +16,7 @@ import numpy as np
 from .checks import check_int
 from .errors import InputError, InputTypeError
 from .kernels import dispatch
-from .validate import as_array, check_flag, make_plan
+from .validate import as_array, broadcasts_to, check_flag, make_plan
 
 __all__ = ["KVCache"]
 
@@ -215,6 +215,8 @@ class KVCache:
         **variants
             ``softcap``, ``sinks``, ``alibi_slopes``, ``score_mod``, ``mask_mod`` as in
             :func:`qkv.attention`; positions are each sequence's own, ``batch`` its index.
+            ``sinks`` and ``alibi_slopes`` may also hold one value per sequence and head,
+            shape ``(batch, heads)``.
 
         Returns
         -------
@@ -236,6 +238,7 @@ class KVCache:
                 f"q: {heads} query heads cannot share {self.kv_heads} kv heads: q has shape "
                 f"{qa.shape}, the cache holds {self.kv_heads} kv heads"
             )
+        variants = self._per_head_variants(variants, heads)
         out_dt = np.result_type(qa, self.dtype)
         acc_dt = np.float32 if out_dt == np.float16 else out_dt
         out = np.zeros((self.batch, heads, Lq, self.value_dim), dtype=out_dt)
@@ -256,7 +259,7 @@ class KVCache:
                 scale=scale,
                 causal=causal,
                 window=window,
-                **_offset_batch(variants, sl.start),
+                **_offset_batch(variants, sl),
             )
             for sl, n in runs
         ]
@@ -265,10 +268,34 @@ class KVCache:
             lse[sl] = s
         return (out, lse) if return_lse else out
 
+    def _per_head_variants(self, variants: dict[str, Any], heads: int) -> dict[str, Any]:
+        """``sinks`` and ``alibi_slopes`` as arrays checked against ``(batch, heads)``, so that
+        a value per sequence and head can follow its sequence into any run of the batch."""
+        out = dict(variants)
+        for name in ("sinks", "alibi_slopes"):
+            if out.get(name) is None:
+                continue
+            a = as_array(out[name], name)
+            if not broadcasts_to(a.shape, (self.batch, heads)):
+                raise InputError(
+                    f"{name}: shape {a.shape} does not broadcast to (batch={self.batch}, "
+                    f"heads={heads}): give one value per query head, shape (heads,), or per "
+                    "sequence and head, shape (batch, heads)"
+                )
+            out[name] = a
+        return out
 
-def _offset_batch(variants: dict[str, Any], first: int) -> dict[str, Any]:
-    """``score_mod``/``mask_mod`` see the cache's sequence index, not the slice's."""
+
+def _offset_batch(variants: dict[str, Any], sl: slice) -> dict[str, Any]:
+    """The variants of the sequences ``sl``: ``score_mod``/``mask_mod`` see the cache's
+    sequence index, not the slice's; per-sequence ``sinks`` and ``alibi_slopes`` (shape
+    ``(batch, heads)``, checked by :meth:`KVCache._per_head_variants`) keep their rows ``sl``."""
     out = dict(variants)
+    for name in ("sinks", "alibi_slopes"):
+        a = out.get(name)
+        if a is not None and a.ndim == 2 and a.shape[0] != 1:
+            out[name] = a[sl]
+    first = sl.start
     if first and out.get("score_mod") is not None:
         f = out["score_mod"]
         out["score_mod"] = lambda s, b, h, qi, kj: f(s, b + first, h, qi, kj)

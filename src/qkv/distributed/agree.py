@@ -83,6 +83,8 @@ def _show(name: str, names: list[str], row: np.ndarray) -> str:
         return _DTYPES[vals[0]] if 0 <= vals[0] < len(_DTYPES) else "another dtype"
     if name == "scale":
         return repr(float(np.int64(vals[0]).view(np.float64)))
+    if name == "causal":
+        return {1: "True", 0: "False"}.get(vals[0], "a value that is not True or False")
     if name == "layout":
         return ("zigzag", "contiguous")[vals[0]] if vals[0] >= 0 else "?"
     return str(vals[0] if len(vals) == 1 else vals)
