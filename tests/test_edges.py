@@ -5,6 +5,7 @@ message, plus property tests of the variants over empty and extreme inputs."""
 from __future__ import annotations
 
 import functools
+from datetime import timedelta
 
 import numpy as np
 import pytest
@@ -13,7 +14,8 @@ from hypothesis import strategies as st
 
 import qkv
 from qkv import reference
-from qkv.distributed.agree import agree
+from qkv.distributed import RankTimeout, ring_attention
+from qkv.distributed.agree import DEFAULT_TIMEOUT, agree, check_timeout
 from qkv.distributed.comm import Communicator
 from qkv.grad import reference_attention_vjp
 
@@ -240,7 +242,7 @@ class TwoRanks(Communicator):
     def __init__(self, other: list[int]) -> None:
         self.other = other
 
-    def allgather(self, x: np.ndarray) -> np.ndarray:
+    def timed_allgather(self, x: np.ndarray, timeout: float | None) -> np.ndarray:
         return np.stack([x, np.asarray(x[:2].tolist() + self.other, dtype=x.dtype)])
 
 
@@ -305,3 +307,38 @@ def test_variant_gradients_over_empty_and_extreme_inputs_equal_the_reference(pro
         assert a.shape == b.shape
         scale = max(1.0, float(np.max(np.abs(b), initial=0.0)))
         np.testing.assert_allclose(a, b, rtol=tol, atol=tol * scale)
+
+
+# ----- 7. a rank that never enters a ring call (real ranks: tests/_ring_checks.py) -----
+
+
+class Alone(Communicator):
+    """Rank 0 of three whose peers 1 and 2 never answer."""
+
+    size = 3
+
+    def timed_allgather(self, x: np.ndarray, timeout: float | None) -> np.ndarray:
+        raise RankTimeout(f"no message from them within {timeout:g} s", [1, 2])
+
+
+def test_missing_ranks_are_named_with_the_call_and_the_timeout():
+    with pytest.raises(RankTimeout) as info:
+        agree(Alone(), "decode", [("scale", [0])], None, 0.25)
+    assert info.value.missing == [1, 2]
+    assert str(info.value).startswith(
+        "decode: rank(s) [1, 2] of 3 did not enter the call: no message from them within "
+        "0.25 s (this is rank 0); every rank of the group must call decode"
+    )
+    assert isinstance(info.value, TimeoutError)
+
+
+def test_timeout_takes_seconds_a_timedelta_or_none_and_refuses_the_rest():
+    assert check_timeout(timedelta(minutes=5)) == DEFAULT_TIMEOUT == 300.0
+    assert check_timeout(None) is None and check_timeout(2) == 2.0
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(qkv.InputError, match="timeout"):
+            check_timeout(bad)
+    x = rand(2, 4, 3)
+    with pytest.raises(qkv.InputError, match="timeout"):
+        ring_attention(x, x, x, timeout=-1)
+    np.testing.assert_allclose(ring_attention(x, x, x, timeout=0.1), reference.attention(x, x, x))

@@ -12,7 +12,7 @@ from ..kernels import dispatch
 from ..kernels._threads import limit_threads
 from ..kernels.blocks import merge_arrays
 from ..validate import as_array, make_plan
-from .agree import agree, dtype_code, shape_field, threads_for
+from .agree import DEFAULT_TIMEOUT, agree, check_timeout, dtype_code, shape_field, threads_for
 from .comm import get_comm
 
 __all__ = ["decode"]
@@ -26,6 +26,7 @@ def decode(
     comm: Any = None,
     scale: Any = None,
     return_lse: bool = False,
+    timeout: Any = DEFAULT_TIMEOUT,
 ) -> Any:
     """Attention of the same queries over a KV cache whose keys are spread across ranks.
 
@@ -40,7 +41,7 @@ def decode(
         The same queries on every rank.
     k, v : array_like, shapes ``(..., S_rank, d)`` and ``(..., S_rank, dv)``
         This rank's part of the cache.
-    comm, scale, return_lse
+    comm, scale, return_lse, timeout
         As in :func:`ring_attention`.
 
     Examples
@@ -55,9 +56,11 @@ def decode(
     c = get_comm(comm)
     err: Exception | None = None
     plan = None
+    seconds: float | None = DEFAULT_TIMEOUT
     shapes: list[tuple[int, ...] | None] = [None, None, None]
     dtypes: list[np.ndarray | None] = [None, None, None]
     try:
+        seconds = check_timeout(timeout)
         arrays = [as_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))]
         dtypes = list(arrays)  # type: ignore[arg-type]
         shapes = [a.shape for a in arrays]
@@ -69,7 +72,7 @@ def decode(
     fields = [("scale", [int(np.float64(plan.scale if plan else 0.0).view(np.int64))])]
     for name, a, shape in zip("qkv", dtypes, shapes, strict=True):
         fields += [(f"{name} dtype", dtype_code(a)), (f"{name} shape", shape_field(shape))]
-    rows = agree(c, "decode", fields, err)
+    rows = agree(c, "decode", fields, err, seconds)
     assert plan is not None
     failed: InputError | None = None
     try:

@@ -37,7 +37,7 @@ from ..kernels import dispatch, tiled_backward
 from ..kernels._threads import limit_threads, single_threaded_blas
 from ..kernels.blocks import merge_arrays
 from ..validate import as_array, make_plan
-from .agree import Setup, setup
+from .agree import DEFAULT_TIMEOUT, Setup, setup
 from .layout import chunk_ids, visible_prefix
 
 __all__ = ["RingStats", "ring_attention", "ring_attention_vjp", "ring_forward"]
@@ -226,6 +226,7 @@ def ring_attention(
     layout: str = "zigzag",
     return_lse: bool = False,
     stats: RingStats | None = None,
+    timeout: Any = DEFAULT_TIMEOUT,
 ) -> Any:
     """Exact attention over a sequence sharded across ranks; this rank's rows of the result.
 
@@ -252,6 +253,10 @@ def ring_attention(
         Also return this rank's rows' log-sum-exp (accumulation dtype).
     stats : RingStats, optional
         Filled with this rank's compute and waiting time and bytes sent.
+    timeout : float or datetime.timedelta or None, optional
+        Seconds every rank has to enter the call (default 300): after it, every rank that
+        did raises :class:`RankTimeout` naming the ranks that did not. ``None`` waits as long
+        as the engine does (``torch.distributed``'s group timeout; MPI's: for ever).
 
     Returns
     -------
@@ -265,6 +270,10 @@ def ring_attention(
     InputError
         On every rank, when any rank's arguments are invalid or the ranks disagree on shapes,
         dtypes or options (checked with one all-gather before the ring starts).
+    RankTimeout
+        On every rank that entered the call, when some rank did not within ``timeout``; its
+        ``missing`` attribute lists them. The group may then hold messages of the abandoned
+        call: use a new one.
 
     Examples
     --------
@@ -277,7 +286,7 @@ def ring_attention(
     True
     """
     out, lse = ring_forward(
-        q, k, v, comm=comm, causal=causal, scale=scale, layout=layout, stats=stats
+        q, k, v, comm=comm, causal=causal, scale=scale, layout=layout, stats=stats, timeout=timeout
     )
     out = out.astype(_out_dtype(q, k, v), copy=False)
     return (out, lse) if return_lse else out
@@ -297,9 +306,10 @@ def ring_forward(
     scale: Any = None,
     layout: str = "zigzag",
     stats: RingStats | None = None,
+    timeout: Any = DEFAULT_TIMEOUT,
 ) -> tuple[np.ndarray, np.ndarray]:
     """:func:`ring_attention` on NumPy input, with ``out`` left in the accumulation dtype."""
-    s, _ = setup("ring_attention", comm, q, k, v, causal, scale, layout, {})
+    s, _ = setup("ring_attention", comm, q, k, v, causal, scale, layout, {}, timeout)
     stats = stats if stats is not None else RingStats()
     stats.threads = s.threads
     with limit_threads(s.threads):
@@ -319,12 +329,14 @@ def ring_attention_vjp(
     scale: Any = None,
     layout: str = "zigzag",
     stats: RingStats | None = None,
+    timeout: Any = DEFAULT_TIMEOUT,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Gradients of ``Σ ring_attention(q, k, v) · grad_out`` for this rank's shards.
 
     Must equal :func:`qkv.attention_vjp` over the whole sequence, sharded. ``out`` and ``lse``
     are this rank's forward results (``ring_attention(..., return_lse=True)``); every block's
-    backward uses them, so the K/V seen are exactly the forward's.
+    backward uses them, so the K/V seen are exactly the forward's. ``timeout`` as in
+    :func:`ring_attention`.
 
     Returns
     -------
@@ -343,7 +355,7 @@ def ring_attention_vjp(
     True
     """
     extra = {"grad_out": grad_out, "out": out, "lse": lse}
-    s, arrays = setup("ring_attention_vjp", comm, q, k, v, causal, scale, layout, extra)
+    s, arrays = setup("ring_attention_vjp", comm, q, k, v, causal, scale, layout, extra, timeout)
     acc, p = s.plan.acc_dtype, s.plan
     g = np.broadcast_to(arrays["grad_out"].astype(acc, copy=False), p.batch + (p.L, p.dv))
     o = arrays["out"].astype(acc, copy=False)
