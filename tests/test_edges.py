@@ -273,12 +273,18 @@ def variant_problems(draw):
         opts["alibi_slopes"] = [draw(st.sampled_from([0.0, 0.5, 1e3, 1e30])) for _ in range(2)]
     if draw(st.booleans()):
         opts["sinks"] = [draw(st.sampled_from([-1e30, -3.0, 0.0, 5.0, 80.0])) for _ in range(2)]
-    if opts.get("softcap") is None and mag == 1e3:  # keep the scores' rounding small
+    if mag == 1e3 and opts.get("softcap", np.inf) > 30:
+        # Large scores only under a small cap: uncapped, a score of 1e6 carries a rounding
+        # error of ~0.06 in float32, which exp(s - lse) turns into a 6% error in the weights.
         q, k = q / 1e3, k / 1e3
     return q, k, v, opts
 
 
-PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+PROPERTY = settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 
 
 @PROPERTY
