@@ -152,7 +152,7 @@ def check_mismatch(comm: Any, rank: int, W: int) -> int:
             {},
             f"world size {W}" if rank == 0 else f"rank(s) [0] of {W} rejected their arguments",
         ),
-        (x, {"causal": rank == 0}, "ranks disagree on causal"),
+        (x, {"causal": rank == 0}, "ranks disagree on causal: rank 0 has True, rank 1 has False"),
     ]
     for arr, opts, message in cases:
         try:
@@ -162,6 +162,40 @@ def check_mismatch(comm: Any, rank: int, W: int) -> int:
         else:
             raise AssertionError(f"rank {rank}: {message!r} was not raised")
     return 4
+
+
+ABSENT_TIMEOUT = 1.0
+
+
+def check_absent(comms: list[Any], rank: int, W: int) -> int:
+    """The last rank never calls: every other rank raises RankTimeout naming it, after the
+    timeout. Each call has a group of its own (``comms``, all ``W`` ranks): a timeout breaks
+    the group it happened on."""
+    from qkv.distributed import RankTimeout, decode, ring_attention
+
+    x = np.random.default_rng(0).standard_normal((2, 8, 4))
+    if rank == W - 1:
+        time.sleep(len(comms) * ABSENT_TIMEOUT + 1.0)  # busy elsewhere until the others gave up
+        return 0
+    ring, dec = comms
+    calls = [
+        ("ring_attention", lambda: ring_attention(x, x, x, comm=ring, timeout=ABSENT_TIMEOUT)),
+        ("decode", lambda: decode(x, x, x, comm=dec, timeout=ABSENT_TIMEOUT)),
+    ]
+    for what, call in calls:
+        t0 = time.monotonic()
+        try:
+            call()
+        except RankTimeout as exc:
+            took = time.monotonic() - t0
+            want = f"{what}: rank(s) [{W - 1}] of {W} did not enter the call: "
+            assert want in str(exc), f"rank {rank}: expected {want!r}, got {exc}"
+            assert exc.missing == [W - 1], f"rank {rank}: missing {exc.missing}"
+            assert "no message from them within 1 s" in str(exc), str(exc)
+            assert ABSENT_TIMEOUT <= took < ABSENT_TIMEOUT + 5, f"rank {rank}: {took:.2f} s"
+        else:
+            raise AssertionError(f"rank {rank}: {what} did not time out")
+    return 2
 
 
 def run_torch_rank(rank: int, world: int, port: int) -> None:
@@ -183,6 +217,7 @@ def run_torch_rank(rank: int, world: int, port: int) -> None:
             if rank < W:
                 n += check_world(group, rank, W)
         n += check_mismatch(None, rank, world)
+        n += check_absent([dist.new_group(list(range(world))) for _ in range(2)], rank, world)
         print(f"rank {rank}: {n} checks ok", flush=True)
     finally:
         dist.destroy_process_group()
@@ -218,6 +253,7 @@ def main_mpi() -> None:
             n += check_world(sub, rank, W)
             sub.Free()
     n += check_mismatch(world, rank, size)
+    n += check_absent([world.Dup() for _ in range(2)], rank, size)
     print(f"rank {rank}: {n} checks ok", flush=True)
 
 

@@ -16,7 +16,7 @@ import numpy as np
 from .checks import check_int
 from .errors import InputError, InputTypeError
 from .kernels import dispatch
-from .validate import Plan, as_array, check_flag, check_variants, make_plan
+from .validate import Plan, as_array, broadcasts_to, check_flag, check_variants, make_plan
 
 __all__ = ["KVCache"]
 
@@ -215,6 +215,8 @@ class KVCache:
         **variants
             ``softcap``, ``sinks``, ``alibi_slopes``, ``score_mod``, ``mask_mod`` as in
             :func:`qkv.attention`; positions are each sequence's own, ``batch`` its index.
+            ``sinks`` and ``alibi_slopes`` may also hold one value per sequence and head,
+            shape ``(batch, heads)``.
 
         Returns
         -------
@@ -237,6 +239,7 @@ class KVCache:
                 f"q: {heads} query heads cannot share {self.kv_heads} kv heads: q has shape "
                 f"{qa.shape}, the cache holds {self.kv_heads} kv heads"
             )
+        variants = self._per_head_variants(variants, heads)
         lengths = self._lengths.tolist()
         longest = max(lengths)
         # One check, over every sequence against the longest; then one part of that checked
@@ -258,6 +261,23 @@ class KVCache:
             out[sl] = o
             lse[sl] = s
         return (out, lse) if return_lse else out
+
+    def _per_head_variants(self, variants: dict[str, Any], heads: int) -> dict[str, Any]:
+        """``sinks`` and ``alibi_slopes`` as arrays checked against ``(batch, heads)``, so that
+        a value per sequence and head can follow its sequence into any run of the batch."""
+        out = dict(variants)
+        for name in ("sinks", "alibi_slopes"):
+            if out.get(name) is None:
+                continue
+            a = as_array(out[name], name)
+            if not broadcasts_to(a.shape, (self.batch, heads)):
+                raise InputError(
+                    f"{name}: shape {a.shape} does not broadcast to (batch={self.batch}, "
+                    f"heads={heads}): give one value per query head, shape (heads,), or per "
+                    "sequence and head, shape (batch, heads)"
+                )
+            out[name] = a
+        return out
 
 
 def _offset_batch(plan: Plan, first: int) -> dict[str, Any]:

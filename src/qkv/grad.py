@@ -46,7 +46,7 @@ import numpy as np
 from . import reference
 from .checks import check_int
 from .errors import InputError
-from .kernels import dense, mods, tiled, tiled_backward
+from .kernels import dense, dispatch, mods, tiled, tiled_backward
 from .kernels.blocks import heads_by_kv
 from .validate import Plan, as_array, broadcasts_to, check_variants, make_plan
 
@@ -124,7 +124,7 @@ def weights_vjp(plan: Plan, weights: np.ndarray, grad: Any) -> tuple[np.ndarray,
     delta = np.sum(g * weights, axis=-1, keepdims=True)
     dz = weights * (g - delta)
     if plan.softcap is not None:
-        dz *= 1 - np.tanh(dense.raw_scores(plan) / plan.softcap) ** 2
+        dz *= mods.cap_slope(dense.raw_scores(plan), plan.softcap)
     dq, dk = _qk_grads(plan, dz)
     grads = _finish((dq, dk), plan)
     if plan.sinks is None:
@@ -232,8 +232,48 @@ def vjp(
     """
     if out is not None or lse is not None or block is not None:
         return _tiled(plan, grad_out, out, lse, block)
+    dq, dk, dv, delta, lse_all = _guarded(
+        plan, _grad_out(grad_out, plan), lambda p, g: _dense(p, g, grad_lse)
+    )
+    grads = _finish((dq, dk, dv), plan)
+    if plan.sinks is None:
+        return grads
+    delta = delta.reshape(plan.batch + (plan.L,))
+    return (*grads, _dsinks(plan, lse_all, delta))
+
+
+def _guarded(plan: Plan, d_out: np.ndarray, run: Any) -> tuple[Any, ...]:
+    """``run(plan, d_out)`` (its first three results the gradients) with the forward pass's
+    care for overflow (:func:`qkv.kernels.dispatch.attend`): in float64 when the scale is not
+    a normal number of the compute dtype or the scores overflowed it; refused when they
+    overflow float64 too. NaN and infinity in the inputs propagate by policy."""
+
+    def in_float64() -> tuple[Any, ...]:
+        res = run(dispatch.widened(plan), d_out.astype(np.float64))
+        return tuple(None if x is None else x.astype(plan.acc_dtype) for x in res)
+
+    def finite(res: tuple[Any, ...]) -> bool:
+        return all(np.isfinite(x).all() for x in res[:3])
+
+    with np.errstate(over="ignore", invalid="ignore"):
+        if not dispatch.scale_fits(plan):
+            res = in_float64()
+        else:
+            res = run(plan, d_out)
+            if not finite(res) and plan.acc_dtype != np.float64 and dispatch.may_overflow(plan):
+                res = in_float64()
+    if not finite(res):
+        dispatch.check_overflow(plan)
+    return res
+
+
+def _dense(plan: Plan, d_out: np.ndarray, grad_lse: Any = None) -> tuple[np.ndarray, ...]:
+    """``(dq, dk, dv, delta, lse)`` by the dense weights: ``dq`` ``(*batch, L, d)``, ``dk``
+    and ``dv`` in the kv heads' broadcast shapes, ``delta = rowsum(dO ∘ O)`` and the lse with
+    the sinks (``None`` without them)."""
     g = plan.group
-    d_out = heads_by_kv(_grad_out(grad_out, plan), g)  # (*kv_batch, g·L, dv)
+    d_out = heads_by_kv(d_out, g)  # (*kv_batch, g·L, dv)
+    lse_all = None
     p, lse_keys = dense.softmax_rows(dense.logits(plan))  # (*batch, L, S)
     if plan.sinks is not None:
         share, lse_all = mods.sink_factor(plan, lse_keys)
@@ -248,15 +288,11 @@ def vjp(
         delta = delta - heads_by_kv(gl[..., None], g)
     dz = p * (dp - delta)
     if plan.softcap is not None:
-        dz *= heads_by_kv(1 - np.tanh(dense.raw_scores(plan) / plan.softcap) ** 2, g)
+        dz *= heads_by_kv(mods.cap_slope(dense.raw_scores(plan), plan.softcap), g)
     dz *= plan.acc_dtype.type(plan.scale)
     dq = (dz @ plan.k).reshape(plan.q.shape)
     dk = np.swapaxes(dz, -1, -2) @ qm
-    grads = _finish((dq, dk, dv), plan)
-    if plan.sinks is None:
-        return grads
-    delta = delta.reshape(plan.batch + (plan.L,))
-    return (*grads, _dsinks(plan, lse_all, delta))
+    return dq, dk, dv, delta, lse_all
 
 
 def _dsinks(plan: Plan, lse: np.ndarray, delta: np.ndarray) -> np.ndarray:
@@ -281,9 +317,8 @@ def _tiled(plan: Plan, grad_out: Any, out: Any, lse: Any, block: Any) -> tuple[n
     d_out = _grad_out(grad_out, plan)
     if (out is None) != (lse is None):
         raise InputError("out, lse: give both (from attention(..., return_lse=True)) or neither")
-    if out is None:
-        o, m = mods.with_sinks(plan, *tiled.attend(plan, block_q=int(block), block_k=int(block)))
-    else:
+    o = m = None
+    if out is not None:
         o, m = as_array(out, "out"), as_array(lse, "lse")
         want_o = plan.batch + ((plan.dv,) if plan.squeeze else (plan.L, plan.dv))
         want_m = plan.batch + (() if plan.squeeze else (plan.L,))
@@ -295,10 +330,21 @@ def _tiled(plan: Plan, grad_out: Any, out: Any, lse: Any, block: Any) -> tuple[n
         o, m = o.astype(plan.acc_dtype, copy=False), m.astype(plan.acc_dtype, copy=False)
         if plan.squeeze:
             o, m = o[..., None, :], m[..., None]
-    grads = _finish(tiled_backward.backward(plan, d_out, o, m, int(block)), plan)
+
+    def run(p: Plan, g: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Gradients, then the ``out`` and ``lse`` they used: the caller's, or recomputed (in
+        a float64 retry always: the caller's were rounded to the compute dtype)."""
+        if o is not None and p is plan:
+            o_, m_ = o, m
+        else:
+            o_, m_ = mods.with_sinks(p, *tiled.attend(p, block_q=int(block), block_k=int(block)))
+        return (*tiled_backward.backward(p, g, o_, m_, int(block)), o_, m_)
+
+    dq, dk, dv, o_used, m_used = _guarded(plan, d_out, run)
+    grads = _finish((dq, dk, dv), plan)
     if plan.sinks is None:
         return grads
-    return (*grads, _dsinks(plan, m, np.sum(d_out * o, axis=-1)))
+    return (*grads, _dsinks(plan, m_used, np.sum(d_out * o_used, axis=-1)))
 
 
 def reference_attention_vjp(

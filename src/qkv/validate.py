@@ -11,6 +11,7 @@ as in every framework, unless ``check_finite=True`` is passed, which raises inst
 from __future__ import annotations
 
 import difflib
+import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -544,19 +545,50 @@ def _per_head(x: Any, name: str, batch: tuple[int, ...], dtype: np.dtype) -> np.
     a = as_array(x, name)
     if not batch and a.size == 1:
         a = a.reshape(())
-    try:
-        a = np.broadcast_to(a.astype(dtype, copy=False), batch)
-    except ValueError:
+    if not broadcasts_to(a.shape, batch):
         raise InputError(
             f"{name}: shape {a.shape} does not broadcast to the query heads {batch} "
             "(one value per head, shape (heads,))"
-        ) from None
+        )
     if not np.all(np.isfinite(a)):
-        raise InputError(f"{name}: must be finite (shape {a.shape})")
-    return a
+        raise InputError(f"{name}: must be finite, got NaN or infinity (shape {a.shape})")
+    with np.errstate(over="ignore"):
+        narrow = a.astype(dtype, copy=False)
+    if not np.all(np.isfinite(narrow)):
+        worst = float(a.flat[np.argmax(np.abs(np.where(np.isfinite(narrow), 0, a)))])
+        raise InputError(
+            f"{name}: {worst:.4g} (shape {a.shape}) is beyond the range of {dtype} "
+            f"(±{float(np.finfo(dtype).max):.4g}), the dtype q, k, v are computed in; give "
+            "smaller values or float64 inputs"
+        )
+    return np.broadcast_to(narrow, batch)
+
+
+#: The parameters each user function is called with, by the kernels (:mod:`qkv.variants`).
+_PARAMS = {
+    "score_mod": ("score", "batch", "head", "q_idx", "kv_idx"),
+    "mask_mod": ("batch", "head", "q_idx", "kv_idx"),
+}
 
 
 def _callable(f: Any, name: str) -> Callable[..., Any] | None:
-    if f is not None and not callable(f):
+    """``f`` when it is a function that accepts the parameters ``name`` is called with."""
+    if f is None:
+        return None
+    if not callable(f):
         raise InputTypeError(f"{name}: expected a function or None, got {type(f).__name__}")
+    params = _PARAMS[name]
+    want = f"{name}({', '.join(params)})"
+    try:
+        sig = inspect.signature(f)
+    except (TypeError, ValueError):  # builtins and the like: they answer for themselves
+        return f
+    try:
+        sig.bind(*params)
+    except TypeError:
+        label = getattr(f, "__qualname__", None) or type(f).__name__
+        raise InputTypeError(
+            f"{name}: expected a function of {len(params)} positional parameters, {want}; "
+            f"got {label}{sig}"
+        ) from None
     return f

@@ -58,6 +58,11 @@ def _offsets(cu: Any, name: str, total: int, total_name: str) -> np.ndarray:
             )
     if a.ndim != 1 or a.size < 1:
         raise InputError(f"{name}: expected a 1-D array of batch + 1 offsets, got shape {a.shape}")
+    if a.dtype.kind == "u" and int(a.max()) > np.iinfo(np.int64).max:  # int64 would wrap
+        raise InputError(
+            f"{name}: offset {int(a.max())} is beyond {total_name} = {total} (the rows of the "
+            f"packed array), got {a.tolist()}"
+        )
     a = a.astype(np.int64)
     if a[0] != 0:
         raise InputError(f"{name}: must start at 0, got {a[0]}")

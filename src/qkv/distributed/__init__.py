@@ -25,6 +25,8 @@ from typing import Any
 
 from ..tensors import is_tensor
 from . import ring as _ring
+from .agree import DEFAULT_TIMEOUT
+from .comm import RankTimeout
 from .decode import decode as _decode
 from .layout import LAYOUTS, positions, shard, unshard
 from .ring import RingStats, ring_attention_vjp
@@ -45,28 +47,37 @@ def ring_attention(
     layout: str = "zigzag",
     return_lse: bool = False,
     stats: RingStats | None = None,
+    timeout: Any = DEFAULT_TIMEOUT,
 ) -> Any:
     run = _ring.ring_attention
     if is_tensor(q, k, v):
         from ._torch import ring_attention as run
     return run(
         q, k, v, comm=comm, causal=causal, scale=scale, layout=layout, return_lse=return_lse,
-        stats=stats,
+        stats=stats, timeout=timeout,
     )  # fmt: skip
 
 
 @wraps(_decode)
 def decode(
-    q: Any, k: Any, v: Any, *, comm: Any = None, scale: Any = None, return_lse: bool = False
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    comm: Any = None,
+    scale: Any = None,
+    return_lse: bool = False,
+    timeout: Any = DEFAULT_TIMEOUT,
 ) -> Any:
     run = _decode
     if is_tensor(q, k, v):
         from ._torch import decode as run
-    return run(q, k, v, comm=comm, scale=scale, return_lse=return_lse)
+    return run(q, k, v, comm=comm, scale=scale, return_lse=return_lse, timeout=timeout)
 
 
 __all__ = [
     "LAYOUTS",
+    "RankTimeout",
     "RingStats",
     "decode",
     "positions",

@@ -35,10 +35,18 @@ def ring_attention(
     layout: str,
     return_lse: bool,
     stats: RingStats | None,
+    timeout: Any,
 ) -> Any:
     import torch
 
-    opts = {"comm": comm, "causal": causal, "scale": scale, "layout": layout, "stats": stats}
+    opts = {
+        "comm": comm,
+        "causal": causal,
+        "scale": scale,
+        "layout": layout,
+        "stats": stats,
+        "timeout": timeout,
+    }
     tensors = tuple(x if isinstance(x, torch.Tensor) else torch.as_tensor(x) for x in (q, k, v))
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         out, lse = _function().apply(*tensors, opts)
@@ -73,7 +81,8 @@ def _function() -> type:
         def backward(ctx: Any, grad_out: Any, grad_lse: Any) -> Any:
             saved = ctx.saved_tensors
             out, lse = ctx.acc
-            opts = {key: ctx.opts[key] for key in ("comm", "causal", "scale", "layout")}
+            keys = ("comm", "causal", "scale", "layout", "timeout")
+            opts = {key: ctx.opts[key] for key in keys}
             grads = ring_attention_vjp(
                 *_arrays(*saved), read(grad_out, "grad_out"), out, lse, **opts
             )
@@ -83,12 +92,12 @@ def _function() -> type:
     return RingAttention
 
 
-def decode(q: Any, k: Any, v: Any, *, comm: Any, scale: Any, return_lse: bool) -> Any:
+def decode(q: Any, k: Any, v: Any, *, comm: Any, scale: Any, return_lse: bool, timeout: Any) -> Any:
     import torch
 
     tensors = tuple(x if isinstance(x, torch.Tensor) else torch.as_tensor(x) for x in (q, k, v))
     arrays = _arrays(*tensors)
-    out, lse = np_decode(*arrays, comm=comm, scale=scale, return_lse=True)
+    out, lse = np_decode(*arrays, comm=comm, scale=scale, return_lse=True, timeout=timeout)
     want = want_of(*tensors)
     return (
         (give(out, want), give(np.asarray(lse), want, exact=True))

@@ -11,17 +11,28 @@ from __future__ import annotations
 import socket
 import zlib
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
 
+from ..checks import check_real
 from ..errors import InputError, InputTypeError
 from ..kernels._threads import cpu_count, default_threads
 from ..validate import Plan, as_array, make_plan
-from .comm import Communicator, get_comm
+from .comm import Communicator, RankTimeout, get_comm
 from .layout import check_layout, chunk_ids
 
-__all__ = ["Setup", "agree", "dtype_code", "setup", "shape_field", "threads_for"]
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "Setup",
+    "agree",
+    "check_timeout",
+    "dtype_code",
+    "setup",
+    "shape_field",
+    "threads_for",
+]
 
 
 def shape_field(shape: tuple[int, ...] | None) -> list[int]:
@@ -42,18 +53,45 @@ class Setup:
     threads: int
 
 
+DEFAULT_TIMEOUT = 300.0  # seconds every rank has to enter a call before the others give up
+
+
+def check_timeout(timeout: Any) -> float | None:
+    """``timeout=``: seconds (> 0) or a :class:`datetime.timedelta`; ``None`` waits as long as
+    the engine does."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, timedelta):
+        timeout = timeout.total_seconds()
+    return check_real(timeout, "timeout (seconds, or None: the engine's own)", positive=True)
+
+
 def agree(
-    comm: Communicator, what: str, fields: list[tuple[str, list[int]]], err: Exception | None
+    comm: Communicator,
+    what: str,
+    fields: list[tuple[str, list[int]]],
+    err: Exception | None,
+    timeout: float | None = DEFAULT_TIMEOUT,
 ) -> list[np.ndarray]:
     """All-gather every rank's description of its call; raise the same error on every rank
-    when one rank failed its own checks or the ranks disagree. Returns the gathered rows."""
+    when one rank failed its own checks or the ranks disagree, and :class:`RankTimeout` naming
+    the ranks that did not enter the call within ``timeout`` seconds. Returns the gathered
+    rows."""
     host = zlib.crc32(socket.gethostname().encode()) & 0x7FFFFFFF
     names: list[str] = []
     flat: list[int] = [1 if err is not None else 0, host]
     for name, vals in fields:
         names.extend([name] * len(vals))
         flat.extend(int(x) for x in vals)
-    rows = comm.allgather(np.asarray(flat, dtype=np.int64))
+    try:
+        rows = comm.timed_allgather(np.asarray(flat, dtype=np.int64), timeout)
+    except RankTimeout as exc:
+        raise RankTimeout(
+            f"{what}: rank(s) {exc.missing} of {comm.size} did not enter the call: {exc} (this "
+            f"is rank {comm.rank}); every rank of the group must call {what}. The group is now "
+            "broken: create a new one before calling again",
+            exc.missing,
+        ) from None
     if err is not None:
         raise err
     bad = [int(r) for r in np.flatnonzero(rows[:, 0])]
@@ -83,6 +121,8 @@ def _show(name: str, names: list[str], row: np.ndarray) -> str:
         return _DTYPES[vals[0]] if 0 <= vals[0] < len(_DTYPES) else "another dtype"
     if name == "scale":
         return repr(float(np.int64(vals[0]).view(np.float64)))
+    if name == "causal":
+        return {1: "True", 0: "False"}.get(vals[0], "a value that is not True or False")
     if name == "layout":
         return ("zigzag", "contiguous")[vals[0]] if vals[0] >= 0 else "?"
     return str(vals[0] if len(vals) == 1 else vals)
@@ -115,15 +155,19 @@ def setup(
     scale: Any,
     layout: Any,
     extra: dict[str, Any],
+    timeout: Any = DEFAULT_TIMEOUT,
 ) -> tuple[Setup, dict[str, np.ndarray]]:
-    """Validate locally, then agree with every other rank (one all-gather)."""
+    """Validate locally, then agree with every other rank (one all-gather, waiting at most
+    ``timeout`` seconds for them)."""
     c = get_comm(comm)
+    seconds: float | None = DEFAULT_TIMEOUT
     err: Exception | None = None
     arrays: dict[str, np.ndarray | None] = {"q": None, "k": None, "v": None}
     arrays.update(dict.fromkeys(extra))
     plan = None
     lay, h = -1, 0
     try:
+        seconds = check_timeout(timeout)
         lay_name = check_layout(layout)
         lay = ("zigzag", "contiguous").index(lay_name)
         for name, x in (("q", q), ("k", k), ("v", v), *extra.items()):
@@ -172,7 +216,7 @@ def setup(
     for name, a in arrays.items():
         fields.append((f"{name} dtype", dtype_code(a)))
         fields.append((f"{name} shape", shape_field(None if a is None else a.shape)))
-    rows = agree(c, what, fields, err)
+    rows = agree(c, what, fields, err, seconds)
     assert plan is not None
     setup = Setup(
         comm=c,

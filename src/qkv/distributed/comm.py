@@ -11,6 +11,11 @@ Buffers are contiguous NumPy arrays; the ring sends raw bytes, so any dtype trav
   buffers, waited on with ``Waitall``.
 - :class:`LocalComm`: one rank, nothing to send.
 
+:meth:`Communicator.timed_allgather` sends every rank's row to every other rank
+point to point and waits for each at most until the deadline, so that a rank that never
+entered the call is named (:class:`RankTimeout`) instead of leaving the others waiting for
+the engine's own, long, timeout.
+
 :func:`get_comm` turns a user's ``comm=`` argument into one of these. Neither torch nor mpi4py
 is imported unless the caller's ``comm`` (or an initialised default group) comes from it.
 """
@@ -18,13 +23,30 @@ is imported unless the caller's ``comm`` (or an initialised default group) comes
 from __future__ import annotations
 
 import sys
+import time
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
 
 from ..errors import InputTypeError
 
-__all__ = ["Communicator", "LocalComm", "MPIComm", "TorchComm", "get_comm"]
+__all__ = ["Communicator", "LocalComm", "MPIComm", "RankTimeout", "TorchComm", "get_comm"]
+
+TAG_GATHER = 13  # the timed all-gather's messages (the ring uses 11 and 12)
+
+
+class RankTimeout(TimeoutError):
+    """Some ranks sent nothing before the deadline: ``missing`` lists them (ranks of the
+    communicator).
+
+    The group is then broken, as after the engine's own timeouts: gloo closes its connections
+    to the missing ranks, and messages of the abandoned call may stay pending under MPI.
+    """
+
+    def __init__(self, message: str, missing: list[int]) -> None:
+        super().__init__(message)
+        self.missing = missing
 
 
 class Request:
@@ -57,6 +79,12 @@ class Communicator:
         """Every rank's ``x`` stacked, shape ``(size, *x.shape)``, on every rank."""
         raise NotImplementedError  # pragma: no cover - interface
 
+    def timed_allgather(self, x: np.ndarray, timeout: float | None) -> np.ndarray:
+        """:meth:`allgather` point to point, raising :class:`RankTimeout` that names the ranks
+        whose ``x`` did not arrive within ``timeout`` seconds (``None``: wait for ever). Every
+        rank of the call must use this one, not :meth:`allgather`."""
+        raise NotImplementedError  # pragma: no cover - interface
+
 
 class LocalComm(Communicator):
     """A single rank: the ring has one step and no exchange."""
@@ -66,6 +94,9 @@ class LocalComm(Communicator):
 
     def allgather(self, x: np.ndarray) -> np.ndarray:
         return np.asarray(x)[None].copy()
+
+    def timed_allgather(self, x: np.ndarray, timeout: float | None) -> np.ndarray:
+        return self.allgather(x)
 
 
 class _Requests(Request):
@@ -112,6 +143,42 @@ class TorchComm(Communicator):
         self.dist.all_gather(out, t, group=self.group)
         return np.stack([o.numpy() for o in out])
 
+    def _global(self, r: int) -> int:
+        return r if self.group is None else self.dist.get_global_rank(self.group, r)
+
+    def timed_allgather(self, x: np.ndarray, timeout: float | None) -> np.ndarray:
+        dist, from_np = self.dist, self.torch.from_numpy
+        x = np.ascontiguousarray(x)
+        out = np.empty((self.size,) + x.shape, dtype=x.dtype)
+        out[self.rank] = x
+        sends, recvs = [], {}
+        try:
+            for r in range(self.size):
+                if r != self.rank:
+                    sends.append(dist.isend(from_np(x), self._global(r), self.group, TAG_GATHER))
+                    recvs[r] = dist.irecv(from_np(out[r]), self._global(r), self.group, TAG_GATHER)
+        except RuntimeError as exc:  # gloo after a timeout: its context is closed
+            raise RuntimeError(
+                f"this rank's process group can no longer send ({exc}); an earlier call timed "
+                "out waiting for a rank, which breaks the group: create a new one"
+            ) from None
+        if timeout is None:
+            for req in recvs.values():
+                req.wait()
+        else:
+            deadline, missing = time.monotonic() + timeout, []
+            for r, req in recvs.items():
+                left = max(deadline - time.monotonic(), 0.001)
+                try:
+                    req.wait(timedelta(seconds=left))
+                except RuntimeError:  # gloo: timed out (it then closes the pair), or closed
+                    missing.append(r)
+            if missing:
+                raise RankTimeout(f"no message from them within {timeout:g} s", missing)
+        for req in sends:
+            req.wait()
+        return out
+
 
 class MPIComm(Communicator):
     """An ``mpi4py`` communicator."""
@@ -135,6 +202,31 @@ class MPIComm(Communicator):
         x = np.ascontiguousarray(x)
         out = np.empty((self.size,) + x.shape, dtype=x.dtype)
         self.comm.Allgather(x, out)
+        return out
+
+    def timed_allgather(self, x: np.ndarray, timeout: float | None) -> np.ndarray:
+        x = np.ascontiguousarray(x)
+        out = np.empty((self.size,) + x.shape, dtype=x.dtype)
+        out[self.rank] = x
+        peers = [r for r in range(self.size) if r != self.rank]
+        recvs = {r: self.comm.Irecv(out[r], source=r, tag=TAG_GATHER) for r in peers}
+        sends = [self.comm.Isend(x, dest=r, tag=TAG_GATHER) for r in peers]
+        if timeout is None:
+            self.MPI.Request.Waitall([*recvs.values(), *sends])
+            return out
+        deadline, pause = time.monotonic() + timeout, 1e-5
+        waiting = dict(recvs)
+        while waiting and time.monotonic() < deadline:
+            waiting = {r: q for r, q in waiting.items() if not q.Test()}
+            if waiting:
+                time.sleep(pause)
+                pause = min(2 * pause, 0.01)
+        if waiting:
+            for q in waiting.values():
+                q.Cancel()
+            missing = sorted(waiting)
+            raise RankTimeout(f"no message from them within {timeout:g} s", missing)
+        self.MPI.Request.Waitall(sends)
         return out
 
 

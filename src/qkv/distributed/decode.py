@@ -12,7 +12,7 @@ from ..kernels import dispatch
 from ..kernels._threads import limit_threads
 from ..kernels.blocks import merge_arrays
 from ..validate import as_array, make_plan
-from .agree import agree, dtype_code, shape_field, threads_for
+from .agree import DEFAULT_TIMEOUT, agree, check_timeout, dtype_code, shape_field, threads_for
 from .comm import get_comm
 
 __all__ = ["decode"]
@@ -26,6 +26,7 @@ def decode(
     comm: Any = None,
     scale: Any = None,
     return_lse: bool = False,
+    timeout: Any = DEFAULT_TIMEOUT,
 ) -> Any:
     """Attention of the same queries over a KV cache whose keys are spread across ranks.
 
@@ -40,7 +41,7 @@ def decode(
         The same queries on every rank.
     k, v : array_like, shapes ``(..., S_rank, d)`` and ``(..., S_rank, dv)``
         This rank's part of the cache.
-    comm, scale, return_lse
+    comm, scale, return_lse, timeout
         As in :func:`ring_attention`.
 
     Examples
@@ -55,9 +56,11 @@ def decode(
     c = get_comm(comm)
     err: Exception | None = None
     plan = None
+    seconds: float | None = DEFAULT_TIMEOUT
     shapes: list[tuple[int, ...] | None] = [None, None, None]
     dtypes: list[np.ndarray | None] = [None, None, None]
     try:
+        seconds = check_timeout(timeout)
         arrays = [as_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))]
         dtypes = list(arrays)  # type: ignore[arg-type]
         shapes = [a.shape for a in arrays]
@@ -69,12 +72,26 @@ def decode(
     fields = [("scale", [int(np.float64(plan.scale if plan else 0.0).view(np.int64))])]
     for name, a, shape in zip("qkv", dtypes, shapes, strict=True):
         fields += [(f"{name} dtype", dtype_code(a)), (f"{name} shape", shape_field(shape))]
-    rows = agree(c, "decode", fields, err)
+    rows = agree(c, "decode", fields, err, seconds)
     assert plan is not None
-    with limit_threads(threads_for(c, rows)):
-        o, m = dispatch.attend(plan)
-    packed = np.concatenate([o.reshape(-1), m.reshape(-1)])
-    every = c.allgather(packed)
+    failed: InputError | None = None
+    try:
+        with limit_threads(threads_for(c, rows)):
+            o, m = dispatch.attend(plan)
+    except InputError as exc:  # scores beyond float64: still join the all-gather, then raise
+        failed = exc
+        o = np.zeros(plan.batch + (plan.L, plan.dv), dtype=plan.acc_dtype)
+        m = np.zeros(plan.batch + (plan.L,), dtype=plan.acc_dtype)
+    packed = np.concatenate([o.reshape(-1), m.reshape(-1), [float(failed is not None)]])
+    every = c.allgather(packed.astype(plan.acc_dtype, copy=False))
+    if failed is not None:
+        raise failed
+    bad = [r for r in range(c.size) if every[r, -1]]
+    if bad:
+        raise InputError(
+            f"decode: rank(s) {bad} of {c.size} could not attend their keys; see the error there"
+        )
+    every = every[:, :-1]
     parts = [(r[: o.size].reshape(o.shape), r[o.size :].reshape(m.shape)) for r in every]
     out, lse = merge_arrays(parts)
     out = out.astype(plan.out_dtype, copy=False)

@@ -31,12 +31,13 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import InputError
 from ..grad import sum_to
 from ..kernels import dispatch, tiled_backward
 from ..kernels._threads import limit_threads, single_threaded_blas
 from ..kernels.blocks import merge_arrays
 from ..validate import Plan
-from .agree import Setup, setup
+from .agree import DEFAULT_TIMEOUT, Setup, setup
 from .layout import chunk_ids, visible_prefix
 
 __all__ = ["RingStats", "ring_attention", "ring_attention_vjp", "ring_forward"]
@@ -119,6 +120,7 @@ def _forward(s: Setup, stats: RingStats) -> tuple[np.ndarray, np.ndarray]:
     cur = 0
     for a, b in zip(kv.views(cur), (s.k, s.v), strict=True):
         a[...] = b
+    failed: InputError | None = None  # scores beyond float64 in a block of this rank's rows
     for step in range(W):
         owner = (comm.rank - step) % W
         t0 = time.perf_counter()
@@ -127,8 +129,12 @@ def _forward(s: Setup, stats: RingStats) -> tuple[np.ndarray, np.ndarray]:
             stats.bytes_sent += kv.bufs[cur].nbytes
         kb, vb = kv.views(cur)
         n_calls = 0
-        for lo, hi, n, diag in _calls(s, owner):
-            o, m = dispatch.attend(_block_plan(s, lo, hi, kb, vb, n, diag))
+        for lo, hi, n, diag in _calls(s, owner) if failed is None else ():
+            try:
+                o, m = dispatch.attend(_block_plan(s, lo, hi, kb, vb, n, diag))
+            except InputError as exc:  # keep passing K/V on, so no other rank is left waiting
+                failed = exc
+                break
             out[..., lo:hi, :], lse[..., lo:hi] = merge_arrays(
                 [(out[..., lo:hi, :], lse[..., lo:hi]), (o, m)]
             )
@@ -143,6 +149,8 @@ def _forward(s: Setup, stats: RingStats) -> tuple[np.ndarray, np.ndarray]:
         stats.steps.append((t1 - t0, t2 - t1))
         stats.compute_s += t1 - t0
         stats.wait_s += t2 - t1
+    if failed is not None:
+        raise failed
     return out, lse
 
 
@@ -224,6 +232,7 @@ def ring_attention(
     layout: str = "zigzag",
     return_lse: bool = False,
     stats: RingStats | None = None,
+    timeout: Any = DEFAULT_TIMEOUT,
 ) -> Any:
     """Exact attention over a sequence sharded across ranks; this rank's rows of the result.
 
@@ -250,6 +259,10 @@ def ring_attention(
         Also return this rank's rows' log-sum-exp (accumulation dtype).
     stats : RingStats, optional
         Filled with this rank's compute and waiting time and bytes sent.
+    timeout : float or datetime.timedelta or None, optional
+        Seconds every rank has to enter the call (default 300): after it, every rank that
+        did raises :class:`RankTimeout` naming the ranks that did not. ``None`` waits as long
+        as the engine does (``torch.distributed``'s group timeout; MPI's: for ever).
 
     Returns
     -------
@@ -263,6 +276,10 @@ def ring_attention(
     InputError
         On every rank, when any rank's arguments are invalid or the ranks disagree on shapes,
         dtypes or options (checked with one all-gather before the ring starts).
+    RankTimeout
+        On every rank that entered the call, when some rank did not within ``timeout``; its
+        ``missing`` attribute lists them. The group may then hold messages of the abandoned
+        call: use a new one.
 
     Examples
     --------
@@ -274,7 +291,7 @@ def ring_attention(
     >>> bool(np.allclose(ring_attention(q, k, v, causal=True), qkv.attention(q, k, v, causal=True)))
     True
     """
-    s, _ = setup("ring_attention", comm, q, k, v, causal, scale, layout, {})
+    s, _ = setup("ring_attention", comm, q, k, v, causal, scale, layout, {}, timeout)
     out, lse = _run_forward(s, stats)
     out = out.astype(s.plan.out_dtype, copy=False)
     return (out, lse) if return_lse else out
@@ -290,9 +307,10 @@ def ring_forward(
     scale: Any = None,
     layout: str = "zigzag",
     stats: RingStats | None = None,
+    timeout: Any = DEFAULT_TIMEOUT,
 ) -> tuple[np.ndarray, np.ndarray]:
     """:func:`ring_attention` on NumPy input, with ``out`` left in the accumulation dtype."""
-    s, _ = setup("ring_attention", comm, q, k, v, causal, scale, layout, {})
+    s, _ = setup("ring_attention", comm, q, k, v, causal, scale, layout, {}, timeout)
     return _run_forward(s, stats)
 
 
@@ -316,12 +334,14 @@ def ring_attention_vjp(
     scale: Any = None,
     layout: str = "zigzag",
     stats: RingStats | None = None,
+    timeout: Any = DEFAULT_TIMEOUT,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Gradients of ``Σ ring_attention(q, k, v) · grad_out`` for this rank's shards.
 
     Must equal :func:`qkv.attention_vjp` over the whole sequence, sharded. ``out`` and ``lse``
     are this rank's forward results (``ring_attention(..., return_lse=True)``); every block's
-    backward uses them, so the K/V seen are exactly the forward's.
+    backward uses them, so the K/V seen are exactly the forward's. ``timeout`` as in
+    :func:`ring_attention`.
 
     Returns
     -------
@@ -340,7 +360,7 @@ def ring_attention_vjp(
     True
     """
     extra = {"grad_out": grad_out, "out": out, "lse": lse}
-    s, arrays = setup("ring_attention_vjp", comm, q, k, v, causal, scale, layout, extra)
+    s, arrays = setup("ring_attention_vjp", comm, q, k, v, causal, scale, layout, extra, timeout)
     acc, p = s.plan.acc_dtype, s.plan
     g = np.broadcast_to(arrays["grad_out"].astype(acc, copy=False), p.batch + (p.L, p.dv))
     o = arrays["out"].astype(acc, copy=False)

@@ -37,10 +37,13 @@ __all__ = [
     "attend",
     "attend_many",
     "check_kernel",
+    "check_overflow",
     "choose",
+    "may_overflow",
     "scale_fits",
     "scale_in_range",
     "weights",
+    "widened",
 ]
 
 KERNELS = ("auto", "dense", "tiled", "decode")
@@ -100,12 +103,15 @@ def attend(plan: Plan, kernel: str = "auto") -> tuple[np.ndarray, np.ndarray]:
     # and NaN or inf inputs propagate by policy: neither is worth a NumPy warning.
     with np.errstate(over="ignore", invalid="ignore"):
         if not scale_fits(plan):
-            return mods.with_sinks(plan, *_in_float64(run, plan))
-        out, lse = run(plan)
-        if not np.isfinite(out).all() and plan.v.size:
-            out, lse = _rescaled(run, plan, out, lse)
-        if not np.isfinite(out).all() and plan.acc_dtype != np.float64 and _may_overflow(plan):
             out, lse = _in_float64(run, plan)
+        else:
+            out, lse = run(plan)
+            if not np.isfinite(out).all() and plan.v.size:
+                out, lse = _rescaled(run, plan, out, lse)
+            if not np.isfinite(out).all() and plan.acc_dtype != np.float64 and may_overflow(plan):
+                out, lse = _in_float64(run, plan)
+    if not np.isfinite(out).all():
+        check_overflow(plan)
     return mods.with_sinks(plan, out, lse)
 
 
@@ -131,16 +137,56 @@ def weights(plan: Plan) -> np.ndarray:
     float64, without NumPy warnings on the way.
     """
     with np.errstate(over="ignore", invalid="ignore"):
-        w, _ = dense.softmax_rows(dense.logits(plan if scale_fits(plan) else _widened(plan)))
-        if not np.isfinite(w).all() and plan.acc_dtype != np.float64 and _may_overflow(plan):
-            w, _ = dense.softmax_rows(dense.logits(_widened(plan)))
+        w, _ = dense.softmax_rows(dense.logits(plan if scale_fits(plan) else widened(plan)))
+        if not np.isfinite(w).all() and plan.acc_dtype != np.float64 and may_overflow(plan):
+            w, _ = dense.softmax_rows(dense.logits(widened(plan)))
             w = w.astype(plan.acc_dtype)
+    if not np.isfinite(w).all():
+        check_overflow(plan)
     return w
 
 
-def _may_overflow(plan: Plan) -> bool:
+def check_overflow(plan: Plan) -> None:
+    """Raise :class:`InputError` when finite inputs give scores beyond float64's range.
+
+    Called when a result is not finite after every retry. NaN and infinity in ``q``, ``k``,
+    ``v`` or the bias propagate by policy, so they are left alone; but finite inputs whose
+    scores ``q·kᵀ·scale`` overflow even float64 (``q = k = 1e200``) would otherwise give NaN
+    without a word. The softmax of such scores has no float64 computation, so it is refused.
+    """
+    arrays = [a for a in (plan.q, plan.k, plan.v) if a is not None]
+    if not all(np.isfinite(a).all() for a in arrays):
+        return
+    if plan.bias is not None and (np.isnan(plan.bias).any() or np.isposinf(plan.bias).any()):
+        return
+    f64 = float(np.finfo(np.float64).max)
+    if _score_bound(plan) > f64 / 4:
+        raise InputError(
+            f"q, k: the scaled scores q·kᵀ·scale may reach {_magnitude(plan)} (scale "
+            f"{plan.scale:.5g}, "
+            f"q {plan.q.shape}, k {plan.k.shape}), beyond float64's range (±{f64:.4g}), so the "
+            "softmax would be NaN; divide q or k (or the scale) by a constant first"
+        )
+
+
+def may_overflow(plan: Plan) -> bool:
     """Whether the finite entries of ``q``, ``k`` and the bias can make a score overflow the
     compute dtype (a bound: ``scale · d · max|q| · max|k| + max|bias|``)."""
+
+    return _score_bound(plan) > float(np.finfo(plan.acc_dtype).max) / 4
+
+
+def _magnitude(plan: Plan) -> str:
+    """``scale · d · max|q| · max|k|`` written as a power of ten (it may exceed float64)."""
+    parts = [plan.scale, plan.d, float(np.max(np.abs(plan.q))), float(np.max(np.abs(plan.k)))]
+    if min(parts) <= 0:
+        return "0"
+    return f"1e{math.floor(sum(math.log10(x) for x in parts))}"
+
+
+def _score_bound(plan: Plan) -> float:
+    """``scale · d · max|q| · max|k| + max|bias|`` over finite entries, in Python floats
+    (``inf`` past float64)."""
 
     def finite_max(a: np.ndarray) -> float:
         return float(np.max(np.abs(a), where=np.isfinite(a), initial=0.0)) if a.size else 0.0
@@ -148,7 +194,7 @@ def _may_overflow(plan: Plan) -> bool:
     bound = plan.scale * plan.d * finite_max(plan.q) * finite_max(plan.k)
     if plan.bias is not None:
         bound += finite_max(plan.bias)
-    return bound > float(np.finfo(plan.acc_dtype).max) / 4
+    return bound
 
 
 def _in_float64(run: Any, plan: Plan) -> tuple[np.ndarray, np.ndarray]:
@@ -158,11 +204,11 @@ def _in_float64(run: Any, plan: Plan) -> tuple[np.ndarray, np.ndarray]:
     the weights and the output — a weighted mean of the values — are perfectly finite. Only
     runs when the output is not finite and the finite inputs are that large.
     """
-    out, lse = run(_widened(plan))
+    out, lse = run(widened(plan))
     return out.astype(plan.acc_dtype), lse.astype(plan.acc_dtype)
 
 
-def _widened(plan: Plan) -> Plan:
+def widened(plan: Plan) -> Plan:
     """``plan`` computed in float64."""
     f64 = np.dtype(np.float64)
     return replace(

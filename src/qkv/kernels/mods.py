@@ -37,6 +37,8 @@ __all__ = [
     "add_sink",
     "apply",
     "block_mask",
+    "cap",
+    "cap_slope",
     "sink_factor",
     "with_sinks",
 ]
@@ -82,12 +84,10 @@ def apply(
     ``s`` is modified in place where possible and returned. ``full=True`` says the block mask
     already showed ``mask_mod`` allows every key of the tile.
     """
-    dt = s.dtype.type
+    if s.size == 0:  # no queries or no keys: nothing to modify (ALiBi's max would fail)
+        return s
     if plan.softcap is not None:
-        c = dt(plan.softcap)
-        s /= c
-        np.tanh(s, out=s)
-        s *= c
+        cap(s, plan.softcap)
     b = h = None
     if plan.alibi is not None:
         dist = np.subtract(q_idx, kv_idx, dtype=s.dtype)  # exact: positions < 2**24
@@ -110,6 +110,34 @@ def apply(
         ok = _checked(plan.mask_mod(b, h, q_idx, kv_idx), s.shape, "mask_mod", "bool")
         s[~np.broadcast_to(ok, s.shape)] = -np.inf
     return s
+
+
+def _cap_dtype(s: np.ndarray, c: float) -> np.dtype:
+    """The dtype to soft-cap ``s`` in: its own, or float64 when ``c`` is not a normal number of
+    it (``1e39`` is ``inf`` in float32, and ``inf · tanh(0)`` would be NaN)."""
+    info = np.finfo(s.dtype)
+    return s.dtype if float(info.tiny) <= c <= float(info.max) else np.dtype(np.float64)
+
+
+def cap(s: np.ndarray, c: float) -> np.ndarray:
+    """``s = c · tanh(s / c)`` in place. A cap beyond ``s``'s dtype is applied in float64, so a
+    cap larger than any score is (to rounding) the identity, as in :mod:`qkv.reference`."""
+    dt = _cap_dtype(s, c)
+    if dt == s.dtype:
+        cs = dt.type(c)
+        s /= cs
+        np.tanh(s, out=s)
+        s *= cs
+    else:
+        s[...] = c * np.tanh(s.astype(dt) / c)
+    return s
+
+
+def cap_slope(s: np.ndarray, c: float) -> np.ndarray:
+    """``d/ds [c · tanh(s / c)] = 1 − tanh²(s / c)`` of scaled scores ``s``, in ``s``'s dtype
+    (computed in float64 when ``c`` is beyond that dtype, as in :func:`cap`)."""
+    t = np.tanh(s.astype(_cap_dtype(s, c), copy=False) / c)
+    return (1 - t * t).astype(s.dtype, copy=False)
 
 
 def block_mask(plan: Plan, block_q: int, block_k: int) -> np.ndarray | None:

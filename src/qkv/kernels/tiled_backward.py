@@ -55,7 +55,7 @@ def _logits(plan: Plan, rows: range, cols: range) -> tuple[np.ndarray | None, np
     s *= plan.acc_dtype.type(plan.scale)
     dcap = None
     if plan.softcap is not None:
-        dcap = 1 - np.tanh(s / plan.acc_dtype.type(plan.softcap)) ** 2
+        dcap = mods.cap_slope(s, plan.softcap)
     if plan.modded:
         qi = query_positions(plan.L, plan.S, rows)[:, None]
         s = mods.apply(plan, s, ..., qi, np.arange(cols.start, cols.stop)[None, :])
