@@ -43,15 +43,21 @@ def ring_attention(
     causal: bool = False,
     scale: Any = None,
     layout: str = "zigzag",
+    window: Any = None,
+    softcap: Any = None,
+    sinks: Any = None,
+    alibi_slopes: Any = None,
+    mask_mod: Any = None,
     return_lse: bool = False,
     stats: RingStats | None = None,
 ) -> Any:
     run = _ring.ring_attention
-    if is_tensor(q, k, v):
+    if is_tensor(q, k, v, sinks, alibi_slopes):
         from ._torch import ring_attention as run
     return run(
-        q, k, v, comm=comm, causal=causal, scale=scale, layout=layout, return_lse=return_lse,
-        stats=stats,
+        q, k, v, comm=comm, causal=causal, scale=scale, layout=layout, window=window,
+        softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes, mask_mod=mask_mod,
+        return_lse=return_lse, stats=stats,
     )  # fmt: skip
 
 
