@@ -44,6 +44,11 @@ def _problem(seed: int, qshape, kvheads: int, dv: int, dtype=np.float64):
     return q.astype(dtype), k.astype(dtype), v.astype(dtype), g.astype(dtype)
 
 
+def _documents(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    """Packed documents of 7 tokens (a mask_mod over global positions)."""
+    return q_idx // 7 == kv_idx // 7
+
+
 CASES = [  # name, q shape, kv heads, dv, causal, layout
     ("causal zigzag gqa dv!=d", (2, 4, 48, 8), 2, 5, True, "zigzag"),
     ("causal contiguous gqa dv!=d", (2, 4, 48, 8), 2, 5, True, "contiguous"),
@@ -79,6 +84,30 @@ def check_world(comm: Any, rank: int, W: int) -> int:
             assert got.dtype == np.float64
             _close(f"{tag} {gname}", got, shard(ref, rank, W, layout=layout), F64_TOL)
         n_checks += 5
+
+    # windows and variants over the whole sequence (every combination runs on threads in
+    # test_ring_variants.py; here two of them cross real ranks)
+    q, k, v, g = _problem(21, (4, 48, 8), 2, 5)
+    variants = [
+        ("zigzag", {"causal": True, "window": (2, None), "softcap": 2.0,
+                    "alibi_slopes": np.full(4, 0.5), "sinks": np.arange(4.0) - 1}),
+        ("contiguous", {"window": (5, 3), "mask_mod": _documents}),
+    ]  # fmt: skip
+    for layout, opts in variants:
+        want, want_lse = qkv.attention(q, k, v, return_lse=True, **opts)
+        want_grads = qkv.attention_vjp(q, k, v, g, **opts)
+        sh = [shard(x, rank, W, layout=layout) for x in (q, k, v, g)]
+        kw = {"comm": comm, "layout": layout, **opts}
+        out, lse = ring_attention(*sh[:3], return_lse=True, **kw)
+        grads = ring_attention_vjp(*sh[:3], sh[3], out, lse, **kw)
+        tag = f"W={W} variants {sorted(opts)}"
+        _close(f"{tag} out", out, shard(want, rank, W, layout=layout), F64_TOL)
+        _close(f"{tag} lse", lse, shard(want_lse, rank, W, layout=layout, axis=-1), F64_TOL)
+        for gname, got, ref in zip(("dq", "dk", "dv"), grads, want_grads, strict=False):
+            _close(f"{tag} {gname}", got, shard(ref, rank, W, layout=layout), F64_TOL)
+        if "sinks" in opts:
+            _close(f"{tag} dsinks", grads[3], want_grads[3], F64_TOL)
+        n_checks += 1
 
     # float32 and float16: within a small factor of one process's own error
     q, k, v, g = _problem(7, (2, 48, 16), 2, 16)

@@ -205,3 +205,45 @@ def test_ranks_disagreeing_on_the_window_are_refused_on_every_rank() -> None:
 
     for res in run_ring(2, rank_fn):
         assert isinstance(res, qkv.InputError) and "disagree on window" in str(res), res
+
+
+def test_float32_within_one_process_error() -> None:
+    q, k, v, _ = _problem(3)
+    opts = {"causal": True, "window": (4, None), "alibi_slopes": np.full(4, 0.25), "softcap": 2.0}
+    ref = qkv.attention(q, k, v, **opts)
+    f32 = [x.astype(np.float32) for x in (q, k, v)]
+    single = float(np.max(np.abs(qkv.attention(*f32, **opts) - ref)))
+
+    def rank_fn(comm: Communicator, rank: int) -> Any:
+        return ring_attention(*(shard(x, rank, 3) for x in f32), comm=comm, **opts)
+
+    for rank, out in enumerate(run_ring(3, rank_fn)):
+        assert not isinstance(out, BaseException), out
+        assert out.dtype == np.float32
+        err = float(np.max(np.abs(out - shard(ref, rank, 3))))
+        assert err <= 4 * single + 1e-7, (err, single)
+
+
+def test_torch_autograd_with_variants() -> None:
+    """Tensors that require grad, sinks included: the ring's backward gives every gradient."""
+    torch = pytest.importorskip("torch")
+    q, k, v, g = _problem(4)
+    sinks = np.array([0.3, -1.0, 2.0, 0.0])
+    opts = {"causal": True, "window": (3, 1), "alibi_slopes": np.full(4, 0.5)}
+    want = qkv.attention(q, k, v, sinks=sinks, **opts)
+    want_grads = qkv.attention_vjp(q, k, v, g, sinks=sinks, **opts)
+
+    def rank_fn(comm: Communicator, rank: int) -> Any:
+        ts = [torch.tensor(shard(x, rank, 2), requires_grad=True) for x in (q, k, v)]
+        st = torch.tensor(sinks, requires_grad=True)
+        out = ring_attention(*ts, sinks=st, comm=comm, **opts)
+        (out * torch.tensor(shard(g, rank, 2))).sum().backward()
+        return out.detach().numpy(), [t.grad.numpy() for t in (*ts, st)]
+
+    for rank, res in enumerate(run_ring(2, rank_fn)):
+        assert not isinstance(res, BaseException), res
+        out, grads = res
+        _close(f"rank {rank} out", out, shard(want, rank, 2))
+        for got, ref in zip(grads[:3], want_grads[:3], strict=True):
+            _close(f"rank {rank} grad", got, shard(ref, rank, 2))
+        _close(f"rank {rank} dsinks", grads[3], want_grads[3])
