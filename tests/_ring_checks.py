@@ -109,6 +109,30 @@ def check_world(comm: Any, rank: int, W: int) -> int:
             _close(f"{tag} dsinks", grads[3], want_grads[3], F64_TOL)
         n_checks += 1
 
+    # packed documents (short, empty and long ones), each cut into the layout's chunks
+    from qkv.distributed import ring_attention_varlen, ring_attention_varlen_vjp, shard_varlen
+
+    parts = 2 * W
+    cu = np.cumsum([0, parts, 0, 5 * parts, 2 * parts])
+    rng = np.random.default_rng(5)
+    qv, kv_, vv, gv = (rng.standard_normal((int(cu[-1]), h, 6)) for h in (4, 2, 2, 4))
+    opts = {"causal": True, "window": (3, None)}
+    want, want_lse = qkv.attention_varlen(qv, kv_, vv, cu, cu, return_lse=True, **opts)
+    sh = [shard_varlen(x, cu, rank, W) for x in (qv, kv_, vv, gv)]
+    out, lse = ring_attention_varlen(*sh[:3], cu, comm=comm, return_lse=True, **opts)
+    _close(f"W={W} varlen out", out, shard_varlen(want, cu, rank, W), F64_TOL)
+    _close(f"W={W} varlen lse", lse, shard_varlen(want_lse, cu, rank, W), F64_TOL)
+    grads = ring_attention_varlen_vjp(*sh[:3], sh[3], out, lse, cu, comm=comm, **opts)
+    for gname, got, x in zip(("dq", "dk", "dv"), grads, (qv, kv_, vv), strict=True):
+        ref = np.zeros_like(x)
+        for a, b in zip(cu[:-1], cu[1:], strict=True):
+            if b > a:
+                doc = [np.moveaxis(y[a:b], 0, -2) for y in (qv, kv_, vv, gv)]
+                part = qkv.attention_vjp(*doc, **opts)[("dq", "dk", "dv").index(gname)]
+                ref[a:b] = np.moveaxis(part, -2, 0)
+        _close(f"W={W} varlen {gname}", got, shard_varlen(ref, cu, rank, W), F64_TOL)
+    n_checks += 1
+
     # float32 and float16: within a small factor of one process's own error
     q, k, v, g = _problem(7, (2, 48, 16), 2, 16)
     ref = qkv.attention(q, k, v, causal=True)

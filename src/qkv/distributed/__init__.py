@@ -26,8 +26,8 @@ from typing import Any
 from ..tensors import is_tensor
 from . import ring as _ring
 from .decode import decode as _decode
-from .layout import LAYOUTS, positions, shard, unshard
-from .ring import RingStats, ring_attention_vjp
+from .layout import LAYOUTS, positions, shard, shard_varlen, unshard, unshard_varlen
+from .ring import RingStats, ring_attention_varlen, ring_attention_varlen_vjp, ring_attention_vjp
 
 # The public functions send tensors to the torch side (._torch, imported on first use) and
 # everything else to the NumPy ring; neither of those imports this router.
@@ -77,7 +77,11 @@ __all__ = [
     "decode",
     "positions",
     "ring_attention",
+    "ring_attention_varlen",
+    "ring_attention_varlen_vjp",
     "ring_attention_vjp",
     "shard",
+    "shard_varlen",
     "unshard",
+    "unshard_varlen",
 ]

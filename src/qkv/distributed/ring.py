@@ -25,22 +25,33 @@ and ``lse``.
 from __future__ import annotations
 
 import time
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
+from ..errors import InputError, InputTypeError
 from ..grad import sum_to
 from ..kernels import dispatch, mods, tiled_backward
 from ..kernels._threads import limit_threads, single_threaded_blas
 from ..kernels.blocks import merge_arrays
 from ..masks import Window, key_bounds
-from ..validate import Plan
-from .agree import Setup, setup
-from .layout import chunk_ids, n_chunks, visible_prefix
+from ..tensors import give, refuse_grad, want_of
+from ..validate import Plan, as_array
+from .agree import Setup, agree, setup
+from .comm import get_comm
+from .layout import check_layout, chunk_ids, doc_chunks, n_chunks, visible_prefix
 
-__all__ = ["RingStats", "ring_attention", "ring_attention_vjp", "ring_forward"]
+__all__ = [
+    "RingStats",
+    "ring_attention",
+    "ring_attention_varlen",
+    "ring_attention_varlen_vjp",
+    "ring_attention_vjp",
+    "ring_forward",
+]
 
 TAG_KV, TAG_GRAD = 11, 12
 MASK_TILE = 512  # tile of the mask_mod check that drops blocks it hides entirely
@@ -94,10 +105,14 @@ def _positional(s: Setup) -> bool:
     return s.window is not None or s.plan.alibi is not None or s.plan.mask_mod is not None
 
 
-def _calls(s: Setup, owner: int) -> Iterator[_Call]:
-    """The kernel calls of one ring step against the K/V of rank ``owner``."""
-    if _positional(s):
-        yield from _window_calls(s, owner)
+Docs = list[tuple[int, int]]  # packed documents: (first local token, tokens per chunk)
+
+
+def _calls(s: Setup, owner: int, docs: Docs | None = None) -> Iterator[_Call]:
+    """The kernel calls of one ring step against the K/V of rank ``owner``; ``docs``: the
+    rank's tokens are packed documents, each cut into the layout's chunks on its own."""
+    if docs is not None or _positional(s):
+        yield from _window_calls(s, owner, docs if docs is not None else [(0, s.h)])
         return
     for lo, hi, n, diag in _prefix_calls(s, owner):
         yield lo, hi, 0, n, diag, None, (0, 0)
@@ -121,7 +136,7 @@ def _prefix_calls(s: Setup, owner: int) -> Iterator[tuple[int, int, int, bool]]:
         yield a * s.h, b * s.h, p * s.h, bool(diag)
 
 
-def _window_calls(s: Setup, owner: int) -> Iterator[_Call]:
+def _window_calls(s: Setup, owner: int, docs: Docs) -> Iterator[_Call]:
     """One call per (query chunk, key chunk) pair that causal and the window leave any key
     of, trimmed to the rows that see a key and the keys any of them sees.
 
@@ -131,8 +146,19 @@ def _window_calls(s: Setup, owner: int) -> Iterator[_Call]:
     g_k + j ≤ g_q + i + right`` (and ``≤ g_q + i`` under causal) reads ``p − (left − D) ≤ j
     ≤ p + (right + D)`` with ``D = g_q − g_k − (S_b − L_b)``: a window whose sides may be
     negative. The variants see global positions through the plan's ``offsets``.
+
+    Each of ``docs`` (first local token, tokens per chunk) is such a sequence on its own (its
+    positions count from its start; documents never see each other).
     """
-    W, h = s.comm.size, s.h
+    for base, h in docs:
+        if h:
+            for lo, hi, k_lo, k_hi, causal, window, offsets in _doc_calls(s, owner, h):
+                yield base + lo, base + hi, base + k_lo, base + k_hi, causal, window, offsets
+
+
+def _doc_calls(s: Setup, owner: int, h: int) -> Iterator[_Call]:
+    """:func:`_window_calls` for one sequence of ``h`` tokens per chunk."""
+    W = s.comm.size
     n = h * n_chunks(W, s.layout)
     win = s.window
     if win is not None:
@@ -166,10 +192,12 @@ def _window_calls(s: Setup, owner: int) -> Iterator[_Call]:
             yield i * h + a, i * h + b, *keys, causal, window, (gq - (nk - nq), c0)
 
 
-def _blocks(s: Setup, owner: int, kb: np.ndarray, vb: np.ndarray) -> Iterator[tuple[_Call, Plan]]:
+def _blocks(
+    s: Setup, owner: int, kb: np.ndarray, vb: np.ndarray, docs: Docs | None
+) -> Iterator[tuple[_Call, Plan]]:
     """Each call of one ring step with its block plan; blocks a ``mask_mod`` hides entirely
     are dropped."""
-    for call in _calls(s, owner):
+    for call in _calls(s, owner, docs):
         bp = _block_plan(s, call, kb, vb)
         if bp.mask_mod is not None:
             status = mods.block_mask(bp, MASK_TILE, MASK_TILE)
@@ -193,7 +221,7 @@ def _block_plan(s: Setup, call: _Call, kb: np.ndarray, vb: np.ndarray) -> Plan:
     return bp
 
 
-def _forward(s: Setup, stats: RingStats) -> tuple[np.ndarray, np.ndarray]:
+def _forward(s: Setup, stats: RingStats, docs: Docs | None = None) -> tuple[np.ndarray, np.ndarray]:
     p, comm, W = s.plan, s.comm, s.comm.size
     out = np.zeros(p.batch + (p.L, p.dv), dtype=p.acc_dtype)
     lse = np.full(p.batch + (p.L,), -np.inf, dtype=p.acc_dtype)
@@ -209,7 +237,7 @@ def _forward(s: Setup, stats: RingStats) -> tuple[np.ndarray, np.ndarray]:
             stats.bytes_sent += kv.bufs[cur].nbytes
         kb, vb = kv.views(cur)
         n_calls = 0
-        for (lo, hi, *_), bp in _blocks(s, owner, kb, vb):
+        for (lo, hi, *_), bp in _blocks(s, owner, kb, vb, docs):
             o, m = dispatch.attend(bp)
             out[..., lo:hi, :], lse[..., lo:hi] = merge_arrays(
                 [(out[..., lo:hi, :], lse[..., lo:hi]), (o, m)]
@@ -229,7 +257,12 @@ def _forward(s: Setup, stats: RingStats) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _backward(
-    s: Setup, d_out: np.ndarray, out: np.ndarray, lse: np.ndarray, stats: RingStats
+    s: Setup,
+    d_out: np.ndarray,
+    out: np.ndarray,
+    lse: np.ndarray,
+    stats: RingStats,
+    docs: Docs | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     p, comm, W, acc = s.plan, s.comm, s.comm.size, s.plan.acc_dtype
     dq = np.zeros(p.q.shape, dtype=acc)
@@ -252,7 +285,7 @@ def _backward(
         for x in blk:
             x[...] = 0
         n_calls = 0
-        for (lo, hi, k_lo, k_hi, *_), bp in _blocks(s, owner, kb, vb):
+        for (lo, hi, k_lo, k_hi, *_), bp in _blocks(s, owner, kb, vb, docs):
             n = k_hi - k_lo
             g = np.broadcast_to(d_out[..., lo:hi, :], bp.batch + (hi - lo, p.dv))
             # one BLAS thread: its small GEMMs ran ~15x slower on 2 threads (2 shared cores)
@@ -413,11 +446,13 @@ def _variants(
     return {name: x for name, x in given.items() if x is not None}
 
 
-def _run_forward(s: Setup, stats: RingStats | None) -> tuple[np.ndarray, np.ndarray]:
+def _run_forward(
+    s: Setup, stats: RingStats | None, docs: Docs | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     stats = stats if stats is not None else RingStats()
     stats.threads = s.threads
     with limit_threads(s.threads):
-        return _forward(s, stats)
+        return _forward(s, stats, docs)
 
 
 def ring_attention_vjp(
@@ -470,6 +505,12 @@ def ring_attention_vjp(
     extra = {"grad_out": grad_out, "out": out, "lse": lse}
     variants = _variants(window, softcap, sinks, alibi_slopes, mask_mod)
     s, arrays = setup("ring_attention_vjp", comm, q, k, v, causal, scale, layout, extra, variants)
+    return _vjp(s, arrays, stats)
+
+
+def _vjp(
+    s: Setup, arrays: dict[str, np.ndarray], stats: RingStats | None, docs: Docs | None = None
+) -> tuple[np.ndarray, ...]:
     acc, p = s.plan.acc_dtype, s.plan
     g = np.broadcast_to(arrays["grad_out"].astype(acc, copy=False), p.batch + (p.L, p.dv))
     o = arrays["out"].astype(acc, copy=False)
@@ -477,7 +518,7 @@ def ring_attention_vjp(
     stats = stats if stats is not None else RingStats()
     stats.threads = s.threads
     with limit_threads(s.threads):
-        dq, dk, dv = _backward(s, g, o, m, stats)
+        dq, dk, dv = _backward(s, g, o, m, stats, docs)
     grads = (
         sum_to(dq, s.q.shape).astype(s.q.dtype, copy=False),
         dk.astype(s.k.dtype, copy=False),
@@ -497,3 +538,169 @@ def _dsinks(s: Setup, g: np.ndarray, out: np.ndarray, lse: np.ndarray) -> np.nda
     if not p.batch:
         return np.asarray(total, dtype=dtype).reshape(shape)
     return sum_to(total, shape).astype(dtype, copy=False)
+
+
+# ---------------------------------------------------------------- packed documents
+
+
+def ring_attention_varlen(
+    q: Any,
+    k: Any,
+    v: Any,
+    cu_seqlens: Any,
+    *,
+    comm: Any = None,
+    causal: bool = False,
+    scale: Any = None,
+    window: Any = None,
+    layout: str = "zigzag",
+    return_lse: bool = False,
+    stats: RingStats | None = None,
+) -> Any:
+    """Exact attention over a packed batch of documents sharded across ranks.
+
+    Must equal :func:`qkv.attention_varlen` over the whole packed batch (with
+    ``cu_seqlens_q = cu_seqlens_k = cu_seqlens``), then sharded with :func:`shard_varlen`.
+    Every document is cut into the layout's chunks on its own (zigzag: ``2W`` chunks, rank
+    ``r`` holding chunks ``r`` and ``2W − 1 − r`` of each), so every rank does about the same
+    work under causal masking; documents never see each other, and the ring skips the blocks
+    between them.
+
+    Parameters
+    ----------
+    q, k, v : array_like or torch.Tensor
+        This rank's tokens ``(n_local, heads, d)``, ``(n_local, kv_heads, d)``,
+        ``(n_local, kv_heads, dv)``: :func:`shard_varlen` of the packed batch, so
+        ``n_local = cu_seqlens[-1] / W``.
+    cu_seqlens : array_like of int, shape ``(batch + 1,)``
+        The whole packed batch's offsets, the same on every rank. Every document's length
+        must be a multiple of ``2W`` (zigzag) or ``W`` (contiguous); empty ones are fine.
+    comm, causal, scale, window, layout, return_lse, stats
+        As in :func:`ring_attention`; ``causal`` and ``window`` apply within each document.
+
+    Returns
+    -------
+    out : ndarray, shape ``(n_local, heads, dv)``
+    lse : ndarray, shape ``(n_local, heads)``
+        Only with ``return_lse``.
+
+    Raises
+    ------
+    InputError
+        On every rank, for ``cu_seqlens`` that are not offsets, documents the layout cannot
+        cut, or ranks that disagree.
+
+    Examples
+    --------
+    >>> import numpy as np, qkv
+    >>> from qkv.distributed import ring_attention_varlen
+    >>> q, k, v = np.random.default_rng(0).standard_normal((3, 10, 2, 4))
+    >>> cu = [0, 6, 6, 10]
+    >>> out = ring_attention_varlen(q, k, v, cu, causal=True)
+    >>> bool(np.allclose(out, qkv.attention_varlen(q, k, v, cu, cu, causal=True)))
+    True
+    """
+    want = want_of(q, k, v)
+    s, docs, _ = _varlen_setup(
+        "ring_attention_varlen", comm, q, k, v, cu_seqlens, causal, scale, window, layout, {}
+    )
+    out, lse = _run_forward(s, stats, docs)
+    out = np.moveaxis(out.astype(s.plan.out_dtype, copy=False), -2, 0)
+    lse = np.moveaxis(lse, -1, 0)
+    return (give(out, want), give(lse, want, exact=True)) if return_lse else give(out, want)
+
+
+def ring_attention_varlen_vjp(
+    q: Any,
+    k: Any,
+    v: Any,
+    grad_out: Any,
+    out: Any,
+    lse: Any,
+    cu_seqlens: Any,
+    *,
+    comm: Any = None,
+    causal: bool = False,
+    scale: Any = None,
+    window: Any = None,
+    layout: str = "zigzag",
+    stats: RingStats | None = None,
+) -> Any:
+    """Gradients of ``Σ ring_attention_varlen(q, k, v, cu_seqlens) · grad_out`` for this
+    rank's tokens; ``out`` and ``lse`` are this rank's forward results (``return_lse=True``).
+
+    Must equal the gradients of :func:`qkv.attention_varlen` over the whole packed batch,
+    sharded with :func:`shard_varlen`.
+
+    Returns
+    -------
+    dq, dk, dv : ndarray
+        Shapes and dtypes of this rank's ``q``, ``k``, ``v``.
+
+    Examples
+    --------
+    >>> import numpy as np, qkv
+    >>> from qkv.distributed import ring_attention_varlen, ring_attention_varlen_vjp
+    >>> q, k, v = np.random.default_rng(0).standard_normal((3, 6, 1, 4))
+    >>> out, lse = ring_attention_varlen(q, k, v, [0, 6], causal=True, return_lse=True)
+    >>> dq, dk, dv = ring_attention_varlen_vjp(q, k, v, np.ones_like(out), out, lse, [0, 6],
+    ...                                        causal=True)
+    >>> ref = qkv.attention_vjp(q[:, 0], k[:, 0], v[:, 0], np.ones((6, 4)), causal=True)
+    >>> bool(np.allclose(dk[:, 0], ref[1]))
+    True
+    """
+    want = want_of(q, k, v)
+    extra = {"grad_out": grad_out, "out": out, "lse": lse}
+    s, docs, arrays = _varlen_setup(
+        "ring_attention_varlen_vjp", comm, q, k, v, cu_seqlens, causal, scale, window, layout, extra
+    )
+    grads = _vjp(s, arrays, stats, docs)
+    return tuple(give(np.moveaxis(g, -2, 0), want) for g in grads)
+
+
+def _varlen_setup(
+    what: str,
+    comm: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    cu_seqlens: Any,
+    causal: Any,
+    scale: Any,
+    window: Any,
+    layout: Any,
+    extra: dict[str, Any],
+) -> tuple[Setup, Docs, dict[str, np.ndarray]]:
+    """Check ``cu_seqlens`` and the packed shapes (the ranks agree on them first), then the
+    ring's own :func:`setup` on ``(heads, tokens, d)`` views."""
+    c = get_comm(comm)
+    err: Exception | None = None
+    docs: Docs = []
+    key, moved = [0, 0], {}
+    try:
+        refuse_grad(what, q=q, k=k, v=v, **extra)
+        sizes = doc_chunks(cu_seqlens, c.size, check_layout(layout))
+        per = len(chunk_ids(0, c.size, layout))
+        local = int(sizes.sum()) * per
+        starts = np.concatenate([[0], np.cumsum(sizes * per)])[:-1]
+        docs = [(int(a), int(h)) for a, h in zip(starts, sizes, strict=True)]
+        key = [zlib.crc32(np.ascontiguousarray(sizes).tobytes()) & 0x7FFFFFFF, len(sizes)]
+        for name, x in (("q", q), ("k", k), ("v", v), *extra.items()):
+            a = as_array(x, name)
+            nd = 2 if name == "lse" else 3
+            shape = "(n_local, heads)" if name == "lse" else "(n_local, heads, d)"
+            if a.ndim != nd or a.shape[0] != local:
+                raise InputError(
+                    f"{name}: expected this rank's packed tokens {shape} with n_local = "
+                    f"cu_seqlens[-1] / {c.size} = {local}, got shape {a.shape}"
+                )
+            moved[name] = np.moveaxis(a, 0, -1 if name == "lse" else -2)
+    except (InputError, InputTypeError) as exc:
+        err = exc
+    agree(c, what, [("cu_seqlens", key)], err)
+    ex = {name: moved[name] for name in extra}
+    variants = {} if window is None else {"window": window}
+    s, arrays = setup(
+        what, c, moved["q"], moved["k"], moved["v"], causal, scale, layout, ex, variants
+    )
+    return s, docs, arrays
