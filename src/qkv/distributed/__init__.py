@@ -27,7 +27,7 @@ from ..tensors import is_tensor
 from . import ring as _ring
 from .decode import decode as _decode
 from .layout import LAYOUTS, positions, shard, shard_varlen, unshard, unshard_varlen
-from .ring import RingStats, ring_attention_varlen, ring_attention_varlen_vjp, ring_attention_vjp
+from .ring import RingStats, ring_attention_varlen_vjp, ring_attention_vjp
 
 # The public functions send tensors to the torch side (._torch, imported on first use) and
 # everything else to the NumPy ring; neither of those imports this router.
@@ -58,6 +58,30 @@ def ring_attention(
         q, k, v, comm=comm, causal=causal, scale=scale, layout=layout, window=window,
         softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes, mask_mod=mask_mod,
         return_lse=return_lse, stats=stats,
+    )  # fmt: skip
+
+
+@wraps(_ring.ring_attention_varlen)
+def ring_attention_varlen(
+    q: Any,
+    k: Any,
+    v: Any,
+    cu_seqlens: Any,
+    *,
+    comm: Any = None,
+    causal: bool = False,
+    scale: Any = None,
+    window: Any = None,
+    layout: str = "zigzag",
+    return_lse: bool = False,
+    stats: RingStats | None = None,
+) -> Any:
+    run = _ring.ring_attention_varlen
+    if is_tensor(q, k, v):
+        from ._torch import ring_attention_varlen as run
+    return run(
+        q, k, v, cu_seqlens, comm=comm, causal=causal, scale=scale, window=window,
+        layout=layout, return_lse=return_lse, stats=stats,
     )  # fmt: skip
 
 

@@ -15,9 +15,15 @@ import numpy as np
 
 from ..tensors import as_dtype, give, read, want_of
 from .decode import decode as np_decode
-from .ring import RingStats, ring_attention_vjp, ring_forward
+from .ring import (
+    RingStats,
+    ring_attention_varlen_vjp,
+    ring_attention_vjp,
+    ring_forward,
+    varlen_forward,
+)
 
-__all__ = ["decode", "ring_attention"]
+__all__ = ["decode", "ring_attention", "ring_attention_varlen"]
 
 
 def _arrays(q: Any, k: Any, v: Any) -> tuple[Any, Any, Any]:
@@ -99,6 +105,54 @@ def _function() -> type:
             return (*back[:3], back[3] if sinks is not None else None, None)
 
     return RingAttention
+
+
+def ring_attention_varlen(q: Any, k: Any, v: Any, cu_seqlens: Any, **opts: Any) -> Any:
+    """:func:`~qkv.distributed.ring_attention_varlen` on tensors, with autograd."""
+    import torch
+
+    return_lse = opts.pop("return_lse")
+    tensors = tuple(x if isinstance(x, torch.Tensor) else torch.as_tensor(x) for x in (q, k, v))
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        out, lse = _varlen_function().apply(*tensors, cu_seqlens, opts)
+    else:
+        arrays = _arrays(*tensors)
+        o, m = varlen_forward(*arrays, cu_seqlens, **opts)
+        want = want_of(*tensors)
+        out, lse = give(o.astype(np.result_type(*arrays)), want), give(m, want, exact=True)
+    return (out, lse) if return_lse else out
+
+
+@cache
+def _varlen_function() -> type:
+    import torch
+
+    class RingAttentionVarlen(torch.autograd.Function):
+        """Forward: the packed ring; backward: :func:`ring_attention_varlen_vjp`."""
+
+        @staticmethod
+        def forward(ctx: Any, q: Any, k: Any, v: Any, cu: Any, opts: Any) -> Any:
+            arrays = _arrays(q, k, v)
+            out, lse = varlen_forward(*arrays, cu, **opts)
+            ctx.save_for_backward(q, k, v)
+            ctx.cu, ctx.opts, ctx.acc = cu, opts, (out, lse)
+            want = want_of(q, k, v)
+            out_t = give(out.astype(np.result_type(*arrays)), want)
+            lse_t = give(lse.copy(), want, exact=True)
+            ctx.mark_non_differentiable(lse_t)
+            return out_t, lse_t
+
+        @staticmethod
+        def backward(ctx: Any, grad_out: Any, grad_lse: Any) -> Any:
+            saved = ctx.saved_tensors
+            out, lse = ctx.acc
+            opts = {key: val for key, val in ctx.opts.items() if key != "stats"}
+            grads = ring_attention_varlen_vjp(
+                *_arrays(*saved), read(grad_out, "grad_out"), out, lse, ctx.cu, **opts
+            )
+            return (*(as_dtype(g, t) for g, t in zip(grads, saved, strict=True)), None, None)
+
+    return RingAttentionVarlen
 
 
 def decode(q: Any, k: Any, v: Any, *, comm: Any, scale: Any, return_lse: bool) -> Any:

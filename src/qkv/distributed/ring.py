@@ -38,7 +38,6 @@ from ..kernels import dispatch, mods, tiled_backward
 from ..kernels._threads import limit_threads, single_threaded_blas
 from ..kernels.blocks import merge_arrays
 from ..masks import Window, key_bounds
-from ..tensors import give, refuse_grad, want_of
 from ..validate import Plan, as_array
 from .agree import Setup, agree, setup
 from .comm import get_comm
@@ -600,14 +599,34 @@ def ring_attention_varlen(
     >>> bool(np.allclose(out, qkv.attention_varlen(q, k, v, cu, cu, causal=True)))
     True
     """
-    want = want_of(q, k, v)
     s, docs, _ = _varlen_setup(
         "ring_attention_varlen", comm, q, k, v, cu_seqlens, causal, scale, window, layout, {}
     )
     out, lse = _run_forward(s, stats, docs)
     out = np.moveaxis(out.astype(s.plan.out_dtype, copy=False), -2, 0)
     lse = np.moveaxis(lse, -1, 0)
-    return (give(out, want), give(lse, want, exact=True)) if return_lse else give(out, want)
+    return (out, lse) if return_lse else out
+
+
+def varlen_forward(
+    q: Any,
+    k: Any,
+    v: Any,
+    cu_seqlens: Any,
+    *,
+    comm: Any = None,
+    causal: bool = False,
+    scale: Any = None,
+    window: Any = None,
+    layout: str = "zigzag",
+    stats: RingStats | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`ring_attention_varlen` on NumPy input, ``out`` left in the accumulation dtype."""
+    s, docs, _ = _varlen_setup(
+        "ring_attention_varlen", comm, q, k, v, cu_seqlens, causal, scale, window, layout, {}
+    )
+    out, lse = _run_forward(s, stats, docs)
+    return np.moveaxis(out, -2, 0), np.moveaxis(lse, -1, 0)
 
 
 def ring_attention_varlen_vjp(
@@ -649,13 +668,11 @@ def ring_attention_varlen_vjp(
     >>> bool(np.allclose(dk[:, 0], ref[1]))
     True
     """
-    want = want_of(q, k, v)
     extra = {"grad_out": grad_out, "out": out, "lse": lse}
     s, docs, arrays = _varlen_setup(
         "ring_attention_varlen_vjp", comm, q, k, v, cu_seqlens, causal, scale, window, layout, extra
     )
-    grads = _vjp(s, arrays, stats, docs)
-    return tuple(give(np.moveaxis(g, -2, 0), want) for g in grads)
+    return tuple(np.moveaxis(g, -2, 0) for g in _vjp(s, arrays, stats, docs))
 
 
 def _varlen_setup(
@@ -678,7 +695,6 @@ def _varlen_setup(
     docs: Docs = []
     key, moved = [0, 0], {}
     try:
-        refuse_grad(what, q=q, k=k, v=v, **extra)
         sizes = doc_chunks(cu_seqlens, c.size, check_layout(layout))
         per = len(chunk_ids(0, c.size, layout))
         local = int(sizes.sum()) * per
