@@ -223,7 +223,8 @@ class Plan:
     ) -> Plan:
         """A block of this checked plan, not checked again: query ``rows`` against ``k``/``v``
         (default: this plan's), bottom-right ``causal`` within the block (default: this
-        plan's). For plans without a mask, bias or variant (ring steps, decode splits); the
+        plan's). For plans without a mask or bias (ring steps, decode splits; a ring step
+        sets its own window, ``offsets`` and no sinks with :func:`dataclasses.replace`); the
         block's arrays must come from the same checked call (same dtype, heads and ``d``).
         """
         return replace(
