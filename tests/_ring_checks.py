@@ -44,6 +44,11 @@ def _problem(seed: int, qshape, kvheads: int, dv: int, dtype=np.float64):
     return q.astype(dtype), k.astype(dtype), v.astype(dtype), g.astype(dtype)
 
 
+def _documents(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    """Packed documents of 7 tokens (a mask_mod over global positions)."""
+    return q_idx // 7 == kv_idx // 7
+
+
 CASES = [  # name, q shape, kv heads, dv, causal, layout
     ("causal zigzag gqa dv!=d", (2, 4, 48, 8), 2, 5, True, "zigzag"),
     ("causal contiguous gqa dv!=d", (2, 4, 48, 8), 2, 5, True, "contiguous"),
@@ -79,6 +84,54 @@ def check_world(comm: Any, rank: int, W: int) -> int:
             assert got.dtype == np.float64
             _close(f"{tag} {gname}", got, shard(ref, rank, W, layout=layout), F64_TOL)
         n_checks += 5
+
+    # windows and variants over the whole sequence (every combination runs on threads in
+    # test_ring_variants.py; here two of them cross real ranks)
+    q, k, v, g = _problem(21, (4, 48, 8), 2, 5)
+    variants = [
+        ("zigzag", {"causal": True, "window": (2, None), "softcap": 2.0,
+                    "alibi_slopes": np.full(4, 0.5), "sinks": np.arange(4.0) - 1}),
+        ("contiguous", {"window": (5, 3), "mask_mod": _documents}),
+    ]  # fmt: skip
+    for layout, opts in variants:
+        want, want_lse = qkv.attention(q, k, v, return_lse=True, **opts)
+        want_grads = qkv.attention_vjp(q, k, v, g, **opts)
+        sh = [shard(x, rank, W, layout=layout) for x in (q, k, v, g)]
+        kw = {"comm": comm, "layout": layout, **opts}
+        out, lse = ring_attention(*sh[:3], return_lse=True, **kw)
+        grads = ring_attention_vjp(*sh[:3], sh[3], out, lse, **kw)
+        tag = f"W={W} variants {sorted(opts)}"
+        _close(f"{tag} out", out, shard(want, rank, W, layout=layout), F64_TOL)
+        _close(f"{tag} lse", lse, shard(want_lse, rank, W, layout=layout, axis=-1), F64_TOL)
+        for gname, got, ref in zip(("dq", "dk", "dv"), grads, want_grads, strict=False):
+            _close(f"{tag} {gname}", got, shard(ref, rank, W, layout=layout), F64_TOL)
+        if "sinks" in opts:
+            _close(f"{tag} dsinks", grads[3], want_grads[3], F64_TOL)
+        n_checks += 1
+
+    # packed documents (short, empty and long ones), each cut into the layout's chunks
+    from qkv.distributed import ring_attention_varlen, ring_attention_varlen_vjp, shard_varlen
+
+    parts = 2 * W
+    cu = np.cumsum([0, parts, 0, 5 * parts, 2 * parts])
+    rng = np.random.default_rng(5)
+    qv, kv_, vv, gv = (rng.standard_normal((int(cu[-1]), h, 6)) for h in (4, 2, 2, 4))
+    opts = {"causal": True, "window": (3, None)}
+    want, want_lse = qkv.attention_varlen(qv, kv_, vv, cu, cu, return_lse=True, **opts)
+    sh = [shard_varlen(x, cu, rank, W) for x in (qv, kv_, vv, gv)]
+    out, lse = ring_attention_varlen(*sh[:3], cu, comm=comm, return_lse=True, **opts)
+    _close(f"W={W} varlen out", out, shard_varlen(want, cu, rank, W), F64_TOL)
+    _close(f"W={W} varlen lse", lse, shard_varlen(want_lse, cu, rank, W), F64_TOL)
+    grads = ring_attention_varlen_vjp(*sh[:3], sh[3], out, lse, cu, comm=comm, **opts)
+    for gname, got, x in zip(("dq", "dk", "dv"), grads, (qv, kv_, vv), strict=True):
+        ref = np.zeros_like(x)
+        for a, b in zip(cu[:-1], cu[1:], strict=True):
+            if b > a:
+                doc = [np.moveaxis(y[a:b], 0, -2) for y in (qv, kv_, vv, gv)]
+                part = qkv.attention_vjp(*doc, **opts)[("dq", "dk", "dv").index(gname)]
+                ref[a:b] = np.moveaxis(part, -2, 0)
+        _close(f"W={W} varlen {gname}", got, shard_varlen(ref, cu, rank, W), F64_TOL)
+    n_checks += 1
 
     # float32 and float16: within a small factor of one process's own error
     q, k, v, g = _problem(7, (2, 48, 16), 2, 16)

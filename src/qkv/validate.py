@@ -187,6 +187,11 @@ class Plan:
     given : tuple of (dtype, shape)
         ``q`` (a 1-D ``q`` as one row), ``k``, ``v`` and the sinks as the caller gave them,
         before broadcasting: the gradients take these shapes and dtypes.
+    offsets : tuple of (int, int)
+        Added to the query and key positions the variants see (ALiBi, ``score_mod``,
+        ``mask_mod``; :mod:`qkv.kernels.mods`): ``(0, 0)`` for a whole call. A block of a
+        longer sequence (a ring step) sets them so that its variants see global positions;
+        causal and the window stay in the block's own bottom-right positions.
     """
 
     q: np.ndarray
@@ -207,6 +212,7 @@ class Plan:
     score_mod: Callable[..., Any] | None = None
     mask_mod: Callable[..., Any] | None = None
     given: tuple[tuple[np.dtype, tuple[int, ...]], ...] = ()
+    offsets: tuple[int, int] = (0, 0)
 
     def block(
         self,
@@ -218,7 +224,8 @@ class Plan:
     ) -> Plan:
         """A block of this checked plan, not checked again: query ``rows`` against ``k``/``v``
         (default: this plan's), bottom-right ``causal`` within the block (default: this
-        plan's). For plans without a mask, bias or variant (ring steps, decode splits); the
+        plan's). For plans without a mask or bias (ring steps, decode splits; a ring step
+        sets its own window, ``offsets`` and no sinks with :func:`dataclasses.replace`); the
         block's arrays must come from the same checked call (same dtype, heads and ``d``).
         """
         return replace(

@@ -35,7 +35,7 @@ from .errors import InputError, InputTypeError
 from .kernels import dispatch, packed
 from .validate import as_array, block_plan, check_scale, check_window, from_foreign
 
-__all__ = ["CALL_FLOPS", "PAD_FRACTION", "WALK_FLOPS", "attention_varlen"]
+__all__ = ["CALL_FLOPS", "PAD_FRACTION", "WALK_FLOPS", "attention_varlen", "check_offsets"]
 
 CALL_FLOPS = 4e6  # a call's fixed cost (about 0.1 ms) in flops of attention work
 PAD_FRACTION = 0.05  # padding allowed beyond that, as a fraction of a group's work
@@ -44,7 +44,7 @@ PAD_FRACTION = 0.05  # padding allowed beyond that, as a fraction of a group's w
 WALK_FLOPS = 2e6
 
 
-def _offsets(cu: Any, name: str, total: int, total_name: str) -> np.ndarray:
+def check_offsets(cu: Any, name: str, total: int, total_name: str) -> np.ndarray:
     """Check cumulative offsets: 1-D ints, start 0, non-decreasing, end at ``total``."""
     cu = from_foreign(cu, name)
     try:
@@ -184,8 +184,8 @@ def attention_varlen(
             f"q, k: {heads} query heads cannot share {kv_heads} kv heads: q has shape "
             f"{qa.shape}, k {ka.shape}"
         )
-    cq = _offsets(cu_seqlens_q, "cu_seqlens_q", qa.shape[0], "total_q")
-    ck = _offsets(cu_seqlens_k, "cu_seqlens_k", ka.shape[0], "total_k")
+    cq = check_offsets(cu_seqlens_q, "cu_seqlens_q", qa.shape[0], "total_q")
+    ck = check_offsets(cu_seqlens_k, "cu_seqlens_k", ka.shape[0], "total_k")
     if cq.size != ck.size:
         raise InputError(
             f"cu_seqlens_q, cu_seqlens_k: batch sizes differ: shapes {cq.shape} and {ck.shape}"

@@ -28,8 +28,8 @@ from . import ring as _ring
 from .agree import DEFAULT_TIMEOUT
 from .comm import RankTimeout
 from .decode import decode as _decode
-from .layout import LAYOUTS, positions, shard, unshard
-from .ring import RingStats, ring_attention_vjp
+from .layout import LAYOUTS, positions, shard, shard_varlen, unshard, unshard_varlen
+from .ring import RingStats, ring_attention_varlen_vjp, ring_attention_vjp
 
 # The public functions send tensors to the torch side (._torch, imported on first use) and
 # everything else to the NumPy ring; neither of those imports this router.
@@ -45,16 +45,46 @@ def ring_attention(
     causal: bool = False,
     scale: Any = None,
     layout: str = "zigzag",
+    window: Any = None,
+    softcap: Any = None,
+    sinks: Any = None,
+    alibi_slopes: Any = None,
+    mask_mod: Any = None,
     return_lse: bool = False,
     stats: RingStats | None = None,
     timeout: Any = DEFAULT_TIMEOUT,
 ) -> Any:
     run = _ring.ring_attention
-    if is_tensor(q, k, v):
+    if is_tensor(q, k, v, sinks, alibi_slopes):
         from ._torch import ring_attention as run
     return run(
-        q, k, v, comm=comm, causal=causal, scale=scale, layout=layout, return_lse=return_lse,
-        stats=stats, timeout=timeout,
+        q, k, v, comm=comm, causal=causal, scale=scale, layout=layout, window=window,
+        softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes, mask_mod=mask_mod,
+        return_lse=return_lse, stats=stats, timeout=timeout,
+    )  # fmt: skip
+
+
+@wraps(_ring.ring_attention_varlen)
+def ring_attention_varlen(
+    q: Any,
+    k: Any,
+    v: Any,
+    cu_seqlens: Any,
+    *,
+    comm: Any = None,
+    causal: bool = False,
+    scale: Any = None,
+    window: Any = None,
+    layout: str = "zigzag",
+    return_lse: bool = False,
+    stats: RingStats | None = None,
+) -> Any:
+    run = _ring.ring_attention_varlen
+    if is_tensor(q, k, v):
+        from ._torch import ring_attention_varlen as run
+    return run(
+        q, k, v, cu_seqlens, comm=comm, causal=causal, scale=scale, window=window,
+        layout=layout, return_lse=return_lse, stats=stats,
     )  # fmt: skip
 
 
@@ -82,7 +112,11 @@ __all__ = [
     "decode",
     "positions",
     "ring_attention",
+    "ring_attention_varlen",
+    "ring_attention_varlen_vjp",
     "ring_attention_vjp",
     "shard",
+    "shard_varlen",
     "unshard",
+    "unshard_varlen",
 ]

@@ -15,9 +15,15 @@ import numpy as np
 
 from ..tensors import as_dtype, give, read, want_of
 from .decode import decode as np_decode
-from .ring import RingStats, ring_attention_vjp, ring_forward
+from .ring import (
+    RingStats,
+    ring_attention_varlen_vjp,
+    ring_attention_vjp,
+    ring_forward,
+    varlen_forward,
+)
 
-__all__ = ["decode", "ring_attention"]
+__all__ = ["decode", "ring_attention", "ring_attention_varlen"]
 
 
 def _arrays(q: Any, k: Any, v: Any) -> tuple[Any, Any, Any]:
@@ -33,6 +39,11 @@ def ring_attention(
     causal: bool,
     scale: Any,
     layout: str,
+    window: Any = None,
+    softcap: Any = None,
+    sinks: Any = None,
+    alibi_slopes: Any = None,
+    mask_mod: Any = None,
     return_lse: bool,
     stats: RingStats | None,
     timeout: Any,
@@ -40,19 +51,21 @@ def ring_attention(
     import torch
 
     opts = {
-        "comm": comm,
-        "causal": causal,
-        "scale": scale,
-        "layout": layout,
-        "stats": stats,
-        "timeout": timeout,
-    }
+        "comm": comm, "causal": causal, "scale": scale, "layout": layout, "stats": stats,
+        "window": window, "softcap": softcap, "mask_mod": mask_mod, "timeout": timeout,
+        "alibi_slopes": None if alibi_slopes is None else read(alibi_slopes, "alibi_slopes"),
+    }  # fmt: skip
     tensors = tuple(x if isinstance(x, torch.Tensor) else torch.as_tensor(x) for x in (q, k, v))
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        out, lse = _function().apply(*tensors, opts)
+    sink_t = (
+        None if sinks is None else torch.as_tensor(sinks) if not torch.is_tensor(sinks) else sinks
+    )
+    grads_wanted = [*tensors, *(() if sink_t is None else (sink_t,))]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in grads_wanted):
+        out, lse = _function().apply(*tensors, sink_t, opts)
     else:
         arrays = _arrays(*tensors)
-        o, m = ring_forward(*arrays, **opts)
+        sk = None if sink_t is None else read(sink_t, "sinks")
+        o, m = ring_forward(*arrays, sinks=sk, **opts)
         o = o.astype(np.result_type(*arrays), copy=False)  # rounded once, at the end
         out, lse = give(o, want_of(*tensors)), give(m, want_of(*tensors), exact=True)
     return (out, lse) if return_lse else out
@@ -66,10 +79,11 @@ def _function() -> type:
         """Forward: the ring; backward: :func:`ring_attention_vjp` (the ring again)."""
 
         @staticmethod
-        def forward(ctx: Any, q: Any, k: Any, v: Any, opts: Any) -> Any:
+        def forward(ctx: Any, q: Any, k: Any, v: Any, sinks: Any, opts: Any) -> Any:
             arrays = _arrays(q, k, v)
-            out, lse = ring_forward(*arrays, **opts)
-            ctx.save_for_backward(q, k, v)
+            sk = None if sinks is None else read(sinks, "sinks")
+            out, lse = ring_forward(*arrays, sinks=sk, **opts)
+            ctx.save_for_backward(q, k, v, *(() if sinks is None else (sinks,)))
             ctx.opts, ctx.acc = opts, (out, lse)  # unrounded, for the backward
             want = want_of(q, k, v)
             out_t = give(out.astype(np.result_type(*arrays)), want)  # a copy: ctx keeps out
@@ -81,15 +95,65 @@ def _function() -> type:
         def backward(ctx: Any, grad_out: Any, grad_lse: Any) -> Any:
             saved = ctx.saved_tensors
             out, lse = ctx.acc
-            keys = ("comm", "causal", "scale", "layout", "timeout")
-            opts = {key: ctx.opts[key] for key in keys}
+            opts = {key: val for key, val in ctx.opts.items() if key != "stats"}
+            sinks = saved[3] if len(saved) > 3 else None
+            sk = None if sinks is None else read(sinks, "sinks")
             grads = ring_attention_vjp(
-                *_arrays(*saved), read(grad_out, "grad_out"), out, lse, **opts
+                *_arrays(*saved[:3]), read(grad_out, "grad_out"), out, lse, sinks=sk, **opts
             )
-            # every rank must join the ring, so all three are computed even if one is unneeded
-            return (*(as_dtype(g, t) for g, t in zip(grads, saved, strict=True)), None)
+            # every rank must join the ring, so all are computed even if one is unneeded
+            back = [as_dtype(g, t) for g, t in zip(grads, saved, strict=False)]
+            return (*back[:3], back[3] if sinks is not None else None, None)
 
     return RingAttention
+
+
+def ring_attention_varlen(q: Any, k: Any, v: Any, cu_seqlens: Any, **opts: Any) -> Any:
+    """:func:`~qkv.distributed.ring_attention_varlen` on tensors, with autograd."""
+    import torch
+
+    return_lse = opts.pop("return_lse")
+    tensors = tuple(x if isinstance(x, torch.Tensor) else torch.as_tensor(x) for x in (q, k, v))
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        out, lse = _varlen_function().apply(*tensors, cu_seqlens, opts)
+    else:
+        arrays = _arrays(*tensors)
+        o, m = varlen_forward(*arrays, cu_seqlens, **opts)
+        want = want_of(*tensors)
+        out, lse = give(o.astype(np.result_type(*arrays)), want), give(m, want, exact=True)
+    return (out, lse) if return_lse else out
+
+
+@cache
+def _varlen_function() -> type:
+    import torch
+
+    class RingAttentionVarlen(torch.autograd.Function):
+        """Forward: the packed ring; backward: :func:`ring_attention_varlen_vjp`."""
+
+        @staticmethod
+        def forward(ctx: Any, q: Any, k: Any, v: Any, cu: Any, opts: Any) -> Any:
+            arrays = _arrays(q, k, v)
+            out, lse = varlen_forward(*arrays, cu, **opts)
+            ctx.save_for_backward(q, k, v)
+            ctx.cu, ctx.opts, ctx.acc = cu, opts, (out, lse)
+            want = want_of(q, k, v)
+            out_t = give(out.astype(np.result_type(*arrays)), want)
+            lse_t = give(lse.copy(), want, exact=True)
+            ctx.mark_non_differentiable(lse_t)
+            return out_t, lse_t
+
+        @staticmethod
+        def backward(ctx: Any, grad_out: Any, grad_lse: Any) -> Any:
+            saved = ctx.saved_tensors
+            out, lse = ctx.acc
+            opts = {key: val for key, val in ctx.opts.items() if key != "stats"}
+            grads = ring_attention_varlen_vjp(
+                *_arrays(*saved), read(grad_out, "grad_out"), out, lse, ctx.cu, **opts
+            )
+            return (*(as_dtype(g, t) for g, t in zip(grads, saved, strict=True)), None, None)
+
+    return RingAttentionVarlen
 
 
 def decode(q: Any, k: Any, v: Any, *, comm: Any, scale: Any, return_lse: bool, timeout: Any) -> Any:

@@ -19,7 +19,8 @@ import numpy as np
 from ..checks import check_real
 from ..errors import InputError, InputTypeError
 from ..kernels._threads import cpu_count, default_threads
-from ..validate import Plan, as_array, make_plan
+from ..masks import Window
+from ..validate import Plan, as_array, check_window, make_plan
 from .comm import Communicator, RankTimeout, get_comm
 from .layout import check_layout, chunk_ids
 
@@ -51,6 +52,7 @@ class Setup:
     layout: str
     h: int  # tokens per chunk
     threads: int
+    window: Window | None = None  # over the whole sequence (global positions)
 
 
 DEFAULT_TIMEOUT = 300.0  # seconds every rank has to enter a call before the others give up
@@ -155,12 +157,21 @@ def setup(
     scale: Any,
     layout: Any,
     extra: dict[str, Any],
+    variants: dict[str, Any] | None = None,
     timeout: Any = DEFAULT_TIMEOUT,
 ) -> tuple[Setup, dict[str, np.ndarray]]:
     """Validate locally, then agree with every other rank (one all-gather, waiting at most
-    ``timeout`` seconds for them)."""
+    ``timeout`` seconds for them).
+
+    ``variants``: ``window`` (over the whole sequence, so not clamped to this rank's tokens)
+    and ``softcap``, ``sinks``, ``alibi_slopes``, ``mask_mod`` as :func:`qkv.attention` takes
+    them; the ranks agree on the window, the softcap and which variants are given.
+    """
     c = get_comm(comm)
     seconds: float | None = DEFAULT_TIMEOUT
+    variants = dict(variants or {})
+    window = variants.pop("window", None)
+    win: Window | None = None
     err: Exception | None = None
     arrays: dict[str, np.ndarray | None] = {"q": None, "k": None, "v": None}
     arrays.update(dict.fromkeys(extra))
@@ -176,7 +187,8 @@ def setup(
         assert qa is not None and ka is not None
         if qa.ndim < 2:
             raise InputError(f"q: expected this rank's shard (..., n_local, d), got {qa.shape}")
-        plan = make_plan(qa, ka, arrays["v"], scale=scale, causal=causal)
+        win = check_window(window)
+        plan = make_plan(qa, ka, arrays["v"], scale=scale, causal=causal, **variants)
         if qa.shape[-2] != ka.shape[-2]:
             raise InputError(
                 f"q, k: this rank's shards must hold the same tokens: q has shape {qa.shape}, "
@@ -212,6 +224,15 @@ def setup(
         ("layout", [lay]),
         ("causal", [int(bool(causal)) if isinstance(causal, (bool, np.bool_)) else -1]),
         ("scale", [int(scale_bits)]),
+        ("window", [-1 if w is None else min(int(w), 1 << 62) for w in (win or (None, None))]),
+        (
+            "softcap",
+            [int(np.float64(plan.softcap if plan and plan.softcap else 0.0).view(np.int64))],
+        ),
+        (
+            "variants",
+            [int(variants.get(n) is not None) for n in ("sinks", "alibi_slopes", "mask_mod")],
+        ),
     ]
     for name, a in arrays.items():
         fields.append((f"{name} dtype", dtype_code(a)))
@@ -228,5 +249,6 @@ def setup(
         layout=("zigzag", "contiguous")[lay],
         h=h,
         threads=threads_for(c, rows),
+        window=win,
     )
     return setup, {n: a for n, a in arrays.items() if n in extra}  # type: ignore[misc]

@@ -21,8 +21,19 @@ import numpy as np
 from ..checks import check_int
 from ..errors import InputError
 from ..tensors import is_tensor
+from ..validate import from_foreign
 
-__all__ = ["LAYOUTS", "check_layout", "chunk_ids", "positions", "shard", "unshard"]
+__all__ = [
+    "LAYOUTS",
+    "check_layout",
+    "chunk_ids",
+    "doc_chunks",
+    "positions",
+    "shard",
+    "shard_varlen",
+    "unshard",
+    "unshard_varlen",
+]
 
 LAYOUTS = ("zigzag", "contiguous")
 
@@ -189,3 +200,108 @@ def positions(n: int, rank: int, world: int, *, layout: str = "zigzag") -> np.nd
     """
     n = check_int(n, "n", minimum=0)
     return shard(np.arange(n, dtype=np.int64), rank, world, layout=layout, axis=0)
+
+
+# ---------------------------------------------------------------- packed documents
+
+
+def doc_chunks(cu_seqlens: Any, world: int, layout: str, name: str = "cu_seqlens") -> np.ndarray:
+    """Checked ``cu_seqlens`` of a packed batch cut for ``layout``: each document's chunk size
+    (every document is cut into the layout's chunks on its own, so its length must be a
+    multiple of ``2W`` (zigzag) or ``W`` (contiguous); empty documents are fine).
+
+    Examples
+    --------
+    >>> doc_chunks([0, 8, 8, 12], 2, "zigzag").tolist()
+    [2, 0, 1]
+    """
+    from ..varlen import check_offsets
+
+    layout = check_layout(layout)
+    raw = from_foreign(cu_seqlens, name)
+    try:
+        total = int(np.asarray(raw).reshape(-1)[-1])
+    except (ValueError, TypeError, IndexError, OverflowError):
+        total = 0  # check_offsets says what is wrong with it
+    cu = check_offsets(raw, name, total, "its last entry")
+    parts = n_chunks(world, layout)
+    lengths = np.diff(cu)
+    bad = np.flatnonzero(lengths % parts)
+    if bad.size:
+        b = int(bad[0])
+        raise InputError(
+            f"{name}: document {b} has {int(lengths[b])} tokens, which cannot be cut into {parts} "
+            f"equal chunks for layout {layout!r} with world size {world} (every document's "
+            f"length must be a multiple of {parts}; pad the documents or use another layout)"
+        )
+    return lengths // parts
+
+
+def shard_varlen(
+    x: Any, cu_seqlens: Any, rank: int, world: int, *, layout: str = "zigzag", axis: int = 0
+) -> Any:
+    """This rank's part of a packed batch ``x``: every document sharded with :func:`shard`
+    on its own, the parts concatenated in document order (tokens along ``axis``, default 0
+    as in :func:`qkv.attention_varlen`). Every rank's part has ``cu_seqlens / W`` offsets.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> shard_varlen(np.arange(12), [0, 8, 8, 12], 1, 2).tolist()
+    [2, 3, 4, 5, 9, 10]
+    """
+    rank, world = _check_world(rank, world)
+    size = doc_chunks(cu_seqlens, world, layout)
+    if not is_tensor(x):
+        x = np.asarray(x)
+    ax = _axis(x, axis, "x")
+    cu = np.concatenate([[0], np.cumsum(size * n_chunks(world, layout))])
+    if x.shape[ax] != cu[-1]:
+        raise InputError(
+            f"x: {x.shape[ax]} tokens (shape {tuple(x.shape)}) but cu_seqlens ends at {cu[-1]}"
+        )
+    parts = [
+        _take(x, ax, int(a) + c * int(h), int(a) + (c + 1) * int(h))
+        for a, h in zip(cu[:-1], size, strict=True)
+        for c in chunk_ids(rank, world, layout)
+    ]
+    return _concat(parts, ax) if parts else _take(x, ax, 0, 0)
+
+
+def unshard_varlen(
+    parts: Sequence[Any], cu_seqlens: Any, *, layout: str = "zigzag", axis: int = 0
+) -> Any:
+    """The packed batch from every rank's part (``parts[r]`` from rank ``r``); inverts
+    :func:`shard_varlen`.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> cu = [0, 8, 8, 12]
+    >>> parts = [shard_varlen(np.arange(12), cu, r, 2) for r in range(2)]
+    >>> unshard_varlen(parts, cu).tolist() == list(range(12))
+    True
+    """
+    if isinstance(parts, (str, bytes)) or not isinstance(parts, Sequence) or not parts:
+        raise InputError("parts: expected a non-empty sequence with one part per rank")
+    world = len(parts)
+    size = doc_chunks(cu_seqlens, world, layout)
+    parts = [p if is_tensor(p) else np.asarray(p) for p in parts]
+    ax = _axis(parts[0], axis, "parts[0]")
+    per = len(chunk_ids(0, world, layout))
+    local = np.concatenate([[0], np.cumsum(size * per)])
+    for r, p in enumerate(parts):
+        if p.shape[ax] != local[-1]:
+            raise InputError(
+                f"parts[{r}]: {p.shape[ax]} tokens (shape {tuple(p.shape)}), expected "
+                f"{local[-1]} (cu_seqlens / {world})"
+            )
+    out: list[Any] = []
+    for b, h in enumerate(size):
+        chunks: list[Any] = [None] * n_chunks(world, layout)
+        for r, p in enumerate(parts):
+            for i, c in enumerate(chunk_ids(r, world, layout)):
+                lo = int(local[b]) + i * int(h)
+                chunks[c] = _take(p, ax, lo, lo + int(h))
+        out.extend(chunks)
+    return _concat(out, ax) if out else _take(parts[0], ax, 0, 0)

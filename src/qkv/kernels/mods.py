@@ -12,7 +12,9 @@ mask. :func:`apply` does, in this order (the definition is :mod:`qkv.reference`'
 
 The tile's position is given as ``sel``, an index into the plan's batch dimensions (``...``
 for all of them, a tuple of ints for one head, a tuple ending in a slice for a run of heads),
-and the query and key positions as index arrays that broadcast against the tile.
+and the query and key positions as index arrays that broadcast against the tile. The plan's
+``offsets`` (``(0, 0)`` but for a block of a longer sequence, such as a ring step) are added to
+them here, so variants always see the sequence's own positions.
 
 Sinks add ``exp(sink)`` to every row's denominator and no value. Kernels and partial results
 never see them: :func:`with_sinks` adds the sink once to a finished ``(out, lse)`` over all the
@@ -86,6 +88,8 @@ def apply(
     """
     if s.size == 0:  # no queries or no keys: nothing to modify (ALiBi's max would fail)
         return s
+    if plan.offsets != (0, 0):
+        q_idx, kv_idx = q_idx + plan.offsets[0], kv_idx + plan.offsets[1]
     if plan.softcap is not None:
         cap(s, plan.softcap)
     b = h = None
@@ -154,10 +158,10 @@ def block_mask(plan: Plan, block_q: int, block_k: int) -> np.ndarray | None:
     b, h = _batch_head(plan, ...)
     for i in range(nq):
         r0, r1 = i * block_q, min((i + 1) * block_q, L)
-        qi = np.arange(r0, r1, dtype=np.int64)[:, None] + (S - L)
+        qi = np.arange(r0, r1, dtype=np.int64)[:, None] + (S - L + plan.offsets[0])
         for j in range(nk):
             c0, c1 = j * block_k, min((j + 1) * block_k, S)
-            kj = np.arange(c0, c1, dtype=np.int64)[None, :]
+            kj = np.arange(c0, c1, dtype=np.int64)[None, :] + plan.offsets[1]
             shape = plan.batch + (r1 - r0, c1 - c0)
             ok = _checked(plan.mask_mod(b, h, qi, kj), shape, "mask_mod", "bool")
             ok = ok.reshape((1,) * (len(shape) - ok.ndim) + ok.shape)
