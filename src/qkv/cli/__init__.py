@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from ..errors import InputError
+from ..extras import EXTRAS, hint
 from . import exercise, explain, explain_model, explore, scores, study
 from .options import OutputError
 
@@ -217,6 +218,13 @@ def _main(argv: Sequence[str] | None) -> int:
     except InputError as exc:
         name = getattr(args, "command_name", args.command)  # e.g. "study scaling"
         print(f"qkv {name}: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:  # an optional library no require() call named first
+        top = (exc.name or "").split(".")[0]
+        if top not in EXTRAS or args is None:
+            raise
+        name = getattr(args, "command_name", args.command)
+        print(f"qkv {name}: error: {_one_line(hint(top, f'qkv {name}'))}", file=sys.stderr)
         return 2
     except MemoryError:
         what = "qkv" if args is None or args.command is None else f"qkv {args.command}"

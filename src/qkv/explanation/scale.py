@@ -33,6 +33,7 @@ from fractions import Fraction
 from typing import Any
 
 from ..errors import InputError, InputTypeError
+from ..extras import require
 from ..validate import check_scale
 from .display import fmt
 
@@ -217,7 +218,7 @@ class ScaleExpr:
         :data:`MAX_EXACT_BITS` bits; any other power is taken as its float value, so no
         expression can make SymPy compute a huge number.
         """
-        import sympy
+        sympy = require("sympy", "exact values (exact=True, --exact)")
 
         def go(n: Node) -> Any:
             kind = n[0]
