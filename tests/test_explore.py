@@ -46,6 +46,7 @@ def test_labels_are_escaped_and_cannot_close_the_script():
 def test_cli_writes_the_page_and_errors_are_one_line(tmp_path, capsys):
     base = ["explore", "--q", "2,1", "--k", "1,0;3,2", "--d", "4"]
     assert main(base + ["--v", "1,2;3,4", "--output", str(tmp_path / "p.html")]) == 0
+    assert capsys.readouterr().err == f"wrote {tmp_path / 'p.html'}\n"  # as study says it
     assert (
         _data((tmp_path / "p.html").read_text(encoding="utf-8"))["readings"]["divide"]["output"]
         == "[2.90515, 3.90515]"

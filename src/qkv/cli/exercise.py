@@ -9,6 +9,7 @@ from ..checks import parse_int
 from ..errors import InputError
 from ..explanation.exercise import LIMIT, make_exercise
 from .options import add_command, add_format, arg_type, emit, write_stdout
+from .terminal import plain_rules
 
 NAME = "exercise"
 HELP = "a practice problem with small integers (same seed, same problem)"
@@ -75,7 +76,8 @@ def run(args: argparse.Namespace) -> int:
         if args.format != "text" or args.output is not None:
             raise InputError("--practice: a conversation on the terminal; no --format or --output")
         return _practice(ex, args.answers)
-    emit(ex.render(args.format, answers=args.answers, exact=args.exact), args.output)
+    page = ex.render(args.format, answers=args.answers, exact=args.exact)
+    emit(page, args.output, args.format)
     return 0
 
 
@@ -92,7 +94,9 @@ def _practice(ex: Any, answers: bool | str) -> int:
         except OSError as exc:
             raise InputError(f"--answers: cannot read {answers!r}: {exc.strerror}") from None
     interactive = source is sys.stdin and sys.stdin.isatty()
-    say = write_stdout
+
+    def say(text: str) -> None:
+        write_stdout(plain_rules(text))
 
     def ask(prompt: str) -> str | None:
         say(prompt)

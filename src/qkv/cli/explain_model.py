@@ -59,5 +59,5 @@ def run(args: argparse.Namespace) -> int:
         head=args.head,
         query=args.query,
     )
-    emit(result.render(args.format), args.output)
+    emit(result.render(args.format), args.output, args.format)
     return 0

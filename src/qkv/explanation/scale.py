@@ -438,14 +438,32 @@ class ScaleInfo:
 
     @property
     def note(self) -> str | None:
-        """A warning when the formula multiplies by a growing factor (such as ``√d``)."""
-        if self.expr.uses_d and self.d is not None and self.d > 1 and self.value > 1:
-            return (
-                f"this multiplies the scores by {self.substituted} = {fmt(self.value)}: "
-                "multiplying by √d instead of dividing is a common slip; standard attention "
-                "divides by √d (scale 1/√d)"
+        """A warning when the formula in ``d`` multiplies the scores by more than 1.
+
+        Only a formula that is ``√d`` itself (for every ``d``: ``sqrt(d)``, ``d**0.5``...) is
+        called the common slip of multiplying by √d; ``2*sqrt(d)`` is not that slip.
+
+        >>> resolve_scale("2*sqrt(d)", 4, 2).note
+        'this multiplies the scores by 2·√4 = 4; standard attention divides by √d (scale 1/√d)'
+        """
+        if not (self.expr.uses_d and self.d is not None and self.d > 1 and self.value > 1):
+            return None
+        value = "" if self.substituted == fmt(self.value) else f" = {fmt(self.value)}"
+        head = f"this multiplies the scores by {self.substituted}{value}"
+        tail = "standard attention divides by √d (scale 1/√d)"
+        if self._is_sqrt_d():
+            return f"{head}: multiplying by √d instead of dividing is a common slip; {tail}"
+        return f"{head}; {tail}"
+
+    def _is_sqrt_d(self) -> bool:
+        """Whether the formula equals √d at this ``d`` and at two others."""
+        try:
+            return all(
+                math.isclose(self.expr.value(x), math.sqrt(x), rel_tol=1e-12)
+                for x in (self.d or 4, 3, 7)
             )
-        return None
+        except InputError:
+            return False
 
     def describe(self) -> str:
         """One line: the formula, where ``d`` came from, and the value."""
