@@ -130,3 +130,9 @@ def test_the_sqrt_d_slip_is_named_only_for_sqrt_d(capsys):
         notes["d"]
         == "this multiplies the scores by 4; standard attention divides by √d (scale 1/√d)"
     )
+
+
+def test_docs_state_the_explain_model_token_limit():
+    for path in (ROOT / "README.md", ROOT / "docs" / "tutorial.md"):
+        text = " ".join(path.read_text(encoding="utf-8").split())
+        assert "at most 64 tokens" in text, path.name
