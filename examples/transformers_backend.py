@@ -11,7 +11,7 @@ What it shows:
 3. ``output_attentions=True`` returns qkv's attention weights, which ``qkv.plot.weights`` draws
    as a heatmap, saved to a PNG.
 
-Needs ``pip install 'qkv[hf,plot]'``. Run::
+Needs ``pip install '.[hf,plot]'``. Run::
 
     python examples/transformers_backend.py --out attention.png
 """

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -11,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qkv import InputError
-from qkv.cli import parse
+from qkv.cli import main, parse
+from qkv.cli.parse import matrix
 from qkv.explanation.scale import parse_scale
 
 small = st.integers(-50, 50)
@@ -110,3 +112,29 @@ def test_pickled_npy_is_refused_and_never_loaded(tmp_path):
     np.save(path, np.array([{"x": 1}], dtype=object), allow_pickle=True)
     with pytest.raises(InputError, match="pickled"):
         parse.matrix(f"@{path}", "--k")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("2,,1", "--q: row 1 has an empty entry 2 (two commas in a row); write a number"),
+        ("2,1;", "--q: ends with ';' and no row after it (stray semicolon?)"),
+        (",2", "--q: row 1 starts with a comma; write a number between commas"),
+        ("2,1,", "--q: row 1 ends with a comma; write a number between commas"),
+        ("1,0;;3,2", "--q: row 2 is empty"),
+        ("1,0; ,3", "--q: row 2 starts with a comma"),
+    ],
+)
+def test_malformed_inline_matrices_are_refused(text, message, capsys):
+    """Issue 21, item 5: a stray comma or semicolon is a typo, not a smaller matrix."""
+    with pytest.raises(InputError, match="^" + re.escape(message)):
+        matrix(text, "--q")
+    assert main(["scores", "--q", text, "--k", "1,0;3,2", "--d", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("qkv scores: error: " + message)
+
+
+def test_well_formed_separators_still_read():
+    assert matrix("2, 1 ; 3 ,4", "--k").tolist() == [[2, 1], [3, 4]]
+    assert matrix("2 1", "--q").tolist() == [2, 1]
+    assert matrix(" 2,1 ", "--q").tolist() == [2, 1]

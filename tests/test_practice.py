@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import io
 import math
+import re
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qkv import reference
+from qkv import InputError, reference
 from qkv.cli import main
 from qkv.explanation.exercise import make_exercise
 from qkv.explanation.practice import SLIPS, Practice
@@ -85,19 +86,23 @@ def _answers(rows):
 
 def test_cli_reads_answers_from_a_file_and_names_the_slips(tmp_path, capsys):
     path = tmp_path / "answers.txt"
+    exps = [math.exp(6), math.exp(4.5), math.exp(6)]
     path.write_text(
-        _answers(
-            [RAW, [24, 18, 24], [math.exp(6), math.exp(4.5), math.exp(6)], [1, 1, 1], [0.55, 1.55]]
-        ),
+        _answers([RAW, [24, 18, 24], RAW, exps])
+        + "1, exp(-1.5), 1\n"  # the exponentials, right at the second try
+        + _answers([[1, 1, 1], [1, 1, 1], [0.55, 1.55]]),
         encoding="utf-8",
     )
     assert main(["exercise", "--seed", "7", "--practice", "--answers", str(path)]) == 0
     out = capsys.readouterr().out
     assert out.count("Step ") == 5 and "Check your work" not in out
-    assert "slip: multiplied by √d" in out and "slip: forgot to subtract the max" in out
-    assert "slip: summed the wrong axis" in out
-    assert "k1: exp(4.5 − 6) = exp(-1.5) = 0.22313" in out  # the worked step after a slip
-    assert out.rstrip().endswith("2 of 5 steps right.")  # raw and output were right
+    assert "slip: multiplied by √d — not quite: this multiplies by √d" in out
+    assert "slip: forgot to scale" in out and "slip: forgot to subtract the max" in out
+    assert "slip: summed the wrong axis" in out and "try again (1 try left)" in out
+    assert out.count("worked step:") == 2  # scaled and weights: two misses each
+    assert "  k1: 9 × 0.5 = 4.5" in out  # the scaled step, worked, after the second miss
+    assert "k1: exp(4.5 − 6)" not in out  # the exponentials were right at the second try
+    assert out.rstrip().endswith("3 of 5 steps right (1 at the second try).")
 
 
 def test_cli_reads_stdin_same_seed_same_problem(monkeypatch, capsys):
@@ -107,8 +112,64 @@ def test_cli_reads_stdin_same_seed_same_problem(monkeypatch, capsys):
         assert main(["exercise", "--seed", "7", "--practice"]) == 0
         outs.append(capsys.readouterr().out)
     assert outs[0] == outs[1]
-    assert "could not read that answer" in outs[0] and outs[0].count("(no answer)") == 2
-    assert outs[0].rstrip().endswith("2 of 5 steps right.")
+    assert "could not read that (entry 1: 'not' is not a number or an expression" in outs[0]
+    assert "(no answer)" not in outs[0] and "worked step" not in outs[0]
+    assert outs[0].rstrip().endswith("Stopped after 2 of 5 steps: 2 of 2 right.")
     assert main(["exercise", "--seed", "7", "--answers", "x.txt"]) == 2  # needs --practice
     assert main(["exercise", "--practice", "--answers", "/no/such/file"]) == 2
     assert main(["exercise", "--seed", "7", "--answers"]) == 0  # the flag still works alone
+
+
+def test_practice_typos_are_asked_again_two_tries_fractions_and_ctrl_d(monkeypatch, capsys):
+    """Issue 21, item 10, scripted through stdin: a typo, an empty line and too few numbers
+    use no try and reveal nothing; a miss gets a second try; 9/2 and exp(-1.5) are read;
+    the end of input (Ctrl-D) ends the session with its summary."""
+    script = [
+        "12 9 12",  # step 1, raw: right
+        "",  # step 2: an empty line, asked again
+        "abc",  # a typo, asked again
+        "6 4.5",  # too few numbers, asked again
+        "12 9 12",  # forgot to scale: first try used
+        "6 9/2 6",  # a fraction: right at the second try
+        "1, exp(-1.5), 1",  # step 3, an expression: right
+    ]
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(script) + "\n"))
+    assert main(["exercise", "--seed", "7", "--practice"]) == 0
+    out = capsys.readouterr().out
+    steps = out.split("\nStep ")
+    assert len(steps) == 5  # the intro, steps 1-3, and step 4 asked when the input ended
+    scaled = steps[2]
+    assert scaled.count("> ") == 5
+    assert "type the numbers, or end the input (Ctrl-D) to stop" in scaled
+    assert "could not read that (entry 1: 'abc' is not allowed" in scaled
+    assert "expected 3 numbers, got 2; try again" in scaled
+    assert (
+        "slip: forgot to scale — not quite: these are the scores without the scale: multiply "
+        "every q·k by 1/√d; try again (1 try left)"
+    ) in scaled
+    assert "worked step" not in out and "scale = " not in scaled  # the answer was not revealed
+    assert steps[3].count("\nright\n") == 1
+    assert steps[4].startswith("4 of 5: the weights") and "(end of input)" in steps[4]
+    assert out.rstrip().endswith("Stopped after 3 of 5 steps: 3 of 3 right (1 at the second try).")
+
+
+def test_answers_are_read_safely_and_checked_against_the_reference(seven):
+    from qkv.explanation.practice import read_answer
+
+    w = reference.attention_weights([3, 3], [[2, 2], [0, 3], [3, 1]], scale=0.5)
+    fb = seven.check("weights", "1/(2+exp(-1.5)), exp(-1.5)/(2+exp(-1.5)), 1/(2 + e^-1.5)")
+    assert fb.correct
+    np.testing.assert_allclose(
+        read_answer("1/(2+exp(-1.5)) exp(-1.5)/(2+exp(-1.5)) 1/(2 + e^-1.5)"), w, rtol=1e-15
+    )
+    assert read_answer("9/2, 3 ; 1 - 2 -2").tolist() == [[4.5, 3.0], [-1.0, -2.0]]
+    assert read_answer("−1.5").tolist() == [-1.5]  # the typographic minus
+    for bad, message in [
+        ("__import__('os')", "entry 1: \"__import__('os')\" is not allowed"),
+        ("1,,2", "an empty entry between commas"),
+        ("exp(1000)", "entry 1: 'exp(1000)' is not a finite number"),
+        ("1 2; 3", "rows have different lengths"),
+        ("  ", "no numbers given"),
+    ]:
+        with pytest.raises(InputError, match=re.escape(message)):
+            read_answer(bad)

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from .errors import InputError, InputTypeError
+from .extras import require
 from .validate import from_foreign
 
 __all__ = ["weights"]
@@ -31,12 +32,8 @@ ANNOTATE_MAX_CELLS = 64
 
 
 def _matplotlib() -> Any:
-    try:
-        import matplotlib
-        from matplotlib.figure import Figure
-    except ImportError as exc:
-        raise ImportError("qkv.plot needs matplotlib: pip install 'qkv[plot]'") from exc
-    return matplotlib, Figure
+    matplotlib = require("matplotlib", "qkv.plot")
+    return matplotlib, require("matplotlib.figure", "qkv.plot").Figure
 
 
 def _as_numpy(x: Any, name: str) -> np.ndarray:

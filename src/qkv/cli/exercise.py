@@ -9,6 +9,7 @@ from ..checks import parse_int
 from ..errors import InputError
 from ..explanation.exercise import LIMIT, make_exercise
 from .options import add_command, add_format, arg_type, emit, write_stdout
+from .terminal import plain_rules
 
 NAME = "exercise"
 HELP = "a practice problem with small integers (same seed, same problem)"
@@ -20,8 +21,11 @@ EPILOG = f"""examples:
   qkv exercise --seed 7 --practice --answers my-answers.txt   # one answer per line ("-": stdin)
 
 In --practice mode each answer is a list of numbers ("1, 4" or "1 4"; rows of several queries
-split by ";"); a wrong one is checked against the common slips (forgot to scale, multiplied by
-√d, used len(q) for d, forgot to subtract the max, summed the wrong axis) before the worked step.
+split by ";"), each a decimal, a fraction or a small expression ("9/2", "exp(-1.5)", "e^3").
+You get two tries per step; an answer that cannot be read is asked again without using one. A
+wrong answer is checked against the common slips (forgot to scale, multiplied by √d, used
+len(q) for d, forgot to subtract the max, summed the wrong axis); after the second miss the
+worked step is shown. End of input (Ctrl-D) ends the session with its summary.
 
 --queries, --keys and --dim go from 1 to {LIMIT}. The scale uses a d that is a perfect square."""
 
@@ -72,23 +76,16 @@ def run(args: argparse.Namespace) -> int:
         if args.format != "text" or args.output is not None:
             raise InputError("--practice: a conversation on the terminal; no --format or --output")
         return _practice(ex, args.answers)
-    emit(ex.render(args.format, answers=args.answers, exact=args.exact), args.output)
+    page = ex.render(args.format, answers=args.answers, exact=args.exact)
+    emit(page, args.output, args.format)
     return 0
 
 
-def _answer(line: str, name: str) -> Any:
-    from .parse import matrix
-
-    if line.strip().startswith("@"):
-        raise InputError(f"{name}: type the numbers themselves")
-    return matrix(line, name)
-
-
 def _practice(ex: Any, answers: bool | str) -> int:
-    """Ask for each step, read one answer per line, say right or which slip, show the step."""
+    """A practice session on the terminal: the library asks and checks, this reads and writes."""
     import sys
 
-    from ..explanation.practice import Practice
+    from ..explanation.practice import HOW_TO_ANSWER, Practice, run_session
 
     source = sys.stdin
     if isinstance(answers, str) and answers != "-":
@@ -97,35 +94,28 @@ def _practice(ex: Any, answers: bool | str) -> int:
         except OSError as exc:
             raise InputError(f"--answers: cannot read {answers!r}: {exc.strerror}") from None
     interactive = source is sys.stdin and sys.stdin.isatty()
-    practice = Practice(ex)
-    say = write_stdout
-    say(ex.render("text", hint=False))
-    right = 0
-    try:
-        for n, step in enumerate(practice.steps, 1):
-            say(f"\nStep {n} of {len(practice.steps)}: {step.prompt}\n> ")
+
+    def say(text: str) -> None:
+        write_stdout(plain_rules(text))
+
+    def ask(prompt: str) -> str | None:
+        say(prompt)
+        try:
             line = source.readline()
-            if not line:
-                say("(no answer)\n")
-                say("\n".join("  " + w for w in step.worked) + "\n")
-                continue
-            if not interactive:
-                say(line.rstrip("\n") + "\n")
-            try:
-                fb = practice.check(step.key, _answer(line, f"step {n}"))
-            except InputError as exc:
-                say(f"could not read that answer ({exc})\n")
-                fb = None
-            if fb is not None and fb.correct:
-                right += 1
-                say("right\n")
-                continue
-            if fb is not None:
-                label = f"slip: {fb.slip} — " if fb.slip else ""
-                say(f"{label}{fb.message}\n")
-            say("worked step:\n" + "\n".join("  " + w for w in step.worked) + "\n")
+        except UnicodeDecodeError:
+            line = "\ufffd\n"  # unreadable bytes: asked again, like any unreadable answer
+        if not line:  # end of input (Ctrl-D)
+            return None
+        if not interactive:  # a file or a pipe: show the answer, as a terminal would
+            say(line.rstrip("\n") + "\n")
+        return line
+
+    say(ex.render("text", hint=False))
+    say("\n" + HOW_TO_ANSWER + "\n")
+    try:
+        summary = run_session(Practice(ex), ask, say)
     finally:
         if source is not sys.stdin:
             source.close()
-    say(f"\n{right} of {len(practice.steps)} steps right.\n")
+    say("\n" + summary.text() + "\n")
     return 0

@@ -29,5 +29,5 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     trace = explain(**trace_kwargs(args))
-    emit(trace.render(args.format), args.output)
+    emit(trace.render(args.format), args.output, args.format)
     return 0

@@ -41,5 +41,5 @@ def run(args: argparse.Namespace) -> int:
     trace = explain(**kw)
     if args.row is not None and args.row >= trace.L:
         raise InputError(f"--row: expected 0 to {trace.L - 1} (one per query row), got {args.row}")
-    emit(explore_page(trace, row=args.row), args.output)
+    emit(explore_page(trace, row=args.row), args.output, "html")
     return 0

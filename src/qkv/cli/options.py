@@ -12,6 +12,7 @@ from ..errors import InputError
 from ..explanation.scale import check_d_and_scale
 from ..render import FORMATS
 from . import parse
+from .terminal import plain_rules
 
 __all__ = [
     "OutputError",
@@ -106,15 +107,21 @@ def trace_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kw
 
 
-def emit(text: str, output: str | None) -> None:
-    """Write ``text`` to ``output`` (a file) or to standard output."""
+def emit(text: str, output: str | None, format: str = "text") -> None:
+    """Write ``text`` to standard output, or to the file ``output`` and then say ``wrote FILE``
+    on standard error (as ``qkv study`` does: every command that writes a file says so).
+
+    A ``format="text"`` document's table rules fall back to ASCII where standard output
+    cannot encode them (:func:`qkv.cli.terminal.plain_rules`).
+    """
     if output is None:
-        write_stdout(text)
+        write_stdout(plain_rules(text) if format == "text" else text)
         return
     try:
         Path(output).write_text(text, encoding="utf-8")
     except OSError as exc:
         raise InputError(f"--output: cannot write {output!r}: {exc.strerror or exc}") from None
+    print(f"wrote {output}", file=sys.stderr)
 
 
 def write_stdout(text: str) -> None:

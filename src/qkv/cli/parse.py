@@ -50,15 +50,35 @@ def _number(tok: str, name: str, where: str) -> float:
     return x
 
 
+def _entries(line: str, name: str, n: int) -> list[str]:
+    """The entries of one row: split by commas (with any spaces around them) or by spaces.
+
+    An empty entry — two commas in a row, or a comma at either end — is refused rather than
+    skipped: ``"2,,1"`` is a typo, not the vector ``[2, 1]``.
+    """
+    if not line:
+        raise InputError(f"{name}: row {n} is empty")
+    parts = [p.strip() for p in line.split(",")]
+    for e, p in enumerate(parts, start=1):
+        if not p:
+            why = (
+                "starts with a comma"
+                if e == 1
+                else "ends with a comma"
+                if e == len(parts)
+                else f"has an empty entry {e} (two commas in a row)"
+            )
+            raise InputError(f"{name}: row {n} {why}; write a number between commas")
+    return [t for p in parts for t in p.split()]
+
+
 def _rows_text(text: str, name: str, row_sep: str) -> np.ndarray:
     lines = [r.strip() for r in text.strip().split(row_sep)]
-    if lines and lines[-1] == "" and len(lines) > 1:
-        lines = lines[:-1]
+    if row_sep == ";" and len(lines) > 1 and not lines[-1]:
+        raise InputError(f"{name}: ends with ';' and no row after it (stray semicolon?)")
     rows = []
     for n, line in enumerate(lines, start=1):
-        toks = [t for t in _SPLIT.split(line.strip()) if t]
-        if not toks:
-            raise InputError(f"{name}: row {n} is empty")
+        toks = _entries(line, name, n)
         rows.append([_number(t, name, f"row {n}, entry {e}") for e, t in enumerate(toks, 1)])
     if not rows:
         raise InputError(f"{name}: no numbers given")

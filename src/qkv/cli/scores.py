@@ -25,5 +25,5 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     trace = explain(**trace_kwargs(args), stop_at="scores")
-    emit(trace.render(args.format), args.output)
+    emit(trace.render(args.format), args.output, args.format)
     return 0

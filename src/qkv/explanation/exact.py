@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InputError
+from ..extras import require
 from ..validate import as_array
 
 __all__ = ["ExactSteps", "exact_steps", "to_rational"]
@@ -36,13 +37,7 @@ MAX_CELLS = 5_000
 
 
 def _sympy() -> Any:
-    try:
-        import sympy
-    except ImportError:  # pragma: no cover - depends on the environment
-        raise InputError(
-            "exact: needs SymPy; install it with: python -m pip install 'qkv[exact]'"
-        ) from None
-    return sympy
+    return require("sympy", "exact values (exact=True, --exact)")
 
 
 def to_rational(x: Any) -> Any:

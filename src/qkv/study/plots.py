@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InputError
+from ..extras import require
 from .scaling import MODES, ScalingStudy
 from .training import TrainingRun
 
@@ -24,13 +24,9 @@ LABELS = {"scaled": "scaled  (÷√d)", "unscaled": "unscaled (×1)", "times_sqr
 
 
 def _figure(ncols: int, width: float = 4.2, height: float = 3.4) -> tuple[Any, Any]:
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:  # pragma: no cover - depends on the environment
-        raise InputError(
-            "plots need matplotlib: pip install 'qkv[plot]' (or leave out --output)"
-        ) from None
+    what = "the study's plots (leave out --output to skip them)"
+    FigureCanvasAgg = require("matplotlib.backends.backend_agg", what).FigureCanvasAgg
+    Figure = require("matplotlib.figure", what).Figure
     fig = Figure(figsize=(width * ncols, height), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, ncols, squeeze=False)[0]
