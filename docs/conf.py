@@ -50,6 +50,7 @@ html_title = f"qkv {release}"
 html_theme_options = {
     "navigation_with_keys": False,
     "show_toc_level": 2,
+    "header_links_before_dropdown": 7,
     "footer_start": ["copyright"],
     "footer_end": ["sphinx-version"],
 }
