@@ -72,15 +72,17 @@ def _missing(name: str) -> bool:
 autodoc_mock_imports = [
     m for m in ("torch", "triton", "transformers", "mpi4py", "sympy") if _missing(m)
 ]
-autodoc_default_options = {"members": True, "show-inheritance": True}
+autodoc_default_options = {"members": True, "undoc-members": True, "show-inheritance": True}
 autodoc_typehints = "none"  # numpydoc's Parameters sections carry the types
 autosummary_generate = False
 
 numpydoc_show_class_members = False
 numpydoc_class_members_toctree = False
 numpydoc_xref_param_type = False
-# A public name without a docstring fails the build (GL08); so does a docstring numpydoc cannot
-# parse (an unknown section, a section out of order) — numpydoc warns and -W makes it an error.
+# Undocumented members are listed too, so a public method or property without a docstring fails
+# the build (numpydoc's GL08); so does a docstring numpydoc cannot parse (an unknown section, a
+# section out of order): numpydoc warns and -W makes it an error. A name in a module's __all__
+# missing from the API page fails through _ext/qkv_public.py.
 numpydoc_validation_checks = {"GL08"}
 numpydoc_validation_exclude = {r"\.__\w+__$", r"\._\w+$"}
 
