@@ -1,7 +1,8 @@
 """Make the pictures of docs/tutorial.md with the commands the tutorial shows.
 
 Needs headless Chromium on the PATH, Pillow (comes with matplotlib: ``qkv[plot]``) and, for the
-real model's page, ``qkv[model]``. Run from the repository root::
+real model's page, ``qkv[model]``. The documentation build runs :func:`main` (see
+``docs/_ext/qkv_images.py``); by hand, from the repository root::
 
     python examples/tutorial_images.py            # writes docs/img/tutorial-*.png
 """
@@ -21,15 +22,29 @@ OUT = ROOT / "docs" / "img"
 QKV = [sys.executable, "-m", "qkv"]
 
 
+def browser() -> str | None:
+    """The headless browser on the PATH, or ``None``."""
+    return next(
+        (
+            shutil.which(n)
+            for n in ("chromium", "chromium-browser", "google-chrome")
+            if shutil.which(n)
+        ),
+        None,
+    )
+
+
 def shot(page: Path, png: Path, size: tuple[int, int], anchor: str = "") -> None:
     """A headless Chromium screenshot of ``page`` (``anchor``: e.g. ``#reading=multiply``)."""
-    browser = next(shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome"))
+    chromium = browser()
+    if chromium is None:
+        raise RuntimeError("the tutorial's screenshots need headless Chromium on the PATH")
     flags = "--no-sandbox --headless --disable-gpu --no-first-run --hide-scrollbars"
     flags += " --disable-background-networking --disable-component-update --disable-sync"
     with tempfile.TemporaryDirectory() as profile:
         subprocess.run(
             [
-                browser,
+                chromium,
                 *flags.split(),
                 f"--user-data-dir={profile}",
                 f"--window-size={size[0]},{size[1]}",
@@ -47,8 +62,10 @@ def small(png: Path, box: tuple[int, int, int, int], out: Path) -> None:
     Image.open(png).convert("RGB").crop(box).quantize(64).save(out, optimize=True)
 
 
-def main() -> None:
-    OUT.mkdir(parents=True, exist_ok=True)
+def main(out: Path = OUT) -> None:
+    """Write the four ``tutorial-*.png`` pictures into ``out``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         seed = tmp / "seed.html"
@@ -70,7 +87,7 @@ def main() -> None:
             check=True,
         )
         shot(seed, tmp / "seed.png", (1000, 640), "#reading=multiply&hover=1")
-        small(tmp / "seed.png", (0, 0, 1000, 640), OUT / "tutorial-explore.png")
+        small(tmp / "seed.png", (0, 0, 1000, 640), out / "tutorial-explore.png")
 
         causal = tmp / "causal.html"
         subprocess.run(
@@ -92,7 +109,7 @@ def main() -> None:
             check=True,
         )
         shot(causal, tmp / "causal.png", (1000, 640))
-        small(tmp / "causal.png", (0, 285, 1000, 620), OUT / "tutorial-causal.png")
+        small(tmp / "causal.png", (0, 285, 1000, 620), out / "tutorial-causal.png")
 
         model = tmp / "head.html"
         subprocess.run(
@@ -115,8 +132,8 @@ def main() -> None:
             check=True,
         )
         shot(model, tmp / "head.png", (1100, 2400))
-        small(tmp / "head.png", (0, 0, 1100, 560), OUT / "tutorial-model-head.png")
-        small(tmp / "head.png", (0, 1600, 1100, 2400), OUT / "tutorial-model-grid.png")
+        small(tmp / "head.png", (0, 0, 1100, 560), out / "tutorial-model-head.png")
+        small(tmp / "head.png", (0, 1600, 1100, 2400), out / "tutorial-model-grid.png")
 
 
 if __name__ == "__main__":

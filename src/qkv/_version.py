@@ -1,10 +1,10 @@
-"""The installed version of qkv (``0.0.0`` when run from a source tree without installing)."""
+"""qkv's version: the one place it is written.
+
+``pyproject.toml`` reads it from here when the package is built (``[tool.setuptools.dynamic]``),
+so the installed metadata, ``qkv --version``, ``qkv.__version__``, the documentation site and
+the first entry of ``CHANGELOG.md`` (checked by the tests) all say the same.
+"""
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
-
-try:
-    __version__ = version("qkv")
-except PackageNotFoundError:  # running from a source tree without installing
-    __version__ = "0.0.0"
+__version__ = "0.1.0"

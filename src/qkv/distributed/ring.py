@@ -71,6 +71,7 @@ class RingStats:
 
     @property
     def wait_fraction(self) -> float:
+        """The share of the time spent waiting for K/V blocks: ``wait_s / (compute_s + wait_s)``."""
         total = self.compute_s + self.wait_s
         return self.wait_s / total if total else 0.0
 

@@ -147,18 +147,22 @@ class Trace(Renderable):
     # ----- shapes -----
     @property
     def L(self) -> int:
+        """The number of query rows."""
         return self.q.shape[0]
 
     @property
     def S(self) -> int:
+        """The number of keys."""
         return self.k.shape[0]
 
     @property
     def d(self) -> int:
+        """The length of a query and key vector (``q.shape[1]``; the scale's ``d`` may differ)."""
         return self.q.shape[1]
 
     @property
     def dv(self) -> int:
+        """The length of a value vector (0 when the trace has no ``v``)."""
         return 0 if self.v is None else self.v.shape[1]
 
     def reaches(self, stage: str) -> bool:

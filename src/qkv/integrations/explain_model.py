@@ -189,6 +189,7 @@ class ModelExplanation:
         return os.path.basename(os.path.normpath(self.model))
 
     def title(self) -> str:
+        """A one-line title: the layer, the head and the query token."""
         return (
             f"Layer {self.layer}, head {self.head}: how {self.labels[self.query]!r} "
             f"attends to the other tokens"

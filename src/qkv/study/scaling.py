@@ -165,6 +165,7 @@ class ScalingRow:
     grad_q_median: float
 
     def as_dict(self) -> dict[str, Any]:
+        """The row as a plain dict (one CSV or JSON record)."""
         return asdict(self)
 
 

@@ -62,6 +62,7 @@ class TrainingRun:
     grad_norm: list[float]
 
     def as_dict(self) -> dict[str, Any]:
+        """The run as a plain dict (the JSON document)."""
         return asdict(self)
 
     def steps_to(self, accuracy: float) -> int | None:
