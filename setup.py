@@ -55,6 +55,7 @@ def _native() -> list[Extension]:
                 "-fopenmp-simd",
                 "-pthread",
                 "-fno-math-errno",
+                "-fno-trapping-math",
             ],
             extra_link_args=["-pthread"],
             optional=True,

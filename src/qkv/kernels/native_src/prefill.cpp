@@ -144,6 +144,36 @@ QKV_INLINE double exp_neg(double x) {
     return p * two_n;
 }
 
+// Max and sum of s[a:b) with one accumulator per lane of the widest vector (64 bytes): a
+// fixed-width inner loop that each clone splits into its own vectors (one AVX-512 register,
+// two AVX2 ones, four SSE ones). NaN is skipped by the max (the sum carries it).
+template <typename T>
+QKV_INLINE T lane_max(const T* __restrict s, int64_t a, int64_t b) {
+    constexpr int W = 64 / sizeof(T);
+    T acc[W];
+    for (int u = 0; u < W; ++u) acc[u] = -std::numeric_limits<T>::infinity();
+    int64_t j = a;
+    for (; j + W <= b; j += W)
+        for (int u = 0; u < W; ++u) acc[u] = s[j + u] > acc[u] ? s[j + u] : acc[u];
+    for (; j < b; ++j) acc[0] = s[j] > acc[0] ? s[j] : acc[0];
+    T m = acc[0];
+    for (int u = 1; u < W; ++u) m = acc[u] > m ? acc[u] : m;
+    return m;
+}
+
+template <typename T>
+QKV_INLINE T lane_sum(const T* __restrict s, int64_t a, int64_t b) {
+    constexpr int W = 64 / sizeof(T);
+    T acc[W] = {};
+    int64_t j = a;
+    for (; j + W <= b; j += W)
+        for (int u = 0; u < W; ++u) acc[u] += s[j + u];
+    for (; j < b; ++j) acc[0] += s[j];
+    T sum = 0;
+    for (int u = 0; u < W; ++u) sum += acc[u];
+    return sum;
+}
+
 // One row's softmax step on its scores s[0:n) (the tile's columns), of which [jl, jh) are
 // visible to the row by causal/window. Applies bias and mask, moves the running max m,
 // writes the weights exp(s - m) over the visible columns (0 elsewhere) and returns the factor
@@ -169,9 +199,7 @@ QKV_INLINE void row_step(T* __restrict s, int64_t n, int64_t jl, int64_t jh,
             for (int64_t j = jl; j < jh; ++j) s[j] = mrow[j * m_cs] ? s[j] : ninf;
         }
     }
-    T mx = ninf;
-#pragma omp simd reduction(max : mx)
-    for (int64_t j = jl; j < jh; ++j) mx = std::max(mx, s[j]);
+    const T mx = lane_max(s, jl, jh);
     T mold = *m;
     T mnew = std::max(mold, mx);
     for (int64_t j = 0; j < jl; ++j) s[j] = 0;
@@ -185,13 +213,9 @@ QKV_INLINE void row_step(T* __restrict s, int64_t n, int64_t jl, int64_t jh,
         if (nan) *l = std::numeric_limits<T>::quiet_NaN();
         return;
     }
-    T sum = 0;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = jl; j < jh; ++j) {
-        T p = exp_neg(s[j] - mnew);
-        s[j] = p;
-        sum += p;
-    }
+#pragma omp simd
+    for (int64_t j = jl; j < jh; ++j) s[j] = exp_neg(s[j] - mnew);
+    const T sum = lane_sum(s, jl, jh);  // the row is still in L1
     T alpha = mold == ninf ? T(0) : exp_neg(mold - mnew);  // mold == mnew: exactly 1
     if (alpha != T(1)) {
 #pragma omp simd
