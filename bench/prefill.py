@@ -48,6 +48,7 @@ def main() -> None:
     q = rng.standard_normal((1, h, n, d), dtype=np.float32)
     k, v = (rng.standard_normal((1, hkv, n, d), dtype=np.float32) for _ in range(2))
     flops = h * 4 * n * n * d / 2
+
     def native_off():
         os.environ["QKV_NATIVE"] = "0"  # read on every call
         try:

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 import qkv
 from qkv import reference
+from qkv.grad import reference_attention_vjp
 from qkv.kernels import dispatch, native
 from qkv.validate import make_plan
 
@@ -294,3 +295,78 @@ def test_info_names_the_clone_and_the_kernels(monkeypatch):
     got = native.info()
     assert got["isa"] in native.ISAS and got["library"].startswith("_native")
     assert any(got["kernels"].values())
+
+
+# --- the backward ---------------------------------------------------------------------------
+
+
+def check_grads(got, q, k, v, d_out, dtype=np.float64, **kw):
+    """Assert (dq, dk, dv) equal the reference vjp on the dtype-rounded inputs."""
+    want = reference_attention_vjp(q, k, v, d_out, **kw)
+    tol = TOL[dtype] * 10  # sums over many more terms than the forward
+    for name, g, w in zip(("dq", "dk", "dv"), got, want, strict=True):
+        size = max(1.0, float(np.abs(w).max(initial=0.0)))
+        np.testing.assert_allclose(g, w, rtol=tol, atol=tol * size, err_msg=name)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(), st.integers(0, 2**16))
+def test_native_backward_property(problem, seed):
+    q, k, v, opts, run = problem
+    if q.dtype == np.float16:
+        q, k, v = (x.astype(np.float32) for x in (q, k, v))
+        if np.asarray(opts.get("mask")).dtype == np.float16:
+            opts["mask"] = opts["mask"].astype(np.float32)
+    plan = make_plan(q, k, v, **opts)
+    d_out = np.random.default_rng(seed).standard_normal(plan.batch + (plan.L, plan.dv))
+    d_out = d_out.astype(plan.acc_dtype)
+    out, lse = native.attend(plan)
+    got = native.backward(plan, d_out, out, lse, **run)
+    assert [g.shape for g in got] == [plan.q.shape, plan.k.shape, plan.v.shape]
+    f64 = [x.astype(np.float64) for x in (q, k, v, d_out)]
+    dq, dk, dv = got
+    if dk.shape != k.shape:  # one K/V broadcast to every head: its gradient sums over them
+        dk, dv = (g.reshape((-1,) + x.shape).sum(axis=0) for g, x in ((dk, k), (dv, v)))
+    check_grads((dq, dk, dv), *f64, dtype=q.dtype.type, **opts)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize(
+    "kw",
+    STRUCTURE + [dict(causal=True, sinks=np.array([0.5, -1.0, 2.0, 0.0]))],
+    ids=str,
+)
+def test_attention_vjp_runs_the_native_backward(dtype, kw, monkeypatch):
+    monkeypatch.delenv("QKV_NATIVE", raising=False)
+    calls = []
+    real = native.backward
+    monkeypatch.setattr(native, "backward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    rng = np.random.default_rng(21)
+    q, k = rand(rng, (1, 4, 300, 16), dtype), rand(rng, (1, 2, 300, 16), dtype)
+    v, d_out = rand(rng, (1, 2, 300, 8), dtype), rand(rng, (1, 4, 300, 8), dtype)
+    out, lse = qkv.attention(q, k, v, return_lse=True, **kw)
+    got = qkv.attention_vjp(q, k, v, d_out, out=out, lse=lse, **kw)
+    want = reference_attention_vjp(*(x.astype(np.float64) for x in (q, k, v, d_out)), **kw)
+    assert calls
+    tol = TOL[dtype] * 10
+    assert len(got) == len(want) == 3 + ("sinks" in kw)  # and dsinks
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=tol, atol=tol)
+    assert all(g.dtype == dtype for g in got[:3])
+
+
+def test_backward_rows_without_keys_and_nan():
+    rng = np.random.default_rng(22)
+    q, k, v = rand(rng, (2, 50, 4)), rand(rng, (2, 30, 4)), rand(rng, (2, 30, 3))
+    d_out = rand(rng, (2, 50, 3))
+    plan = make_plan(q, k, v, causal=True)  # L > S: the first 20 rows see no key
+    out, lse = native.attend(plan)
+    got = native.backward(plan, d_out, out, lse, block_q=8, block_k=8)
+    assert np.all(got[0][:, :20] == 0)
+    check_grads(got, q, k, v, d_out, causal=True)
+    q[1, 40, 0] = np.nan  # one row: its dq row, and every dk, dv row it sees, are NaN
+    plan = make_plan(q, k, v, causal=True)
+    out, lse = native.attend(plan)
+    dq, dk, dv = native.backward(plan, d_out, out, lse, block_q=8, block_k=8)
+    assert np.isnan(dq[1, 40]).all() and not np.isnan(dq[0]).any() and not np.isnan(dk[0]).any()
+    assert np.isnan(dv[1, :21]).all() and not np.isnan(dv[1, 21:]).any()

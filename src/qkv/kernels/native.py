@@ -50,10 +50,12 @@ import numpy as np
 from ..validate import Plan
 from . import _threads
 
-__all__ = ["BLOCK_K", "BLOCK_Q", "ISAS", "attend", "available", "info", "supports"]
+__all__ = ["BLOCK_K", "BLOCK_Q", "ISAS", "attend", "available", "backward", "info", "supports"]
 
 BLOCK_Q = 256  # query rows per work item
 BLOCK_K = 512  # keys per score tile: a 256 × 512 float32 tile (512 KiB) stays in L2
+BWD_BLOCK_Q = 128  # the backward's tiles (it holds two of them: weights and their gradient)
+BWD_BLOCK_K = 128
 ISAS = {"baseline": 1, "avx2": 2, "avx512": 3}  # the vector clones, narrowest first
 _ISA_NAMES = {v: k for k, v in ISAS.items()}
 ENV = "QKV_NATIVE"
@@ -96,6 +98,42 @@ class _Args(ctypes.Structure):
     ]
 
 
+class _BwdArgs(ctypes.Structure):
+    """``qkv_backward_args`` of ``native_src/prefill.cpp`` (same order, all 8-byte fields)."""
+
+    _fields_ = [(name, ctypes.c_int64) for name in ("nkv", "group", "L", "S", "d", "dv")] + [
+        ("q", ctypes.c_void_p),
+        ("q_off", ctypes.c_void_p),
+        ("q_rs", ctypes.c_int64),
+        ("k", ctypes.c_void_p),
+        ("k_off", ctypes.c_void_p),
+        ("k_rs", ctypes.c_int64),
+        ("v", ctypes.c_void_p),
+        ("v_off", ctypes.c_void_p),
+        ("v_rs", ctypes.c_int64),
+        ("dout", ctypes.c_void_p),
+        ("lse", ctypes.c_void_p),
+        ("delta", ctypes.c_void_p),
+        ("dq", ctypes.c_void_p),
+        ("dk", ctypes.c_void_p),
+        ("dvo", ctypes.c_void_p),
+        ("mask", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+        ("m_off", ctypes.c_void_p),
+        ("m_rs", ctypes.c_int64),
+        ("m_cs", ctypes.c_int64),
+        ("scale", ctypes.c_double),
+        ("causal", ctypes.c_int64),
+        ("left", ctypes.c_int64),
+        ("right", ctypes.c_int64),
+        ("threads", ctypes.c_int64),
+        ("isa", ctypes.c_int64),
+        ("gemm", ctypes.c_void_p),
+        ("block_q", ctypes.c_int64),
+        ("block_k", ctypes.c_int64),
+    ]
+
+
 def _library_path() -> Path | None:
     """The built library next to this module (``_native`` plus an extension suffix)."""
     here = Path(__file__).parent
@@ -116,11 +154,20 @@ def _library() -> tuple[Any, str]:
         lib = ctypes.CDLL(str(path))
     except OSError as exc:
         return None, f"the library did not load: {exc}"
-    lib.qkv_args_size.restype = ctypes.c_int64
-    if lib.qkv_args_size() != ctypes.sizeof(_Args):
+    try:
+        lib.qkv_args_size.restype = lib.qkv_backward_args_size.restype = ctypes.c_int64
+        sizes = lib.qkv_args_size(), lib.qkv_backward_args_size()
+    except AttributeError:
+        sizes = (0, 0)
+    if sizes != (ctypes.sizeof(_Args), ctypes.sizeof(_BwdArgs)):
         return None, "the library is from another version of qkv (argument layout differs)"
-    for name in ("qkv_prefill_f32", "qkv_prefill_f64"):
-        getattr(lib, name).argtypes = [ctypes.POINTER(_Args)]
+    for name, args in (
+        ("qkv_prefill_f32", _Args),
+        ("qkv_prefill_f64", _Args),
+        ("qkv_backward_f32", _BwdArgs),
+        ("qkv_backward_f64", _BwdArgs),
+    ):
+        getattr(lib, name).argtypes = [ctypes.POINTER(args)]
         getattr(lib, name).restype = ctypes.c_int
     lib.qkv_best_isa.restype = ctypes.c_int
     return lib, ""
@@ -188,7 +235,7 @@ def info() -> dict[str, Any]:
         "kernels": {
             "prefill forward (float32, float64; causal, window, bool mask, float bias, "
             "grouped heads, sinks)": ok,
-            "prefill backward": False,
+            "prefill backward (FlashAttention-2; the same cases)": ok,
             "packed varlen walk": False,
         },
     }
@@ -233,6 +280,25 @@ def _row_stride(a: np.ndarray) -> int:
     return a.strides[-2] // a.itemsize if a.shape[-2] > 1 else a.shape[-1]
 
 
+def _workers(threads: int | None) -> int:
+    """Native threads for a call: as asked, or the NumPy kernels' rule; one when BLAS cannot
+    be held to one thread per worker (its own threads would fight ours)."""
+    n = _threads.default_threads() if threads is None else max(1, int(threads))
+    return 1 if n > 1 and not _threads._blas_limitable() else n
+
+
+def _masks(plan: Plan) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """The mask or bias broadcast to ``(*batch, L, S)`` (a view where its strides allow) and
+    the element offset of each query head's ``(L, S)`` slice; ``(None, None)`` without one."""
+    m = plan.mask if plan.mask is not None else plan.bias
+    if m is None:
+        return None, None
+    m = np.broadcast_to(m, plan.batch + (plan.L, plan.S))
+    if any(s < 0 or s % m.itemsize for s in m.strides):
+        m = np.ascontiguousarray(m)
+    return m, np.ascontiguousarray(_offsets(m)).reshape(-1)
+
+
 def attend(
     plan: Plan,
     *,
@@ -275,17 +341,9 @@ def attend(
     k_off, v_off = (
         np.ascontiguousarray(np.broadcast_to(o, batch)).reshape(-1) for o in (k_off, v_off)
     )
-    m = plan.mask if plan.mask is not None else plan.bias
-    m_off = None
-    if m is not None:
-        m = np.broadcast_to(m, batch + (L, plan.S))
-        if any(s < 0 or s % m.itemsize for s in m.strides):
-            m = np.ascontiguousarray(m)
-        m_off = np.ascontiguousarray(_offsets(m)).reshape(-1)
+    m, m_off = _masks(plan)
     left, right = plan.window if plan.window is not None else (None, None)
-    n = _threads.default_threads() if threads is None else max(1, int(threads))
-    if n > 1 and not _threads._blas_limitable():
-        n = 1  # BLAS's own threads would fight ours
+    n = _workers(threads)
     args = _Args(
         nb=nb,
         L=L,
@@ -326,3 +384,92 @@ def attend(
     if status != 0:
         raise RuntimeError(f"qkv native prefill: bad arguments (status {status})")
     return out, lse
+
+
+def backward(
+    plan: Plan,
+    d_out: np.ndarray,
+    out: np.ndarray,
+    lse: np.ndarray,
+    *,
+    threads: int | None = None,
+    isa: str | None = None,
+    block_q: int = BWD_BLOCK_Q,
+    block_k: int = BWD_BLOCK_K,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """FlashAttention-2 backward: ``(dq, dk, dv)`` in the plan's shapes of q, k and v.
+
+    Must equal :func:`qkv.grad.reference_attention_vjp` (as
+    :func:`qkv.kernels.tiled_backward.backward`, whose recurrence it runs). ``d_out`` and
+    ``out`` are ``(*batch, L, dv)``, ``lse`` is ``(*batch, L)``, all in the compute dtype; the
+    weights are recomputed tile by tile from ``lse``. Work items are (kv head, key block)
+    pairs; a query head's ``dq`` rows are added under a lock per query block.
+    """
+    lib, why = _library()
+    gemm, why2 = _gemm()
+    if lib is None or gemm is None:
+        raise RuntimeError(f"qkv native kernels unavailable: {why or why2}")
+    dt = plan.acc_dtype
+    batch, L, S, d, dv = plan.batch, plan.L, plan.S, plan.d, plan.dv
+    dq = np.zeros(plan.q.shape, dtype=dt)
+    dk = np.zeros(plan.k.shape, dtype=dt)
+    dvv = np.zeros(plan.v.shape, dtype=dt)
+    nq = int(np.prod(batch, dtype=np.int64))
+    if nq == 0 or min(L, S, dv) == 0:
+        return dq, dk, dvv
+    d_out = np.ascontiguousarray(np.broadcast_to(d_out, batch + (L, dv)), dtype=dt)
+    out = np.broadcast_to(out, batch + (L, dv)).astype(dt, copy=False)
+    delta = np.ascontiguousarray(np.sum(d_out * out, axis=-1), dtype=dt)
+    lse = np.broadcast_to(lse, batch + (L,)).astype(dt, copy=False)
+    lse_safe = np.ascontiguousarray(np.where(lse == -np.inf, np.inf, lse), dtype=dt)
+    q, k, v = _rows(plan.q), _rows(plan.k), _rows(plan.v)
+    q_off = np.ascontiguousarray(_offsets(q)).reshape(-1)
+    k_off = np.ascontiguousarray(_offsets(k)).reshape(-1)
+    v_off = np.ascontiguousarray(_offsets(v)).reshape(-1)
+    m, m_off = _masks(plan)
+    left, right = plan.window if plan.window is not None else (None, None)
+    args = _BwdArgs(
+        nkv=k_off.size,
+        group=nq // k_off.size,
+        L=L,
+        S=S,
+        d=d,
+        dv=dv,
+        q=q.ctypes.data,
+        q_off=q_off.ctypes.data,
+        q_rs=_row_stride(q),
+        k=k.ctypes.data,
+        k_off=k_off.ctypes.data,
+        k_rs=_row_stride(k),
+        v=v.ctypes.data,
+        v_off=v_off.ctypes.data,
+        v_rs=_row_stride(v),
+        dout=d_out.ctypes.data,
+        lse=lse_safe.ctypes.data,
+        delta=delta.ctypes.data,
+        dq=dq.ctypes.data,
+        dk=dk.ctypes.data,
+        dvo=dvv.ctypes.data,
+        mask=None if plan.mask is None else m.ctypes.data,
+        bias=None if plan.bias is None else m.ctypes.data,
+        m_off=None if m_off is None else m_off.ctypes.data,
+        m_rs=0 if m is None else m.strides[-2] // m.itemsize,
+        m_cs=0 if m is None else m.strides[-1] // m.itemsize,
+        scale=plan.scale,
+        causal=int(plan.causal),
+        left=-1 if left is None else left,
+        right=-1 if right is None else right,
+        threads=_workers(threads),
+        isa=0 if isa is None else ISAS[isa],
+        gemm=gemm[dt],
+        block_q=block_q,
+        block_k=block_k,
+    )
+    fn = lib.qkv_backward_f32 if dt == np.float32 else lib.qkv_backward_f64
+    with _threads.single_threaded_blas():
+        status = fn(ctypes.byref(args))
+    if status == 1:
+        raise MemoryError("qkv native backward: no memory for the tiles")
+    if status != 0:
+        raise RuntimeError(f"qkv native backward: bad arguments (status {status})")
+    return dq, dk, dvv
