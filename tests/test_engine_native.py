@@ -370,3 +370,12 @@ def test_backward_rows_without_keys_and_nan():
     dq, dk, dv = native.backward(plan, d_out, out, lse, block_q=8, block_k=8)
     assert np.isnan(dq[1, 40]).all() and not np.isnan(dq[0]).any() and not np.isnan(dk[0]).any()
     assert np.isnan(dv[1, :21]).all() and not np.isnan(dv[1, 21:]).any()
+
+
+def test_without_scipy_the_native_kernels_say_why(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "scipy.linalg", None)  # import fails as if not installed
+    monkeypatch.setitem(sys.modules, "scipy.linalg.cython_blas", None)
+    gemm, why = native._gemm.__wrapped__()
+    assert gemm is None and "SciPy" in why
