@@ -254,13 +254,13 @@ def supports(plan: Plan) -> bool:
 
 def _rows(a: np.ndarray) -> np.ndarray:
     """``a`` itself when its rows suit BLAS (contiguous last axis, row stride a whole number
-    of elements, at least the row's length), else a contiguous copy."""
+    of elements, at least the row's length and below 2**31), else a contiguous copy."""
     item = a.itemsize
     ok = (
         a.strides[-1] == item
         and all(s >= 0 and s % item == 0 for s in a.strides)
-        and (a.shape[-2] <= 1 or a.strides[-2] >= a.shape[-1] * item)
-    )
+        and (a.shape[-2] <= 1 or a.shape[-1] * item <= a.strides[-2] < item << 31)
+    )  # BLAS takes the row stride as a 32-bit int
     return a if ok else np.ascontiguousarray(a)
 
 
