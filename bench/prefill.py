@@ -2,8 +2,9 @@
 
     python bench/prefill.py [--n 4096] [--heads 8] [--kv-heads 8] [--d 64] [--repeat 3]
 
-Measures in one process qkv.attention (kernel "auto": the packed walk of kernels/packed.py;
-and the general tiled kernel, forced), PyTorch's CPU
+Measures in one process qkv.attention (kernel "auto": the native fused kernel of
+kernels/native.py where it is built, and again with QKV_NATIVE=0, which runs the packed walk of
+kernels/packed.py; and the general tiled kernel, forced), PyTorch's CPU
 scaled_dot_product_attention and naive NumPy (materialised scores); prints the time ratio
 against PyTorch, effective GFLOP/s (causal counts half of 4·N²·d per head) as a fraction of
 this machine's float32 GEMM rate, peak extra memory and threads.
@@ -12,6 +13,7 @@ this machine's float32 GEMM rate, peak extra memory and threads.
 from __future__ import annotations
 
 import argparse
+import os
 
 import _common
 import machine
@@ -46,10 +48,26 @@ def main() -> None:
     q = rng.standard_normal((1, h, n, d), dtype=np.float32)
     k, v = (rng.standard_normal((1, hkv, n, d), dtype=np.float32) for _ in range(2))
     flops = h * 4 * n * n * d / 2
+
+    def native_off():
+        os.environ["QKV_NATIVE"] = "0"  # read on every call
+        try:
+            return qkv.attention(q, k, v, causal=True)
+        finally:
+            os.environ.pop("QKV_NATIVE")
+
+    from qkv.kernels import native
+
+    active = native.info()["active"]
+    print(f"native kernels: {native.info()['reason']}; vector clone {native.info()['isa']}")
+    os.environ.pop("QKV_NATIVE", None)
     contenders = {
-        "qkv": lambda: qkv.attention(q, k, v, causal=True),  # auto: the packed walk
+        # auto: the native kernel where built, else the packed walk
+        "qkv" if not active else "qkv (native)": lambda: qkv.attention(q, k, v, causal=True),
         "qkv kernel=tiled": lambda: qkv.attention(q, k, v, causal=True, kernel="tiled"),
     }
+    if active:
+        contenders["qkv QKV_NATIVE=0 (packed)"] = native_off
     try:
         import torch
 
@@ -67,7 +85,7 @@ def main() -> None:
     if not args.no_naive and hkv == h:
         contenders["naive numpy"] = lambda: naive(q, k, v)
 
-    ref = np.asarray(contenders["qkv"]())
+    ref = np.asarray(next(iter(contenders.values()))())
     times = _common.race(contenders, repeat=args.repeat)
     peaks, diffs = {}, {}
     for name, fn in contenders.items():

@@ -19,7 +19,14 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-__all__ = ["cpu_count", "default_threads", "limit_threads", "parallel_map", "single_threaded_blas"]
+__all__ = [
+    "cpu_count",
+    "default_threads",
+    "limit_threads",
+    "parallel_map",
+    "rescan_blas",
+    "single_threaded_blas",
+]
 
 T = TypeVar("T")
 
@@ -160,6 +167,14 @@ def single_threaded_blas() -> Iterator[None]:
                 _free_blas_control()  # the last user may be another thread than the first
                 _limit_active.pop().restore_original_limits()
                 _free_blas_control()  # and leave OpenBLAS to whichever thread comes next
+
+
+def rescan_blas() -> None:
+    """Find the loaded BLAS libraries again on the next limit (call after loading another
+    one, such as SciPy's own BLAS; the scan is slow, so it is done once and kept)."""
+    with _limit_lock:
+        if _limit_users == 0:
+            _controller.clear()
 
 
 def _blas_limitable() -> bool:

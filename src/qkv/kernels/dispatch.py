@@ -9,6 +9,8 @@
   ``"auto"``, plain problems (no mask, bias or score variant) run on the packed walk
   (:mod:`qkv.kernels.packed`, the kernel of ``attention_varlen``: grouped heads stacked
   against their kv head, measured 4-20% faster); forcing ``"tiled"`` runs the general one.
+  Where the optional native library is built, ``"auto"`` runs float32/float64 problems
+  without score variants on its fused kernel instead (:mod:`qkv.kernels.native`).
 
 The thresholds were measured on a 2-core machine (see ``bench/``); they only pick the faster
 path, never change a result.
@@ -27,7 +29,7 @@ import numpy as np
 
 from ..errors import InputError, InputTypeError
 from ..validate import Plan
-from . import decode, dense, mods, packed, tiled
+from . import decode, dense, mods, native, packed, tiled
 
 __all__ = [
     "DECODE_MAX_L",
@@ -99,6 +101,8 @@ def attend(plan: Plan, kernel: str = "auto") -> tuple[np.ndarray, np.ndarray]:
     run = {"dense": dense.attend, "decode": decode.attend, "tiled": tiled.attend}[name]
     if name == "tiled" and kernel == "auto" and packed.supports(plan):
         run = packed.attend_plan
+    if name == "tiled" and kernel == "auto" and native.supports(plan):
+        run = native.attend  # the fused C++ kernel, when built (kernels/native.py)
     # An intermediate may overflow on the way to a finite answer (the retries below repair it),
     # and NaN or inf inputs propagate by policy: neither is worth a NumPy warning.
     with np.errstate(over="ignore", invalid="ignore"):

@@ -21,7 +21,9 @@ gradient is taken from ``δ`` by :func:`qkv.attention_vjp`.
 Tiles that causal or a window rule out entirely are skipped. Grouped query heads are served by
 viewing ``(Hq, rows)`` as ``(Hkv, group · rows)``, so k and v are never repeated. When the
 forward pass's output and lse are not supplied, the tiled forward kernel
-(:mod:`qkv.kernels.tiled`) recomputes them.
+(:mod:`qkv.kernels.tiled`) recomputes them. Where the native library is built (and
+``QKV_NATIVE`` is not ``0``), the same loop runs in C++ (:func:`qkv.kernels.native.backward`)
+for the plans it covers.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import numpy as np
 
 from ..masks import allowed, query_positions
 from ..validate import Plan
-from . import mods
+from . import mods, native
 from .blocks import grouped_matmul, grouped_matmul_t
 
 __all__ = ["backward"]
@@ -75,8 +77,11 @@ def backward(
     """``(dq, dk, dv)`` in the plan's broadcast shapes, from ``dO``, ``O`` and ``lse``.
 
     ``d_out`` and ``out`` are ``(*batch, L, dv)``, ``lse`` is ``(*batch, L)``; all in the
-    accumulation dtype.
+    accumulation dtype. Where the optional native library is built and covers the plan, its
+    fused version of this loop runs instead (:func:`qkv.kernels.native.backward`).
     """
+    if native.supports(plan):
+        return native.backward(plan, d_out, out, lse)
     acc, g = plan.acc_dtype, plan.group
     scale = acc.type(plan.scale)
     delta = np.sum(d_out * out, axis=-1, keepdims=True)  # (*batch, L, 1)

@@ -1,0 +1,66 @@
+"""Build the optional native kernels (a plain C ABI library, loaded with ctypes).
+
+Everything else is in pyproject.toml. The library is optional: when no C++ compiler is found
+or the build fails for any reason, a warning is printed and the pure-Python package is
+installed; ``qkv.kernels.native.info()`` then says the native kernels are not built.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+
+class OptionalBuildExt(build_ext):
+    """``build_ext`` that never fails the install: the NumPy kernels work without it."""
+
+    def run(self) -> None:
+        try:
+            super().run()
+        except Exception as exc:  # no compiler, a compiler that fails, a missing header...
+            self._skip(exc)
+
+    def build_extension(self, ext: Extension) -> None:
+        try:
+            super().build_extension(ext)
+        except Exception as exc:
+            self._skip(exc)
+
+    def get_export_symbols(self, ext: Extension) -> list[str]:
+        return []  # a C ABI library for ctypes, not a Python module: no PyInit_ function
+
+    @staticmethod
+    def _skip(exc: Exception) -> None:
+        print(
+            f"qkv: the optional native kernels were not built ({exc}); "
+            "the NumPy kernels will be used",
+            file=sys.stderr,
+        )
+
+
+def _native() -> list[Extension]:
+    if sys.platform == "win32":
+        return []  # the source uses GCC/Clang attributes
+    return [
+        Extension(
+            "qkv.kernels._native",
+            sources=["src/qkv/kernels/native_src/prefill.cpp"],
+            language="c++",
+            # No -march: the vector clones are chosen at run time (see prefill.cpp).
+            extra_compile_args=[
+                "-O3",
+                "-std=c++17",
+                "-fopenmp-simd",
+                "-pthread",
+                "-fno-math-errno",
+                "-fno-trapping-math",
+            ],
+            extra_link_args=["-pthread"],
+            optional=True,
+        )
+    ]
+
+
+setup(ext_modules=_native(), cmdclass={"build_ext": OptionalBuildExt})

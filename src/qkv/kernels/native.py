@@ -1,0 +1,475 @@
+"""Native fused prefill: the tiled kernel's recurrence in C++, the softmax step fused in.
+
+Must equal :func:`qkv.reference.attention` (it runs the same FlashAttention-2 recurrence as
+:mod:`qkv.kernels.tiled`, which stays the readable statement of it and the fallback).
+
+What it is: a small C++ library built by ``pip install`` when a C++ compiler is present
+(``setup.py``; without one the package installs without it). It is a plain C ABI, loaded with
+:mod:`ctypes` (which releases the GIL during the call): no Python headers or binding library
+at build time, one build for every Python version. The tile products go through BLAS
+``sgemm``/``dgemm`` found at run time in SciPy's ``scipy.linalg.cython_blas`` (nothing is linked
+at build time); the softmax step between them (mask, running max, exponentials, sums,
+rescaling) runs while the score tile is in cache, in the widest vector clone the CPU supports
+(AVX-512, AVX2 or the baseline, chosen at run time).
+
+When it runs: ``kernel="auto"`` sends float32/float64 prefill (the ``"tiled"`` choice) here when
+the library is built, SciPy is importable and ``QKV_NATIVE`` is not ``0`` (read on every call).
+Causal, windows, boolean masks, float biases, grouped heads and sinks (added to the finished
+result by the dispatcher) are covered; soft-capping, ALiBi, ``score_mod`` and ``mask_mod`` run
+on the NumPy kernels. :func:`info` says what is active and why.
+
+Threads: work items are (head, query block) pairs taken from a shared counter by native
+threads, as many as :func:`qkv.kernels._threads.default_threads`; BLAS is held to one thread
+meanwhile (``threadpoolctl``), and without a way to hold it one native thread runs.
+
+Examples
+--------
+>>> import numpy as np
+>>> from qkv.validate import make_plan
+>>> plan = make_plan(np.eye(4), np.eye(4), np.arange(8.0).reshape(4, 2), causal=True)
+>>> if supports(plan):
+...     out, lse = attend(plan)
+... else:  # not built here: the NumPy kernel gives the same numbers
+...     from qkv.kernels import tiled
+...     out, lse = tiled.attend(plan)
+>>> out[0].tolist()
+[0.0, 1.0]
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.machinery
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..validate import Plan
+from . import _threads
+
+__all__ = ["BLOCK_K", "BLOCK_Q", "ISAS", "attend", "available", "backward", "info", "supports"]
+
+BLOCK_Q = 256  # query rows per work item
+BLOCK_K = 512  # keys per score tile: a 256 × 512 float32 tile (512 KiB) stays in L2
+BWD_BLOCK_Q = 128  # the backward's tiles (it holds two of them: weights and their gradient)
+BWD_BLOCK_K = 128
+ISAS = {"baseline": 1, "avx2": 2, "avx512": 3}  # the vector clones, narrowest first
+_ISA_NAMES = {v: k for k, v in ISAS.items()}
+ENV = "QKV_NATIVE"
+
+
+class _Args(ctypes.Structure):
+    """``qkv_prefill_args`` of ``native_src/prefill.cpp`` (same order, all 8-byte fields)."""
+
+    _fields_ = [
+        ("nb", ctypes.c_int64),
+        ("L", ctypes.c_int64),
+        ("S", ctypes.c_int64),
+        ("d", ctypes.c_int64),
+        ("dv", ctypes.c_int64),
+        ("q", ctypes.c_void_p),
+        ("q_off", ctypes.c_void_p),
+        ("q_rs", ctypes.c_int64),
+        ("k", ctypes.c_void_p),
+        ("k_off", ctypes.c_void_p),
+        ("k_rs", ctypes.c_int64),
+        ("v", ctypes.c_void_p),
+        ("v_off", ctypes.c_void_p),
+        ("v_rs", ctypes.c_int64),
+        ("out", ctypes.c_void_p),
+        ("lse", ctypes.c_void_p),
+        ("mask", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+        ("m_off", ctypes.c_void_p),
+        ("m_rs", ctypes.c_int64),
+        ("m_cs", ctypes.c_int64),
+        ("scale", ctypes.c_double),
+        ("causal", ctypes.c_int64),
+        ("left", ctypes.c_int64),
+        ("right", ctypes.c_int64),
+        ("threads", ctypes.c_int64),
+        ("isa", ctypes.c_int64),
+        ("gemm", ctypes.c_void_p),
+        ("block_q", ctypes.c_int64),
+        ("block_k", ctypes.c_int64),
+    ]
+
+
+class _BwdArgs(ctypes.Structure):
+    """``qkv_backward_args`` of ``native_src/prefill.cpp`` (same order, all 8-byte fields)."""
+
+    _fields_ = [(name, ctypes.c_int64) for name in ("nkv", "group", "L", "S", "d", "dv")] + [
+        ("q", ctypes.c_void_p),
+        ("q_off", ctypes.c_void_p),
+        ("q_rs", ctypes.c_int64),
+        ("k", ctypes.c_void_p),
+        ("k_off", ctypes.c_void_p),
+        ("k_rs", ctypes.c_int64),
+        ("v", ctypes.c_void_p),
+        ("v_off", ctypes.c_void_p),
+        ("v_rs", ctypes.c_int64),
+        ("dout", ctypes.c_void_p),
+        ("lse", ctypes.c_void_p),
+        ("delta", ctypes.c_void_p),
+        ("dq", ctypes.c_void_p),
+        ("dk", ctypes.c_void_p),
+        ("dvo", ctypes.c_void_p),
+        ("mask", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+        ("m_off", ctypes.c_void_p),
+        ("m_rs", ctypes.c_int64),
+        ("m_cs", ctypes.c_int64),
+        ("scale", ctypes.c_double),
+        ("causal", ctypes.c_int64),
+        ("left", ctypes.c_int64),
+        ("right", ctypes.c_int64),
+        ("threads", ctypes.c_int64),
+        ("isa", ctypes.c_int64),
+        ("gemm", ctypes.c_void_p),
+        ("block_q", ctypes.c_int64),
+        ("block_k", ctypes.c_int64),
+    ]
+
+
+def _library_path() -> Path | None:
+    """The built library next to this module (``_native`` plus an extension suffix)."""
+    here = Path(__file__).parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = here / f"_native{suffix}"
+        if path.is_file():
+            return path
+    return None
+
+
+@functools.cache
+def _library() -> tuple[Any, str]:
+    """``(library, "")``, or ``(None, why not)``; loaded once."""
+    path = _library_path()
+    if path is None:
+        return None, "not built (no C++ compiler when qkv was installed, or the build failed)"
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        return None, f"the library did not load: {exc}"
+    try:
+        lib.qkv_args_size.restype = lib.qkv_backward_args_size.restype = ctypes.c_int64
+        sizes = lib.qkv_args_size(), lib.qkv_backward_args_size()
+    except AttributeError:
+        sizes = (0, 0)
+    if sizes != (ctypes.sizeof(_Args), ctypes.sizeof(_BwdArgs)):
+        return None, "the library is from another version of qkv (argument layout differs)"
+    for name, args in (
+        ("qkv_prefill_f32", _Args),
+        ("qkv_prefill_f64", _Args),
+        ("qkv_backward_f32", _BwdArgs),
+        ("qkv_backward_f64", _BwdArgs),
+    ):
+        getattr(lib, name).argtypes = [ctypes.POINTER(args)]
+        getattr(lib, name).restype = ctypes.c_int
+    lib.qkv_best_isa.restype = ctypes.c_int
+    return lib, ""
+
+
+def _capsule_pointer(capsule: Any) -> int:
+    """The pointer a ``PyCapsule`` holds (how Cython exports C functions)."""
+    api = ctypes.pythonapi
+    api.PyCapsule_GetName.restype = ctypes.c_char_p
+    api.PyCapsule_GetName.argtypes = [ctypes.py_object]
+    api.PyCapsule_GetPointer.restype = ctypes.c_void_p
+    api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    return int(api.PyCapsule_GetPointer(capsule, api.PyCapsule_GetName(capsule)))
+
+
+@functools.cache
+def _gemm() -> tuple[dict[np.dtype, int] | None, str]:
+    """``({float32: sgemm, float64: dgemm}, "")`` from SciPy, or ``(None, why not)``."""
+    try:
+        from scipy.linalg import cython_blas
+    except ImportError:
+        return None, "SciPy is not installed (its BLAS runs the tile products)"
+    try:
+        capi = cython_blas.__pyx_capi__
+        found = {
+            np.dtype(np.float32): _capsule_pointer(capi["sgemm"]),
+            np.dtype(np.float64): _capsule_pointer(capi["dgemm"]),
+        }
+    except (AttributeError, KeyError, ValueError, TypeError) as exc:
+        return None, f"SciPy's BLAS functions were not found ({exc!r})"
+    # SciPy may bring its own BLAS library: have the BLAS thread limit cover it too.
+    _threads.rescan_blas()
+    return found, ""
+
+
+def available() -> tuple[bool, str]:
+    """``(True, "")`` when the native kernels run, else ``(False, why not)``."""
+    if os.environ.get(ENV, "").strip() == "0":
+        return False, f"switched off ({ENV}=0)"
+    lib, why = _library()
+    if lib is None:
+        return False, why
+    gemm, why = _gemm()
+    if gemm is None:
+        return False, why
+    return True, ""
+
+
+def info() -> dict[str, Any]:
+    """Which native kernels are active and why (or why not).
+
+    Examples
+    --------
+    >>> sorted(info())
+    ['active', 'isa', 'kernels', 'library', 'reason']
+    """
+    ok, why = available()
+    lib, _ = _library()
+    path = _library_path()
+    return {
+        "active": ok,
+        "reason": why or f"built; {ENV} is not 0; SciPy's BLAS found",
+        "library": None if path is None else path.name,
+        "isa": _ISA_NAMES.get(lib.qkv_best_isa()) if lib is not None else None,
+        "kernels": {
+            "prefill forward (float32, float64; causal, window, bool mask, float bias, "
+            "grouped heads, sinks)": ok,
+            "prefill backward (FlashAttention-2; the same cases)": ok,
+            "packed varlen walk": False,
+        },
+    }
+
+
+def supports(plan: Plan) -> bool:
+    """Whether :func:`attend` runs ``plan`` (and the native kernels are available)."""
+    return (
+        plan.acc_dtype in (np.float32, np.float64)
+        and not plan.modded
+        and plan.v is not None
+        and min(plan.L, plan.S, plan.dv) >= 1
+        and available()[0]
+    )
+
+
+def _rows(a: np.ndarray) -> np.ndarray:
+    """``a`` itself when its rows suit BLAS (contiguous last axis, row stride a whole number
+    of elements, at least the row's length and below 2**31), else a contiguous copy."""
+    item = a.itemsize
+    ok = (
+        a.strides[-1] == item
+        and all(s >= 0 and s % item == 0 for s in a.strides)
+        and (a.shape[-2] <= 1 or a.shape[-1] * item <= a.strides[-2] < item << 31)
+    )  # BLAS takes the row stride as a 32-bit int
+    return a if ok else np.ascontiguousarray(a)
+
+
+def _offsets(a: np.ndarray) -> np.ndarray:
+    """Element offset of each index over ``a``'s batch axes (all but the last two), shaped as
+    those axes; strides may be 0 (broadcast axes)."""
+    lead = a.shape[: a.ndim - 2]
+    off = np.zeros(lead, dtype=np.int64)
+    for ax, (n, st) in enumerate(zip(lead, a.strides[: a.ndim - 2], strict=True)):
+        shape = [1] * len(lead)
+        shape[ax] = n
+        off = off + (np.arange(n, dtype=np.int64) * (st // a.itemsize)).reshape(shape)
+    return off
+
+
+def _row_stride(a: np.ndarray) -> int:
+    return a.strides[-2] // a.itemsize if a.shape[-2] > 1 else a.shape[-1]
+
+
+def _workers(threads: int | None) -> int:
+    """Native threads for a call: as asked, or the NumPy kernels' rule; one when BLAS cannot
+    be held to one thread per worker (its own threads would fight ours)."""
+    n = _threads.default_threads() if threads is None else max(1, int(threads))
+    return 1 if n > 1 and not _threads._blas_limitable() else n
+
+
+def _masks(plan: Plan) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """The mask or bias broadcast to ``(*batch, L, S)`` (a view where its strides allow) and
+    the element offset of each query head's ``(L, S)`` slice; ``(None, None)`` without one."""
+    m = plan.mask if plan.mask is not None else plan.bias
+    if m is None:
+        return None, None
+    m = np.broadcast_to(m, plan.batch + (plan.L, plan.S))
+    if any(s < 0 or s % m.itemsize for s in m.strides):
+        m = np.ascontiguousarray(m)
+    return m, np.ascontiguousarray(_offsets(m)).reshape(-1)
+
+
+def attend(
+    plan: Plan,
+    *,
+    threads: int | None = None,
+    isa: str | None = None,
+    block_q: int = BLOCK_Q,
+    block_k: int = BLOCK_K,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Fused prefill: output ``(*batch, L, dv)`` and lse ``(*batch, L)``, compute dtype.
+
+    Must equal :func:`qkv.reference.attention` on the same plan.
+
+    Parameters
+    ----------
+    plan : Plan
+        A checked problem that :func:`supports` accepts.
+    threads : int, optional
+        Native worker threads (default: :func:`~qkv.kernels._threads.default_threads`).
+    isa : {"baseline", "avx2", "avx512"}, optional
+        Run this vector clone (capped at what the CPU supports); default the widest.
+    block_q, block_k : int, optional
+        Query rows per work item and keys per score tile.
+    """
+    lib, why = _library()
+    gemm, why2 = _gemm()
+    if lib is None or gemm is None:
+        raise RuntimeError(f"qkv native kernels unavailable: {why or why2}")
+    dt = plan.acc_dtype
+    batch, L, dv = plan.batch, plan.L, plan.dv
+    out = np.empty(batch + (L, dv), dtype=dt)
+    lse = np.empty(batch + (L,), dtype=dt)
+    nb = int(np.prod(batch, dtype=np.int64))
+    if nb == 0:
+        return out, lse
+    q, k, v = _rows(plan.q), _rows(plan.k), _rows(plan.v)
+    q_off = np.ascontiguousarray(_offsets(q)).reshape(-1)
+    k_off, v_off = _offsets(k), _offsets(v)
+    if plan.group > 1:  # query head h reads kv head h // group
+        k_off, v_off = (np.repeat(o, plan.group, axis=-1) for o in (k_off, v_off))
+    k_off, v_off = (
+        np.ascontiguousarray(np.broadcast_to(o, batch)).reshape(-1) for o in (k_off, v_off)
+    )
+    m, m_off = _masks(plan)
+    left, right = plan.window if plan.window is not None else (None, None)
+    n = _workers(threads)
+    args = _Args(
+        nb=nb,
+        L=L,
+        S=plan.S,
+        d=plan.d,
+        dv=dv,
+        q=q.ctypes.data,
+        q_off=q_off.ctypes.data,
+        q_rs=_row_stride(q),
+        k=k.ctypes.data,
+        k_off=k_off.ctypes.data,
+        k_rs=_row_stride(k),
+        v=v.ctypes.data,
+        v_off=v_off.ctypes.data,
+        v_rs=_row_stride(v),
+        out=out.ctypes.data,
+        lse=lse.ctypes.data,
+        mask=None if plan.mask is None else m.ctypes.data,
+        bias=None if plan.bias is None else m.ctypes.data,
+        m_off=None if m_off is None else m_off.ctypes.data,
+        m_rs=0 if m is None else m.strides[-2] // m.itemsize,
+        m_cs=0 if m is None else m.strides[-1] // m.itemsize,
+        scale=plan.scale,
+        causal=int(plan.causal),
+        left=-1 if left is None else left,
+        right=-1 if right is None else right,
+        threads=n,
+        isa=0 if isa is None else ISAS[isa],
+        gemm=gemm[dt],
+        block_q=block_q,
+        block_k=block_k,
+    )
+    fn = lib.qkv_prefill_f32 if dt == np.float32 else lib.qkv_prefill_f64
+    with _threads.single_threaded_blas():
+        status = fn(ctypes.byref(args))
+    if status == 1:
+        raise MemoryError("qkv native prefill: no memory for the score tiles")
+    if status != 0:
+        raise RuntimeError(f"qkv native prefill: bad arguments (status {status})")
+    return out, lse
+
+
+def backward(
+    plan: Plan,
+    d_out: np.ndarray,
+    out: np.ndarray,
+    lse: np.ndarray,
+    *,
+    threads: int | None = None,
+    isa: str | None = None,
+    block_q: int = BWD_BLOCK_Q,
+    block_k: int = BWD_BLOCK_K,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """FlashAttention-2 backward: ``(dq, dk, dv)`` in the plan's shapes of q, k and v.
+
+    Must equal :func:`qkv.grad.reference_attention_vjp` (as
+    :func:`qkv.kernels.tiled_backward.backward`, whose recurrence it runs). ``d_out`` and
+    ``out`` are ``(*batch, L, dv)``, ``lse`` is ``(*batch, L)``, all in the compute dtype; the
+    weights are recomputed tile by tile from ``lse``. Work items are (kv head, key block)
+    pairs; a query head's ``dq`` rows are added under a lock per query block.
+    """
+    lib, why = _library()
+    gemm, why2 = _gemm()
+    if lib is None or gemm is None:
+        raise RuntimeError(f"qkv native kernels unavailable: {why or why2}")
+    dt = plan.acc_dtype
+    batch, L, S, d, dv = plan.batch, plan.L, plan.S, plan.d, plan.dv
+    dq = np.zeros(plan.q.shape, dtype=dt)
+    dk = np.zeros(plan.k.shape, dtype=dt)
+    dvv = np.zeros(plan.v.shape, dtype=dt)
+    nq = int(np.prod(batch, dtype=np.int64))
+    if nq == 0 or min(L, S, dv) == 0:
+        return dq, dk, dvv
+    d_out = np.ascontiguousarray(np.broadcast_to(d_out, batch + (L, dv)), dtype=dt)
+    out = np.broadcast_to(out, batch + (L, dv)).astype(dt, copy=False)
+    delta = np.ascontiguousarray(np.sum(d_out * out, axis=-1), dtype=dt)
+    lse = np.broadcast_to(lse, batch + (L,)).astype(dt, copy=False)
+    lse_safe = np.ascontiguousarray(np.where(lse == -np.inf, np.inf, lse), dtype=dt)
+    q, k, v = _rows(plan.q), _rows(plan.k), _rows(plan.v)
+    q_off = np.ascontiguousarray(_offsets(q)).reshape(-1)
+    k_off = np.ascontiguousarray(_offsets(k)).reshape(-1)
+    v_off = np.ascontiguousarray(_offsets(v)).reshape(-1)
+    m, m_off = _masks(plan)
+    left, right = plan.window if plan.window is not None else (None, None)
+    args = _BwdArgs(
+        nkv=k_off.size,
+        group=nq // k_off.size,
+        L=L,
+        S=S,
+        d=d,
+        dv=dv,
+        q=q.ctypes.data,
+        q_off=q_off.ctypes.data,
+        q_rs=_row_stride(q),
+        k=k.ctypes.data,
+        k_off=k_off.ctypes.data,
+        k_rs=_row_stride(k),
+        v=v.ctypes.data,
+        v_off=v_off.ctypes.data,
+        v_rs=_row_stride(v),
+        dout=d_out.ctypes.data,
+        lse=lse_safe.ctypes.data,
+        delta=delta.ctypes.data,
+        dq=dq.ctypes.data,
+        dk=dk.ctypes.data,
+        dvo=dvv.ctypes.data,
+        mask=None if plan.mask is None else m.ctypes.data,
+        bias=None if plan.bias is None else m.ctypes.data,
+        m_off=None if m_off is None else m_off.ctypes.data,
+        m_rs=0 if m is None else m.strides[-2] // m.itemsize,
+        m_cs=0 if m is None else m.strides[-1] // m.itemsize,
+        scale=plan.scale,
+        causal=int(plan.causal),
+        left=-1 if left is None else left,
+        right=-1 if right is None else right,
+        threads=_workers(threads),
+        isa=0 if isa is None else ISAS[isa],
+        gemm=gemm[dt],
+        block_q=block_q,
+        block_k=block_k,
+    )
+    fn = lib.qkv_backward_f32 if dt == np.float32 else lib.qkv_backward_f64
+    with _threads.single_threaded_blas():
+        status = fn(ctypes.byref(args))
+    if status == 1:
+        raise MemoryError("qkv native backward: no memory for the tiles")
+    if status != 0:
+        raise RuntimeError(f"qkv native backward: bad arguments (status {status})")
+    return dq, dk, dvv

@@ -1,0 +1,728 @@
+// Fused prefill forward for qkv: online-softmax attention over (head, query block) tasks.
+//
+// Must equal qkv.reference.attention (the Python side checks nothing twice: it hands over a
+// checked plan's arrays). The loop per task is the FlashAttention-2 recurrence of
+// qkv/kernels/tiled.py, with the softmax step fused between the two tile products:
+//
+//     S   = scale · Q_blk · K_tileᵀ                       (BLAS gemm)
+//     per row, while the tile is in cache: mask, bias, edge; m' = max(m, max S);
+//         P = exp(S − m'); l = l · exp(m − m') + Σ P; acc *= exp(m − m')
+//     acc += P · V_tile                                   (BLAS gemm, beta = 1)
+//     out = acc / l, lse = m + log l                      (l = 0: out 0, lse −inf)
+//
+// Tasks are taken from a shared counter by native threads (latest query blocks first: under
+// causal they see the most keys). Key tiles that no row of the block may see are skipped;
+// a tile across the causal/window edge is cut to the rows that see part of it, and each row
+// only exponentiates its own visible keys.
+//
+// BLAS is not linked: the caller passes sgemm/dgemm function pointers with the Fortran
+// calling convention (SciPy's cython_blas exports them). Nothing here uses Python, so the
+// library is a plain C ABI loaded with ctypes, which releases the GIL during the call.
+//
+// Vector width is chosen at run time: the softmax step is one generic inline body, compiled
+// in three clones (AVX-512, AVX2+FMA, and the x86-64 baseline; elsewhere only the baseline),
+// so the compiler picks each clone's own lane width. No -march flag is needed.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <mutex>
+#include <new>
+#include <thread>
+#include <vector>
+
+#define QKV_INLINE inline __attribute__((always_inline))
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define QKV_X86 1
+#define QKV_AVX512 \
+    __attribute__((target("avx512f,avx512vl,avx512dq,avx512bw,fma,prefer-vector-width=512")))
+#define QKV_AVX2 __attribute__((target("avx2,fma")))
+#else
+#define QKV_X86 0
+#endif
+
+extern "C" {
+
+typedef void (*sgemm_t)(const char*, const char*, const int*, const int*, const int*,
+                        const float*, const float*, const int*, const float*, const int*,
+                        const float*, float*, const int*);
+typedef void (*dgemm_t)(const char*, const char*, const int*, const int*, const int*,
+                        const double*, const double*, const int*, const double*, const int*,
+                        const double*, double*, const int*);
+
+// Everything one call needs. Offsets and strides are in elements; the last axis of q, k, v
+// (and of out) is contiguous. Per query head h (the flattened batch), its queries start at
+// q + q_off[h], its kv head's keys and values at k + k_off[h] and v + v_off[h], its mask or
+// bias entry (row i, key j) at m_off[h] + i * m_rs + j * m_cs.
+struct qkv_prefill_args {
+    int64_t nb, L, S, d, dv;
+    const void* q;
+    const int64_t* q_off;
+    int64_t q_rs;
+    const void* k;
+    const int64_t* k_off;
+    int64_t k_rs;
+    const void* v;
+    const int64_t* v_off;
+    int64_t v_rs;
+    void* out;  // (nb, L, dv) contiguous
+    void* lse;  // (nb, L) contiguous
+    const uint8_t* mask;  // bool mask (1 = may attend) or NULL
+    const void* bias;     // float bias in the compute dtype or NULL
+    const int64_t* m_off;
+    int64_t m_rs, m_cs;
+    double scale;
+    int64_t causal;
+    int64_t left, right;  // window sides; -1 = unbounded
+    int64_t threads;
+    int64_t isa;  // 0 = best available, 1 = baseline, 2 = AVX2, 3 = AVX-512
+    void* gemm;   // sgemm for float32, dgemm for float64
+    int64_t block_q, block_k;
+};
+
+// The FlashAttention-2 backward. q, k, v as above but k_off/v_off are per kv head (nkv of
+// them), q_off and m_off per query head; query head t * group + g reads kv head t. dout, lse
+// (rows with no key given as +inf), delta = rowsum(dO ∘ O) and the outputs are contiguous;
+// dq, dk, dv must be zeroed by the caller.
+struct qkv_backward_args {
+    int64_t nkv, group, L, S, d, dv;
+    const void* q;
+    const int64_t* q_off;
+    int64_t q_rs;
+    const void* k;
+    const int64_t* k_off;
+    int64_t k_rs;
+    const void* v;
+    const int64_t* v_off;
+    int64_t v_rs;
+    const void* dout;   // (nkv * group, L, dv)
+    const void* lse;    // (nkv * group, L)
+    const void* delta;  // (nkv * group, L)
+    void* dq;           // (nkv * group, L, d)
+    void* dk;           // (nkv, S, d)
+    void* dvo;          // (nkv, S, dv)
+    const uint8_t* mask;
+    const void* bias;
+    const int64_t* m_off;
+    int64_t m_rs, m_cs;
+    double scale;
+    int64_t causal;
+    int64_t left, right;
+    int64_t threads;
+    int64_t isa;
+    void* gemm;
+    int64_t block_q, block_k;
+};
+
+}  // extern "C"
+
+namespace {
+
+// exp(x) for x <= 0 (x - max of the row), as a branch-free polynomial the compiler
+// vectorises. Range reduction x = n ln2 + r with |r| <= ln2/2; 2^n is built in the exponent
+// bits, with n read from the low bits of x·log2(e) + 1.5·2^p (no float-to-int conversion).
+// Below exp(-87) (float) or exp(-708) (double) the result is exactly 0, so a hidden key (-inf)
+// weighs nothing; NaN stays NaN. Upper: also clamp large x (the backward's s - lse may be a
+// little above 0, and a caller's lse may be wrong).
+template <bool Upper = false>
+QKV_INLINE float exp_neg(float x) {
+    const bool under = x < -87.0f;  // NaN compares false and passes through
+    x = under ? -87.0f : x;
+    if (Upper) x = x > 88.0f ? 88.0f : x;
+    const float magic = 12582912.0f;  // 1.5 · 2^23
+    float t = x * 1.44269504088896341f + magic;
+    float n = t - magic;
+    float r = x - n * 0.693145751953125f;  // ln2 in two parts (Cody-Waite)
+    r = r - n * 1.42860682030941723212e-6f;
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    int32_t ti, mi;
+    std::memcpy(&ti, &t, 4);
+    std::memcpy(&mi, &magic, 4);
+    int32_t bits = (ti - mi + 127) << 23;
+    float two_n;
+    std::memcpy(&two_n, &bits, 4);
+    return under ? 0 : p * two_n;
+}
+
+template <bool Upper = false>
+QKV_INLINE double exp_neg(double x) {
+    const bool under = x < -708.0;
+    x = under ? -708.0 : x;
+    if (Upper) x = x > 709.0 ? 709.0 : x;
+    const double magic = 6755399441055744.0;  // 1.5 · 2^52
+    double t = x * 1.4426950408889634074 + magic;
+    double n = t - magic;
+    double r = x - n * 6.93147180369123816490e-01;
+    r = r - n * 1.90821492927058770002e-10;
+    double p = 1.0 / 479001600.0;  // Taylor to r^12: error below 2e-16 for |r| <= ln2/2
+    p = p * r + 1.0 / 39916800.0;
+    p = p * r + 1.0 / 3628800.0;
+    p = p * r + 1.0 / 362880.0;
+    p = p * r + 1.0 / 40320.0;
+    p = p * r + 1.0 / 5040.0;
+    p = p * r + 1.0 / 720.0;
+    p = p * r + 1.0 / 120.0;
+    p = p * r + 1.0 / 24.0;
+    p = p * r + 1.0 / 6.0;
+    p = p * r + 0.5;
+    p = p * r + 1.0;
+    p = p * r + 1.0;
+    int64_t ti, mi;
+    std::memcpy(&ti, &t, 8);
+    std::memcpy(&mi, &magic, 8);
+    int64_t bits = (ti - mi + 1023) << 52;
+    double two_n;
+    std::memcpy(&two_n, &bits, 8);
+    return under ? 0 : p * two_n;
+}
+
+// Max and sum of s[a:b) with one accumulator per lane of the widest vector (64 bytes): a
+// fixed-width inner loop that each clone splits into its own vectors (one AVX-512 register,
+// two AVX2 ones, four SSE ones). NaN is skipped by the max (the sum carries it).
+template <typename T>
+QKV_INLINE T lane_max(const T* __restrict s, int64_t a, int64_t b) {
+    constexpr int W = 64 / sizeof(T);
+    T acc[W];
+    for (int u = 0; u < W; ++u) acc[u] = -std::numeric_limits<T>::infinity();
+    int64_t j = a;
+    for (; j + W <= b; j += W)
+        for (int u = 0; u < W; ++u) acc[u] = s[j + u] > acc[u] ? s[j + u] : acc[u];
+    for (; j < b; ++j) acc[0] = s[j] > acc[0] ? s[j] : acc[0];
+    T m = acc[0];
+    for (int u = 1; u < W; ++u) m = acc[u] > m ? acc[u] : m;
+    return m;
+}
+
+template <typename T>
+QKV_INLINE T lane_sum(const T* __restrict s, int64_t a, int64_t b) {
+    constexpr int W = 64 / sizeof(T);
+    T acc[W] = {};
+    int64_t j = a;
+    for (; j + W <= b; j += W)
+        for (int u = 0; u < W; ++u) acc[u] += s[j + u];
+    for (; j < b; ++j) acc[0] += s[j];
+    T sum = 0;
+    for (int u = 0; u < W; ++u) sum += acc[u];
+    return sum;
+}
+
+// One row's softmax step on its scores s[0:n) (the tile's columns), of which [jl, jh) are
+// visible to the row by causal/window. Applies bias and mask, moves the running max m,
+// writes the weights exp(s - m) over the visible columns (0 elsewhere) and returns the factor
+// exp(m_old - m_new) by which the row's accumulator and sum must be scaled.
+template <typename T>
+QKV_INLINE void row_step(T* __restrict s, int64_t n, int64_t jl, int64_t jh,
+                         const uint8_t* __restrict mrow, const T* __restrict brow, int64_t m_cs,
+                         T* __restrict m, T* __restrict l, T* __restrict acc, int64_t dv) {
+    const T ninf = -std::numeric_limits<T>::infinity();
+    if (brow) {
+        if (m_cs == 1) {
+#pragma omp simd
+            for (int64_t j = jl; j < jh; ++j) s[j] += brow[j];
+        } else {
+            for (int64_t j = jl; j < jh; ++j) s[j] += brow[j * m_cs];
+        }
+    }
+    if (mrow) {
+        if (m_cs == 1) {
+#pragma omp simd
+            for (int64_t j = jl; j < jh; ++j) s[j] = mrow[j] ? s[j] : ninf;
+        } else {
+            for (int64_t j = jl; j < jh; ++j) s[j] = mrow[j * m_cs] ? s[j] : ninf;
+        }
+    }
+    const T mx = lane_max(s, jl, jh);
+    T mold = *m;
+    T mnew = std::max(mold, mx);
+    for (int64_t j = 0; j < jl; ++j) s[j] = 0;
+    for (int64_t j = jh; j < n; ++j) s[j] = 0;
+    if (mnew == ninf) {  // nothing visible yet: weights 0, unless a score is NaN
+        bool nan = false;
+        for (int64_t j = jl; j < jh; ++j) {
+            nan |= s[j] != s[j];
+            s[j] = 0;
+        }
+        if (nan) *l = std::numeric_limits<T>::quiet_NaN();
+        return;
+    }
+#pragma omp simd
+    for (int64_t j = jl; j < jh; ++j) s[j] = exp_neg(s[j] - mnew);
+    const T sum = lane_sum(s, jl, jh);  // the row is still in L1
+    T alpha = mold == ninf ? T(0) : exp_neg(mold - mnew);  // mold == mnew: exactly 1
+    if (alpha != T(1)) {
+#pragma omp simd
+        for (int64_t c = 0; c < dv; ++c) acc[c] *= alpha;
+    }
+    *l = *l * alpha + sum;
+    *m = mnew;
+}
+
+// The softmax step over rows [0, rows) of a score tile, stride lds.
+struct StepArgs {
+    void* s;
+    int64_t lds, rows, n;
+    const int64_t* jl;
+    const int64_t* jh;
+    const uint8_t* mask;
+    const void* bias;
+    int64_t m_rs, m_cs;
+    void* m;
+    void* l;
+    void* acc;
+    int64_t dv;
+};
+
+template <typename T>
+QKV_INLINE void tile_step(const StepArgs& a) {
+    T* s = static_cast<T*>(a.s);
+    T* m = static_cast<T*>(a.m);
+    T* l = static_cast<T*>(a.l);
+    T* acc = static_cast<T*>(a.acc);
+    const T* bias = static_cast<const T*>(a.bias);
+    for (int64_t i = 0; i < a.rows; ++i) {
+        row_step<T>(s + i * a.lds, a.n, a.jl[i], a.jh[i], a.mask ? a.mask + i * a.m_rs : nullptr,
+                    bias ? bias + i * a.m_rs : nullptr, a.m_cs, m + i, l + i, acc + i * a.dv,
+                    a.dv);
+    }
+}
+
+void step_base_f32(const StepArgs& a) { tile_step<float>(a); }
+void step_base_f64(const StepArgs& a) { tile_step<double>(a); }
+#if QKV_X86
+QKV_AVX2 void step_avx2_f32(const StepArgs& a) { tile_step<float>(a); }
+QKV_AVX2 void step_avx2_f64(const StepArgs& a) { tile_step<double>(a); }
+QKV_AVX512 void step_avx512_f32(const StepArgs& a) { tile_step<float>(a); }
+QKV_AVX512 void step_avx512_f64(const StepArgs& a) { tile_step<double>(a); }
+#endif
+
+// The backward's two elementwise steps on a (rows x n) tile, stride lds, rows' visible
+// columns [jl, jh): the weights P = exp(S - lse) (mask and bias applied, 0 where hidden), then
+// after dP = dO Vᵀ: dS = P ∘ (dP - delta) · scale, written over dP.
+struct BwdArgs {
+    void* s;
+    void* dp;
+    int64_t lds, rows, n;
+    const int64_t* jl;
+    const int64_t* jh;
+    const uint8_t* mask;
+    const void* bias;
+    int64_t m_rs, m_cs;
+    const void* lse;
+    const void* delta;
+    double scale;
+};
+
+template <typename T>
+QKV_INLINE void bwd_weights(const BwdArgs& a) {
+    const T ninf = -std::numeric_limits<T>::infinity();
+    const T* lse = static_cast<const T*>(a.lse);
+    const T* bias = static_cast<const T*>(a.bias);
+    for (int64_t i = 0; i < a.rows; ++i) {
+        T* __restrict s = static_cast<T*>(a.s) + i * a.lds;
+        const int64_t jl = a.jl[i], jh = a.jh[i], cs = a.m_cs;
+        if (bias) {
+            const T* b = bias + i * a.m_rs;
+            for (int64_t j = jl; j < jh; ++j) s[j] += b[j * cs];
+        }
+        if (a.mask) {
+            const uint8_t* m = a.mask + i * a.m_rs;
+            for (int64_t j = jl; j < jh; ++j) s[j] = m[j * cs] ? s[j] : ninf;
+        }
+        const T li = lse[i];
+        for (int64_t j = 0; j < jl; ++j) s[j] = 0;
+#pragma omp simd
+        for (int64_t j = jl; j < jh; ++j) s[j] = exp_neg<true>(s[j] - li);
+        for (int64_t j = jh; j < a.n; ++j) s[j] = 0;
+    }
+}
+
+template <typename T>
+QKV_INLINE void bwd_dscores(const BwdArgs& a) {
+    const T* delta = static_cast<const T*>(a.delta);
+    const T scale = T(a.scale);
+    for (int64_t i = 0; i < a.rows; ++i) {
+        const T* __restrict p = static_cast<const T*>(a.s) + i * a.lds;
+        T* __restrict dp = static_cast<T*>(a.dp) + i * a.lds;
+        const T di = delta[i];
+#pragma omp simd
+        for (int64_t j = 0; j < a.n; ++j) dp[j] = p[j] * (dp[j] - di) * scale;
+    }
+}
+
+struct BwdSteps {
+    void (*weights)(const BwdArgs&);
+    void (*dscores)(const BwdArgs&);
+};
+
+void bw_base_f32(const BwdArgs& a) { bwd_weights<float>(a); }
+void bd_base_f32(const BwdArgs& a) { bwd_dscores<float>(a); }
+void bw_base_f64(const BwdArgs& a) { bwd_weights<double>(a); }
+void bd_base_f64(const BwdArgs& a) { bwd_dscores<double>(a); }
+#if QKV_X86
+QKV_AVX2 void bw_avx2_f32(const BwdArgs& a) { bwd_weights<float>(a); }
+QKV_AVX2 void bd_avx2_f32(const BwdArgs& a) { bwd_dscores<float>(a); }
+QKV_AVX2 void bw_avx2_f64(const BwdArgs& a) { bwd_weights<double>(a); }
+QKV_AVX2 void bd_avx2_f64(const BwdArgs& a) { bwd_dscores<double>(a); }
+QKV_AVX512 void bw_avx512_f32(const BwdArgs& a) { bwd_weights<float>(a); }
+QKV_AVX512 void bd_avx512_f32(const BwdArgs& a) { bwd_dscores<float>(a); }
+QKV_AVX512 void bw_avx512_f64(const BwdArgs& a) { bwd_weights<double>(a); }
+QKV_AVX512 void bd_avx512_f64(const BwdArgs& a) { bwd_dscores<double>(a); }
+#endif
+
+template <typename T>
+BwdSteps pick_bwd(int isa);
+template <>
+BwdSteps pick_bwd<float>(int isa) {
+#if QKV_X86
+    if (isa == 3) return {bw_avx512_f32, bd_avx512_f32};
+    if (isa == 2) return {bw_avx2_f32, bd_avx2_f32};
+#endif
+    (void)isa;
+    return {bw_base_f32, bd_base_f32};
+}
+template <>
+BwdSteps pick_bwd<double>(int isa) {
+#if QKV_X86
+    if (isa == 3) return {bw_avx512_f64, bd_avx512_f64};
+    if (isa == 2) return {bw_avx2_f64, bd_avx2_f64};
+#endif
+    (void)isa;
+    return {bw_base_f64, bd_base_f64};
+}
+
+int best_isa() {
+#if QKV_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw"))
+        return 3;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 2;
+#endif
+    return 1;
+}
+
+typedef void (*step_t)(const StepArgs&);
+
+template <typename T>
+step_t pick_step(int isa);
+template <>
+step_t pick_step<float>(int isa) {
+#if QKV_X86
+    if (isa == 3) return step_avx512_f32;
+    if (isa == 2) return step_avx2_f32;
+#endif
+    (void)isa;
+    return step_base_f32;
+}
+template <>
+step_t pick_step<double>(int isa) {
+#if QKV_X86
+    if (isa == 3) return step_avx512_f64;
+    if (isa == 2) return step_avx2_f64;
+#endif
+    (void)isa;
+    return step_base_f64;
+}
+
+QKV_INLINE void gemm(sgemm_t f, const char* ta, const char* tb, int m, int n, int k, float alpha,
+                     const float* a, int lda, const float* b, int ldb, float beta, float* c,
+                     int ldc) {
+    f(ta, tb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &beta, c, &ldc);
+}
+QKV_INLINE void gemm(dgemm_t f, const char* ta, const char* tb, int m, int n, int k,
+                     double alpha, const double* a, int lda, const double* b, int ldb,
+                     double beta, double* c, int ldc) {
+    f(ta, tb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &beta, c, &ldc);
+}
+
+// Keys [lo, hi) that the query at absolute position p may see (qkv.masks.key_bounds).
+template <typename Args>
+QKV_INLINE void bounds(const Args& a, int64_t p, int64_t* lo, int64_t* hi) {
+    int64_t b = 0, e = a.S;
+    if (a.causal) e = std::min(e, p + 1);
+    if (a.left >= 0) b = std::max(b, p - a.left);
+    if (a.right >= 0) e = std::min(e, p + a.right + 1);
+    b = std::min(std::max(b, int64_t(0)), a.S);
+    *lo = b;
+    *hi = std::max(b, std::min(e, a.S));
+}
+
+template <typename T, typename Gemm>
+int run(const qkv_prefill_args& a) {
+    const int64_t bq = std::max<int64_t>(1, a.block_q), bk = std::max<int64_t>(1, a.block_k);
+    const int64_t nqb = (a.L + bq - 1) / bq;
+    const int64_t ntasks = a.nb * nqb;
+    const int isa = a.isa > 0 ? std::min<int>(int(a.isa), best_isa()) : best_isa();
+    const step_t step = pick_step<T>(isa);
+    const Gemm g = reinterpret_cast<Gemm>(a.gemm);
+    const T* Q = static_cast<const T*>(a.q);
+    const T* K = static_cast<const T*>(a.k);
+    const T* V = static_cast<const T*>(a.v);
+    T* OUT = static_cast<T*>(a.out);
+    T* LSE = static_cast<T*>(a.lse);
+    const T* BIAS = static_cast<const T*>(a.bias);
+    std::atomic<int64_t> next(0);
+    std::atomic<int> failed(0);
+
+    auto worker = [&]() {
+        std::vector<T> sbuf, accbuf, mbuf, lbuf;
+        std::vector<int64_t> lo(bq), hi(bq), jl(bq), jh(bq);
+        try {
+            sbuf.resize(size_t(bq * bk));
+            accbuf.resize(size_t(bq * std::max<int64_t>(a.dv, 1)));
+            mbuf.resize(size_t(bq));
+            lbuf.resize(size_t(bq));
+        } catch (const std::bad_alloc&) {
+            failed = 1;
+            return;
+        }
+        const T ninf = -std::numeric_limits<T>::infinity();
+        for (;;) {
+            int64_t t = next.fetch_add(1);
+            if (t >= ntasks || failed) return;
+            // latest query blocks first: under causal they cost the most
+            const int64_t qb = nqb - 1 - t / a.nb, h = t % a.nb;
+            const int64_t r0 = qb * bq, rows = std::min(bq, a.L - r0);
+            const T* q = Q + a.q_off[h] + r0 * a.q_rs;
+            const T* k = K + a.k_off[h];
+            const T* v = V + a.v_off[h];
+            for (int64_t i = 0; i < rows; ++i) bounds(a, a.S - a.L + r0 + i, &lo[i], &hi[i]);
+            std::fill(mbuf.begin(), mbuf.begin() + rows, ninf);
+            std::fill(lbuf.begin(), lbuf.begin() + rows, T(0));
+            std::fill(accbuf.begin(), accbuf.begin() + rows * a.dv, T(0));
+            const int64_t klo = lo[0], khi = hi[rows - 1];  // both nondecreasing in the row
+            int64_t ra = 0, rb = 0;  // rows [ra, rb) see some key of the current tile
+            for (int64_t c0 = klo; c0 < khi; c0 += bk) {
+                const int64_t c1 = std::min(c0 + bk, khi), n = c1 - c0;
+                while (ra < rows && hi[ra] <= c0) ++ra;
+                while (rb < rows && lo[rb] < c1) ++rb;
+                if (ra >= rb) continue;
+                const int64_t nr = rb - ra;
+                T* s = sbuf.data();
+                // S (nr x n, row-major, ld n) = scale · Q[ra:rb] · K[c0:c1]ᵀ; in BLAS's
+                // column-major terms Sᵀ = Kᵀᵀ · Qᵀ.
+                gemm(g, "T", "N", int(n), int(nr), int(a.d), T(a.scale), k + c0 * a.k_rs,
+                     int(a.k_rs), q + ra * a.q_rs, int(a.q_rs), T(0), s, int(n));
+                for (int64_t i = ra; i < rb; ++i) {
+                    jl[i] = std::min(std::max(lo[i] - c0, int64_t(0)), n);
+                    jh[i] = std::max(std::min(hi[i] - c0, n), jl[i]);
+                }
+                StepArgs sa;
+                sa.s = s;
+                sa.lds = n;
+                sa.rows = nr;
+                sa.n = n;
+                sa.jl = jl.data() + ra;
+                sa.jh = jh.data() + ra;
+                const int64_t moff = a.m_off ? a.m_off[h] + (r0 + ra) * a.m_rs + c0 * a.m_cs : 0;
+                sa.mask = a.mask ? a.mask + moff : nullptr;
+                sa.bias = BIAS ? BIAS + moff : nullptr;
+                sa.m_rs = a.m_rs;
+                sa.m_cs = a.m_cs;
+                sa.m = mbuf.data() + ra;
+                sa.l = lbuf.data() + ra;
+                sa.acc = accbuf.data() + ra * a.dv;
+                sa.dv = a.dv;
+                step(sa);
+                // acc[ra:rb] (nr x dv, ld dv) += P · V[c0:c1]; column-major: accᵀ += Vᵀ · Pᵀ
+                gemm(g, "N", "N", int(a.dv), int(nr), int(n), T(1), v + c0 * a.v_rs,
+                     int(a.v_rs), s, int(n), T(1), accbuf.data() + ra * a.dv, int(a.dv));
+            }
+            T* out = OUT + (h * a.L + r0) * a.dv;
+            T* lse = LSE + h * a.L + r0;
+            for (int64_t i = 0; i < rows; ++i) {
+                const T li = lbuf[i];
+                const T* acc = accbuf.data() + i * a.dv;
+                if (li == T(0)) {  // no visible key: 0 and -inf, never NaN
+                    for (int64_t c = 0; c < a.dv; ++c) out[i * a.dv + c] = 0;
+                    lse[i] = ninf;
+                } else {
+                    const T inv = T(1) / li;
+                    for (int64_t c = 0; c < a.dv; ++c) out[i * a.dv + c] = acc[c] * inv;
+                    lse[i] = mbuf[i] + std::log(li);
+                }
+            }
+        }
+    };
+
+    const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(a.threads, ntasks));
+    std::vector<std::thread> pool;
+    try {
+        for (int64_t i = 1; i < nthreads; ++i) pool.emplace_back(worker);
+    } catch (...) {
+        // fewer threads than asked: the ones running (and this one) share the tasks
+    }
+    worker();
+    for (auto& th : pool) th.join();
+    return failed ? 1 : 0;
+}
+
+// The backward: tasks are (kv head, key block) pairs, each owning its rows of dK and dV; it
+// visits the kv head's query heads and their query blocks that see the key block. dQ rows are
+// shared between tasks of different key blocks: each query block's rows are added under a
+// lock.
+template <typename T, typename Gemm>
+int run_backward(const qkv_backward_args& a) {
+    const int64_t bq = std::max<int64_t>(1, a.block_q), bk = std::max<int64_t>(1, a.block_k);
+    const int64_t nkb = (a.S + bk - 1) / bk, nqb = (a.L + bq - 1) / bq;
+    const int64_t nq = a.nkv * a.group, ntasks = a.nkv * nkb;
+    const int isa = a.isa > 0 ? std::min<int>(int(a.isa), best_isa()) : best_isa();
+    const BwdSteps steps = pick_bwd<T>(isa);
+    const Gemm g = reinterpret_cast<Gemm>(a.gemm);
+    const T* Q = static_cast<const T*>(a.q);
+    const T* K = static_cast<const T*>(a.k);
+    const T* V = static_cast<const T*>(a.v);
+    const T* DO = static_cast<const T*>(a.dout);
+    const T* LSE = static_cast<const T*>(a.lse);
+    const T* DELTA = static_cast<const T*>(a.delta);
+    T* DQ = static_cast<T*>(a.dq);
+    T* DK = static_cast<T*>(a.dk);
+    T* DV = static_cast<T*>(a.dvo);
+    const T* BIAS = static_cast<const T*>(a.bias);
+    std::vector<std::mutex> locks;
+    try {
+        locks = std::vector<std::mutex>(size_t(nq * nqb));
+    } catch (const std::bad_alloc&) {
+        return 1;
+    }
+    std::atomic<int64_t> next(0);
+    std::atomic<int> failed(0);
+
+    auto worker = [&]() {
+        std::vector<T> sbuf, dpbuf;
+        std::vector<int64_t> lo(bq), hi(bq), jl(bq), jh(bq);
+        try {
+            sbuf.resize(size_t(bq * bk));
+            dpbuf.resize(size_t(bq * bk));
+        } catch (const std::bad_alloc&) {
+            failed = 1;
+            return;
+        }
+        for (;;) {
+            const int64_t t = next.fetch_add(1);
+            if (t >= ntasks || failed) return;
+            const int64_t kvh = t % a.nkv, kb = t / a.nkv;  // early key blocks first (causal)
+            const int64_t c0 = kb * bk, c1 = std::min(c0 + bk, a.S);
+            const T* k = K + a.k_off[kvh];
+            const T* v = V + a.v_off[kvh];
+            T* dk = DK + (kvh * a.S) * a.d;
+            T* dv = DV + (kvh * a.S) * a.dv;
+            for (int64_t gi = 0; gi < a.group; ++gi) {
+                const int64_t h = kvh * a.group + gi;
+                for (int64_t qb = 0; qb < nqb; ++qb) {
+                    const int64_t r0 = qb * bq, rows = std::min(bq, a.L - r0);
+                    for (int64_t i = 0; i < rows; ++i)
+                        bounds(a, a.S - a.L + r0 + i, &lo[i], &hi[i]);
+                    int64_t ra = 0, rb = rows;
+                    while (ra < rows && hi[ra] <= c0) ++ra;
+                    while (rb > ra && lo[rb - 1] >= c1) --rb;
+                    if (ra >= rb) continue;
+                    // the columns any of rows [ra, rb) may see
+                    const int64_t e0 = std::max(c0, lo[ra]), e1 = std::min(c1, hi[rb - 1]);
+                    if (e0 >= e1) continue;
+                    const int64_t nr = rb - ra, n = e1 - e0;
+                    for (int64_t i = ra; i < rb; ++i) {
+                        jl[i] = std::min(std::max(lo[i] - e0, int64_t(0)), n);
+                        jh[i] = std::max(std::min(hi[i] - e0, n), jl[i]);
+                    }
+                    const T* q = Q + a.q_off[h] + (r0 + ra) * a.q_rs;
+                    const T* dO = DO + (h * a.L + r0 + ra) * a.dv;
+                    T* s = sbuf.data();
+                    T* dp = dpbuf.data();
+                    // S = scale · Q Kᵀ (nr x n)
+                    gemm(g, "T", "N", int(n), int(nr), int(a.d), T(a.scale), k + e0 * a.k_rs,
+                         int(a.k_rs), q, int(a.q_rs), T(0), s, int(n));
+                    BwdArgs ba;
+                    ba.s = s;
+                    ba.dp = dp;
+                    ba.lds = n;
+                    ba.rows = nr;
+                    ba.n = n;
+                    ba.jl = jl.data() + ra;
+                    ba.jh = jh.data() + ra;
+                    const int64_t moff =
+                        a.m_off ? a.m_off[h] + (r0 + ra) * a.m_rs + e0 * a.m_cs : 0;
+                    ba.mask = a.mask ? a.mask + moff : nullptr;
+                    ba.bias = BIAS ? BIAS + moff : nullptr;
+                    ba.m_rs = a.m_rs;
+                    ba.m_cs = a.m_cs;
+                    ba.lse = LSE + h * a.L + r0 + ra;
+                    ba.delta = DELTA + h * a.L + r0 + ra;
+                    ba.scale = a.scale;
+                    steps.weights(ba);  // s = P
+                    // dV[e0:e1] += Pᵀ dO (column-major: dVᵀ += dOᵀ P)
+                    gemm(g, "N", "T", int(a.dv), int(n), int(nr), T(1), dO, int(a.dv), s,
+                         int(n), T(1), dv + e0 * a.dv, int(a.dv));
+                    // dP = dO Vᵀ (nr x n)
+                    gemm(g, "T", "N", int(n), int(nr), int(a.dv), T(1), v + e0 * a.v_rs,
+                         int(a.v_rs), dO, int(a.dv), T(0), dp, int(n));
+                    steps.dscores(ba);  // dp = dS
+                    // dK[e0:e1] += dSᵀ Q (column-major: dKᵀ += Qᵀ dS)
+                    gemm(g, "N", "T", int(a.d), int(n), int(nr), T(1), q, int(a.q_rs), dp,
+                         int(n), T(1), dk + e0 * a.d, int(a.d));
+                    // dQ rows += dS K (column-major: dQᵀ += Kᵀ dSᵀ), under the block's lock
+                    std::lock_guard<std::mutex> hold(locks[size_t(h * nqb + qb)]);
+                    gemm(g, "N", "N", int(a.d), int(nr), int(n), T(1), k + e0 * a.k_rs,
+                         int(a.k_rs), dp, int(n), T(1), DQ + (h * a.L + r0 + ra) * a.d,
+                         int(a.d));
+                }
+            }
+        }
+    };
+
+    const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(a.threads, ntasks));
+    std::vector<std::thread> pool;
+    try {
+        for (int64_t i = 1; i < nthreads; ++i) pool.emplace_back(worker);
+    } catch (...) {
+    }
+    worker();
+    for (auto& th : pool) th.join();
+    return failed ? 1 : 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// 0 on success; 1 when memory for the tiles could not be had; 2 for a bad argument.
+int qkv_prefill_f32(const qkv_prefill_args* a) {
+    if (!a || !a->gemm || a->L < 1 || a->S < 0 || a->d < 1 || a->dv < 0) return 2;
+    return run<float, sgemm_t>(*a);
+}
+
+int qkv_prefill_f64(const qkv_prefill_args* a) {
+    if (!a || !a->gemm || a->L < 1 || a->S < 0 || a->d < 1 || a->dv < 0) return 2;
+    return run<double, dgemm_t>(*a);
+}
+
+int qkv_backward_f32(const qkv_backward_args* a) {
+    if (!a || !a->gemm || a->L < 1 || a->S < 1 || a->d < 1 || a->dv < 1 || a->group < 1) return 2;
+    return run_backward<float, sgemm_t>(*a);
+}
+
+int qkv_backward_f64(const qkv_backward_args* a) {
+    if (!a || !a->gemm || a->L < 1 || a->S < 1 || a->d < 1 || a->dv < 1 || a->group < 1) return 2;
+    return run_backward<double, dgemm_t>(*a);
+}
+
+int64_t qkv_backward_args_size(void) { return int64_t(sizeof(qkv_backward_args)); }
+
+// The widest vector clone this CPU runs: 1 baseline, 2 AVX2, 3 AVX-512.
+int qkv_best_isa(void) { return best_isa(); }
+
+// The size of the argument struct, so the Python side can check it agrees on the layout.
+int64_t qkv_args_size(void) { return int64_t(sizeof(qkv_prefill_args)); }
+
+}  // extern "C"

@@ -1,0 +1,381 @@
+"""The native fused prefill equals qkv.reference: shapes, masks, windows, grouped heads, dtypes,
+extreme and non-finite values, every vector clone; and it switches off as documented."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import qkv
+from qkv import reference
+from qkv.grad import reference_attention_vjp
+from qkv.kernels import dispatch, native
+from qkv.validate import make_plan
+
+_lib, _why = native._library()
+_gemm, _why_gemm = native._gemm()
+pytestmark = pytest.mark.skipif(
+    _lib is None or _gemm is None, reason=f"native kernels unavailable: {_why or _why_gemm}"
+)
+
+# Tolerances against the float64 reference, relative to the values' size.
+TOL = {np.float64: 1e-10, np.float32: 2e-5, np.float16: 3e-3}
+ISAS = list(native.ISAS)  # capped by the CPU: a clone it cannot run falls back to a narrower one
+
+
+def check(out, lse, q, k, v, dtype=np.float64, **kw):
+    """Assert (out, lse) equal the reference on the dtype-rounded inputs (NaN where it is)."""
+    with np.errstate(invalid="ignore"):  # NaN and inf inputs: NaN rows, by policy
+        ref_out, ref_lse = reference.attention(q, k, v, return_lse=True, **kw)
+    tol = TOL[dtype]
+    finite_v = np.abs(v[np.isfinite(v)]) if np.size(v) else np.zeros(1)
+    scale = max(1.0, float(finite_v.max(initial=0.0)))
+    np.testing.assert_allclose(out, ref_out, rtol=tol, atol=tol * scale)
+    assert np.array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    assert np.array_equal(np.isnan(lse), np.isnan(ref_lse))
+    fin = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse[fin], ref_lse[fin], rtol=tol, atol=tol)
+
+
+def rand(rng, shape, dtype=np.float64):
+    return rng.standard_normal(shape).astype(dtype)
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Count the calls that reach the native kernel through qkv.attention."""
+    calls = []
+    real = native.attend
+    monkeypatch.setattr(native, "attend", lambda plan, **kw: calls.append(plan) or real(plan, **kw))
+    monkeypatch.delenv("QKV_NATIVE", raising=False)
+    return calls
+
+
+SIZES = [1, 3, 5, 7, 9, 13, 17]
+STRUCTURE = [
+    dict(),
+    dict(causal=True),
+    dict(window=(2, 1)),
+    dict(window=(0, None)),
+    dict(causal=True, window=(3, None)),
+]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("L, S", [(L, S) for L in SIZES for S in SIZES if (L + S) % 4 == 0])
+@pytest.mark.parametrize("kw", STRUCTURE, ids=str)
+def test_native_equals_reference_at_tile_edges(L, S, kw, isa):
+    rng = np.random.default_rng(L * 100 + S)
+    q, k, v = rand(rng, (2, 4, L, 6)), rand(rng, (2, 2, S, 6)), rand(rng, (2, 2, S, 3))
+    out, lse = native.attend(make_plan(q, k, v, **kw), block_q=4, block_k=8, isa=isa)
+    check(out, lse, q, k, v, **kw)
+
+
+@st.composite
+def problems(draw):
+    """Shapes, grouped or broadcast heads, dtype, scale, causal, window, mask, tiles, clone."""
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    dtype = draw(st.sampled_from([np.float64, np.float32, np.float16]))
+    d, dv = draw(st.integers(1, 9)), draw(st.integers(1, 7))
+    L, S = draw(st.integers(1, 20)), draw(st.integers(1, 20))
+    kind = draw(st.sampled_from(["2d", "heads", "gqa", "batch-broadcast"]))
+    if kind == "2d":
+        qs, ks = (L, d), (S, d)
+    elif kind == "heads":
+        h = draw(st.integers(1, 3))
+        qs, ks = (2, h, L, d), (2, h, S, d)
+    elif kind == "gqa":
+        hkv, g = draw(st.integers(1, 3)), draw(st.integers(2, 3))
+        qs, ks = (2, hkv * g, L, d), (2, hkv, S, d)
+    else:
+        qs, ks = (3, 2, L, d), (S, d)  # k/v broadcast over batch and heads
+    q, k = rand(rng, qs, dtype), rand(rng, ks, dtype)
+    v = rand(rng, ks[:-1] + (dv,), dtype)
+    opts = {"causal": draw(st.booleans())}
+    if draw(st.booleans()):
+        opts["scale"] = draw(st.floats(0.05, 4.0))
+    if draw(st.booleans()):
+        side = st.one_of(st.none(), st.integers(0, 6))
+        opts["window"] = (draw(side), draw(side))
+    mask_kind = draw(st.sampled_from([None, "bool", "float", "bool-row", "bool-heads"]))
+    if mask_kind == "bool":
+        opts["mask"] = rng.random((L, S)) < 0.7
+    elif mask_kind == "bool-row":
+        opts["mask"] = rng.random((S,)) < 0.5  # broadcast over rows
+    elif mask_kind == "bool-heads" and len(qs) == 4:
+        opts["mask"] = rng.random((qs[1], 1, S)) < 0.6  # per head, broadcast over rows
+    elif mask_kind == "float":
+        bias = rng.standard_normal((L, S))
+        bias[rng.random((L, S)) < 0.2] = -np.inf
+        opts["mask"] = bias.astype(dtype)
+    tiles = dict(block_q=draw(st.integers(1, 8)), block_k=draw(st.integers(1, 8)))
+    run = dict(tiles, isa=draw(st.sampled_from(ISAS)), threads=draw(st.integers(1, 3)))
+    return q, k, v, opts, run
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_native_property(problem):
+    q, k, v, opts, run = problem
+    plan = make_plan(q, k, v, **opts)
+    out, lse = native.attend(plan, **run)
+    assert out.dtype == plan.acc_dtype and out.shape == plan.batch + (plan.L, plan.dv)
+    f64 = [x.astype(np.float64) for x in (q, k, v)]
+    check(out, lse, *f64, dtype=q.dtype.type, **opts)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("kw", STRUCTURE, ids=str)
+def test_auto_prefill_runs_native_and_equals_reference(dtype, kw, spy):
+    rng = np.random.default_rng(5)
+    q, k = rand(rng, (1, 4, 300, 16), dtype), rand(rng, (1, 2, 300, 16), dtype)
+    v = rand(rng, (1, 2, 300, 8), dtype)
+    out = qkv.attention(q, k, v, **kw)
+    assert spy and out.dtype == dtype
+    ref = reference.attention(*(x.astype(np.float64) for x in (q, k, v)), **kw)
+    np.testing.assert_allclose(out, ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("mask_shape", [(300, 260), (1, 260), (4, 1, 260), (2, 4, 300, 260)])
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_masks_broadcast_and_combine_with_causal(mask_shape, kind, spy):
+    rng = np.random.default_rng(7)
+    q, k, v = rand(rng, (2, 4, 300, 8)), rand(rng, (2, 4, 260, 8)), rand(rng, (2, 4, 260, 5))
+    if kind == "bool":
+        mask = rng.random(mask_shape) < 0.6
+    else:
+        mask = rng.standard_normal(mask_shape) * 3
+        mask[rng.random(mask_shape) < 0.3] = -np.inf
+    for kw in (dict(), dict(causal=True), dict(window=(40, 3))):
+        out, lse = qkv.attention(q, k, v, mask=mask, return_lse=True, **kw)
+        check(out, lse, q, k, v, mask=mask, **kw)
+    assert len(spy) == 3
+
+
+def test_strided_and_broadcast_inputs():
+    rng = np.random.default_rng(8)
+    base = rand(rng, (3, 70, 2, 12), np.float32)  # (batch, L, heads, d): heads not outermost
+    q = np.swapaxes(base, 1, 2)[..., :10]  # rows strided, last axis contiguous but cut
+    k = rand(rng, (90, 10), np.float32)  # one K/V for every batch and head
+    v = np.asfortranarray(rand(rng, (90, 6), np.float32))  # column-major: copied for BLAS
+    plan = make_plan(q, k, v, causal=True)
+    out, lse = native.attend(plan, block_q=16, block_k=32)
+    f64 = [np.asarray(x, dtype=np.float64) for x in (q, k, v)]
+    check(out, lse, *f64, dtype=np.float32, causal=True)
+
+
+def test_rows_that_see_no_key_give_zero_and_neg_inf():
+    rng = np.random.default_rng(9)
+    q, k, v = rand(rng, (2, 50, 4)), rand(rng, (2, 30, 4)), rand(rng, (2, 30, 3))
+    mask = np.ones((50, 30), dtype=bool)
+    mask[10:20] = False  # ten rows see nothing
+    for kw in (dict(causal=True, window=(0, None)), dict(mask=mask), dict(mask=mask, causal=True)):
+        plan = make_plan(q, k, v, **kw)
+        out, lse = native.attend(plan, block_q=8, block_k=8)
+        check(out, lse, q, k, v, **kw)
+        assert np.isfinite(out).all()
+    # L > S under causal: the first L - S rows sit before every key
+    out, lse = native.attend(make_plan(q, k, v, causal=True), block_q=7, block_k=5)
+    assert np.all(out[:, :20] == 0) and np.all(np.isneginf(lse[:, :20]))
+    check(out, lse, q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_nan_and_inf_propagate_to_their_rows_only(dtype):
+    rng = np.random.default_rng(10)
+    q, k, v = (
+        rand(rng, (2, 40, 4), dtype),
+        rand(rng, (2, 40, 4), dtype),
+        rand(rng, (2, 40, 3), dtype),
+    )
+    q[0, 7, 1] = np.nan  # row 7 of head 0
+    k[1, 30, 2] = np.inf  # key 30 of head 1: the rows that see it
+    for kw in (dict(), dict(causal=True), dict(window=(3, 3))):
+        out, lse = native.attend(make_plan(q, k, v, **kw), block_q=6, block_k=9)
+        with np.errstate(invalid="ignore"):
+            ref_out, ref_lse = reference.attention(q, k, v, return_lse=True, **kw)
+        assert np.array_equal(np.isnan(out), np.isnan(ref_out)), kw
+        assert np.array_equal(np.isnan(lse), np.isnan(ref_lse)), kw
+        check(out, lse, q, k, v, dtype=dtype, **kw)
+    # a NaN value reaches every row that sees its key (a hidden key's value may or may not
+    # reach the rows that cannot see it, as in the reference's dense product: not asserted)
+    v[1, 5, 0] = np.nan
+    out, lse = native.attend(make_plan(q, k, v), block_q=6, block_k=9)
+    check(out, lse, q, k, v, dtype=dtype)
+    assert np.isnan(out[1, :, 0]).all() and not np.isnan(out[0, :7]).any()
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_extreme_values_match_reference(dtype, spy):
+    rng = np.random.default_rng(11)
+    big = float(np.finfo(dtype).max)
+    q, k = rand(rng, (2, 200, 8), dtype), rand(rng, (2, 200, 8), dtype)
+    # huge logits (one-hot rows), values near the dtype's maximum (an accumulator of S of them
+    # overflows: the dispatcher reruns with the values scaled), and a float16 q·k beyond 65504
+    cases = [
+        (q * dtype(8), k * dtype(8), rand(rng, (2, 200, 3), dtype)),
+        (q, k, (rand(rng, (2, 200, 3)) * big / 4).astype(dtype)),
+        (np.full((2, 200, 8), 200, dtype), np.full((2, 200, 8), 200, dtype), q[..., :3]),
+    ]
+    for qq, kk, vv in cases:
+        out = qkv.attention(qq, kk, vv, causal=True)
+        assert out.dtype == dtype and np.isfinite(out).all()
+        ref = reference.attention(*(x.astype(np.float64) for x in (qq, kk, vv)), causal=True)
+        vmax = float(np.abs(vv.astype(np.float64)).max())
+        np.testing.assert_allclose(out, ref, rtol=TOL[dtype], atol=TOL[dtype] * max(1.0, vmax))
+    assert spy
+
+
+def test_float32_scale_beyond_its_range_runs_in_float64(spy):
+    rng = np.random.default_rng(12)
+    q, k, v = (rand(rng, (2, 150, 4), np.float32) for _ in range(3))
+    for scale in (1e-40, 1e39):  # subnormal and beyond float32: the plan is redone in float64
+        out = qkv.attention(q, k, v, causal=True, scale=scale)
+        ref = reference.attention(
+            *(x.astype(np.float64) for x in (q, k, v)), causal=True, scale=scale
+        )
+        np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5)
+    assert spy and all(p.acc_dtype == np.float64 for p in spy)
+
+
+def test_sinks_are_added_after_the_native_kernel(spy):
+    rng = np.random.default_rng(13)
+    q, k, v = rand(rng, (1, 4, 200, 8)), rand(rng, (1, 2, 200, 8)), rand(rng, (1, 2, 200, 4))
+    sinks = np.array([0.5, -1.0, 2.0, 0.0])
+    out, lse = qkv.attention(q, k, v, causal=True, sinks=sinks, return_lse=True)
+    ref_out, ref_lse = reference.attention(q, k, v, causal=True, sinks=sinks, return_lse=True)
+    np.testing.assert_allclose(out, ref_out, atol=1e-10)
+    np.testing.assert_allclose(lse, ref_lse, atol=1e-10)
+    assert spy
+
+
+@pytest.mark.parametrize("variant", [dict(softcap=5.0), dict(alibi_slopes=np.ones(4))])
+def test_score_variants_run_on_the_numpy_kernels(variant, spy):
+    rng = np.random.default_rng(14)
+    q, k, v = rand(rng, (1, 4, 200, 8)), rand(rng, (1, 4, 200, 8)), rand(rng, (1, 4, 200, 4))
+    assert not native.supports(make_plan(q, k, v, **variant))
+    out = qkv.attention(q, k, v, causal=True, **variant)
+    np.testing.assert_allclose(
+        out, reference.attention(q, k, v, causal=True, **variant), atol=1e-10
+    )
+    assert not spy
+
+
+def test_threads_and_clones_agree():
+    rng = np.random.default_rng(15)
+    q, k, v = (rand(rng, (3, 257, 16), np.float32) for _ in range(3))
+    plan = make_plan(q, k, v, causal=True)
+    first, _ = native.attend(plan, threads=1, isa="baseline", block_q=32, block_k=64)
+    for isa in ISAS:
+        for threads in (1, 2, 5):
+            out, _ = native.attend(plan, threads=threads, isa=isa, block_q=32, block_k=64)
+            np.testing.assert_allclose(out, first, rtol=1e-5, atol=1e-6)
+
+
+def test_switched_off_by_environment(monkeypatch):
+    rng = np.random.default_rng(16)
+    q, k, v = (rand(rng, (2, 300, 8), np.float32) for _ in range(3))
+    plan = make_plan(q, k, v, causal=True)
+    monkeypatch.setenv("QKV_NATIVE", "0")
+    assert not native.supports(plan)
+    assert native.info()["active"] is False and "QKV_NATIVE=0" in native.info()["reason"]
+    called = []
+    monkeypatch.setattr(native, "attend", lambda *a, **kw: called.append(1))
+    out, _ = dispatch.attend(plan)
+    assert not called
+    np.testing.assert_allclose(out, reference.attention(q, k, v, causal=True), atol=2e-5)
+    monkeypatch.delenv("QKV_NATIVE")
+    assert native.supports(plan) and native.info()["active"] is True
+
+
+def test_info_names_the_clone_and_the_kernels(monkeypatch):
+    monkeypatch.delenv("QKV_NATIVE", raising=False)
+    got = native.info()
+    assert got["isa"] in native.ISAS and got["library"].startswith("_native")
+    assert any(got["kernels"].values())
+
+
+# --- the backward ---------------------------------------------------------------------------
+
+
+def check_grads(got, q, k, v, d_out, dtype=np.float64, **kw):
+    """Assert (dq, dk, dv) equal the reference vjp on the dtype-rounded inputs."""
+    want = reference_attention_vjp(q, k, v, d_out, **kw)
+    tol = TOL[dtype] * 10  # sums over many more terms than the forward
+    for name, g, w in zip(("dq", "dk", "dv"), got, want, strict=True):
+        size = max(1.0, float(np.abs(w).max(initial=0.0)))
+        np.testing.assert_allclose(g, w, rtol=tol, atol=tol * size, err_msg=name)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(), st.integers(0, 2**16))
+def test_native_backward_property(problem, seed):
+    q, k, v, opts, run = problem
+    if q.dtype == np.float16:
+        q, k, v = (x.astype(np.float32) for x in (q, k, v))
+        if np.asarray(opts.get("mask")).dtype == np.float16:
+            opts["mask"] = opts["mask"].astype(np.float32)
+    plan = make_plan(q, k, v, **opts)
+    d_out = np.random.default_rng(seed).standard_normal(plan.batch + (plan.L, plan.dv))
+    d_out = d_out.astype(plan.acc_dtype)
+    out, lse = native.attend(plan)
+    got = native.backward(plan, d_out, out, lse, **run)
+    assert [g.shape for g in got] == [plan.q.shape, plan.k.shape, plan.v.shape]
+    f64 = [x.astype(np.float64) for x in (q, k, v, d_out)]
+    dq, dk, dv = got
+    if dk.shape != k.shape:  # one K/V broadcast to every head: its gradient sums over them
+        dk, dv = (g.reshape((-1,) + x.shape).sum(axis=0) for g, x in ((dk, k), (dv, v)))
+    check_grads((dq, dk, dv), *f64, dtype=q.dtype.type, **opts)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize(
+    "kw",
+    STRUCTURE + [dict(causal=True, sinks=np.array([0.5, -1.0, 2.0, 0.0]))],
+    ids=str,
+)
+def test_attention_vjp_runs_the_native_backward(dtype, kw, monkeypatch):
+    monkeypatch.delenv("QKV_NATIVE", raising=False)
+    calls = []
+    real = native.backward
+    monkeypatch.setattr(native, "backward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    rng = np.random.default_rng(21)
+    q, k = rand(rng, (1, 4, 300, 16), dtype), rand(rng, (1, 2, 300, 16), dtype)
+    v, d_out = rand(rng, (1, 2, 300, 8), dtype), rand(rng, (1, 4, 300, 8), dtype)
+    out, lse = qkv.attention(q, k, v, return_lse=True, **kw)
+    got = qkv.attention_vjp(q, k, v, d_out, out=out, lse=lse, **kw)
+    want = reference_attention_vjp(*(x.astype(np.float64) for x in (q, k, v, d_out)), **kw)
+    assert calls
+    tol = TOL[dtype] * 10
+    assert len(got) == len(want) == 3 + ("sinks" in kw)  # and dsinks
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=tol, atol=tol)
+    assert all(g.dtype == dtype for g in got[:3])
+
+
+def test_backward_rows_without_keys_and_nan():
+    rng = np.random.default_rng(22)
+    q, k, v = rand(rng, (2, 50, 4)), rand(rng, (2, 30, 4)), rand(rng, (2, 30, 3))
+    d_out = rand(rng, (2, 50, 3))
+    plan = make_plan(q, k, v, causal=True)  # L > S: the first 20 rows see no key
+    out, lse = native.attend(plan)
+    got = native.backward(plan, d_out, out, lse, block_q=8, block_k=8)
+    assert np.all(got[0][:, :20] == 0)
+    check_grads(got, q, k, v, d_out, causal=True)
+    q[1, 40, 0] = np.nan  # one row: its dq row, and every dk, dv row it sees, are NaN
+    plan = make_plan(q, k, v, causal=True)
+    out, lse = native.attend(plan)
+    dq, dk, dv = native.backward(plan, d_out, out, lse, block_q=8, block_k=8)
+    assert np.isnan(dq[1, 40]).all() and not np.isnan(dq[0]).any() and not np.isnan(dk[0]).any()
+    assert np.isnan(dv[1, :21]).all() and not np.isnan(dv[1, 21:]).any()
+
+
+def test_without_scipy_the_native_kernels_say_why(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "scipy.linalg", None)  # import fails as if not installed
+    monkeypatch.setitem(sys.modules, "scipy.linalg.cython_blas", None)
+    gemm, why = native._gemm.__wrapped__()
+    assert gemm is None and "SciPy" in why
