@@ -14,8 +14,8 @@ For each model, prompt length and batch (batch 4 is four prompts of different le
 padded to the longest), per backend:
 
 - **prefill**: one forward pass over the prompt into a fresh cache (best of ``--repeat``);
-- **decode**: per-token time of greedy ``generate`` (``DynamicCache``), from the time of
-  ``1 + new`` tokens minus that of 1 token, divided by ``new`` (best of ``--repeat``);
+- **decode**: per-token time of greedy decoding through a ``DynamicCache``, the median step of
+  ``--repeat`` runs of ``--new-tokens`` steps (and the fastest step, in brackets);
 - **attn GB/s**: during one decode run the attention function of every layer is timed; the K/V
   bytes it reads per call over that time, also as a fraction of the machine's read rate
   (``bench/machine.py``);
@@ -120,34 +120,55 @@ def _timed_backend(model: Any, backend: str, clock: AttentionClock) -> str:
     return name
 
 
-def measure(model: Any, backend: str, ids: Any, mask: Any, args: argparse.Namespace) -> dict:
-    """Prefill seconds, decode seconds per token, greedy tokens and attention rate."""
+def _decode(model: Any, ids: Any, mask: Any, new: int) -> tuple[list[float], list]:
+    """Prefill, then ``new`` greedy steps through a ``DynamicCache``: each step's seconds."""
     import torch
     from transformers import DynamicCache
 
-    kw = {"attention_mask": mask, "do_sample": False, "pad_token_id": 0, "min_new_tokens": 0}
+    cache = DynamicCache()
+    out = model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    times, tokens = [], []
+    for _ in range(new):
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        tokens.append(nxt)
+        mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
+        t0 = time.perf_counter()
+        out = model(nxt, attention_mask=mask, past_key_values=cache, use_cache=True)
+        times.append(time.perf_counter() - t0)
+    return times, torch.cat(tokens, dim=1).tolist()
+
+
+def measure(model: Any, backend: str, ids: Any, mask: Any, args: argparse.Namespace) -> dict:
+    """Prefill seconds, decode seconds per token, greedy tokens and attention rate.
+
+    Decode is the median step over ``--repeat`` runs of ``--new-tokens`` steps each (a median
+    of many short steps shrugs off the bursts of a shared machine better than a total).
+    """
+    import torch
+    from transformers import DynamicCache
+
     model.set_attn_implementation(backend)
     with torch.no_grad():
 
         def prefill() -> Any:
             return model(ids, attention_mask=mask, past_key_values=DynamicCache(), use_cache=True)
 
-        def gen(n: int) -> Any:
-            return model.generate(ids, max_new_tokens=n, **kw)
-
         t_pre = _common.best_time(prefill, repeat=args.repeat, pause=0.1)
-        t_one = _common.best_time(lambda: gen(1), repeat=args.repeat, pause=0.1)
-        t_all = _common.best_time(lambda: gen(1 + args.new_tokens), repeat=args.repeat, pause=0.1)
-        tokens = gen(1 + args.new_tokens)[:, ids.shape[1] :]
+        steps: list[float] = []
+        for _ in range(args.repeat):
+            times, tokens = _decode(model, ids, mask, args.new_tokens)
+            steps += times
         clock = AttentionClock()
         if backend != "eager":  # eager's function lives in each model's module: not timed
             _timed_backend(model, backend, clock)
-            gen(1 + args.new_tokens)
+            _decode(model, ids, mask, args.new_tokens)
             model.set_attn_implementation(backend)
+    steps.sort()
     return {
         "prefill": t_pre,
-        "decode": max(t_all - t_one, 0.0) / args.new_tokens,
-        "tokens": tokens.tolist(),
+        "decode": steps[len(steps) // 2],
+        "decode range": (steps[0], steps[-1]),
+        "tokens": tokens,
         "attn_gbps": clock.bytes / clock.seconds / 1e9 if clock.seconds else float("nan"),
         "attn_ms": 1e3 * clock.seconds / max(1, clock.calls),
     }
@@ -202,6 +223,7 @@ def main(argv: list[str] | None = None) -> None:
                 first = res[backends[0]]["tokens"]
                 base = res.get("sdpa") or res.get("eager")
                 for backend, r in res.items():
+                    lo = r["decode range"][0]
                     rows.append(
                         {
                             "model": name,
@@ -210,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
                             "backend": backend,
                             "prefill ms": f"{1e3 * r['prefill']:.1f}",
                             "x peer": f"{r['prefill'] / base['prefill']:.2f}" if base else "-",
-                            "decode ms/tok": f"{1e3 * r['decode']:.2f}",
+                            "decode ms/tok": f"{1e3 * r['decode']:.2f} ({1e3 * lo:.2f})",
                             "x peer ": f"{r['decode'] / base['decode']:.2f}" if base else "-",
                             "attn ms/call": f"{r['attn_ms']:.3f}",
                             "attn GB/s": f"{r['attn_gbps']:.1f}",
