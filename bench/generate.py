@@ -1,0 +1,249 @@
+"""In-model benchmark: qkv as the transformers attention backend against "sdpa" and "eager".
+
+    python bench/generate.py [--models llama,gemma2] [--prompts 512,2048,8192] [--batches 1,4]
+                             [--new-tokens 16] [--repeat 3] [--threads 2]
+                             [--hidden 1024 --layers 4 --heads 16 --kv-heads 4]
+    python bench/generate.py --prompts 512 --layers 2 --repeat 1   # a quick run
+
+Models are built from configs with random weights (no download), float32, in eval mode: a
+Llama-style GQA model (the issue's reference: hidden 1024, 4 layers, 16 query heads over 4 kv
+heads, head dim 64) and a Gemma-2-style one of the same size (logit soft-capping, alternating
+sliding-window and full layers). Every backend runs the same weights in one process.
+
+For each model, prompt length and batch (batch 4 is four prompts of different lengths, left
+padded to the longest), per backend:
+
+- **prefill**: one forward pass over the prompt into a fresh cache (best of ``--repeat``);
+- **decode**: per-token time of greedy decoding through a ``DynamicCache``, the median step of
+  ``--repeat`` runs of ``--new-tokens`` steps (and the fastest step, in brackets);
+- **attn GB/s**: during one decode run the attention function of every layer is timed; the K/V
+  bytes it reads per call over that time, also as a fraction of the machine's read rate
+  (``bench/machine.py``);
+- the greedy tokens are compared with those of the first backend (``--backends`` order).
+
+Ratios ("x peer") are against ``sdpa``, or ``eager`` for Gemma 2 (transformers refuses
+``sdpa`` there: it cannot soft-cap the scores). ``eager`` is skipped above ``--eager-max``
+prompt tokens (its score matrix grows as the square of the prompt).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import _common
+import machine
+
+import qkv.integrations.transformers as qkv_hf
+
+
+def _config(name: str, args: argparse.Namespace, positions: int) -> Any:
+    import transformers
+
+    common = {
+        "vocab_size": args.vocab,
+        "hidden_size": args.hidden,
+        "intermediate_size": 4 * args.hidden,
+        "num_hidden_layers": args.layers,
+        "num_attention_heads": args.heads,
+        "num_key_value_heads": args.kv_heads,
+        "head_dim": args.hidden // args.heads,
+        "max_position_embeddings": positions,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    if name == "llama":
+        return transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
+    if name == "gemma2":
+        kinds = ["sliding_attention", "full_attention"] * args.layers
+        cfg = transformers.Gemma2Config(
+            **common,
+            sliding_window=args.window,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+            query_pre_attn_scalar=args.hidden // args.heads,
+            layer_types=kinds[: args.layers],
+        )
+        return cfg, transformers.Gemma2ForCausalLM
+    raise SystemExit(f"--models: unknown model {name!r} (llama, gemma2)")
+
+
+def _prompts(batch: int, length: int, vocab: int, seed: int = 0) -> tuple[Any, Any]:
+    """``batch`` prompts, the i-th ``length - i * length // 8`` tokens long, left padded."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (batch, length), generator=g)
+    mask = torch.ones(batch, length, dtype=torch.long)
+    for i in range(batch):
+        mask[i, : i * length // 8] = 0
+    ids[mask == 0] = 0
+    return ids, mask
+
+
+class AttentionClock:
+    """Times the attention function of every layer during a block: decode calls only."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.bytes = 0
+        self.calls = 0
+
+    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(module: Any, query: Any, key: Any, value: Any, *a: Any, **kw: Any) -> Any:
+            if query.shape[-2] != 1:
+                return fn(module, query, key, value, *a, **kw)
+            t0 = time.perf_counter()
+            out = fn(module, query, key, value, *a, **kw)
+            self.seconds += time.perf_counter() - t0
+            self.bytes += key.element_size() * (key.numel() + value.numel())
+            self.calls += 1
+            return out
+
+        return timed
+
+
+def _timed_backend(model: Any, backend: str, clock: AttentionClock) -> str:
+    """Register a timed copy of ``backend``'s attention function and switch ``model`` to it."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    name = f"timed_{backend}"
+    fn = qkv_hf.attention_forward if backend == "qkv" else AttentionInterface()[backend]
+    AttentionInterface.register(name, clock.wrap(fn))
+    AttentionMaskInterface.register(name, AttentionMaskInterface()[backend])
+    model.set_attn_implementation(name)
+    return name
+
+
+def _decode(model: Any, ids: Any, mask: Any, new: int) -> tuple[list[float], list]:
+    """Prefill, then ``new`` greedy steps through a ``DynamicCache``: each step's seconds."""
+    import torch
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    out = model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    times, tokens = [], []
+    for _ in range(new):
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        tokens.append(nxt)
+        mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
+        t0 = time.perf_counter()
+        out = model(nxt, attention_mask=mask, past_key_values=cache, use_cache=True)
+        times.append(time.perf_counter() - t0)
+    return times, torch.cat(tokens, dim=1).tolist()
+
+
+def measure(model: Any, backend: str, ids: Any, mask: Any, args: argparse.Namespace) -> dict:
+    """Prefill seconds, decode seconds per token, greedy tokens and attention rate.
+
+    Decode is the median step over ``--repeat`` runs of ``--new-tokens`` steps each (a median
+    of many short steps shrugs off the bursts of a shared machine better than a total).
+    """
+    import torch
+    from transformers import DynamicCache
+
+    model.set_attn_implementation(backend)
+    with torch.no_grad():
+
+        def prefill() -> Any:
+            return model(ids, attention_mask=mask, past_key_values=DynamicCache(), use_cache=True)
+
+        t_pre = _common.best_time(prefill, repeat=args.repeat, pause=0.1)
+        steps: list[float] = []
+        for _ in range(args.repeat):
+            times, tokens = _decode(model, ids, mask, args.new_tokens)
+            steps += times
+        clock = AttentionClock()
+        if backend != "eager":  # eager's function lives in each model's module: not timed
+            _timed_backend(model, backend, clock)
+            _decode(model, ids, mask, args.new_tokens)
+            model.set_attn_implementation(backend)
+    steps.sort()
+    return {
+        "prefill": t_pre,
+        "decode": steps[len(steps) // 2],
+        "decode range": (steps[0], steps[-1]),
+        "tokens": tokens,
+        "attn_gbps": clock.bytes / clock.seconds / 1e9 if clock.seconds else float("nan"),
+        "attn_ms": 1e3 * clock.seconds / max(1, clock.calls),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default="llama,gemma2")
+    p.add_argument("--prompts", default="512,2048,8192")
+    p.add_argument("--batches", default="1,4")
+    p.add_argument("--backends", default="qkv,sdpa,eager")
+    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--window", type=int, default=4096, help="Gemma 2's sliding window")
+    p.add_argument("--eager-max", type=int, default=2048)
+    p.add_argument("--no-machine", action="store_true", help="skip measuring the read rate")
+    args = p.parse_args(argv)
+
+    import torch
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    torch.set_num_threads(args.threads)
+    qkv_hf.register()
+    prompts = [int(x) for x in args.prompts.split(",")]
+    batches = [int(x) for x in args.batches.split(",")]
+    backends = args.backends.split(",")
+    read = float("nan") if args.no_machine else machine.read_gbps(nbytes=1 << 28)
+    print(f"threads: torch {torch.get_num_threads()}, {_common.threads_info()}")
+    print(f"machine read rate: {read:.1f} GB/s; float32; new tokens {args.new_tokens}")
+    rows = []
+    for name in args.models.split(","):
+        cfg, cls = _config(name, args, max(prompts) + args.new_tokens + 8)
+        cfg._attn_implementation = "eager"
+        torch.manual_seed(0)
+        model = cls(cfg).eval()
+        for length in prompts:
+            for batch in batches:
+                ids, mask = _prompts(batch, length, args.vocab)
+                res: dict[str, dict] = {}
+                for backend in backends:
+                    if backend == "sdpa" and name == "gemma2":
+                        continue  # transformers refuses sdpa for Gemma 2 (no soft-capping)
+                    if backend == "eager" and length > args.eager_max:
+                        continue
+                    res[backend] = measure(model, backend, ids, mask, args)
+                first = res[backends[0]]["tokens"]
+                base = res.get("sdpa") or res.get("eager")
+                for backend, r in res.items():
+                    lo = r["decode range"][0]
+                    rows.append(
+                        {
+                            "model": name,
+                            "prompt": length,
+                            "batch": batch,
+                            "backend": backend,
+                            "prefill ms": f"{1e3 * r['prefill']:.1f}",
+                            "x peer": f"{r['prefill'] / base['prefill']:.2f}" if base else "-",
+                            "decode ms/tok": f"{1e3 * r['decode']:.2f} ({1e3 * lo:.2f})",
+                            "x peer ": f"{r['decode'] / base['decode']:.2f}" if base else "-",
+                            "attn ms/call": f"{r['attn_ms']:.3f}",
+                            "attn GB/s": f"{r['attn_gbps']:.1f}",
+                            "of read": f"{r['attn_gbps'] / read:.0%}" if read == read else "-",
+                            "same tokens": "yes" if r["tokens"] == first else "NO",
+                        }
+                    )
+                print(_common.table(rows[-len(res) :], list(rows[-1])), flush=True)
+    print()
+    print(_common.table(rows, list(rows[0])))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""qkv as the transformers backend, step by step through DynamicCache and StaticCache.
+
+Tiny random models (Llama-style GQA; Gemma-2-style with soft-capping and alternating sliding
+and full layers), a left-padded batch, a prefill and several greedy decode steps driven by hand
+so that each step's logits are compared with the peer backend's (``sdpa``; ``eager`` for Gemma
+2, which transformers refuses to run on ``sdpa``), and the K/V arrays qkv reads checked to be
+the cache's own memory, not a copy.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from qkv import front as qkv_front  # noqa: E402
+from qkv.integrations.transformers import register  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers' renames
+
+VOCAB = 64
+SMALL = {
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "max_position_embeddings": 64,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def _model(name):
+    if name == "llama":
+        cfg, cls, peer = transformers.LlamaConfig(**SMALL), transformers.LlamaForCausalLM, "sdpa"
+    else:
+        cfg = transformers.Gemma2Config(
+            **SMALL,
+            sliding_window=4,
+            attn_logit_softcapping=0.5,
+            final_logit_softcapping=30.0,
+            query_pre_attn_scalar=8,
+            layer_types=["sliding_attention", "full_attention"],
+        )
+        cls, peer = transformers.Gemma2ForCausalLM, "eager"
+    cfg._attn_implementation = peer
+    torch.manual_seed(0)
+    ref = cls(cfg).eval()
+    ours = copy.deepcopy(ref)
+    ours.set_attn_implementation(register())
+    return cfg, ours, ref
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma2"])
+def pair(request):
+    return _model(request.param)
+
+
+def _cache(kind, cfg, length):
+    if kind == "dynamic":
+        return transformers.DynamicCache(config=cfg)
+    return transformers.StaticCache(config=cfg, max_cache_len=length)
+
+
+@pytest.fixture
+def reads(monkeypatch):
+    """(q shape, given k, given v, k qkv computed on, v qkv computed on) of every call."""
+    seen = []
+    inner = qkv_front._run
+
+    def spy(call):
+        g = call.given
+        seen.append((tuple(g["q"].shape), g["k"], g["v"], call.plan.k, call.plan.v))
+        return inner(call)
+
+    monkeypatch.setattr(qkv_front, "_run", spy)
+    return seen
+
+
+def _padded(batch=3, length=9, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (batch, length), generator=g)
+    attn = torch.ones(batch, length, dtype=torch.long)
+    attn[0, :4] = 0
+    attn[1, :1] = 0
+    ids[attn == 0] = 0
+    return ids, attn
+
+
+def _steps(model, cache, ids, attn, steps):
+    """Prefill then ``steps`` greedy decode steps by hand; the logits of real tokens each step."""
+    logits, tokens = [], []
+    with torch.no_grad():
+        out = model(ids, attention_mask=attn, past_key_values=cache, use_cache=True)
+        logits.append(out.logits[attn.bool()])
+        for _ in range(steps):
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            tokens.append(nxt)
+            attn = torch.cat([attn, torch.ones_like(nxt)], dim=1)
+            out = model(nxt, attention_mask=attn, past_key_values=cache, use_cache=True)
+            logits.append(out.logits[:, -1])
+    return logits, torch.cat(tokens, dim=1)
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_padded_batch_prefill_and_decode_steps_equal_peer(pair, kind):
+    cfg, ours, ref = pair
+    ids, attn = _padded()
+    steps = 5
+    got, got_tokens = _steps(ours, _cache(kind, cfg, 24), ids, attn, steps)
+    expect, expect_tokens = _steps(ref, _cache(kind, cfg, 24), ids, attn, steps)
+    assert got_tokens.tolist() == expect_tokens.tolist()
+    for a, b in zip(got, expect, strict=True):
+        torch.testing.assert_close(a, b, atol=5e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_decode_step_reads_the_cache_in_place(pair, kind, reads):
+    cfg, ours, _ = pair
+    ids, attn = _padded(batch=2, length=6, seed=3)
+    cache = _cache(kind, cfg, 16)
+    _steps(ours, cache, ids, attn, 2)
+    decode = [r for r in reads if r[0][-2] == 1]
+    assert len(decode) == 2 * cfg.num_hidden_layers
+    last = decode[-cfg.num_hidden_layers :]  # the last step, one call per layer
+    for layer, (_, k, v, k_read, v_read) in zip(cache.layers, last, strict=True):
+        # qkv computed on the memory of the tensors the model handed it, not on a copy ...
+        assert np.shares_memory(k_read, k.numpy()) and np.shares_memory(v_read, v.numpy())
+        if type(layer).__name__ == "DynamicSlidingWindowLayer":
+            continue  # ... which transformers builds for this layer by concatenating each step
+        # ... and those are the cache's own tensors
+        assert np.shares_memory(k_read, layer.keys.numpy())
+        assert np.shares_memory(v_read, layer.values.numpy())
