@@ -74,7 +74,7 @@ def on_device(*xs: Any) -> bool:
     tensor = _tensor_type()
     if tensor is None:
         return False
-    return any(isinstance(x, tensor) and x.device.type != "cpu" for x in xs)
+    return any(isinstance(x, tensor) and not x.is_cpu for x in xs)
 
 
 def _numpy_floats() -> tuple[Any, ...]:
@@ -93,7 +93,7 @@ def read(x: Any, name: str) -> Any:
     tensor = _tensor_type()
     if tensor is None or not isinstance(x, tensor):
         return x
-    if x.device.type != "cpu":
+    if not x.is_cpu:
         raise InputError(
             f"{name}: a tensor on device {x.device} (shape {tuple(x.shape)}); this function "
             "computes on the CPU and qkv never copies between devices silently: move it with "
@@ -154,11 +154,15 @@ def read_shadow(x: Any) -> Any:
 
 @dataclass(frozen=True)
 class Want:
-    """What a result should be given back as: a tensor of ``dtype`` (``None``: the dtype NumPy
-    computed) on ``device``. ``None`` instead of a :class:`Want` means NumPy arrays."""
+    """What a result should be given back as: a tensor (``bfloat16`` when the inputs were, else
+    the dtype NumPy computed) on ``device`` (``None``: the CPU). ``None`` instead of a
+    :class:`Want` means NumPy arrays."""
 
     bfloat16: bool
     device: Any
+
+
+_ON_CPU = {False: Want(bfloat16=False, device=None), True: Want(bfloat16=True, device=None)}
 
 
 def want_of(*xs: Any) -> Want | None:
@@ -176,7 +180,8 @@ def want_of(*xs: Any) -> Want | None:
     import torch
 
     bf16 = all(t.dtype == torch.bfloat16 for t in tensors)
-    return Want(bfloat16=bf16, device=tensors[0].device)
+    first = tensors[0]
+    return Want(bfloat16=bf16, device=None if first.is_cpu else first.device)
 
 
 def give(result: Any, want: Want | None, *, exact: bool = False) -> Any:
@@ -202,7 +207,7 @@ def give(result: Any, want: Want | None, *, exact: bool = False) -> Any:
     t = torch.from_numpy(a)
     if want.bfloat16 and not exact and t.is_floating_point():
         t = t.to(torch.bfloat16)
-    if want.device.type != "cpu":
+    if want.device is not None:
         t = t.to(want.device)
     return t
 
@@ -237,14 +242,16 @@ def survey(given: dict[str, Any]) -> Survey:
     for name, x in given.items():
         if not isinstance(x, tensor):
             continue
-        if x.device.type != "cpu":
+        if not x.is_cpu:
             device = True
         if grad_on and x.requires_grad:
             grad.append(name)
         if name in ("q", "k", "v"):
             first = x if first is None else first
             bf16 = bf16 and x.dtype == torch.bfloat16
-    want = None if first is None else Want(bfloat16=bf16, device=first.device)
+    want = None
+    if first is not None:
+        want = _ON_CPU[bf16] if first.is_cpu else Want(bfloat16=bf16, device=first.device)
     return Survey(device, tuple(grad), want)
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from functools import cache
 from typing import Any
 
 import numpy as np
@@ -233,8 +234,14 @@ def scale_fits(plan: Plan) -> bool:
 
 def scale_in_range(scale: float, dtype: np.dtype) -> bool:
     """Whether ``scale`` is a normal number of ``dtype`` (neither subnormal nor overflowing)."""
-    info = np.finfo(dtype)
-    return float(info.tiny) <= scale <= float(info.max)
+    tiny, top = _normal_range(np.dtype(dtype))
+    return tiny <= scale <= top
+
+
+@cache
+def _normal_range(dtype: np.dtype) -> tuple[float, float]:
+    info = np.finfo(dtype)  # looked up once per dtype: small calls pay for every microsecond
+    return float(info.tiny), float(info.max)
 
 
 def _kv_bytes(plan: Plan) -> int:
