@@ -102,6 +102,7 @@ def attend(plan: Plan, kernel: str = "auto") -> tuple[np.ndarray, np.ndarray]:
         if not scale_fits(plan):
             return mods.with_sinks(plan, *_in_float64(run, plan))
         out, lse = run(plan)
+        assert plan.v is not None  # outputs: the plan carries values
         if not np.isfinite(out).all() and plan.v.size:
             out, lse = _rescaled(run, plan, out, lse)
         if not np.isfinite(out).all() and plan.acc_dtype != np.float64 and _may_overflow(plan):
@@ -211,6 +212,7 @@ def attend_many(plans: list[Plan], kernel: str = "auto") -> list[tuple[np.ndarra
             done = decode.attend_many([plans[i] for i in at])
         for i, (out, lse) in zip(at, done, strict=True):
             plan = plans[i]
+            assert plan.v is not None  # outputs: the plan carries values
             if scale_fits(plan) and (np.isfinite(out).all() or not plan.v.size):
                 results[i] = mods.with_sinks(plan, out, lse)
     for i, (plan, name) in enumerate(zip(plans, names, strict=True)):
@@ -228,6 +230,7 @@ def _rescaled(run: Any, plan: Plan, out: np.ndarray, lse: np.ndarray) -> tuple[n
     path: it only runs when the output is not finite (NaN and inf in ``v`` are left out of the
     measure: they reach their own rows either way).
     """
+    assert plan.v is not None  # outputs: the plan carries values
     vmax = float(np.max(np.abs(plan.v), where=np.isfinite(plan.v), initial=0.0))
     room = float(np.finfo(plan.acc_dtype).max) / 2**20
     # in logarithms: vmax · S / room may underflow (tiny values) or overflow
