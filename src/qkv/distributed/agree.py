@@ -44,7 +44,7 @@ class Setup:
 
 def agree(
     comm: Communicator, what: str, fields: list[tuple[str, list[int]]], err: Exception | None
-) -> list[np.ndarray]:
+) -> np.ndarray:
     """All-gather every rank's description of its call; raise the same error on every rank
     when one rank failed its own checks or the ranks disagree. Returns the gathered rows."""
     host = zlib.crc32(socket.gethostname().encode()) & 0x7FFFFFFF
