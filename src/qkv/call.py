@@ -21,7 +21,7 @@ Examples
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from .errors import InputError
 from .kernels.dispatch import check_kernel
@@ -106,11 +106,14 @@ def build(
             given[name] = variants[name]
     seen = survey(given)
     if seen.device:
-        shadows = {name: read_shadow(x) for name, x in given.items()}
+        shadows: dict[str, Any] = {name: read_shadow(x) for name, x in given.items()}
         plan = make_plan(
             shadows["q"], shadows["k"], shadows["v"], scale=scale, causal=causal,
             mask=shadows["mask"], window=window, need_v=need_v,
-            **{**variants, **{n: shadows[n] for n in ("sinks", "alibi_slopes") if n in shadows}},
+            **cast(
+                dict[str, Any],
+                {**variants, **{n: shadows[n] for n in ("sinks", "alibi_slopes") if n in shadows}},
+            ),
         )  # fmt: skip
         return Call(fn, plan, "device", given, seen.want, kernel, return_lse, check_finite)
     plan = make_plan(

@@ -85,6 +85,7 @@ def check_int(
     """
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise InputTypeError(f"{name}: expected an integer, got {_shown(value)}")
+    value = int(value)  # an Integral (a NumPy integer too); the same value
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
         raise InputError(f"{name}: must be {_bounds(minimum, maximum)}, got {value}")
     return int(value)

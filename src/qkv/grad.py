@@ -39,7 +39,7 @@ Examples
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -77,6 +77,7 @@ def _grad_out(grad_out: Any, plan: Plan) -> np.ndarray:
     """``grad_out`` checked against the output's shape, as ``(*batch, L, dv)``."""
     g = as_array(grad_out, "grad_out")
     out_shape = plan.batch + ((plan.dv,) if plan.squeeze else (plan.L, plan.dv))
+    assert plan.v is not None  # gradients of attention: the plan carries values
     if not broadcasts_to(g.shape, out_shape):
         raise InputError(
             f"grad_out: shape {g.shape} does not broadcast to the output's shape {out_shape} "
@@ -110,7 +111,8 @@ def scores_vjp(plan: Plan, grad: Any) -> tuple[np.ndarray, np.ndarray]:
     """``dq, dk`` of ``sum(scores(q, k) * grad)`` for a checked plan (shapes as given)."""
     g = _grad_like(grad, plan, plan.S)
     dq, dk = _qk_grads(plan, g)
-    return _finish((dq, dk), plan)
+    # _finish returns as many gradients as it is given: two here
+    return cast(tuple[np.ndarray, np.ndarray], _finish((dq, dk), plan))
 
 
 def weights_vjp(plan: Plan, weights: np.ndarray, grad: Any) -> tuple[np.ndarray, ...]:
@@ -281,6 +283,7 @@ def _dense(plan: Plan, d_out: np.ndarray, grad_lse: Any = None) -> tuple[np.ndar
     p = heads_by_kv(p, g)
     qm = heads_by_kv(plan.q, g)
     dv = np.swapaxes(p, -1, -2) @ d_out
+    assert plan.v is not None  # gradients of attention: the plan carries values
     dp = d_out @ np.swapaxes(plan.v, -1, -2)
     delta = np.sum(dp * p, axis=-1, keepdims=True)  # = rowsum(dO ∘ O)
     if grad_lse is not None:
@@ -297,6 +300,7 @@ def _dense(plan: Plan, d_out: np.ndarray, grad_lse: Any = None) -> tuple[np.ndar
 
 def _dsinks(plan: Plan, lse: np.ndarray, delta: np.ndarray) -> np.ndarray:
     """``− Σ_rows exp(sink − lse) · δ``, summed back to the shape the sinks were given in."""
+    assert plan.sinks is not None  # called only for a plan with sinks
     p_sink = np.exp(plan.sinks[..., None] - lse)
     return _sinks_shaped(-np.sum(p_sink * delta, axis=-1), plan)
 
@@ -378,6 +382,7 @@ def reference_attention_vjp(
     if plan.score_mod is not None:
         raise InputError("score_mod: its derivative is unknown, so there is no VJP")
     d_out = _grad_out(grad_out, plan)
+    assert plan.v is not None  # gradients of attention: the plan carries values
     kr, vr = plan.k, plan.v
     if plan.group > 1:
         kr, vr = np.repeat(kr, plan.group, axis=-3), np.repeat(vr, plan.group, axis=-3)
@@ -399,7 +404,7 @@ def reference_attention_vjp(
         *rest, hq, m, n = x.shape
         return x.reshape(*rest, hq // plan.group, plan.group, m, n).sum(axis=-3)
 
-    res = _finish((dq, unrepeat(dkr), unrepeat(dvr)), plan)
+    res: tuple[np.ndarray, ...] = _finish((dq, unrepeat(dkr), unrepeat(dvr)), plan)
     res = tuple(r.astype(np.float64) for r in res)
     if plan.sinks is None:
         return res

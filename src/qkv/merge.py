@@ -93,7 +93,7 @@ def check(
         )
     if len(parts) == 0:
         raise InputError("parts: expected at least one (out, lse) pair, got none")
-    arrays = []
+    arrays: list[tuple[np.ndarray, np.ndarray]] = []
     for i, part in enumerate(parts):
         if not isinstance(part, (tuple, list)) or len(part) != 2:
             raise InputError(f"parts[{i}]: expected an (out, lse) pair, got {type(part).__name__}")

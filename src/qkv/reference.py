@@ -145,6 +145,7 @@ def attention(
         q, k, v, scale=scale, causal=causal, mask=mask, window=window, dtype=np.float64, **variants
     )
     z = _with_sink(_logits(plan), plan)
+    assert plan.v is not None  # made with values
     out = softmax(z)[..., :-1] @ _repeat_kv(plan.v, plan)
     m = np.max(z, axis=-1, initial=-np.inf)
     finite_m = np.where(m == -np.inf, 0.0, m)

@@ -62,7 +62,7 @@ def _grads(arrays: tuple[Any, ...], likes: tuple[Any, ...], needed: tuple[bool, 
 
 
 @cache
-def _attention() -> type:
+def _attention() -> Any:  # a torch.autograd.Function subclass (torch is optional)
     import torch
 
     class QkvAttention(torch.autograd.Function):
@@ -83,7 +83,9 @@ def _attention() -> type:
             gl = None if grad_lse is None else read(grad_lse, "grad_lse")
             if gl is not None and plan.squeeze:
                 gl = gl[..., None]
-            grads = grad.vjp(plan, read(grad_out, "grad_out"), grad_lse=gl)
+            grads: tuple[np.ndarray | None, ...] = grad.vjp(
+                plan, read(grad_out, "grad_out"), grad_lse=gl
+            )
             if len(grads) == 3:
                 grads = (*grads, None)
             return (*_grads(grads, ctx.likes, ctx.needs_input_grad[:4]), None)
@@ -92,7 +94,7 @@ def _attention() -> type:
 
 
 @cache
-def _weights() -> type:
+def _weights() -> Any:  # a torch.autograd.Function subclass (torch is optional)
     import torch
 
     class QkvWeights(torch.autograd.Function):
@@ -109,7 +111,9 @@ def _weights() -> type:
 
         @staticmethod
         def backward(ctx: Any, g: Any) -> Any:
-            grads = grad.weights_vjp(ctx.call.plan, ctx.w, read(g, "grad"))
+            grads: tuple[np.ndarray | None, ...] = grad.weights_vjp(
+                ctx.call.plan, ctx.w, read(g, "grad")
+            )
             if len(grads) == 2:
                 grads = (*grads, None)
             return (*_grads(grads, ctx.likes, ctx.needs_input_grad[:3]), None)
@@ -118,7 +122,7 @@ def _weights() -> type:
 
 
 @cache
-def _scores() -> type:
+def _scores() -> Any:  # a torch.autograd.Function subclass (torch is optional)
     import torch
 
     class QkvScores(torch.autograd.Function):
@@ -146,7 +150,7 @@ def softmax(x: Any, axis: int) -> Any:
 
 
 @cache
-def _softmax() -> type:
+def _softmax() -> Any:  # a torch.autograd.Function subclass (torch is optional)
     import torch
 
     from .tensors import want_of
@@ -176,7 +180,7 @@ def merge_parts(parts: Any, sinks: Any, want: Any) -> Any:
 
 
 @cache
-def _merge() -> type:
+def _merge() -> Any:  # a torch.autograd.Function subclass (torch is optional)
     import torch
 
     class QkvMerge(torch.autograd.Function):

@@ -119,7 +119,7 @@ def check_window(window: Any) -> Window | None:
         return None
     if not isinstance(window, (tuple, list)) or len(window) != 2:
         raise InputTypeError(f"window: expected (left, right), got {window!r}")
-    out = []
+    out: list[int | None] = []
     for side, w in zip(("left", "right"), window, strict=True):
         if w is None:
             out.append(None)
@@ -241,10 +241,11 @@ class Plan:
         """Sequences ``batch`` (axis 0) of this checked plan against their first ``n_keys``
         keys (a KV cache's sequences of one length), not checked again; ``variants``
         replaces user functions (whose batch index the caller offsets)."""
-        per_head = {
+        per_head: dict[str, Any] = {
             name: None if a is None else a[batch]
             for name, a in (("sinks", self.sinks), ("alibi", self.alibi))
         }
+        assert self.v is not None  # a KV cache's plans carry values
         return replace(
             self,
             q=self.q[batch],

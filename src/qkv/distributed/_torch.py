@@ -72,7 +72,7 @@ def ring_attention(
 
 
 @cache
-def _function() -> type:
+def _function() -> Any:  # a torch.autograd.Function subclass (torch is optional)
     import torch
 
     class RingAttention(torch.autograd.Function):

@@ -74,7 +74,7 @@ def agree(
     fields: list[tuple[str, list[int]]],
     err: Exception | None,
     timeout: float | None = DEFAULT_TIMEOUT,
-) -> list[np.ndarray]:
+) -> np.ndarray:
     """All-gather every rank's description of its call; raise the same error on every rank
     when one rank failed its own checks or the ranks disagree, and :class:`RankTimeout` naming
     the ranks that did not enter the call within ``timeout`` seconds. Returns the gathered

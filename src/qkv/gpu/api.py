@@ -30,7 +30,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import replace
 from functools import cache
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -157,7 +157,7 @@ def _flatten(x: torch.Tensor, batch: tuple[int, ...], rows: int, cols: int) -> t
 
 
 @cache
-def _function() -> type:
+def _function() -> Any:  # a torch.autograd.Function subclass (torch is optional)
     class TritonAttention(torch.autograd.Function):
         """Forward: the prefill/decode kernels; backward: the FlashAttention-2 kernels."""
 
@@ -208,7 +208,8 @@ def run(call: Call) -> Any:
     v4 = _flatten(v, kv_batch, S, dv)
     mask4 = bias4 = None
     if isinstance(mask, torch.Tensor):
-        shape = (plan.mask if plan.mask is not None else plan.bias).shape
+        # a tensor mask was read into plan.mask (boolean) or plan.bias (additive)
+        shape = (plan.mask if plan.mask is not None else cast(np.ndarray, plan.bias)).shape
         m4 = _flatten(mask.detach().reshape(shape), batch, L, S)
         if mask.dtype == torch.bool:
             mask4 = m4

@@ -20,7 +20,7 @@ plans, and every plan without Numba, run the NumPy kernel here; both equal the r
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -44,7 +44,10 @@ JIT_ITEM_BYTES = 8 << 20
 Item = tuple[tuple[int, ...], int, int, int, int]
 
 
-def _heads(x: np.ndarray | None, nbatch: int) -> np.ndarray | None:
+_A = TypeVar("_A", np.ndarray, None)
+
+
+def _heads(x: _A, nbatch: int) -> _A:
     """View with an explicit heads axis at -3 (a plan with no batch gets one head)."""
     if x is None or nbatch:
         return x
@@ -54,6 +57,7 @@ def _heads(x: np.ndarray | None, nbatch: int) -> np.ndarray | None:
 class _Problem:
     def __init__(self, plan: Plan) -> None:
         nb = len(plan.batch)
+        assert plan.v is not None  # decode computes outputs: its plans carry values
         self.plan = plan
         self.dt = plan.acc_dtype
         self.g, self.L, self.S = plan.group, plan.L, plan.S
@@ -128,6 +132,7 @@ class _Problem:
             per_query += self.bias[outer][h0 * g : h1 * g, :, c0:c1]
         if plan.structured and (c0 < self.inner_lo or c1 > self.inner_hi):
             ok = allowed(self.L, self.S, causal=plan.causal, window=plan.window, cols=range(c0, c1))
+            assert ok is not None  # plan.structured: causal or windowed, so a tile comes back
             np.copyto(per_query, -np.inf, where=~ok)  # not += -inf: inf + -inf is NaN
         if self.mask is not None:
             per_query[~self.mask[outer][h0 * g : h1 * g, :, c0:c1]] = -np.inf

@@ -61,6 +61,7 @@ def softmax_rows(z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def attend(plan: Plan) -> tuple[np.ndarray, np.ndarray]:
     """Output ``(*batch, L, dv)`` and lse ``(*batch, L)``, both in the compute dtype."""
     w, lse = softmax_rows(logits(plan))
+    assert plan.v is not None  # attention's output needs values
     return grouped_matmul(w, plan.v, plan.group), lse
 
 
@@ -78,6 +79,7 @@ def attend_plain(plan: Plan) -> tuple[np.ndarray, np.ndarray]:
     s -= m
     np.exp(s, out=s)
     denom = s.sum(axis=-1)
+    assert plan.v is not None  # attention's output needs values
     out = grouped_matmul(s, plan.v, g)
     out /= denom[..., None]
     return out, m[..., 0] + np.log(denom)

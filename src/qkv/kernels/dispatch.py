@@ -111,6 +111,7 @@ def attend(plan: Plan, kernel: str = "auto") -> tuple[np.ndarray, np.ndarray]:
             out, lse = _in_float64(run, plan)
         else:
             out, lse = run(plan)
+            assert plan.v is not None  # outputs: the plan carries values
             if not np.isfinite(out).all() and plan.v.size:
                 out, lse = _rescaled(run, plan, out, lse)
             if not np.isfinite(out).all() and plan.acc_dtype != np.float64 and may_overflow(plan):
@@ -268,6 +269,7 @@ def attend_many(plans: list[Plan], kernel: str = "auto") -> list[tuple[np.ndarra
             done = decode.attend_many([plans[i] for i in at])
         for i, (out, lse) in zip(at, done, strict=True):
             plan = plans[i]
+            assert plan.v is not None  # outputs: the plan carries values
             if scale_fits(plan) and (np.isfinite(out).all() or not plan.v.size):
                 results[i] = mods.with_sinks(plan, out, lse)
     for i, (plan, name) in enumerate(zip(plans, names, strict=True)):
@@ -285,6 +287,7 @@ def _rescaled(run: Any, plan: Plan, out: np.ndarray, lse: np.ndarray) -> tuple[n
     path: it only runs when the output is not finite (NaN and inf in ``v`` are left out of the
     measure: they reach their own rows either way).
     """
+    assert plan.v is not None  # outputs: the plan carries values
     vmax = float(np.max(np.abs(plan.v), where=np.isfinite(plan.v), initial=0.0))
     room = float(np.finfo(plan.acc_dtype).max) / 2**20
     # in logarithms: vmax · S / room may underflow (tiny values) or overflow

@@ -176,6 +176,7 @@ def sink_factor(plan: Plan, lse: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     ``lse`` is ``(*batch, L)``. The factor rescales outputs and weights computed without the
     sink; a row with no key (``lse = -inf``) gets factor 0 and ``lse' = sink``.
     """
+    assert plan.sinks is not None  # called only for a plan with sinks
     return _factor(lse, plan.sinks[..., None].astype(lse.dtype, copy=False))
 
 

@@ -313,6 +313,7 @@ def attend_plan(
     lse = np.full(plan.batch + (plan.L,), -np.inf, dtype=dt)
     outer = plan.batch[:-1]
     k = np.broadcast_to(plan.k, outer + plan.k.shape[-3:])
+    assert plan.v is not None  # packed attention computes outputs: its plans carry values
     v = np.broadcast_to(plan.v, outer + plan.v.shape[-3:])
     views = [
         (

@@ -91,6 +91,7 @@ class _Problem:
         full = plan.batch + (self.L, self.S)
         self.mask = None if plan.mask is None else np.broadcast_to(plan.mask, full)
         self.bias = None if plan.bias is None else np.broadcast_to(plan.bias, full)
+        assert plan.v is not None  # the tiled kernel computes outputs: its plans carry values
         self.tau = _safe_tau(plan.v, self.S, self.dt)
         self.out = np.zeros(plan.batch + (self.L, plan.dv), dtype=self.dt)
         self.lse = np.full(plan.batch + (self.L,), -np.inf, dtype=self.dt)
@@ -127,6 +128,7 @@ class _Problem:
                 rows=range(r0, r1),
                 cols=range(c0, c1),
             )
+            assert ok is not None  # plan.structured: causal or windowed, so a tile comes back
             tile = np.ascontiguousarray(~ok.T)
             if len(self.edges) < 8:  # a few offsets recur; bound the memory anyway
                 self.edges[key] = tile
@@ -140,6 +142,7 @@ class _Problem:
         va = self.vaug.get(kidx)
         if va is not None:
             return va, 0
+        assert self.plan.v is not None  # checked in __init__
         v = self.plan.v[kidx]
         whole = v.shape[0] * (v.shape[1] + 1) * self.dt.itemsize
         keep = self.vaug_bytes + whole <= VALUES_CACHE

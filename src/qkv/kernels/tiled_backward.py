@@ -89,6 +89,7 @@ def backward(
     lse_safe = np.where(lse == -np.inf, np.inf, lse)[..., None].astype(acc, copy=False)
     dq = np.zeros(plan.q.shape, dtype=acc)
     dk = np.zeros(plan.k.shape, dtype=acc)
+    assert plan.v is not None  # gradients need the forward's values
     dv = np.zeros(plan.v.shape, dtype=acc)
     for j0 in range(0, plan.S, block):
         cols = range(j0, min(j0 + block, plan.S))
