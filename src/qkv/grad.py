@@ -269,7 +269,9 @@ def _guarded(plan: Plan, d_out: np.ndarray, run: Any) -> tuple[Any, ...]:
     return res
 
 
-def _dense(plan: Plan, d_out: np.ndarray, grad_lse: Any = None) -> tuple[np.ndarray, ...]:
+def _dense(
+    plan: Plan, d_out: np.ndarray, grad_lse: Any = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
     """``(dq, dk, dv, delta, lse)`` by the dense weights: ``dq`` ``(*batch, L, d)``, ``dk``
     and ``dv`` in the kv heads' broadcast shapes, ``delta = rowsum(dO ∘ O)`` and the lse with
     the sinks (``None`` without them)."""
@@ -340,6 +342,7 @@ def _tiled(plan: Plan, grad_out: Any, out: Any, lse: Any, block: Any) -> tuple[n
         a float64 retry always: the caller's were rounded to the compute dtype)."""
         if o is not None and p is plan:
             o_, m_ = o, m
+            assert m_ is not None  # out and lse are given together
         else:
             o_, m_ = mods.with_sinks(p, *tiled.attend(p, block_q=int(block), block_k=int(block)))
         return (*tiled_backward.backward(p, g, o_, m_, int(block)), o_, m_)

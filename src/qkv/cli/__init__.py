@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _one_line(text: str) -> str:
+def _one_line(text: object) -> str:
     return " ".join(str(text).split())
 
 
@@ -100,6 +100,8 @@ def _main(argv: Sequence[str] | None) -> int:
         print(_one_line(exc), file=sys.stderr)
         return 2
     except InputError as exc:
+        # argparse turns a type= reader's InputError (a ValueError) into a usage error
+        assert args is not None  # so only a parsed command raises it here
         name = getattr(args, "command_name", args.command)  # e.g. "study scaling"
         print(f"qkv {name}: error: {_one_line(exc)}", file=sys.stderr)
         return 2

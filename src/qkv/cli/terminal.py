@@ -18,7 +18,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TextIO, cast
 
 __all__ = ["ESCAPE", "attach_values", "encodable_stdout", "plain_rules", "silence_stdout"]
 
@@ -107,7 +107,8 @@ def silence_stdout() -> None:
         return
     try:
         fd = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(fd, sys.stdout.fileno())
+        # no stdout at all (None) raises AttributeError, caught below
+        os.dup2(fd, cast(TextIO, sys.stdout).fileno())
         os.close(fd)
     except (OSError, ValueError, AttributeError):
         pass
@@ -115,7 +116,8 @@ def silence_stdout() -> None:
 
 def _value_options(parser: argparse.ArgumentParser) -> tuple[set[str], set[str]]:
     """Option strings that take exactly one value, and all option strings, of every (sub)parser."""
-    takes, known = set(), set()
+    takes: set[str] = set()
+    known: set[str] = set()
     for action in parser._actions:
         known.update(action.option_strings)
         if action.option_strings and action.nargs is None:

@@ -20,6 +20,7 @@ True
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import wraps
 from typing import Any
 
@@ -54,7 +55,7 @@ def ring_attention(
     stats: RingStats | None = None,
     timeout: Any = DEFAULT_TIMEOUT,
 ) -> Any:
-    run = _ring.ring_attention
+    run: Callable[..., Any] = _ring.ring_attention
     if is_tensor(q, k, v, sinks, alibi_slopes):
         from ._torch import ring_attention as run
     return run(
@@ -99,7 +100,7 @@ def decode(
     return_lse: bool = False,
     timeout: Any = DEFAULT_TIMEOUT,
 ) -> Any:
-    run = _decode
+    run: Callable[..., Any] = _decode
     if is_tensor(q, k, v):
         from ._torch import decode as run
     return run(q, k, v, comm=comm, scale=scale, return_lse=return_lse, timeout=timeout)

@@ -125,7 +125,7 @@ def ring_attention_varlen(q: Any, k: Any, v: Any, cu_seqlens: Any, **opts: Any) 
 
 
 @cache
-def _varlen_function() -> type:
+def _varlen_function() -> Any:  # a torch.autograd.Function subclass (torch is optional)
     import torch
 
     class RingAttentionVarlen(torch.autograd.Function):

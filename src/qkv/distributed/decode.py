@@ -62,10 +62,11 @@ def decode(
     try:
         seconds = check_timeout(timeout)
         arrays = [as_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))]
-        dtypes = list(arrays)  # type: ignore[arg-type]
-        shapes = [a.shape for a in arrays]
-        shapes[1] = shapes[1][:-2] + (-1,) + shapes[1][-1:] if len(shapes[1]) >= 2 else shapes[1]
-        shapes[2] = shapes[2][:-2] + (-1,) + shapes[2][-1:] if len(shapes[2]) >= 2 else shapes[2]
+        dtypes = list(arrays)
+        got = [a.shape for a in arrays]
+        got[1] = got[1][:-2] + (-1,) + got[1][-1:] if len(got[1]) >= 2 else got[1]
+        got[2] = got[2][:-2] + (-1,) + got[2][-1:] if len(got[2]) >= 2 else got[2]
+        shapes = list(got)
         plan = make_plan(*arrays, scale=scale)
     except (InputError, InputTypeError) as exc:
         err = exc

@@ -220,15 +220,15 @@ def main(argv: list[str] | None = None) -> int:
             )
             print("rank  fwd s  bwd s  peak MiB  wait fwd  wait bwd  threads  max err out/dq")
             for i, r in enumerate(report["ranks"]):
-                bwd = (
+                back = (
                     ("     -", "        -", "-")
                     if args.no_backward
                     else (f"{r['bwd_s']:6.2f}", f"{r['bwd_wait']:9.1%}", f"{r['err_dq']:.2e}")
                 )
                 print(
-                    f"{i:4d} {r['fwd_s']:6.2f} {bwd[0]} {r['peak_mib']:9.0f} "
-                    f"{r['fwd_wait']:8.1%} {bwd[1]} {int(r['threads']):8d}  "
-                    f"{r['err_out']:.2e} / {bwd[2]}"
+                    f"{i:4d} {r['fwd_s']:6.2f} {back[0]} {r['peak_mib']:9.0f} "
+                    f"{r['fwd_wait']:8.1%} {back[1]} {int(r['threads']):8d}  "
+                    f"{r['err_out']:.2e} / {back[2]}"
                 )
             if args.no_backward:
                 print("no backward pass (--no-backward): no gradient was computed or checked")

@@ -132,8 +132,8 @@ def _prefix_calls(s: Setup, owner: int) -> Iterator[tuple[int, int, int, bool]]:
             groups[-1][1] = i + 1
         else:
             groups.append([i, i + 1, p, int(diag)])
-    for a, b, p, diag in groups:
-        yield a * s.h, b * s.h, p * s.h, bool(diag)
+    for a, b, p, on_diagonal in groups:
+        yield a * s.h, b * s.h, p * s.h, bool(on_diagonal)
 
 
 def _window_calls(s: Setup, owner: int, docs: Docs) -> Iterator[_Call]:
@@ -211,6 +211,7 @@ def _block_plan(s: Setup, call: _Call, kb: np.ndarray, vb: np.ndarray) -> Plan:
     this rank's checked plan (nothing is checked again), sinks left for after the merge."""
     lo, hi, k_lo, k_hi, causal, window, offsets = call
     p, n = s.plan, k_hi - k_lo
+    assert p.v is not None  # a ring's plan always carries values
     k = kb[..., k_lo:k_hi, :].astype(p.acc_dtype, copy=False)
     v = vb[..., k_lo:k_hi, :].astype(p.acc_dtype, copy=False)
     k = np.broadcast_to(k, p.k.shape[:-2] + (n, p.d))
@@ -553,6 +554,7 @@ def _dsinks(s: Setup, g: np.ndarray, out: np.ndarray, lse: np.ndarray) -> np.nda
     """``− Σ_rows exp(sink − lse) · δ`` (``δ = rowsum(dO ∘ O)``) over every rank's rows, in the
     shape and dtype the sinks were given in."""
     p = s.plan
+    assert p.sinks is not None  # called only for a plan with sinks
     delta = np.sum(g * out, axis=-1)
     mine = -np.sum(np.exp(p.sinks[..., None] - lse) * delta, axis=-1)
     total = s.comm.allgather(np.ascontiguousarray(mine)).sum(axis=0)

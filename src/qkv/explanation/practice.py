@@ -183,6 +183,10 @@ class Practice:
         self.exercise = exercise
         self.trace: Trace = exercise.trace()
         ex, t = exercise, self.trace
+        # an exercise's trace runs to the output: every step is set
+        assert t.excluded is not None and t.logits is not None and t.exps is not None
+        assert t.raw is not None and t.scaled is not None
+        assert t.weights is not None and t.output is not None
         q = ex.q[0] if ex.q.shape[0] == 1 else ex.q
         args = (q, ex.k, ex.v)
         slip_traces = {
@@ -272,6 +276,7 @@ class Practice:
 
     def _worked_scaled(self) -> list[str]:
         t = self.trace
+        assert t.raw is not None and t.scaled is not None  # the trace runs to the output
         head = [f"scale = {t.scale.describe()}"]
         return head + [
             f"{p}k{j}: {fmt(t.raw[i, j])} × {fmt(t.scale.value)} = {fmt(t.scaled[i, j])}"
@@ -281,6 +286,9 @@ class Practice:
 
     def _worked_exps(self) -> list[str]:
         t, out = self.trace, []
+        # the trace runs to the output: every step is set
+        assert t.row_max is not None and t.excluded is not None and t.scaled is not None
+        assert t.shifted is not None and t.exps is not None
         for i, p in self._rows():
             out.append(f"{p}max = {fmt(t.row_max[i])}")
             for j in range(t.S):
@@ -295,6 +303,8 @@ class Practice:
 
     def _worked_weights(self) -> list[str]:
         t, out = self.trace, []
+        # the trace runs to the output: every step is set
+        assert t.exps is not None and t.sums is not None and t.weights is not None
         for i, p in self._rows():
             out.append(f"{p}Σ = " + " + ".join(fmt(x) for x in t.exps[i]) + f" = {fmt(t.sums[i])}")
             out += [
@@ -305,6 +315,8 @@ class Practice:
 
     def _worked_output(self) -> list[str]:
         t = self.trace
+        # the trace runs to the output: every step is set
+        assert t.weights is not None and t.v is not None and t.output is not None
 
         def vec(v: np.ndarray) -> str:
             return "[" + ", ".join(fmt(x) for x in v) + "]"

@@ -30,7 +30,7 @@ import numbers
 import re
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any
+from typing import Any, cast
 
 from ..errors import InputError, InputTypeError
 from ..extras import require
@@ -191,10 +191,11 @@ class ScaleExpr:
         if kind == "neg":
             return -self._float(n[1], d)
         a, b = self._float(n[1], d), self._float(n[2], d)
-        return (
+        return cast(  # a complex power is refused by value()
+            float,
             {"+": a + b, "-": a - b, "*": a * b}.get(kind)
             if kind in "+-*"
-            else (a / b if kind == "/" else a**b)
+            else (a / b if kind == "/" else a**b),
         )
 
     def exact(self, d: int | Fraction = 1) -> Fraction | None:
@@ -505,11 +506,12 @@ def check_d(d: Any) -> int:
         f = float(d)
     except OverflowError:  # an integer (or fraction) beyond the float range: never repr it
         raise InputError("d: expected a positive integer up to 2**53, got one > 1e308") from None
-    if not (math.isfinite(f) and f.is_integer() and d >= 1):
+    # cast: the numbers.Real stub has no >= nor int(); every Real accepted here has both
+    if not (math.isfinite(f) and f.is_integer() and cast(Any, d) >= 1):
         raise InputError(f"d: expected a positive integer up to 2**53, got {d!r}")
     if f > MAX_D:
         raise InputError(f"d: expected a positive integer up to 2**53, got {f:.4g}")
-    return int(d)
+    return int(cast(Any, d))
 
 
 def check_d_and_scale(d: int | None, expr: ScaleExpr | None, *, label: str = "d, scale") -> None:

@@ -185,12 +185,14 @@ class Trace(Renderable):
                 f"weighted: L·S·dv = {self.L}·{self.S}·{self.dv} = {n} numbers is more than "
                 f"{MAX_WEIGHTED} at once; use weighted_row(i) for one query row"
             )
+        assert self.weights is not None  # set whenever the output is
         return self.weights[:, :, None] * self.v[None, :, :]
 
     def weighted_row(self, i: int) -> np.ndarray:
         """``weights[i, j] · v[j]`` for query row ``i`` and every key ``j``, ``(S, dv)``."""
         if self.output is None or self.v is None:
             raise InputError("weighted_row: the trace does not reach the output (no v)")
+        assert self.weights is not None  # set whenever the output is
         return self.weights[i][:, None] * self.v
 
     # ----- one query row and key, in words -----
@@ -207,6 +209,7 @@ class Trace(Renderable):
 
         Long vectors show their first and last terms with a count.
         """
+        assert self.raw is not None  # asked only of a trace that reaches the scores
         a, b = self.q[i], self.k[j]
 
         def f(x: float) -> str:
@@ -221,6 +224,7 @@ class Trace(Renderable):
         """The rules that exclude key ``j`` for query row ``i``: ``["causal"]`` and so on."""
         if self.excluded is None or not self.excluded[i, j]:
             return []
+        assert self.exclusions is not None  # set together with excluded
         found = [name for name, bad in self.exclusions.items() if bad[i, j]]
         return found or ["score is -inf"]
 
@@ -494,9 +498,13 @@ def _exclusions(
     L, S = plan.L, plan.S
     parts = {}
     if plan.causal:
-        parts["causal"] = ~allowed(L, S, causal=True)
+        seen = allowed(L, S, causal=True)
+        assert seen is not None  # None only without causal and window
+        parts["causal"] = ~seen
     if plan.window is not None:
-        parts["window"] = ~allowed(L, S, window=plan.window)
+        seen = allowed(L, S, window=plan.window)
+        assert seen is not None  # a checked window is never (None, None)
+        parts["window"] = ~seen
     if mask is not None:
         parts["mask"] = ~mask
     if bias is not None:

@@ -13,6 +13,7 @@ keep the interpreted cases fast.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -119,6 +120,7 @@ def prefill(
     )  # fmt: skip
     blocks = {"BLOCK_D": _p2(d), "BLOCK_DV": _p2(dv)}
     if _interpreted():
+        grid: tuple[int, int] | Callable[[dict[str, Any]], tuple[int, int]]
         grid = (triton.cdiv(L, 16), Z * Hq)
         K.prefill_fwd[grid](*args, **_flags(q, opts, mask, bias), BLOCK_M=16, BLOCK_N=16, **blocks)
     else:  # pragma: no cover - needs a GPU

@@ -101,7 +101,8 @@ class _Args(ctypes.Structure):
 class _BwdArgs(ctypes.Structure):
     """``qkv_backward_args`` of ``native_src/prefill.cpp`` (same order, all 8-byte fields)."""
 
-    _fields_ = [(name, ctypes.c_int64) for name in ("nkv", "group", "L", "S", "d", "dv")] + [
+    _fields_ = [
+        *((name, ctypes.c_int64) for name in ("nkv", "group", "L", "S", "d", "dv")),
         ("q", ctypes.c_void_p),
         ("q_off", ctypes.c_void_p),
         ("q_rs", ctypes.c_int64),
@@ -187,12 +188,12 @@ def _capsule_pointer(capsule: Any) -> int:
 def _gemm() -> tuple[dict[np.dtype, int] | None, str]:
     """``({float32: sgemm, float64: dgemm}, "")`` from SciPy, or ``(None, why not)``."""
     try:
-        from scipy.linalg import cython_blas
+        from scipy.linalg import cython_blas  # type: ignore[import-untyped]  # no stubs
     except ImportError:
         return None, "SciPy is not installed (its BLAS runs the tile products)"
     try:
         capi = cython_blas.__pyx_capi__
-        found = {
+        found: dict[np.dtype, int] = {
             np.dtype(np.float32): _capsule_pointer(capi["sgemm"]),
             np.dtype(np.float64): _capsule_pointer(capi["dgemm"]),
         }
@@ -326,6 +327,7 @@ def attend(
     gemm, why2 = _gemm()
     if lib is None or gemm is None:
         raise RuntimeError(f"qkv native kernels unavailable: {why or why2}")
+    assert plan.v is not None  # supports() asks for values
     dt = plan.acc_dtype
     batch, L, dv = plan.batch, plan.L, plan.dv
     out = np.empty(batch + (L, dv), dtype=dt)
@@ -342,6 +344,7 @@ def attend(
         np.ascontiguousarray(np.broadcast_to(o, batch)).reshape(-1) for o in (k_off, v_off)
     )
     m, m_off = _masks(plan)
+    m_ptr = None if m is None else m.ctypes.data  # the mask's or the bias's data
     left, right = plan.window if plan.window is not None else (None, None)
     n = _workers(threads)
     args = _Args(
@@ -361,8 +364,8 @@ def attend(
         v_rs=_row_stride(v),
         out=out.ctypes.data,
         lse=lse.ctypes.data,
-        mask=None if plan.mask is None else m.ctypes.data,
-        bias=None if plan.bias is None else m.ctypes.data,
+        mask=None if plan.mask is None else m_ptr,
+        bias=None if plan.bias is None else m_ptr,
         m_off=None if m_off is None else m_off.ctypes.data,
         m_rs=0 if m is None else m.strides[-2] // m.itemsize,
         m_cs=0 if m is None else m.strides[-1] // m.itemsize,
@@ -409,6 +412,7 @@ def backward(
     gemm, why2 = _gemm()
     if lib is None or gemm is None:
         raise RuntimeError(f"qkv native kernels unavailable: {why or why2}")
+    assert plan.v is not None  # supports() asks for values
     dt = plan.acc_dtype
     batch, L, S, d, dv = plan.batch, plan.L, plan.S, plan.d, plan.dv
     dq = np.zeros(plan.q.shape, dtype=dt)
@@ -427,6 +431,7 @@ def backward(
     k_off = np.ascontiguousarray(_offsets(k)).reshape(-1)
     v_off = np.ascontiguousarray(_offsets(v)).reshape(-1)
     m, m_off = _masks(plan)
+    m_ptr = None if m is None else m.ctypes.data  # the mask's or the bias's data
     left, right = plan.window if plan.window is not None else (None, None)
     args = _BwdArgs(
         nkv=k_off.size,
@@ -450,8 +455,8 @@ def backward(
         dq=dq.ctypes.data,
         dk=dk.ctypes.data,
         dvo=dvv.ctypes.data,
-        mask=None if plan.mask is None else m.ctypes.data,
-        bias=None if plan.bias is None else m.ctypes.data,
+        mask=None if plan.mask is None else m_ptr,
+        bias=None if plan.bias is None else m_ptr,
         m_off=None if m_off is None else m_off.ctypes.data,
         m_rs=0 if m is None else m.strides[-2] // m.itemsize,
         m_cs=0 if m is None else m.strides[-1] // m.itemsize,

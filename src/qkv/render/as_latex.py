@@ -163,9 +163,11 @@ def math_display(t: Trace) -> str:
     scale_tex = s.expr.latex(s.d) if s.expr.uses_d else s.expr.latex()
     lines = [r"\text{scale} &= " + scale_tex + " = " + math(fmt(s.value))]
     if t.reaches("scores"):
+        assert t.raw is not None and t.scaled is not None
         lines.append(r"q K^\top &= " + _bmatrix(t.raw))
         lines.append(r"S = q K^\top \cdot \text{scale} &= " + _bmatrix(t.scaled))
     if t.reaches("weights"):
+        assert t.weights is not None
         lines.append(r"W = \mathrm{softmax}(S) &= " + _bmatrix(t.weights))
         if t.exact is not None:
             ex = t.exact
@@ -180,6 +182,7 @@ def math_display(t: Trace) -> str:
                 )
             lines.append(r"&= \begin{bmatrix}" + r" \\ ".join(body) + r"\end{bmatrix}")
     if t.reaches("output"):
+        assert t.output is not None
         lines.append(r"O = W V &= " + _bmatrix(t.output))
     return "$$\\begin{aligned}\n" + " \\\\\n".join(lines) + "\n\\end{aligned}$$"
 

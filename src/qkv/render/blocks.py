@@ -278,6 +278,8 @@ def _row_label(t: Trace, i: int) -> str:
 def _row_steps(t: Trace, i: int, keys: list[int | None]) -> list[Any]:
     ex = t.exact
     has_w = t.reaches("weights")
+    # the steps section is built from the scores stage on
+    assert t.raw is not None and t.scaled is not None
     header = [
         Cell("key", kind="label"),
         Cell("q·k (terms)", kind="label"),
@@ -304,7 +306,7 @@ def _row_steps(t: Trace, i: int, keys: list[int | None]) -> list[Any]:
                 + [Cell("⋮", kind="gap")] * (len(header) - 1)
             )
             continue
-        masked = has_w and bool(t.excluded[i, j])
+        masked = has_w and t.excluded is not None and bool(t.excluded[i, j])
         st = "masked" if masked else ""
         row = [
             Cell(t.key_label(j), kind="label", style=st),
@@ -321,6 +323,8 @@ def _row_steps(t: Trace, i: int, keys: list[int | None]) -> list[Any]:
             row.append(
                 Cell(("yes — " + t.reason_text(i, j)) if masked else "no", kind="text", style=st)
             )
+            # has_w: the softmax steps are set from the weights stage on
+            assert t.shifted is not None and t.exps is not None and t.weights is not None
             if ex is not None:
                 row += [
                     _exact_cell(ex, ex.shifted[i][j], st),
@@ -336,8 +340,12 @@ def _row_steps(t: Trace, i: int, keys: list[int | None]) -> list[Any]:
         rows.append(row)
     out: list[Any] = [Table(header, rows)]
     if has_w:
+        # the softmax steps are set from the weights stage on
+        assert t.excluded is not None and t.row_max is not None
+        assert t.sums is not None and t.lse is not None
         seen = int((~t.excluded[i]).sum())
         if t.sink is not None:
+            assert t.sink_share is not None  # set together with the sink
             out.append(
                 Para(
                     f"sink = {fmt(t.sink)}: exp(sink − max) joins Σ with no value; its share "
@@ -371,6 +379,9 @@ def _row_steps(t: Trace, i: int, keys: list[int | None]) -> list[Any]:
 
 def _weighted(t: Trace, i: int, keys: list[int | None]) -> list[Any]:
     ex = t.exact
+    # called only when the trace reaches the output
+    assert t.excluded is not None and t.weights is not None
+    assert t.v is not None and t.output is not None
     header = [
         Cell("key", kind="label"),
         Cell("weight", kind="label"),
@@ -433,7 +444,7 @@ def build(
         raise InputError(f"skip: unknown sections {unknown}; known: {', '.join(SECTIONS)}")
 
     def steps() -> list[Any]:
-        shown = pick(t.L, max_rows) if rows is None else [int(i) for i in rows]
+        shown: list[int | None] = pick(t.L, max_rows) if rows is None else [int(i) for i in rows]
         return _steps(t, shown, pick(t.S, max_keys))
 
     sections: dict[str, Callable[[], list[Any]]] = {
@@ -452,6 +463,8 @@ def build(
 
 
 def _heatmap(t: Trace) -> list[Any]:
+    # drawn only when the trace reaches the weights
+    assert t.weights is not None and t.excluded is not None
     return [
         Heatmap(
             t.weights,
@@ -484,7 +497,8 @@ def _steps(t: Trace, rows: list[int | None], keys: list[int | None]) -> list[Any
 
 def _results(t: Trace, max_rows: int, max_keys: int, max_dims: int) -> list[Any]:
     blocks: list[Any] = [Heading(2, "Results")]
-    names = dict(
+    assert t.scaled is not None  # the results section is built from the scores stage on
+    names: dict[str, Any] = dict(
         row_names=None if t.query_labels is None else list(t.query_labels),
         col_names=None if t.key_labels is None else list(t.key_labels),
     )
@@ -503,6 +517,7 @@ def _results(t: Trace, max_rows: int, max_keys: int, max_dims: int) -> list[Any]
         )
     )
     if t.reaches("weights"):
+        assert t.weights is not None
         blocks.append(
             _matrix_table(
                 t.weights,
@@ -515,6 +530,7 @@ def _results(t: Trace, max_rows: int, max_keys: int, max_dims: int) -> list[Any]
             )
         )
     if t.reaches("output"):
+        assert t.output is not None
         blocks.append(
             _matrix_table(
                 t.output,

@@ -54,6 +54,10 @@ def _vec(v: np.ndarray, limit: int = 6) -> str:
 
 def _reading_data(t: Trace, row: int) -> dict[str, Any]:
     L, S = t.L, t.S
+    # explore_page only takes traces that reach the weights
+    assert t.scaled is not None and t.excluded is not None and t.weights is not None
+    assert t.shifted is not None and t.exps is not None
+    assert t.row_max is not None and t.sums is not None
     colors = [
         ["#d9d9d9" if t.excluded[i, j] else _color(float(t.weights[i, j])) for j in range(S)]
         for i in range(L)
@@ -80,6 +84,7 @@ def _reading_data(t: Trace, row: int) -> dict[str, Any]:
         "sum": fmt(t.sums[row]),
     }
     if t.reaches("output"):
+        assert t.output is not None
         data["share"] = [_vec(t.weighted_row(row)[j]) for j in range(S)]
         data["output"] = _vec(t.output[row])
     return data
@@ -212,7 +217,7 @@ def explore_page(
     readings = scale_readings(trace)
     traces, initial, ref = readings.traces, readings.initial, readings.shown
     L, S, i = ref.L, ref.S, row
-    data = {
+    data: dict[str, Any] = {
         "initial": initial,
         "row": i,
         "readings": {k: _reading_data(t, i) for k, t in traces.items()},
@@ -232,6 +237,7 @@ def explore_page(
     out.append("</div>")
     out.append(f'<p class="formula" id="describe">{_e(ref.scale.describe())}</p>')
     out.append(f'<p class="note" id="note">{_e(ref.scale.note or "")}</p>')
+    assert ref.excluded is not None  # the trace reaches the weights (checked above)
     if ref.excluded.any():
         rules = sorted({r for a in range(L) for b in range(S) for r in ref.reasons(a, b)})
         out.append(
@@ -278,6 +284,7 @@ def explore_page(
 
 def _heat_table(t: Trace, row: int, colors: list[list[str]]) -> Table:
     """Every weight (rounded) in a coloured cell; the explained row's cells lead the hover."""
+    assert t.excluded is not None and t.weights is not None  # the trace reaches the weights
     header = [Cell("", kind="label")] + [Cell(t.key_label(j), kind="label") for j in range(t.S)]
     rows = []
     for a in range(t.L):
@@ -305,6 +312,7 @@ def _steps_table(t: Trace, i: int) -> Table:
         names.append("weight · v (share of the output)")
     header = [Cell(name, kind="label") for name in names]
     header[3].attrs["id"] = "scaled-head"
+    assert t.raw is not None and t.excluded is not None  # the trace reaches the weights
 
     def filled(field: str, j: int, **more: str) -> Cell:
         return Cell("", attrs={"data-field": field, "data-i": str(i), "data-j": str(j), **more})
