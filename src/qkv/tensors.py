@@ -63,10 +63,14 @@ def _tensor_type() -> Any:
 
 def is_tensor(*xs: Any) -> bool:
     """True when any of ``xs`` is a ``torch.Tensor``; never imports torch itself."""
-    tensor = _tensor_type()
-    if tensor is None:
+    torch = sys.modules.get("torch")
+    if torch is None:
         return False
-    return any(isinstance(x, tensor) for x in xs)
+    tensor = torch.Tensor
+    for x in xs:  # a plain loop: this runs on every call of every public function
+        if isinstance(x, tensor):
+            return True
+    return False
 
 
 def on_device(*xs: Any) -> bool:

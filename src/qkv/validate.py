@@ -214,6 +214,15 @@ class Plan:
     given: tuple[tuple[np.dtype, tuple[int, ...]], ...] = ()
     offsets: tuple[int, int] = (0, 0)
 
+    @classmethod
+    def trusted(cls, **fields: Any) -> Plan:
+        """A plan from fields checked already, filled in one step: a frozen dataclass's
+        ``__init__`` sets its 18 fields one by one (3.5 µs, an eighth of a small call).
+        Fields left out keep their defaults."""
+        plan = object.__new__(cls)
+        plan.__dict__.update(fields)
+        return plan
+
     def block(
         self,
         rows: slice,
@@ -400,8 +409,11 @@ def _plain_plan(q: Any, k: Any, v: Any, scale: Any, causal: bool) -> Plan | None
             return None
         group = hq // hkv
     fscale = 1.0 / math.sqrt(qs[-1]) if scale is None else check_scale(scale, qs[-1])
-    given = ((dt, qs), (dt, ks), (dt, vs))
-    return Plan(q, k, v, fscale, causal, None, None, None, group, dt, dt, False, given=given)
+    return Plan.trusted(
+        q=q, k=k, v=v, scale=fscale, causal=causal, window=None, mask=None, bias=None,
+        group=group, out_dtype=dt, acc_dtype=dt, squeeze=False,
+        given=((dt, qs), (dt, ks), (dt, vs)),
+    )  # fmt: skip
 
 
 def block_plan(
