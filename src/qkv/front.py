@@ -25,7 +25,7 @@ from . import cache, core, grad, torch_bridge, varlen
 from . import merge as merging
 from .call import Call, build
 from .errors import InputError
-from .tensors import give, refuse_grad, want_of, wants_grad
+from .tensors import give, give_pair, refuse_grad, want_of, wants_grad
 
 __all__ = [
     "KVCache",
@@ -43,9 +43,7 @@ def _run(call: Call) -> Any:
     """The back end for a checked call (see the module docstring)."""
     if call.route == "numpy":
         res = core.run(call)
-        if call.return_lse:  # the lse stays in the accumulation dtype
-            return give(res[0], call.want), give(res[1], call.want, exact=True)
-        return give(res, call.want)
+        return give_pair(res[0], res[1], call.want) if call.return_lse else give(res, call.want)
     if call.route == "autograd":
         return torch_bridge.run(call)
     return _gpu_run()(call)
@@ -263,7 +261,7 @@ def merge(parts: Sequence[tuple[Any, Any]], *, sinks: Any = None) -> Any:
     if any(wants_grad(x) for x in flat):
         return torch_bridge.merge_parts(parts, sinks, want)
     out, lse = merging.merge(parts, sinks=sinks)
-    return give(out, want), give(lse, want, exact=True)
+    return give_pair(out, lse, want)
 
 
 @wraps(varlen.attention_varlen)

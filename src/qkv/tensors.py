@@ -44,8 +44,8 @@ __all__ = [
     "Want",
     "as_dtype",
     "give",
+    "give_pair",
     "is_tensor",
-    "on_device",
     "read",
     "read_cpu",
     "read_shadow",
@@ -71,14 +71,6 @@ def is_tensor(*xs: Any) -> bool:
         if isinstance(x, tensor):
             return True
     return False
-
-
-def on_device(*xs: Any) -> bool:
-    """True when any of ``xs`` is a tensor on a device other than the CPU."""
-    tensor = _tensor_type()
-    if tensor is None:
-        return False
-    return any(isinstance(x, tensor) and not x.is_cpu for x in xs)
 
 
 def _numpy_floats() -> tuple[Any, ...]:
@@ -214,6 +206,12 @@ def give(result: Any, want: Want | None, *, exact: bool = False) -> Any:
     if want.device is not None:
         t = t.to(want.device)
     return t
+
+
+def give_pair(out: Any, lse: Any, want: Want | None) -> tuple[Any, Any]:
+    """``(out, lse)`` in the caller's type: ``out`` as :func:`give` makes it, the lse in the
+    accumulation dtype it was computed in (``exact``)."""
+    return give(out, want), give(lse, want, exact=True)
 
 
 def as_dtype(a: np.ndarray, like: Any) -> Any:

@@ -34,7 +34,7 @@ import numpy as np
 
 from . import core, grad, merge
 from .kernels import dense
-from .tensors import as_dtype, give, read
+from .tensors import as_dtype, give, give_pair, read, want_of
 
 if TYPE_CHECKING:  # pragma: no cover
     from .call import Call
@@ -153,8 +153,6 @@ def softmax(x: Any, axis: int) -> Any:
 def _softmax() -> Any:  # a torch.autograd.Function subclass (torch is optional)
     import torch
 
-    from .tensors import want_of
-
     class QkvSoftmax(torch.autograd.Function):
         @staticmethod
         def forward(ctx: Any, x: Any, axis: int) -> Any:
@@ -190,7 +188,7 @@ def _merge() -> Any:  # a torch.autograd.Function subclass (torch is optional)
             if s is not None:
                 out, lse = merge.add_sink(out, lse, s)
             ctx.arrays, ctx.s, ctx.likes = arrays, s, flat
-            return give(out, want), give(np.asarray(lse), want, exact=True)
+            return give_pair(out, np.asarray(lse), want)
 
         @staticmethod
         def backward(ctx: Any, g_out: Any, g_lse: Any) -> Any:

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ..tensors import as_dtype, give, read, want_of
+from ..tensors import as_dtype, give, give_pair, read, want_of
 from .decode import decode as np_decode
 from .ring import (
     RingStats,
@@ -67,7 +67,7 @@ def ring_attention(
         sk = None if sink_t is None else read(sink_t, "sinks")
         o, m = ring_forward(*arrays, sinks=sk, **opts)
         o = o.astype(np.result_type(*arrays), copy=False)  # rounded once, at the end
-        out, lse = give(o, want_of(*tensors)), give(m, want_of(*tensors), exact=True)
+        out, lse = give_pair(o, m, want_of(*tensors))
     return (out, lse) if return_lse else out
 
 
@@ -120,7 +120,7 @@ def ring_attention_varlen(q: Any, k: Any, v: Any, cu_seqlens: Any, **opts: Any) 
         arrays = _arrays(*tensors)
         o, m = varlen_forward(*arrays, cu_seqlens, **opts)
         want = want_of(*tensors)
-        out, lse = give(o.astype(np.result_type(*arrays)), want), give(m, want, exact=True)
+        out, lse = give_pair(o.astype(np.result_type(*arrays)), m, want)
     return (out, lse) if return_lse else out
 
 
@@ -163,8 +163,4 @@ def decode(q: Any, k: Any, v: Any, *, comm: Any, scale: Any, return_lse: bool, t
     arrays = _arrays(*tensors)
     out, lse = np_decode(*arrays, comm=comm, scale=scale, return_lse=True, timeout=timeout)
     want = want_of(*tensors)
-    return (
-        (give(out, want), give(np.asarray(lse), want, exact=True))
-        if return_lse
-        else give(out, want)
-    )
+    return give_pair(out, np.asarray(lse), want) if return_lse else give(out, want)

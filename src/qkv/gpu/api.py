@@ -38,7 +38,7 @@ import torch
 from .. import core, torch_bridge
 from ..call import Call, build
 from ..errors import InputError
-from ..tensors import give
+from ..tensors import give, give_pair
 from ..validate import VARIANTS
 from . import launch
 
@@ -141,7 +141,7 @@ def _fallback(reason: str, call: Call) -> Any:
         res = torch_bridge.run(cpu)
     elif cpu.return_lse:
         out, lse = core.run(cpu)
-        res = (give(out, cpu.want), give(lse, cpu.want, exact=True))
+        res = give_pair(out, lse, cpu.want)
     else:
         res = give(core.run(cpu), cpu.want)
     if isinstance(res, tuple):
