@@ -2,7 +2,7 @@
 
 Everything else is in pyproject.toml. The library is optional: when no C++ compiler is found
 or the build fails for any reason, a warning is printed and the pure-Python package is
-installed; ``qkv.kernels.native.info()`` then says the native kernels are not built.
+installed; ``qkv.engine.kernels.native.info()`` then says the native kernels are not built.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ def _native() -> list[Extension]:
         return []  # the source uses GCC/Clang attributes
     return [
         Extension(
-            "qkv.kernels._native",
-            sources=["src/qkv/kernels/native_src/prefill.cpp"],
+            "qkv.engine.kernels._native",
+            sources=["src/qkv/engine/kernels/native_src/prefill.cpp"],
             language="c++",
             # No -march: the vector clones are chosen at run time (see prefill.cpp).
             extra_compile_args=[

@@ -34,7 +34,7 @@ def main() -> None:
     n, h, d = args.n, args.heads, args.d
     hkv = h if args.kv_heads is None else args.kv_heads
 
-    from qkv.kernels import native
+    from qkv.engine.kernels import native
 
     gemm = machine.gemm_gflops()
     rng = np.random.default_rng(0)

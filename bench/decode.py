@@ -60,7 +60,7 @@ def with_jit(on: bool, fn: Callable[[], Any]) -> Callable[[], Any]:
 
 def qkv_contenders(name: str, fn: Callable[[], Any], jit: str) -> dict[str, Callable[[], Any]]:
     """``fn`` with the compiled kernels (``name (jit)``) and without (``name (numpy)``)."""
-    from qkv.kernels.jit import enabled
+    from qkv.engine.kernels.jit import enabled
 
     modes = {"both": (True, False), "on": (True,), "off": (False,)}[jit]
     if not enabled():
@@ -138,7 +138,7 @@ def reader(arrays: list[np.ndarray]) -> Callable[[], Any]:
     import time
     from concurrent.futures import ThreadPoolExecutor
 
-    from qkv.kernels._threads import cpu_count, single_threaded_blas
+    from qkv.engine.kernels._threads import cpu_count, single_threaded_blas
 
     flat = [a.reshape(-1) for a in arrays]
     parts = [p for a in flat for p in np.array_split(a, cpu_count())]

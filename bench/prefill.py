@@ -56,7 +56,7 @@ def main() -> None:
         finally:
             os.environ.pop("QKV_NATIVE")
 
-    from qkv.kernels import native
+    from qkv.engine.kernels import native
 
     active = native.info()["active"]
     print(f"native kernels: {native.info()['reason']}; vector clone {native.info()['isa']}")

@@ -23,7 +23,7 @@ import machine
 import numpy as np
 
 import qkv
-from qkv.kernels import mods, tiled
+from qkv.engine.kernels import mods, tiled
 from qkv.validate import make_plan
 from qkv.variants import and_masks, causal, document, sliding_window
 

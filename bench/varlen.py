@@ -68,11 +68,11 @@ def main() -> None:
     if args.buckets:
 
         def buckets() -> np.ndarray:
-            walk, qkv.varlen.WALK_FLOPS = qkv.varlen.WALK_FLOPS, float("inf")
+            walk, qkv.engine.varlen.WALK_FLOPS = qkv.engine.varlen.WALK_FLOPS, float("inf")
             try:
                 return qkv.attention_varlen(q, k, v, cu, cu, causal=True)
             finally:
-                qkv.varlen.WALK_FLOPS = walk
+                qkv.engine.varlen.WALK_FLOPS = walk
 
         contenders["qkv attention_varlen, buckets"] = buckets
     try:

@@ -32,7 +32,7 @@ import numpy as np
 
 import qkv
 from qkv import reference
-from qkv.kernels import decode, tiled
+from qkv.engine.kernels import decode, tiled
 
 KERNELS = ("dense", "tiled", "decode")
 EXPONENTS = {

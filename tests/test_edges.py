@@ -17,7 +17,7 @@ from qkv import reference
 from qkv.distributed import RankTimeout, ring_attention
 from qkv.distributed.agree import DEFAULT_TIMEOUT, agree, check_timeout
 from qkv.distributed.comm import Communicator
-from qkv.grad import reference_attention_vjp
+from qkv.engine.grad import reference_attention_vjp
 
 KERNELS = ("auto", "dense", "tiled", "decode")
 SLOPES = [0.5, 0.25]

@@ -11,7 +11,7 @@ import pytest
 
 import qkv
 from qkv import reference
-from qkv.kernels import decode
+from qkv.engine.kernels import decode
 from qkv.validate import make_plan
 
 TOL = {np.float16: 3e-3, np.float32: 3e-6, np.float64: 1e-12}
@@ -166,7 +166,7 @@ def test_ragged_kvcache_equals_reference_per_sequence(jit, group):
 
 def test_compiled_kernel_directly_on_rows_with_different_ranges():
     pytest.importorskip("numba")
-    from qkv.kernels.jit import decode as compiled
+    from qkv.engine.kernels.jit import decode as compiled
 
     rng = np.random.default_rng(13)
     R, L, n, d, dv = 6, 3, 200, 5, 3

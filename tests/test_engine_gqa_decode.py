@@ -7,7 +7,7 @@ import pytest
 
 import qkv
 from qkv import reference
-from qkv.kernels import decode, dispatch
+from qkv.engine.kernels import decode, dispatch
 from qkv.validate import make_plan
 
 TOL = {np.float16: 3e-3, np.float32: 3e-6, np.float64: 1e-12}

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import qkv
 from qkv import reference
-from qkv.kernels import decode, dispatch, tiled
+from qkv.engine.kernels import decode, dispatch, tiled
 from qkv.validate import make_plan
 
 # Tolerances against the float64 reference, relative to the values' size.
@@ -260,7 +260,7 @@ def test_all_kernels_agree_on_a_grid():
 def test_threads_fall_back_to_one_when_blas_cannot_be_limited(monkeypatch):
     import threading
 
-    from qkv.kernels import _threads
+    from qkv.engine.kernels import _threads
 
     monkeypatch.setattr(_threads, "_controller", [None])  # as if threadpoolctl were missing
     for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS"):

@@ -6,7 +6,7 @@ import tracemalloc
 
 import numpy as np
 
-from qkv.kernels import tiled
+from qkv.engine.kernels import tiled
 from qkv.validate import make_plan
 
 

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 import qkv
 from qkv import reference
-from qkv.grad import reference_attention_vjp
-from qkv.kernels import dispatch, native
+from qkv.engine.grad import reference_attention_vjp
+from qkv.engine.kernels import dispatch, native
 from qkv.validate import make_plan
 
 _lib, _why = native._library()

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 import qkv
-from qkv import reference, varlen
-from qkv.kernels import packed
+from qkv import reference
+from qkv.engine import varlen
+from qkv.engine.kernels import packed
 from qkv.validate import make_plan
 
 LQ = [5, 0, 1, 13, 37, 3, 1, 70, 0, 29, 1]

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import qkv
 from qkv import reference
-from qkv.grad import reference_attention_vjp
+from qkv.engine.grad import reference_attention_vjp
 
 
 def fd_grads(q, k, v, g, eps=1e-6, **kw):

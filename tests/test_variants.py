@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 import qkv
 from qkv import reference
-from qkv.grad import reference_attention_vjp
-from qkv.kernels import dispatch, mods, tiled
+from qkv.engine.grad import reference_attention_vjp
+from qkv.engine.kernels import dispatch, mods, tiled
 from qkv.validate import make_plan
 from qkv.variants import and_masks, causal, document, or_masks, prefix_lm, sliding_window
 

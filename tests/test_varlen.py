@@ -72,7 +72,7 @@ def test_many_short_sequences_in_few_buckets_equal_reference():
     want, _ = per_sequence(reference.attention, q, k, v, cq, ck, causal=True)
     np.testing.assert_allclose(got, want, atol=1e-12)
     assert (
-        len(qkv.varlen._buckets(lens, lens, 4 * 2 * 16)) < 30
+        len(qkv.engine.varlen._buckets(lens, lens, 4 * 2 * 16)) < 30
     )  # grouped, not one call per sequence
 
 

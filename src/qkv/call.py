@@ -5,7 +5,7 @@
 policy (:mod:`qkv.tensors`) applied once — and hand it to one back end, which runs it without
 checking anything again:
 
-- the NumPy engine (:func:`qkv.core.run`), for arrays and for CPU tensors without autograd;
+- the NumPy engine (:func:`qkv.engine.run.run`), for arrays and for CPU tensors without autograd;
 - the torch bridge (:func:`qkv.torch_bridge.run`), for CPU tensors that require grad;
 - the Triton kernels (:func:`qkv.gpu.api.run`), for tensors on a GPU; the plan then holds
   zero-stride stand-ins of the tensors' shapes (no data is copied to the host).
@@ -23,8 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, cast
 
+from .engine.kernels.dispatch import check_kernel
 from .errors import InputError
-from .kernels.dispatch import check_kernel
 from .tensors import Want, is_tensor, read_cpu, read_shadow, survey
 from .validate import Plan, check_flag, check_variants, make_plan
 

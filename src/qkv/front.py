@@ -4,7 +4,7 @@
 :class:`qkv.call.Call` (:func:`qkv.call.build`) and hand it to one back end, which runs it
 without checking again:
 
-- NumPy arrays, lists, scalars and CPU tensors → the NumPy engine (:func:`qkv.core.run`);
+- NumPy arrays, lists, scalars and CPU tensors → the NumPy engine (:func:`qkv.engine.run.run`);
 - CPU tensors that require grad → the torch bridge's autograd (:func:`qkv.torch_bridge.run`);
 - tensors on a GPU → the Triton kernels (:func:`qkv.gpu.api.run`, the ``gpu`` extra).
 
@@ -21,9 +21,11 @@ from collections.abc import Sequence
 from functools import wraps
 from typing import Any
 
-from . import cache, core, grad, torch_bridge, varlen
-from . import merge as merging
+from . import torch_bridge
 from .call import Call, build
+from .engine import cache, grad, varlen
+from .engine import merge as merging
+from .engine import run as core
 from .errors import InputError
 from .tensors import give, give_pair, refuse_grad, want_of, wants_grad
 
@@ -195,7 +197,7 @@ def attention(
         the rows they touch (the default, as in every framework).
     kernel : {"auto", "dense", "tiled", "decode"}, optional
         Which kernel computes the result; all give the same numbers (up to rounding).
-        ``"auto"`` picks by shape (:func:`qkv.kernels.dispatch.choose`): ``"dense"`` for tiny
+        ``"auto"`` picks by shape (:func:`qkv.engine.kernels.dispatch.choose`): ``"dense"`` for tiny
         problems, ``"decode"`` for a few queries per head against many keys, ``"tiled"``
         (online softmax, ``O(tile · S)`` extra memory) otherwise. Forcing one is for tests
         and benchmarks.

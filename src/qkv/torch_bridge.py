@@ -7,7 +7,7 @@ the NumPy engine and whose backward is qkv's VJP on the *same* checked plan (not
 again)::
 
     out = qkv.attention(q, k, v, causal=True)   # q, k, v: CPU tensors -> out: a tensor
-    out.sum().backward()                        # gradients from qkv.grad.vjp
+    out.sum().backward()                        # gradients from qkv.engine.grad.vjp
 
 - :func:`qkv.attention`: gradients for ``q``, ``k``, ``v`` and ``sinks`` (gpt-oss's learned
   sinks), as :func:`qkv.attention_vjp` gives them;
@@ -32,8 +32,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import core, grad, merge
-from .kernels import dense
+from .engine import grad, merge
+from .engine import run as core
+from .engine.kernels import dense
 from .tensors import as_dtype, give, give_pair, read, want_of
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -66,7 +67,7 @@ def _attention() -> Any:  # a torch.autograd.Function subclass (torch is optiona
     import torch
 
     class QkvAttention(torch.autograd.Function):
-        """Forward: the checked call on the NumPy engine; backward: :func:`qkv.grad.vjp`."""
+        """Forward: the checked call on the NumPy engine; backward: :func:`qkv.engine.grad.vjp`."""
 
         @staticmethod
         def forward(ctx: Any, q: Any, k: Any, v: Any, sinks: Any, call: Any) -> Any:
@@ -98,7 +99,7 @@ def _weights() -> Any:  # a torch.autograd.Function subclass (torch is optional)
     import torch
 
     class QkvWeights(torch.autograd.Function):
-        """Forward: the weights of the checked call; backward: :func:`qkv.grad.weights_vjp`."""
+        """Forward: the checked call's weights; backward: :func:`qkv.engine.grad.weights_vjp`."""
 
         @staticmethod
         def forward(ctx: Any, q: Any, k: Any, sinks: Any, call: Any) -> Any:

@@ -182,14 +182,14 @@ class Plan:
         A boolean mask (``True`` = may attend) or float bias, with ``len(batch) + 2`` dims,
         broadcastable to ``(*batch, L, S)``.
     softcap, sinks, alibi, score_mod, mask_mod
-        The attention variants (:mod:`qkv.kernels.mods`): a positive float; per-head arrays of
-        shape ``batch`` (sink logits, ALiBi slopes); user functions. ``None`` when unused.
+        The attention variants (:mod:`qkv.engine.kernels.mods`): a positive float; per-head arrays
+        of shape ``batch`` (sink logits, ALiBi slopes); user functions. ``None`` when unused.
     given : tuple of (dtype, shape)
         ``q`` (a 1-D ``q`` as one row), ``k``, ``v`` and the sinks as the caller gave them,
         before broadcasting: the gradients take these shapes and dtypes.
     offsets : tuple of (int, int)
         Added to the query and key positions the variants see (ALiBi, ``score_mod``,
-        ``mask_mod``; :mod:`qkv.kernels.mods`): ``(0, 0)`` for a whole call. A block of a
+        ``mask_mod``; :mod:`qkv.engine.kernels.mods`): ``(0, 0)`` for a whole call. A block of a
         longer sequence (a ring step) sets them so that its variants see global positions;
         causal and the window stay in the block's own bottom-right positions.
     """

@@ -7,10 +7,10 @@ from typing import Any
 
 import numpy as np
 
+from ..engine.kernels import dispatch
+from ..engine.kernels._threads import limit_threads
+from ..engine.kernels.blocks import merge_arrays
 from ..errors import InputError, InputTypeError
-from ..kernels import dispatch
-from ..kernels._threads import limit_threads
-from ..kernels.blocks import merge_arrays
 from ..validate import as_array, make_plan
 from .agree import DEFAULT_TIMEOUT, agree, check_timeout, dtype_code, shape_field, threads_for
 from .comm import get_comm

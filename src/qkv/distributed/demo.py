@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 
     err_out = err_dq = 0.0
     if args.check_rows:
-        from ..grad import attention_vjp
+        from ..engine.grad import attention_vjp
         from ..reference import attention
 
         pos = np.concatenate([np.arange(ch * h, (ch + 1) * h) for ch in mine])

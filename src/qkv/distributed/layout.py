@@ -215,7 +215,7 @@ def doc_chunks(cu_seqlens: Any, world: int, layout: str, name: str = "cu_seqlens
     >>> doc_chunks([0, 8, 8, 12], 2, "zigzag").tolist()
     [2, 0, 1]
     """
-    from ..varlen import check_offsets
+    from ..engine.varlen import check_offsets
 
     layout = check_layout(layout)
     raw = from_foreign(cu_seqlens, name)

@@ -3,7 +3,7 @@
 Must equal :func:`qkv.attention` / :func:`qkv.attention_vjp` over the whole sequence (then
 sharded). Each rank holds its queries and its keys/values; the K/V blocks travel around the
 ring, one hop per step, and each rank folds every block it sees into its running
-``(out, lse)`` with :func:`qkv.merge.merge_arrays`::
+``(out, lse)`` with :func:`qkv.engine.merge.merge_arrays`::
 
     for step in 0 … W−1:                       # rank r holds the K/V of rank (r − step) mod W
         post: send K/V to rank r+1, receive rank r−1's into the spare buffer
@@ -18,8 +18,8 @@ that causal masking hides entirely cost nothing.
 
 The backward sends K/V around the ring again; each rank adds its block's ``dK``/``dV`` into an
 accumulator that travels one hop behind the K/V, and after ``W`` hops every accumulator is home.
-Each block's backward is :func:`qkv.kernels.tiled_backward.backward` with the final, merged ``out``
-and ``lse``.
+Each block's backward is :func:`qkv.engine.kernels.tiled_backward.backward` with the final, merged
+``out`` and ``lse``.
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ from typing import Any
 
 import numpy as np
 
+from ..engine.grad import sum_to
+from ..engine.kernels import dispatch, mods, tiled_backward
+from ..engine.kernels._threads import limit_threads, single_threaded_blas
+from ..engine.kernels.blocks import merge_arrays
 from ..errors import InputError, InputTypeError
-from ..grad import sum_to
-from ..kernels import dispatch, mods, tiled_backward
-from ..kernels._threads import limit_threads, single_threaded_blas
-from ..kernels.blocks import merge_arrays
 from ..masks import Window, key_bounds
 from ..validate import Plan, as_array
 from .agree import DEFAULT_TIMEOUT, Setup, agree, setup

@@ -1,7 +1,7 @@
 """Explain attention step by step: :func:`explain` returns a :class:`Trace` of every number.
 
 The trace is built from the library's own pieces — :func:`qkv.validate.make_plan` checks the
-arguments, :mod:`qkv.masks` says which keys each query may see, :mod:`qkv.kernels.dense`
+arguments, :mod:`qkv.masks` says which keys each query may see, :mod:`qkv.engine.kernels.dense`
 computes the raw and scaled scores, the row maxima and the weights, and the final output *is*
 :func:`qkv.attention`'s. Nothing here is a second implementation that could drift.
 
@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from ..engine.kernels import dense, dispatch, mods
 from ..errors import InputError, InputTypeError
-from ..kernels import dense, dispatch, mods
 from ..masks import allowed, exclusion_reasons, query_positions
 from ..validate import Plan, as_array, check_variants, make_plan
 from .display import fmt
@@ -517,7 +517,7 @@ def _exclusions(
 
 def _variant_steps(plan: Plan, scaled: np.ndarray) -> dict[str, np.ndarray]:
     """The soft-capped scores, the ALiBi bias per key and the score_mod's value, in order —
-    each step computed by the kernels' own hook (:func:`qkv.kernels.mods.apply`)."""
+    each step computed by the kernels' own hook (:func:`qkv.engine.kernels.mods.apply`)."""
     steps: dict[str, np.ndarray] = {}
     p, j = query_positions(plan.L, plan.S)[:, None], np.arange(plan.S)[None, :]
     bare = dataclasses.replace(plan, alibi=None, score_mod=None, mask_mod=None)

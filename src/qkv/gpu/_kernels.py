@@ -1,7 +1,7 @@
 """Triton kernels: prefill forward, split-K decode + merge, FlashAttention-2 backward.
 
 Each kernel must equal :func:`qkv.reference.attention` (forward) or
-:func:`qkv.grad.reference_attention_vjp` (backward) on the same plan. Tensors arrive in the
+:func:`qkv.engine.grad.reference_attention_vjp` (backward) on the same plan. Tensors arrive in the
 canonical layout of :mod:`qkv.gpu.launch`: ``q (Z, Hq, L, d)``, ``k (Z, Hkv, S, d)``,
 ``v (Z, Hkv, S, dv)``, a bool mask (as ``uint8``) or float bias with strides broadcast to
 ``(Z, Hq, L, S)``; query head ``h`` reads kv head ``h // GROUP``.

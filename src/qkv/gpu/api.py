@@ -35,8 +35,9 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from .. import core, torch_bridge
+from .. import torch_bridge
 from ..call import Call, build
+from ..engine import run as core
 from ..errors import InputError
 from ..tensors import give, give_pair
 from ..validate import VARIANTS

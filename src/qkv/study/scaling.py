@@ -46,9 +46,9 @@ from typing import Any
 import numpy as np
 
 from ..checks import check_int
-from ..core import softmax
+from ..engine.grad import attention_vjp
+from ..engine.run import softmax
 from ..errors import InputError, InputTypeError
-from ..grad import attention_vjp
 
 __all__ = [
     "DEFAULT_DIMS",

@@ -38,9 +38,9 @@ from typing import Any
 import numpy as np
 
 from ..checks import check_int, check_real
+from ..engine.grad import attention_vjp
 from ..errors import InputError
 from ..front import attention
-from ..grad import attention_vjp
 from .scaling import mode_scale
 
 __all__ = ["TrainingRun", "training_study"]

@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .checks import check_int
-from .errors import InputError
+from ..checks import check_int
+from ..errors import InputError
+from ..validate import Plan, as_array
 from .kernels import dense, dispatch, mods
-from .validate import Plan, as_array
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .call import Call
+    from ..call import Call
 
 __all__ = ["attend", "run", "softmax", "weights"]
 

@@ -7,12 +7,12 @@ keep whole, so the softmax is exact in one piece — no running max is needed.
 Work items are a batch index with a run of kv heads and a range of keys. Grouped-query heads
 stack their ``group · L`` queries against their kv head, so K/V are read once per kv head.
 When the batch and heads are too few to keep every core busy, the keys are split instead and
-the partial results are combined with :func:`qkv.merge.merge` (split-K, as in FlashDecoding).
+the partial results are combined with :func:`qkv.engine.merge.merge` (split-K, as in FlashDecoding).
 Only the keys that causal or a window leave visible are read.
 
 With Numba installed (``qkv[jit]``, not switched off by ``QKV_JIT=0``) a plan with no mask,
-bias or score-changing variant runs the compiled kernel (:mod:`qkv.kernels.jit.decode`) on the
-same work items: one pass over each kv head's keys and values in cache-sized blocks for all the
+bias or score-changing variant runs the compiled kernel (:mod:`qkv.engine.kernels.jit.decode`) on
+the same work items: one pass over each kv head's keys and values in cache-sized blocks for all the
 group's query rows, instead of a skinny GEMM that BLAS runs far below the read rate. Other
 plans, and every plan without Numba, run the NumPy kernel here; both equal the reference.
 """
@@ -24,8 +24,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ..masks import allowed, key_bounds, key_range, query_positions
-from ..validate import Plan
+from ...masks import allowed, key_bounds, key_range, query_positions
+from ...validate import Plan
 from . import mods
 from ._threads import default_threads, parallel_map
 from .blocks import finish, merge_arrays
@@ -177,7 +177,7 @@ class _Problem:
 def use_jit(plan: Plan) -> bool:
     """Whether :func:`attend` runs ``plan`` with the compiled kernel.
 
-    Numba installed and not switched off (:func:`qkv.kernels.jit.enabled`), float32 or
+    Numba installed and not switched off (:func:`qkv.engine.kernels.jit.enabled`), float32 or
     float64 compute, and nothing but causal and a window restricting the keys: masks, biases
     and the score-changing variants run the NumPy kernel (sinks are added afterwards either
     way). One query row per kv head stays on BLAS's matrix-vector product, which reads K

@@ -2,7 +2,7 @@
 //
 // Must equal qkv.reference.attention (the Python side checks nothing twice: it hands over a
 // checked plan's arrays). The loop per task is the FlashAttention-2 recurrence of
-// qkv/kernels/tiled.py, with the softmax step fused between the two tile products:
+// qkv/engine/kernels/tiled.py, with the softmax step fused between the two tile products:
 //
 //     S   = scale · Q_blk · K_tileᵀ                       (BLAS gemm)
 //     per row, while the tile is in cache: mask, bias, edge; m' = max(m, max S);

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..masks import allowed, query_positions
-from ..validate import Plan
+from ...masks import allowed, query_positions
+from ...validate import Plan
 from . import mods
 from .blocks import finish, grouped_matmul
 
@@ -71,7 +71,7 @@ def attend_plain(plan: Plan) -> tuple[np.ndarray, np.ndarray]:
 
     A row's maximum is finite for finite scores, so its denominator is at least 1; a non-finite
     maximum (an overflow or a NaN/inf input) gives a non-finite output, which the caller
-    (:func:`qkv.kernels.dispatch.attend`) hands to the general path.
+    (:func:`qkv.engine.kernels.dispatch.attend`) hands to the general path.
     """
     g = plan.group
     s = grouped_matmul(plan.q * plan.acc_dtype.type(plan.scale), np.swapaxes(plan.k, -1, -2), g)

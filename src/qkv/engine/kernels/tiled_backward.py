@@ -1,6 +1,6 @@
 """Tiled attention backward (the FlashAttention-2 backward): O(block²) extra memory.
 
-Must equal :func:`qkv.grad.reference_attention_vjp`. The ``L × S`` weight matrix is never
+Must equal :func:`qkv.engine.grad.reference_attention_vjp`. The ``L × S`` weight matrix is never
 built: each ``(query block, key block)`` tile of weights is recomputed from the scores and the
 rows' saved log-sum-exp, ``P = exp(Z − lse)``, and used at once::
 
@@ -13,7 +13,7 @@ rows' saved log-sum-exp, ``P = exp(Z − lse)``, and used at once::
             dq_i += dZ k_j
             dk_j += dZᵀ q_i
 
-Variants: the tile's scores go through :func:`qkv.kernels.mods.apply` as in the forward pass;
+Variants: the tile's scores go through :func:`qkv.engine.kernels.mods.apply` as in the forward pass;
 with ``softcap`` the chain rule adds the factor ``1 − tanh²(s / c)`` to ``dZ``. Sinks need
 nothing here: ``lse`` and ``O`` already include them (``dZ`` is the same formula), and their own
 gradient is taken from ``δ`` by :func:`qkv.attention_vjp`.
@@ -21,8 +21,8 @@ gradient is taken from ``δ`` by :func:`qkv.attention_vjp`.
 Tiles that causal or a window rule out entirely are skipped. Grouped query heads are served by
 viewing ``(Hq, rows)`` as ``(Hkv, group · rows)``, so k and v are never repeated. When the
 forward pass's output and lse are not supplied, the tiled forward kernel
-(:mod:`qkv.kernels.tiled`) recomputes them. Where the native library is built (and
-``QKV_NATIVE`` is not ``0``), the same loop runs in C++ (:func:`qkv.kernels.native.backward`)
+(:mod:`qkv.engine.kernels.tiled`) recomputes them. Where the native library is built (and
+``QKV_NATIVE`` is not ``0``), the same loop runs in C++ (:func:`qkv.engine.kernels.native.backward`)
 for the plans it covers.
 """
 
@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..masks import allowed, query_positions
-from ..validate import Plan
+from ...masks import allowed, query_positions
+from ...validate import Plan
 from . import mods, native
 from .blocks import grouped_matmul, grouped_matmul_t
 
@@ -78,7 +78,7 @@ def backward(
 
     ``d_out`` and ``out`` are ``(*batch, L, dv)``, ``lse`` is ``(*batch, L)``; all in the
     accumulation dtype. Where the optional native library is built and covers the plan, its
-    fused version of this loop runs instead (:func:`qkv.kernels.native.backward`).
+    fused version of this loop runs instead (:func:`qkv.engine.kernels.native.backward`).
     """
     if native.supports(plan):
         return native.backward(plan, d_out, out, lse)

@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InputError
-from ..validate import Plan
+from ...errors import InputError
+from ...validate import Plan
 
 __all__ = [
     "EMPTY",

@@ -23,7 +23,7 @@ has the shape of its input.
 Versions: :func:`attention_vjp`, the fast path (the dense kernel's weights, grouped heads
 served without repeating ``k`` and ``v``, compute dtype as the forward pass) — or, given the
 forward pass's ``out`` and ``lse`` or a ``block`` size, the tiled FlashAttention-2 backward of
-:mod:`qkv.kernels.tiled_backward`, which recomputes the weights tile by tile from ``lse`` in
+:mod:`qkv.engine.kernels.tiled_backward`, which recomputes the weights tile by tile from ``lse`` in
 O(block²) extra memory; and :func:`reference_attention_vjp`, the formulas above in float64 on
 weights from :mod:`qkv.reference`, kv heads repeated literally, the oracle both are tested
 against.
@@ -43,12 +43,12 @@ from typing import Any, cast
 
 import numpy as np
 
-from . import reference
-from .checks import check_int
-from .errors import InputError
+from .. import reference
+from ..checks import check_int
+from ..errors import InputError
+from ..validate import Plan, as_array, broadcasts_to, check_variants, make_plan
 from .kernels import dense, dispatch, mods, tiled, tiled_backward
 from .kernels.blocks import heads_by_kv
-from .validate import Plan, as_array, broadcasts_to, check_variants, make_plan
 
 __all__ = [
     "attention_vjp",
@@ -246,7 +246,7 @@ def vjp(
 
 def _guarded(plan: Plan, d_out: np.ndarray, run: Any) -> tuple[Any, ...]:
     """``run(plan, d_out)`` (its first three results the gradients) with the forward pass's
-    care for overflow (:func:`qkv.kernels.dispatch.attend`): in float64 when the scale is not
+    care for overflow (:func:`qkv.engine.kernels.dispatch.attend`): in float64 when the scale is not
     a normal number of the compute dtype or the scores overflowed it; refused when they
     overflow float64 too. NaN and infinity in the inputs propagate by policy."""
 
@@ -374,7 +374,7 @@ def reference_attention_vjp(
 
     Examples
     --------
-    >>> from qkv.grad import reference_attention_vjp
+    >>> from qkv.engine.grad import reference_attention_vjp
     >>> dq, dk, dv = reference_attention_vjp([2, 1], [[1, 0], [3, 2]], [[1], [3]], [1], scale=0.5)
     >>> dk.round(4).tolist()
     [[-0.0904, -0.0452], [0.0904, 0.0452]]

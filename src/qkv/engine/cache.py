@@ -13,10 +13,10 @@ from typing import Any
 
 import numpy as np
 
-from .checks import check_int
-from .errors import InputError, InputTypeError
+from ..checks import check_int
+from ..errors import InputError, InputTypeError
+from ..validate import Plan, as_array, broadcasts_to, check_flag, check_variants, make_plan
 from .kernels import dispatch
-from .validate import Plan, as_array, broadcasts_to, check_flag, check_variants, make_plan
 
 __all__ = ["KVCache"]
 

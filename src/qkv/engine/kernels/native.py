@@ -1,7 +1,7 @@
 """Native fused prefill: the tiled kernel's recurrence in C++, the softmax step fused in.
 
 Must equal :func:`qkv.reference.attention` (it runs the same FlashAttention-2 recurrence as
-:mod:`qkv.kernels.tiled`, which stays the readable statement of it and the fallback).
+:mod:`qkv.engine.kernels.tiled`, which stays the readable statement of it and the fallback).
 
 What it is: a small C++ library built by ``pip install`` when a C++ compiler is present
 (``setup.py``; without one the package installs without it). It is a plain C ABI, loaded with
@@ -19,7 +19,7 @@ result by the dispatcher) are covered; soft-capping, ALiBi, ``score_mod`` and ``
 on the NumPy kernels. :func:`info` says what is active and why.
 
 Threads: work items are (head, query block) pairs taken from a shared counter by native
-threads, as many as :func:`qkv.kernels._threads.default_threads`; BLAS is held to one thread
+threads, as many as :func:`qkv.engine.kernels._threads.default_threads`; BLAS is held to one thread
 meanwhile (``threadpoolctl``), and without a way to hold it one native thread runs.
 
 Examples
@@ -30,7 +30,7 @@ Examples
 >>> if supports(plan):
 ...     out, lse = attend(plan)
 ... else:  # not built here: the NumPy kernel gives the same numbers
-...     from qkv.kernels import tiled
+...     from qkv.engine.kernels import tiled
 ...     out, lse = tiled.attend(plan)
 >>> out[0].tolist()
 [0.0, 1.0]
@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from ..validate import Plan
+from ...validate import Plan
 from . import _threads
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "ISAS", "attend", "available", "backward", "info", "supports"]
@@ -317,7 +317,7 @@ def attend(
     plan : Plan
         A checked problem that :func:`supports` accepts.
     threads : int, optional
-        Native worker threads (default: :func:`~qkv.kernels._threads.default_threads`).
+        Native worker threads (default: :func:`~qkv.engine.kernels._threads.default_threads`).
     isa : {"baseline", "avx2", "avx512"}, optional
         Run this vector clone (capped at what the CPU supports); default the widest.
     block_q, block_k : int, optional
@@ -402,8 +402,8 @@ def backward(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """FlashAttention-2 backward: ``(dq, dk, dv)`` in the plan's shapes of q, k and v.
 
-    Must equal :func:`qkv.grad.reference_attention_vjp` (as
-    :func:`qkv.kernels.tiled_backward.backward`, whose recurrence it runs). ``d_out`` and
+    Must equal :func:`qkv.engine.grad.reference_attention_vjp` (as
+    :func:`qkv.engine.kernels.tiled_backward.backward`, whose recurrence it runs). ``d_out`` and
     ``out`` are ``(*batch, L, dv)``, ``lse`` is ``(*batch, L)``, all in the compute dtype; the
     weights are recomputed tile by tile from ``lse``. Work items are (kv head, key block)
     pairs; a query head's ``dq`` rows are added under a lock per query block.

@@ -23,7 +23,8 @@ the ones column summing the weights in the same product. Rows see keys by
 a tile sees are never visited; across the rows' bounds keys are visited in narrower pieces,
 each with only the rows that see some of it, and masked by a boolean tile built once per
 diagonal pattern. Rows are
-finished by :func:`qkv.kernels.blocks.finish` (a row that sees no key: output 0, lse ``-inf``;
+finished by :func:`qkv.engine.kernels.blocks.finish` (a row that sees no key: output 0, lse
+``-inf``;
 NaN stays NaN). Plain attention only: masks, biases and score variants go to the other kernels.
 
 Memory: per thread one score block and one sequence's kv head of values with the ones column.
@@ -35,8 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from ..masks import key_bounds
-from ..validate import Plan
+from ...masks import key_bounds
+from ...validate import Plan
 from ._threads import default_threads, parallel_map
 from .blocks import finish, key_pieces
 
@@ -189,7 +190,7 @@ class _Walk:
         return tile
 
     def pieces(self, lo: np.ndarray, hi: np.ndarray) -> list[tuple[int, int]]:
-        """Key ranges to visit (:func:`~qkv.kernels.blocks.key_pieces`)."""
+        """Key ranges to visit (:func:`~qkv.engine.kernels.blocks.key_pieces`)."""
         return key_pieces(lo, hi, self.bk, self.rows)
 
     def move_offsets(self, s: np.ndarray, m: np.ndarray, acc: np.ndarray, tau: float) -> None:
@@ -241,7 +242,7 @@ def attend(
     multiple of ``kv_heads``, offsets valid, the window already checked. ``seqs``: the
     sequences to compute (default all); the rows of the others stay 0 and ``-inf``. ``bad``,
     if given, receives the sequences with a non-finite output (NaN or inf inputs, or scores
-    beyond the compute dtype, which :func:`qkv.kernels.dispatch.attend` can redo).
+    beyond the compute dtype, which :func:`qkv.engine.kernels.dispatch.attend` can redo).
 
     Examples
     --------

@@ -12,7 +12,7 @@ lets LLVM vectorise them), but infinities and NaN keep their meaning, so ``-inf`
 rows and NaN propagation behave exactly as in the NumPy kernel.
 
 Compiled with ``nogil=True`` and no Numba thread pool: qkv's own worker threads run one call
-per kv head and key range (:func:`qkv.kernels.decode.attend`). First call: about 2 s of
+per kv head and key range (:func:`qkv.engine.kernels.decode.attend`). First call: about 2 s of
 compiling per dtype, well under a second once Numba's disk cache holds it.
 
 Measured on the 2-core development machine (``bench/decode.py --grid``): the products run near

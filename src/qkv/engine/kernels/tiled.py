@@ -21,7 +21,7 @@ costs about half of full attention. Across the mask's edge the keys are visited 
 pieces, each with only the rows that see some of it, and a boolean tile (cached: it depends
 only on the tile's shape and diagonal offset) sets the rest to -inf.
 
-Variants: each score tile passes through :func:`qkv.kernels.mods.apply` right after its GEMM
+Variants: each score tile passes through :func:`qkv.engine.kernels.mods.apply` right after its GEMM
 (soft-cap, ALiBi, ``score_mod``, ``mask_mod``). A ``mask_mod``'s block mask is computed once
 per call on ``block_q × MASK_BLOCK_K`` tiles (``block_q`` at most ``MASK_BLOCK_Q`` then): runs
 of empty blocks are never visited, and blocks it allows entirely skip the ``mask_mod``.
@@ -44,8 +44,8 @@ import threading
 
 import numpy as np
 
-from ..masks import allowed, key_bounds, query_positions
-from ..validate import Plan
+from ...masks import allowed, key_bounds, query_positions
+from ...validate import Plan
 from . import mods
 from ._threads import parallel_map
 from .blocks import finish, key_pieces
@@ -170,7 +170,7 @@ class _Problem:
         return key_bounds(query_positions(self.L, self.S, rows), self.S, *self.rule)
 
     def pieces(self, los: np.ndarray, his: np.ndarray) -> list[tuple[int, int]]:
-        """Key ranges to visit (:func:`~qkv.kernels.blocks.key_pieces`)."""
+        """Key ranges to visit (:func:`~qkv.engine.kernels.blocks.key_pieces`)."""
         lo, hi, bk = int(los[0]), int(his[-1]), self.bk
         if not self.plan.structured:
             return [(c, min(c + bk, hi)) for c in range(lo, hi, bk)]

@@ -6,7 +6,7 @@ offsets (sequence ``b`` is rows ``cu_seqlens_q[b] : cu_seqlens_q[b + 1]``); the 
 keys and values. Each sequence equals :func:`qkv.attention` on it alone.
 
 How it runs fast: the sequences with some work run in one call of the packed kernel
-(:mod:`qkv.kernels.packed`), which walks sequences × kv heads × tiles on the worker threads
+(:mod:`qkv.engine.kernels.packed`), which walks sequences × kv heads × tiles on the worker threads
 straight from the packed arrays — no padding, no copies of the queries, no per-sequence plan —
 with the query heads of a group stacked against their shared kv head. Sequences too short for
 that (less than :data:`WALK_FLOPS` of work per kv head, where the walk's per-item Python cost
@@ -22,7 +22,7 @@ A bucket grows while its padding costs less than the calls it saves (:data:`CALL
 plus :data:`PAD_FRACTION` of its work.
 
 Scores that overflow the compute dtype on the way to a finite answer (huge ``scale`` or
-entries) are redone per sequence by :func:`qkv.kernels.dispatch.attend`, which knows how.
+entries) are redone per sequence by :func:`qkv.engine.kernels.dispatch.attend`, which knows how.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from typing import Any
 
 import numpy as np
 
-from .errors import InputError, InputTypeError
+from ..errors import InputError, InputTypeError
+from ..validate import as_array, block_plan, check_scale, check_window, from_foreign
 from .kernels import dispatch, packed
-from .validate import as_array, block_plan, check_scale, check_window, from_foreign
 
 __all__ = ["CALL_FLOPS", "PAD_FRACTION", "WALK_FLOPS", "attention_varlen", "check_offsets"]
 

@@ -7,10 +7,10 @@
   when batch × heads are too few.
 - ``"tiled"``: online-softmax prefill over tiles; ``O(tile · S)`` extra memory. Under
   ``"auto"``, plain problems (no mask, bias or score variant) run on the packed walk
-  (:mod:`qkv.kernels.packed`, the kernel of ``attention_varlen``: grouped heads stacked
+  (:mod:`qkv.engine.kernels.packed`, the kernel of ``attention_varlen``: grouped heads stacked
   against their kv head, measured 4-20% faster); forcing ``"tiled"`` runs the general one.
   Where the optional native library is built, ``"auto"`` runs float32/float64 problems
-  without score variants on its fused kernel instead (:mod:`qkv.kernels.native`).
+  without score variants on its fused kernel instead (:mod:`qkv.engine.kernels.native`).
 
 The thresholds were measured on a 2-core machine (see ``bench/``); they only pick the faster
 path, never change a result.
@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InputError, InputTypeError
-from ..validate import Plan
+from ...errors import InputError, InputTypeError
+from ...validate import Plan
 from . import decode, dense, mods, native, packed, tiled
 
 __all__ = [

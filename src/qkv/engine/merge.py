@@ -24,10 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from .errors import InputError, InputTypeError
+from ..errors import InputError, InputTypeError
+from ..validate import as_array
 from .kernels.blocks import merge_arrays
 from .kernels.mods import add_sink
-from .validate import as_array
 
 __all__ = ["check", "merge", "merge_arrays", "merge_vjp"]
 
