@@ -50,7 +50,8 @@ def _e(text: Any) -> str:
     return html.escape(str(text), quote=True)
 
 
-def _color(w: float) -> str:
+def weight_color(w: float) -> str:
+    """The fill for an attention weight: a colour scale from 0 (light) to 1 (dark)."""
     w = 0.0 if not np.isfinite(w) else min(max(w, 0.0), 1.0)
     r, g, b = (_LOW + (_HIGH - _LOW) * w).round().astype(int)
     return f"#{r:02x}{g:02x}{b:02x}"
@@ -100,7 +101,7 @@ def heatmap_svg(h: Heatmap) -> str:
             if h.excluded[i, j]:
                 fill, tip = "#d9d9d9", f"{pair}: excluded (weight 0)"
             else:
-                fill, tip = _color(w), f"{pair}: weight {fmt(w)}"
+                fill, tip = weight_color(w), f"{pair}: weight {fmt(w)}"
             parts.append(
                 f'<rect class="cell" x="{x}" y="{y}" width="{cell}" height="{cell}" '
                 f'fill="{fill}" stroke="#ffffff"><title>{_e(tip)}</title></rect>'

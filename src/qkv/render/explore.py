@@ -33,7 +33,7 @@ from ..errors import InputError
 from ..explanation.display import fmt
 from ..explanation.readings import READINGS, scale_readings
 from ..explanation.trace import Trace
-from .as_html import _color, table_html
+from .as_html import table_html, weight_color
 from .blocks import Cell, Table
 
 __all__ = ["explore_page"]
@@ -59,7 +59,7 @@ def _reading_data(t: Trace, row: int) -> dict[str, Any]:
     assert t.shifted is not None and t.exps is not None
     assert t.row_max is not None and t.sums is not None
     colors = [
-        ["#d9d9d9" if t.excluded[i, j] else _color(float(t.weights[i, j])) for j in range(S)]
+        ["#d9d9d9" if t.excluded[i, j] else weight_color(float(t.weights[i, j])) for j in range(S)]
         for i in range(L)
     ]
     data = {

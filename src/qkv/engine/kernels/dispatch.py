@@ -93,12 +93,12 @@ def attend(plan: Plan, kernel: str = "auto") -> tuple[np.ndarray, np.ndarray]:
 
     Sinks are added once, to the kernel's finished result (:func:`mods.with_sinks`).
     """
-    name = choose(plan) if kernel == "auto" else check_kernel(kernel)
-    if name == "dense" and kernel == "auto" and _plain(plan):
+    if kernel == "auto" and _plain(plan):
         with np.errstate(over="ignore", invalid="ignore"):
             out, lse = dense.attend_plain(plan)
         if np.isfinite(out).all():
             return out, lse
+    name = choose(plan) if kernel == "auto" else check_kernel(kernel)
     run = {"dense": dense.attend, "decode": decode.attend, "tiled": tiled.attend}[name]
     if name == "tiled" and kernel == "auto" and packed.supports(plan):
         run = packed.attend_plan
@@ -122,18 +122,28 @@ def attend(plan: Plan, kernel: str = "auto") -> tuple[np.ndarray, np.ndarray]:
 
 
 def _plain(plan: Plan) -> bool:
-    """Whether every row of ``plan`` sees every key, with no variant (:func:`dense.attend_plain`
-    serves it); a single causal query sees all keys too."""
-    return (
-        plan.mask is None
-        and plan.bias is None
-        and plan.window is None
-        and (not plan.causal or plan.L == 1)
-        and not plan.modded
-        and plan.sinks is None
-        and plan.S > 0
-        and scale_fits(plan)
-    )
+    """Whether :func:`choose` picks the dense kernel for ``plan`` and every row sees every key,
+    with no variant: :func:`dense.attend_plain` serves it (a single causal query sees all
+    keys too). Written out in one function, as small calls pay for every attribute lookup."""
+    if (
+        plan.mask is not None
+        or plan.bias is not None
+        or plan.window is not None
+        or plan.sinks is not None
+        or plan.softcap is not None
+        or plan.alibi is not None
+        or plan.score_mod is not None
+        or plan.mask_mod is not None
+    ):
+        return False
+    q, k = plan.q, plan.k
+    L, S, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    if S == 0 or d == 0 or (plan.causal and L != 1) or not scale_fits(plan):
+        return False
+    if L <= DECODE_MAX_L:
+        assert plan.v is not None  # attention plans carry values
+        return k.size * (d + plan.v.shape[-1]) // d * plan.acc_dtype.itemsize < DECODE_MIN_BYTES
+    return L * S <= DENSE_MAX_SCORES
 
 
 def weights(plan: Plan) -> np.ndarray:
