@@ -529,3 +529,20 @@ def test_info_says_the_varlen_walk_is_active(monkeypatch):
     monkeypatch.setenv("QKV_NATIVE", "0")
     assert not any(native.info()["kernels"].values())
     assert not native.supports_packed(np.float32)
+
+
+@pytest.mark.parametrize(
+    "kw", [dict(causal=True), dict(window=(70, 9)), dict(causal=True, window=(150, None))], ids=str
+)
+@pytest.mark.parametrize("L, S", [(300, 300), (131, 290), (290, 131)])
+def test_narrow_pieces_across_the_bounds(L, S, kw):
+    """Rows' bounds inside a block wider than the edge pieces (64 keys): the pieces across the
+    causal diagonal and the window's edges, prefill and packed."""
+    rng = np.random.default_rng(L + S)
+    q, k, v = rand(rng, (2, L, 16)), rand(rng, (2, S, 16)), rand(rng, (2, S, 8))
+    out, lse = native.attend(make_plan(q, k, v, **kw), block_q=200, block_k=160)
+    check(out, lse, q, k, v, **kw)
+    cq, ck = np.array([0, L]), np.array([0, S])
+    t = (x.transpose(1, 0, 2) for x in (q, k, v))
+    out_p, lse_p = native.attend_packed(*t, cq, ck, scale=0.25, block_q=200, block_k=160, **kw)
+    check(out_p.transpose(1, 0, 2), lse_p.T, q, k, v, **kw)

@@ -168,6 +168,7 @@ class _VarlenArgs(ctypes.Structure):
         ("seqs", ctypes.c_void_p),
         ("out", ctypes.c_void_p),
         ("lse", ctypes.c_void_p),
+        ("bad", ctypes.c_void_p),
         ("scale", ctypes.c_double),
         ("causal", ctypes.c_int64),
         ("left", ctypes.c_int64),
@@ -619,6 +620,7 @@ def attend_packed(
         return out, lse
     q, k, v = (_packed_operand(x, dt) for x in (q, k, v))
     left, right = window if window is not None else (None, None)
+    flags = np.zeros(cq.size - 1, dtype=np.uint8)  # set per sequence with a non-finite output
     args = _VarlenArgs(
         nseq=chosen.size,
         heads=heads,
@@ -639,6 +641,7 @@ def attend_packed(
         seqs=chosen.ctypes.data,
         out=out.ctypes.data,
         lse=lse.ctypes.data,
+        bad=flags.ctypes.data,
         scale=scale,
         causal=int(causal),
         left=-1 if left is None else left,
@@ -657,7 +660,5 @@ def attend_packed(
     if status != 0:
         raise RuntimeError(f"qkv native varlen: bad arguments (status {status})")
     if bad is not None:
-        rows = np.flatnonzero(~np.isfinite(out).all(axis=(1, 2)))
-        if rows.size:  # the sequences those rows belong to
-            bad.update(np.unique(np.searchsorted(cq, rows, side="right") - 1).tolist())
+        bad.update(np.flatnonzero(flags).tolist())
     return out, lse

@@ -12,9 +12,9 @@
 //
 // Tasks are taken from a shared counter by native threads (latest query blocks first: under
 // causal they see the most keys). The packed varlen walk runs the same block over packed
-// sequences: tasks (sequence, query head, query block), costliest first. Key tiles that no row of the block may see are skipped;
-// a tile across the causal/window edge is cut to the rows that see part of it, and each row
-// only exponentiates its own visible keys.
+// sequences: tasks (sequence, kv head, query block), costliest first. Key tiles that no row
+// of the block may see are skipped; across the causal/window edge keys go in narrow pieces,
+// each with the rows that see part of it, and each row only exponentiates its visible keys.
 //
 // BLAS is not linked: the caller passes sgemm/dgemm function pointers with the Fortran
 // calling convention (SciPy's cython_blas exports them). Nothing here uses Python, so the
@@ -104,6 +104,7 @@ struct qkv_varlen_args {
     const int64_t* seqs;
     void* out;
     void* lse;
+    uint8_t* bad;  // per sequence (batch entries), set to 1 where an output is not finite; or NULL
     double scale;
     int64_t causal;
     int64_t left, right;
@@ -487,9 +488,12 @@ QKV_INLINE void bounds(const Args& a, int64_t p, int64_t* lo, int64_t* hi) {
     *hi = std::max(b, std::min(e, a.S));
 }
 
+// Width of the key pieces across the rows' bounds (see forward_block).
+constexpr int64_t EDGE = 64;
+
 // One forward work item: query rows [r0, r0 + rows) of one head of one sequence of L queries
 // and S keys, with where its operands are and where its results go. Pointers are at the
-// block's first row (q, out, lse, mask, bias) and at key 0 (k, v, mask, bias).
+// block's first row (q, out, lse, mask, bias) and at key k_first (k, v; mask and bias at 0).
 template <typename T>
 struct Block {
     const T* q;
@@ -498,6 +502,7 @@ struct Block {
     int64_t k_rs;
     const T* v;
     int64_t v_rs;
+    int64_t k_first;
     int64_t L, S, r0, rows;
     T* out;
     int64_t out_rs;
@@ -506,6 +511,7 @@ struct Block {
     const uint8_t* mask;
     const T* bias;
     int64_t m_rs, m_cs;
+    uint8_t* bad;  // set to 1 when an output is not finite (NULL: not asked)
 };
 
 // What every work item of one call shares: sizes, visibility rule, the BLAS and softmax step.
@@ -523,6 +529,7 @@ struct Shared {
 template <typename T>
 struct Buffers {
     std::vector<T> s, acc, m, l;
+    std::vector<T> qc, kc, vc;  // contiguous copies of strided operands (the varlen walk)
     std::vector<int64_t> lo, hi, jl, jh;
     bool make(int64_t bq, int64_t bk, int64_t dv) {
         try {
@@ -554,18 +561,28 @@ void forward_block(const Block<T>& b, Shared<Gemm> sh, Buffers<T>& buf) {
     std::fill(buf.l.begin(), buf.l.begin() + rows, T(0));
     std::fill(buf.acc.begin(), buf.acc.begin() + rows * dv, T(0));
     const int64_t klo = lo[0], khi = hi[rows - 1];  // both nondecreasing in the row
-    int64_t ra = 0, rb = 0;  // rows [ra, rb) see some key of the current tile
-    for (int64_t c0 = klo; c0 < khi; c0 += bk) {
-        const int64_t c1 = std::min(c0 + bk, khi), n = c1 - c0;
+    // Keys in pieces: as wide as bk where every row that sees part of a piece sees all of it;
+    // across the rows' bounds (the causal diagonal, a window's edges) pieces of EDGE keys, so
+    // the products computed for keys a row does not see stay a small part of the work.
+    int64_t ra = 0, rb = 0;  // rows [ra, rb) see some key of the current piece
+    int64_t nl = 0;          // the first row whose keys start after c0
+    for (int64_t c0 = klo, c1; c0 < khi; c0 = c1) {
         while (ra < rows && hi[ra] <= c0) ++ra;
+        if (ra >= rows) break;
+        while (nl < rows && lo[nl] <= c0) ++nl;
+        int64_t full = std::min(hi[ra], khi) - c0;
+        if (nl < rows) full = std::min(full, lo[nl] - c0);
+        c1 = std::min(c0 + (full >= EDGE ? std::min(full, bk) : std::min(EDGE, bk)), khi);
+        const int64_t n = c1 - c0;
         while (rb < rows && lo[rb] < c1) ++rb;
         if (ra >= rb) continue;
         const int64_t nr = rb - ra;
         T* s = buf.s.data();
         // S (nr x n, row-major, ld n) = scale · Q[ra:rb] · K[c0:c1]ᵀ; in BLAS's column-major
         // terms Sᵀ = Kᵀᵀ · Qᵀ.
-        gemm(sh.g, "T", "N", int(n), int(nr), int(sh.d), T(sh.scale), b.k + c0 * b.k_rs,
-             int(b.k_rs), b.q + ra * b.q_rs, int(b.q_rs), T(0), s, int(n));
+        gemm(sh.g, "T", "N", int(n), int(nr), int(sh.d), T(sh.scale),
+             b.k + (c0 - b.k_first) * b.k_rs, int(b.k_rs), b.q + ra * b.q_rs, int(b.q_rs), T(0),
+             s, int(n));
         for (int64_t i = ra; i < rb; ++i) {
             buf.jl[i] = std::min(std::max(lo[i] - c0, int64_t(0)), n);
             buf.jh[i] = std::max(std::min(hi[i] - c0, n), buf.jl[i]);
@@ -588,9 +605,11 @@ void forward_block(const Block<T>& b, Shared<Gemm> sh, Buffers<T>& buf) {
         sa.dv = dv;
         sh.step(sa);
         // acc[ra:rb] (nr x dv, ld dv) += P · V[c0:c1]; column-major: accᵀ += Vᵀ · Pᵀ
-        gemm(sh.g, "N", "N", int(dv), int(nr), int(n), T(1), b.v + c0 * b.v_rs, int(b.v_rs), s,
+        gemm(sh.g, "N", "N", int(dv), int(nr), int(n), T(1), b.v + (c0 - b.k_first) * b.v_rs,
+             int(b.v_rs), s,
              int(n), T(1), buf.acc.data() + ra * dv, int(dv));
     }
+    T bad = 0;  // 0, or NaN when some output is not finite (0 * inf and NaN are NaN)
     for (int64_t i = 0; i < rows; ++i) {
         const T li = buf.l[i];
         const T* acc = buf.acc.data() + i * dv;
@@ -600,10 +619,14 @@ void forward_block(const Block<T>& b, Shared<Gemm> sh, Buffers<T>& buf) {
             b.lse[i * b.lse_s] = ninf;
         } else {
             const T inv = T(1) / li;
-            for (int64_t c = 0; c < dv; ++c) out[c] = acc[c] * inv;
+            for (int64_t c = 0; c < dv; ++c) {
+                out[c] = acc[c] * inv;
+                bad += out[c] * T(0);
+            }
             b.lse[i * b.lse_s] = buf.m[i] + std::log(li);
         }
     }
+    if (b.bad && bad != bad) __atomic_store_n(b.bad, uint8_t(1), __ATOMIC_RELAXED);
 }
 
 // Runs work(buffers, task) for tasks [0, ntasks) taken from a shared counter by `threads`
@@ -677,6 +700,7 @@ int run(const qkv_prefill_args& a) {
         b.k_rs = a.k_rs;
         b.v = V + a.v_off[h];
         b.v_rs = a.v_rs;
+        b.k_first = 0;
         b.L = a.L;
         b.S = a.S;
         b.r0 = r0;
@@ -690,12 +714,14 @@ int run(const qkv_prefill_args& a) {
         b.bias = BIAS ? BIAS + moff : nullptr;
         b.m_rs = a.m_rs;
         b.m_cs = a.m_cs;
+        b.bad = nullptr;
         forward_block<T, Gemm>(b, sh, buf);
     });
 }
 
-// The packed varlen walk: tasks are (sequence, query head, query block) triples, costliest
-// first, over the packed arrays as they are (no copies, no padding).
+// The packed varlen walk: tasks are (sequence, kv head, query block) triples, costliest
+// first, each running the query heads that share the kv head, over the packed arrays (no
+// padding).
 template <typename T, typename Gemm>
 int run_varlen(const qkv_varlen_args& a) {
     const int64_t bq = std::max<int64_t>(1, a.block_q), bk = std::max<int64_t>(1, a.block_k);
@@ -723,35 +749,85 @@ int run_varlen(const qkv_varlen_args& a) {
     } catch (const std::bad_alloc&) {
         return 1;
     }
-    const int64_t H = a.heads, ntasks = int64_t(tasks.size()) * H;
+    const int64_t H = a.heads, nkv = H / a.group, ntasks = int64_t(tasks.size()) * nkv;
+    const int64_t d = a.d, dv = a.dv;
     const T* Q = static_cast<const T*>(a.q);
     const T* K = static_cast<const T*>(a.k);
     const T* V = static_cast<const T*>(a.v);
     T* OUT = static_cast<T*>(a.out);
     T* LSE = static_cast<T*>(a.lse);
-    return run_tasks<T>(ntasks, a.threads, bq, bk, a.dv, [&](Buffers<T>& buf, int64_t t) {
-        const Task& task = tasks[size_t(t / H)];
-        const int64_t h = t % H, kvh = h / a.group;
+    // Packed rows are far apart (a token's heads lie between them): BLAS would re-read the
+    // strided query rows for every key piece and walk the keys across cache-aliasing strides.
+    // Each task copies its kv head's visible keys and values once, and each query head's rows,
+    // into contiguous buffers (where memory allows; otherwise it reads them in place).
+    const bool copy_q = a.q_ts != d, copy_kv = a.k_ts != d || a.v_ts != dv;
+    return run_tasks<T>(ntasks, a.threads, bq, bk, dv, [&](Buffers<T>& buf, int64_t t) {
+        const Task& task = tasks[size_t(t / nkv)];
+        const int64_t kvh = t % nkv;
         const int64_t q0 = a.cq[task.b], k0 = a.ck[task.b];
         Block<T> b;
         b.L = a.cq[task.b + 1] - q0;
         b.S = a.ck[task.b + 1] - k0;
         b.r0 = task.r0;
         b.rows = std::min(bq, b.L - task.r0);
-        b.q = Q + (q0 + task.r0) * a.q_ts + h * a.q_hs;
-        b.q_rs = a.q_ts;
+        Shared<Gemm> rule = sh;
+        rule.S = b.S;
+        int64_t klo, khi, unused;
+        bounds(rule, b.S - b.L + b.r0, &klo, &unused);
+        bounds(rule, b.S - b.L + b.r0 + b.rows - 1, &unused, &khi);
         b.k = K + k0 * a.k_ts + kvh * a.k_hs;
         b.k_rs = a.k_ts;
         b.v = V + k0 * a.v_ts + kvh * a.v_hs;
         b.v_rs = a.v_ts;
-        b.out = OUT + ((q0 + task.r0) * H + h) * a.dv;
-        b.out_rs = H * a.dv;
-        b.lse = LSE + (q0 + task.r0) * H + h;
-        b.lse_s = H;
+        b.k_first = 0;
+        if (copy_kv && khi > klo) {
+            try {
+                buf.kc.resize(size_t((khi - klo) * d));
+                buf.vc.resize(size_t((khi - klo) * dv));
+                for (int64_t j = klo; j < khi; ++j) {
+                    std::memcpy(&buf.kc[size_t((j - klo) * d)], b.k + j * a.k_ts,
+                                size_t(d) * sizeof(T));
+                    std::memcpy(&buf.vc[size_t((j - klo) * dv)], b.v + j * a.v_ts,
+                                size_t(dv) * sizeof(T));
+                }
+                b.k = buf.kc.data();
+                b.k_rs = d;
+                b.v = buf.vc.data();
+                b.v_rs = dv;
+                b.k_first = klo;
+            } catch (const std::bad_alloc&) {
+                // read them in place
+            }
+        }
+        bool q_copied = false;
+        if (copy_q) {
+            try {
+                buf.qc.resize(size_t(b.rows * d));
+                q_copied = true;
+            } catch (const std::bad_alloc&) {
+            }
+        }
         b.mask = nullptr;
         b.bias = nullptr;
         b.m_rs = b.m_cs = 0;
-        forward_block<T, Gemm>(b, sh, buf);
+        b.bad = a.bad ? a.bad + task.b : nullptr;
+        for (int64_t h = kvh * a.group; h < (kvh + 1) * a.group; ++h) {
+            const T* q = Q + (q0 + task.r0) * a.q_ts + h * a.q_hs;
+            if (q_copied) {
+                for (int64_t i = 0; i < b.rows; ++i)
+                    std::memcpy(&buf.qc[size_t(i * d)], q + i * a.q_ts, size_t(d) * sizeof(T));
+                b.q = buf.qc.data();
+                b.q_rs = d;
+            } else {
+                b.q = q;
+                b.q_rs = a.q_ts;
+            }
+            b.out = OUT + ((q0 + task.r0) * H + h) * dv;
+            b.out_rs = H * dv;
+            b.lse = LSE + (q0 + task.r0) * H + h;
+            b.lse_s = H;
+            forward_block<T, Gemm>(b, sh, buf);
+        }
     });
 }
 
