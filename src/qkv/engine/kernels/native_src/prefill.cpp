@@ -219,18 +219,14 @@ QKV_INLINE double exp_neg(double x) {
 
 // Max and sum of s[a:b) with one accumulator per lane of the widest vector (64 bytes): a
 // fixed-width inner loop that each clone splits into its own vectors (one AVX-512 register,
-// two AVX2 ones, four SSE ones). NaN is skipped by the max (the sum carries it).
+// two AVX2 ones, four SSE ones). The max is an OpenMP simd max reduction (a select on a
+// comparison is not vectorised without it); a NaN score may or may not become the max, and
+// either way its row comes out NaN (the sum carries it).
 template <typename T>
 QKV_INLINE T lane_max(const T* __restrict s, int64_t a, int64_t b) {
-    constexpr int W = 64 / sizeof(T);
-    T acc[W];
-    for (int u = 0; u < W; ++u) acc[u] = -std::numeric_limits<T>::infinity();
-    int64_t j = a;
-    for (; j + W <= b; j += W)
-        for (int u = 0; u < W; ++u) acc[u] = s[j + u] > acc[u] ? s[j + u] : acc[u];
-    for (; j < b; ++j) acc[0] = s[j] > acc[0] ? s[j] : acc[0];
-    T m = acc[0];
-    for (int u = 1; u < W; ++u) m = acc[u] > m ? acc[u] : m;
+    T m = -std::numeric_limits<T>::infinity();
+#pragma omp simd reduction(max : m)
+    for (int64_t j = a; j < b; ++j) m = s[j] > m ? s[j] : m;
     return m;
 }
 
