@@ -217,30 +217,15 @@ QKV_INLINE double exp_neg(double x) {
     return under ? 0 : p * two_n;
 }
 
-// Max and sum of s[a:b) with one accumulator per lane of the widest vector (64 bytes): a
-// fixed-width inner loop that each clone splits into its own vectors (one AVX-512 register,
-// two AVX2 ones, four SSE ones). The max is an OpenMP simd max reduction (a select on a
-// comparison is not vectorised without it); a NaN score may or may not become the max, and
-// either way its row comes out NaN (the sum carries it).
+// Max of s[a:b) as an OpenMP simd max reduction, which each clone runs in its own vector width
+// (a select on a comparison is not vectorised without it); a NaN score may or may not become
+// the max, and either way its row comes out NaN (the sum carries it).
 template <typename T>
 QKV_INLINE T lane_max(const T* __restrict s, int64_t a, int64_t b) {
     T m = -std::numeric_limits<T>::infinity();
 #pragma omp simd reduction(max : m)
     for (int64_t j = a; j < b; ++j) m = s[j] > m ? s[j] : m;
     return m;
-}
-
-template <typename T>
-QKV_INLINE T lane_sum(const T* __restrict s, int64_t a, int64_t b) {
-    constexpr int W = 64 / sizeof(T);
-    T acc[W] = {};
-    int64_t j = a;
-    for (; j + W <= b; j += W)
-        for (int u = 0; u < W; ++u) acc[u] += s[j + u];
-    for (; j < b; ++j) acc[0] += s[j];
-    T sum = 0;
-    for (int u = 0; u < W; ++u) sum += acc[u];
-    return sum;
 }
 
 // One row's softmax step on its scores s[0:n) (the tile's columns), of which [jl, jh) are
@@ -282,9 +267,13 @@ QKV_INLINE void row_step(T* __restrict s, int64_t n, int64_t jl, int64_t jh,
         if (nan) *l = std::numeric_limits<T>::quiet_NaN();
         return;
     }
-#pragma omp simd
-    for (int64_t j = jl; j < jh; ++j) s[j] = exp_neg(s[j] - mnew);
-    const T sum = lane_sum(s, jl, jh);  // the row is still in L1
+    T sum = 0;  // summed as the weights are written (a simd reduction: lanes, then added)
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = jl; j < jh; ++j) {
+        const T p = exp_neg(s[j] - mnew);
+        s[j] = p;
+        sum += p;
+    }
     T alpha = mold == ninf ? T(0) : exp_neg(mold - mnew);  // mold == mnew: exactly 1
     if (alpha != T(1)) {
 #pragma omp simd
