@@ -2,9 +2,10 @@
 
     python bench/varlen.py [--batch 64] [--lo 16] [--hi 1024] [--heads 32] [--kv-heads 8]
 
-Measures in one process ``qkv.attention_varlen`` on the packed batch (its walk over sequences ×
-kv heads × tiles, and with ``--buckets`` also its older form that pads similar lengths into
-batched calls, as it still does for very short sequences), a Python loop of
+Measures in one process ``qkv.attention_varlen`` on the packed batch (the native packed walk
+of kernels/native.py where it is built, and again with ``QKV_NATIVE=0``, the NumPy walk over
+sequences × kv heads × tiles; with ``--buckets`` also its older form that pads similar lengths
+into batched calls, as the NumPy path still does for very short sequences), a Python loop of
 ``qkv.attention`` over the sequences, PyTorch's CPU scaled_dot_product_attention looped over
 the sequences (its fastest form here: flash kernel, no padding) and PyTorch on the batch padded
 to the longest prompt with a mask (``--no-padded`` skips it: its memory grows with batch ·
@@ -16,6 +17,7 @@ memory and threads.
 from __future__ import annotations
 
 import argparse
+import os
 
 import _common
 import machine
@@ -61,18 +63,33 @@ def main() -> None:
             out[a:z] = o.transpose(1, 0, 2)
         return out
 
-    contenders = {
-        "qkv attention_varlen": lambda: qkv.attention_varlen(q, k, v, cu, cu, causal=True),
-        "qkv loop of attention": qkv_loop,
-    }
+    def native_off() -> np.ndarray:
+        os.environ["QKV_NATIVE"] = "0"  # read on every call
+        try:
+            return qkv.attention_varlen(q, k, v, cu, cu, causal=True)
+        finally:
+            os.environ.pop("QKV_NATIVE")
+
+    from qkv.engine.kernels import native
+
+    os.environ.pop("QKV_NATIVE", None)
+    info = native.info()
+    print(f"native kernels: {info['reason']}; vector clone {info['isa']}")
+    name = "qkv attention_varlen" + (" (native)" if info["active"] else "")
+    contenders = {name: lambda: qkv.attention_varlen(q, k, v, cu, cu, causal=True)}
+    if info["active"]:
+        contenders["qkv attention_varlen QKV_NATIVE=0"] = native_off
+    contenders["qkv loop of attention"] = qkv_loop
     if args.buckets:
 
         def buckets() -> np.ndarray:
             walk, qkv.engine.varlen.WALK_FLOPS = qkv.engine.varlen.WALK_FLOPS, float("inf")
+            os.environ["QKV_NATIVE"] = "0"  # the buckets are the NumPy path's
             try:
                 return qkv.attention_varlen(q, k, v, cu, cu, causal=True)
             finally:
                 qkv.engine.varlen.WALK_FLOPS = walk
+                os.environ.pop("QKV_NATIVE")
 
         contenders["qkv attention_varlen, buckets"] = buckets
     try:
@@ -119,7 +136,7 @@ def main() -> None:
     except ImportError:
         print("PyTorch not installed: no peer to compare against")
 
-    ref = np.asarray(contenders["qkv attention_varlen"]())
+    ref = np.asarray(contenders[name]())
     times = _common.race(contenders, repeat=args.repeat)
     peaks, diffs = {}, {}
     for name, fn in contenders.items():

@@ -379,3 +379,170 @@ def test_without_scipy_the_native_kernels_say_why(monkeypatch):
     monkeypatch.setitem(sys.modules, "scipy.linalg.cython_blas", None)
     gemm, why = native._gemm.__wrapped__()
     assert gemm is None and "SciPy" in why
+
+
+# --- the packed varlen walk -----------------------------------------------------------------
+
+
+def packed_reference(q, k, v, cq, ck, **kw):
+    """qkv.reference on each packed sequence alone, in float64, packed back: output and lse."""
+    out = np.zeros((q.shape[0], q.shape[1], v.shape[2]))
+    lse = np.full(q.shape[:2], -np.inf)
+    for b in range(len(cq) - 1):
+        qs, ks, vs = (
+            x[c[b] : c[b + 1]].astype(np.float64).transpose(1, 0, 2)
+            for x, c in ((q, cq), (k, ck), (v, ck))
+        )
+        with np.errstate(invalid="ignore"):
+            o, s = reference.attention(qs, ks, vs, return_lse=True, **kw)
+        out[cq[b] : cq[b + 1]] = o.transpose(1, 0, 2)
+        lse[cq[b] : cq[b + 1]] = s.T
+    return out, lse
+
+
+@st.composite
+def packed_problems(draw):
+    """Packed batches: lengths with 0 and 1, grouped heads, dtype, causal, window, tiles."""
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    n = draw(st.integers(1, 5))
+    length = st.sampled_from([0, 1, 1, 2, 3, 5, 8, 13, 21])
+    lq = [draw(length) for _ in range(n)]
+    same = draw(st.booleans())  # prompts (L == S) or any lengths
+    lk = list(lq) if same else [draw(length) for _ in range(n)]
+    cq, ck = (np.concatenate([[0], np.cumsum(x, dtype=np.int64)]) for x in (lq, lk))
+    dtype = draw(st.sampled_from([np.float64, np.float32, np.float16]))
+    kv, g = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    d, dv = draw(st.integers(1, 9)), draw(st.integers(1, 7))
+    q = rand(rng, (cq[-1], kv * g, d), dtype)
+    k = rand(rng, (ck[-1], kv, d), dtype)
+    v = rand(rng, (ck[-1], kv, dv), dtype)
+    opts = {"causal": draw(st.booleans()), "scale": draw(st.floats(0.05, 2.0))}
+    if draw(st.booleans()):
+        side = st.one_of(st.none(), st.integers(0, 6))
+        opts["window"] = (draw(side), draw(side))
+    run = dict(
+        block_q=draw(st.integers(1, 8)),
+        block_k=draw(st.integers(1, 8)),
+        isa=draw(st.sampled_from(ISAS)),
+        threads=draw(st.integers(1, 3)),
+    )
+    return q, k, v, cq, ck, opts, run
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(packed_problems())
+def test_native_packed_property(problem):
+    q, k, v, cq, ck, opts, run = problem
+    out, lse = native.attend_packed(q, k, v, cq, ck, **opts, **run)
+    acc = np.float32 if q.dtype == np.float16 else q.dtype
+    assert out.dtype == acc and out.shape == q.shape[:2] + v.shape[2:]
+    ref_out, ref_lse = packed_reference(q, k, v, cq, ck, **opts)
+    tol = TOL[q.dtype.type]
+    np.testing.assert_allclose(out, ref_out, rtol=tol, atol=tol * 4)
+    assert np.array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    fin = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse[fin], ref_lse[fin], rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kw", STRUCTURE, ids=str)
+def test_native_packed_at_tile_edges_with_strided_inputs(kw, isa):
+    """Sequences of 0, 1 and more tokens (L < S, L == S, L > S), 8 query heads over 2 kv heads,
+    k and v read through views of one interleaved array; then one sequence alone."""
+    rng = np.random.default_rng(len(str(kw)))
+    lq, lk = [5, 0, 1, 13, 37, 3, 1, 9], [5, 4, 1, 13, 41, 0, 9, 2]
+    cq, ck = (np.concatenate([[0], np.cumsum(x, dtype=np.int64)]) for x in (lq, lk))
+    q = rand(rng, (cq[-1], 8, 6))
+    kv = rand(rng, (ck[-1], 2, 12))
+    k, v = kv[:, :, :6], kv[:, :, 6:9]  # token stride 24, head stride 12, not contiguous
+    seqs = np.array([0, 2, 3, 4, 5, 6, 7])
+    out, lse = native.attend_packed(
+        q, k, v, cq, ck, scale=0.4, seqs=seqs, isa=isa, block_q=4, block_k=7, **kw
+    )
+    ref_out, ref_lse = packed_reference(q, k, v, cq, ck, scale=0.4, **kw)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-10, atol=1e-10)
+    assert np.array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    only = native.attend_packed(q, k, v, cq, ck, scale=0.4, seqs=[4], **kw)[0]
+    rows = slice(cq[4], cq[5])
+    np.testing.assert_allclose(only[rows], ref_out[rows], rtol=1e-10, atol=1e-10)
+    assert not only[: cq[4]].any() and not only[cq[5] :].any()  # the others left 0
+
+
+def test_native_packed_reports_non_finite_sequences():
+    rng = np.random.default_rng(21)
+    lens = [4, 6, 3]
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    q, k, v = (rand(rng, (13, 2, 4)) for _ in range(3))
+    v[5, 1, 0] = np.nan  # sequence 1
+    bad: set[int] = set()
+    out, _ = native.attend_packed(q, k, v, cu, cu, scale=0.5, causal=True, bad=bad)
+    assert bad == {1}
+    assert np.isfinite(out[:4]).all() and np.isfinite(out[10:]).all()
+
+
+def test_attention_varlen_runs_the_native_walk(monkeypatch):
+    """With the native kernels on, every sequence (short ones too) takes their packed walk in
+    one call; switched off, none does; both equal the reference, and overflow is redone."""
+    monkeypatch.delenv("QKV_NATIVE", raising=False)
+    calls = []
+    real = native.attend_packed
+    monkeypatch.setattr(
+        native, "attend_packed", lambda *a, **kw: calls.append(list(kw["seqs"])) or real(*a, **kw)
+    )
+    rng = np.random.default_rng(22)
+    lens = [3, 200, 2, 150, 0, 1]
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    q = rand(rng, (cu[-1], 4, 16), np.float32)
+    k, v = (rand(rng, (cu[-1], 2, 16), np.float32) for _ in range(2))
+    want, _ = packed_reference(q, k, v, cu, cu, causal=True, scale=0.25)
+    got = qkv.attention_varlen(q, k, v, cu, cu, causal=True)
+    assert calls == [[0, 1, 2, 3, 5]]
+    np.testing.assert_allclose(got, want, atol=2e-5)
+    monkeypatch.setenv("QKV_NATIVE", "0")
+    np.testing.assert_allclose(qkv.attention_varlen(q, k, v, cu, cu, causal=True), want, atol=2e-5)
+    assert len(calls) == 1
+    monkeypatch.delenv("QKV_NATIVE")
+    big = qkv.attention_varlen(q * np.float32(1e20), k * np.float32(1e20), v, cu, cu, scale=1.0)
+    want_big, _ = packed_reference(q * 1e20, k * 1e20, v, cu, cu, scale=1.0)
+    assert np.isfinite(big).all()
+    np.testing.assert_allclose(big, want_big, atol=2e-5)
+
+
+def test_native_packed_threads_and_clones_agree():
+    rng = np.random.default_rng(23)
+    lens = [300, 1, 77, 0, 129]
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    q, k, v = (rand(rng, (cu[-1], 4, 16), np.float32) for _ in range(3))
+    first, _ = native.attend_packed(q, k, v, cu, cu, scale=0.25, causal=True, threads=1)
+    for isa in ISAS:
+        for threads in (2, 5):
+            out, _ = native.attend_packed(
+                q, k, v, cu, cu, scale=0.25, causal=True, threads=threads, isa=isa, block_q=32
+            )
+            np.testing.assert_allclose(out, first, rtol=1e-5, atol=1e-6)
+
+
+def test_info_says_the_varlen_walk_is_active(monkeypatch):
+    monkeypatch.delenv("QKV_NATIVE", raising=False)
+    kernels = native.info()["kernels"]
+    assert [on for name, on in kernels.items() if name.startswith("packed varlen walk")] == [True]
+    monkeypatch.setenv("QKV_NATIVE", "0")
+    assert not any(native.info()["kernels"].values())
+    assert not native.supports_packed(np.float32)
+
+
+@pytest.mark.parametrize(
+    "kw", [dict(causal=True), dict(window=(70, 9)), dict(causal=True, window=(150, None))], ids=str
+)
+@pytest.mark.parametrize("L, S", [(300, 300), (131, 290), (290, 131)])
+def test_narrow_pieces_across_the_bounds(L, S, kw):
+    """Rows' bounds inside a block wider than the edge pieces (64 keys): the pieces across the
+    causal diagonal and the window's edges, prefill and packed."""
+    rng = np.random.default_rng(L + S)
+    q, k, v = rand(rng, (2, L, 16)), rand(rng, (2, S, 16)), rand(rng, (2, S, 8))
+    out, lse = native.attend(make_plan(q, k, v, **kw), block_q=200, block_k=160)
+    check(out, lse, q, k, v, **kw)
+    cq, ck = np.array([0, L]), np.array([0, S])
+    t = (x.transpose(1, 0, 2) for x in (q, k, v))
+    out_p, lse_p = native.attend_packed(*t, cq, ck, scale=0.25, block_q=200, block_k=160, **kw)
+    check(out_p.transpose(1, 0, 2), lse_p.T, q, k, v, **kw)

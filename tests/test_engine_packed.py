@@ -1,7 +1,9 @@
 """The packed kernel (kernels/packed.py) and attention_varlen's walk over it.
 
 Sizes are chosen not to divide the tiles (small tiles, odd lengths); ``WALK_FLOPS = 0`` sends
-every sequence through the walk, which otherwise serves only sequences with enough work.
+every sequence through the walk, which otherwise serves only sequences with enough work. The
+native kernels are switched off here (``attention_varlen`` would run their packed walk instead;
+``tests/test_engine_native.py`` tests that one).
 """
 
 from __future__ import annotations
@@ -41,6 +43,11 @@ def reference_per_sequence(q, k, v, cq, ck, **kw):
         out[cq[b] : cq[b + 1]] = o.transpose(1, 0, 2)
         lse[cq[b] : cq[b + 1]] = s.T
     return out, lse
+
+
+@pytest.fixture(autouse=True)
+def numpy_walk(monkeypatch):
+    monkeypatch.setenv("QKV_NATIVE", "0")
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ from . import (
     render,  # noqa: F401, I001  (registers the formats Trace.render finds)
 )
 from ._version import __version__
+from .about import info
 from .errors import InputError, InputTypeError
 from .explanation.trace import Trace, explain
 from .front import (
@@ -41,6 +42,7 @@ __all__ = [
     "attention_vjp",
     "attention_weights",
     "explain",
+    "info",
     "merge",
     "reference",
     "scores",

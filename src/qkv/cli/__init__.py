@@ -22,14 +22,14 @@ from typing import NoReturn
 
 from ..errors import InputError
 from ..extras import EXTRAS, hint
-from . import exercise, explain, explain_model, explore, scores, study
+from . import exercise, explain, explain_model, explore, info, scores, study
 from .options import OutputError
 from .terminal import attach_values, encodable_stdout, silence_stdout
 
 __all__ = ["COMMANDS", "UsageError", "attach_values", "build_parser", "main"]
 
 #: The command modules, in the order ``qkv --help`` lists them.
-COMMANDS = [explain, scores, exercise, study, explore, explain_model]
+COMMANDS = [explain, scores, exercise, study, explore, explain_model, info]
 
 EPILOG = """examples:
   qkv explain --q "2,1" --k "1,0;3,2" --v "1,2;3,4" --d 4
@@ -60,7 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"qkv {__version__}")
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"qkv {__version__}",
+        help="print the version and exit (with --verbose: the report of qkv info)",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for module in COMMANDS:
         module.register(sub)
@@ -89,6 +94,9 @@ def _main(argv: Sequence[str] | None) -> int:
     args = None
     try:
         argv = attach_values(parser, sys.argv[1:] if argv is None else list(argv))
+        if "--verbose" in argv[:2] and "--version" in argv[:2]:  # not an option of its own:
+            # a top-level --verbose would make abbreviations such as --v ambiguous
+            return info.run(argparse.Namespace(json=False))
         args = parser.parse_args(argv)
         if args.command is None:
             names = ", ".join(m.NAME for m in COMMANDS)

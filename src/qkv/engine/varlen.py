@@ -5,7 +5,11 @@ stacked along one axis, ``q (total_q, heads, d)``, and ``cu_seqlens_q`` holds th
 offsets (sequence ``b`` is rows ``cu_seqlens_q[b] : cu_seqlens_q[b + 1]``); the same for the
 keys and values. Each sequence equals :func:`qkv.attention` on it alone.
 
-How it runs fast: the sequences with some work run in one call of the packed kernel
+How it runs fast: where the optional native kernels are active
+(:func:`qkv.engine.kernels.native.attend_packed`, float32/float64), every sequence runs in one
+call of their packed walk: (sequence, query head, query block) tasks on native threads, read
+straight from the packed arrays. Otherwise the sequences with some work run in one call of the
+NumPy packed kernel
 (:mod:`qkv.engine.kernels.packed`), which walks sequences × kv heads × tiles on the worker threads
 straight from the packed arrays — no padding, no copies of the queries, no per-sequence plan —
 with the query heads of a group stacked against their shared kv head. Sequences too short for
@@ -33,7 +37,7 @@ import numpy as np
 
 from ..errors import InputError, InputTypeError
 from ..validate import as_array, block_plan, check_scale, check_window, from_foreign
-from .kernels import dispatch, packed
+from .kernels import dispatch, native, packed
 
 __all__ = ["CALL_FLOPS", "PAD_FRACTION", "WALK_FLOPS", "attention_varlen", "check_offsets"]
 
@@ -198,12 +202,13 @@ def attention_varlen(
     lq, lk = np.diff(cq), np.diff(ck)
     unit = heads * 2 * (qa.shape[2] + va.shape[2])  # flops per score
     live = (lq > 0) & (lk > 0)  # the others give zeros and -inf
-    walk = live & (lq * lk * (unit // kv_heads) >= WALK_FLOPS)  # work per kv head
+    fused = native.supports_packed(acc_dt)  # its work items cost microseconds: all go there
+    walk = live if fused else live & (lq * lk * (unit // kv_heads) >= WALK_FLOPS)
     if not dispatch.scale_in_range(fscale, acc_dt):
-        walk[:] = False  # the scale needs float64 (dispatch.attend does that per sequence)
+        walk = np.zeros_like(live)  # the scale needs float64 (dispatch.attend, per sequence)
     redo: set[int] = set()  # an overflow on the way, or NaN/inf inputs
     with np.errstate(over="ignore", invalid="ignore"):
-        o, lse = packed.attend(
+        o, lse = (native.attend_packed if fused else packed.attend)(
             qa,
             ka,
             va,

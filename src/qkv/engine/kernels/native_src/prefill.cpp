@@ -11,9 +11,10 @@
 //     out = acc / l, lse = m + log l                      (l = 0: out 0, lse −inf)
 //
 // Tasks are taken from a shared counter by native threads (latest query blocks first: under
-// causal they see the most keys). Key tiles that no row of the block may see are skipped;
-// a tile across the causal/window edge is cut to the rows that see part of it, and each row
-// only exponentiates its own visible keys.
+// causal they see the most keys). The packed varlen walk runs the same block over packed
+// sequences: tasks (sequence, kv head, query block), costliest first. Key tiles that no row
+// of the block may see are skipped; across the causal/window edge keys go in narrow pieces,
+// each with the rows that see part of it, and each row only exponentiates its visible keys.
 //
 // BLAS is not linked: the caller passes sgemm/dgemm function pointers with the Fortran
 // calling convention (SciPy's cython_blas exports them). Nothing here uses Python, so the
@@ -81,6 +82,35 @@ struct qkv_prefill_args {
     int64_t threads;
     int64_t isa;  // 0 = best available, 1 = baseline, 2 = AVX2, 3 = AVX-512
     void* gemm;   // sgemm for float32, dgemm for float64
+    int64_t block_q, block_k;
+};
+
+// The packed varlen walk (qkv.engine.kernels.packed's layout): q (total_q, heads, d), k and
+// v (total_k, heads / group, ·), sequence b in rows cq[b]:cq[b + 1] and ck[b]:ck[b + 1], each
+// attending alone (causal bottom-right within it, windows likewise). Token and head strides
+// in elements; the last axis is contiguous. Only the sequences listed in seqs are computed:
+// out (total_q, heads, dv) and lse (total_q, heads) are contiguous and keep what the caller
+// put in the other rows (and in those of sequences with no key).
+struct qkv_varlen_args {
+    int64_t nseq, heads, group, d, dv;
+    const void* q;
+    int64_t q_ts, q_hs;
+    const void* k;
+    int64_t k_ts, k_hs;
+    const void* v;
+    int64_t v_ts, v_hs;
+    const int64_t* cq;
+    const int64_t* ck;
+    const int64_t* seqs;
+    void* out;
+    void* lse;
+    uint8_t* bad;  // per sequence (batch entries), set to 1 where an output is not finite; or NULL
+    double scale;
+    int64_t causal;
+    int64_t left, right;
+    int64_t threads;
+    int64_t isa;
+    void* gemm;
     int64_t block_q, block_k;
 };
 
@@ -187,34 +217,15 @@ QKV_INLINE double exp_neg(double x) {
     return under ? 0 : p * two_n;
 }
 
-// Max and sum of s[a:b) with one accumulator per lane of the widest vector (64 bytes): a
-// fixed-width inner loop that each clone splits into its own vectors (one AVX-512 register,
-// two AVX2 ones, four SSE ones). NaN is skipped by the max (the sum carries it).
+// Max of s[a:b) as an OpenMP simd max reduction, which each clone runs in its own vector width
+// (a select on a comparison is not vectorised without it); a NaN score may or may not become
+// the max, and either way its row comes out NaN (the sum carries it).
 template <typename T>
 QKV_INLINE T lane_max(const T* __restrict s, int64_t a, int64_t b) {
-    constexpr int W = 64 / sizeof(T);
-    T acc[W];
-    for (int u = 0; u < W; ++u) acc[u] = -std::numeric_limits<T>::infinity();
-    int64_t j = a;
-    for (; j + W <= b; j += W)
-        for (int u = 0; u < W; ++u) acc[u] = s[j + u] > acc[u] ? s[j + u] : acc[u];
-    for (; j < b; ++j) acc[0] = s[j] > acc[0] ? s[j] : acc[0];
-    T m = acc[0];
-    for (int u = 1; u < W; ++u) m = acc[u] > m ? acc[u] : m;
+    T m = -std::numeric_limits<T>::infinity();
+#pragma omp simd reduction(max : m)
+    for (int64_t j = a; j < b; ++j) m = s[j] > m ? s[j] : m;
     return m;
-}
-
-template <typename T>
-QKV_INLINE T lane_sum(const T* __restrict s, int64_t a, int64_t b) {
-    constexpr int W = 64 / sizeof(T);
-    T acc[W] = {};
-    int64_t j = a;
-    for (; j + W <= b; j += W)
-        for (int u = 0; u < W; ++u) acc[u] += s[j + u];
-    for (; j < b; ++j) acc[0] += s[j];
-    T sum = 0;
-    for (int u = 0; u < W; ++u) sum += acc[u];
-    return sum;
 }
 
 // One row's softmax step on its scores s[0:n) (the tile's columns), of which [jl, jh) are
@@ -256,9 +267,13 @@ QKV_INLINE void row_step(T* __restrict s, int64_t n, int64_t jl, int64_t jh,
         if (nan) *l = std::numeric_limits<T>::quiet_NaN();
         return;
     }
-#pragma omp simd
-    for (int64_t j = jl; j < jh; ++j) s[j] = exp_neg(s[j] - mnew);
-    const T sum = lane_sum(s, jl, jh);  // the row is still in L1
+    T sum = 0;  // summed as the weights are written (a simd reduction: lanes, then added)
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = jl; j < jh; ++j) {
+        const T p = exp_neg(s[j] - mnew);
+        s[j] = p;
+        sum += p;
+    }
     T alpha = mold == ninf ? T(0) : exp_neg(mold - mnew);  // mold == mnew: exactly 1
     if (alpha != T(1)) {
 #pragma omp simd
@@ -458,105 +473,167 @@ QKV_INLINE void bounds(const Args& a, int64_t p, int64_t* lo, int64_t* hi) {
     *hi = std::max(b, std::min(e, a.S));
 }
 
+// Width of the key pieces across the rows' bounds (see forward_block).
+constexpr int64_t EDGE = 64;
+
+// One forward work item: query rows [r0, r0 + rows) of one head of one sequence of L queries
+// and S keys, with where its operands are and where its results go. Pointers are at the
+// block's first row (q, out, lse, mask, bias) and at key k_first (k, v; mask and bias at 0).
+template <typename T>
+struct Block {
+    const T* q;
+    int64_t q_rs;
+    const T* k;
+    int64_t k_rs;
+    const T* v;
+    int64_t v_rs;
+    int64_t k_first;
+    int64_t L, S, r0, rows;
+    T* out;
+    int64_t out_rs;
+    T* lse;
+    int64_t lse_s;
+    const uint8_t* mask;
+    const T* bias;
+    int64_t m_rs, m_cs;
+    uint8_t* bad;  // set to 1 when an output is not finite (NULL: not asked)
+};
+
+// What every work item of one call shares: sizes, visibility rule, the BLAS and softmax step.
+template <typename Gemm>
+struct Shared {
+    int64_t S;  // of the current item (bounds() reads it)
+    int64_t d, dv, bk;
+    int64_t causal, left, right;
+    double scale;
+    Gemm g;
+    step_t step;
+};
+
+// A worker's tiles, allocated once per thread.
+template <typename T>
+struct Buffers {
+    std::vector<T> s, acc, m, l;
+    std::vector<T> qc, kc, vc;  // contiguous copies of strided operands (the varlen walk)
+    std::vector<int64_t> lo, hi, jl, jh;
+    bool make(int64_t bq, int64_t bk, int64_t dv) {
+        try {
+            s.resize(size_t(bq * bk));
+            acc.resize(size_t(bq * std::max<int64_t>(dv, 1)));
+            m.resize(size_t(bq));
+            l.resize(size_t(bq));
+            lo.resize(size_t(bq));
+            hi.resize(size_t(bq));
+            jl.resize(size_t(bq));
+            jh.resize(size_t(bq));
+        } catch (const std::bad_alloc&) {
+            return false;
+        }
+        return true;
+    }
+};
+
+// The FlashAttention-2 recurrence over one block of query rows (see the top of the file).
 template <typename T, typename Gemm>
-int run(const qkv_prefill_args& a) {
-    const int64_t bq = std::max<int64_t>(1, a.block_q), bk = std::max<int64_t>(1, a.block_k);
-    const int64_t nqb = (a.L + bq - 1) / bq;
-    const int64_t ntasks = a.nb * nqb;
-    const int isa = a.isa > 0 ? std::min<int>(int(a.isa), best_isa()) : best_isa();
-    const step_t step = pick_step<T>(isa);
-    const Gemm g = reinterpret_cast<Gemm>(a.gemm);
-    const T* Q = static_cast<const T*>(a.q);
-    const T* K = static_cast<const T*>(a.k);
-    const T* V = static_cast<const T*>(a.v);
-    T* OUT = static_cast<T*>(a.out);
-    T* LSE = static_cast<T*>(a.lse);
-    const T* BIAS = static_cast<const T*>(a.bias);
+void forward_block(const Block<T>& b, Shared<Gemm> sh, Buffers<T>& buf) {
+    const T ninf = -std::numeric_limits<T>::infinity();
+    const int64_t rows = b.rows, dv = sh.dv, bk = sh.bk;
+    sh.S = b.S;
+    int64_t* lo = buf.lo.data();
+    int64_t* hi = buf.hi.data();
+    for (int64_t i = 0; i < rows; ++i) bounds(sh, b.S - b.L + b.r0 + i, &lo[i], &hi[i]);
+    std::fill(buf.m.begin(), buf.m.begin() + rows, ninf);
+    std::fill(buf.l.begin(), buf.l.begin() + rows, T(0));
+    std::fill(buf.acc.begin(), buf.acc.begin() + rows * dv, T(0));
+    const int64_t klo = lo[0], khi = hi[rows - 1];  // both nondecreasing in the row
+    // Keys in pieces: as wide as bk where every row that sees part of a piece sees all of it;
+    // across the rows' bounds (the causal diagonal, a window's edges) pieces of EDGE keys, so
+    // the products computed for keys a row does not see stay a small part of the work.
+    int64_t ra = 0, rb = 0;  // rows [ra, rb) see some key of the current piece
+    int64_t nl = 0;          // the first row whose keys start after c0
+    for (int64_t c0 = klo, c1; c0 < khi; c0 = c1) {
+        while (ra < rows && hi[ra] <= c0) ++ra;
+        if (ra >= rows) break;
+        while (nl < rows && lo[nl] <= c0) ++nl;
+        int64_t full = std::min(hi[ra], khi) - c0;
+        if (nl < rows) full = std::min(full, lo[nl] - c0);
+        c1 = std::min(c0 + (full >= EDGE ? std::min(full, bk) : std::min(EDGE, bk)), khi);
+        const int64_t n = c1 - c0;
+        while (rb < rows && lo[rb] < c1) ++rb;
+        if (ra >= rb) continue;
+        const int64_t nr = rb - ra;
+        T* s = buf.s.data();
+        // S (nr x n, row-major, ld n) = scale · Q[ra:rb] · K[c0:c1]ᵀ; in BLAS's column-major
+        // terms Sᵀ = Kᵀᵀ · Qᵀ.
+        gemm(sh.g, "T", "N", int(n), int(nr), int(sh.d), T(sh.scale),
+             b.k + (c0 - b.k_first) * b.k_rs, int(b.k_rs), b.q + ra * b.q_rs, int(b.q_rs), T(0),
+             s, int(n));
+        for (int64_t i = ra; i < rb; ++i) {
+            buf.jl[i] = std::min(std::max(lo[i] - c0, int64_t(0)), n);
+            buf.jh[i] = std::max(std::min(hi[i] - c0, n), buf.jl[i]);
+        }
+        StepArgs sa;
+        sa.s = s;
+        sa.lds = n;
+        sa.rows = nr;
+        sa.n = n;
+        sa.jl = buf.jl.data() + ra;
+        sa.jh = buf.jh.data() + ra;
+        const int64_t moff = ra * b.m_rs + c0 * b.m_cs;
+        sa.mask = b.mask ? b.mask + moff : nullptr;
+        sa.bias = b.bias ? b.bias + moff : nullptr;
+        sa.m_rs = b.m_rs;
+        sa.m_cs = b.m_cs;
+        sa.m = buf.m.data() + ra;
+        sa.l = buf.l.data() + ra;
+        sa.acc = buf.acc.data() + ra * dv;
+        sa.dv = dv;
+        sh.step(sa);
+        // acc[ra:rb] (nr x dv, ld dv) += P · V[c0:c1]; column-major: accᵀ += Vᵀ · Pᵀ
+        gemm(sh.g, "N", "N", int(dv), int(nr), int(n), T(1), b.v + (c0 - b.k_first) * b.v_rs,
+             int(b.v_rs), s,
+             int(n), T(1), buf.acc.data() + ra * dv, int(dv));
+    }
+    T bad = 0;  // 0, or NaN when some output is not finite (0 * inf and NaN are NaN)
+    for (int64_t i = 0; i < rows; ++i) {
+        const T li = buf.l[i];
+        const T* acc = buf.acc.data() + i * dv;
+        T* out = b.out + i * b.out_rs;
+        if (li == T(0)) {  // no visible key: 0 and -inf, never NaN
+            for (int64_t c = 0; c < dv; ++c) out[c] = 0;
+            b.lse[i * b.lse_s] = ninf;
+        } else {
+            const T inv = T(1) / li;
+            for (int64_t c = 0; c < dv; ++c) {
+                out[c] = acc[c] * inv;
+                bad += out[c] * T(0);
+            }
+            b.lse[i * b.lse_s] = buf.m[i] + std::log(li);
+        }
+    }
+    if (b.bad && bad != bad) __atomic_store_n(b.bad, uint8_t(1), __ATOMIC_RELAXED);
+}
+
+// Runs work(buffers, task) for tasks [0, ntasks) taken from a shared counter by `threads`
+// native threads (this one included); 1 if a thread could not have its tiles.
+template <typename T, typename Work>
+int run_tasks(int64_t ntasks, int64_t threads, int64_t bq, int64_t bk, int64_t dv,
+              const Work& work) {
     std::atomic<int64_t> next(0);
     std::atomic<int> failed(0);
-
     auto worker = [&]() {
-        std::vector<T> sbuf, accbuf, mbuf, lbuf;
-        std::vector<int64_t> lo(bq), hi(bq), jl(bq), jh(bq);
-        try {
-            sbuf.resize(size_t(bq * bk));
-            accbuf.resize(size_t(bq * std::max<int64_t>(a.dv, 1)));
-            mbuf.resize(size_t(bq));
-            lbuf.resize(size_t(bq));
-        } catch (const std::bad_alloc&) {
+        Buffers<T> buf;
+        if (!buf.make(bq, bk, dv)) {
             failed = 1;
             return;
         }
-        const T ninf = -std::numeric_limits<T>::infinity();
         for (;;) {
-            int64_t t = next.fetch_add(1);
+            const int64_t t = next.fetch_add(1);
             if (t >= ntasks || failed) return;
-            // latest query blocks first: under causal they cost the most
-            const int64_t qb = nqb - 1 - t / a.nb, h = t % a.nb;
-            const int64_t r0 = qb * bq, rows = std::min(bq, a.L - r0);
-            const T* q = Q + a.q_off[h] + r0 * a.q_rs;
-            const T* k = K + a.k_off[h];
-            const T* v = V + a.v_off[h];
-            for (int64_t i = 0; i < rows; ++i) bounds(a, a.S - a.L + r0 + i, &lo[i], &hi[i]);
-            std::fill(mbuf.begin(), mbuf.begin() + rows, ninf);
-            std::fill(lbuf.begin(), lbuf.begin() + rows, T(0));
-            std::fill(accbuf.begin(), accbuf.begin() + rows * a.dv, T(0));
-            const int64_t klo = lo[0], khi = hi[rows - 1];  // both nondecreasing in the row
-            int64_t ra = 0, rb = 0;  // rows [ra, rb) see some key of the current tile
-            for (int64_t c0 = klo; c0 < khi; c0 += bk) {
-                const int64_t c1 = std::min(c0 + bk, khi), n = c1 - c0;
-                while (ra < rows && hi[ra] <= c0) ++ra;
-                while (rb < rows && lo[rb] < c1) ++rb;
-                if (ra >= rb) continue;
-                const int64_t nr = rb - ra;
-                T* s = sbuf.data();
-                // S (nr x n, row-major, ld n) = scale · Q[ra:rb] · K[c0:c1]ᵀ; in BLAS's
-                // column-major terms Sᵀ = Kᵀᵀ · Qᵀ.
-                gemm(g, "T", "N", int(n), int(nr), int(a.d), T(a.scale), k + c0 * a.k_rs,
-                     int(a.k_rs), q + ra * a.q_rs, int(a.q_rs), T(0), s, int(n));
-                for (int64_t i = ra; i < rb; ++i) {
-                    jl[i] = std::min(std::max(lo[i] - c0, int64_t(0)), n);
-                    jh[i] = std::max(std::min(hi[i] - c0, n), jl[i]);
-                }
-                StepArgs sa;
-                sa.s = s;
-                sa.lds = n;
-                sa.rows = nr;
-                sa.n = n;
-                sa.jl = jl.data() + ra;
-                sa.jh = jh.data() + ra;
-                const int64_t moff = a.m_off ? a.m_off[h] + (r0 + ra) * a.m_rs + c0 * a.m_cs : 0;
-                sa.mask = a.mask ? a.mask + moff : nullptr;
-                sa.bias = BIAS ? BIAS + moff : nullptr;
-                sa.m_rs = a.m_rs;
-                sa.m_cs = a.m_cs;
-                sa.m = mbuf.data() + ra;
-                sa.l = lbuf.data() + ra;
-                sa.acc = accbuf.data() + ra * a.dv;
-                sa.dv = a.dv;
-                step(sa);
-                // acc[ra:rb] (nr x dv, ld dv) += P · V[c0:c1]; column-major: accᵀ += Vᵀ · Pᵀ
-                gemm(g, "N", "N", int(a.dv), int(nr), int(n), T(1), v + c0 * a.v_rs,
-                     int(a.v_rs), s, int(n), T(1), accbuf.data() + ra * a.dv, int(a.dv));
-            }
-            T* out = OUT + (h * a.L + r0) * a.dv;
-            T* lse = LSE + h * a.L + r0;
-            for (int64_t i = 0; i < rows; ++i) {
-                const T li = lbuf[i];
-                const T* acc = accbuf.data() + i * a.dv;
-                if (li == T(0)) {  // no visible key: 0 and -inf, never NaN
-                    for (int64_t c = 0; c < a.dv; ++c) out[i * a.dv + c] = 0;
-                    lse[i] = ninf;
-                } else {
-                    const T inv = T(1) / li;
-                    for (int64_t c = 0; c < a.dv; ++c) out[i * a.dv + c] = acc[c] * inv;
-                    lse[i] = mbuf[i] + std::log(li);
-                }
-            }
+            work(buf, t);
         }
     };
-
-    const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(a.threads, ntasks));
+    const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(threads, ntasks));
     std::vector<std::thread> pool;
     try {
         for (int64_t i = 1; i < nthreads; ++i) pool.emplace_back(worker);
@@ -566,6 +643,177 @@ int run(const qkv_prefill_args& a) {
     worker();
     for (auto& th : pool) th.join();
     return failed ? 1 : 0;
+}
+
+template <typename Gemm, typename Args>
+Shared<Gemm> shared_of(const Args& a, int64_t bk, step_t step) {
+    Shared<Gemm> sh;
+    sh.S = 0;
+    sh.d = a.d;
+    sh.dv = a.dv;
+    sh.bk = bk;
+    sh.causal = a.causal;
+    sh.left = a.left;
+    sh.right = a.right;
+    sh.scale = a.scale;
+    sh.g = reinterpret_cast<Gemm>(a.gemm);
+    sh.step = step;
+    return sh;
+}
+
+template <typename T, typename Gemm>
+int run(const qkv_prefill_args& a) {
+    const int64_t bq = std::max<int64_t>(1, a.block_q), bk = std::max<int64_t>(1, a.block_k);
+    const int64_t nqb = (a.L + bq - 1) / bq;
+    const int64_t ntasks = a.nb * nqb;
+    const int isa = a.isa > 0 ? std::min<int>(int(a.isa), best_isa()) : best_isa();
+    const Shared<Gemm> sh = shared_of<Gemm>(a, bk, pick_step<T>(isa));
+    const T* Q = static_cast<const T*>(a.q);
+    const T* K = static_cast<const T*>(a.k);
+    const T* V = static_cast<const T*>(a.v);
+    T* OUT = static_cast<T*>(a.out);
+    T* LSE = static_cast<T*>(a.lse);
+    const T* BIAS = static_cast<const T*>(a.bias);
+    return run_tasks<T>(ntasks, a.threads, bq, bk, a.dv, [&](Buffers<T>& buf, int64_t t) {
+        // latest query blocks first: under causal they cost the most
+        const int64_t qb = nqb - 1 - t / a.nb, h = t % a.nb;
+        const int64_t r0 = qb * bq;
+        Block<T> b;
+        b.q = Q + a.q_off[h] + r0 * a.q_rs;
+        b.q_rs = a.q_rs;
+        b.k = K + a.k_off[h];
+        b.k_rs = a.k_rs;
+        b.v = V + a.v_off[h];
+        b.v_rs = a.v_rs;
+        b.k_first = 0;
+        b.L = a.L;
+        b.S = a.S;
+        b.r0 = r0;
+        b.rows = std::min(bq, a.L - r0);
+        b.out = OUT + (h * a.L + r0) * a.dv;
+        b.out_rs = a.dv;
+        b.lse = LSE + h * a.L + r0;
+        b.lse_s = 1;
+        const int64_t moff = a.m_off ? a.m_off[h] + r0 * a.m_rs : 0;
+        b.mask = a.mask ? a.mask + moff : nullptr;
+        b.bias = BIAS ? BIAS + moff : nullptr;
+        b.m_rs = a.m_rs;
+        b.m_cs = a.m_cs;
+        b.bad = nullptr;
+        forward_block<T, Gemm>(b, sh, buf);
+    });
+}
+
+// The packed varlen walk: tasks are (sequence, kv head, query block) triples, costliest
+// first, each running the query heads that share the kv head, over the packed arrays (no
+// padding).
+template <typename T, typename Gemm>
+int run_varlen(const qkv_varlen_args& a) {
+    const int64_t bq = std::max<int64_t>(1, a.block_q), bk = std::max<int64_t>(1, a.block_k);
+    const int isa = a.isa > 0 ? std::min<int>(int(a.isa), best_isa()) : best_isa();
+    const Shared<Gemm> sh = shared_of<Gemm>(a, bk, pick_step<T>(isa));
+    struct Task {
+        int64_t b, r0, cost;
+    };
+    std::vector<Task> tasks;
+    try {
+        for (int64_t i = 0; i < a.nseq; ++i) {
+            const int64_t b = a.seqs[i];
+            const int64_t L = a.cq[b + 1] - a.cq[b], S = a.ck[b + 1] - a.ck[b];
+            if (L < 1 || S < 1) continue;  // the caller's zeros and -inf stand
+            for (int64_t r0 = 0; r0 < L; r0 += bq) {
+                const int64_t r1 = std::min(r0 + bq, L);
+                int64_t seen = S;  // keys the block's last row may see, roughly its cost
+                if (a.causal) seen = std::min(S, std::max<int64_t>(S - L + r1, 0));
+                if (a.left >= 0 && a.right >= 0) seen = std::min(seen, a.left + a.right + 1);
+                tasks.push_back({b, r0, (r1 - r0) * std::max<int64_t>(seen, 1)});
+            }
+        }
+        std::stable_sort(tasks.begin(), tasks.end(),
+                         [](const Task& x, const Task& y) { return x.cost > y.cost; });
+    } catch (const std::bad_alloc&) {
+        return 1;
+    }
+    const int64_t H = a.heads, nkv = H / a.group, ntasks = int64_t(tasks.size()) * nkv;
+    const int64_t d = a.d, dv = a.dv;
+    const T* Q = static_cast<const T*>(a.q);
+    const T* K = static_cast<const T*>(a.k);
+    const T* V = static_cast<const T*>(a.v);
+    T* OUT = static_cast<T*>(a.out);
+    T* LSE = static_cast<T*>(a.lse);
+    // Packed rows are far apart (a token's heads lie between them): BLAS would re-read the
+    // strided query rows for every key piece and walk the keys across cache-aliasing strides.
+    // Each task copies its kv head's visible keys and values once, and each query head's rows,
+    // into contiguous buffers (where memory allows; otherwise it reads them in place).
+    const bool copy_q = a.q_ts != d, copy_kv = a.k_ts != d || a.v_ts != dv;
+    return run_tasks<T>(ntasks, a.threads, bq, bk, dv, [&](Buffers<T>& buf, int64_t t) {
+        const Task& task = tasks[size_t(t / nkv)];
+        const int64_t kvh = t % nkv;
+        const int64_t q0 = a.cq[task.b], k0 = a.ck[task.b];
+        Block<T> b;
+        b.L = a.cq[task.b + 1] - q0;
+        b.S = a.ck[task.b + 1] - k0;
+        b.r0 = task.r0;
+        b.rows = std::min(bq, b.L - task.r0);
+        Shared<Gemm> rule = sh;
+        rule.S = b.S;
+        int64_t klo, khi, unused;
+        bounds(rule, b.S - b.L + b.r0, &klo, &unused);
+        bounds(rule, b.S - b.L + b.r0 + b.rows - 1, &unused, &khi);
+        b.k = K + k0 * a.k_ts + kvh * a.k_hs;
+        b.k_rs = a.k_ts;
+        b.v = V + k0 * a.v_ts + kvh * a.v_hs;
+        b.v_rs = a.v_ts;
+        b.k_first = 0;
+        if (copy_kv && khi > klo) {
+            try {
+                buf.kc.resize(size_t((khi - klo) * d));
+                buf.vc.resize(size_t((khi - klo) * dv));
+                for (int64_t j = klo; j < khi; ++j) {
+                    std::memcpy(&buf.kc[size_t((j - klo) * d)], b.k + j * a.k_ts,
+                                size_t(d) * sizeof(T));
+                    std::memcpy(&buf.vc[size_t((j - klo) * dv)], b.v + j * a.v_ts,
+                                size_t(dv) * sizeof(T));
+                }
+                b.k = buf.kc.data();
+                b.k_rs = d;
+                b.v = buf.vc.data();
+                b.v_rs = dv;
+                b.k_first = klo;
+            } catch (const std::bad_alloc&) {
+                // read them in place
+            }
+        }
+        bool q_copied = false;
+        if (copy_q) {
+            try {
+                buf.qc.resize(size_t(b.rows * d));
+                q_copied = true;
+            } catch (const std::bad_alloc&) {
+            }
+        }
+        b.mask = nullptr;
+        b.bias = nullptr;
+        b.m_rs = b.m_cs = 0;
+        b.bad = a.bad ? a.bad + task.b : nullptr;
+        for (int64_t h = kvh * a.group; h < (kvh + 1) * a.group; ++h) {
+            const T* q = Q + (q0 + task.r0) * a.q_ts + h * a.q_hs;
+            if (q_copied) {
+                for (int64_t i = 0; i < b.rows; ++i)
+                    std::memcpy(&buf.qc[size_t(i * d)], q + i * a.q_ts, size_t(d) * sizeof(T));
+                b.q = buf.qc.data();
+                b.q_rs = d;
+            } else {
+                b.q = q;
+                b.q_rs = a.q_ts;
+            }
+            b.out = OUT + ((q0 + task.r0) * H + h) * dv;
+            b.out_rs = H * dv;
+            b.lse = LSE + (q0 + task.r0) * H + h;
+            b.lse_s = H;
+            forward_block<T, Gemm>(b, sh, buf);
+        }
+    });
 }
 
 // The backward: tasks are (kv head, key block) pairs, each owning its rows of dK and dV; it
@@ -706,6 +954,20 @@ int qkv_prefill_f64(const qkv_prefill_args* a) {
     if (!a || !a->gemm || a->L < 1 || a->S < 0 || a->d < 1 || a->dv < 0) return 2;
     return run<double, dgemm_t>(*a);
 }
+
+int qkv_varlen_f32(const qkv_varlen_args* a) {
+    if (!a || !a->gemm || a->nseq < 0 || a->heads < 1 || a->group < 1 || a->d < 1 || a->dv < 1)
+        return 2;
+    return run_varlen<float, sgemm_t>(*a);
+}
+
+int qkv_varlen_f64(const qkv_varlen_args* a) {
+    if (!a || !a->gemm || a->nseq < 0 || a->heads < 1 || a->group < 1 || a->d < 1 || a->dv < 1)
+        return 2;
+    return run_varlen<double, dgemm_t>(*a);
+}
+
+int64_t qkv_varlen_args_size(void) { return int64_t(sizeof(qkv_varlen_args)); }
 
 int qkv_backward_f32(const qkv_backward_args* a) {
     if (!a || !a->gemm || a->L < 1 || a->S < 1 || a->d < 1 || a->dv < 1 || a->group < 1) return 2;

@@ -1,0 +1,146 @@
+"""What this installation of qkv runs: versions, BLAS, threads and which kernels are active.
+
+:func:`info` gathers it as a plain dict (what a bug report should quote); ``qkv info`` and
+``qkv --version --verbose`` print it. Nothing here imports an optional library: their
+presence and versions are read from the installed package metadata.
+
+Examples
+--------
+>>> import qkv
+>>> report = qkv.info()
+>>> report["qkv"] == qkv.__version__
+True
+>>> isinstance(report["native"]["active"], bool)
+True
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import platform
+from typing import Any
+
+import numpy as np
+
+from ._version import __version__
+from .engine.kernels import _threads, jit, native
+
+__all__ = ["OPTIONAL", "format_info", "info"]
+
+#: Optional libraries whose presence changes what qkv can do.
+OPTIONAL = ("scipy", "threadpoolctl", "numba", "torch", "triton", "transformers")
+
+
+def _blas() -> str:
+    """NumPy's BLAS as its build configuration names it (``"unknown"`` when it does not)."""
+    try:
+        config: Any = np.show_config(mode="dicts")
+        blas = config["Build Dependencies"]["blas"]
+    except Exception:  # an older NumPy, or a build without this section
+        return "unknown"
+    name, version = blas.get("name", "unknown"), blas.get("version")
+    return f"{name} {version}" if version else str(name)
+
+
+def _version_of(name: str) -> str | None:
+    """The installed version of ``name`` (``None`` when it is not installed)."""
+    if importlib.util.find_spec(name) is None:
+        return None
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown version"
+
+
+def _thread_rule() -> str:
+    """How :func:`~qkv.engine.kernels._threads.default_threads` got its number."""
+    cores = _threads.cpu_count()
+    omp = os.environ.get("OMP_NUM_THREADS", "")
+    if omp.strip().isdigit() and int(omp) > 0:
+        return f"min({cores} usable cores, OMP_NUM_THREADS={int(omp)})"
+    return f"the {cores} cores this process may use (OMP_NUM_THREADS not set)"
+
+
+def _jit() -> dict[str, Any]:
+    if os.environ.get("QKV_JIT", "1") == "0":
+        why = "switched off (QKV_JIT=0)"
+    elif importlib.util.find_spec("numba") is None:
+        why = 'Numba is not installed (pip install numba, or ".[jit]")'
+    else:
+        why = "Numba installed; QKV_JIT is not 0"
+    return {"active": jit.enabled(), "reason": why}
+
+
+def info() -> dict[str, Any]:
+    """What this installation runs: versions, BLAS, threads and the active kernels.
+
+    Returns
+    -------
+    dict
+        Plain values only (str, int, bool, None and nested dicts), so it prints, compares
+        and serialises as is:
+
+        - ``"qkv"``, ``"python"``, ``"numpy"``: versions;
+        - ``"blas"``: the BLAS NumPy was built with;
+        - ``"threads"``: ``{"count": n, "rule": how n was chosen}``, the worker threads a
+          call that names none uses;
+        - ``"native"``: the native C++ kernels, ``{"active", "reason", "isa", "library",
+          "kernels"}`` (switch them off with ``QKV_NATIVE=0``);
+        - ``"jit"``: the Numba kernels, ``{"active", "reason"}`` (``QKV_JIT=0``);
+        - ``"optional"``: each optional library's version, ``None`` when not installed.
+
+    Examples
+    --------
+    >>> import qkv
+    >>> report = qkv.info()
+    >>> sorted(report)
+    ['blas', 'jit', 'native', 'numpy', 'optional', 'python', 'qkv', 'threads']
+    >>> report["threads"]["count"] >= 1
+    True
+    >>> sorted(report["optional"])
+    ['numba', 'scipy', 'threadpoolctl', 'torch', 'transformers', 'triton']
+    """
+    return {
+        "qkv": __version__,
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "blas": _blas(),
+        "threads": {"count": _threads.default_threads(), "rule": _thread_rule()},
+        "native": native.info(),
+        "jit": _jit(),
+        "optional": {name: _version_of(name) for name in OPTIONAL},
+    }
+
+
+def format_info(report: dict[str, Any] | None = None) -> str:
+    """:func:`info` as indented ``key: value`` lines (what ``qkv info`` prints).
+
+    Examples
+    --------
+    >>> print(format_info({"qkv": "1.0", "native": {"active": False, "reason": "not built"}}))
+    qkv: 1.0
+    native:
+      active: no
+      reason: not built
+    """
+
+    def value(v: Any, missing: str) -> str:
+        if v is True:
+            return "yes"
+        if v is False:
+            return "no"
+        return missing if v is None else str(v)
+
+    def lines(d: dict[str, Any], indent: str, missing: str) -> list[str]:
+        out: list[str] = []
+        for key, v in d.items():
+            if isinstance(v, dict):
+                out.append(f"{indent}{key}:")
+                out.extend(lines(v, indent + "  ", "not installed" if key == "optional" else "-"))
+            else:
+                out.append(f"{indent}{key}: {value(v, missing)}")
+        return out
+
+    return "\n".join(lines(info() if report is None else report, "", "-"))

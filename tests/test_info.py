@@ -1,0 +1,84 @@
+"""qkv.info(), ``qkv info`` and ``qkv --version --verbose``: what this installation runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+import qkv
+from qkv.about import format_info
+from qkv.cli import main
+from qkv.engine.kernels import native
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def _python(code: str, **env: str) -> str:
+    full = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    full.update(env)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=full, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_info_is_plain_values_that_match_the_installation():
+    report = qkv.info()
+    assert report["qkv"] == qkv.__version__ and report["numpy"] == np.__version__
+    assert json.loads(json.dumps(report)) == report  # plain values only
+    assert report["threads"]["count"] >= 1 and "cores" in report["threads"]["rule"]
+    assert report["native"] == native.info()
+    assert set(report["optional"]) == {
+        "scipy", "threadpoolctl", "numba", "torch", "triton", "transformers"
+    }  # fmt: skip
+    assert report["optional"]["torch"] is None or report["optional"]["torch"].startswith("2.")
+
+
+def test_info_follows_the_switches_in_a_fresh_process():
+    code = "import json, qkv; print(json.dumps(qkv.info()))"
+    off = json.loads(_python(code, QKV_NATIVE="0", QKV_JIT="0", OMP_NUM_THREADS="1"))
+    assert off["native"]["active"] is False and "QKV_NATIVE=0" in off["native"]["reason"]
+    assert not any(off["native"]["kernels"].values())
+    assert off["jit"] == {"active": False, "reason": "switched off (QKV_JIT=0)"}
+    assert off["threads"]["count"] == 1 and "OMP_NUM_THREADS=1" in off["threads"]["rule"]
+    on = json.loads(_python(code, QKV_NATIVE="1"))
+    built = native._library()[0] is not None and native._gemm()[0] is not None
+    assert on["native"]["active"] is built  # whatever this process's own QKV_NATIVE says
+    assert "QKV_NATIVE=0" not in on["native"]["reason"]
+
+
+def test_cli_prints_the_report(capsys):
+    for argv in (["info"], ["--version", "--verbose"], ["--verbose", "--version"]):
+        rc = main(argv)
+        out, err = capsys.readouterr()
+        assert rc == 0 and err == ""
+        assert out.startswith(f"qkv: {qkv.__version__}\n")
+        assert "native:\n  active: " in out and "jit:\n  active: " in out
+    assert main(["info", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["qkv"] == qkv.__version__
+    assert main(["--version"]) == 0  # without --verbose: the one line, as before
+    assert capsys.readouterr().out.strip() == f"qkv {qkv.__version__}"
+
+
+def test_cli_report_with_native_off_in_a_real_process():
+    env = dict(os.environ, PYTHONPATH=SRC, QKV_NATIVE="0")
+    done = subprocess.run(
+        [sys.executable, "-m", "qkv", "--version", "--verbose"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 0 and done.stderr == ""
+    assert "  active: no\n  reason: switched off (QKV_NATIVE=0)" in done.stdout
+
+
+def test_format_info_reads_missing_libraries_and_flags():
+    text = format_info({"native": {"active": True, "isa": None}, "optional": {"torch": None}})
+    assert text == "native:\n  active: yes\n  isa: -\noptional:\n  torch: not installed"
