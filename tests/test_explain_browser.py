@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import qkv
-from qkv.render.as_html import _color
+from qkv.render.as_html import weight_color
 
 CHROMIUM = next(
     (shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)),
@@ -67,7 +67,7 @@ def test_screenshot_has_a_non_blank_heatmap(page, tmp_path):
 
     def solid_rows(w: float) -> int:
         """Rows of the screenshot with a run of >= 40 pixels of the heatmap colour for ``w``."""
-        want = np.array([int(_color(w)[i : i + 2], 16) for i in (1, 3, 5)])
+        want = np.array([int(weight_color(w)[i : i + 2], 16) for i in (1, 3, 5)])
         hit = np.abs(rgb - want).max(axis=-1) <= 3
         return int((hit.sum(axis=1) >= 40).sum())
 

@@ -23,7 +23,7 @@ import pytest
 import qkv
 from qkv.cli import main
 from qkv.explanation.trace import fmt
-from qkv.render.as_html import _color
+from qkv.render.as_html import weight_color
 
 CHROMIUM = next(
     (shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)),
@@ -264,7 +264,7 @@ def test_screenshot_shows_the_heatmap(page, tmp_path):
 
     t = _library("multiply")
     # q0 → k0 has weight 1 (the darkest blue); three excluded cells are grey; cells ~52 × 30 px
-    assert area(_color(float(t.weights[0, 0]))) >= 2 * 40 * 20
+    assert area(weight_color(float(t.weights[0, 0]))) >= 2 * 40 * 20
     assert area("#d9d9d9") >= 3 * 40 * 20
-    assert area(_color(0.5)) < 100  # a weight nowhere on the page (a few anti-aliased pixels)
+    assert area(weight_color(0.5)) < 100  # a weight nowhere on the page (a few anti-aliased pixels)
     assert page.problems() == []
