@@ -20,6 +20,7 @@ plans, and every plan without Numba, run the NumPy kernel here; both equal the r
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, TypeVar
 
 import numpy as np
@@ -27,7 +28,7 @@ import numpy as np
 from ...masks import allowed, key_bounds, key_range, query_positions
 from ...validate import Plan
 from . import mods
-from ._threads import default_threads, parallel_map
+from ._threads import default_threads, parallel_map, team_preferred
 from .blocks import finish, merge_arrays
 from .jit import enabled as jit_enabled
 
@@ -256,7 +257,9 @@ def attend_many(
     work.sort(key=lambda w: -(w[1][2] - w[1][1]) * (w[1][4] - w[1][3]) * probs[w[0]].g)
     # BLAS products (not the compiled kernel): one BLAS thread per worker
     heavy = any(not p.jit for p in probs)
-    results = parallel_map(lambda w: probs[w[0]].run(w[1]), work, n, blas_heavy=heavy)
+    results = _on_team(probs, work, n) if not heavy and team_preferred() else None
+    if results is None:
+        results = parallel_map(lambda w: probs[w[0]].run(w[1]), work, n, blas_heavy=heavy)
     pending: dict[tuple[Any, ...], list[tuple[Item, np.ndarray, np.ndarray]]] = {}
     for (i, item), (o, lse) in zip(work, results, strict=True):
         pending.setdefault((i, *item[:2]), []).append((item, o, lse))
@@ -267,3 +270,91 @@ def attend_many(
             o, lse = merge_arrays([(o, lse) for _, o, lse in parts])
             probs[i].store(parts[0][0], o, lse)
     return [(prob.out, prob.lse) for prob in probs]
+
+
+def _rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """``a (..., n, m)`` as one C-ordered ``(rows, m)`` array over its memory, and the row of
+    each ``a[..., 0, :]`` (shape ``a.shape[:-2]``); None unless every ``a[i]`` is C-ordered
+    rows within that memory (any cache's K/V, and views of a prefix of it, are)."""
+    it, m = a.itemsize, a.shape[-1]
+    row = m * it
+    if a.size == 0 or a.ndim < 2 or a.strides[-1] != it or a.strides[-2] != row:
+        return None
+    if any(st < 0 or st % row for st in a.strides[:-2]):
+        return None
+    span = 1 + sum((n - 1) * st for n, st in zip(a.shape[:-1], a.strides[:-1], strict=True)) // row
+    flat = np.lib.stride_tricks.as_strided(a, shape=(span, m), strides=(row, it), writeable=False)
+    starts = np.zeros(a.shape[:-2], dtype=np.int64)
+    for axis, (n, st) in enumerate(zip(a.shape[:-2], a.strides[:-2], strict=True)):
+        shape = [1] * starts.ndim
+        shape[axis] = n
+        starts = starts + (np.arange(n, dtype=np.int64) * (st // row)).reshape(shape)
+    return flat, starts
+
+
+# (the process whose Numba team was started, and whether it may be used): an OpenMP team is
+# lost in a forked child, which then stays on qkv's worker threads
+_team_pid: list[tuple[int, bool]] = []
+
+
+def _team_ready() -> bool:
+    """Whether Numba's thread team may run here: a thread-safe layer (OpenMP or TBB), started
+    in this process (never from a fork of one that started it)."""
+    if _team_pid:
+        pid, ok = _team_pid[0]
+        return ok and pid == os.getpid()
+    import numba
+    from numba.np.ufunc import parallel
+
+    config: Any = numba.config
+    if config.THREADING_LAYER == "default" and not parallel._is_initialized:
+        config.THREADING_LAYER = "threadsafe"  # OpenMP or TBB; never the workqueue
+    try:
+        parallel._launch_threads()
+        ok = numba.threading_layer() in ("omp", "tbb")
+    except (ValueError, RuntimeError, ImportError):
+        ok = False
+    _team_pid[:] = [(os.getpid(), ok)]
+    return ok
+
+
+def _on_team(
+    probs: list[_Problem], work: list[tuple[int, Item]], threads: int
+) -> list[tuple[np.ndarray, np.ndarray]] | None:
+    """The work items of compiled problems run by :func:`qkv.engine.kernels.jit.decode.heads`,
+    one call on Numba's thread team; None where that does not apply (the caller then runs them
+    on qkv's worker threads)."""
+    if len({id(p) for p in probs}) != 1 or not work or not _team_ready():
+        return None
+    (prob,) = {id(p): p for p in probs}.values()
+    plan = prob.plan
+    k_rows, v_rows = _rows(prob.k), _rows(prob.v)
+    if k_rows is None or v_rows is None:
+        return None
+    import numba
+
+    from .jit import decode as compiled
+
+    g, L, d, dt = prob.g, prob.L, plan.d, prob.dt
+    q = np.ascontiguousarray(prob.q * dt.type(plan.scale))
+    heads_q = q.shape[-3]
+    outer_index = np.arange(math.prod(prob.outer), dtype=np.int64).reshape(prob.outer)
+    table = []
+    for _, (outer, h0, h1, c0, c1) in work:
+        base = int(outer_index[outer]) * heads_q if prob.outer else 0
+        for h in range(h0, h1):
+            at = outer + (h,)
+            table.append(((base + h * g) * L, k_rows[1][at], v_rows[1][at], c0, c1))
+    entries = np.array(table, dtype=np.int64)
+    rows = g * L
+    out = np.empty((len(table), rows, plan.dv), dtype=dt)
+    lse = np.empty((len(table), rows), dtype=dt)
+    lo, hi = prob.row_lo.astype(np.int64), prob.row_hi.astype(np.int64)
+    most: int = getattr(numba.config, "NUMBA_NUM_THREADS")  # noqa: B009 - untyped module
+    numba.set_num_threads(max(1, min(threads, most)))
+    compiled.heads(q.reshape(-1, d), k_rows[0], v_rows[0], entries, lo, hi, L, out, lse)
+    results, i = [], 0
+    for _, (_, h0, h1, _, _) in work:
+        results.append((out[i : i + h1 - h0], lse[i : i + h1 - h0]))
+        i += h1 - h0
+    return results
