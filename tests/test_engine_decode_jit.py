@@ -246,6 +246,9 @@ def test_compiled_team_falls_back_for_memory_it_cannot_read_as_rows(monkeypatch)
         [0, 5, 10],
         [15, 20, 25],
     ]
+    rows, starts = decode._rows(k)  # C-ordered: one reshape
+    assert np.shares_memory(rows, k) and starts.tolist() == [[0, 900]]
+    np.testing.assert_array_equal(rows[900:1800], k[0, 1])
     with _threads.compiled_team():
         for kk in (k_rev, k_cols):
             out = qkv.attention(q, kk, v, kernel="decode")

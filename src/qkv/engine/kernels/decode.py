@@ -246,6 +246,10 @@ def attend_many(
     True
     """
     n = default_threads() if threads is None else max(1, int(threads))
+    if len(plans) == 1 and team_preferred():
+        done = _team_single(plans[0], n)
+        if done is not None:
+            return [done]
     probs = [_Problem(plan) for plan in plans]
     work = [
         (i, item)
@@ -280,6 +284,9 @@ def _rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     row = m * it
     if a.size == 0 or a.ndim < 2 or a.strides[-1] != it or a.strides[-2] != row:
         return None
+    if a.flags.c_contiguous:  # the common case, in two cheap steps
+        n = a.shape[-2]
+        return a.reshape(-1, m), np.arange(0, a.size // m, n, dtype=np.int64).reshape(a.shape[:-2])
     if any(st < 0 or st % row for st in a.strides[:-2]):
         return None
     span = 1 + sum((n - 1) * st for n, st in zip(a.shape[:-1], a.strides[:-1], strict=True)) // row
@@ -358,3 +365,64 @@ def _on_team(
         results.append((out[i : i + h1 - h0], lse[i : i + h1 - h0]))
         i += h1 - h0
     return results
+
+
+_BOUNDS: dict[tuple[int, int], np.ndarray] = {}  # every row sees keys [0, S): a few kept
+
+
+def _team_single(plan: Plan, threads: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """One plan with heads (``(..., heads, L, d)``) and nothing restricting the keys, as a
+    model's decoding step gives it, on Numba's thread team with as little Python as possible
+    around the compiled call (between PyTorch's operations every NumPy call finds cold
+    caches: the general path's setup cost more than the kernel). None where it does not apply.
+    """
+    if plan.structured or not plan.batch or not plan.L or not plan.S or not use_jit(plan):
+        return None
+    assert plan.v is not None  # decode computes outputs
+    outer, kv_heads = plan.batch[:-1], plan.k.shape[-3]
+    if plan.k.shape[:-2] != (*outer, kv_heads) or plan.v.shape[:-2] != plan.k.shape[:-2]:
+        return None  # K/V not given per sequence (broadcast over the batch)
+    rk, rv = _rows(plan.k), _rows(plan.v)
+    if rk is None or rv is None or not _team_ready():
+        return None
+    import numba
+
+    from .jit import decode as compiled
+
+    dt, g, L, S, d, dv = plan.acc_dtype, plan.group, plan.L, plan.S, plan.d, plan.dv
+    heads = math.prod(outer) * kv_heads
+    # Enough entries for every thread (and a few more, so that no thread waits long for the
+    # last), each at most MAX_KEYS keys and at least MIN_SPLIT.
+    splits = max(1, min(-(-2 * threads // heads), S // MIN_SPLIT))
+    splits = max(splits, -(-S // MAX_KEYS))
+    step = -(-S // splits)
+    cuts = [(c0, min(c0 + step, S)) for c0 in range(0, S, step)]
+    k_starts, v_starts = rk[1].reshape(-1).tolist(), rv[1].reshape(-1).tolist()
+    table = [(i * g * L, k_starts[i], v_starts[i], c0, c1) for i in range(heads) for c0, c1 in cuts]
+    q = np.ascontiguousarray(plan.q * dt.type(plan.scale)).reshape(-1, d)
+    out = np.empty((heads, len(cuts), g * L, dv), dtype=dt)
+    lse = np.empty((heads, len(cuts), g * L), dtype=dt)
+    bounds = _BOUNDS.get((L, S))
+    if bounds is None:
+        bounds = _BOUNDS[L, S] = np.array([[0] * L, [S] * L], dtype=np.int64)
+        if len(_BOUNDS) > 64:
+            _BOUNDS.clear()
+    most: int = getattr(numba.config, "NUMBA_NUM_THREADS")  # noqa: B009 - untyped module
+    numba.set_num_threads(max(1, min(threads, most)))
+    entries = np.array(table, dtype=np.int64)
+    compiled.heads(
+        q,
+        rk[0],
+        rv[0],
+        entries,
+        bounds[0],
+        bounds[1],
+        L,
+        out.reshape(-1, g * L, dv),
+        lse.reshape(-1, g * L),
+    )
+    if len(cuts) == 1:
+        o, s = out[:, 0], lse[:, 0]
+    else:
+        o, s = merge_arrays([(out[:, c], lse[:, c]) for c in range(len(cuts))])
+    return o.reshape(*plan.batch, L, dv), s.reshape(*plan.batch, L)
