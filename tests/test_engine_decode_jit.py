@@ -254,3 +254,35 @@ def test_compiled_team_falls_back_for_memory_it_cannot_read_as_rows(monkeypatch)
             out = qkv.attention(q, kk, v, kernel="decode")
             expect = reference.attention(q.astype(np.float64), kk, v)
             np.testing.assert_allclose(out, expect, atol=3e-6)
+
+
+def test_compiled_team_serves_a_padded_batch_mask_as_each_sequences_run(monkeypatch):
+    """A decoding step's mask that leaves each sequence one run of keys (left padding, a
+    static cache's filled slots) is read as those runs, without the mask, in one compiled call;
+    a mask with a gap falls back to the masked kernels. Both equal the reference."""
+    pytest.importorskip("numba")
+    from qkv.engine.kernels import _threads
+    from qkv.engine.kernels.jit import decode as compiled
+
+    monkeypatch.setenv("QKV_JIT", "1")
+    calls = []
+    inner = compiled.heads
+    monkeypatch.setattr(compiled, "heads", lambda *a: (calls.append(a[3].copy()), inner(*a))[1])
+    rng = np.random.default_rng(33)
+    B, S = 4, 3000
+    q, k, v = _data(rng, B, 8, 2, 1, S, 16, 8, np.float32)
+    mask = np.zeros((B, 1, 1, S), bool)
+    for b, (lo, hi) in enumerate([(0, S), (500, S), (1000, 2999), (2990, S)]):
+        mask[b, ..., lo:hi] = True
+    for gap in (False, True):
+        if gap:
+            mask[1, ..., 700] = False
+        with _threads.compiled_team():
+            out = qkv.attention(q, k, v, mask=mask)
+        expect = reference.attention(q.astype(np.float64), k, v, mask=mask)
+        np.testing.assert_allclose(out, expect, atol=3e-6, rtol=1e-5)
+        assert len(calls) == 1  # the gap: not the runs path
+    entries = calls[0]
+    assert entries[:, 3].min() >= 0 and entries[:, 4].max() <= S
+    # sequence 3 (kv heads 6 and 7) reads only its last 10 keys
+    assert entries[entries[:, 1] >= 6 * S][:, 3:].min() == 2990

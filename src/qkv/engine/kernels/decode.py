@@ -375,8 +375,23 @@ def _team_single(plan: Plan, threads: int) -> tuple[np.ndarray, np.ndarray] | No
     model's decoding step gives it, on Numba's thread team with as little Python as possible
     around the compiled call (between PyTorch's operations every NumPy call finds cold
     caches: the general path's setup cost more than the kernel). None where it does not apply.
+
+    A boolean mask of one query (``L == 1``) that is the same for every head and leaves each
+    sequence one run of keys (a padded batch's real tokens) is served as that run per
+    sequence: the ragged batch's keys, read without the mask.
     """
-    if plan.structured or not plan.batch or not plan.L or not plan.S or not use_jit(plan):
+    if plan.structured or not plan.batch or not plan.L or not plan.S:
+        return None
+    runs = None
+    if plan.mask is not None:
+        runs = _mask_runs(plan)
+        if runs is None:
+            return None
+    if not (plan.group * plan.L >= 2 and plan.bias is None and not plan.modded):
+        return None
+    if plan.acc_dtype not in (np.float32, np.float64) or not plan.d or not plan.dv:
+        return None
+    if not jit_enabled():
         return None
     assert plan.v is not None  # decode computes outputs
     outer, kv_heads = plan.batch[:-1], plan.k.shape[-3]
@@ -398,7 +413,18 @@ def _team_single(plan: Plan, threads: int) -> tuple[np.ndarray, np.ndarray] | No
     step = -(-S // splits)
     cuts = [(c0, min(c0 + step, S)) for c0 in range(0, S, step)]
     k_starts, v_starts = rk[1].reshape(-1).tolist(), rv[1].reshape(-1).tolist()
-    table = [(i * g * L, k_starts[i], v_starts[i], c0, c1) for i in range(heads) for c0, c1 in cuts]
+    if runs is None:
+        table = [
+            (i * g * L, k_starts[i], v_starts[i], c0, c1) for i in range(heads) for c0, c1 in cuts
+        ]
+    else:  # each sequence's own run of keys, cut in as many pieces (some maybe empty)
+        table = []
+        for i in range(heads):
+            lo, hi = runs[i // kv_heads]
+            width = -(-(hi - lo) // len(cuts))
+            for c in range(len(cuts)):
+                c0 = min(lo + c * width, hi)
+                table.append((i * g * L, k_starts[i], v_starts[i], c0, min(c0 + width, hi)))
     q = np.ascontiguousarray(plan.q * dt.type(plan.scale)).reshape(-1, d)
     out = np.empty((heads, len(cuts), g * L, dv), dtype=dt)
     lse = np.empty((heads, len(cuts), g * L), dtype=dt)
@@ -426,3 +452,20 @@ def _team_single(plan: Plan, threads: int) -> tuple[np.ndarray, np.ndarray] | No
     else:
         o, s = merge_arrays([(out[:, c], lse[:, c]) for c in range(len(cuts))])
     return o.reshape(*plan.batch, L, dv), s.reshape(*plan.batch, L)
+
+
+def _mask_runs(plan: Plan) -> list[tuple[int, int]] | None:
+    """Each sequence's ``(lo, hi)``, the one run of keys a one-query plan's mask leaves it
+    (the mask the same for every head); None for any other mask or a sequence that sees none."""
+    mask, S = plan.mask, plan.S
+    assert mask is not None
+    nb = len(plan.batch)
+    if plan.L != 1 or mask.ndim != nb + 2 or mask.shape[-3] != 1 or mask.shape[-2] != 1:
+        return None
+    outer = plan.batch[:-1]
+    m = np.broadcast_to(mask[..., 0, 0, :], (*outer, S)).reshape(-1, S)
+    lo = m.argmax(axis=1)
+    hi = S - m[:, ::-1].argmax(axis=1)
+    if not (m.sum(axis=1) == hi - lo).all() or not m[np.arange(len(lo)), lo].all():
+        return None  # a gap in a run, or a sequence with no key
+    return list(zip(lo.tolist(), hi.tolist(), strict=True))

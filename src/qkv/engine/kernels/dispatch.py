@@ -87,9 +87,8 @@ def choose(plan: Plan) -> str:
     """
     if plan.L <= DECODE_MAX_L:
         kv_bytes = plan.k.size * (plan.d + plan.dv) // plan.d * plan.acc_dtype.itemsize
-        least = (
-            TEAM_DECODE_MIN_BYTES if team_preferred() and decode.use_jit(plan) else DECODE_MIN_BYTES
-        )
+        compiled = decode.use_jit(plan) or (plan.mask is not None and plan.L == 1)
+        least = TEAM_DECODE_MIN_BYTES if compiled and team_preferred() else DECODE_MIN_BYTES
         return "decode" if kv_bytes >= least else "dense"
     if plan.L * plan.S <= DENSE_MAX_SCORES:
         return "dense"
