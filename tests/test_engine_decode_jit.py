@@ -184,3 +184,105 @@ def test_compiled_kernel_directly_on_rows_with_different_ranges():
         w = np.exp(s - s.max())
         np.testing.assert_allclose(out[r], w @ v[a:b] / w.sum(), atol=1e-13)
         np.testing.assert_allclose(lse[r], s.max() + np.log(w.sum()), atol=1e-13)
+
+
+@pytest.mark.parametrize(
+    ("B", "group", "L", "kw"),
+    [
+        (1, 4, 1, {}),  # Llama-style decoding: 16 query heads over 4 kv heads
+        (2, 2, 2, {"causal": True}),
+        (3, 2, 1, {"causal": True, "window": (300, 0)}),
+        (2, 8, 3, {"causal": False, "window": (50, 40)}),
+    ],
+)
+def test_compiled_team_equals_reference_and_runs_on_numba_threads(B, group, L, kw, monkeypatch):
+    """Inside ``compiled_team`` (as the transformers backend calls), a compiled decode runs its
+    items in one call on Numba's thread team; K/V given as views of a prefix of a larger cache
+    (a StaticCache's filled slots) are read in place, and key splits merge back exactly."""
+    pytest.importorskip("numba")
+    from qkv.engine.kernels import _threads
+    from qkv.engine.kernels.jit import decode as compiled
+
+    monkeypatch.setenv("QKV_JIT", "1")
+    monkeypatch.setattr(decode, "MAX_KEYS", 700)  # several key ranges per head, merged
+    calls = []
+    inner = compiled.heads
+
+    def spy(q, k, v, *rest):
+        calls.append((k, v))
+        return inner(q, k, v, *rest)
+
+    monkeypatch.setattr(compiled, "heads", spy)
+    rng = np.random.default_rng(31)
+    S = 2000
+    q, k, v = _data(rng, B, 2 * group, 2, L, S, 16, 12, np.float32)
+    big_k = np.zeros((B, 2, S + 37, 16), np.float32)
+    big_v = np.zeros((B, 2, S + 37, 12), np.float32)
+    big_k[:, :, :S], big_v[:, :, :S] = k, v
+    with _threads.compiled_team():
+        out = qkv.attention(q, big_k[:, :, :S], big_v[:, :, :S], kernel="decode", **kw)
+    expect = reference.attention(q.astype(np.float64), k, v, **kw)
+    np.testing.assert_allclose(out, expect, atol=3e-6, rtol=1e-5)
+    assert len(calls) == 1 and decode._team_ready()
+    assert np.shares_memory(calls[0][0], big_k) and np.shares_memory(calls[0][1], big_v)
+    # without the team: qkv's worker threads, the same numbers
+    plain = qkv.attention(q, big_k[:, :, :S], big_v[:, :, :S], kernel="decode", **kw)
+    assert len(calls) == 1
+    np.testing.assert_allclose(out, plain, atol=1e-6)
+
+
+def test_compiled_team_falls_back_for_memory_it_cannot_read_as_rows(monkeypatch):
+    pytest.importorskip("numba")
+    from qkv.engine.kernels import _threads
+
+    monkeypatch.setenv("QKV_JIT", "1")
+    rng = np.random.default_rng(32)
+    q, k, v = _data(rng, 1, 4, 2, 1, 900, 8, 8, np.float32)
+    k_rev = k[:, :, ::-1]  # negative strides: no row view of it
+    k_cols = np.asfortranarray(k)
+    assert decode._rows(k_rev) is None and decode._rows(k_cols) is None
+    rows, starts = decode._rows(np.zeros((2, 3, 5, 4), np.float32)[:, :, :2])
+    assert rows.shape == (15 + 2 * 5 + 1 + 1, 4) and starts.tolist() == [
+        [0, 5, 10],
+        [15, 20, 25],
+    ]
+    rows, starts = decode._rows(k)  # C-ordered: one reshape
+    assert np.shares_memory(rows, k) and starts.tolist() == [[0, 900]]
+    np.testing.assert_array_equal(rows[900:1800], k[0, 1])
+    with _threads.compiled_team():
+        for kk in (k_rev, k_cols):
+            out = qkv.attention(q, kk, v, kernel="decode")
+            expect = reference.attention(q.astype(np.float64), kk, v)
+            np.testing.assert_allclose(out, expect, atol=3e-6)
+
+
+def test_compiled_team_serves_a_padded_batch_mask_as_each_sequences_run(monkeypatch):
+    """A decoding step's mask that leaves each sequence one run of keys (left padding, a
+    static cache's filled slots) is read as those runs, without the mask, in one compiled call;
+    a mask with a gap falls back to the masked kernels. Both equal the reference."""
+    pytest.importorskip("numba")
+    from qkv.engine.kernels import _threads
+    from qkv.engine.kernels.jit import decode as compiled
+
+    monkeypatch.setenv("QKV_JIT", "1")
+    calls = []
+    inner = compiled.heads
+    monkeypatch.setattr(compiled, "heads", lambda *a: (calls.append(a[3].copy()), inner(*a))[1])
+    rng = np.random.default_rng(33)
+    B, S = 4, 3000
+    q, k, v = _data(rng, B, 8, 2, 1, S, 16, 8, np.float32)
+    mask = np.zeros((B, 1, 1, S), bool)
+    for b, (lo, hi) in enumerate([(0, S), (500, S), (1000, 2999), (2990, S)]):
+        mask[b, ..., lo:hi] = True
+    for gap in (False, True):
+        if gap:
+            mask[1, ..., 700] = False
+        with _threads.compiled_team():
+            out = qkv.attention(q, k, v, mask=mask)
+        expect = reference.attention(q.astype(np.float64), k, v, mask=mask)
+        np.testing.assert_allclose(out, expect, atol=3e-6, rtol=1e-5)
+        assert len(calls) == 1  # the gap: not the runs path
+    entries = calls[0]
+    assert entries[:, 3].min() >= 0 and entries[:, 4].max() <= S
+    # sequence 3 (kv heads 6 and 7) reads only its last 10 keys
+    assert entries[entries[:, 1] >= 6 * S][:, 3:].min() == 2990

@@ -276,6 +276,54 @@ def test_threads_fall_back_to_one_when_blas_cannot_be_limited(monkeypatch):
     check(out, lse, q, k, v, causal=True)
 
 
+def test_parallel_map_keeps_order_uses_the_caller_and_raises_a_workers_error():
+    import threading
+    import time
+
+    from qkv.engine.kernels import _threads
+
+    here = threading.get_ident()
+
+    def slow(x):
+        time.sleep(0.002)
+        return x * x, threading.get_ident()
+
+    got = _threads.parallel_map(slow, range(12), 2, blas_heavy=False)
+    assert [r for r, _ in got] == [x * x for x in range(12)]
+    who = {t for _, t in got}
+    assert here in who and len(who) == 2  # the caller works beside one pool thread
+
+    def boom(x):
+        if x == 5:
+            raise ValueError("item 5")
+        return x
+
+    with pytest.raises(ValueError, match="item 5"):
+        _threads.parallel_map(boom, range(12), 2)
+    # the NumPy error state of the caller holds in every worker
+    with np.errstate(divide="raise"):
+        with pytest.raises(FloatingPointError):
+            _threads.parallel_map(lambda x: np.float64(1) / np.float64(x), [1, 2, 0, 3], 2)
+
+
+def test_blas_held_to_one_thread_only_for_blas_work():
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+
+    from qkv.engine.kernels import _threads
+
+    def blas_threads(_):
+        infos = threadpoolctl.threadpool_info()
+        return [i["num_threads"] for i in infos if i["user_api"] == "blas"]
+
+    _threads.rescan_blas()  # BLAS libraries other tests may have loaded since the last scan
+    before = blas_threads(None)
+    if not before:
+        pytest.skip("no BLAS library that threadpoolctl sees")
+    assert _threads.parallel_map(blas_threads, [0, 1], 2) == [[1] * len(before)] * 2
+    assert _threads.parallel_map(blas_threads, [0, 1], 2, blas_heavy=False) == [before] * 2
+    assert blas_threads(None) == before  # restored
+
+
 def test_dispatch_sends_the_decode_workload_to_decode():
     # B8 H32 S4096 d128, one query each: 1 GiB of K/V, but only 4096 scores per head.
     q = np.broadcast_to(np.float32(0), (8, 32, 1, 128))

@@ -91,6 +91,66 @@ def test_attention_function_equals_transformers_sdpa(L, S, is_causal, mask_kind)
     torch.testing.assert_close(out, expect, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("runs", "kind"),
+    [
+        ([(0, 5)], "bool"),  # a static cache's filled prefix (one sequence)
+        ([(0, 5), (0, 5)], "float"),  # ... for a batch, as 0/-inf
+        ([(3, 9), (3, 9)], "bool"),  # a sliding window's last keys
+        ([(2, 9), (0, 9)], "bool"),  # a left-padded batch: the mask stays, over the keys seen
+        ([(0, 4), (1, 6)], "float"),  # ... and a padded batch in a static cache
+        ([(0, 9), (0, 9)], "bool"),  # every key: nothing to cut
+    ],
+)
+def test_decode_step_reads_only_the_keys_the_mask_leaves_visible(runs, kind, calls):
+    """A decoding step's mask that leaves each sequence one run of keys: qkv computes on views
+    of just those keys (without the mask when every sequence sees the same run), and the
+    output and the weights on request equal transformers' sdpa."""
+    B, S = len(runs), 9
+    q, k, v = rand(B, 4, 1, 8, seed=1), rand(B, 2, S, 8, seed=2), rand(B, 2, S, 8, seed=3)
+    keep = torch.zeros(B, 1, 1, S, dtype=torch.bool)
+    for b, (lo, hi) in enumerate(runs):
+        keep[b, ..., lo:hi] = True
+    mask = keep
+    if kind == "float":
+        mask = torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))
+    layer = Layer(True, groups=2)
+    seen = []
+    inner = qkv_front._run
+
+    def spy(call):
+        seen.append(call)
+        return inner(call)
+
+    qkv_front._run = spy
+    try:
+        out, w = attention_forward(layer, q, k, v, mask, scaling=0.3, output_attentions=True)
+    finally:
+        qkv_front._run = inner
+    expect, _ = sdpa_attention_forward(layer, q, k, v, mask, scaling=0.3)
+    torch.testing.assert_close(out, expect, atol=1e-5, rtol=1e-5)
+    lo, hi = min(r[0] for r in runs), max(r[1] for r in runs)
+    plan = seen[0].plan
+    assert plan.k.shape[-2] == hi - lo and np.shares_memory(plan.k, k.numpy())
+    assert np.shares_memory(plan.v, v.numpy())
+    unmasked = plan.mask is None and plan.bias is None  # a float mask is a bias to qkv
+    assert unmasked == (len(set(runs)) == 1)
+    scores = (q @ k.repeat_interleave(2, dim=1).transpose(-1, -2)) * 0.3
+    weights = scores.masked_fill(~keep, float("-inf")).softmax(-1)
+    torch.testing.assert_close(w, weights, atol=1e-6, rtol=1e-5)
+
+
+def test_decode_step_keeps_a_float_bias_mask():
+    """A float mask with values other than 0 and -inf is a bias: it is applied, not cut."""
+    q, k, v = rand(1, 4, 1, 8, seed=1), rand(1, 2, 6, 8, seed=2), rand(1, 2, 6, 8, seed=3)
+    mask = rand(1, 1, 1, 6, seed=4)
+    mask[..., :2] = float("-inf")
+    layer = Layer(True, groups=2)
+    out, _ = attention_forward(layer, q, k, v, mask)
+    expect, _ = sdpa_attention_forward(layer, q, k, v, mask)
+    torch.testing.assert_close(out, expect, atol=1e-5, rtol=1e-5)
+
+
 def test_weights_of_a_cropped_static_cache_prefill_cover_every_key():
     q, k, v = rand(1, 2, 3, 4, seed=7), rand(1, 2, 5, 4, seed=8), rand(1, 2, 5, 4, seed=9)
     out, w = attention_forward(Layer(), q, k, v, None, output_attentions=True)

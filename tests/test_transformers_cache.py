@@ -139,3 +139,37 @@ def test_decode_step_reads_the_cache_in_place(pair, kind, reads):
         # ... and those are the cache's own tensors
         assert np.shares_memory(k_read, layer.keys.numpy())
         assert np.shares_memory(v_read, layer.values.numpy())
+
+
+def test_static_cache_decode_reads_only_the_filled_prefix_without_a_mask(pair, monkeypatch):
+    """One sequence in a StaticCache: each step computes on a view of the filled slots only
+    (a sliding layer: its window), with no mask, and the logits and tokens equal the peer's."""
+    cfg, ours, ref = pair
+    plans = []
+    inner = qkv_front._run
+
+    def spy(call):
+        plans.append((call.given["k"], call.plan))
+        return inner(call)
+
+    monkeypatch.setattr(qkv_front, "_run", spy)
+    ids = torch.randint(3, VOCAB, (1, 5), generator=torch.Generator().manual_seed(4))
+    attn = torch.ones_like(ids)
+    steps = 3
+    cache = _cache("static", cfg, 32)
+    got, got_tokens = _steps(ours, cache, ids, attn, steps)
+    expect, expect_tokens = _steps(ref, _cache("static", cfg, 32), ids, attn, steps)
+    assert got_tokens.tolist() == expect_tokens.tolist()
+    for a, b in zip(got, expect, strict=True):
+        torch.testing.assert_close(a, b, atol=5e-5, rtol=1e-5)
+    decode = [plan for _, plan in plans if plan.L == 1]
+    assert len(decode) == steps * cfg.num_hidden_layers
+    for i, plan in enumerate(decode):
+        layer = cache.layers[i % cfg.num_hidden_layers]
+        filled = 5 + 1 + i // cfg.num_hidden_layers  # the prompt, then one slot per step
+        sliding = "Sliding" in type(layer).__name__
+        assert plan.mask is None and plan.bias is None
+        assert np.shares_memory(plan.k, layer.keys.numpy())
+        assert np.shares_memory(plan.v, layer.values.numpy())
+        assert plan.k.shape[-2] == (min(filled, cfg.sliding_window) if sliding else filled)
+        assert plan.k.shape[-2] < layer.keys.shape[-2] or sliding

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..engine.kernels._threads import compiled_team
 from ..errors import InputError
 from ..extras import require
 
@@ -69,6 +70,41 @@ def _split_mask(attention_mask: Any, position_bias: Any) -> Any:
     if attention_mask.dtype == torch.bool:
         return position_bias.masked_fill(~attention_mask, float("-inf"))
     return position_bias + attention_mask
+
+
+def _visible_keys(mask: Any, L: int) -> tuple[int, int, bool] | None:
+    """``(lo, hi, exact)`` for a decoding step's mask: no sequence sees a key outside
+    ``lo:hi``, and with ``exact`` every sequence sees exactly those keys (the mask is then not
+    needed); None when the mask does not qualify.
+
+    Decoding (``L == 1``) through transformers' caches, each sequence's mask is one run of
+    visible keys: a ``StaticCache``'s filled prefix, a left-padded sequence's real tokens, a
+    sliding window's last keys. Read as such, the keys are a view of the cache, and with one run
+    for the whole batch the call needs no mask (the fast, unmasked kernels) instead of the whole
+    cache under a dense mask. Only a mask that is the same for every head (``(batch, 1, 1, S)``),
+    boolean or float with only ``0`` and ``-inf``, qualifies.
+    """
+    import torch
+
+    if L != 1 or mask.ndim != 4 or mask.shape[1] != 1 or mask.shape[2] != 1 or not mask.is_cpu:
+        return None
+    m = mask[:, 0, 0, :]
+    if m.dtype != torch.bool:
+        if not m.is_floating_point():
+            return None
+        ok = m == 0
+        if not bool((ok | (m == float("-inf"))).all()):
+            return None  # a true float bias: keep it
+        m = ok
+    a = m.numpy()
+    S = a.shape[1]
+    if S == 0 or not a.any(axis=1).all():
+        return None  # a sequence that sees no key: leave it to the general path
+    lo = a.argmax(axis=1)
+    hi = S - a[:, ::-1].argmax(axis=1)
+    first, last = int(lo.min()), int(hi.max())
+    exact = bool(first == lo.max() and last == hi.min() and a[:, first:last].all())
+    return first, last, exact
 
 
 def attention_forward(
@@ -134,7 +170,7 @@ def attention_forward(
         is_causal = getattr(module, "is_causal", True)
     mask = _split_mask(attention_mask, kwargs.get("position_bias"))
     L, S = query.shape[-2], key.shape[-2]
-    causal, window = False, None
+    causal, window, skipped = False, None, 0  # skipped: keys left out before those read
     if attention_mask is None and is_causal and L > 1:
         # transformers left the mask out because PyTorch's top-left `is_causal` covers it: either
         # L == S (same as bottom-right) or a prefill into an empty, larger static cache whose
@@ -155,14 +191,22 @@ def attention_forward(
         options["softcap"] = kwargs["softcap"]
     if sinks is not None:
         options["sinks"] = sinks
-    out = qkv_attention(query, key, value, **options)
+    if mask is not None and kwargs.get("position_bias") is None:
+        seen = _visible_keys(mask, L)
+        if seen is not None:
+            lo, hi, exact = seen
+            if hi - lo < S:  # read only the keys some sequence sees, as views of the cache
+                key, value, skipped = key[..., lo:hi, :], value[..., lo:hi, :], lo
+            options["mask"] = None if exact else mask[..., lo:hi]
+    with compiled_team():  # between PyTorch's operations: see _threads.compiled_team
+        out = qkv_attention(query, key, value, **options)
     for observe in OBSERVERS:
         observe(module, query, key, value, options, out)
     weights = None
     if kwargs.get("output_attentions"):
         weights = qkv_attention_weights(query, key, **options)
         if weights.shape[-1] < S:  # keys left out above get weight 0, as in "eager"
-            weights = torch_pad(weights, (0, S - weights.shape[-1]))
+            weights = torch_pad(weights, (skipped, S - skipped - weights.shape[-1]))
     return out.transpose(1, 2).contiguous(), weights
 
 

@@ -20,6 +20,7 @@ plans, and every plan without Numba, run the NumPy kernel here; both equal the r
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, TypeVar
 
 import numpy as np
@@ -27,7 +28,7 @@ import numpy as np
 from ...masks import allowed, key_bounds, key_range, query_positions
 from ...validate import Plan
 from . import mods
-from ._threads import default_threads, parallel_map
+from ._threads import default_threads, parallel_map, team_preferred
 from .blocks import finish, merge_arrays
 from .jit import enabled as jit_enabled
 
@@ -245,6 +246,10 @@ def attend_many(
     True
     """
     n = default_threads() if threads is None else max(1, int(threads))
+    if len(plans) == 1 and team_preferred():
+        done = _team_single(plans[0], n)
+        if done is not None:
+            return [done]
     probs = [_Problem(plan) for plan in plans]
     work = [
         (i, item)
@@ -256,7 +261,9 @@ def attend_many(
     work.sort(key=lambda w: -(w[1][2] - w[1][1]) * (w[1][4] - w[1][3]) * probs[w[0]].g)
     # BLAS products (not the compiled kernel): one BLAS thread per worker
     heavy = any(not p.jit for p in probs)
-    results = parallel_map(lambda w: probs[w[0]].run(w[1]), work, n, blas_heavy=heavy)
+    results = _on_team(probs, work, n) if not heavy and team_preferred() else None
+    if results is None:
+        results = parallel_map(lambda w: probs[w[0]].run(w[1]), work, n, blas_heavy=heavy)
     pending: dict[tuple[Any, ...], list[tuple[Item, np.ndarray, np.ndarray]]] = {}
     for (i, item), (o, lse) in zip(work, results, strict=True):
         pending.setdefault((i, *item[:2]), []).append((item, o, lse))
@@ -267,3 +274,198 @@ def attend_many(
             o, lse = merge_arrays([(o, lse) for _, o, lse in parts])
             probs[i].store(parts[0][0], o, lse)
     return [(prob.out, prob.lse) for prob in probs]
+
+
+def _rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """``a (..., n, m)`` as one C-ordered ``(rows, m)`` array over its memory, and the row of
+    each ``a[..., 0, :]`` (shape ``a.shape[:-2]``); None unless every ``a[i]`` is C-ordered
+    rows within that memory (any cache's K/V, and views of a prefix of it, are)."""
+    it, m = a.itemsize, a.shape[-1]
+    row = m * it
+    if a.size == 0 or a.ndim < 2 or a.strides[-1] != it or a.strides[-2] != row:
+        return None
+    if a.flags.c_contiguous:  # the common case, in two cheap steps
+        n = a.shape[-2]
+        return a.reshape(-1, m), np.arange(0, a.size // m, n, dtype=np.int64).reshape(a.shape[:-2])
+    if any(st < 0 or st % row for st in a.strides[:-2]):
+        return None
+    span = 1 + sum((n - 1) * st for n, st in zip(a.shape[:-1], a.strides[:-1], strict=True)) // row
+    flat = np.lib.stride_tricks.as_strided(a, shape=(span, m), strides=(row, it), writeable=False)
+    starts = np.zeros(a.shape[:-2], dtype=np.int64)
+    for axis, (n, st) in enumerate(zip(a.shape[:-2], a.strides[:-2], strict=True)):
+        shape = [1] * starts.ndim
+        shape[axis] = n
+        starts = starts + (np.arange(n, dtype=np.int64) * (st // row)).reshape(shape)
+    return flat, starts
+
+
+# (the process whose Numba team was started, and whether it may be used): an OpenMP team is
+# lost in a forked child, which then stays on qkv's worker threads
+_team_pid: list[tuple[int, bool]] = []
+
+
+def _team_ready() -> bool:
+    """Whether Numba's thread team may run here: a thread-safe layer (OpenMP or TBB), started
+    in this process (never from a fork of one that started it)."""
+    if _team_pid:
+        pid, ok = _team_pid[0]
+        return ok and pid == os.getpid()
+    import numba
+    from numba.np.ufunc import parallel
+
+    config: Any = numba.config
+    if config.THREADING_LAYER == "default" and not parallel._is_initialized:
+        config.THREADING_LAYER = "threadsafe"  # OpenMP or TBB; never the workqueue
+    try:
+        parallel._launch_threads()
+        ok = numba.threading_layer() in ("omp", "tbb")
+    except (ValueError, RuntimeError, ImportError):
+        ok = False
+    _team_pid[:] = [(os.getpid(), ok)]
+    return ok
+
+
+def _on_team(
+    probs: list[_Problem], work: list[tuple[int, Item]], threads: int
+) -> list[tuple[np.ndarray, np.ndarray]] | None:
+    """The work items of compiled problems run by :func:`qkv.engine.kernels.jit.decode.heads`,
+    one call on Numba's thread team; None where that does not apply (the caller then runs them
+    on qkv's worker threads)."""
+    if len({id(p) for p in probs}) != 1 or not work or not _team_ready():
+        return None
+    (prob,) = {id(p): p for p in probs}.values()
+    plan = prob.plan
+    k_rows, v_rows = _rows(prob.k), _rows(prob.v)
+    if k_rows is None or v_rows is None:
+        return None
+    import numba
+
+    from .jit import decode as compiled
+
+    g, L, d, dt = prob.g, prob.L, plan.d, prob.dt
+    q = np.ascontiguousarray(prob.q * dt.type(plan.scale))
+    heads_q = q.shape[-3]
+    outer_index = np.arange(math.prod(prob.outer), dtype=np.int64).reshape(prob.outer)
+    table = []
+    for _, (outer, h0, h1, c0, c1) in work:
+        base = int(outer_index[outer]) * heads_q if prob.outer else 0
+        for h in range(h0, h1):
+            at = outer + (h,)
+            table.append(((base + h * g) * L, k_rows[1][at], v_rows[1][at], c0, c1))
+    entries = np.array(table, dtype=np.int64)
+    rows = g * L
+    out = np.empty((len(table), rows, plan.dv), dtype=dt)
+    lse = np.empty((len(table), rows), dtype=dt)
+    lo, hi = prob.row_lo.astype(np.int64), prob.row_hi.astype(np.int64)
+    most: int = getattr(numba.config, "NUMBA_NUM_THREADS")  # noqa: B009 - untyped module
+    numba.set_num_threads(max(1, min(threads, most)))
+    compiled.heads(q.reshape(-1, d), k_rows[0], v_rows[0], entries, lo, hi, L, out, lse)
+    results, i = [], 0
+    for _, (_, h0, h1, _, _) in work:
+        results.append((out[i : i + h1 - h0], lse[i : i + h1 - h0]))
+        i += h1 - h0
+    return results
+
+
+_BOUNDS: dict[tuple[int, int], np.ndarray] = {}  # every row sees keys [0, S): a few kept
+
+
+def _team_single(plan: Plan, threads: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """One plan with heads (``(..., heads, L, d)``) and nothing restricting the keys, as a
+    model's decoding step gives it, on Numba's thread team with as little Python as possible
+    around the compiled call (between PyTorch's operations every NumPy call finds cold
+    caches: the general path's setup cost more than the kernel). None where it does not apply.
+
+    A boolean mask of one query (``L == 1``) that is the same for every head and leaves each
+    sequence one run of keys (a padded batch's real tokens) is served as that run per
+    sequence: the ragged batch's keys, read without the mask.
+    """
+    if plan.structured or not plan.batch or not plan.L or not plan.S:
+        return None
+    runs = None
+    if plan.mask is not None:
+        runs = _mask_runs(plan)
+        if runs is None:
+            return None
+    if not (plan.group * plan.L >= 2 and plan.bias is None and not plan.modded):
+        return None
+    if plan.acc_dtype not in (np.float32, np.float64) or not plan.d or not plan.dv:
+        return None
+    if not jit_enabled():
+        return None
+    assert plan.v is not None  # decode computes outputs
+    outer, kv_heads = plan.batch[:-1], plan.k.shape[-3]
+    if plan.k.shape[:-2] != (*outer, kv_heads) or plan.v.shape[:-2] != plan.k.shape[:-2]:
+        return None  # K/V not given per sequence (broadcast over the batch)
+    rk, rv = _rows(plan.k), _rows(plan.v)
+    if rk is None or rv is None or not _team_ready():
+        return None
+    import numba
+
+    from .jit import decode as compiled
+
+    dt, g, L, S, d, dv = plan.acc_dtype, plan.group, plan.L, plan.S, plan.d, plan.dv
+    heads = math.prod(outer) * kv_heads
+    # Enough entries for every thread (and a few more, so that no thread waits long for the
+    # last), each at most MAX_KEYS keys and at least MIN_SPLIT.
+    splits = max(1, min(-(-2 * threads // heads), S // MIN_SPLIT))
+    splits = max(splits, -(-S // MAX_KEYS))
+    step = -(-S // splits)
+    cuts = [(c0, min(c0 + step, S)) for c0 in range(0, S, step)]
+    k_starts, v_starts = rk[1].reshape(-1).tolist(), rv[1].reshape(-1).tolist()
+    if runs is None:
+        table = [
+            (i * g * L, k_starts[i], v_starts[i], c0, c1) for i in range(heads) for c0, c1 in cuts
+        ]
+    else:  # each sequence's own run of keys, cut in as many pieces (some maybe empty)
+        table = []
+        for i in range(heads):
+            lo, hi = runs[i // kv_heads]
+            width = -(-(hi - lo) // len(cuts))
+            for c in range(len(cuts)):
+                c0 = min(lo + c * width, hi)
+                table.append((i * g * L, k_starts[i], v_starts[i], c0, min(c0 + width, hi)))
+    q = np.ascontiguousarray(plan.q * dt.type(plan.scale)).reshape(-1, d)
+    out = np.empty((heads, len(cuts), g * L, dv), dtype=dt)
+    lse = np.empty((heads, len(cuts), g * L), dtype=dt)
+    bounds = _BOUNDS.get((L, S))
+    if bounds is None:
+        bounds = _BOUNDS[L, S] = np.array([[0] * L, [S] * L], dtype=np.int64)
+        if len(_BOUNDS) > 64:
+            _BOUNDS.clear()
+    most: int = getattr(numba.config, "NUMBA_NUM_THREADS")  # noqa: B009 - untyped module
+    numba.set_num_threads(max(1, min(threads, most)))
+    entries = np.array(table, dtype=np.int64)
+    compiled.heads(
+        q,
+        rk[0],
+        rv[0],
+        entries,
+        bounds[0],
+        bounds[1],
+        L,
+        out.reshape(-1, g * L, dv),
+        lse.reshape(-1, g * L),
+    )
+    if len(cuts) == 1:
+        o, s = out[:, 0], lse[:, 0]
+    else:
+        o, s = merge_arrays([(out[:, c], lse[:, c]) for c in range(len(cuts))])
+    return o.reshape(*plan.batch, L, dv), s.reshape(*plan.batch, L)
+
+
+def _mask_runs(plan: Plan) -> list[tuple[int, int]] | None:
+    """Each sequence's ``(lo, hi)``, the one run of keys a one-query plan's mask leaves it
+    (the mask the same for every head); None for any other mask or a sequence that sees none."""
+    mask, S = plan.mask, plan.S
+    assert mask is not None
+    nb = len(plan.batch)
+    if plan.L != 1 or mask.ndim != nb + 2 or mask.shape[-3] != 1 or mask.shape[-2] != 1:
+        return None
+    outer = plan.batch[:-1]
+    m = np.broadcast_to(mask[..., 0, 0, :], (*outer, S)).reshape(-1, S)
+    lo = m.argmax(axis=1)
+    hi = S - m[:, ::-1].argmax(axis=1)
+    if not (m.sum(axis=1) == hi - lo).all() or not m[np.arange(len(lo)), lo].all():
+        return None  # a gap in a run, or a sequence with no key
+    return list(zip(lo.tolist(), hi.tolist(), strict=True))

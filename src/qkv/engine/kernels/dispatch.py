@@ -31,6 +31,7 @@ import numpy as np
 from ...errors import InputError, InputTypeError
 from ...validate import Plan
 from . import decode, dense, mods, native, packed, tiled
+from ._threads import team_preferred
 
 __all__ = [
     "DECODE_MAX_L",
@@ -53,6 +54,10 @@ KERNELS = ("auto", "dense", "tiled", "decode")
 DENSE_MAX_SCORES = 1 << 14  # L · S per head below which materialising the scores is fastest
 DECODE_MAX_L = 8  # queries per head up to which the scores are small enough to keep whole
 DECODE_MIN_BYTES = 16 << 20  # K/V bytes from which streaming them (decode) beats BLAS (dense)
+# ... and inside _threads.compiled_team (between PyTorch's operations), where the compiled
+# decode kernel starts its threads in C and BLAS finds the K/V out of cache: measured in a
+# Llama-style model, 1 MiB of K/V per layer (prompt 1024) already ran faster streamed.
+TEAM_DECODE_MIN_BYTES = 1 << 20
 
 
 def check_kernel(kernel: Any) -> str:
@@ -82,7 +87,9 @@ def choose(plan: Plan) -> str:
     """
     if plan.L <= DECODE_MAX_L:
         kv_bytes = plan.k.size * (plan.d + plan.dv) // plan.d * plan.acc_dtype.itemsize
-        return "decode" if kv_bytes >= DECODE_MIN_BYTES else "dense"
+        compiled = decode.use_jit(plan) or (plan.mask is not None and plan.L == 1)
+        least = TEAM_DECODE_MIN_BYTES if compiled and team_preferred() else DECODE_MIN_BYTES
+        return "decode" if kv_bytes >= least else "dense"
     if plan.L * plan.S <= DENSE_MAX_SCORES:
         return "dense"
     return "tiled"

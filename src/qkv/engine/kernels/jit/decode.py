@@ -281,3 +281,25 @@ def head(q, k, v, lo, hi, L, out, lse):  # pragma: no cover - compiled
             for c in range(dv):
                 out[r, c] /= den[r]
             lse[r] = (m[r] if m[r] != ninf else zero) + np.log(den[r])
+
+
+@numba.njit(parallel=True, nogil=True, cache=True, fastmath=_FAST)
+def heads(q, k, v, table, lo, hi, L, out, lse):  # pragma: no cover - compiled
+    """:func:`head` for many (kv head, key range) entries at once, on Numba's thread team.
+
+    ``q (rows, d)``, ``k (rows, d)``, ``v (rows, dv)`` are C-ordered row views; entry ``i`` of
+    ``table`` is ``(q0, k0, v0, c0, c1)``: its ``R = out.shape[1]`` query rows start at row
+    ``q0`` and it reads keys ``c0:c1`` of the head whose key ``0`` is row ``k0`` of ``k`` (value
+    ``0``: row ``v0`` of ``v``). Query row ``r`` sees keys ``[lo[r % L], hi[r % L])`` of its
+    head. Writes ``out[i] (R, dv)`` and ``lse[i] (R,)`` as :func:`head` does.
+    """
+    R = out.shape[1]
+    for i in numba.prange(table.shape[0]):
+        q0, k0, v0, c0, c1 = table[i, 0], table[i, 1], table[i, 2], table[i, 3], table[i, 4]
+        n = c1 - c0
+        a = np.empty_like(lo)
+        b = np.empty_like(hi)
+        for r in range(lo.shape[0]):
+            a[r] = min(max(lo[r] - c0, 0), n)
+            b[r] = min(max(hi[r] - c0, 0), n)
+        head(q[q0 : q0 + R], k[k0 + c0 : k0 + c1], v[v0 + c0 : v0 + c1], a, b, L, out[i], lse[i])
