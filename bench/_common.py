@@ -89,7 +89,7 @@ def peak_extra_bytes(fn: Callable[[], Any]) -> int:
 
 def threads_info() -> str:
     """Threads each contender may use."""
-    from qkv.engine.kernels._threads import cpu_count
+    from qkv.engine.kernels.threads import cpu_count
 
     parts = [f"qkv {cpu_count()}"]
     try:

@@ -138,7 +138,7 @@ def reader(arrays: list[np.ndarray]) -> Callable[[], Any]:
     import time
     from concurrent.futures import ThreadPoolExecutor
 
-    from qkv.engine.kernels._threads import cpu_count, single_threaded_blas
+    from qkv.engine.kernels.threads import cpu_count, single_threaded_blas
 
     flat = [a.reshape(-1) for a in arrays]
     parts = [p for a in flat for p in np.array_split(a, cpu_count())]

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import _common  # noqa: F401  (puts ../src on the path)
 import numpy as np
 
-from qkv.engine.kernels._threads import cpu_count, single_threaded_blas
+from qkv.engine.kernels.threads import cpu_count, single_threaded_blas
 
 
 def gemm_gflops(n: int = 2048, repeat: int = 5) -> float:

@@ -160,7 +160,7 @@ def step_kernel_time(n_local: int, d: int) -> float:
     """Best time of one zigzag ring step's kernel call on one thread: ``n_local`` queries
     against ``n_local / 2`` keys, unmasked (float32)."""
     import qkv
-    from qkv.engine.kernels._threads import limit_threads
+    from qkv.engine.kernels.threads import limit_threads
 
     rng = np.random.default_rng(0)
     q = rng.standard_normal((1, n_local, d), dtype=np.float32)

@@ -200,7 +200,7 @@ def test_compiled_team_equals_reference_and_runs_on_numba_threads(B, group, L, k
     items in one call on Numba's thread team; K/V given as views of a prefix of a larger cache
     (a StaticCache's filled slots) are read in place, and key splits merge back exactly."""
     pytest.importorskip("numba")
-    from qkv.engine.kernels import _threads
+    from qkv.engine.kernels import threads
     from qkv.engine.kernels.jit import decode as compiled
 
     monkeypatch.setenv("QKV_JIT", "1")
@@ -219,7 +219,7 @@ def test_compiled_team_equals_reference_and_runs_on_numba_threads(B, group, L, k
     big_k = np.zeros((B, 2, S + 37, 16), np.float32)
     big_v = np.zeros((B, 2, S + 37, 12), np.float32)
     big_k[:, :, :S], big_v[:, :, :S] = k, v
-    with _threads.compiled_team():
+    with threads.compiled_team():
         out = qkv.attention(q, big_k[:, :, :S], big_v[:, :, :S], kernel="decode", **kw)
     expect = reference.attention(q.astype(np.float64), k, v, **kw)
     np.testing.assert_allclose(out, expect, atol=3e-6, rtol=1e-5)
@@ -233,7 +233,7 @@ def test_compiled_team_equals_reference_and_runs_on_numba_threads(B, group, L, k
 
 def test_compiled_team_falls_back_for_memory_it_cannot_read_as_rows(monkeypatch):
     pytest.importorskip("numba")
-    from qkv.engine.kernels import _threads
+    from qkv.engine.kernels import threads
 
     monkeypatch.setenv("QKV_JIT", "1")
     rng = np.random.default_rng(32)
@@ -249,7 +249,7 @@ def test_compiled_team_falls_back_for_memory_it_cannot_read_as_rows(monkeypatch)
     rows, starts = decode._rows(k)  # C-ordered: one reshape
     assert np.shares_memory(rows, k) and starts.tolist() == [[0, 900]]
     np.testing.assert_array_equal(rows[900:1800], k[0, 1])
-    with _threads.compiled_team():
+    with threads.compiled_team():
         for kk in (k_rev, k_cols):
             out = qkv.attention(q, kk, v, kernel="decode")
             expect = reference.attention(q.astype(np.float64), kk, v)
@@ -261,7 +261,7 @@ def test_compiled_team_serves_a_padded_batch_mask_as_each_sequences_run(monkeypa
     static cache's filled slots) is read as those runs, without the mask, in one compiled call;
     a mask with a gap falls back to the masked kernels. Both equal the reference."""
     pytest.importorskip("numba")
-    from qkv.engine.kernels import _threads
+    from qkv.engine.kernels import threads
     from qkv.engine.kernels.jit import decode as compiled
 
     monkeypatch.setenv("QKV_JIT", "1")
@@ -277,7 +277,7 @@ def test_compiled_team_serves_a_padded_batch_mask_as_each_sequences_run(monkeypa
     for gap in (False, True):
         if gap:
             mask[1, ..., 700] = False
-        with _threads.compiled_team():
+        with threads.compiled_team():
             out = qkv.attention(q, k, v, mask=mask)
         expect = reference.attention(q.astype(np.float64), k, v, mask=mask)
         np.testing.assert_allclose(out, expect, atol=3e-6, rtol=1e-5)

@@ -260,15 +260,15 @@ def test_all_kernels_agree_on_a_grid():
 def test_threads_fall_back_to_one_when_blas_cannot_be_limited(monkeypatch):
     import threading
 
-    from qkv.engine.kernels import _threads
+    from qkv.engine.kernels import threads
 
-    monkeypatch.setattr(_threads, "_controller", [None])  # as if threadpoolctl were missing
+    monkeypatch.setattr(threads, "_controller", [None])  # as if threadpoolctl were missing
     for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS"):
         monkeypatch.delenv(name, raising=False)
     here = threading.get_ident()
-    assert set(_threads.parallel_map(lambda _: threading.get_ident(), range(8), 2)) == {here}
+    assert set(threads.parallel_map(lambda _: threading.get_ident(), range(8), 2)) == {here}
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
-    assert _threads._blas_limitable()
+    assert threads.blas_limitable()
     # the results do not depend on how the work was spread
     rng = np.random.default_rng(14)
     q, k, v = rand(rng, (3, 40, 4)), rand(rng, (3, 40, 4)), rand(rng, (3, 40, 4))
@@ -280,7 +280,7 @@ def test_parallel_map_keeps_order_uses_the_caller_and_raises_a_workers_error():
     import threading
     import time
 
-    from qkv.engine.kernels import _threads
+    from qkv.engine.kernels import threads
 
     here = threading.get_ident()
 
@@ -288,7 +288,7 @@ def test_parallel_map_keeps_order_uses_the_caller_and_raises_a_workers_error():
         time.sleep(0.002)
         return x * x, threading.get_ident()
 
-    got = _threads.parallel_map(slow, range(12), 2, blas_heavy=False)
+    got = threads.parallel_map(slow, range(12), 2, blas_heavy=False)
     assert [r for r, _ in got] == [x * x for x in range(12)]
     who = {t for _, t in got}
     assert here in who and len(who) == 2  # the caller works beside one pool thread
@@ -299,28 +299,28 @@ def test_parallel_map_keeps_order_uses_the_caller_and_raises_a_workers_error():
         return x
 
     with pytest.raises(ValueError, match="item 5"):
-        _threads.parallel_map(boom, range(12), 2)
+        threads.parallel_map(boom, range(12), 2)
     # the NumPy error state of the caller holds in every worker
     with np.errstate(divide="raise"):
         with pytest.raises(FloatingPointError):
-            _threads.parallel_map(lambda x: np.float64(1) / np.float64(x), [1, 2, 0, 3], 2)
+            threads.parallel_map(lambda x: np.float64(1) / np.float64(x), [1, 2, 0, 3], 2)
 
 
 def test_blas_held_to_one_thread_only_for_blas_work():
     threadpoolctl = pytest.importorskip("threadpoolctl")
 
-    from qkv.engine.kernels import _threads
+    from qkv.engine.kernels import threads
 
     def blas_threads(_):
         infos = threadpoolctl.threadpool_info()
         return [i["num_threads"] for i in infos if i["user_api"] == "blas"]
 
-    _threads.rescan_blas()  # BLAS libraries other tests may have loaded since the last scan
+    threads.rescan_blas()  # BLAS libraries other tests may have loaded since the last scan
     before = blas_threads(None)
     if not before:
         pytest.skip("no BLAS library that threadpoolctl sees")
-    assert _threads.parallel_map(blas_threads, [0, 1], 2) == [[1] * len(before)] * 2
-    assert _threads.parallel_map(blas_threads, [0, 1], 2, blas_heavy=False) == [before] * 2
+    assert threads.parallel_map(blas_threads, [0, 1], 2) == [[1] * len(before)] * 2
+    assert threads.parallel_map(blas_threads, [0, 1], 2, blas_heavy=False) == [before] * 2
     assert blas_threads(None) == before  # restored
 
 

@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 
 from ._version import __version__
-from .engine.kernels import _threads, jit, native
+from .engine.kernels import jit, native
+from .engine.kernels.threads import cpu_count, default_threads
 
 __all__ = ["OPTIONAL", "format_info", "info"]
 
@@ -55,8 +56,8 @@ def _version_of(name: str) -> str | None:
 
 
 def _thread_rule() -> str:
-    """How :func:`~qkv.engine.kernels._threads.default_threads` got its number."""
-    cores = _threads.cpu_count()
+    """How :func:`~qkv.engine.kernels.threads.default_threads` got its number."""
+    cores = cpu_count()
     omp = os.environ.get("OMP_NUM_THREADS", "")
     if omp.strip().isdigit() and int(omp) > 0:
         return f"min({cores} usable cores, OMP_NUM_THREADS={int(omp)})"
@@ -107,7 +108,7 @@ def info() -> dict[str, Any]:
         "python": platform.python_version(),
         "numpy": np.__version__,
         "blas": _blas(),
-        "threads": {"count": _threads.default_threads(), "rule": _thread_rule()},
+        "threads": {"count": default_threads(), "rule": _thread_rule()},
         "native": native.info(),
         "jit": _jit(),
         "optional": {name: _version_of(name) for name in OPTIONAL},

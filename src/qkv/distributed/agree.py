@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..checks import check_real
-from ..engine.kernels._threads import cpu_count, default_threads
+from ..engine.kernels.threads import cpu_count, default_threads
 from ..errors import InputError, InputTypeError
 from ..masks import Window
 from ..validate import Plan, as_array, check_window, make_plan

@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 
 from ..engine.kernels import dispatch
-from ..engine.kernels._threads import limit_threads
 from ..engine.kernels.blocks import merge_arrays
+from ..engine.kernels.threads import limit_threads
 from ..errors import InputError, InputTypeError
 from ..validate import as_array, make_plan
 from .agree import DEFAULT_TIMEOUT, agree, check_timeout, dtype_code, shape_field, threads_for

@@ -34,8 +34,8 @@ import numpy as np
 
 from ..engine.grad import sum_to
 from ..engine.kernels import dispatch, mods, tiled_backward
-from ..engine.kernels._threads import limit_threads, single_threaded_blas
 from ..engine.kernels.blocks import merge_arrays
+from ..engine.kernels.threads import limit_threads, single_threaded_blas
 from ..errors import InputError, InputTypeError
 from ..masks import Window, key_bounds
 from ..validate import Plan, as_array

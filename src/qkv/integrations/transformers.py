@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..engine.kernels._threads import compiled_team
+from ..engine.kernels.threads import compiled_team
 from ..errors import InputError
 from ..extras import require
 
@@ -198,7 +198,7 @@ def attention_forward(
             if hi - lo < S:  # read only the keys some sequence sees, as views of the cache
                 key, value, skipped = key[..., lo:hi, :], value[..., lo:hi, :], lo
             options["mask"] = None if exact else mask[..., lo:hi]
-    with compiled_team():  # between PyTorch's operations: see _threads.compiled_team
+    with compiled_team():  # between PyTorch's operations: see threads.compiled_team
         out = qkv_attention(query, key, value, **options)
     for observe in OBSERVERS:
         observe(module, query, key, value, options, out)

@@ -28,9 +28,9 @@ import numpy as np
 from ...masks import allowed, key_bounds, key_range, query_positions
 from ...validate import Plan
 from . import mods
-from ._threads import default_threads, parallel_map, team_preferred
 from .blocks import finish, merge_arrays
 from .jit import enabled as jit_enabled
+from .threads import default_threads, parallel_map, team_preferred
 
 __all__ = ["ITEM_BYTES", "MIN_SPLIT", "attend", "attend_many", "use_jit"]
 

@@ -31,7 +31,7 @@ import numpy as np
 from ...errors import InputError, InputTypeError
 from ...validate import Plan
 from . import decode, dense, mods, native, packed, tiled
-from ._threads import team_preferred
+from .threads import team_preferred
 
 __all__ = [
     "DECODE_MAX_L",
@@ -54,7 +54,7 @@ KERNELS = ("auto", "dense", "tiled", "decode")
 DENSE_MAX_SCORES = 1 << 14  # L · S per head below which materialising the scores is fastest
 DECODE_MAX_L = 8  # queries per head up to which the scores are small enough to keep whole
 DECODE_MIN_BYTES = 16 << 20  # K/V bytes from which streaming them (decode) beats BLAS (dense)
-# ... and inside _threads.compiled_team (between PyTorch's operations), where the compiled
+# ... and inside threads.compiled_team (between PyTorch's operations), where the compiled
 # decode kernel starts its threads in C and BLAS finds the K/V out of cache: measured in a
 # Llama-style model, 1 MiB of K/V per layer (prompt 1024) already ran faster streamed.
 TEAM_DECODE_MIN_BYTES = 1 << 20
@@ -149,7 +149,9 @@ def _plain(plan: Plan) -> bool:
         return False
     if L <= DECODE_MAX_L:
         assert plan.v is not None  # attention plans carry values
-        return k.size * (d + plan.v.shape[-1]) // d * plan.acc_dtype.itemsize < DECODE_MIN_BYTES
+        # below the smallest size decode is ever chosen from (choose() decides above it)
+        kv_bytes = k.size * (d + plan.v.shape[-1]) // d * plan.acc_dtype.itemsize
+        return kv_bytes < min(DECODE_MIN_BYTES, TEAM_DECODE_MIN_BYTES)
     return L * S <= DENSE_MAX_SCORES
 
 

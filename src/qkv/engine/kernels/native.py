@@ -22,7 +22,7 @@ head, query block) tasks read straight from the packed arrays. :func:`info` says
 active and why.
 
 Threads: work items are (head, query block) pairs taken from a shared counter by native
-threads, as many as :func:`qkv.engine.kernels._threads.default_threads`; BLAS is held to one thread
+threads, as many as :func:`qkv.engine.kernels.threads.default_threads`; BLAS is held to one thread
 meanwhile (``threadpoolctl``), and without a way to hold it one native thread runs.
 
 Examples
@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from ...validate import Plan
-from . import _threads
+from .threads import blas_limitable, default_threads, rescan_blas, single_threaded_blas
 
 __all__ = [
     "BLOCK_K",
@@ -258,7 +258,7 @@ def _gemm() -> tuple[dict[np.dtype, int] | None, str]:
     except (AttributeError, KeyError, ValueError, TypeError) as exc:
         return None, f"SciPy's BLAS functions were not found ({exc!r})"
     # SciPy may bring its own BLAS library: have the BLAS thread limit cover it too.
-    _threads.rescan_blas()
+    rescan_blas()
     return found, ""
 
 
@@ -342,8 +342,8 @@ def _row_stride(a: np.ndarray) -> int:
 def _workers(threads: int | None) -> int:
     """Native threads for a call: as asked, or the NumPy kernels' rule; one when BLAS cannot
     be held to one thread per worker (its own threads would fight ours)."""
-    n = _threads.default_threads() if threads is None else max(1, int(threads))
-    return 1 if n > 1 and not _threads._blas_limitable() else n
+    n = default_threads() if threads is None else max(1, int(threads))
+    return 1 if n > 1 and not blas_limitable() else n
 
 
 def _fit_rows(block_q: int, tasks: Any, workers: int) -> int:
@@ -383,7 +383,7 @@ def attend(
     plan : Plan
         A checked problem that :func:`supports` accepts.
     threads : int, optional
-        Native worker threads (default: :func:`~qkv.engine.kernels._threads.default_threads`).
+        Native worker threads (default: :func:`~qkv.engine.kernels.threads.default_threads`).
     isa : {"baseline", "avx2", "avx512"}, optional
         Run this vector clone (capped at what the CPU supports); default the widest.
     block_q, block_k : int, optional
@@ -447,7 +447,7 @@ def attend(
         block_k=block_k,
     )
     fn = lib.qkv_prefill_f32 if dt == np.float32 else lib.qkv_prefill_f64
-    with _threads.single_threaded_blas():
+    with single_threaded_blas():
         status = fn(ctypes.byref(args))
     if status == 1:
         raise MemoryError("qkv native prefill: no memory for the score tiles")
@@ -538,7 +538,7 @@ def backward(
         block_k=block_k,
     )
     fn = lib.qkv_backward_f32 if dt == np.float32 else lib.qkv_backward_f64
-    with _threads.single_threaded_blas():
+    with single_threaded_blas():
         status = fn(ctypes.byref(args))
     if status == 1:
         raise MemoryError("qkv native backward: no memory for the tiles")
@@ -670,7 +670,7 @@ def attend_packed(
         block_k=block_k,
     )
     fn = lib.qkv_varlen_f32 if dt == np.float32 else lib.qkv_varlen_f64
-    with _threads.single_threaded_blas():
+    with single_threaded_blas():
         status = fn(ctypes.byref(args))
     if status == 1:
         raise MemoryError("qkv native varlen: no memory for the score tiles")

@@ -38,8 +38,8 @@ import numpy as np
 
 from ...masks import key_bounds
 from ...validate import Plan
-from ._threads import default_threads, parallel_map
 from .blocks import finish, key_pieces
+from .threads import default_threads, parallel_map
 
 __all__ = ["BLOCK_K", "BLOCK_ROWS", "TAU", "attend", "attend_plan", "supports"]
 

@@ -47,8 +47,8 @@ import numpy as np
 from ...masks import allowed, key_bounds, query_positions
 from ...validate import Plan
 from . import mods
-from ._threads import parallel_map
 from .blocks import finish, key_pieces
+from .threads import parallel_map
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "TAU", "attend"]
 

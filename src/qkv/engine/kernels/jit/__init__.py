@@ -5,7 +5,7 @@ Numba is installed and not switched off with ``QKV_JIT=0``. Every compiled kerne
 equal to :func:`qkv.reference.attention`, exactly as the NumPy kernels are.
 
 The functions are compiled with ``nogil=True`` and without Numba's own thread pool: qkv's
-worker threads (:func:`qkv.engine.kernels._threads.parallel_map`) run them in parallel, so a call
+worker threads (:func:`qkv.engine.kernels.threads.parallel_map`) run them in parallel, so a call
 from any Python thread, or in a forked child, is as safe as the NumPy path. They are compiled on
 first use and cached on disk (``cache=True``); the first call in a fresh environment pays the
 compile time.

@@ -227,7 +227,7 @@ def rescan_blas() -> None:
             _controller.clear()
 
 
-def _blas_limitable() -> bool:
+def blas_limitable() -> bool:
     """Whether BLAS runs one thread inside our workers (threadpoolctl, or the environment)."""
     with single_threaded_blas():
         pass
@@ -256,7 +256,7 @@ def parallel_map(
     """
     n = default_threads() if threads is None else max(1, int(threads))
     n = min(n, len(items))
-    if blas_heavy and n > 1 and not _blas_limitable():
+    if blas_heavy and n > 1 and not blas_limitable():
         n = 1
     with single_threaded_blas() if blas_heavy else nullcontext():
         if n <= 1:
