@@ -338,10 +338,6 @@ def _on_team(
     k_rows, v_rows = _rows(prob.k), _rows(prob.v)
     if k_rows is None or v_rows is None:
         return None
-    import numba
-
-    from .jit import decode as compiled
-
     g, L, d, dt = prob.g, prob.L, plan.d, prob.dt
     q = np.ascontiguousarray(prob.q * dt.type(plan.scale))
     heads_q = q.shape[-3]
@@ -357,14 +353,24 @@ def _on_team(
     out = np.empty((len(table), rows, plan.dv), dtype=dt)
     lse = np.empty((len(table), rows), dtype=dt)
     lo, hi = prob.row_lo.astype(np.int64), prob.row_hi.astype(np.int64)
-    most: int = getattr(numba.config, "NUMBA_NUM_THREADS")  # noqa: B009 - untyped module
-    numba.set_num_threads(max(1, min(threads, most)))
-    compiled.heads(q.reshape(-1, d), k_rows[0], v_rows[0], entries, lo, hi, L, out, lse)
+    _heads_on_team(threads, q.reshape(-1, d), k_rows[0], v_rows[0], entries, lo, hi, L, out, lse)
     results, i = [], 0
     for _, (_, h0, h1, _, _) in work:
         results.append((out[i : i + h1 - h0], lse[i : i + h1 - h0]))
         i += h1 - h0
     return results
+
+
+def _heads_on_team(threads: int, *args: Any) -> None:
+    """:func:`qkv.engine.kernels.jit.decode.heads` on ``threads`` of Numba's team (at most as
+    many as the team has)."""
+    import numba
+
+    from .jit import decode as compiled
+
+    most: int = getattr(numba.config, "NUMBA_NUM_THREADS")  # noqa: B009 - untyped module
+    numba.set_num_threads(max(1, min(threads, most)))
+    compiled.heads(*args)
 
 
 _BOUNDS: dict[tuple[int, int], np.ndarray] = {}  # every row sees keys [0, S): a few kept
@@ -400,10 +406,6 @@ def _team_single(plan: Plan, threads: int) -> tuple[np.ndarray, np.ndarray] | No
     rk, rv = _rows(plan.k), _rows(plan.v)
     if rk is None or rv is None or not _team_ready():
         return None
-    import numba
-
-    from .jit import decode as compiled
-
     dt, g, L, S, d, dv = plan.acc_dtype, plan.group, plan.L, plan.S, plan.d, plan.dv
     heads = math.prod(outer) * kv_heads
     # Enough entries for every thread (and a few more, so that no thread waits long for the
@@ -433,10 +435,9 @@ def _team_single(plan: Plan, threads: int) -> tuple[np.ndarray, np.ndarray] | No
         bounds = _BOUNDS[L, S] = np.array([[0] * L, [S] * L], dtype=np.int64)
         if len(_BOUNDS) > 64:
             _BOUNDS.clear()
-    most: int = getattr(numba.config, "NUMBA_NUM_THREADS")  # noqa: B009 - untyped module
-    numba.set_num_threads(max(1, min(threads, most)))
     entries = np.array(table, dtype=np.int64)
-    compiled.heads(
+    _heads_on_team(
+        threads,
         q,
         rk[0],
         rv[0],
