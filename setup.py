@@ -56,6 +56,7 @@ def _native() -> list[Extension]:
                 "-pthread",
                 "-fno-math-errno",
                 "-fno-trapping-math",
+                "-ffp-contract=fast",  # a * b + c as one FMA where the clone has it
             ],
             extra_link_args=["-pthread"],
             optional=True,

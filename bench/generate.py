@@ -1,7 +1,7 @@
 """In-model benchmark: qkv as the transformers attention backend against "sdpa" and "eager".
 
     python bench/generate.py [--models llama,gemma2] [--prompts 512,2048,8192] [--batches 1,4]
-                             [--new-tokens 16] [--repeat 3] [--threads 2]
+                             [--caches dynamic,static] [--new-tokens 16] [--repeat 3] [--threads 2]
                              [--hidden 1024 --layers 4 --heads 16 --kv-heads 4]
     python bench/generate.py --prompts 512 --layers 2 --repeat 1   # a quick run
 
@@ -14,7 +14,8 @@ For each model, prompt length and batch (batch 4 is four prompts of different le
 padded to the longest), per backend:
 
 - **prefill**: one forward pass over the prompt into a fresh cache (best of ``--repeat``);
-- **decode**: per-token time of greedy decoding through a ``DynamicCache``, the median step of
+- **decode**: per-token time of greedy decoding through a ``DynamicCache`` (or a
+  ``StaticCache`` of prompt + new-token slots, ``--caches static``), the median step of
   ``--repeat`` runs of ``--new-tokens`` steps (and the fastest step, in brackets);
 - **attn GB/s**: during one decode run the attention function of every layer is timed; the K/V
   bytes it reads per call over that time, also as a fraction of the machine's read rate
@@ -29,6 +30,7 @@ prompt tokens (its score matrix grows as the square of the prompt).
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 import warnings
 from collections.abc import Callable
@@ -120,12 +122,22 @@ def _timed_backend(model: Any, backend: str, clock: AttentionClock) -> str:
     return name
 
 
-def _decode(model: Any, ids: Any, mask: Any, new: int) -> tuple[list[float], list]:
-    """Prefill, then ``new`` greedy steps through a ``DynamicCache``: each step's seconds."""
-    import torch
-    from transformers import DynamicCache
+def _cache(kind: str, model: Any, length: int) -> Any:
+    """A fresh cache: ``DynamicCache``, or a ``StaticCache`` of ``length`` slots."""
+    from transformers import DynamicCache, StaticCache
 
-    cache = DynamicCache()
+    if kind == "static":
+        return StaticCache(config=model.config, max_cache_len=length)
+    return DynamicCache()
+
+
+def _decode(
+    model: Any, ids: Any, mask: Any, new: int, kind: str = "dynamic"
+) -> tuple[list[float], list]:
+    """Prefill, then ``new`` greedy steps through a ``kind`` cache: each step's seconds."""
+    import torch
+
+    cache = _cache(kind, model, ids.shape[1] + new)
     out = model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
     times, tokens = [], []
     for _ in range(new):
@@ -138,7 +150,9 @@ def _decode(model: Any, ids: Any, mask: Any, new: int) -> tuple[list[float], lis
     return times, torch.cat(tokens, dim=1).tolist()
 
 
-def measure(model: Any, backend: str, ids: Any, mask: Any, args: argparse.Namespace) -> dict:
+def measure(
+    model: Any, backend: str, ids: Any, mask: Any, args: argparse.Namespace, kind: str = "dynamic"
+) -> dict:
     """Prefill seconds, decode seconds per token, greedy tokens and attention rate.
 
     Decode is the median step over ``--repeat`` runs of ``--new-tokens`` steps each (a median
@@ -156,12 +170,12 @@ def measure(model: Any, backend: str, ids: Any, mask: Any, args: argparse.Namesp
         t_pre = _common.best_time(prefill, repeat=args.repeat, pause=0.1)
         steps: list[float] = []
         for _ in range(args.repeat):
-            times, tokens = _decode(model, ids, mask, args.new_tokens)
+            times, tokens = _decode(model, ids, mask, args.new_tokens, kind)
             steps += times
         clock = AttentionClock()
         if backend != "eager":  # eager's function lives in each model's module: not timed
             _timed_backend(model, backend, clock)
-            _decode(model, ids, mask, args.new_tokens)
+            _decode(model, ids, mask, args.new_tokens, kind)
             model.set_attn_implementation(backend)
     steps.sort()
     return {
@@ -180,6 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompts", default="512,2048,8192")
     p.add_argument("--batches", default="1,4")
     p.add_argument("--backends", default="qkv,sdpa,eager")
+    p.add_argument("--caches", default="dynamic", help="dynamic, static or both (decode only)")
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
@@ -210,37 +225,39 @@ def main(argv: list[str] | None = None) -> None:
         cfg._attn_implementation = "eager"
         torch.manual_seed(0)
         model = cls(cfg).eval()
-        for length in prompts:
-            for batch in batches:
-                ids, mask = _prompts(batch, length, args.vocab)
-                res: dict[str, dict] = {}
-                for backend in backends:
-                    if backend == "sdpa" and name == "gemma2":
-                        continue  # transformers refuses sdpa for Gemma 2 (no soft-capping)
-                    if backend == "eager" and length > args.eager_max:
-                        continue
-                    res[backend] = measure(model, backend, ids, mask, args)
-                first = res[backends[0]]["tokens"]
-                base = res.get("sdpa") or res.get("eager")
-                for backend, r in res.items():
-                    lo = r["decode range"][0]
-                    rows.append(
-                        {
-                            "model": name,
-                            "prompt": length,
-                            "batch": batch,
-                            "backend": backend,
-                            "prefill ms": f"{1e3 * r['prefill']:.1f}",
-                            "x peer": f"{r['prefill'] / base['prefill']:.2f}" if base else "-",
-                            "decode ms/tok": f"{1e3 * r['decode']:.2f} ({1e3 * lo:.2f})",
-                            "x peer ": f"{r['decode'] / base['decode']:.2f}" if base else "-",
-                            "attn ms/call": f"{r['attn_ms']:.3f}",
-                            "attn GB/s": f"{r['attn_gbps']:.1f}",
-                            "of read": f"{r['attn_gbps'] / read:.0%}" if read == read else "-",
-                            "same tokens": "yes" if r["tokens"] == first else "NO",
-                        }
-                    )
-                print(_common.table(rows[-len(res) :], list(rows[-1])), flush=True)
+        for length, batch, kind in itertools.product(prompts, batches, args.caches.split(",")):
+            if kind not in ("dynamic", "static"):
+                raise SystemExit(f"--caches: unknown cache {kind!r} (dynamic, static)")
+            ids, mask = _prompts(batch, length, args.vocab)
+            res: dict[str, dict] = {}
+            for backend in backends:
+                if backend == "sdpa" and name == "gemma2":
+                    continue  # transformers refuses sdpa for Gemma 2 (no soft-capping)
+                if backend == "eager" and length > args.eager_max:
+                    continue
+                res[backend] = measure(model, backend, ids, mask, args, kind)
+            first = res[backends[0]]["tokens"]
+            base = res.get("sdpa") or res.get("eager")
+            for backend, r in res.items():
+                lo = r["decode range"][0]
+                rows.append(
+                    {
+                        "model": name,
+                        "prompt": length,
+                        "batch": batch,
+                        "cache": kind,
+                        "backend": backend,
+                        "prefill ms": f"{1e3 * r['prefill']:.1f}",
+                        "x peer": f"{r['prefill'] / base['prefill']:.2f}" if base else "-",
+                        "decode ms/tok": f"{1e3 * r['decode']:.2f} ({1e3 * lo:.2f})",
+                        "x peer ": f"{r['decode'] / base['decode']:.2f}" if base else "-",
+                        "attn ms/call": f"{r['attn_ms']:.3f}",
+                        "attn GB/s": f"{r['attn_gbps']:.1f}",
+                        "of read": f"{r['attn_gbps'] / read:.0%}" if read == read else "-",
+                        "same tokens": "yes" if r["tokens"] == first else "NO",
+                    }
+                )
+            print(_common.table(rows[-len(res) :], list(rows[-1])), flush=True)
     print()
     print(_common.table(rows, list(rows[0])))
 

@@ -265,6 +265,7 @@ def test_compiled_team_serves_a_padded_batch_mask_as_each_sequences_run(monkeypa
     from qkv.engine.kernels.jit import decode as compiled
 
     monkeypatch.setenv("QKV_JIT", "1")
+    monkeypatch.setenv("QKV_NATIVE", "0")  # the route where the native decode is not built
     calls = []
     inner = compiled.heads
     monkeypatch.setattr(compiled, "heads", lambda *a: (calls.append(a[3].copy()), inner(*a))[1])

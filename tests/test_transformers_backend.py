@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 
+import qkv.integrations.transformers as hf  # noqa: E402
 from qkv import front as qkv_front  # noqa: E402
 from qkv.integrations.transformers import attention_forward, register  # noqa: E402
 
@@ -46,6 +47,15 @@ def calls(monkeypatch):
         return inner(call)
 
     monkeypatch.setattr(qkv_front, "_run", spy)
+    step = hf._decode_step  # ... or a decoding step's short road (one native call)
+
+    def step_spy(query, *rest):
+        out = step(query, *rest)
+        if out is not None:
+            seen.append(tuple(query.shape))
+        return out
+
+    monkeypatch.setattr(hf, "_decode_step", step_spy)
     return seen
 
 

@@ -17,7 +17,9 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+import qkv.integrations.transformers as hf  # noqa: E402
 from qkv import front as qkv_front  # noqa: E402
+from qkv.engine.kernels import native_decode  # noqa: E402
 from qkv.integrations.transformers import register  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers' renames
@@ -72,16 +74,51 @@ def _cache(kind, cfg, length):
 
 @pytest.fixture
 def reads(monkeypatch):
-    """(q shape, given k, given v, k qkv computed on, v qkv computed on) of every call."""
+    """What every call read, by either road: ``(q shape, k and v handed over, k and v computed
+    on (arrays), whether a mask was applied)``.
+
+    The general road is ``qkv.attention`` (its checked call); a decoding step may take the
+    short road instead, one native call (``native_decode.launch``) on the tensors' memory.
+    """
     seen = []
     inner = qkv_front._run
 
     def spy(call):
-        g = call.given
-        seen.append((tuple(g["q"].shape), g["k"], g["v"], call.plan.k, call.plan.v))
+        g, plan = call.given, call.plan
+        masked = plan.mask is not None or plan.bias is not None
+        seen.append((tuple(g["q"].shape), g["k"], g["v"], plan.k, plan.v, masked))
         return inner(call)
 
     monkeypatch.setattr(qkv_front, "_run", spy)
+    handed = []
+    fast = hf._decode_fast
+
+    def fast_spy(query, key, value, *rest):
+        handed.append((key, value))
+        return fast(query, key, value, *rest)
+
+    monkeypatch.setattr(hf, "_decode_fast", fast_spy)
+    launches = []
+    launch = native_decode.launch
+
+    def launch_spy(f64, sizes, q, k, v, runs, *rest, **kw):
+        launches.append((k[0], v[0], runs is not None))
+        return launch(f64, sizes, q, k, v, runs, *rest, **kw)
+
+    monkeypatch.setattr(native_decode, "launch", launch_spy)
+    step = hf._decode_step
+
+    def step_spy(query, key, value, *rest):
+        launches.clear()
+        out = step(query, key, value, *rest)
+        if out is not None:  # the short road ran: on exactly these views' memory
+            ((k_at, v_at, masked),) = launches
+            assert (k_at, v_at) == (key.data_ptr(), value.data_ptr())
+            k_given, v_given = handed[-1]
+            seen.append((tuple(query.shape), k_given, v_given, key.numpy(), value.numpy(), masked))
+        return out
+
+    monkeypatch.setattr(hf, "_decode_step", step_spy)
     return seen
 
 
@@ -131,7 +168,7 @@ def test_decode_step_reads_the_cache_in_place(pair, kind, reads):
     decode = [r for r in reads if r[0][-2] == 1]
     assert len(decode) == 2 * cfg.num_hidden_layers
     last = decode[-cfg.num_hidden_layers :]  # the last step, one call per layer
-    for layer, (_, k, v, k_read, v_read) in zip(cache.layers, last, strict=True):
+    for layer, (_, k, v, k_read, v_read, _) in zip(cache.layers, last, strict=True):
         # qkv computed on the memory of the tensors the model handed it, not on a copy ...
         assert np.shares_memory(k_read, k.numpy()) and np.shares_memory(v_read, v.numpy())
         if type(layer).__name__ == "DynamicSlidingWindowLayer":
@@ -141,18 +178,10 @@ def test_decode_step_reads_the_cache_in_place(pair, kind, reads):
         assert np.shares_memory(v_read, layer.values.numpy())
 
 
-def test_static_cache_decode_reads_only_the_filled_prefix_without_a_mask(pair, monkeypatch):
+def test_static_cache_decode_reads_only_the_filled_prefix_without_a_mask(pair, reads):
     """One sequence in a StaticCache: each step computes on a view of the filled slots only
     (a sliding layer: its window), with no mask, and the logits and tokens equal the peer's."""
     cfg, ours, ref = pair
-    plans = []
-    inner = qkv_front._run
-
-    def spy(call):
-        plans.append((call.given["k"], call.plan))
-        return inner(call)
-
-    monkeypatch.setattr(qkv_front, "_run", spy)
     ids = torch.randint(3, VOCAB, (1, 5), generator=torch.Generator().manual_seed(4))
     attn = torch.ones_like(ids)
     steps = 3
@@ -162,14 +191,28 @@ def test_static_cache_decode_reads_only_the_filled_prefix_without_a_mask(pair, m
     assert got_tokens.tolist() == expect_tokens.tolist()
     for a, b in zip(got, expect, strict=True):
         torch.testing.assert_close(a, b, atol=5e-5, rtol=1e-5)
-    decode = [plan for _, plan in plans if plan.L == 1]
+    decode = [r for r in reads if r[0][-2] == 1]
     assert len(decode) == steps * cfg.num_hidden_layers
-    for i, plan in enumerate(decode):
+    for i, (_, _, _, k_read, v_read, masked) in enumerate(decode):
         layer = cache.layers[i % cfg.num_hidden_layers]
         filled = 5 + 1 + i // cfg.num_hidden_layers  # the prompt, then one slot per step
         sliding = "Sliding" in type(layer).__name__
-        assert plan.mask is None and plan.bias is None
-        assert np.shares_memory(plan.k, layer.keys.numpy())
-        assert np.shares_memory(plan.v, layer.values.numpy())
-        assert plan.k.shape[-2] == (min(filled, cfg.sliding_window) if sliding else filled)
-        assert plan.k.shape[-2] < layer.keys.shape[-2] or sliding
+        assert not masked
+        assert np.shares_memory(k_read, layer.keys.numpy())
+        assert np.shares_memory(v_read, layer.values.numpy())
+        assert k_read.shape[-2] == (min(filled, cfg.sliding_window) if sliding else filled)
+        assert k_read.shape[-2] < layer.keys.shape[-2] or sliding
+
+
+def test_llama_decode_steps_take_the_short_road_where_it_is_built(reads):
+    """Where the native kernels are built, a Llama decoding step (no variant) is one native
+    call on the cache's memory, a padded batch's mask read as each sequence's run of keys;
+    Gemma 2's soft-capped steps take qkv.attention."""
+    if not native_decode.available():
+        pytest.skip("native kernels not built (or QKV_NATIVE=0): every call takes qkv.attention")
+    cfg, ours, _ = _model("llama")
+    ids, attn = _padded(batch=2, length=6, seed=3)
+    _steps(ours, _cache("dynamic", cfg, 16), ids, attn, 2)
+    decode = [r for r in reads if r[0][-2] == 1]
+    assert len(decode) == 2 * cfg.num_hidden_layers
+    assert all(isinstance(r[3], np.ndarray) and r[5] for r in decode)  # runs per sequence

@@ -44,7 +44,8 @@ Importing this module imports neither torch nor transformers.
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, NamedTuple
 
 from ..engine.kernels.threads import compiled_team
 from ..errors import InputError
@@ -72,18 +73,29 @@ def _split_mask(attention_mask: Any, position_bias: Any) -> Any:
     return position_bias + attention_mask
 
 
-def _visible_keys(mask: Any, L: int) -> tuple[int, int, bool] | None:
-    """``(lo, hi, exact)`` for a decoding step's mask: no sequence sees a key outside
-    ``lo:hi``, and with ``exact`` every sequence sees exactly those keys (the mask is then not
-    needed); None when the mask does not qualify.
+class _Seen(NamedTuple):
+    """Which keys a decoding step's sequences see (:func:`_visible_keys`)."""
+
+    first: int  # no sequence sees a key before first ...
+    last: int  # ... or from last on
+    exact: bool  # every sequence sees exactly keys first:last (the mask is then not needed)
+    lo: Any  # int64 array: sequence b sees keys lo[b]:hi[b] (relative to first) and no other,
+    hi: Any  # or None when some sequence's keys are not one run
+
+
+def _visible_keys(mask: Any, L: int) -> _Seen | None:
+    """Which keys each sequence of a decoding step's mask sees; None when the mask does not
+    qualify.
 
     Decoding (``L == 1``) through transformers' caches, each sequence's mask is one run of
     visible keys: a ``StaticCache``'s filled prefix, a left-padded sequence's real tokens, a
     sliding window's last keys. Read as such, the keys are a view of the cache, and with one run
     for the whole batch the call needs no mask (the fast, unmasked kernels) instead of the whole
-    cache under a dense mask. Only a mask that is the same for every head (``(batch, 1, 1, S)``),
-    boolean or float with only ``0`` and ``-inf``, qualifies.
+    cache under a dense mask; with a run per sequence, each sequence reads its own. Only a mask
+    that is the same for every head (``(batch, 1, 1, S)``), boolean or float with only ``0``
+    and ``-inf``, qualifies.
     """
+    import numpy as np
     import torch
 
     if L != 1 or mask.ndim != 4 or mask.shape[1] != 1 or mask.shape[2] != 1 or not mask.is_cpu:
@@ -104,7 +116,90 @@ def _visible_keys(mask: Any, L: int) -> tuple[int, int, bool] | None:
     hi = S - a[:, ::-1].argmax(axis=1)
     first, last = int(lo.min()), int(hi.max())
     exact = bool(first == lo.max() and last == hi.min() and a[:, first:last].all())
-    return first, last, exact
+    runs = exact or bool((a.sum(axis=1) == hi - lo).all())
+    if not runs:
+        return _Seen(first, last, exact, None, None)
+    return _Seen(first, last, exact, (lo - first).astype(np.int64), (hi - first).astype(np.int64))
+
+
+def _decode_step(query: Any, key: Any, value: Any, scaling: Any, seen: _Seen | None) -> Any:
+    """A decoding step's short road: the output ``(batch, 1, heads, dv)``, or None.
+
+    A model's decoding step (one query per head; no mask, or one that leaves each sequence
+    one run of keys; no variant) on CPU float32/float64 tensors that need no gradient is one
+    call of the native decode kernel (:func:`qkv.engine.kernels.native_decode.launch`), the
+    one :func:`qkv.attention` runs for the same problem, on the tensors' memory: between the
+    model's operations every Python step finds cold caches, and the general path's checks and
+    conversions cost more than the kernel. None where that does not apply (the caller then takes
+    :func:`qkv.attention`): another dtype or device, a gradient, the kernel not built, a
+    result that is not finite.
+    """
+    import torch
+
+    from ..engine.kernels import native_decode
+
+    dt = query.dtype
+    if (
+        query.ndim != 4
+        or query.shape[2] != 1
+        or dt not in (torch.float32, torch.float64)
+        or key.dtype != dt
+        or value.dtype != dt
+        or not (query.is_cpu and key.is_cpu and value.is_cpu)
+        or (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad))
+        or (torch.is_grad_enabled() and value.requires_grad)
+        or not native_decode.available()
+    ):
+        return None
+    runs = None
+    if seen is not None and not seen.exact:
+        if seen.lo is None:
+            return None
+        runs = (seen.lo.ctypes.data, seen.hi.ctypes.data)
+    B, hq, _, d = query.shape
+    kvh, S, dv = key.shape[1], key.shape[2], value.shape[3]
+    if (
+        key.shape != (B, kvh, S, d)
+        or value.shape[:3] != (B, kvh, S)
+        or kvh < 1
+        or hq % kvh
+        or min(d, dv) < 1
+    ):
+        return None
+    ql = native_decode.layout(query.shape, query.stride(), 1)
+    kl = native_decode.layout(key.shape, key.stride(), 1)
+    vl = native_decode.layout(value.shape, value.stride(), 1)
+    scale = 1.0 / math.sqrt(d) if scaling is None else float(scaling)
+    if ql is None or kl is None or vl is None or not math.isfinite(scale):
+        return None
+    out = torch.empty((B, 1, hq, dv), dtype=dt)  # (B, heads, 1, dv) in memory: what it writes
+    status = native_decode.launch(
+        dt == torch.float64, (B, kvh, hq // kvh, 1, d, dv, S),
+        (query.data_ptr(), ql), (key.data_ptr(), kl), (value.data_ptr(), vl), runs,
+        out.data_ptr(), None, scale,
+    )  # fmt: skip
+    return None if status else out
+
+
+def _decode_fast(
+    query: Any, key: Any, value: Any, mask: Any, scaling: Any, kwargs: dict[str, Any]
+) -> Any:
+    """:func:`_decode_step` for a decoding step with nothing but a mask of runs of keys (no
+    variant, no weights asked for); None otherwise."""
+    for name in ("position_bias", "softcap", "s_aux", "sinks"):
+        if kwargs.get(name) is not None:
+            return None
+    if kwargs.get("output_attentions"):
+        return None
+    seen = None
+    if mask is not None:
+        seen = _visible_keys(mask, 1)
+        if seen is None:
+            return None
+        if seen.last - seen.first < key.shape[-2]:  # only the keys some sequence sees: views
+            key = key[..., seen.first : seen.last, :]
+            value = value[..., seen.first : seen.last, :]
+    return _decode_step(query, key, value, scaling, seen)
 
 
 def attention_forward(
@@ -160,6 +255,10 @@ def attention_forward(
             f"dropout: qkv has no attention dropout, got {dropout}; use the model in eval() "
             "mode, or set its attention dropout to 0 to train through qkv"
         )
+    if query.ndim == 4 and query.shape[2] == 1 and not OBSERVERS:  # a decoding step
+        fast = _decode_fast(query, key, value, attention_mask, scaling, kwargs)
+        if fast is not None:
+            return fast, None
     from torch.nn.functional import pad as torch_pad
 
     from ..front import attention as qkv_attention
@@ -191,13 +290,14 @@ def attention_forward(
         options["softcap"] = kwargs["softcap"]
     if sinks is not None:
         options["sinks"] = sinks
+    seen = None
     if mask is not None and kwargs.get("position_bias") is None:
         seen = _visible_keys(mask, L)
         if seen is not None:
-            lo, hi, exact = seen
+            lo, hi = seen.first, seen.last
             if hi - lo < S:  # read only the keys some sequence sees, as views of the cache
                 key, value, skipped = key[..., lo:hi, :], value[..., lo:hi, :], lo
-            options["mask"] = None if exact else mask[..., lo:hi]
+            options["mask"] = None if seen.exact else mask[..., lo:hi]
     with compiled_team():  # between PyTorch's operations: see threads.compiled_team
         out = qkv_attention(query, key, value, **options)
     for observe in OBSERVERS:

@@ -32,7 +32,7 @@ from .blocks import finish, merge_arrays
 from .jit import enabled as jit_enabled
 from .threads import default_threads, parallel_map, team_preferred
 
-__all__ = ["ITEM_BYTES", "MIN_SPLIT", "attend", "attend_many", "use_jit"]
+__all__ = ["ITEM_BYTES", "MIN_SPLIT", "attend", "attend_many", "mask_runs", "use_jit"]
 
 ITEM_BYTES = 32 << 20  # K/V bytes per work item: large enough to hide Python's overhead
 PARALLEL_BYTES = 4 << 20  # below this much K/V, threads cost more than they save
@@ -390,7 +390,7 @@ def _team_single(plan: Plan, threads: int) -> tuple[np.ndarray, np.ndarray] | No
         return None
     runs = None
     if plan.mask is not None:
-        runs = _mask_runs(plan)
+        runs = mask_runs(plan)
         if runs is None:
             return None
     if not (plan.group * plan.L >= 2 and plan.bias is None and not plan.modded):
@@ -455,7 +455,7 @@ def _team_single(plan: Plan, threads: int) -> tuple[np.ndarray, np.ndarray] | No
     return o.reshape(*plan.batch, L, dv), s.reshape(*plan.batch, L)
 
 
-def _mask_runs(plan: Plan) -> list[tuple[int, int]] | None:
+def mask_runs(plan: Plan) -> list[tuple[int, int]] | None:
     """Each sequence's ``(lo, hi)``, the one run of keys a one-query plan's mask leaves it
     (the mask the same for every head); None for any other mask or a sequence that sees none."""
     mask, S = plan.mask, plan.S

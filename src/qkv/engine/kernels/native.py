@@ -286,6 +286,8 @@ def info() -> dict[str, Any]:
     ok, why = available()
     lib, _ = _library()
     path = _library_path()
+    switched_off = os.environ.get(ENV, "").strip() == "0"
+    decode_ok = lib is not None and not switched_off and hasattr(lib, "qkv_decode_f32")
     return {
         "active": ok,
         "reason": why or f"built; {ENV} is not 0; SciPy's BLAS found",
@@ -296,6 +298,8 @@ def info() -> dict[str, Any]:
             "grouped heads, sinks)": ok,
             "prefill backward (FlashAttention-2; the same cases)": ok,
             "packed varlen walk (float32, float64; causal, window, grouped heads)": ok,
+            "decode step (float32, float64; grouped heads, a run of keys per sequence; "
+            "no BLAS needed)": decode_ok,
         },
     }
 

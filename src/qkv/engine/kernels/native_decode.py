@@ -1,0 +1,336 @@
+"""Native decode: a model's decoding step in one C++ call.
+
+Must equal :func:`qkv.reference.attention`. A decoding step is a few query rows per kv head
+(``group · L``, usually ``L = 1``) against a long run of cached keys: memory-bound, so the C++
+kernel (``qkv_decode_*`` in ``native_src/prefill.cpp``) streams each kv head's keys and values
+once, in pieces split over the threads, takes the rows' dot products while a key row is in
+L1 and keeps the online softmax of the prefill kernel; the pieces are merged at the end as
+:func:`qkv.merge` merges parts. It reads K and V where they are (any strides with a contiguous
+last axis: a cache's buffers, a view of a prefix of them), so nothing is copied.
+
+What it serves: float32/float64 plans with nothing restricting the keys but, for one query
+(``L == 1``), a causal flag (the last query sees every key) or a boolean mask that leaves each
+sequence one run of keys, the same for every head (a padded batch's real tokens): each
+sequence then reads only its own run. Sinks are added to the result by the dispatcher.
+
+Threads: between PyTorch's operations (a model's attention layer), the work runs on the team
+of PyTorch's own OpenMP runtime, whose threads have just finished PyTorch's operation and take
+it at once; a second team of threads would compete with them for the cores. The runtime's
+``GOMP_parallel`` is found among the libraries the process has loaded (the one in PyTorch's
+package when PyTorch is imported). Without one, or in a forked child (an OpenMP team does not
+survive a fork), native threads are started for the call.
+
+Examples
+--------
+>>> import numpy as np
+>>> from qkv import reference
+>>> from qkv.validate import make_plan
+>>> rng = np.random.default_rng(0)
+>>> q = rng.standard_normal((2, 8, 1, 16))         # batch 2, 8 query heads, one token
+>>> k, v = rng.standard_normal((2, 2, 2, 300, 16))  # 2 kv heads, 300 cached tokens
+>>> plan = make_plan(q, k, v)
+>>> if supports(plan):
+...     out, lse = attend(plan)
+...     assert np.allclose(out, reference.attention(q, k, v))
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ...validate import Plan
+from . import native
+from .threads import default_threads
+
+__all__ = ["attend", "available", "openmp_parallel", "step", "supports"]
+
+_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+_F64 = np.dtype(np.float64)
+_PID = os.getpid()  # the process that imported this module: its OpenMP teams are usable
+
+
+class _DecodeArgs(ctypes.Structure):
+    """``qkv_decode_args`` of ``native_src/prefill.cpp`` (same order, all 8-byte fields)."""
+
+    _fields_ = [
+        *((name, ctypes.c_int64) for name in ("nseq", "kv_heads", "group", "L", "d", "dv", "S")),
+        ("q", ctypes.c_void_p),
+        *((name, ctypes.c_int64) for name in ("q_bs", "q_hs", "q_ls")),
+        ("k", ctypes.c_void_p),
+        *((name, ctypes.c_int64) for name in ("k_bs", "k_hs", "k_rs")),
+        ("v", ctypes.c_void_p),
+        *((name, ctypes.c_int64) for name in ("v_bs", "v_hs", "v_rs")),
+        ("lo", ctypes.c_void_p),
+        ("hi", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+        ("lse", ctypes.c_void_p),
+        ("scale", ctypes.c_double),
+        ("threads", ctypes.c_int64),
+        ("isa", ctypes.c_int64),
+        ("parallel", ctypes.c_void_p),
+        ("min_keys", ctypes.c_int64),
+    ]
+
+
+@functools.cache
+def _functions() -> tuple[Any, Any] | None:
+    """``(qkv_decode_f32, qkv_decode_f64)`` with their argument types, or None when the
+    library is not built or is of another layout."""
+    lib, _ = native._library()
+    if lib is None:
+        return None
+    try:
+        size = lib.qkv_decode_args_size
+        size.restype = ctypes.c_int64
+        if size() != ctypes.sizeof(_DecodeArgs):
+            return None
+        fns = lib.qkv_decode_f32, lib.qkv_decode_f64
+    except AttributeError:
+        return None
+    for fn in fns:
+        fn.argtypes = [ctypes.POINTER(_DecodeArgs)]
+        fn.restype = ctypes.c_int
+    return fns
+
+
+def available() -> bool:
+    """Whether the native decode kernel runs here (built, of this layout, not switched off)."""
+    if os.environ.get(native.ENV, "").strip() == "0":
+        return False
+    return _functions() is not None
+
+
+@functools.cache
+def _gomp_parallel(path: str) -> int | None:
+    try:
+        fn = ctypes.CDLL(path).GOMP_parallel
+    except (OSError, AttributeError):
+        return None
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+@functools.cache
+def _openmp_library(torch_dir: str | None) -> str | None:
+    """The loaded OpenMP runtime to share: the one in PyTorch's package (``torch_dir``) when
+    PyTorch is imported, else the only one loaded; None when it cannot be told (or not Linux)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if ".so" in line}
+    except OSError:
+        return None
+    names = ("libgomp", "libiomp5", "libomp")
+    found = sorted(p for p in paths if os.path.basename(p).startswith(names))
+    if torch_dir is not None:
+        own = [p for p in found if p.startswith(torch_dir)]
+        if own:
+            return own[0]
+    return found[0] if len(found) == 1 else None
+
+
+def _torch_dir(torch: Any) -> str | None:
+    """The directory of PyTorch's package (``torch`` the module, or None)."""
+    if torch is None or not getattr(torch, "__file__", None):
+        return None
+    return str(Path(torch.__file__).parent)
+
+
+_shared: list[Any] = [None, None, None]  # (pid, the torch module or None, GOMP_parallel)
+
+
+def openmp_parallel() -> tuple[int | None, int]:
+    """``(GOMP_parallel of the OpenMP runtime to share, or None; threads of its team)``.
+
+    With PyTorch imported, its runtime and ``torch.get_num_threads()`` (capped by the
+    threads qkv would use); else the only OpenMP runtime the process has loaded, if one.
+    Looked up again only when the process or the ``torch`` module changes.
+    """
+    threads = default_threads()
+    pid, torch = os.getpid(), sys.modules.get("torch")
+    if _shared[0] != pid or _shared[1] is not torch:
+        path = _openmp_library(_torch_dir(torch)) if pid == _PID else None
+        _shared[:] = [pid, torch, None if path is None else _gomp_parallel(path)]
+    if torch is not None:
+        threads = max(1, min(threads, torch.get_num_threads()))
+    return _shared[2], threads
+
+
+def layout(shape: Any, strides: Any, outer: int) -> tuple[int, int, int] | None:
+    """``(sequence, head, row)`` strides of an operand ``(*outer, heads, rows, last)`` given
+    its ``shape`` and ``strides`` in elements, when its last axis is contiguous, no stride is
+    negative and its ``outer`` leading axes collapse to one (0 for a single sequence); None
+    otherwise.
+
+    >>> layout((2, 4, 10, 8), (320, 80, 8, 1), 1)
+    (320, 80, 8)
+    >>> layout((2, 3, 4, 10, 8), (960, 320, 80, 8, 1), 2)   # (2, 3) collapse to 6 sequences
+    (320, 80, 8)
+    >>> layout((2, 4, 10, 8), (320, 80, 1, 10), 1) is None  # the last axis is not contiguous
+    True
+    """
+    if len(shape) != outer + 3 or strides[-1] != 1 or min(strides) < 0:
+        return None
+    seq = 0
+    prev = None
+    for n, st in zip(shape[:outer], strides[:outer], strict=True):
+        if n == 1:
+            continue
+        if prev is not None and prev != st * n:
+            return None
+        prev = seq = st
+    return seq, strides[-3], strides[-2]
+
+
+def launch(
+    f64: bool,
+    sizes: tuple[int, int, int, int, int, int, int],
+    q: tuple[int, tuple[int, int, int]],
+    k: tuple[int, tuple[int, int, int]],
+    v: tuple[int, tuple[int, int, int]],
+    runs: tuple[int, int] | None,
+    out: int,
+    lse: int | None,
+    scale: float,
+    threads: int | None = None,
+    isa: int = 0,
+) -> int:
+    """Run the kernel on raw memory: ``sizes = (sequences, kv_heads, group, L, d, dv, S)``;
+    ``q``, ``k``, ``v`` each ``(address, (sequence, head, row) strides in elements)``; ``runs``
+    the addresses of the int64 ``lo`` and ``hi`` per sequence, or None (every key); ``out``
+    (``(sequences, heads, L, dv)``, contiguous) and ``lse`` (or None) the addresses to write;
+    ``isa`` caps the vector clone (:data:`qkv.engine.kernels.native.ISAS`; 0: the widest).
+
+    Returns the kernel's status: 0, or 3 when an output is not finite (then fall back to the
+    general path). The caller guarantees the memory matches; nothing is checked here.
+    """
+    fns = _functions()
+    assert fns is not None  # available() was checked
+    team, workers = openmp_parallel()
+    if threads is not None:
+        workers = max(1, int(threads))
+    lo, hi = (None, None) if runs is None else runs
+    args = _DecodeArgs(
+        *sizes, q[0], *q[1], k[0], *k[1], v[0], *v[1], lo, hi, out, lse, scale, workers, isa,
+        team, 0,
+    )  # fmt: skip
+    status = fns[f64](ctypes.byref(args))
+    if status == 1:
+        raise MemoryError("qkv native decode: not enough memory for the work items")
+    if status not in (0, 3):  # pragma: no cover - the callers check the arguments
+        raise RuntimeError(f"qkv native decode: bad arguments (status {status})")
+    return int(status)
+
+
+def _runs(plan: Plan) -> tuple[np.ndarray, np.ndarray] | None:
+    """Each sequence's run of keys ``(lo, hi)`` as int64 arrays, from a one-query plan's
+    boolean mask; None when the mask does not leave each sequence one run."""
+    from .decode import mask_runs
+
+    runs = mask_runs(plan)
+    if runs is None:
+        return None
+    lo, hi = np.array(runs, dtype=np.int64).reshape(-1, 2).T
+    return np.ascontiguousarray(lo), np.ascontiguousarray(hi)
+
+
+def supports(plan: Plan) -> bool:
+    """Whether :func:`attend` runs ``plan`` (and the kernel is built)."""
+    if plan.v is None or plan.bias is not None or plan.modded or plan.window is not None:
+        return False
+    if plan.causal and plan.L != 1:
+        return False
+    if plan.mask is not None and plan.L != 1:
+        return False
+    if plan.acc_dtype not in (np.float32, np.float64) or plan.q.ndim < 3:
+        return False
+    if min(plan.L, plan.d, plan.dv) < 1:
+        return False
+    return available()
+
+
+def attend(plan: Plan, *, threads: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Decode attention on ``plan`` (see :func:`supports`): ``(out, lse)``, compute dtype.
+
+    A plan this kernel cannot read as it is (a mask of another shape than one run per
+    sequence, strides over the batch that do not collapse) runs on
+    :func:`qkv.engine.kernels.decode.attend` instead; so does one whose result is not finite,
+    which the dispatcher then repairs or explains as for every kernel.
+    """
+    from . import decode
+
+    q, k, v = plan.q, plan.k, plan.v
+    assert v is not None  # supports() checked it
+    outer, kvh = plan.batch[:-1], k.shape[-3]
+    lo = hi = None
+    if plan.mask is not None:
+        runs = _runs(plan)
+        if runs is None:
+            return decode.attend(plan, threads=threads)
+        lo, hi = runs
+    k = np.broadcast_to(k, (*outer, kvh, plan.S, plan.d))
+    v = np.broadcast_to(v, (*outer, kvh, plan.S, plan.dv))
+    res = step(q, k, v, plan.scale, lo, hi, threads=threads, dtype=plan.acc_dtype)
+    return decode.attend(plan, threads=threads) if res is None else res
+
+
+def step(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    scale: float,
+    lo: np.ndarray | None = None,
+    hi: np.ndarray | None = None,
+    *,
+    threads: int | None = None,
+    dtype: Any = None,
+    isa: int = 0,
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """One decoding step in one native call: ``(out, lse)``, or None where it does not apply.
+
+    ``q (*outer, heads, L, d)``, ``k (*outer, kv_heads, S, d)``, ``v (*outer, kv_heads, S,
+    dv)``, one float32/float64 dtype, ``heads`` a multiple of ``kv_heads``, each with a
+    contiguous last axis and outer axes that collapse to one; every row of sequence ``b`` sees
+    keys ``lo[b]:hi[b]`` (int64, one per sequence), or all of them. Nothing else is checked:
+    callers pass checked arrays (a plan's, or the transformers backend's tensors viewed as
+    arrays). ``out (*outer, heads, L, dv)`` and ``lse (*outer, heads, L)`` are new arrays.
+    None when the inputs do not have that form, and when a result is not finite (infinite
+    or NaN inputs, an overflow): the caller then takes the general path, which applies
+    qkv's rules for those.
+    """
+    dt = q.dtype if dtype is None else np.dtype(dtype)
+    if not available() or q.ndim < 3 or k.ndim != q.ndim or v.ndim != q.ndim:
+        return None
+    if dt not in _DTYPES or q.dtype != dt or k.dtype != dt or v.dtype != dt:
+        return None
+    *outer, hq, L, d = q.shape
+    kvh, S = k.shape[-3], k.shape[-2]
+    dv = v.shape[-1]
+    if kvh < 1 or hq % kvh or min(L, d, dv) < 1 or k.shape[-1] != d or v.shape[-2] != S:
+        return None
+    if tuple(k.shape[:-3]) != tuple(outer) or tuple(v.shape[:-3]) != tuple(outer):
+        return None
+    item = dt.itemsize
+    found = []
+    for a in (q, k, v):
+        if any(st % item for st in a.strides):
+            return None
+        found.append(layout(a.shape, [st // item for st in a.strides], len(outer)))
+    ql, kl, vl = found
+    if ql is None or kl is None or vl is None:
+        return None
+    out = np.empty((*outer, hq, L, dv), dtype=dt)
+    lse = np.empty((*outer, hq, L), dtype=dt)
+    runs = None if lo is None or hi is None else (lo.ctypes.data, hi.ctypes.data)
+    status = launch(
+        dt == _F64, (math.prod(outer), kvh, hq // kvh, L, d, dv, S),
+        (q.ctypes.data, ql), (k.ctypes.data, kl), (v.ctypes.data, vl), runs,
+        out.ctypes.data, lse.ctypes.data, scale, threads, isa,
+    )  # fmt: skip
+    return None if status else (out, lse)

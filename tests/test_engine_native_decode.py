@@ -1,0 +1,199 @@
+"""The native decode step equals qkv.reference: grouped heads, one or a few rows, runs of keys
+per sequence, strided views of a larger cache, dtypes, every vector clone, both ways of
+running threads; non-finite results go back to the general path; qkv.attention sends decoding
+steps to it."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import qkv
+from qkv import reference
+from qkv.engine.kernels import decode, dispatch, native, native_decode
+from qkv.validate import make_plan
+
+pytestmark = pytest.mark.skipif(
+    not native_decode.available(), reason="native kernels not built (or QKV_NATIVE=0)"
+)
+
+TOL = {np.float64: 1e-11, np.float32: 3e-6}
+ISAS = list(native.ISAS.values())  # capped by the CPU: a clone it cannot run falls back
+
+
+def _check(out, lse, q, k, v, dtype, mask=None):
+    ref, ref_lse = reference.attention(
+        q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), mask=mask,
+        return_lse=True,
+    )  # fmt: skip
+    tol = TOL[dtype]
+    np.testing.assert_allclose(out, ref, rtol=tol * 10, atol=tol * 10)
+    np.testing.assert_allclose(lse, ref_lse, rtol=tol * 10, atol=tol * 10)
+
+
+def _runs_mask(B, S, lo, hi):
+    mask = np.zeros((B, 1, 1, S), dtype=bool)
+    for b in range(B):
+        mask[b, 0, 0, lo[b] : hi[b]] = True
+    return mask
+
+
+@st.composite
+def problems(draw):
+    B = draw(st.integers(1, 3))
+    kvh = draw(st.integers(1, 3))
+    group = draw(st.sampled_from([1, 2, 4, 8]))
+    L = draw(st.integers(1, 3))
+    S = draw(st.integers(1, 700))
+    d = draw(st.sampled_from([8, 16, 24, 64, 128]))
+    dv = d if draw(st.booleans()) else draw(st.sampled_from([8, 40, 64]))
+    dtype = draw(st.sampled_from([np.float32, np.float64]))
+    capacity = S + draw(st.integers(0, 9))  # the keys: a prefix of a larger cache buffer
+    runs = None
+    if L == 1 and draw(st.booleans()):
+        lo = [draw(st.integers(0, S - 1)) for _ in range(B)]
+        runs = (lo, [draw(st.integers(a + 1, S)) for a in lo])
+    return B, kvh, group, L, S, d, dv, dtype, capacity, runs, draw(st.integers(0, 2**32 - 1))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(), st.sampled_from([1, 2]), st.sampled_from(ISAS))
+def test_step_equals_reference(problem, threads, isa):
+    B, kvh, group, L, S, d, dv, dtype, capacity, runs, seed = problem
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, kvh * group, L, d)).astype(dtype)
+    k = rng.standard_normal((B, kvh, capacity, d)).astype(dtype)[:, :, :S]
+    v = rng.standard_normal((B, kvh, capacity, dv)).astype(dtype)[:, :, :S]
+    lo = hi = mask = None
+    if runs is not None:
+        lo, hi = (np.array(r, dtype=np.int64) for r in runs)
+        mask = _runs_mask(B, S, lo, hi)
+    got = native_decode.step(q, k, v, 1 / np.sqrt(d), lo, hi, threads=threads, isa=isa)
+    assert got is not None
+    out, lse = got
+    assert not np.shares_memory(out, k)
+    _check(out, lse, q, k, v, dtype, mask)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_long_run_split_over_threads_equals_reference(dtype):
+    """Enough keys for many pieces per head: the merge of pieces is exercised."""
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((1, 16, 1, 64)).astype(dtype)
+    k, v = (rng.standard_normal((1, 4, 9000, 64)).astype(dtype) for _ in range(2))
+    for threads in (1, 2, 3):
+        out, lse = native_decode.step(q, k, v, 0.125, threads=threads)
+        _check(out, lse, q * 0.125 * np.sqrt(64), k, v, dtype)
+
+
+def test_outer_axes_collapse_and_a_shared_sequence_is_read_in_place():
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal((2, 3, 4, 1, 16))
+    k, v = (rng.standard_normal((2, 3, 2, 50, 16)) for _ in range(2))
+    out, lse = native_decode.step(q, k, v, 0.25)
+    ref, ref_lse = reference.attention(q, k, v, scale=0.25, return_lse=True)
+    np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-12, atol=1e-12)
+    # a layout the kernel cannot read (the last axis strided, outer axes that do not
+    # collapse) is refused, not misread
+    assert native_decode.step(q, k[..., ::2], v, 0.25) is None
+    assert native_decode.step(q[:, ::2], k[:, ::2], v[:, ::2], 0.25) is None
+    # strided sequences that do collapse (every second one) are read in place
+    out, _ = native_decode.step(q[::2], k[::2], v[::2], 0.25)
+    np.testing.assert_allclose(out, ref[::2], rtol=1e-12, atol=1e-12)
+
+
+def test_an_empty_run_gives_zero_and_minus_infinity():
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((2, 4, 1, 8))
+    k, v = (rng.standard_normal((2, 2, 10, 8)) for _ in range(2))
+    lo, hi = np.array([0, 5], dtype=np.int64), np.array([10, 5], dtype=np.int64)
+    out, lse = native_decode.step(q, k, v, 0.5, lo, hi)
+    assert np.all(out[1] == 0) and np.all(np.isneginf(lse[1]))
+    ref = reference.attention(q[:1], k[:1], v[:1], scale=0.5)
+    np.testing.assert_allclose(out[:1], ref, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf, 1e30])
+def test_infinite_nan_and_overflowing_inputs_follow_qkvs_rules(bad):
+    """A NaN result goes back to the general path (None); whatever the step returns, auto
+    decode gives the reference's numbers and NaN pattern (an overflow in float32: float64)."""
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((1, 4, 1, 8)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 2, 20_000, 8)).astype(np.float32) for _ in range(2))
+    k[0, 1, 7, 3] = bad
+    got = native_decode.step(q, k, v, 0.5)
+    if bad != bad:
+        assert got is None
+    with np.errstate(invalid="ignore", over="ignore"):
+        out = qkv.attention(q, k, v, scale=0.5)
+        ref = reference.attention(q.astype(np.float64), k, v, scale=0.5)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+    fin = np.isfinite(ref)
+    np.testing.assert_allclose(out[fin], ref[fin], rtol=1e-5, atol=1e-6)
+
+
+def test_auto_sends_a_decoding_step_here(monkeypatch):
+    calls = []
+    real = native_decode.attend
+    monkeypatch.setattr(
+        native_decode, "attend", lambda plan, **kw: calls.append(plan) or real(plan, **kw)
+    )
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((1, 8, 1, 64)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 2, 40_000, 64)).astype(np.float32) for _ in range(2))
+    plan = make_plan(q, k, v, causal=True)  # one causal query sees every key
+    assert dispatch.choose(plan) == "decode" and native_decode.supports(plan)
+    out = qkv.attention(q, k, v, causal=True)
+    assert len(calls) == 1
+    np.testing.assert_allclose(out, reference.attention(q, k, v, causal=True), rtol=2e-5, atol=2e-6)
+
+
+def test_a_mask_of_runs_is_read_as_runs_and_any_other_mask_is_not():
+    rng = np.random.default_rng(6)
+    q = rng.standard_normal((2, 4, 1, 16))
+    k, v = (rng.standard_normal((2, 2, 64, 16)) for _ in range(2))
+    runs = _runs_mask(2, 64, [3, 0], [64, 40])
+    plan = make_plan(q, k, v, mask=runs)
+    assert native_decode.supports(plan) and decode.mask_runs(plan) == [(3, 64), (0, 40)]
+    out, lse = native_decode.attend(plan)
+    _check(out, lse, q, k, v, np.float64, runs)
+    gaps = runs.copy()
+    gaps[0, 0, 0, 10] = False  # two runs: the NumPy decode kernel serves it
+    plan = make_plan(q, k, v, mask=gaps)
+    assert decode.mask_runs(plan) is None
+    out, lse = native_decode.attend(plan)
+    _check(out, lse, q, k, v, np.float64, gaps)
+
+
+def test_openmp_team_of_the_process_and_fallback_after_fork(monkeypatch):
+    team, threads = native_decode.openmp_parallel()
+    assert threads >= 1
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((1, 8, 1, 32)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 2, 5000, 32)).astype(np.float32) for _ in range(2))
+    on_team = native_decode.step(q, k, v, 0.2, threads=2)
+    monkeypatch.setattr(native_decode, "_PID", -1)  # as in a forked child: native threads
+    monkeypatch.setattr(native_decode, "_shared", [None, None, None])
+    assert native_decode.openmp_parallel()[0] is None
+    native_threads = native_decode.step(q, k, v, 0.2, threads=2)
+    np.testing.assert_allclose(on_team[0], native_threads[0], rtol=1e-6, atol=1e-7)
+
+
+def test_with_torch_imported_the_team_is_pytorchs():
+    torch = pytest.importorskip("torch")
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the loaded libraries are read from /proc")
+    native_decode._shared[:] = [None, None, None]
+    team, threads = native_decode.openmp_parallel()
+    assert threads <= torch.get_num_threads()
+    if team is not None:  # PyTorch built with an OpenMP runtime: its GOMP_parallel
+        path = native_decode._openmp_library(native_decode._torch_dir(torch))
+        assert path is not None
+        assert ctypes.cast(ctypes.CDLL(path).GOMP_parallel, ctypes.c_void_p).value == team
