@@ -25,10 +25,10 @@ TOL = {np.float64: 1e-11, np.float32: 3e-6}
 ISAS = list(native.ISAS.values())  # capped by the CPU: a clone it cannot run falls back
 
 
-def _check(out, lse, q, k, v, dtype, mask=None):
+def _check(out, lse, q, k, v, dtype, mask=None, **kw):
     ref, ref_lse = reference.attention(
         q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), mask=mask,
-        return_lse=True,
+        return_lse=True, **kw,
     )  # fmt: skip
     tol = TOL[dtype]
     np.testing.assert_allclose(out, ref, rtol=tol * 10, atol=tol * 10)
@@ -57,26 +57,44 @@ def problems(draw):
     if L == 1 and draw(st.booleans()):
         lo = [draw(st.integers(0, S - 1)) for _ in range(B)]
         runs = (lo, [draw(st.integers(a + 1, S)) for a in lo])
-    return B, kvh, group, L, S, d, dv, dtype, capacity, runs, draw(st.integers(0, 2**32 - 1))
+    softcap = draw(st.sampled_from([None, None, 0.7, 5.0, 50.0]))
+    seed = draw(st.integers(0, 2**32 - 1))
+    return B, kvh, group, L, S, d, dv, dtype, capacity, runs, softcap, seed
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems(), st.sampled_from([1, 2]), st.sampled_from(ISAS))
 def test_step_equals_reference(problem, threads, isa):
-    B, kvh, group, L, S, d, dv, dtype, capacity, runs, seed = problem
+    B, kvh, group, L, S, d, dv, dtype, capacity, runs, softcap, seed = problem
     rng = np.random.default_rng(seed)
-    q = rng.standard_normal((B, kvh * group, L, d)).astype(dtype)
+    q = (rng.standard_normal((B, kvh * group, L, d)) * 3).astype(dtype)  # scores of a few units
     k = rng.standard_normal((B, kvh, capacity, d)).astype(dtype)[:, :, :S]
     v = rng.standard_normal((B, kvh, capacity, dv)).astype(dtype)[:, :, :S]
     lo = hi = mask = None
     if runs is not None:
         lo, hi = (np.array(r, dtype=np.int64) for r in runs)
         mask = _runs_mask(B, S, lo, hi)
-    got = native_decode.step(q, k, v, 1 / np.sqrt(d), lo, hi, threads=threads, isa=isa)
+    got = native_decode.step(
+        q, k, v, 1 / np.sqrt(d), lo, hi, threads=threads, isa=isa, softcap=softcap
+    )
     assert got is not None
     out, lse = got
     assert not np.shares_memory(out, k)
-    _check(out, lse, q, k, v, dtype, mask)
+    _check(out, lse, q, k, v, dtype, mask, softcap=softcap)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_soft_capping_across_the_two_forms_of_tanh(dtype):
+    """Scores on both sides of |s / c| = 1/16, where the kernel's tanh changes form, and far
+    out (tanh near ±1): equal to the reference's soft-capping."""
+    rng = np.random.default_rng(8)
+    q = rng.standard_normal((1, 2, 1, 64)).astype(dtype)
+    k = rng.standard_normal((1, 1, 4000, 64)).astype(dtype)
+    k *= np.geomspace(1e-4, 30, 4000, dtype=dtype)[:, None]  # scores from tiny to large
+    v = rng.standard_normal((1, 1, 4000, 64)).astype(dtype)
+    for c in (0.5, 4.0, 30.0):
+        out, lse = native_decode.step(q, k, v, 0.125, softcap=c)
+        _check(out, lse, q * 0.125, k, v, dtype, scale=1.0, softcap=c)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

@@ -10,6 +10,7 @@ the cache's own memory, not a copy.
 from __future__ import annotations
 
 import copy
+import ctypes
 
 import numpy as np
 import pytest
@@ -72,13 +73,25 @@ def _cache(kind, cfg, length):
     return transformers.StaticCache(config=cfg, max_cache_len=length)
 
 
+def _runs(mask):
+    """Each sequence's run of visible keys ``(lo, hi)`` in a decoding step's boolean mask."""
+    rows = mask.numpy()[:, 0, 0, :]
+    out = []
+    for row in rows:
+        idx = np.flatnonzero(row)
+        assert len(idx) and idx[-1] - idx[0] + 1 == len(idx)  # one run
+        out.append((int(idx[0]), int(idx[-1]) + 1))
+    return out
+
+
 @pytest.fixture
 def reads(monkeypatch):
     """What every call read, by either road: ``(q shape, k and v handed over, k and v computed
-    on (arrays), whether a mask was applied)``.
+    on (arrays), the number of keys each sequence read, whether a mask was applied)``.
 
     The general road is ``qkv.attention`` (its checked call); a decoding step may take the
-    short road instead, one native call (``native_decode.launch``) on the tensors' memory.
+    short road instead, one native call (``native_decode.launch``) on the tensors' memory,
+    reading each sequence's run of keys from the mask itself.
     """
     seen = []
     inner = qkv_front._run
@@ -86,23 +99,24 @@ def reads(monkeypatch):
     def spy(call):
         g, plan = call.given, call.plan
         masked = plan.mask is not None or plan.bias is not None
-        seen.append((tuple(g["q"].shape), g["k"], g["v"], plan.k, plan.v, masked))
+        counts = None if masked else [plan.k.shape[-2]] * plan.k.shape[0]
+        seen.append((tuple(g["q"].shape), g["k"], g["v"], plan.k, plan.v, counts, masked))
         return inner(call)
 
     monkeypatch.setattr(qkv_front, "_run", spy)
     handed = []
     fast = hf._decode_fast
 
-    def fast_spy(query, key, value, *rest):
-        handed.append((key, value))
-        return fast(query, key, value, *rest)
+    def fast_spy(query, key, value, mask, *rest):
+        handed.append((key, value, mask))
+        return fast(query, key, value, mask, *rest)
 
     monkeypatch.setattr(hf, "_decode_fast", fast_spy)
     launches = []
     launch = native_decode.launch
 
     def launch_spy(f64, sizes, q, k, v, runs, *rest, **kw):
-        launches.append((k[0], v[0], runs is not None))
+        launches.append((k[0], v[0], runs, kw.get("mask")))
         return launch(f64, sizes, q, k, v, runs, *rest, **kw)
 
     monkeypatch.setattr(native_decode, "launch", launch_spy)
@@ -112,10 +126,24 @@ def reads(monkeypatch):
         launches.clear()
         out = step(query, key, value, *rest)
         if out is not None:  # the short road ran: on exactly these views' memory
-            ((k_at, v_at, masked),) = launches
+            ((k_at, v_at, runs, rows),) = launches
             assert (k_at, v_at) == (key.data_ptr(), value.data_ptr())
-            k_given, v_given = handed[-1]
-            seen.append((tuple(query.shape), k_given, v_given, key.numpy(), value.numpy(), masked))
+            k_given, v_given, mask = handed[-1]
+            B, S = key.shape[0], key.shape[-2]
+            spans = [(0, S)] * B
+            if rows is not None:
+                spans = _runs(mask)
+                if len(spans) == 1:
+                    spans = spans * B
+            elif runs is not None:
+                lo, hi = (np.ctypeslib.as_array(ctypes.cast(p, ctypes.POINTER(ctypes.c_int64)),
+                          (B,)) for p in runs)  # fmt: skip
+                spans = list(zip(lo.tolist(), hi.tolist(), strict=True))
+            counts = [hi - lo for lo, hi in spans]
+            masked = len(set(spans)) > 1
+            seen.append(
+                (tuple(query.shape), k_given, v_given, key.numpy(), value.numpy(), counts, masked)
+            )
         return out
 
     monkeypatch.setattr(hf, "_decode_step", step_spy)
@@ -168,7 +196,7 @@ def test_decode_step_reads_the_cache_in_place(pair, kind, reads):
     decode = [r for r in reads if r[0][-2] == 1]
     assert len(decode) == 2 * cfg.num_hidden_layers
     last = decode[-cfg.num_hidden_layers :]  # the last step, one call per layer
-    for layer, (_, k, v, k_read, v_read, _) in zip(cache.layers, last, strict=True):
+    for layer, (_, k, v, k_read, v_read, _, _) in zip(cache.layers, last, strict=True):
         # qkv computed on the memory of the tensors the model handed it, not on a copy ...
         assert np.shares_memory(k_read, k.numpy()) and np.shares_memory(v_read, v.numpy())
         if type(layer).__name__ == "DynamicSlidingWindowLayer":
@@ -193,15 +221,14 @@ def test_static_cache_decode_reads_only_the_filled_prefix_without_a_mask(pair, r
         torch.testing.assert_close(a, b, atol=5e-5, rtol=1e-5)
     decode = [r for r in reads if r[0][-2] == 1]
     assert len(decode) == steps * cfg.num_hidden_layers
-    for i, (_, _, _, k_read, v_read, masked) in enumerate(decode):
+    for i, (_, _, _, k_read, v_read, counts, masked) in enumerate(decode):
         layer = cache.layers[i % cfg.num_hidden_layers]
         filled = 5 + 1 + i // cfg.num_hidden_layers  # the prompt, then one slot per step
         sliding = "Sliding" in type(layer).__name__
         assert not masked
         assert np.shares_memory(k_read, layer.keys.numpy())
         assert np.shares_memory(v_read, layer.values.numpy())
-        assert k_read.shape[-2] == (min(filled, cfg.sliding_window) if sliding else filled)
-        assert k_read.shape[-2] < layer.keys.shape[-2] or sliding
+        assert counts == [min(filled, cfg.sliding_window) if sliding else filled]
 
 
 def test_llama_decode_steps_take_the_short_road_where_it_is_built(reads):
@@ -215,4 +242,5 @@ def test_llama_decode_steps_take_the_short_road_where_it_is_built(reads):
     _steps(ours, _cache("dynamic", cfg, 16), ids, attn, 2)
     decode = [r for r in reads if r[0][-2] == 1]
     assert len(decode) == 2 * cfg.num_hidden_layers
-    assert all(isinstance(r[3], np.ndarray) and r[5] for r in decode)  # runs per sequence
+    assert all(isinstance(r[3], np.ndarray) and r[6] for r in decode)  # runs per sequence
+    assert [r[5] for r in decode] == [[3, 6], [3, 6], [4, 7], [4, 7]]  # each its real tokens

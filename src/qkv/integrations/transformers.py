@@ -110,7 +110,18 @@ def _visible_keys(mask: Any, L: int) -> _Seen | None:
         m = ok
     a = m.numpy()
     S = a.shape[1]
-    if S == 0 or not a.any(axis=1).all():
+    if S == 0:
+        return None
+    if a.shape[0] == 1:  # one sequence (the commonest): the same, in fewer NumPy calls
+        row = a[0]
+        first = int(row.argmax())
+        if not row[first]:
+            return None  # it sees no key: leave it to the general path
+        last = S - int(row[::-1].argmax())
+        if not row[first:last].all():
+            return _Seen(first, last, False, None, None)
+        return _Seen(first, last, True, None, None)
+    if not a.any(axis=1).all():
         return None  # a sequence that sees no key: leave it to the general path
     lo = a.argmax(axis=1)
     hi = S - a[:, ::-1].argmax(axis=1)
@@ -122,17 +133,28 @@ def _visible_keys(mask: Any, L: int) -> _Seen | None:
     return _Seen(first, last, exact, (lo - first).astype(np.int64), (hi - first).astype(np.int64))
 
 
-def _decode_step(query: Any, key: Any, value: Any, scaling: Any, seen: _Seen | None) -> Any:
+def _decode_step(
+    query: Any,
+    key: Any,
+    value: Any,
+    scaling: Any,
+    runs: tuple[int, int] | None = None,
+    softcap: Any = None,
+    mask_rows: tuple[int, int, int] | None = None,
+) -> Any:
     """A decoding step's short road: the output ``(batch, 1, heads, dv)``, or None.
 
     A model's decoding step (one query per head; no mask, or one that leaves each sequence
-    one run of keys; no variant) on CPU float32/float64 tensors that need no gradient is one
-    call of the native decode kernel (:func:`qkv.engine.kernels.native_decode.launch`), the
-    one :func:`qkv.attention` runs for the same problem, on the tensors' memory: between the
-    model's operations every Python step finds cold caches, and the general path's checks and
-    conversions cost more than the kernel. None where that does not apply (the caller then takes
-    :func:`qkv.attention`): another dtype or device, a gradient, the kernel not built, a
-    result that is not finite.
+    one run of keys; no variant but Gemma 2's soft-capping) on CPU float32/float64 tensors
+    that need no gradient is one call of the native decode kernel
+    (:func:`qkv.engine.kernels.native_decode.launch`), the one :func:`qkv.attention` runs for
+    the same problem, on the tensors' memory: between the model's operations every Python step
+    finds cold caches, and the general path's checks and conversions cost more than the kernel.
+    ``runs`` are the addresses of each sequence's ``lo`` and ``hi`` (int64), or ``mask_rows``
+    the address and byte strides of a boolean mask row per sequence, which the kernel reads as
+    those runs. None where this does not apply (the caller then takes :func:`qkv.attention`):
+    another dtype or device, a gradient, the kernel not built, a mask row that is not one run,
+    a result that is not finite.
     """
     import torch
 
@@ -151,11 +173,6 @@ def _decode_step(query: Any, key: Any, value: Any, scaling: Any, seen: _Seen | N
         or not native_decode.available()
     ):
         return None
-    runs = None
-    if seen is not None and not seen.exact:
-        if seen.lo is None:
-            return None
-        runs = (seen.lo.ctypes.data, seen.hi.ctypes.data)
     B, hq, _, d = query.shape
     kvh, S, dv = key.shape[1], key.shape[2], value.shape[3]
     if (
@@ -176,7 +193,7 @@ def _decode_step(query: Any, key: Any, value: Any, scaling: Any, seen: _Seen | N
     status = native_decode.launch(
         dt == torch.float64, (B, kvh, hq // kvh, 1, d, dv, S),
         (query.data_ptr(), ql), (key.data_ptr(), kl), (value.data_ptr(), vl), runs,
-        out.data_ptr(), None, scale,
+        out.data_ptr(), None, scale, softcap=softcap, mask=mask_rows,
     )  # fmt: skip
     return None if status else out
 
@@ -184,22 +201,45 @@ def _decode_step(query: Any, key: Any, value: Any, scaling: Any, seen: _Seen | N
 def _decode_fast(
     query: Any, key: Any, value: Any, mask: Any, scaling: Any, kwargs: dict[str, Any]
 ) -> Any:
-    """:func:`_decode_step` for a decoding step with nothing but a mask of runs of keys (no
-    variant, no weights asked for); None otherwise."""
-    for name in ("position_bias", "softcap", "s_aux", "sinks"):
+    """:func:`_decode_step` for a decoding step with nothing but a mask of runs of keys and
+    soft-capping (no other variant, no weights asked for); None otherwise.
+
+    A boolean mask ``(batch or 1, 1, 1, S)`` (what transformers builds for this backend) is
+    handed to the kernel as it is, which reads each sequence's run of keys from it; a float
+    mask of ``0``/``-inf`` is read here (:func:`_visible_keys`) and its keys cut to the runs.
+    """
+    for name in ("position_bias", "s_aux", "sinks"):
         if kwargs.get(name) is not None:
             return None
+    softcap = kwargs.get("softcap")
+    if softcap is not None and not (type(softcap) in (int, float) and 0 < softcap < math.inf):
+        return None  # qkv.attention says what is wrong with it
     if kwargs.get("output_attentions"):
         return None
-    seen = None
-    if mask is not None:
-        seen = _visible_keys(mask, 1)
-        if seen is None:
+    if mask is None:
+        return _decode_step(query, key, value, scaling, None, softcap)
+    import torch
+
+    if mask.dtype == torch.bool:
+        shape, S = mask.shape, key.shape[-2]
+        if (
+            mask.ndim != 4
+            or shape[1:] != (1, 1, S)
+            or shape[0] not in (1, query.shape[0])
+            or not mask.is_cpu
+        ):
             return None
-        if seen.last - seen.first < key.shape[-2]:  # only the keys some sequence sees: views
-            key = key[..., seen.first : seen.last, :]
-            value = value[..., seen.first : seen.last, :]
-    return _decode_step(query, key, value, scaling, seen)
+        bs = mask.stride(0) if shape[0] > 1 else 0
+        rows = (mask.data_ptr(), bs, mask.stride(3))
+        return _decode_step(query, key, value, scaling, None, softcap, rows)
+    seen = _visible_keys(mask, 1)
+    if seen is None or (not seen.exact and seen.lo is None):
+        return None
+    if seen.last - seen.first < key.shape[-2]:  # only the keys some sequence sees: views
+        key = key[..., seen.first : seen.last, :]
+        value = value[..., seen.first : seen.last, :]
+    runs = None if seen.exact else (seen.lo.ctypes.data, seen.hi.ctypes.data)
+    return _decode_step(query, key, value, scaling, runs, softcap)
 
 
 def attention_forward(

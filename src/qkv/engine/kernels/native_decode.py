@@ -11,7 +11,8 @@ last axis: a cache's buffers, a view of a prefix of them), so nothing is copied.
 What it serves: float32/float64 plans with nothing restricting the keys but, for one query
 (``L == 1``), a causal flag (the last query sees every key) or a boolean mask that leaves each
 sequence one run of keys, the same for every head (a padded batch's real tokens): each
-sequence then reads only its own run. Sinks are added to the result by the dispatcher.
+sequence then reads only its own run. Of the score variants it applies soft-capping (Gemma 2),
+``c · tanh(s / c)`` on the scaled scores; sinks are added to the result by the dispatcher.
 
 Threads: between PyTorch's operations (a model's attention layer), the work runs on the team
 of PyTorch's own OpenMP runtime, whose threads have just finished PyTorch's operation and take
@@ -77,6 +78,10 @@ class _DecodeArgs(ctypes.Structure):
         ("isa", ctypes.c_int64),
         ("parallel", ctypes.c_void_p),
         ("min_keys", ctypes.c_int64),
+        ("softcap", ctypes.c_double),
+        ("mask", ctypes.c_void_p),
+        ("mask_bs", ctypes.c_int64),
+        ("mask_js", ctypes.c_int64),
     ]
 
 
@@ -200,15 +205,21 @@ def launch(
     scale: float,
     threads: int | None = None,
     isa: int = 0,
+    softcap: float | None = None,
+    mask: tuple[int, int, int] | None = None,
 ) -> int:
     """Run the kernel on raw memory: ``sizes = (sequences, kv_heads, group, L, d, dv, S)``;
     ``q``, ``k``, ``v`` each ``(address, (sequence, head, row) strides in elements)``; ``runs``
     the addresses of the int64 ``lo`` and ``hi`` per sequence, or None (every key); ``out``
     (``(sequences, heads, L, dv)``, contiguous) and ``lse`` (or None) the addresses to write;
-    ``isa`` caps the vector clone (:data:`qkv.engine.kernels.native.ISAS`; 0: the widest).
+    ``isa`` caps the vector clone (:data:`qkv.engine.kernels.native.ISAS`; 0: the widest);
+    ``softcap`` (> 0) soft-caps the scaled scores, ``c · tanh(s / c)``, as qkv's ``softcap``;
+    ``mask`` is ``(address, sequence stride, key stride)`` in bytes of a boolean mask row per
+    sequence, read (in C) as each sequence's run of keys in place of ``runs``.
 
-    Returns the kernel's status: 0, or 3 when an output is not finite (then fall back to the
-    general path). The caller guarantees the memory matches; nothing is checked here.
+    Returns the kernel's status: 0; 3 when an output is not finite, 4 when a mask row is not
+    one run of keys (then take the general path). The caller guarantees the memory matches;
+    nothing is checked here.
     """
     fns = _functions()
     assert fns is not None  # available() was checked
@@ -218,12 +229,12 @@ def launch(
     lo, hi = (None, None) if runs is None else runs
     args = _DecodeArgs(
         *sizes, q[0], *q[1], k[0], *k[1], v[0], *v[1], lo, hi, out, lse, scale, workers, isa,
-        team, 0,
+        team, 0, softcap or 0.0, *(mask or (None, 0, 0)),
     )  # fmt: skip
     status = fns[f64](ctypes.byref(args))
     if status == 1:
         raise MemoryError("qkv native decode: not enough memory for the work items")
-    if status not in (0, 3):  # pragma: no cover - the callers check the arguments
+    if status not in (0, 3, 4):  # pragma: no cover - the callers check the arguments
         raise RuntimeError(f"qkv native decode: bad arguments (status {status})")
     return int(status)
 
@@ -242,8 +253,10 @@ def _runs(plan: Plan) -> tuple[np.ndarray, np.ndarray] | None:
 
 def supports(plan: Plan) -> bool:
     """Whether :func:`attend` runs ``plan`` (and the kernel is built)."""
-    if plan.v is None or plan.bias is not None or plan.modded or plan.window is not None:
+    if plan.v is None or plan.bias is not None or plan.window is not None:
         return False
+    if plan.alibi is not None or plan.score_mod is not None or plan.mask_mod is not None:
+        return False  # soft-capping is the one score variant the kernel applies
     if plan.causal and plan.L != 1:
         return False
     if plan.mask is not None and plan.L != 1:
@@ -276,7 +289,9 @@ def attend(plan: Plan, *, threads: int | None = None) -> tuple[np.ndarray, np.nd
         lo, hi = runs
     k = np.broadcast_to(k, (*outer, kvh, plan.S, plan.d))
     v = np.broadcast_to(v, (*outer, kvh, plan.S, plan.dv))
-    res = step(q, k, v, plan.scale, lo, hi, threads=threads, dtype=plan.acc_dtype)
+    res = step(
+        q, k, v, plan.scale, lo, hi, threads=threads, dtype=plan.acc_dtype, softcap=plan.softcap
+    )
     return decode.attend(plan, threads=threads) if res is None else res
 
 
@@ -291,6 +306,7 @@ def step(
     threads: int | None = None,
     dtype: Any = None,
     isa: int = 0,
+    softcap: float | None = None,
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """One decoding step in one native call: ``(out, lse)``, or None where it does not apply.
 
@@ -331,6 +347,6 @@ def step(
     status = launch(
         dt == _F64, (math.prod(outer), kvh, hq // kvh, L, d, dv, S),
         (q.ctypes.data, ql), (k.ctypes.data, kl), (v.ctypes.data, vl), runs,
-        out.ctypes.data, lse.ctypes.data, scale, threads, isa,
+        out.ctypes.data, lse.ctypes.data, scale, threads, isa, softcap,
     )  # fmt: skip
     return None if status else (out, lse)

@@ -966,7 +966,8 @@ typedef void (*gomp_parallel_t)(void (*)(void*), void*, unsigned, unsigned);
 // sequence b reads kv head h of sequence b; its rows i < L start at
 // q + b * q_bs + (h * group + g) * q_hs + i * q_ls.
 // Returns 0, or 3 when an output is not finite (infinite or NaN inputs, an overflow: the
-// caller's general path applies its rules to those); 1 without memory, 2 for bad arguments.
+// caller's general path applies its rules to those), or 4 when a mask row is not one run of
+// keys (nothing is computed); 1 without memory, 2 for bad arguments.
 struct qkv_decode_args {
     int64_t nseq, kv_heads, group, L, d, dv, S;
     const void* q;
@@ -984,6 +985,11 @@ struct qkv_decode_args {
     int64_t isa;
     void* parallel;   // GOMP_parallel of a running OpenMP runtime, or NULL
     int64_t min_keys;  // keys per piece at least (0: 256)
+    double softcap;    // > 0: scores become softcap * tanh(score / softcap) (Gemma 2); else 0
+    // A boolean mask (1 = may attend) of one row per sequence, read instead of lo/hi: each
+    // sequence's visible keys must be one run (else status 4, nothing computed); or NULL.
+    const uint8_t* mask;
+    int64_t mask_bs, mask_js;  // its strides in bytes: sequence, key
 };
 
 }  // extern "C"
@@ -991,6 +997,32 @@ struct qkv_decode_args {
 namespace {
 
 constexpr int64_t DECODE_BK = 64;  // keys per score block
+
+// tanh(x) for the soft-capped scores, vectorisable: (1 - e)/(1 + e) with e = exp(-2|x|) from
+// exp_neg, and for |x| < 1/16 (where 1 - e would lose digits) its Taylor series to x^9
+// (the next term is below 1e-14 of x there). NaN stays NaN; tanh(±inf) = ±1.
+template <typename T>
+QKV_INLINE T tanh_capped(T x) {
+    const T ax = x < 0 ? -x : x;
+    const T e = exp_neg(T(-2) * ax);
+    const T big = (T(1) - e) / (T(1) + e);
+    const T x2 = ax * ax;
+    const T small =
+        ax * (T(1) + x2 * (T(-1) / 3 + x2 * (T(2) / 15 + x2 * (T(-17) / 315 + x2 * T(62) / 2835))));
+    const T y = ax < T(0.0625) ? small : big;
+    return x < 0 ? -y : y;
+}
+
+// Soft-capping of a block's scores s[r * DECODE_BK + j], j < n: c · tanh(s / c).
+template <typename T>
+QKV_INLINE void softcap_block(T* __restrict s, int64_t R, int64_t n, T c) {
+    const T inv = T(1) / c;
+    for (int64_t r = 0; r < R; ++r) {
+        T* __restrict sr = s + r * DECODE_BK;
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) sr[j] = c * tanh_capped(sr[j] * inv);
+    }
+}
 
 // One piece: rows' m, l, acc over keys [j0, j1) of kv head h of sequence b. scratch holds the
 // scaled rows (R x d) and the block's scores (R x DECODE_BK). D and DV are the head sizes when
@@ -1029,6 +1061,7 @@ QKV_INLINE void decode_piece_body(const qkv_decode_args& a, int64_t b, int64_t h
                 s[r * DECODE_BK + j] = dot;
             }
         }
+        if (a.softcap > 0) softcap_block(s, R, n, T(a.softcap));
         for (int64_t r = 0; r < R; ++r) {
             T* __restrict sr = s + r * DECODE_BK;
             T* __restrict ar = acc + r * dv;
@@ -1143,6 +1176,7 @@ QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h,
                 s[r * DECODE_BK + j] = lane_sum<T>(x);
             }
         }
+        if (a.softcap > 0) softcap_block(s, R, n, T(a.softcap));
         T alpha[2];
         for (int64_t r = 0; r < R; ++r) {
             T* __restrict sr = s + r * DECODE_BK;
@@ -1299,8 +1333,40 @@ void decode_worker(void* p) {
     }
 }
 
+// Each sequence's run of visible keys [lo, hi) from a boolean mask row; false when a row's
+// visible keys are not one run, or none.
+bool mask_runs(const qkv_decode_args& a, std::vector<int64_t>& lo, std::vector<int64_t>& hi) {
+    lo.resize(size_t(a.nseq));
+    hi.resize(size_t(a.nseq));
+    for (int64_t b = 0; b < a.nseq; ++b) {
+        const uint8_t* m = a.mask + b * a.mask_bs;
+        int64_t j = 0;
+        while (j < a.S && !m[j * a.mask_js]) ++j;
+        if (j == a.S) return false;
+        const int64_t first = j;
+        while (j < a.S && m[j * a.mask_js]) ++j;
+        const int64_t last = j;
+        while (j < a.S && !m[j * a.mask_js]) ++j;
+        if (j != a.S) return false;  // a second run
+        lo[size_t(b)] = first;
+        hi[size_t(b)] = last;
+    }
+    return true;
+}
+
 template <typename T>
-int run_decode(const qkv_decode_args& a) {
+int run_decode(const qkv_decode_args& given) {
+    qkv_decode_args a = given;
+    std::vector<int64_t> mlo, mhi;
+    if (a.mask) {
+        try {
+            if (!mask_runs(a, mlo, mhi)) return 4;
+        } catch (...) {
+            return 1;
+        }
+        a.lo = mlo.data();
+        a.hi = mhi.data();
+    }
     const int64_t R = a.group * a.L, units = a.nseq * a.kv_heads;
     const int64_t threads = std::max<int64_t>(1, a.threads);
     const int64_t least = a.min_keys > 0 ? a.min_keys : 256;
