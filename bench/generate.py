@@ -22,9 +22,11 @@ padded to the longest), per backend:
   (``bench/machine.py``);
 - the greedy tokens are compared with those of the first backend (``--backends`` order).
 
-Ratios ("x peer") are against ``sdpa``, or ``eager`` for Gemma 2 (transformers refuses
-``sdpa`` there: it cannot soft-cap the scores). ``eager`` is skipped above ``--eager-max``
-prompt tokens (its score matrix grows as the square of the prompt).
+The backends take turns round by round (the order rotating), so that the drifting load of a
+shared machine meets them alike. Ratios ("x peer") are against ``sdpa``, or ``eager`` for
+Gemma 2 (transformers refuses ``sdpa`` there: it cannot soft-cap the scores). ``eager`` is
+skipped above ``--eager-max`` prompt tokens (its score matrix grows as the square of the
+prompt).
 """
 
 from __future__ import annotations
@@ -133,12 +135,15 @@ def _cache(kind: str, model: Any, length: int) -> Any:
 
 def _decode(
     model: Any, ids: Any, mask: Any, new: int, kind: str = "dynamic"
-) -> tuple[list[float], list]:
-    """Prefill, then ``new`` greedy steps through a ``kind`` cache: each step's seconds."""
+) -> tuple[float, list[float], list]:
+    """Prefill into a fresh ``kind`` cache, then ``new`` greedy steps: the prefill's seconds,
+    each step's seconds and the tokens."""
     import torch
 
     cache = _cache(kind, model, ids.shape[1] + new)
+    t0 = time.perf_counter()
     out = model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    t_pre = time.perf_counter() - t0
     times, tokens = [], []
     for _ in range(new):
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
@@ -147,45 +152,57 @@ def _decode(
         t0 = time.perf_counter()
         out = model(nxt, attention_mask=mask, past_key_values=cache, use_cache=True)
         times.append(time.perf_counter() - t0)
-    return times, torch.cat(tokens, dim=1).tolist()
+    return t_pre, times, torch.cat(tokens, dim=1).tolist()
 
 
 def measure(
-    model: Any, backend: str, ids: Any, mask: Any, args: argparse.Namespace, kind: str = "dynamic"
-) -> dict:
-    """Prefill seconds, decode seconds per token, greedy tokens and attention rate.
+    model: Any,
+    backends: list[str],
+    ids: Any,
+    mask: Any,
+    args: argparse.Namespace,
+    kind: str = "dynamic",
+) -> dict[str, dict]:
+    """Per backend: prefill seconds, decode seconds per token, greedy tokens, attention rate.
 
-    Decode is the median step over ``--repeat`` runs of ``--new-tokens`` steps each (a median
-    of many short steps shrugs off the bursts of a shared machine better than a total).
+    The backends take turns, round by round: ``--repeat`` rounds, each one prefill and one run
+    of ``--new-tokens`` decode steps per backend, the order rotating each round, so that the
+    drifting load of a shared machine meets every backend alike. Prefill is the best round;
+    decode the median step over all rounds (a median of many short steps shrugs off bursts
+    better than a total), with the fastest step.
     """
     import torch
-    from transformers import DynamicCache
 
-    model.set_attn_implementation(backend)
+    runs: dict[str, dict[str, Any]] = {b: {"prefill": [], "steps": []} for b in backends}
     with torch.no_grad():
-
-        def prefill() -> Any:
-            return model(ids, attention_mask=mask, past_key_values=DynamicCache(), use_cache=True)
-
-        t_pre = _common.best_time(prefill, repeat=args.repeat, pause=0.1)
-        steps: list[float] = []
-        for _ in range(args.repeat):
-            times, tokens = _decode(model, ids, mask, args.new_tokens, kind)
-            steps += times
-        clock = AttentionClock()
-        if backend != "eager":  # eager's function lives in each model's module: not timed
-            _timed_backend(model, backend, clock)
-            _decode(model, ids, mask, args.new_tokens, kind)
-            model.set_attn_implementation(backend)
-    steps.sort()
-    return {
-        "prefill": t_pre,
-        "decode": steps[len(steps) // 2],
-        "decode range": (steps[0], steps[-1]),
-        "tokens": tokens,
-        "attn_gbps": clock.bytes / clock.seconds / 1e9 if clock.seconds else float("nan"),
-        "attn_ms": 1e3 * clock.seconds / max(1, clock.calls),
-    }
+        for b in backends:  # warm-up: a short prompt each (first-call costs, thread pools)
+            model.set_attn_implementation(b)
+            _decode(model, ids[:, -64:], mask[:, -64:], 2, kind)
+        for r in range(args.repeat):
+            for b in backends[r % len(backends) :] + backends[: r % len(backends)]:
+                model.set_attn_implementation(b)
+                time.sleep(0.1)  # let other runtimes' spinning worker threads go idle
+                t_pre, times, tokens = _decode(model, ids, mask, args.new_tokens, kind)
+                runs[b]["prefill"].append(t_pre)
+                runs[b]["steps"] += times
+                runs[b]["tokens"] = tokens
+        results = {}
+        for b in backends:
+            clock = AttentionClock()
+            if b != "eager":  # eager's function lives in each model's module: not timed
+                _timed_backend(model, b, clock)
+                _decode(model, ids, mask, args.new_tokens, kind)
+                model.set_attn_implementation(b)
+            steps = sorted(runs[b]["steps"])
+            results[b] = {
+                "prefill": min(runs[b]["prefill"]),
+                "decode": steps[len(steps) // 2],
+                "decode range": (steps[0], steps[-1]),
+                "tokens": runs[b]["tokens"],
+                "attn_gbps": clock.bytes / clock.seconds / 1e9 if clock.seconds else float("nan"),
+                "attn_ms": 1e3 * clock.seconds / max(1, clock.calls),
+            }
+    return results
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -229,14 +246,14 @@ def main(argv: list[str] | None = None) -> None:
             if kind not in ("dynamic", "static"):
                 raise SystemExit(f"--caches: unknown cache {kind!r} (dynamic, static)")
             ids, mask = _prompts(batch, length, args.vocab)
-            res: dict[str, dict] = {}
-            for backend in backends:
-                if backend == "sdpa" and name == "gemma2":
-                    continue  # transformers refuses sdpa for Gemma 2 (no soft-capping)
-                if backend == "eager" and length > args.eager_max:
-                    continue
-                res[backend] = measure(model, backend, ids, mask, args, kind)
-            first = res[backends[0]]["tokens"]
+            here = [
+                b
+                for b in backends
+                if not (b == "sdpa" and name == "gemma2")  # transformers refuses: no soft-capping
+                and not (b == "eager" and length > args.eager_max)
+            ]
+            res = measure(model, here, ids, mask, args, kind)
+            first = res[here[0]]["tokens"]
             base = res.get("sdpa") or res.get("eager")
             for backend, r in res.items():
                 lo = r["decode range"][0]

@@ -187,6 +187,13 @@ def test_unsupported_options_raise_input_error():
         attention_forward(Layer(), q, q, q, None, dropout=0.1)
     with pytest.raises(qkv.InputError, match="softcap"):
         attention_forward(Layer(), q, q, q, None, softcap=-1.0)  # softcap itself is supported
+    one = rand(1, 2, 1, 4)  # a decoding step: its short road leaves bad input to qkv.attention
+    with pytest.raises(qkv.InputError, match="softcap"):
+        attention_forward(Layer(), one, q, q, None, softcap=-1.0)
+    with pytest.raises(qkv.InputError, match="scale"):
+        attention_forward(Layer(), one, q, q, None, scaling=-0.5)
+    with pytest.raises(qkv.InputError, match="mask"):
+        attention_forward(Layer(), one, q, q, torch.ones(1, 1, 1, 5, dtype=torch.bool))
 
 
 # ----- a small Llama-style causal LM -----

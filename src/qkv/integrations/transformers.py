@@ -83,7 +83,7 @@ class _Seen(NamedTuple):
     hi: Any  # or None when some sequence's keys are not one run
 
 
-def _visible_keys(mask: Any, L: int) -> _Seen | None:
+def _visible_keys(mask: Any, L: int, S: int) -> _Seen | None:
     """Which keys each sequence of a decoding step's mask sees; None when the mask does not
     qualify.
 
@@ -92,13 +92,15 @@ def _visible_keys(mask: Any, L: int) -> _Seen | None:
     sliding window's last keys. Read as such, the keys are a view of the cache, and with one run
     for the whole batch the call needs no mask (the fast, unmasked kernels) instead of the whole
     cache under a dense mask; with a run per sequence, each sequence reads its own. Only a mask
-    that is the same for every head (``(batch, 1, 1, S)``), boolean or float with only ``0``
-    and ``-inf``, qualifies.
+    that is the same for every head (``(batch, 1, 1, S)`` for ``S`` keys), boolean or float with
+    only ``0`` and ``-inf``, qualifies.
     """
     import numpy as np
     import torch
 
-    if L != 1 or mask.ndim != 4 or mask.shape[1] != 1 or mask.shape[2] != 1 or not mask.is_cpu:
+    if L != 1 or mask.ndim != 4 or mask.shape[1:3] != (1, 1) or mask.shape[3] != S:
+        return None  # (a mask of another length: qkv.attention says so)
+    if not mask.is_cpu:
         return None
     m = mask[:, 0, 0, :]
     if m.dtype != torch.bool:
@@ -110,18 +112,7 @@ def _visible_keys(mask: Any, L: int) -> _Seen | None:
         m = ok
     a = m.numpy()
     S = a.shape[1]
-    if S == 0:
-        return None
-    if a.shape[0] == 1:  # one sequence (the commonest): the same, in fewer NumPy calls
-        row = a[0]
-        first = int(row.argmax())
-        if not row[first]:
-            return None  # it sees no key: leave it to the general path
-        last = S - int(row[::-1].argmax())
-        if not row[first:last].all():
-            return _Seen(first, last, False, None, None)
-        return _Seen(first, last, True, None, None)
-    if not a.any(axis=1).all():
+    if S == 0 or not a.any(axis=1).all():
         return None  # a sequence that sees no key: leave it to the general path
     lo = a.argmax(axis=1)
     hi = S - a[:, ::-1].argmax(axis=1)
@@ -186,8 +177,10 @@ def _decode_step(
     ql = native_decode.layout(query.shape, query.stride(), 1)
     kl = native_decode.layout(key.shape, key.stride(), 1)
     vl = native_decode.layout(value.shape, value.stride(), 1)
+    if scaling is not None and not (type(scaling) in (int, float) and 0 < scaling < math.inf):
+        return None  # qkv.attention says what is wrong with it
     scale = 1.0 / math.sqrt(d) if scaling is None else float(scaling)
-    if ql is None or kl is None or vl is None or not math.isfinite(scale):
+    if ql is None or kl is None or vl is None:
         return None
     out = torch.empty((B, 1, hq, dv), dtype=dt)  # (B, heads, 1, dv) in memory: what it writes
     status = native_decode.launch(
@@ -232,7 +225,7 @@ def _decode_fast(
         bs = mask.stride(0) if shape[0] > 1 else 0
         rows = (mask.data_ptr(), bs, mask.stride(3))
         return _decode_step(query, key, value, scaling, None, softcap, rows)
-    seen = _visible_keys(mask, 1)
+    seen = _visible_keys(mask, 1, key.shape[-2])
     if seen is None or (not seen.exact and seen.lo is None):
         return None
     if seen.last - seen.first < key.shape[-2]:  # only the keys some sequence sees: views
@@ -332,7 +325,7 @@ def attention_forward(
         options["sinks"] = sinks
     seen = None
     if mask is not None and kwargs.get("position_bias") is None:
-        seen = _visible_keys(mask, L)
+        seen = _visible_keys(mask, L, S)
         if seen is not None:
             lo, hi = seen.first, seen.last
             if hi - lo < S:  # read only the keys some sequence sees, as views of the cache

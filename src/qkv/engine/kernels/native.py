@@ -18,8 +18,9 @@ Causal, windows, boolean masks, float biases, grouped heads and sinks (added to 
 result by the dispatcher) are covered; soft-capping, ALiBi, ``score_mod`` and ``mask_mod`` run
 on the NumPy kernels. ``attention_varlen`` runs its packed batches (float32/float64, causal,
 windows, grouped heads) on :func:`attend_packed`, the same fused block over (sequence, query
-head, query block) tasks read straight from the packed arrays. :func:`info` says what is
-active and why.
+head, query block) tasks read straight from the packed arrays. The same library holds the
+decode step (:mod:`qkv.engine.kernels.native_decode`, which needs no BLAS). :func:`info` says
+what is active and why.
 
 Threads: work items are (head, query block) pairs taken from a shared counter by native
 threads, as many as :func:`qkv.engine.kernels.threads.default_threads`; BLAS is held to one thread

@@ -51,7 +51,7 @@ from ...validate import Plan
 from . import native
 from .threads import default_threads
 
-__all__ = ["attend", "available", "openmp_parallel", "step", "supports"]
+__all__ = ["attend", "available", "launch", "layout", "openmp_parallel", "step", "supports"]
 
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _F64 = np.dtype(np.float64)
