@@ -46,6 +46,14 @@
 #define QKV_X86 0
 #endif
 
+// The three clones of a function (baseline, AVX2, AVX-512) as arguments to pick_clone; where
+// the clones are not compiled (not x86), only the baseline.
+#if QKV_X86
+#define QKV_CLONES(pre, sfx) pre##_base_##sfx, pre##_avx2_##sfx, pre##_avx512_##sfx
+#else
+#define QKV_CLONES(pre, sfx) pre##_base_##sfx, nullptr, nullptr
+#endif
+
 extern "C" {
 
 typedef void (*sgemm_t)(const char*, const char*, const int*, const int*, const int*,
@@ -395,25 +403,20 @@ QKV_AVX512 void bw_avx512_f64(const BwdArgs& a) { bwd_weights<double>(a); }
 QKV_AVX512 void bd_avx512_f64(const BwdArgs& a) { bwd_dscores<double>(a); }
 #endif
 
-template <typename T>
-BwdSteps pick_bwd(int isa);
-template <>
-BwdSteps pick_bwd<float>(int isa) {
-#if QKV_X86
-    if (isa == 3) return {bw_avx512_f32, bd_avx512_f32};
-    if (isa == 2) return {bw_avx2_f32, bd_avx2_f32};
-#endif
-    (void)isa;
-    return {bw_base_f32, bd_base_f32};
+// The clone for the vector extension isa (3 AVX-512, 2 AVX2, else the baseline), where built.
+template <typename F>
+F pick_clone(int isa, F base, F avx2, F avx512) {
+    if (isa == 3 && avx512) return avx512;
+    if (isa == 2 && avx2) return avx2;
+    return base;
 }
-template <>
-BwdSteps pick_bwd<double>(int isa) {
-#if QKV_X86
-    if (isa == 3) return {bw_avx512_f64, bd_avx512_f64};
-    if (isa == 2) return {bw_avx2_f64, bd_avx2_f64};
-#endif
-    (void)isa;
-    return {bw_base_f64, bd_base_f64};
+
+template <typename T>
+BwdSteps pick_bwd(int isa) {
+    typedef void (*fn)(const BwdArgs&);
+    if (sizeof(T) == 4)
+        return {pick_clone<fn>(isa, QKV_CLONES(bw, f32)), pick_clone<fn>(isa, QKV_CLONES(bd, f32))};
+    return {pick_clone<fn>(isa, QKV_CLONES(bw, f64)), pick_clone<fn>(isa, QKV_CLONES(bd, f64))};
 }
 
 int best_isa() {
@@ -430,24 +433,9 @@ int best_isa() {
 typedef void (*step_t)(const StepArgs&);
 
 template <typename T>
-step_t pick_step(int isa);
-template <>
-step_t pick_step<float>(int isa) {
-#if QKV_X86
-    if (isa == 3) return step_avx512_f32;
-    if (isa == 2) return step_avx2_f32;
-#endif
-    (void)isa;
-    return step_base_f32;
-}
-template <>
-step_t pick_step<double>(int isa) {
-#if QKV_X86
-    if (isa == 3) return step_avx512_f64;
-    if (isa == 2) return step_avx2_f64;
-#endif
-    (void)isa;
-    return step_base_f64;
+step_t pick_step(int isa) {
+    if (sizeof(T) == 4) return pick_clone<step_t>(isa, QKV_CLONES(step, f32));
+    return pick_clone<step_t>(isa, QKV_CLONES(step, f64));
 }
 
 QKV_INLINE void gemm(sgemm_t f, const char* ta, const char* tb, int m, int n, int k, float alpha,
@@ -1276,24 +1264,9 @@ QKV_PIECE(QKV_AVX512, piece_avx512_f64, double)
 #undef QKV_PIECE
 
 template <typename T>
-piece_t pick_piece(int isa);
-template <>
-piece_t pick_piece<float>(int isa) {
-#if QKV_X86
-    if (isa == 3) return piece_avx512_f32;
-    if (isa == 2) return piece_avx2_f32;
-#endif
-    (void)isa;
-    return piece_base_f32;
-}
-template <>
-piece_t pick_piece<double>(int isa) {
-#if QKV_X86
-    if (isa == 3) return piece_avx512_f64;
-    if (isa == 2) return piece_avx2_f64;
-#endif
-    (void)isa;
-    return piece_base_f64;
+piece_t pick_piece(int isa) {
+    if (sizeof(T) == 4) return pick_clone<piece_t>(isa, QKV_CLONES(piece, f32));
+    return pick_clone<piece_t>(isa, QKV_CLONES(piece, f64));
 }
 
 // The shared state of one call's work items, handed to every thread.
