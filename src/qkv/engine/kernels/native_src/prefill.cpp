@@ -1341,6 +1341,7 @@ int run_decode(const qkv_decode_args& given) {
         a.hi = mhi.data();
     }
     const int64_t R = a.group * a.L, units = a.nseq * a.kv_heads;
+    if (units == 0) return 0;  // no sequence: nothing to write
     const int64_t threads = std::max<int64_t>(1, a.threads);
     const int64_t least = a.min_keys > 0 ? a.min_keys : 256;
     int64_t longest = 0;
