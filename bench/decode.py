@@ -12,8 +12,10 @@ With ``--kv-heads`` below ``--heads`` the query heads share kv heads (grouped-qu
 With ``--ragged LO HI`` the sequences have lengths drawn from ``LO..HI`` and live in a
 ``qkv.KVCache``; PyTorch gets them padded to the longest with a key mask, and a loop of
 ``qkv.attention`` over the sequences is measured as well.
-qkv runs with its compiled kernels (``qkv[jit]``, Numba) and without (``QKV_JIT=0``), both in
-the same process, unless ``--jit on`` or ``--jit off`` picks one. ``--grid`` runs the grouped
+qkv runs on the native decode step (where the optional C++ library is built), and with it
+switched off (``QKV_NATIVE=0``) with its compiled kernels (``qkv[jit]``, Numba) and without
+(``QKV_JIT=0``), all in the same process, unless ``--jit on`` or ``--jit off`` picks one of
+the last two. ``--grid`` runs the grouped
 workloads of group sizes 1, 4, 8 by head dims 64 and 128 (heads 32) and the ragged cache of
 lengths 1024..8192 (kv heads 8, d 128), one table each.
 The machine is shared and its read rate drifts with the load: a plain read of the same K/V on
@@ -41,31 +43,42 @@ def naive(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
     return (w / w.sum(axis=-1, keepdims=True)) @ v
 
 
-def with_jit(on: bool, fn: Callable[[], Any]) -> Callable[[], Any]:
-    """``fn`` run with qkv's compiled kernels switched on or off (``QKV_JIT``)."""
+def with_env(fn: Callable[[], Any], **env: str) -> Callable[[], Any]:
+    """``fn`` run with the environment variables ``env`` set (and restored after)."""
 
     def run() -> Any:
-        old = os.environ.get("QKV_JIT")
-        os.environ["QKV_JIT"] = "1" if on else "0"
+        old = {name: os.environ.get(name) for name in env}
+        os.environ.update(env)
         try:
             return fn()
         finally:
-            if old is None:
-                del os.environ["QKV_JIT"]
-            else:
-                os.environ["QKV_JIT"] = old
+            for name, value in old.items():
+                if value is None:
+                    del os.environ[name]
+                else:
+                    os.environ[name] = value
 
     return run
 
 
 def qkv_contenders(name: str, fn: Callable[[], Any], jit: str) -> dict[str, Callable[[], Any]]:
-    """``fn`` with the compiled kernels (``name (jit)``) and without (``name (numpy)``)."""
+    """``fn`` on the native decode step (``name (native)``, where the library is built), and
+    with it switched off: with the compiled Numba kernels (``name (jit)``) and without
+    (``name (numpy)``)."""
+    from qkv.engine.kernels import native_decode
     from qkv.engine.kernels.jit import enabled
 
     modes = {"both": (True, False), "on": (True,), "off": (False,)}[jit]
     if not enabled():
         modes = tuple(m for m in modes if not m) or (False,)
-    return {f"{name} ({'jit' if on else 'numpy'})": with_jit(on, fn) for on in modes}
+    out = {}
+    if native_decode.available():
+        out[f"{name} (native)"] = fn
+    for on in modes:
+        out[f"{name} ({'jit' if on else 'numpy'})"] = with_env(
+            fn, QKV_NATIVE="0", QKV_JIT="1" if on else "0"
+        )
+    return out
 
 
 def main() -> None:
