@@ -1012,29 +1012,62 @@ QKV_INLINE void softcap_block(T* __restrict s, int64_t R, int64_t n, T c) {
     }
 }
 
-// One piece: rows' m, l, acc over keys [j0, j1) of kv head h of sequence b. scratch holds the
-// scaled rows (R x d) and the block's scores (R x DECODE_BK). D and DV are the head sizes when
-// known at compile time (64, 128: the loops over them unrolled, a row's accumulator kept in
-// registers while the block's keys are added), or 0 (read from the arguments).
-template <typename T, int D, int DV>
-QKV_INLINE void decode_piece_body(const qkv_decode_args& a, int64_t b, int64_t h, int64_t j0,
-                                  int64_t j1, T* __restrict scratch, T* __restrict m,
-                                  T* __restrict l, T* __restrict acc) {
-    const T ninf = -std::numeric_limits<T>::infinity();
-    const int64_t d = D ? D : a.d, dv = DV ? DV : a.dv;
+// A piece's start: the scaled query rows of kv head h of sequence b into qs (R x d), the rows'
+// running max -inf, sum 0 and accumulators (R x dv) 0.
+template <typename T>
+QKV_INLINE void decode_start(const qkv_decode_args& a, int64_t b, int64_t h, int64_t d,
+                             int64_t dv, T* __restrict qs, T* __restrict m, T* __restrict l,
+                             T* __restrict acc) {
     const int64_t R = a.group * a.L, L = a.L;
-    T* __restrict qs = scratch;
-    T* __restrict s = scratch + R * d;
     const T sc = T(a.scale);
     const T* Q = static_cast<const T*>(a.q) + b * a.q_bs + h * a.group * a.q_hs;
     for (int64_t r = 0; r < R; ++r) {
         const T* qr = Q + (r / L) * a.q_hs + (r % L) * a.q_ls;
 #pragma omp simd
         for (int64_t t = 0; t < d; ++t) qs[r * d + t] = qr[t] * sc;
-        m[r] = ninf;
+        m[r] = -std::numeric_limits<T>::infinity();
         l[r] = 0;
         for (int64_t c = 0; c < dv; ++c) acc[r * dv + c] = 0;
     }
+}
+
+// One row's online-softmax step over a block's n scores sr, which become their weights
+// exp(s - m): moves the running max *m and sum *l and returns the factor exp(m_old - m_new) by
+// which the row's accumulator must be scaled. Scores all -inf (infinite inputs) make the row
+// NaN, left to the caller (weights 0, factor 1).
+template <typename T>
+QKV_INLINE T decode_row_step(T* __restrict sr, int64_t n, T* __restrict m, T* __restrict l) {
+    const T ninf = -std::numeric_limits<T>::infinity();
+    const T mold = *m;
+    const T mnew = std::max(mold, lane_max(sr, 0, n));
+    if (mnew == ninf) {
+        *l = std::numeric_limits<T>::quiet_NaN();
+        for (int64_t j = 0; j < n; ++j) sr[j] = 0;
+        return T(1);
+    }
+    T sum = 0;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < n; ++j) {
+        const T p = exp_neg(sr[j] - mnew);
+        sr[j] = p;
+        sum += p;
+    }
+    const T alpha = mold == ninf ? T(0) : exp_neg(mold - mnew);
+    *l = *l * alpha + sum;
+    *m = mnew;
+    return alpha;
+}
+
+// One piece: rows' m, l, acc over keys [j0, j1) of kv head h of sequence b, for any head
+// sizes. scratch holds the scaled rows (R x d) and the block's scores (R x DECODE_BK).
+template <typename T>
+QKV_INLINE void decode_piece_body(const qkv_decode_args& a, int64_t b, int64_t h, int64_t j0,
+                                  int64_t j1, T* __restrict scratch, T* __restrict m,
+                                  T* __restrict l, T* __restrict acc) {
+    const int64_t d = a.d, dv = a.dv, R = a.group * a.L;
+    T* __restrict qs = scratch;
+    T* __restrict s = scratch + R * d;
+    decode_start(a, b, h, d, dv, qs, m, l, acc);
     const T* K = static_cast<const T*>(a.k) + b * a.k_bs + h * a.k_hs;
     const T* V = static_cast<const T*>(a.v) + b * a.v_bs + h * a.v_hs;
     for (int64_t b0 = j0; b0 < j1; b0 += DECODE_BK) {
@@ -1053,45 +1086,16 @@ QKV_INLINE void decode_piece_body(const qkv_decode_args& a, int64_t b, int64_t h
         for (int64_t r = 0; r < R; ++r) {
             T* __restrict sr = s + r * DECODE_BK;
             T* __restrict ar = acc + r * dv;
-            const T mold = m[r];
-            const T mnew = std::max(mold, lane_max(sr, 0, n));
-            if (mnew == ninf) {  // scores of -inf (infinite inputs): NaN, left to the caller
-                l[r] = std::numeric_limits<T>::quiet_NaN();
-                continue;
+            const T alpha = decode_row_step(sr, n, m + r, l + r);
+            if (alpha != T(1)) {
+#pragma omp simd
+                for (int64_t c = 0; c < dv; ++c) ar[c] *= alpha;
             }
-            T sum = 0;
-#pragma omp simd reduction(+ : sum)
             for (int64_t j = 0; j < n; ++j) {
-                const T p = exp_neg(sr[j] - mnew);
-                sr[j] = p;
-                sum += p;
-            }
-            const T alpha = mold == ninf ? T(0) : exp_neg(mold - mnew);
-            l[r] = l[r] * alpha + sum;
-            m[r] = mnew;
-            if (DV) {  // the row's accumulator in registers over the block's keys
-                T row[DV ? DV : 1];
+                const T p = sr[j];
+                const T* __restrict vr = V + (b0 + j) * a.v_rs;
 #pragma omp simd
-                for (int64_t c = 0; c < DV; ++c) row[c] = ar[c] * alpha;
-                for (int64_t j = 0; j < n; ++j) {
-                    const T p = sr[j];
-                    const T* __restrict vr = V + (b0 + j) * a.v_rs;
-#pragma omp simd
-                    for (int64_t c = 0; c < DV; ++c) row[c] += p * vr[c];
-                }
-#pragma omp simd
-                for (int64_t c = 0; c < DV; ++c) ar[c] = row[c];
-            } else {
-                if (alpha != T(1)) {
-#pragma omp simd
-                    for (int64_t c = 0; c < dv; ++c) ar[c] *= alpha;
-                }
-                for (int64_t j = 0; j < n; ++j) {
-                    const T p = sr[j];
-                    const T* __restrict vr = V + (b0 + j) * a.v_rs;
-#pragma omp simd
-                    for (int64_t c = 0; c < dv; ++c) ar[c] += p * vr[c];
-                }
+                for (int64_t c = 0; c < dv; ++c) ar[c] += p * vr[c];
             }
         }
     }
@@ -1129,19 +1133,10 @@ QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h,
                                  T* __restrict l, T* __restrict acc) {
     typedef T V __attribute__((vector_size(64), aligned(sizeof(T))));
     constexpr int W = int(64 / sizeof(T)), NQ = D / W, NV = DV / W;
-    const T ninf = -std::numeric_limits<T>::infinity();
-    const int64_t R = a.group * a.L, L = a.L;
+    const int64_t R = a.group * a.L;
     T* __restrict qs = scratch;
     T* __restrict s = scratch + R * D;
-    const T sc = T(a.scale);
-    const T* Q = static_cast<const T*>(a.q) + b * a.q_bs + h * a.group * a.q_hs;
-    for (int64_t r = 0; r < R; ++r) {
-        const T* qr = Q + (r / L) * a.q_hs + (r % L) * a.q_ls;
-        for (int64_t t = 0; t < D; ++t) qs[r * D + t] = qr[t] * sc;
-        m[r] = ninf;
-        l[r] = 0;
-        for (int64_t c = 0; c < DV; ++c) acc[r * DV + c] = 0;
-    }
+    decode_start(a, b, h, D, DV, qs, m, l, acc);
     const T* K = static_cast<const T*>(a.k) + b * a.k_bs + h * a.k_hs;
     const T* V0 = static_cast<const T*>(a.v) + b * a.v_bs + h * a.v_hs;
     for (int64_t b0 = j0; b0 < j1; b0 += DECODE_BK) {
@@ -1167,25 +1162,7 @@ QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h,
         if (a.softcap > 0) softcap_block(s, R, n, T(a.softcap));
         T alpha[2];
         for (int64_t r = 0; r < R; ++r) {
-            T* __restrict sr = s + r * DECODE_BK;
-            const T mold = m[r];
-            const T mnew = std::max(mold, lane_max(sr, 0, n));
-            if (mnew == ninf) {  // scores of -inf (infinite inputs): NaN, left to the caller
-                l[r] = std::numeric_limits<T>::quiet_NaN();
-                for (int64_t j = 0; j < n; ++j) sr[j] = 0;
-                alpha[r & 1] = 1;
-            } else {
-                T sum = 0;
-#pragma omp simd reduction(+ : sum)
-                for (int64_t j = 0; j < n; ++j) {
-                    const T p = exp_neg(sr[j] - mnew);
-                    sr[j] = p;
-                    sum += p;
-                }
-                alpha[r & 1] = mold == ninf ? T(0) : exp_neg(mold - mnew);
-                l[r] = l[r] * alpha[r & 1] + sum;
-                m[r] = mnew;
-            }
+            alpha[r & 1] = decode_row_step(s + r * DECODE_BK, n, m + r, l + r);
             if (!(r & 1) && r + 1 < R) continue;  // rows go in pairs: one value row, two rows
             const int64_t r0 = r & ~int64_t(1);
             const int pair = int(r - r0) + 1;  // 2, or 1 for a last odd row
@@ -1241,7 +1218,7 @@ QKV_INLINE void decode_piece_any(const qkv_decode_args& a, int64_t b, int64_t h,
     else if (a.d == 128 && a.dv == 128)
         decode_piece_vec<T, 128, 128>(a, b, h, j0, j1, sc, m, l, acc);
     else
-        decode_piece_body<T, 0, 0>(a, b, h, j0, j1, sc, m, l, acc);
+        decode_piece_body<T>(a, b, h, j0, j1, sc, m, l, acc);
 }
 
 typedef void (*piece_t)(const qkv_decode_args&, int64_t, int64_t, int64_t, int64_t, void*,
