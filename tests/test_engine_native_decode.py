@@ -215,3 +215,20 @@ def test_with_torch_imported_the_team_is_pytorchs():
         path = native_decode._openmp_library(native_decode._torch_dir(torch))
         assert path is not None
         assert ctypes.cast(ctypes.CDLL(path).GOMP_parallel, ctypes.c_void_p).value == team
+
+
+def test_calls_from_several_python_threads_at_once():
+    """ctypes releases the GIL: each Python thread's call runs its own team at the same time,
+    and every result equals the reference."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = np.random.default_rng(9)
+    problems = []
+    for i in range(6):
+        q = rng.standard_normal((2, 8, 1, 32)).astype(np.float32)
+        k, v = (rng.standard_normal((2, 2, 3000 + 100 * i, 32)).astype(np.float32) for _ in "kv")
+        problems.append((q, k, v))
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(lambda p: native_decode.step(*p, 0.3, threads=2), problems))
+    for (q, k, v), (out, lse) in zip(problems, results, strict=True):
+        _check(out, lse, q * 0.3 * np.sqrt(32), k, v, np.float32)
