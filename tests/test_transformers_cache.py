@@ -10,7 +10,6 @@ the cache's own memory, not a copy.
 from __future__ import annotations
 
 import copy
-import ctypes
 
 import numpy as np
 import pytest
@@ -116,7 +115,7 @@ def reads(monkeypatch):
     launch = native_decode.launch
 
     def launch_spy(f64, sizes, q, k, v, runs, *rest, **kw):
-        launches.append((k[0], v[0], runs, kw.get("mask")))
+        launches.append((k[0], v[0], kw.get("mask")))
         return launch(f64, sizes, q, k, v, runs, *rest, **kw)
 
     monkeypatch.setattr(native_decode, "launch", launch_spy)
@@ -126,19 +125,15 @@ def reads(monkeypatch):
         launches.clear()
         out = step(query, key, value, *rest)
         if out is not None:  # the short road ran: on exactly these views' memory
-            ((k_at, v_at, runs, rows),) = launches
+            ((k_at, v_at, rows),) = launches
             assert (k_at, v_at) == (key.data_ptr(), value.data_ptr())
             k_given, v_given, mask = handed[-1]
             B, S = key.shape[0], key.shape[-2]
             spans = [(0, S)] * B
-            if rows is not None:
+            if rows is not None:  # the kernel reads each sequence's run from the mask
                 spans = _runs(mask)
                 if len(spans) == 1:
                     spans = spans * B
-            elif runs is not None:
-                lo, hi = (np.ctypeslib.as_array(ctypes.cast(p, ctypes.POINTER(ctypes.c_int64)),
-                          (B,)) for p in runs)  # fmt: skip
-                spans = list(zip(lo.tolist(), hi.tolist(), strict=True))
             counts = [hi - lo for lo, hi in spans]
             masked = len(set(spans)) > 1
             seen.append(

@@ -79,8 +79,6 @@ class _Seen(NamedTuple):
     first: int  # no sequence sees a key before first ...
     last: int  # ... or from last on
     exact: bool  # every sequence sees exactly keys first:last (the mask is then not needed)
-    lo: Any  # int64 array: sequence b sees keys lo[b]:hi[b] (relative to first) and no other,
-    hi: Any  # or None when some sequence's keys are not one run
 
 
 def _visible_keys(mask: Any, L: int, S: int) -> _Seen | None:
@@ -91,11 +89,10 @@ def _visible_keys(mask: Any, L: int, S: int) -> _Seen | None:
     visible keys: a ``StaticCache``'s filled prefix, a left-padded sequence's real tokens, a
     sliding window's last keys. Read as such, the keys are a view of the cache, and with one run
     for the whole batch the call needs no mask (the fast, unmasked kernels) instead of the whole
-    cache under a dense mask; with a run per sequence, each sequence reads its own. Only a mask
+    cache under a dense mask. Only a mask
     that is the same for every head (``(batch, 1, 1, S)`` for ``S`` keys), boolean or float with
     only ``0`` and ``-inf``, qualifies.
     """
-    import numpy as np
     import torch
 
     if L != 1 or mask.ndim != 4 or mask.shape[1:3] != (1, 1) or mask.shape[3] != S:
@@ -118,10 +115,7 @@ def _visible_keys(mask: Any, L: int, S: int) -> _Seen | None:
     hi = S - a[:, ::-1].argmax(axis=1)
     first, last = int(lo.min()), int(hi.max())
     exact = bool(first == lo.max() and last == hi.min() and a[:, first:last].all())
-    runs = exact or bool((a.sum(axis=1) == hi - lo).all())
-    if not runs:
-        return _Seen(first, last, exact, None, None)
-    return _Seen(first, last, exact, (lo - first).astype(np.int64), (hi - first).astype(np.int64))
+    return _Seen(first, last, exact)
 
 
 def _decode_step(
@@ -129,7 +123,6 @@ def _decode_step(
     key: Any,
     value: Any,
     scaling: Any,
-    runs: tuple[int, int] | None = None,
     softcap: Any = None,
     mask_rows: tuple[int, int, int] | None = None,
 ) -> Any:
@@ -141,11 +134,10 @@ def _decode_step(
     (:func:`qkv.engine.kernels.native_decode.launch`), the one :func:`qkv.attention` runs for
     the same problem, on the tensors' memory: between the model's operations every Python step
     finds cold caches, and the general path's checks and conversions cost more than the kernel.
-    ``runs`` are the addresses of each sequence's ``lo`` and ``hi`` (int64), or ``mask_rows``
-    the address and byte strides of a boolean mask row per sequence, which the kernel reads as
-    those runs. None where this does not apply (the caller then takes :func:`qkv.attention`):
-    another dtype or device, a gradient, the kernel not built, a mask row that is not one run,
-    a result that is not finite.
+    ``mask_rows`` is the address and byte strides of a boolean mask row per sequence, which
+    the kernel reads as each sequence's run of keys. None where this does not apply (the
+    caller then takes :func:`qkv.attention`): another dtype or device, a gradient, the kernel
+    not built, a mask row that is not one run, a result that is not finite.
     """
     import torch
 
@@ -185,7 +177,7 @@ def _decode_step(
     out = torch.empty((B, 1, hq, dv), dtype=dt)  # (B, heads, 1, dv) in memory: what it writes
     status = native_decode.launch(
         dt == torch.float64, (B, kvh, hq // kvh, 1, d, dv, S),
-        (query.data_ptr(), ql), (key.data_ptr(), kl), (value.data_ptr(), vl), runs,
+        (query.data_ptr(), ql), (key.data_ptr(), kl), (value.data_ptr(), vl), None,
         out.data_ptr(), None, scale, softcap=softcap, mask=mask_rows,
     )  # fmt: skip
     return None if status else out
@@ -197,9 +189,9 @@ def _decode_fast(
     """:func:`_decode_step` for a decoding step with nothing but a mask of runs of keys and
     soft-capping (no other variant, no weights asked for); None otherwise.
 
-    A boolean mask ``(batch or 1, 1, 1, S)`` (what transformers builds for this backend) is
-    handed to the kernel as it is, which reads each sequence's run of keys from it; a float
-    mask of ``0``/``-inf`` is read here (:func:`_visible_keys`) and its keys cut to the runs.
+    A mask ``(batch or 1, 1, 1, S)`` is handed to the kernel as boolean rows (transformers
+    builds booleans for this backend; a float mask of only ``0`` and ``-inf`` is turned into
+    them), and the kernel reads each sequence's run of keys from it.
     """
     for name in ("position_bias", "s_aux", "sinks"):
         if kwargs.get(name) is not None:
@@ -210,29 +202,23 @@ def _decode_fast(
     if kwargs.get("output_attentions"):
         return None
     if mask is None:
-        return _decode_step(query, key, value, scaling, None, softcap)
+        return _decode_step(query, key, value, scaling, softcap)
     import torch
 
-    if mask.dtype == torch.bool:
-        shape, S = mask.shape, key.shape[-2]
-        if (
-            mask.ndim != 4
-            or shape[1:] != (1, 1, S)
-            or shape[0] not in (1, query.shape[0])
-            or not mask.is_cpu
-        ):
-            return None
-        bs = mask.stride(0) if shape[0] > 1 else 0
-        rows = (mask.data_ptr(), bs, mask.stride(3))
-        return _decode_step(query, key, value, scaling, None, softcap, rows)
-    seen = _visible_keys(mask, 1, key.shape[-2])
-    if seen is None or (not seen.exact and seen.lo is None):
+    S = key.shape[-2]
+    if mask.ndim != 4 or mask.shape[1:] != (1, 1, S) or mask.shape[0] not in (1, query.shape[0]):
         return None
-    if seen.last - seen.first < key.shape[-2]:  # only the keys some sequence sees: views
-        key = key[..., seen.first : seen.last, :]
-        value = value[..., seen.first : seen.last, :]
-    runs = None if seen.exact else (seen.lo.ctypes.data, seen.hi.ctypes.data)
-    return _decode_step(query, key, value, scaling, runs, softcap)
+    if not mask.is_cpu:
+        return None
+    if mask.dtype != torch.bool:  # a float mask qualifies with only 0 and -inf: as booleans
+        if not mask.is_floating_point():
+            return None
+        keep = mask == 0
+        if not bool((keep | (mask == float("-inf"))).all()):
+            return None  # a true float bias
+        mask = keep
+    rows = (mask.data_ptr(), mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(3))
+    return _decode_step(query, key, value, scaling, softcap, rows)
 
 
 def attention_forward(

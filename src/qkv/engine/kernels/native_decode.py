@@ -77,7 +77,6 @@ class _DecodeArgs(ctypes.Structure):
         ("threads", ctypes.c_int64),
         ("isa", ctypes.c_int64),
         ("parallel", ctypes.c_void_p),
-        ("min_keys", ctypes.c_int64),
         ("softcap", ctypes.c_double),
         ("mask", ctypes.c_void_p),
         ("mask_bs", ctypes.c_int64),
@@ -229,7 +228,7 @@ def launch(
     lo, hi = (None, None) if runs is None else runs
     args = _DecodeArgs(
         *sizes, q[0], *q[1], k[0], *k[1], v[0], *v[1], lo, hi, out, lse, scale, workers, isa,
-        team, 0, softcap or 0.0, *(mask or (None, 0, 0)),
+        team, softcap or 0.0, *(mask or (None, 0, 0)),
     )  # fmt: skip
     status = fns[f64](ctypes.byref(args))
     if status == 1:
@@ -289,9 +288,7 @@ def attend(plan: Plan, *, threads: int | None = None) -> tuple[np.ndarray, np.nd
         lo, hi = runs
     k = np.broadcast_to(k, (*outer, kvh, plan.S, plan.d))
     v = np.broadcast_to(v, (*outer, kvh, plan.S, plan.dv))
-    res = step(
-        q, k, v, plan.scale, lo, hi, threads=threads, dtype=plan.acc_dtype, softcap=plan.softcap
-    )
+    res = step(q, k, v, plan.scale, lo, hi, threads=threads, softcap=plan.softcap)
     return decode.attend(plan, threads=threads) if res is None else res
 
 
@@ -304,7 +301,6 @@ def step(
     hi: np.ndarray | None = None,
     *,
     threads: int | None = None,
-    dtype: Any = None,
     isa: int = 0,
     softcap: float | None = None,
 ) -> tuple[np.ndarray, np.ndarray] | None:
@@ -320,7 +316,7 @@ def step(
     or NaN inputs, an overflow): the caller then takes the general path, which applies
     qkv's rules for those.
     """
-    dt = q.dtype if dtype is None else np.dtype(dtype)
+    dt = q.dtype
     if not available() or q.ndim < 3 or k.ndim != q.ndim or v.ndim != q.ndim:
         return None
     if dt not in _DTYPES or q.dtype != dt or k.dtype != dt or v.dtype != dt:

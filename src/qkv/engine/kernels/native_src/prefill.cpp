@@ -972,7 +972,6 @@ struct qkv_decode_args {
     int64_t threads;
     int64_t isa;
     void* parallel;   // GOMP_parallel of a running OpenMP runtime, or NULL
-    int64_t min_keys;  // keys per piece at least (0: 256)
     double softcap;    // > 0: scores become softcap * tanh(score / softcap) (Gemma 2); else 0
     // A boolean mask (1 = may attend) of one row per sequence, read instead of lo/hi: each
     // sequence's visible keys must be one run (else status 4, nothing computed); or NULL.
@@ -1320,7 +1319,7 @@ int run_decode(const qkv_decode_args& given) {
     const int64_t R = a.group * a.L, units = a.nseq * a.kv_heads;
     if (units == 0) return 0;  // no sequence: nothing to write
     const int64_t threads = std::max<int64_t>(1, a.threads);
-    const int64_t least = a.min_keys > 0 ? a.min_keys : 256;
+    const int64_t least = 256;  // keys per piece at least
     int64_t longest = 0;
     for (int64_t b = 0; b < a.nseq; ++b)
         longest = std::max(longest, (a.hi ? a.hi[b] : a.S) - (a.lo ? a.lo[b] : 0));
