@@ -357,3 +357,22 @@ def test_example_script_runs_and_writes_a_png(tmp_path):
     numbers = example["main"](str(out), layer=1, head=3)
     assert numbers["max_abs_logit_diff"] < 1e-4 and numbers["generate_identical"] == 1.0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_decode_step_with_a_padded_mask_equals_sdpa(kind, calls):
+    """A decoding step whose mask leaves each sequence its own run of keys (boolean, or float
+    with only 0 and -inf), with no weights asked for: the short road where the native step is
+    built (the kernel reads the runs from the mask), and the output equals transformers' sdpa."""
+    runs = [(2, 9), (0, 6), (4, 5)]
+    B, S = len(runs), 9
+    q, k, v = rand(B, 4, 1, 8, seed=4), rand(B, 2, S, 8, seed=5), rand(B, 2, S, 8, seed=6)
+    keep = torch.zeros(B, 1, 1, S, dtype=torch.bool)
+    for b, (lo, hi) in enumerate(runs):
+        keep[b, ..., lo:hi] = True
+    mask = keep if kind == "bool" else torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))
+    layer = Layer(True, groups=2)
+    out, _ = attention_forward(layer, q, k, v, mask, scaling=0.3)
+    expect, _ = sdpa_attention_forward(layer, q, k, v, mask, scaling=0.3)
+    torch.testing.assert_close(out, expect, atol=1e-5, rtol=1e-5)
+    assert calls == [(B, 4, 1, 8)]  # one call, by whichever road is built here
