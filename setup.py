@@ -40,15 +40,20 @@ class OptionalBuildExt(build_ext):
         )
 
 
+_SRC = "src/qkv/engine/kernels/native_src"
+
+
 def _native() -> list[Extension]:
     if sys.platform == "win32":
         return []  # the source uses GCC/Clang attributes
     return [
         Extension(
             "qkv.engine.kernels._native",
-            sources=["src/qkv/engine/kernels/native_src/prefill.cpp"],
+            # one source per kernel family over the shared headers (abi.h, common.h)
+            sources=[f"{_SRC}/{name}.cpp" for name in ("forward", "backward", "decode")],
+            depends=[f"{_SRC}/abi.h", f"{_SRC}/common.h"],
             language="c++",
-            # No -march: the vector clones are chosen at run time (see prefill.cpp).
+            # No -march: the vector clones are chosen at run time (see common.h).
             extra_compile_args=[
                 "-O3",
                 "-std=c++17",

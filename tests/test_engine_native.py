@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 import qkv
 from qkv import reference
 from qkv.engine.grad import reference_attention_vjp
-from qkv.engine.kernels import dispatch, native
+from qkv.engine.kernels import dispatch, native, native_lib
 from qkv.validate import make_plan
 
-_lib, _why = native._library()
+_lib, _why = native_lib.library()
 _gemm, _why_gemm = native._gemm()
 pytestmark = pytest.mark.skipif(
     _lib is None or _gemm is None, reason=f"native kernels unavailable: {_why or _why_gemm}"

@@ -13,7 +13,7 @@ import numpy as np
 import qkv
 from qkv.about import format_info
 from qkv.cli import main
-from qkv.engine.kernels import native
+from qkv.engine.kernels import native, native_lib
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -48,7 +48,7 @@ def test_info_follows_the_switches_in_a_fresh_process():
     assert off["jit"] == {"active": False, "reason": "switched off (QKV_JIT=0)"}
     assert off["threads"]["count"] == 1 and "OMP_NUM_THREADS=1" in off["threads"]["rule"]
     on = json.loads(_python(code, QKV_NATIVE="1"))
-    built = native._library()[0] is not None and native._gemm()[0] is not None
+    built = native_lib.library()[0] is not None and native._gemm()[0] is not None
     assert on["native"]["active"] is built  # whatever this process's own QKV_NATIVE says
     assert "QKV_NATIVE=0" not in on["native"]["reason"]
 

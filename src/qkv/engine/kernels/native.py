@@ -44,14 +44,22 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import importlib.machinery
-import os
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ...validate import Plan
+from .native_lib import (
+    ENV,
+    ISAS,
+    BackwardArgs,
+    PrefillArgs,
+    VarlenArgs,
+    invoke,
+    library,
+    library_path,
+    switched_off,
+)
 from .threads import blas_limitable, default_threads, rescan_blas, single_threaded_blas
 
 __all__ = [
@@ -75,162 +83,7 @@ BLOCK_Q = 512
 BLOCK_K = 768
 BWD_BLOCK_Q = 128  # the backward's tiles (it holds two of them: weights and their gradient)
 BWD_BLOCK_K = 128
-ISAS = {"baseline": 1, "avx2": 2, "avx512": 3}  # the vector clones, narrowest first
 _ISA_NAMES = {v: k for k, v in ISAS.items()}
-ENV = "QKV_NATIVE"
-
-
-class _Args(ctypes.Structure):
-    """``qkv_prefill_args`` of ``native_src/prefill.cpp`` (same order, all 8-byte fields)."""
-
-    _fields_ = [
-        ("nb", ctypes.c_int64),
-        ("L", ctypes.c_int64),
-        ("S", ctypes.c_int64),
-        ("d", ctypes.c_int64),
-        ("dv", ctypes.c_int64),
-        ("q", ctypes.c_void_p),
-        ("q_off", ctypes.c_void_p),
-        ("q_rs", ctypes.c_int64),
-        ("k", ctypes.c_void_p),
-        ("k_off", ctypes.c_void_p),
-        ("k_rs", ctypes.c_int64),
-        ("v", ctypes.c_void_p),
-        ("v_off", ctypes.c_void_p),
-        ("v_rs", ctypes.c_int64),
-        ("out", ctypes.c_void_p),
-        ("lse", ctypes.c_void_p),
-        ("mask", ctypes.c_void_p),
-        ("bias", ctypes.c_void_p),
-        ("m_off", ctypes.c_void_p),
-        ("m_rs", ctypes.c_int64),
-        ("m_cs", ctypes.c_int64),
-        ("scale", ctypes.c_double),
-        ("causal", ctypes.c_int64),
-        ("left", ctypes.c_int64),
-        ("right", ctypes.c_int64),
-        ("threads", ctypes.c_int64),
-        ("isa", ctypes.c_int64),
-        ("gemm", ctypes.c_void_p),
-        ("block_q", ctypes.c_int64),
-        ("block_k", ctypes.c_int64),
-    ]
-
-
-class _BwdArgs(ctypes.Structure):
-    """``qkv_backward_args`` of ``native_src/prefill.cpp`` (same order, all 8-byte fields)."""
-
-    _fields_ = [
-        *((name, ctypes.c_int64) for name in ("nkv", "group", "L", "S", "d", "dv")),
-        ("q", ctypes.c_void_p),
-        ("q_off", ctypes.c_void_p),
-        ("q_rs", ctypes.c_int64),
-        ("k", ctypes.c_void_p),
-        ("k_off", ctypes.c_void_p),
-        ("k_rs", ctypes.c_int64),
-        ("v", ctypes.c_void_p),
-        ("v_off", ctypes.c_void_p),
-        ("v_rs", ctypes.c_int64),
-        ("dout", ctypes.c_void_p),
-        ("lse", ctypes.c_void_p),
-        ("delta", ctypes.c_void_p),
-        ("dq", ctypes.c_void_p),
-        ("dk", ctypes.c_void_p),
-        ("dvo", ctypes.c_void_p),
-        ("mask", ctypes.c_void_p),
-        ("bias", ctypes.c_void_p),
-        ("m_off", ctypes.c_void_p),
-        ("m_rs", ctypes.c_int64),
-        ("m_cs", ctypes.c_int64),
-        ("scale", ctypes.c_double),
-        ("causal", ctypes.c_int64),
-        ("left", ctypes.c_int64),
-        ("right", ctypes.c_int64),
-        ("threads", ctypes.c_int64),
-        ("isa", ctypes.c_int64),
-        ("gemm", ctypes.c_void_p),
-        ("block_q", ctypes.c_int64),
-        ("block_k", ctypes.c_int64),
-    ]
-
-
-class _VarlenArgs(ctypes.Structure):
-    """``qkv_varlen_args`` of ``native_src/prefill.cpp`` (same order, all 8-byte fields)."""
-
-    _fields_ = [
-        *((name, ctypes.c_int64) for name in ("nseq", "heads", "group", "d", "dv")),
-        ("q", ctypes.c_void_p),
-        ("q_ts", ctypes.c_int64),
-        ("q_hs", ctypes.c_int64),
-        ("k", ctypes.c_void_p),
-        ("k_ts", ctypes.c_int64),
-        ("k_hs", ctypes.c_int64),
-        ("v", ctypes.c_void_p),
-        ("v_ts", ctypes.c_int64),
-        ("v_hs", ctypes.c_int64),
-        ("cq", ctypes.c_void_p),
-        ("ck", ctypes.c_void_p),
-        ("seqs", ctypes.c_void_p),
-        ("out", ctypes.c_void_p),
-        ("lse", ctypes.c_void_p),
-        ("bad", ctypes.c_void_p),
-        ("scale", ctypes.c_double),
-        ("causal", ctypes.c_int64),
-        ("left", ctypes.c_int64),
-        ("right", ctypes.c_int64),
-        ("threads", ctypes.c_int64),
-        ("isa", ctypes.c_int64),
-        ("gemm", ctypes.c_void_p),
-        ("block_q", ctypes.c_int64),
-        ("block_k", ctypes.c_int64),
-    ]
-
-
-def _library_path() -> Path | None:
-    """The built library next to this module (``_native`` plus an extension suffix)."""
-    here = Path(__file__).parent
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        path = here / f"_native{suffix}"
-        if path.is_file():
-            return path
-    return None
-
-
-@functools.cache
-def _library() -> tuple[Any, str]:
-    """``(library, "")``, or ``(None, why not)``; loaded once."""
-    path = _library_path()
-    if path is None:
-        return None, "not built (no C++ compiler when qkv was installed, or the build failed)"
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as exc:
-        return None, f"the library did not load: {exc}"
-    structs = (
-        ("qkv_args_size", _Args),
-        ("qkv_backward_args_size", _BwdArgs),
-        ("qkv_varlen_args_size", _VarlenArgs),
-    )
-    try:
-        for name, _ in structs:
-            getattr(lib, name).restype = ctypes.c_int64
-        sizes = [getattr(lib, name)() for name, _ in structs]
-    except AttributeError:
-        sizes = []
-    if sizes != [ctypes.sizeof(args) for _, args in structs]:
-        return None, "the library is from another version of qkv (argument layout differs)"
-    for name, args in (
-        ("qkv_prefill_f32", _Args),
-        ("qkv_prefill_f64", _Args),
-        ("qkv_backward_f32", _BwdArgs),
-        ("qkv_backward_f64", _BwdArgs),
-        ("qkv_varlen_f32", _VarlenArgs),
-        ("qkv_varlen_f64", _VarlenArgs),
-    ):
-        getattr(lib, name).argtypes = [ctypes.POINTER(args)]
-        getattr(lib, name).restype = ctypes.c_int
-    lib.qkv_best_isa.restype = ctypes.c_int
-    return lib, ""
 
 
 def _capsule_pointer(capsule: Any) -> int:
@@ -263,11 +116,23 @@ def _gemm() -> tuple[dict[np.dtype, int] | None, str]:
     return found, ""
 
 
+def _blas() -> dict[np.dtype, int]:
+    """The gemm pointers, raising when the native kernels cannot run (callers checked
+    :func:`supports`)."""
+    gemm, why = _gemm()
+    if gemm is None or library()[0] is None:
+        raise RuntimeError(f"qkv native kernels unavailable: {why or library()[1]}")
+    return gemm
+
+
+_SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}
+
+
 def available() -> tuple[bool, str]:
     """``(True, "")`` when the native kernels run, else ``(False, why not)``."""
-    if os.environ.get(ENV, "").strip() == "0":
+    if switched_off():
         return False, f"switched off ({ENV}=0)"
-    lib, why = _library()
+    lib, why = library()
     if lib is None:
         return False, why
     gemm, why = _gemm()
@@ -285,10 +150,9 @@ def info() -> dict[str, Any]:
     ['active', 'isa', 'kernels', 'library', 'reason']
     """
     ok, why = available()
-    lib, _ = _library()
-    path = _library_path()
-    switched_off = os.environ.get(ENV, "").strip() == "0"
-    decode_ok = lib is not None and not switched_off and hasattr(lib, "qkv_decode_f32")
+    lib, _ = library()
+    path = library_path()
+    decode_ok = lib is not None and not switched_off()
     return {
         "active": ok,
         "reason": why or f"built; {ENV} is not 0; SciPy's BLAS found",
@@ -394,10 +258,7 @@ def attend(
     block_q, block_k : int, optional
         Query rows per work item and keys per score tile.
     """
-    lib, why = _library()
-    gemm, why2 = _gemm()
-    if lib is None or gemm is None:
-        raise RuntimeError(f"qkv native kernels unavailable: {why or why2}")
+    gemm = _blas()
     assert plan.v is not None  # supports() asks for values
     dt = plan.acc_dtype
     batch, L, dv = plan.batch, plan.L, plan.dv
@@ -419,7 +280,7 @@ def attend(
     left, right = plan.window if plan.window is not None else (None, None)
     n = _workers(threads)
     block_q = _fit_rows(block_q, lambda bq: nb * -(-L // bq), n)
-    args = _Args(
+    args = PrefillArgs(
         nb=nb,
         L=L,
         S=plan.S,
@@ -451,13 +312,8 @@ def attend(
         block_q=block_q,
         block_k=block_k,
     )
-    fn = lib.qkv_prefill_f32 if dt == np.float32 else lib.qkv_prefill_f64
     with single_threaded_blas():
-        status = fn(ctypes.byref(args))
-    if status == 1:
-        raise MemoryError("qkv native prefill: no memory for the score tiles")
-    if status != 0:
-        raise RuntimeError(f"qkv native prefill: bad arguments (status {status})")
+        invoke(f"qkv_prefill_{_SUFFIX[dt]}", args, "prefill")
     return out, lse
 
 
@@ -480,10 +336,7 @@ def backward(
     weights are recomputed tile by tile from ``lse``. Work items are (kv head, key block)
     pairs; a query head's ``dq`` rows are added under a lock per query block.
     """
-    lib, why = _library()
-    gemm, why2 = _gemm()
-    if lib is None or gemm is None:
-        raise RuntimeError(f"qkv native kernels unavailable: {why or why2}")
+    gemm = _blas()
     assert plan.v is not None  # supports() asks for values
     dt = plan.acc_dtype
     batch, L, S, d, dv = plan.batch, plan.L, plan.S, plan.d, plan.dv
@@ -505,7 +358,7 @@ def backward(
     m, m_off = _masks(plan)
     m_ptr = None if m is None else m.ctypes.data  # the mask's or the bias's data
     left, right = plan.window if plan.window is not None else (None, None)
-    args = _BwdArgs(
+    args = BackwardArgs(
         nkv=k_off.size,
         group=nq // k_off.size,
         L=L,
@@ -542,13 +395,8 @@ def backward(
         block_q=block_q,
         block_k=block_k,
     )
-    fn = lib.qkv_backward_f32 if dt == np.float32 else lib.qkv_backward_f64
     with single_threaded_blas():
-        status = fn(ctypes.byref(args))
-    if status == 1:
-        raise MemoryError("qkv native backward: no memory for the tiles")
-    if status != 0:
-        raise RuntimeError(f"qkv native backward: bad arguments (status {status})")
+        invoke(f"qkv_backward_{_SUFFIX[dt]}", args, "backward")
     return dq, dk, dvv
 
 
@@ -622,10 +470,7 @@ def attend_packed(
     >>> bool(np.allclose(out[3:], one.transpose(1, 0, 2)))
     True
     """
-    lib, why = _library()
-    gemm, why2 = _gemm()
-    if lib is None or gemm is None:
-        raise RuntimeError(f"qkv native kernels unavailable: {why or why2}")
+    gemm = _blas()
     dt = np.dtype(np.result_type(np.float32, q, k, v) if dtype is None else dtype)
     heads, kv_heads, dv = q.shape[1], k.shape[1], v.shape[2]
     out = np.zeros((q.shape[0], heads, dv), dtype=dt)
@@ -643,7 +488,7 @@ def attend_packed(
     lq = lq[lq > 0]
     block_q = _fit_rows(block_q, lambda bq: kv_heads * int(np.sum(-(-lq // bq))), workers)
     flags = np.zeros(cq.size - 1, dtype=np.uint8)  # set per sequence with a non-finite output
-    args = _VarlenArgs(
+    args = VarlenArgs(
         nseq=chosen.size,
         heads=heads,
         group=heads // kv_heads,
@@ -674,13 +519,8 @@ def attend_packed(
         block_q=block_q,
         block_k=block_k,
     )
-    fn = lib.qkv_varlen_f32 if dt == np.float32 else lib.qkv_varlen_f64
     with single_threaded_blas():
-        status = fn(ctypes.byref(args))
-    if status == 1:
-        raise MemoryError("qkv native varlen: no memory for the score tiles")
-    if status != 0:
-        raise RuntimeError(f"qkv native varlen: bad arguments (status {status})")
+        invoke(f"qkv_varlen_{_SUFFIX[dt]}", args, "varlen")
     if bad is not None:
         bad.update(np.flatnonzero(flags).tolist())
     return out, lse

@@ -2,7 +2,7 @@
 
 Must equal :func:`qkv.reference.attention`. A decoding step is a few query rows per kv head
 (``group · L``, usually ``L = 1``) against a long run of cached keys: memory-bound, so the C++
-kernel (``qkv_decode_*`` in ``native_src/prefill.cpp``) streams each kv head's keys and values
+kernel (``qkv_decode_*`` in ``native_src/decode.cpp``) streams each kv head's keys and values
 once, in pieces split over the threads, takes the rows' dot products while a key row is in
 L1 and keeps the online softmax of the prefill kernel; the pieces are merged at the end as
 :func:`qkv.merge` merges parts. It reads K and V where they are (any strides with a contiguous
@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from ...validate import Plan
-from . import native
+from .native_lib import DecodeArgs, invoke, library, switched_off
 from .threads import default_threads
 
 __all__ = ["attend", "available", "launch", "layout", "openmp_parallel", "step", "supports"]
@@ -58,58 +58,9 @@ _F64 = np.dtype(np.float64)
 _PID = os.getpid()  # the process that imported this module: its OpenMP teams are usable
 
 
-class _DecodeArgs(ctypes.Structure):
-    """``qkv_decode_args`` of ``native_src/prefill.cpp`` (same order, all 8-byte fields)."""
-
-    _fields_ = [
-        *((name, ctypes.c_int64) for name in ("nseq", "kv_heads", "group", "L", "d", "dv", "S")),
-        ("q", ctypes.c_void_p),
-        *((name, ctypes.c_int64) for name in ("q_bs", "q_hs", "q_ls")),
-        ("k", ctypes.c_void_p),
-        *((name, ctypes.c_int64) for name in ("k_bs", "k_hs", "k_rs")),
-        ("v", ctypes.c_void_p),
-        *((name, ctypes.c_int64) for name in ("v_bs", "v_hs", "v_rs")),
-        ("lo", ctypes.c_void_p),
-        ("hi", ctypes.c_void_p),
-        ("out", ctypes.c_void_p),
-        ("lse", ctypes.c_void_p),
-        ("scale", ctypes.c_double),
-        ("threads", ctypes.c_int64),
-        ("isa", ctypes.c_int64),
-        ("parallel", ctypes.c_void_p),
-        ("softcap", ctypes.c_double),
-        ("mask", ctypes.c_void_p),
-        ("mask_bs", ctypes.c_int64),
-        ("mask_js", ctypes.c_int64),
-    ]
-
-
-@functools.cache
-def _functions() -> tuple[Any, Any] | None:
-    """``(qkv_decode_f32, qkv_decode_f64)`` with their argument types, or None when the
-    library is not built or is of another layout."""
-    lib, _ = native._library()
-    if lib is None:
-        return None
-    try:
-        size = lib.qkv_decode_args_size
-        size.restype = ctypes.c_int64
-        if size() != ctypes.sizeof(_DecodeArgs):
-            return None
-        fns = lib.qkv_decode_f32, lib.qkv_decode_f64
-    except AttributeError:
-        return None
-    for fn in fns:
-        fn.argtypes = [ctypes.POINTER(_DecodeArgs)]
-        fn.restype = ctypes.c_int
-    return fns
-
-
 def available() -> bool:
     """Whether the native decode kernel runs here (built, of this layout, not switched off)."""
-    if os.environ.get(native.ENV, "").strip() == "0":
-        return False
-    return _functions() is not None
+    return not switched_off() and library()[0] is not None
 
 
 @functools.cache
@@ -211,7 +162,7 @@ def launch(
     ``q``, ``k``, ``v`` each ``(address, (sequence, head, row) strides in elements)``; ``runs``
     the addresses of the int64 ``lo`` and ``hi`` per sequence, or None (every key); ``out``
     (``(sequences, heads, L, dv)``, contiguous) and ``lse`` (or None) the addresses to write;
-    ``isa`` caps the vector clone (:data:`qkv.engine.kernels.native.ISAS`; 0: the widest);
+    ``isa`` caps the vector clone (:data:`qkv.engine.kernels.native_lib.ISAS`; 0: the widest);
     ``softcap`` (> 0) soft-caps the scaled scores, ``c · tanh(s / c)``, as qkv's ``softcap``;
     ``mask`` is ``(address, sequence stride, key stride)`` in bytes of a boolean mask row per
     sequence, read (in C) as each sequence's run of keys in place of ``runs``.
@@ -220,22 +171,15 @@ def launch(
     one run of keys (then take the general path). The caller guarantees the memory matches;
     nothing is checked here.
     """
-    fns = _functions()
-    assert fns is not None  # available() was checked
     team, workers = openmp_parallel()
     if threads is not None:
         workers = max(1, int(threads))
     lo, hi = (None, None) if runs is None else runs
-    args = _DecodeArgs(
+    args = DecodeArgs(
         *sizes, q[0], *q[1], k[0], *k[1], v[0], *v[1], lo, hi, out, lse, scale, workers, isa,
         team, softcap or 0.0, *(mask or (None, 0, 0)),
     )  # fmt: skip
-    status = fns[f64](ctypes.byref(args))
-    if status == 1:
-        raise MemoryError("qkv native decode: not enough memory for the work items")
-    if status not in (0, 3, 4):  # pragma: no cover - the callers check the arguments
-        raise RuntimeError(f"qkv native decode: bad arguments (status {status})")
-    return int(status)
+    return invoke("qkv_decode_f64" if f64 else "qkv_decode_f32", args, "decode", allowed=(3, 4))
 
 
 def _runs(plan: Plan) -> tuple[np.ndarray, np.ndarray] | None:

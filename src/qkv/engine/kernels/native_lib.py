@@ -1,0 +1,179 @@
+"""The native library's loader: its C ABI in ctypes, loaded once, and one way to call it.
+
+The optional C++ library (``native_src/``: ``abi.h`` the argument structs, ``common.h`` what
+the kernel families share, one source per family) is a plain C ABI: every exported kernel takes
+one struct and returns a status. This module mirrors each struct field for field, checks on
+load that the library agrees on their sizes, and :func:`invoke` is the one call site that maps a
+status to an exception. The kernels' glue (:mod:`~qkv.engine.kernels.native` for prefill,
+varlen and backward, :mod:`~qkv.engine.kernels.native_decode` for decode) fills the structs.
+
+Examples
+--------
+>>> why = library()[1]
+>>> library()[0] is not None or why.startswith(("not built", "the library"))
+True
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.machinery
+import os
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "ENV",
+    "ISAS",
+    "BackwardArgs",
+    "DecodeArgs",
+    "PrefillArgs",
+    "VarlenArgs",
+    "invoke",
+    "library",
+    "library_path",
+    "switched_off",
+]
+
+ENV = "QKV_NATIVE"  # "0" switches the native kernels off (read on every call)
+ISAS = {"baseline": 1, "avx2": 2, "avx512": 3}  # the vector clones, narrowest first
+
+_i64, _ptr, _f64 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double
+
+
+def _ints(*names: str) -> list[tuple[str, Any]]:
+    return [(name, _i64) for name in names]
+
+
+class PrefillArgs(ctypes.Structure):
+    """``qkv_prefill_args`` of ``native_src/abi.h`` (same order, all 8-byte fields)."""
+
+    _fields_ = [
+        *_ints("nb", "L", "S", "d", "dv"),
+        ("q", _ptr), ("q_off", _ptr), ("q_rs", _i64),
+        ("k", _ptr), ("k_off", _ptr), ("k_rs", _i64),
+        ("v", _ptr), ("v_off", _ptr), ("v_rs", _i64),
+        ("out", _ptr), ("lse", _ptr),
+        ("mask", _ptr), ("bias", _ptr), ("m_off", _ptr), *_ints("m_rs", "m_cs"),
+        ("scale", _f64), *_ints("causal", "left", "right", "threads", "isa"),
+        ("gemm", _ptr), *_ints("block_q", "block_k"),
+    ]  # fmt: skip
+
+
+class BackwardArgs(ctypes.Structure):
+    """``qkv_backward_args`` of ``native_src/abi.h`` (same order, all 8-byte fields)."""
+
+    _fields_ = [
+        *_ints("nkv", "group", "L", "S", "d", "dv"),
+        ("q", _ptr), ("q_off", _ptr), ("q_rs", _i64),
+        ("k", _ptr), ("k_off", _ptr), ("k_rs", _i64),
+        ("v", _ptr), ("v_off", _ptr), ("v_rs", _i64),
+        ("dout", _ptr), ("lse", _ptr), ("delta", _ptr),
+        ("dq", _ptr), ("dk", _ptr), ("dvo", _ptr),
+        ("mask", _ptr), ("bias", _ptr), ("m_off", _ptr), *_ints("m_rs", "m_cs"),
+        ("scale", _f64), *_ints("causal", "left", "right", "threads", "isa"),
+        ("gemm", _ptr), *_ints("block_q", "block_k"),
+    ]  # fmt: skip
+
+
+class VarlenArgs(ctypes.Structure):
+    """``qkv_varlen_args`` of ``native_src/abi.h`` (same order, all 8-byte fields)."""
+
+    _fields_ = [
+        *_ints("nseq", "heads", "group", "d", "dv"),
+        ("q", _ptr), *_ints("q_ts", "q_hs"),
+        ("k", _ptr), *_ints("k_ts", "k_hs"),
+        ("v", _ptr), *_ints("v_ts", "v_hs"),
+        ("cq", _ptr), ("ck", _ptr), ("seqs", _ptr),
+        ("out", _ptr), ("lse", _ptr), ("bad", _ptr),
+        ("scale", _f64), *_ints("causal", "left", "right", "threads", "isa"),
+        ("gemm", _ptr), *_ints("block_q", "block_k"),
+    ]  # fmt: skip
+
+
+class DecodeArgs(ctypes.Structure):
+    """``qkv_decode_args`` of ``native_src/abi.h`` (same order, all 8-byte fields)."""
+
+    _fields_ = [
+        *_ints("nseq", "kv_heads", "group", "L", "d", "dv", "S"),
+        ("q", _ptr), *_ints("q_bs", "q_hs", "q_ls"),
+        ("k", _ptr), *_ints("k_bs", "k_hs", "k_rs"),
+        ("v", _ptr), *_ints("v_bs", "v_hs", "v_rs"),
+        ("lo", _ptr), ("hi", _ptr),
+        ("out", _ptr), ("lse", _ptr),
+        ("scale", _f64), *_ints("threads", "isa"),
+        ("parallel", _ptr),
+        ("softcap", _f64),
+        ("mask", _ptr), *_ints("mask_bs", "mask_js"),
+    ]  # fmt: skip
+
+
+# Each kernel family: the struct its functions take, the function reporting its size, and the
+# functions (one per compute dtype).
+_FAMILIES: tuple[tuple[type[ctypes.Structure], str, tuple[str, ...]], ...] = (
+    (PrefillArgs, "qkv_args_size", ("qkv_prefill_f32", "qkv_prefill_f64")),
+    (BackwardArgs, "qkv_backward_args_size", ("qkv_backward_f32", "qkv_backward_f64")),
+    (VarlenArgs, "qkv_varlen_args_size", ("qkv_varlen_f32", "qkv_varlen_f64")),
+    (DecodeArgs, "qkv_decode_args_size", ("qkv_decode_f32", "qkv_decode_f64")),
+)
+
+
+def switched_off() -> bool:
+    """Whether ``QKV_NATIVE=0`` switches the native kernels off (read on every call)."""
+    return os.environ.get(ENV, "").strip() == "0"
+
+
+def library_path() -> Path | None:
+    """The built library next to this module (``_native`` plus an extension suffix)."""
+    here = Path(__file__).parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = here / f"_native{suffix}"
+        if path.is_file():
+            return path
+    return None
+
+
+@functools.cache
+def library() -> tuple[Any, str]:
+    """``(library, "")`` with every function's argument types set, or ``(None, why not)``;
+    loaded once. A library whose structs differ in size from these (another version of qkv)
+    is refused whole."""
+    path = library_path()
+    if path is None:
+        return None, "not built (no C++ compiler when qkv was installed, or the build failed)"
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        return None, f"the library did not load: {exc}"
+    try:
+        for args, size, functions in _FAMILIES:
+            getattr(lib, size).restype = _i64
+            if getattr(lib, size)() != ctypes.sizeof(args):
+                raise AttributeError(size)
+            for name in functions:
+                getattr(lib, name).argtypes = [ctypes.POINTER(args)]
+                getattr(lib, name).restype = ctypes.c_int
+        lib.qkv_best_isa.restype = ctypes.c_int
+    except AttributeError:
+        return None, "the library is from another version of qkv (argument layout differs)"
+    return lib, ""
+
+
+def invoke(
+    function: str, args: ctypes.Structure, what: str, *, allowed: tuple[int, ...] = ()
+) -> int:
+    """Call the library's ``function`` on ``args`` and return its status.
+
+    Status 0 and those in ``allowed`` are returned (the caller acts on them); 1 (no memory)
+    raises :class:`MemoryError`, any other :class:`RuntimeError`, both naming ``what``.
+    """
+    lib, why = library()
+    if lib is None:
+        raise RuntimeError(f"qkv native kernels unavailable: {why}")
+    status = int(getattr(lib, function)(ctypes.byref(args)))
+    if status == 0 or status in allowed:
+        return status
+    if status == 1:
+        raise MemoryError(f"qkv native {what}: not enough memory for its work")
+    raise RuntimeError(f"qkv native {what}: bad arguments (status {status})")

@@ -1,0 +1,154 @@
+// The C ABI of qkv's native library: the argument structs the Python side fills
+// (qkv/engine/kernels/native_lib.py mirrors each one field for field, all 8-byte fields) and
+// the function pointers it hands in. Every exported function takes one struct and returns a
+// status: 0 done; 1 no memory; 2 bad arguments; 3 an output is not finite (decode; the caller's
+// general path applies its rules); 4 a mask row is not one run of keys (decode; nothing done).
+
+#pragma once
+
+#include <cstdint>
+
+extern "C" {
+
+typedef void (*sgemm_t)(const char*, const char*, const int*, const int*, const int*,
+                        const float*, const float*, const int*, const float*, const int*,
+                        const float*, float*, const int*);
+typedef void (*dgemm_t)(const char*, const char*, const int*, const int*, const int*,
+                        const double*, const double*, const int*, const double*, const int*,
+                        const double*, double*, const int*);
+
+// Everything one call needs. Offsets and strides are in elements; the last axis of q, k, v
+// (and of out) is contiguous. Per query head h (the flattened batch), its queries start at
+// q + q_off[h], its kv head's keys and values at k + k_off[h] and v + v_off[h], its mask or
+// bias entry (row i, key j) at m_off[h] + i * m_rs + j * m_cs.
+struct qkv_prefill_args {
+    int64_t nb, L, S, d, dv;
+    const void* q;
+    const int64_t* q_off;
+    int64_t q_rs;
+    const void* k;
+    const int64_t* k_off;
+    int64_t k_rs;
+    const void* v;
+    const int64_t* v_off;
+    int64_t v_rs;
+    void* out;  // (nb, L, dv) contiguous
+    void* lse;  // (nb, L) contiguous
+    const uint8_t* mask;  // bool mask (1 = may attend) or NULL
+    const void* bias;     // float bias in the compute dtype or NULL
+    const int64_t* m_off;
+    int64_t m_rs, m_cs;
+    double scale;
+    int64_t causal;
+    int64_t left, right;  // window sides; -1 = unbounded
+    int64_t threads;
+    int64_t isa;  // 0 = best available, 1 = baseline, 2 = AVX2, 3 = AVX-512
+    void* gemm;   // sgemm for float32, dgemm for float64
+    int64_t block_q, block_k;
+};
+
+// The packed varlen walk (qkv.engine.kernels.packed's layout): q (total_q, heads, d), k and
+// v (total_k, heads / group, ·), sequence b in rows cq[b]:cq[b + 1] and ck[b]:ck[b + 1], each
+// attending alone (causal bottom-right within it, windows likewise). Token and head strides
+// in elements; the last axis is contiguous. Only the sequences listed in seqs are computed:
+// out (total_q, heads, dv) and lse (total_q, heads) are contiguous and keep what the caller
+// put in the other rows (and in those of sequences with no key).
+struct qkv_varlen_args {
+    int64_t nseq, heads, group, d, dv;
+    const void* q;
+    int64_t q_ts, q_hs;
+    const void* k;
+    int64_t k_ts, k_hs;
+    const void* v;
+    int64_t v_ts, v_hs;
+    const int64_t* cq;
+    const int64_t* ck;
+    const int64_t* seqs;
+    void* out;
+    void* lse;
+    uint8_t* bad;  // per sequence (batch entries), set to 1 where an output is not finite; or NULL
+    double scale;
+    int64_t causal;
+    int64_t left, right;
+    int64_t threads;
+    int64_t isa;
+    void* gemm;
+    int64_t block_q, block_k;
+};
+
+// The FlashAttention-2 backward. q, k, v as above but k_off/v_off are per kv head (nkv of
+// them), q_off and m_off per query head; query head t * group + g reads kv head t. dout, lse
+// (rows with no key given as +inf), delta = rowsum(dO ∘ O) and the outputs are contiguous;
+// dq, dk, dv must be zeroed by the caller.
+struct qkv_backward_args {
+    int64_t nkv, group, L, S, d, dv;
+    const void* q;
+    const int64_t* q_off;
+    int64_t q_rs;
+    const void* k;
+    const int64_t* k_off;
+    int64_t k_rs;
+    const void* v;
+    const int64_t* v_off;
+    int64_t v_rs;
+    const void* dout;   // (nkv * group, L, dv)
+    const void* lse;    // (nkv * group, L)
+    const void* delta;  // (nkv * group, L)
+    void* dq;           // (nkv * group, L, d)
+    void* dk;           // (nkv, S, d)
+    void* dvo;          // (nkv, S, dv)
+    const uint8_t* mask;
+    const void* bias;
+    const int64_t* m_off;
+    int64_t m_rs, m_cs;
+    double scale;
+    int64_t causal;
+    int64_t left, right;
+    int64_t threads;
+    int64_t isa;
+    void* gemm;
+    int64_t block_q, block_k;
+};
+
+// The GOMP_parallel entry of a running OpenMP runtime (libgomp's ABI, which LLVM's and Intel's
+// runtimes export too): fn(data) on a team of num_threads threads, the caller one of them.
+typedef void (*gomp_parallel_t)(void (*)(void*), void*, unsigned, unsigned);
+
+// Offsets in elements; the last axis of q, k, v is contiguous. Query head h * group + g of
+// sequence b reads kv head h of sequence b; its rows i < L start at
+// q + b * q_bs + (h * group + g) * q_hs + i * q_ls.
+// Status 0, or 3 when an output is not finite (infinite or NaN inputs, an overflow: the
+// caller's general path applies its rules to those), or 4 when a mask row is not one run of
+// keys (nothing is computed); 1 without memory, 2 for bad arguments.
+struct qkv_decode_args {
+    int64_t nseq, kv_heads, group, L, d, dv, S;
+    const void* q;
+    int64_t q_bs, q_hs, q_ls;
+    const void* k;
+    int64_t k_bs, k_hs, k_rs;
+    const void* v;
+    int64_t v_bs, v_hs, v_rs;
+    const int64_t* lo;  // per sequence, the keys [lo, hi) it sees; NULL: [0, S)
+    const int64_t* hi;
+    void* out;  // (nseq, kv_heads * group, L, dv) contiguous
+    void* lse;  // (nseq, kv_heads * group, L) contiguous, or NULL
+    double scale;
+    int64_t threads;
+    int64_t isa;
+    void* parallel;   // GOMP_parallel of a running OpenMP runtime, or NULL
+    double softcap;    // > 0: scores become softcap * tanh(score / softcap) (Gemma 2); else 0
+    // A boolean mask (1 = may attend) of one row per sequence, read instead of lo/hi: each
+    // sequence's visible keys must be one run (else status 4, nothing computed); or NULL.
+    const uint8_t* mask;
+    int64_t mask_bs, mask_js;  // its strides in bytes: sequence, key
+};
+
+// The sizes of the structs, so the loader can check it agrees on their layout.
+int64_t qkv_args_size(void);
+int64_t qkv_varlen_args_size(void);
+int64_t qkv_backward_args_size(void);
+int64_t qkv_decode_args_size(void);
+// The widest vector clone this CPU runs: 1 baseline, 2 AVX2, 3 AVX-512.
+int qkv_best_isa(void);
+
+}  // extern "C"

@@ -1,0 +1,413 @@
+// Decode for qkv: a few query rows per kv head (a model's decoding step: group · L rows, L usually 1)
+// against a long run of cached keys. Memory-bound, so no BLAS: each work item streams one
+// piece of one kv head's keys and values once, the rows' dot products taken while a key row is
+// in L1, with the online softmax of the prefill kernel (running max, sum, rescaled
+// accumulator). The pieces of a head are merged at the end as qkv.merge merges parts:
+//
+//     M = max_i m_i,  l = Σ_i l_i · exp(m_i − M),  out = Σ_i acc_i · exp(m_i − M) / l,
+//     lse = M + log l                                  (no key at all: out 0, lse −inf)
+//
+// Threads: the items go to the team of an OpenMP runtime the process already runs (the
+// caller passes its GOMP_parallel: PyTorch's, between whose operations a model calls this, so
+// that the same threads that just ran PyTorch's operation run these, with no second team
+// competing for the cores), else to native threads started for the call.
+
+#include "common.h"
+
+namespace {
+
+constexpr int64_t DECODE_BK = 64;  // keys per score block
+
+// tanh(x) for the soft-capped scores, vectorisable: (1 - e)/(1 + e) with e = exp(-2|x|) from
+// exp_neg, and for |x| < 1/16 (where 1 - e would lose digits) its Taylor series to x^9
+// (the next term is below 1e-14 of x there). NaN stays NaN; tanh(±inf) = ±1.
+template <typename T>
+QKV_INLINE T tanh_capped(T x) {
+    const T ax = x < 0 ? -x : x;
+    const T e = exp_neg(T(-2) * ax);
+    const T big = (T(1) - e) / (T(1) + e);
+    const T x2 = ax * ax;
+    const T small =
+        ax * (T(1) + x2 * (T(-1) / 3 + x2 * (T(2) / 15 + x2 * (T(-17) / 315 + x2 * T(62) / 2835))));
+    const T y = ax < T(0.0625) ? small : big;
+    return x < 0 ? -y : y;
+}
+
+// Soft-capping of a block's scores s[r * DECODE_BK + j], j < n: c · tanh(s / c).
+template <typename T>
+QKV_INLINE void softcap_block(T* __restrict s, int64_t R, int64_t n, T c) {
+    const T inv = T(1) / c;
+    for (int64_t r = 0; r < R; ++r) {
+        T* __restrict sr = s + r * DECODE_BK;
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) sr[j] = c * tanh_capped(sr[j] * inv);
+    }
+}
+
+// A piece's start: the scaled query rows of kv head h of sequence b into qs (R x d), the rows'
+// running max -inf, sum 0 and accumulators (R x dv) 0.
+template <typename T>
+QKV_INLINE void decode_start(const qkv_decode_args& a, int64_t b, int64_t h, int64_t d,
+                             int64_t dv, T* __restrict qs, T* __restrict m, T* __restrict l,
+                             T* __restrict acc) {
+    const int64_t R = a.group * a.L, L = a.L;
+    const T sc = T(a.scale);
+    const T* Q = static_cast<const T*>(a.q) + b * a.q_bs + h * a.group * a.q_hs;
+    for (int64_t r = 0; r < R; ++r) {
+        const T* qr = Q + (r / L) * a.q_hs + (r % L) * a.q_ls;
+#pragma omp simd
+        for (int64_t t = 0; t < d; ++t) qs[r * d + t] = qr[t] * sc;
+        m[r] = -std::numeric_limits<T>::infinity();
+        l[r] = 0;
+        for (int64_t c = 0; c < dv; ++c) acc[r * dv + c] = 0;
+    }
+}
+
+// One row's online-softmax step over a block's n scores sr, which become their weights
+// exp(s - m): moves the running max *m and sum *l and returns the factor exp(m_old - m_new) by
+// which the row's accumulator must be scaled. Scores all -inf (infinite inputs) make the row
+// NaN, left to the caller (weights 0, factor 1).
+template <typename T>
+QKV_INLINE T decode_row_step(T* __restrict sr, int64_t n, T* __restrict m, T* __restrict l) {
+    const T ninf = -std::numeric_limits<T>::infinity();
+    const T mold = *m;
+    const T mnew = std::max(mold, lane_max(sr, 0, n));
+    if (mnew == ninf) {
+        *l = std::numeric_limits<T>::quiet_NaN();
+        for (int64_t j = 0; j < n; ++j) sr[j] = 0;
+        return T(1);
+    }
+    T sum = 0;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < n; ++j) {
+        const T p = exp_neg(sr[j] - mnew);
+        sr[j] = p;
+        sum += p;
+    }
+    const T alpha = mold == ninf ? T(0) : exp_neg(mold - mnew);
+    *l = *l * alpha + sum;
+    *m = mnew;
+    return alpha;
+}
+
+// One piece: rows' m, l, acc over keys [j0, j1) of kv head h of sequence b, for any head
+// sizes. scratch holds the scaled rows (R x d) and the block's scores (R x DECODE_BK).
+template <typename T>
+QKV_INLINE void decode_piece_body(const qkv_decode_args& a, int64_t b, int64_t h, int64_t j0,
+                                  int64_t j1, T* __restrict scratch, T* __restrict m,
+                                  T* __restrict l, T* __restrict acc) {
+    const int64_t d = a.d, dv = a.dv, R = a.group * a.L;
+    T* __restrict qs = scratch;
+    T* __restrict s = scratch + R * d;
+    decode_start(a, b, h, d, dv, qs, m, l, acc);
+    const T* K = static_cast<const T*>(a.k) + b * a.k_bs + h * a.k_hs;
+    const T* V = static_cast<const T*>(a.v) + b * a.v_bs + h * a.v_hs;
+    for (int64_t b0 = j0; b0 < j1; b0 += DECODE_BK) {
+        const int64_t n = std::min<int64_t>(DECODE_BK, j1 - b0);
+        for (int64_t j = 0; j < n; ++j) {
+            const T* __restrict kr = K + (b0 + j) * a.k_rs;
+            for (int64_t r = 0; r < R; ++r) {
+                const T* __restrict qr = qs + r * d;
+                T dot = 0;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t t = 0; t < d; ++t) dot += qr[t] * kr[t];
+                s[r * DECODE_BK + j] = dot;
+            }
+        }
+        if (a.softcap > 0) softcap_block(s, R, n, T(a.softcap));
+        for (int64_t r = 0; r < R; ++r) {
+            T* __restrict sr = s + r * DECODE_BK;
+            T* __restrict ar = acc + r * dv;
+            const T alpha = decode_row_step(sr, n, m + r, l + r);
+            if (alpha != T(1)) {
+#pragma omp simd
+                for (int64_t c = 0; c < dv; ++c) ar[c] *= alpha;
+            }
+            for (int64_t j = 0; j < n; ++j) {
+                const T p = sr[j];
+                const T* __restrict vr = V + (b0 + j) * a.v_rs;
+#pragma omp simd
+                for (int64_t c = 0; c < dv; ++c) ar[c] += p * vr[c];
+            }
+        }
+    }
+}
+
+// Sum of the lanes of a 64-byte vector: its halves added down to 16 bytes, then the lanes.
+template <typename T, typename V>
+QKV_INLINE T lane_sum(V x) {
+    typedef T V32 __attribute__((vector_size(32)));
+    typedef T V16 __attribute__((vector_size(16)));
+    static_assert(sizeof(V) == 64, "a 64-byte vector");
+    V32 lo, hi;
+    std::memcpy(&lo, &x, 32);
+    std::memcpy(&hi, reinterpret_cast<const char*>(&x) + 32, 32);
+    lo += hi;
+    V16 a, b;
+    std::memcpy(&a, &lo, 16);
+    std::memcpy(&b, reinterpret_cast<const char*>(&lo) + 16, 16);
+    a += b;
+    if constexpr (sizeof(T) == 8) {
+        return a[0] + a[1];
+    } else {
+        return (a[0] + a[2]) + (a[1] + a[3]);
+    }
+}
+
+// The piece of decode_piece_body for head sizes D and DV known at compile time, multiples of
+// 64 bytes, written with vectors of 64 bytes (GCC/Clang vector extensions; each clone
+// splits them into its own registers): a key row is loaded once for all the rows, each
+// row's dot product summed in lanes and added up once, and each row's accumulator held in
+// registers while a block's values are added. The same recurrence as decode_piece_body.
+template <typename T, int D, int DV>
+QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h, int64_t j0,
+                                 int64_t j1, T* __restrict scratch, T* __restrict m,
+                                 T* __restrict l, T* __restrict acc) {
+    typedef T V __attribute__((vector_size(64), aligned(sizeof(T))));
+    constexpr int W = int(64 / sizeof(T)), NQ = D / W, NV = DV / W;
+    const int64_t R = a.group * a.L;
+    T* __restrict qs = scratch;
+    T* __restrict s = scratch + R * D;
+    decode_start(a, b, h, D, DV, qs, m, l, acc);
+    const T* K = static_cast<const T*>(a.k) + b * a.k_bs + h * a.k_hs;
+    const T* V0 = static_cast<const T*>(a.v) + b * a.v_bs + h * a.v_hs;
+    for (int64_t b0 = j0; b0 < j1; b0 += DECODE_BK) {
+        const int64_t n = std::min<int64_t>(DECODE_BK, j1 - b0);
+        const int64_t ahead = std::min<int64_t>(DECODE_BK, j1 - b0 - n);  // the next block's
+        for (int64_t j = 0; j < n; ++j) {
+            const T* kr = K + (b0 + j) * a.k_rs;
+            if (j < ahead) {  // ask for the next block's rows while this one is computed
+                const char* kn = reinterpret_cast<const char*>(kr + DECODE_BK * a.k_rs);
+                const char* vn = reinterpret_cast<const char*>(V0 + (b0 + DECODE_BK + j) * a.v_rs);
+                for (int c = 0; c < int(D * sizeof(T)); c += 64) __builtin_prefetch(kn + c);
+                for (int c = 0; c < int(DV * sizeof(T)); c += 64) __builtin_prefetch(vn + c);
+            }
+            V kv[NQ];
+            for (int c = 0; c < NQ; ++c) std::memcpy(&kv[c], kr + c * W, sizeof(V));
+            for (int64_t r = 0; r < R; ++r) {
+                const V* qv = reinterpret_cast<const V*>(qs + r * D);
+                V x = qv[0] * kv[0];
+                for (int c = 1; c < NQ; ++c) x += qv[c] * kv[c];
+                s[r * DECODE_BK + j] = lane_sum<T>(x);
+            }
+        }
+        if (a.softcap > 0) softcap_block(s, R, n, T(a.softcap));
+        T alpha[2];
+        for (int64_t r = 0; r < R; ++r) {
+            alpha[r & 1] = decode_row_step(s + r * DECODE_BK, n, m + r, l + r);
+            if (!(r & 1) && r + 1 < R) continue;  // rows go in pairs: one value row, two rows
+            const int64_t r0 = r & ~int64_t(1);
+            const int pair = int(r - r0) + 1;  // 2, or 1 for a last odd row
+            T* a0 = acc + r0 * DV;
+            T* a1 = a0 + DV;
+            const T* s0 = s + r0 * DECODE_BK;
+            const T* s1 = s0 + DECODE_BK;
+            V x0[NV], x1[NV] = {};  // x1 unused for a last odd row
+            for (int c = 0; c < NV; ++c) {
+                std::memcpy(&x0[c], a0 + c * W, sizeof(V));
+                x0[c] *= alpha[0];
+                if (pair == 2) {
+                    std::memcpy(&x1[c], a1 + c * W, sizeof(V));
+                    x1[c] *= alpha[1];
+                }
+            }
+            if (pair == 2) {
+                for (int64_t j = 0; j < n; ++j) {
+                    const T p0 = s0[j], p1 = s1[j];
+                    const T* vr = V0 + (b0 + j) * a.v_rs;
+                    for (int c = 0; c < NV; ++c) {
+                        V y;
+                        std::memcpy(&y, vr + c * W, sizeof(V));
+                        x0[c] += p0 * y;
+                        x1[c] += p1 * y;
+                    }
+                }
+            } else {
+                for (int64_t j = 0; j < n; ++j) {
+                    const T p0 = s0[j];
+                    const T* vr = V0 + (b0 + j) * a.v_rs;
+                    for (int c = 0; c < NV; ++c) {
+                        V y;
+                        std::memcpy(&y, vr + c * W, sizeof(V));
+                        x0[c] += p0 * y;
+                    }
+                }
+            }
+            for (int c = 0; c < NV; ++c) {
+                std::memcpy(a0 + c * W, &x0[c], sizeof(V));
+                if (pair == 2) std::memcpy(a1 + c * W, &x1[c], sizeof(V));
+            }
+        }
+    }
+}
+
+// The piece for the head sizes of the arguments: unrolled for 64 and 128, else general.
+template <typename T>
+QKV_INLINE void decode_piece_any(const qkv_decode_args& a, int64_t b, int64_t h, int64_t j0,
+                                 int64_t j1, T* sc, T* m, T* l, T* acc) {
+    if (a.d == 64 && a.dv == 64)
+        decode_piece_vec<T, 64, 64>(a, b, h, j0, j1, sc, m, l, acc);
+    else if (a.d == 128 && a.dv == 128)
+        decode_piece_vec<T, 128, 128>(a, b, h, j0, j1, sc, m, l, acc);
+    else
+        decode_piece_body<T>(a, b, h, j0, j1, sc, m, l, acc);
+}
+
+typedef void (*piece_t)(const qkv_decode_args&, int64_t, int64_t, int64_t, int64_t, void*,
+                        void*, void*, void*);
+
+#define QKV_PIECE(ATTR, NAME, T)                                                            \
+    ATTR void NAME(const qkv_decode_args& a, int64_t b, int64_t h, int64_t j0, int64_t j1, \
+                   void* sc, void* m, void* l, void* acc) {                                 \
+        decode_piece_any<T>(a, b, h, j0, j1, static_cast<T*>(sc), static_cast<T*>(m),      \
+                            static_cast<T*>(l), static_cast<T*>(acc));                      \
+    }
+QKV_PIECE(, piece_base_f32, float)
+QKV_PIECE(, piece_base_f64, double)
+#if QKV_X86
+QKV_PIECE(QKV_AVX2, piece_avx2_f32, float)
+QKV_PIECE(QKV_AVX2, piece_avx2_f64, double)
+QKV_PIECE(QKV_AVX512, piece_avx512_f32, float)
+QKV_PIECE(QKV_AVX512, piece_avx512_f64, double)
+#endif
+#undef QKV_PIECE
+
+template <typename T>
+piece_t pick_piece(int isa) {
+    if (sizeof(T) == 4) return pick_clone<piece_t>(isa, QKV_CLONES(piece, f32));
+    return pick_clone<piece_t>(isa, QKV_CLONES(piece, f64));
+}
+
+// Each sequence's run of visible keys [lo, hi) from a boolean mask row; false when a row's
+// visible keys are not one run, or none.
+bool mask_runs(const qkv_decode_args& a, std::vector<int64_t>& lo, std::vector<int64_t>& hi) {
+    lo.resize(size_t(a.nseq));
+    hi.resize(size_t(a.nseq));
+    for (int64_t b = 0; b < a.nseq; ++b) {
+        const uint8_t* m = a.mask + b * a.mask_bs;
+        int64_t j = 0;
+        while (j < a.S && !m[j * a.mask_js]) ++j;
+        if (j == a.S) return false;
+        const int64_t first = j;
+        while (j < a.S && m[j * a.mask_js]) ++j;
+        const int64_t last = j;
+        while (j < a.S && !m[j * a.mask_js]) ++j;
+        if (j != a.S) return false;  // a second run
+        lo[size_t(b)] = first;
+        hi[size_t(b)] = last;
+    }
+    return true;
+}
+
+template <typename T>
+int run_decode(const qkv_decode_args& given) {
+    qkv_decode_args a = given;
+    std::vector<int64_t> mlo, mhi;
+    if (a.mask) {
+        try {
+            if (!mask_runs(a, mlo, mhi)) return 4;
+        } catch (...) {
+            return 1;
+        }
+        a.lo = mlo.data();
+        a.hi = mhi.data();
+    }
+    const int64_t R = a.group * a.L, units = a.nseq * a.kv_heads;
+    if (units == 0) return 0;  // no sequence: nothing to write
+    const int64_t threads = std::max<int64_t>(1, a.threads);
+    const int64_t least = 256;  // keys per piece at least
+    int64_t longest = 0;
+    for (int64_t b = 0; b < a.nseq; ++b)
+        longest = std::max(longest, (a.hi ? a.hi[b] : a.S) - (a.lo ? a.lo[b] : 0));
+    // a few items per thread, so that none waits long for the last; pieces of >= least keys
+    const int64_t want = (4 * threads + units - 1) / units;
+    const int64_t splits = std::max<int64_t>(1, std::min(want, longest / least));
+    const int64_t ntasks = units * splits;
+    std::vector<T> parts;
+    try {
+        parts.resize(size_t(ntasks * R * (2 + a.dv)));
+    } catch (...) {
+        return 1;
+    }
+    const piece_t piece = pick_piece<T>(chosen_isa(a.isa));
+    T* PM = parts.data();  // per item: R maxima, then R sums, then R x dv accumulators
+    T* PL = PM + ntasks * R;
+    T* PA = PL + ntasks * R;
+    const int64_t scratch = R * (a.d + DECODE_BK);
+    auto init = [&](std::vector<T>& sc) {
+        sc.resize(size_t(scratch));
+        return true;
+    };
+    auto work = [&](std::vector<T>& sc, int64_t t) {
+        const int64_t c = t % splits, h = (t / splits) % a.kv_heads;
+        const int64_t b = t / (splits * a.kv_heads);
+        const int64_t lo = a.lo ? a.lo[b] : 0, hi = a.hi ? a.hi[b] : a.S;
+        const int64_t width = (hi - lo + splits - 1) / splits;
+        const int64_t j0 = std::min(lo + c * width, hi), j1 = std::min(j0 + width, hi);
+        piece(a, b, h, j0, j1, sc.data(), PM + t * R, PL + t * R, PA + t * R * a.dv);
+    };
+    if (for_tasks<std::vector<T>>(ntasks, threads, a.parallel, init, work)) return 1;
+    // merge each head's pieces into its rows of out and lse
+    const T ninf = -std::numeric_limits<T>::infinity();
+    T* OUT = static_cast<T*>(a.out);
+    T* LSE = static_cast<T*>(a.lse);
+    T bad = 0;  // becomes NaN if an output is not finite
+    for (int64_t u = 0; u < units; ++u) {
+        for (int64_t r = 0; r < R; ++r) {
+            T M = ninf;
+            for (int64_t c = 0; c < splits; ++c) M = std::max(M, PM[(u * splits + c) * R + r]);
+            T* o = OUT + (u * R + r) * a.dv;
+            T lsum = 0;
+            for (int64_t c = 0; c < a.dv; ++c) o[c] = 0;
+            for (int64_t c = 0; c < splits; ++c) {
+                const int64_t t = u * splits + c;
+                const T mi = PM[t * R + r], li = PL[t * R + r];
+                if (li != li) {  // NaN carried from a piece
+                    lsum = li;
+                    continue;
+                }
+                if (mi == ninf) continue;  // a piece with no key
+                const T w = exp_neg(mi - M);
+                lsum += li * w;
+                const T* ai = PA + (t * R + r) * a.dv;
+                for (int64_t e = 0; e < a.dv; ++e) o[e] += ai[e] * w;
+            }
+            if (M == ninf && lsum == T(0)) {  // no key at all
+                if (LSE) LSE[u * R + r] = ninf;
+                continue;
+            }
+            const T inv = T(1) / lsum;
+            for (int64_t e = 0; e < a.dv; ++e) {
+                o[e] *= inv;
+                bad += o[e] * T(0);
+            }
+            if (LSE) LSE[u * R + r] = M + std::log(lsum);
+        }
+    }
+    return bad == bad ? 0 : 3;
+}
+
+}  // namespace
+
+extern "C" {
+
+int qkv_decode_f32(const qkv_decode_args* a) {
+    if (!a || a->nseq < 0 || a->kv_heads < 1 || a->group < 1 || a->L < 1 || a->d < 1 ||
+        a->dv < 1 || a->S < 0)
+        return 2;
+    return run_decode<float>(*a);
+}
+
+int qkv_decode_f64(const qkv_decode_args* a) {
+    if (!a || a->nseq < 0 || a->kv_heads < 1 || a->group < 1 || a->L < 1 || a->d < 1 ||
+        a->dv < 1 || a->S < 0)
+        return 2;
+    return run_decode<double>(*a);
+}
+
+int64_t qkv_decode_args_size(void) { return int64_t(sizeof(qkv_decode_args)); }
+
+// The widest vector clone this CPU runs: 1 baseline, 2 AVX2, 3 AVX-512.
+int qkv_best_isa(void) { return best_isa(); }
+
+}  // extern "C"
