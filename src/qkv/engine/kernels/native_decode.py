@@ -48,13 +48,14 @@ from typing import Any
 import numpy as np
 
 from ...validate import Plan
-from .native_lib import DecodeArgs, invoke, library, switched_off
+from ..quant import SCALED, storage_dtype
+from .native_lib import KV_FORMATS, DecodeArgs, invoke, library, switched_off
 from .threads import default_threads
 
 __all__ = ["attend", "available", "launch", "layout", "openmp_parallel", "step", "supports"]
 
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
-_F64 = np.dtype(np.float64)
+_F32, _F64 = _DTYPES
 _PID = os.getpid()  # the process that imported this module: its OpenMP teams are usable
 
 
@@ -157,6 +158,8 @@ def launch(
     isa: int = 0,
     softcap: float | None = None,
     mask: tuple[int, int, int] | None = None,
+    kv_format: str | None = None,
+    scales: tuple[tuple[int, tuple[int, int, int]], tuple[int, tuple[int, int, int]]] | None = None,
 ) -> int:
     """Run the kernel on raw memory: ``sizes = (sequences, kv_heads, group, L, d, dv, S)``;
     ``q``, ``k``, ``v`` each ``(address, (sequence, head, row) strides in elements)``; ``runs``
@@ -165,7 +168,11 @@ def launch(
     ``isa`` caps the vector clone (:data:`qkv.engine.kernels.native_lib.ISAS`; 0: the widest);
     ``softcap`` (> 0) soft-caps the scaled scores, ``c · tanh(s / c)``, as qkv's ``softcap``;
     ``mask`` is ``(address, sequence stride, key stride)`` in bytes of a boolean mask row per
-    sequence, read (in C) as each sequence's run of keys in place of ``runs``.
+    sequence, read (in C) as each sequence's run of keys in place of ``runs``;
+    ``kv_format`` names how K and V are stored when not in the compute dtype (a form of
+    :mod:`qkv.engine.quant`, computed in float32; their strides in elements of that form), and
+    ``scales`` is then, for the 8-bit forms, the ``(address, (sequence, head, row) strides)``
+    of the float32 scales of K and of V.
 
     Returns the kernel's status: 0; 3 when an output is not finite, 4 when a mask row is not
     one run of keys (then take the general path). The caller guarantees the memory matches;
@@ -175,9 +182,11 @@ def launch(
     if threads is not None:
         workers = max(1, int(threads))
     lo, hi = (None, None) if runs is None else runs
+    (ks, kss), (vs, vss) = scales or ((None, (0, 0, 0)), (None, (0, 0, 0)))
     args = DecodeArgs(
         *sizes, q[0], *q[1], k[0], *k[1], v[0], *v[1], lo, hi, out, lse, scale, workers, isa,
         team, softcap or 0.0, *(mask or (None, 0, 0)),
+        KV_FORMATS[kv_format] if kv_format else 0, ks, *kss, vs, *vss,
     )  # fmt: skip
     return invoke("qkv_decode_f64" if f64 else "qkv_decode_f32", args, "decode", allowed=(3, 4))
 
@@ -236,6 +245,34 @@ def attend(plan: Plan, *, threads: int | None = None) -> tuple[np.ndarray, np.nd
     return decode.attend(plan, threads=threads) if res is None else res
 
 
+def _stored_form(dt: np.dtype, k: np.ndarray, v: np.ndarray, kv_format: str | None) -> str | None:
+    """How ``k`` and ``v`` are stored for compute dtype ``dt``: ``""`` (in ``dt`` itself), a
+    form of :mod:`qkv.engine.quant`, or None when the kernel cannot read them."""
+    if k.dtype != v.dtype:
+        return None
+    if kv_format is not None:
+        ok = dt == _F32 and k.dtype == storage_dtype(kv_format)
+        return kv_format if ok else None
+    if k.dtype == dt:
+        return ""
+    if dt == _F32 and k.dtype == np.float16:
+        return "float16"
+    if dt == _F32 and k.dtype.name == "bfloat16":  # ml_dtypes' NumPy bfloat16
+        return "bfloat16"
+    return None
+
+
+def _scale_rows(s: np.ndarray | None, outer: tuple[int, ...], kvh: int, S: int) -> Any:
+    """``(address, (sequence, head, row) strides)`` of float32 scales ``(*outer, kv_heads,
+    S)``; None when they do not have that form."""
+    if s is None or s.dtype != _F32 or s.shape != (*outer, kvh, S):
+        return None
+    if any(st % 4 for st in s.strides):
+        return None
+    found = layout((*s.shape, 1), (*(st // 4 for st in s.strides), 1), len(outer))
+    return None if found is None else (s.ctypes.data, found)
+
+
 def step(
     q: np.ndarray,
     k: np.ndarray,
@@ -247,23 +284,33 @@ def step(
     threads: int | None = None,
     isa: int = 0,
     softcap: float | None = None,
+    kv_format: str | None = None,
+    k_scale: np.ndarray | None = None,
+    v_scale: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """One decoding step in one native call: ``(out, lse)``, or None where it does not apply.
 
     ``q (*outer, heads, L, d)``, ``k (*outer, kv_heads, S, d)``, ``v (*outer, kv_heads, S,
-    dv)``, one float32/float64 dtype, ``heads`` a multiple of ``kv_heads``, each with a
-    contiguous last axis and outer axes that collapse to one; every row of sequence ``b`` sees
-    keys ``lo[b]:hi[b]`` (int64, one per sequence), or all of them. Nothing else is checked:
-    callers pass checked arrays (a plan's, or the transformers backend's tensors viewed as
-    arrays). ``out (*outer, heads, L, dv)`` and ``lse (*outer, heads, L)`` are new arrays.
-    None when the inputs do not have that form, and when a result is not finite (infinite
-    or NaN inputs, an overflow): the caller then takes the general path, which applies
-    qkv's rules for those.
+    dv)``, ``q`` float32 or float64 (the compute dtype), ``heads`` a multiple of ``kv_heads``,
+    each with a contiguous last axis and outer axes that collapse to one; every row of
+    sequence ``b`` sees keys ``lo[b]:hi[b]`` (int64, one per sequence), or all of them. ``k``
+    and ``v`` are in the compute dtype, or (float32 compute) stored in a form of
+    :mod:`qkv.engine.quant` and read in place: ``float16`` and ml_dtypes' ``bfloat16`` arrays
+    are recognised by their dtype; codes (``uint16`` bfloat16 bits, ``int8``, ``uint8``
+    e4m3fn bits) are named by ``kv_format``, the 8-bit ones with their float32 ``k_scale``
+    and ``v_scale`` of shape ``(*outer, kv_heads, S)``. Nothing else is checked: callers pass
+    checked arrays. ``out (*outer, heads, L, dv)`` and ``lse (*outer, heads, L)`` are new
+    arrays in the compute dtype. None when the inputs do not have that form, and when a
+    result is not finite (infinite or NaN inputs, an overflow): the caller then takes the
+    general path, which applies qkv's rules for those.
     """
     dt = q.dtype
     if not available() or q.ndim < 3 or k.ndim != q.ndim or v.ndim != q.ndim:
         return None
-    if dt not in _DTYPES or q.dtype != dt or k.dtype != dt or v.dtype != dt:
+    if dt not in _DTYPES:
+        return None
+    form = _stored_form(dt, k, v, kv_format)
+    if form is None:
         return None
     *outer, hq, L, d = q.shape
     kvh, S = k.shape[-3], k.shape[-2]
@@ -272,9 +319,15 @@ def step(
         return None
     if tuple(k.shape[:-3]) != tuple(outer) or tuple(v.shape[:-3]) != tuple(outer):
         return None
-    item = dt.itemsize
+    scales = None
+    if form in SCALED:
+        ks, vs = (_scale_rows(x, tuple(outer), kvh, S) for x in (k_scale, v_scale))
+        if ks is None or vs is None:
+            return None
+        scales = (ks, vs)
     found = []
     for a in (q, k, v):
+        item = a.dtype.itemsize
         if any(st % item for st in a.strides):
             return None
         found.append(layout(a.shape, [st // item for st in a.strides], len(outer)))
@@ -288,5 +341,6 @@ def step(
         dt == _F64, (math.prod(outer), kvh, hq // kvh, L, d, dv, S),
         (q.ctypes.data, ql), (k.ctypes.data, kl), (v.ctypes.data, vl), runs,
         out.ctypes.data, lse.ctypes.data, scale, threads, isa, softcap,
+        kv_format=form or None, scales=scales,
     )  # fmt: skip
     return None if status else (out, lse)

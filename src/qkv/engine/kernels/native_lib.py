@@ -26,6 +26,7 @@ from typing import Any
 __all__ = [
     "ENV",
     "ISAS",
+    "KV_FORMATS",
     "BackwardArgs",
     "DecodeArgs",
     "PrefillArgs",
@@ -38,6 +39,9 @@ __all__ = [
 
 ENV = "QKV_NATIVE"  # "0" switches the native kernels off (read on every call)
 ISAS = {"baseline": 1, "avx2": 2, "avx512": 3}  # the vector clones, narrowest first
+# How the decode step finds K and V stored (qkv_decode_args.kv_format; qkv.engine.quant):
+# the compute dtype itself, or these forms, read in place and widened to float32 in registers
+KV_FORMATS = {"bfloat16": 1, "float16": 2, "int8": 3, "float8_e4m3fn": 4}
 
 _i64, _ptr, _f64 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double
 
@@ -106,6 +110,9 @@ class DecodeArgs(ctypes.Structure):
         ("parallel", _ptr),
         ("softcap", _f64),
         ("mask", _ptr), *_ints("mask_bs", "mask_js"),
+        ("kv_format", _i64),
+        ("k_scale", _ptr), *_ints("ks_bs", "ks_hs", "ks_rs"),
+        ("v_scale", _ptr), *_ints("vs_bs", "vs_hs", "vs_rs"),
     ]  # fmt: skip
 
 

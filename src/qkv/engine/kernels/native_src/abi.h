@@ -141,6 +141,16 @@ struct qkv_decode_args {
     // sequence's visible keys must be one run (else status 4, nothing computed); or NULL.
     const uint8_t* mask;
     int64_t mask_bs, mask_js;  // its strides in bytes: sequence, key
+    // How K and V are stored: 0 in the compute dtype (that of q, out and lse); with float32
+    // compute also 1 bfloat16, 2 float16, or 8-bit codes, 3 int8 and 4 float8 e4m3fn, each
+    // row j of kv head h of sequence b its codes times the float32 scale
+    // k_scale[b * ks_bs + h * ks_hs + j * ks_rs] (v_scale likewise). K/V strides are in
+    // elements of the stored type.
+    int64_t kv_format;
+    const float* k_scale;
+    int64_t ks_bs, ks_hs, ks_rs;
+    const float* v_scale;
+    int64_t vs_bs, vs_hs, vs_rs;
 };
 
 // The sizes of the structs, so the loader can check it agrees on their layout.

@@ -27,7 +27,7 @@
 #define QKV_X86 1
 #define QKV_AVX512 \
     __attribute__((target("avx512f,avx512vl,avx512dq,avx512bw,fma,prefer-vector-width=512")))
-#define QKV_AVX2 __attribute__((target("avx2,fma")))
+#define QKV_AVX2 __attribute__((target("avx2,fma,f16c")))
 #else
 #define QKV_X86 0
 #endif
@@ -59,7 +59,9 @@ inline int best_isa() {
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw"))
         return 3;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 2;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c"))
+        return 2;
 #endif
     return 1;
 }

@@ -90,28 +90,210 @@ QKV_INLINE T decode_row_step(T* __restrict sr, int64_t n, T* __restrict m, T* __
     return alpha;
 }
 
+// How K and V are stored (qkv_decode_args::kv_format; see abi.h).
+enum : int64_t { KV_SAME = 0, KV_BF16 = 1, KV_F16 = 2, KV_INT8 = 3, KV_E4M3 = 4 };
+
+struct Bf16 {
+    uint16_t bits;
+};
+struct F16 {
+    uint16_t bits;
+};
+struct I8 {
+    int8_t code;
+};
+struct E4m3 {
+    uint8_t code;
+};
+
+// Stored keys and values read as the compute type T, widened in registers: get() one value,
+// row<V, N>() the next N · 64 / sizeof(T) values as N 64-byte vectors V of T. A scaled format's
+// values are its codes: the caller multiplies by the row's scale (once per key, not per value).
+template <typename T, typename E>
+struct Kv {  // stored as T
+    static constexpr bool scaled = false;
+    static QKV_INLINE T get(const E* p) { return *p; }
+    template <typename V>
+    static QKV_INLINE V vec(const E* p) {
+        V x;
+        std::memcpy(&x, p, sizeof(V));
+        return x;
+    }
+    template <typename V, int N>
+    static QKV_INLINE void row(const E* p, V* out) {
+        for (int c = 0; c < N; ++c) out[c] = vec<V>(p + c * int(64 / sizeof(T)));
+    }
+};
+
+template <>
+struct Kv<float, Bf16> {  // bfloat16: the high half of a float32's bits
+    static constexpr bool scaled = false;
+    static QKV_INLINE float get(const Bf16* p) {
+        const uint32_t u = uint32_t(p->bits) << 16;
+        float f;
+        std::memcpy(&f, &u, 4);
+        return f;
+    }
+    template <typename V>
+    static QKV_INLINE V vec(const Bf16* p) {
+        typedef uint16_t H __attribute__((vector_size(32)));
+        typedef uint32_t U __attribute__((vector_size(64)));
+        H h;
+        std::memcpy(&h, p, sizeof(H));
+        const U u = __builtin_convertvector(h, U) << 16;
+        V x;
+        std::memcpy(&x, &u, sizeof(V));
+        return x;
+    }
+    template <typename V, int N>
+    static QKV_INLINE void row(const Bf16* p, V* out) {
+        for (int c = 0; c < N; ++c) out[c] = vec<V>(p + c * int(64 / sizeof(float)));
+    }
+};
+
+// IEEE half precision, widened with integer operations (GCC converts vectors of _Float16 one
+// lane at a time): a normal value's fields move into a float32's with the exponent bias raised
+// by 112; a subnormal one is its mantissa times 2^-24; infinities and NaN keep their kind.
+template <>
+struct Kv<float, F16> {
+    static constexpr bool scaled = false;
+    static QKV_INLINE float get(const F16* p) {
+        _Float16 h;
+        std::memcpy(&h, p, 2);
+        return float(h);
+    }
+    template <typename V>
+    static QKV_INLINE V vec(const F16* p) {
+        typedef uint16_t H __attribute__((vector_size(32)));
+        typedef uint32_t U __attribute__((vector_size(64)));
+        typedef int32_t I __attribute__((vector_size(64)));
+        H h;
+        std::memcpy(&h, p, sizeof(H));
+        const U w = __builtin_convertvector(h, U);
+        const U sign = (w & 0x8000) << 16, em = w & 0x7FFF, e = em >> 10;
+        const U normal = sign | ((em << 13) + (112u << 23));
+        const U special = sign | 0x7F800000u | ((em & 0x3FF) << 13);
+        const V sub = __builtin_convertvector(I(em), V) * 0x1p-24f;
+        U subu;
+        std::memcpy(&subu, &sub, sizeof(U));
+        const U bits = e == 0 ? (subu | sign) : (e == 31 ? special : normal);
+        V x;
+        std::memcpy(&x, &bits, sizeof(V));
+        return x;
+    }
+    template <typename V, int N>
+    static QKV_INLINE void row(const F16* p, V* out) {
+        for (int c = 0; c < N; ++c) out[c] = vec<V>(p + c * int(64 / sizeof(float)));
+    }
+};
+
+// A row of 64·G bytes as 4·G vectors of 16 lanes of 32 bits, lane i of vector c holding byte
+// 16c + i in its top 8 bits (the rest 0): each 64 bytes loaded at once, and each quarter's
+// 4 words repeated in 4 lanes (a permute in registers), each lane shifted left by its
+// byte's place. GCC widens vectors of bytes one lane at a time, or through the stack.
+template <int G, typename U>
+QKV_INLINE void bytes_high(const void* p, U* out) {
+    const U shift = {24, 16, 8, 0, 24, 16, 8, 0, 24, 16, 8, 0, 24, 16, 8, 0};
+    for (int g = 0; g < G; ++g) {
+        U w;
+        std::memcpy(&w, static_cast<const char*>(p) + 64 * g, 64);
+        out[4 * g + 0] = __builtin_shufflevector(w, w, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3) << shift;
+        out[4 * g + 1] = __builtin_shufflevector(w, w, 4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7) << shift;
+        out[4 * g + 2] = __builtin_shufflevector(w, w, 8, 8, 8, 8, 9, 9, 9, 9, 10, 10, 10, 10, 11, 11, 11, 11) << shift;
+        out[4 * g + 3] = __builtin_shufflevector(w, w, 12, 12, 12, 12, 13, 13, 13, 13, 14, 14, 14, 14, 15, 15, 15, 15) << shift;
+    }
+}
+
+template <>
+struct Kv<float, I8> {  // int8 codes
+    static constexpr bool scaled = true;
+    static QKV_INLINE float get(const I8* p) { return float(p->code); }
+    template <typename V, int N>
+    static QKV_INLINE void row(const I8* p, V* out) {
+        typedef uint32_t U __attribute__((vector_size(64)));
+        typedef int32_t I __attribute__((vector_size(64)));
+        static_assert(N % 4 == 0, "rows of whole 64-byte lines");
+        U w[N];
+        bytes_high<N / 4>(p, w);
+        for (int c = 0; c < N; ++c) out[c] = __builtin_convertvector(I(w[c]) >> 24, V);
+    }
+};
+
+// float8 e4m3fn codes: sign, 4 exponent bits (bias 7), 3 mantissa bits, no infinities. A
+// normal code's fields move into a float32's with the exponent bias raised by 120; a
+// subnormal one (exponent 0) is its mantissa times 2^-9.
+template <>
+struct Kv<float, E4m3> {
+    static constexpr bool scaled = true;
+    static QKV_INLINE float get(const E4m3* p) {
+        const uint32_t c = p->code, mag = c & 0x7F, sign = (c & 0x80) << 24;
+        float f;
+        if (mag >> 3) {
+            const uint32_t u = sign | ((mag << 20) + (120u << 23));
+            std::memcpy(&f, &u, 4);
+        } else {
+            f = float(int(mag)) * 0x1p-9f;
+            f = sign ? -f : f;
+        }
+        return f;
+    }
+    template <typename V, int N>
+    static QKV_INLINE void row(const E4m3* p, V* out) {
+        typedef uint32_t U __attribute__((vector_size(64)));
+        typedef int32_t I __attribute__((vector_size(64)));
+        static_assert(N % 4 == 0, "rows of whole 64-byte lines");
+        U ws[N];
+        bytes_high<N / 4>(p, ws);
+        for (int c = 0; c < N; ++c) {
+            const U w = ws[c] >> 24;
+            const U mag = w & 0x7F, sign = (w & 0x80) << 24;
+            const U normal = sign | ((mag << 20) + (120u << 23));
+            const V sub = __builtin_convertvector(I(mag), V) * 0x1p-9f;
+            U subu;
+            std::memcpy(&subu, &sub, sizeof(U));
+            const U bits = (mag >> 3) != 0 ? normal : (subu | sign);
+            std::memcpy(&out[c], &bits, sizeof(V));
+        }
+    }
+};
+
+// Where a piece reads: kv head h of sequence b's keys, values and (scaled formats) scales.
+template <typename E>
+struct Rows {
+    const E* k;
+    const E* v;
+    const float* ks;  // row j's scale at ks[j * ks_rs] (scaled formats; else unused)
+    const float* vs;
+    Rows(const qkv_decode_args& a, int64_t b, int64_t h)
+        : k(static_cast<const E*>(a.k) + b * a.k_bs + h * a.k_hs),
+          v(static_cast<const E*>(a.v) + b * a.v_bs + h * a.v_hs),
+          ks(a.k_scale ? a.k_scale + b * a.ks_bs + h * a.ks_hs : nullptr),
+          vs(a.v_scale ? a.v_scale + b * a.vs_bs + h * a.vs_hs : nullptr) {}
+};
+
 // One piece: rows' m, l, acc over keys [j0, j1) of kv head h of sequence b, for any head
 // sizes. scratch holds the scaled rows (R x d) and the block's scores (R x DECODE_BK).
-template <typename T>
+template <typename T, typename E>
 QKV_INLINE void decode_piece_body(const qkv_decode_args& a, int64_t b, int64_t h, int64_t j0,
                                   int64_t j1, T* __restrict scratch, T* __restrict m,
                                   T* __restrict l, T* __restrict acc) {
+    typedef Kv<T, E> KV;
     const int64_t d = a.d, dv = a.dv, R = a.group * a.L;
     T* __restrict qs = scratch;
     T* __restrict s = scratch + R * d;
     decode_start(a, b, h, d, dv, qs, m, l, acc);
-    const T* K = static_cast<const T*>(a.k) + b * a.k_bs + h * a.k_hs;
-    const T* V = static_cast<const T*>(a.v) + b * a.v_bs + h * a.v_hs;
+    const Rows<E> at(a, b, h);
     for (int64_t b0 = j0; b0 < j1; b0 += DECODE_BK) {
         const int64_t n = std::min<int64_t>(DECODE_BK, j1 - b0);
         for (int64_t j = 0; j < n; ++j) {
-            const T* __restrict kr = K + (b0 + j) * a.k_rs;
+            const E* __restrict kr = at.k + (b0 + j) * a.k_rs;
+            const T ks = KV::scaled ? T(at.ks[(b0 + j) * a.ks_rs]) : T(1);
             for (int64_t r = 0; r < R; ++r) {
                 const T* __restrict qr = qs + r * d;
                 T dot = 0;
 #pragma omp simd reduction(+ : dot)
-                for (int64_t t = 0; t < d; ++t) dot += qr[t] * kr[t];
-                s[r * DECODE_BK + j] = dot;
+                for (int64_t t = 0; t < d; ++t) dot += qr[t] * KV::get(kr + t);
+                s[r * DECODE_BK + j] = KV::scaled ? dot * ks : dot;
             }
         }
         if (a.softcap > 0) softcap_block(s, R, n, T(a.softcap));
@@ -124,10 +306,10 @@ QKV_INLINE void decode_piece_body(const qkv_decode_args& a, int64_t b, int64_t h
                 for (int64_t c = 0; c < dv; ++c) ar[c] *= alpha;
             }
             for (int64_t j = 0; j < n; ++j) {
-                const T p = sr[j];
-                const T* __restrict vr = V + (b0 + j) * a.v_rs;
+                const T p = KV::scaled ? sr[j] * T(at.vs[(b0 + j) * a.vs_rs]) : sr[j];
+                const E* __restrict vr = at.v + (b0 + j) * a.v_rs;
 #pragma omp simd
-                for (int64_t c = 0; c < dv; ++c) ar[c] += p * vr[c];
+                for (int64_t c = 0; c < dv; ++c) ar[c] += p * KV::get(vr + c);
             }
         }
     }
@@ -159,36 +341,39 @@ QKV_INLINE T lane_sum(V x) {
 // splits them into its own registers): a key row is loaded once for all the rows, each
 // row's dot product summed in lanes and added up once, and each row's accumulator held in
 // registers while a block's values are added. The same recurrence as decode_piece_body.
-template <typename T, int D, int DV>
+template <typename T, typename E, int D, int DV>
 QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h, int64_t j0,
                                  int64_t j1, T* __restrict scratch, T* __restrict m,
                                  T* __restrict l, T* __restrict acc) {
     typedef T V __attribute__((vector_size(64), aligned(sizeof(T))));
+    typedef Kv<T, E> KV;
     constexpr int W = int(64 / sizeof(T)), NQ = D / W, NV = DV / W;
     const int64_t R = a.group * a.L;
     T* __restrict qs = scratch;
     T* __restrict s = scratch + R * D;
     decode_start(a, b, h, D, DV, qs, m, l, acc);
-    const T* K = static_cast<const T*>(a.k) + b * a.k_bs + h * a.k_hs;
-    const T* V0 = static_cast<const T*>(a.v) + b * a.v_bs + h * a.v_hs;
+    const Rows<E> at(a, b, h);
+    const E* K = at.k;
+    const E* V0 = at.v;
     for (int64_t b0 = j0; b0 < j1; b0 += DECODE_BK) {
         const int64_t n = std::min<int64_t>(DECODE_BK, j1 - b0);
         const int64_t ahead = std::min<int64_t>(DECODE_BK, j1 - b0 - n);  // the next block's
         for (int64_t j = 0; j < n; ++j) {
-            const T* kr = K + (b0 + j) * a.k_rs;
+            const E* kr = K + (b0 + j) * a.k_rs;
             if (j < ahead) {  // ask for the next block's rows while this one is computed
                 const char* kn = reinterpret_cast<const char*>(kr + DECODE_BK * a.k_rs);
                 const char* vn = reinterpret_cast<const char*>(V0 + (b0 + DECODE_BK + j) * a.v_rs);
-                for (int c = 0; c < int(D * sizeof(T)); c += 64) __builtin_prefetch(kn + c);
-                for (int c = 0; c < int(DV * sizeof(T)); c += 64) __builtin_prefetch(vn + c);
+                for (int c = 0; c < int(D * sizeof(E)); c += 64) __builtin_prefetch(kn + c);
+                for (int c = 0; c < int(DV * sizeof(E)); c += 64) __builtin_prefetch(vn + c);
             }
             V kv[NQ];
-            for (int c = 0; c < NQ; ++c) std::memcpy(&kv[c], kr + c * W, sizeof(V));
+            KV::template row<V, NQ>(kr, kv);
+            const T ks = KV::scaled ? T(at.ks[(b0 + j) * a.ks_rs]) : T(1);
             for (int64_t r = 0; r < R; ++r) {
                 const V* qv = reinterpret_cast<const V*>(qs + r * D);
                 V x = qv[0] * kv[0];
                 for (int c = 1; c < NQ; ++c) x += qv[c] * kv[c];
-                s[r * DECODE_BK + j] = lane_sum<T>(x);
+                s[r * DECODE_BK + j] = KV::scaled ? lane_sum<T>(x) * ks : lane_sum<T>(x);
             }
         }
         if (a.softcap > 0) softcap_block(s, R, n, T(a.softcap));
@@ -213,24 +398,21 @@ QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h,
             }
             if (pair == 2) {
                 for (int64_t j = 0; j < n; ++j) {
-                    const T p0 = s0[j], p1 = s1[j];
-                    const T* vr = V0 + (b0 + j) * a.v_rs;
+                    const T vsj = KV::scaled ? T(at.vs[(b0 + j) * a.vs_rs]) : T(1);
+                    const T p0 = s0[j] * vsj, p1 = s1[j] * vsj;
+                    V y[NV];
+                    KV::template row<V, NV>(V0 + (b0 + j) * a.v_rs, y);
                     for (int c = 0; c < NV; ++c) {
-                        V y;
-                        std::memcpy(&y, vr + c * W, sizeof(V));
-                        x0[c] += p0 * y;
-                        x1[c] += p1 * y;
+                        x0[c] += p0 * y[c];
+                        x1[c] += p1 * y[c];
                     }
                 }
             } else {
                 for (int64_t j = 0; j < n; ++j) {
-                    const T p0 = s0[j];
-                    const T* vr = V0 + (b0 + j) * a.v_rs;
-                    for (int c = 0; c < NV; ++c) {
-                        V y;
-                        std::memcpy(&y, vr + c * W, sizeof(V));
-                        x0[c] += p0 * y;
-                    }
+                    const T p0 = KV::scaled ? s0[j] * T(at.vs[(b0 + j) * a.vs_rs]) : s0[j];
+                    V y[NV];
+                    KV::template row<V, NV>(V0 + (b0 + j) * a.v_rs, y);
+                    for (int c = 0; c < NV; ++c) x0[c] += p0 * y[c];
                 }
             }
             for (int c = 0; c < NV; ++c) {
@@ -242,40 +424,60 @@ QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h,
 }
 
 // The piece for the head sizes of the arguments: unrolled for 64 and 128, else general.
-template <typename T>
+template <typename T, typename E>
 QKV_INLINE void decode_piece_any(const qkv_decode_args& a, int64_t b, int64_t h, int64_t j0,
                                  int64_t j1, T* sc, T* m, T* l, T* acc) {
     if (a.d == 64 && a.dv == 64)
-        decode_piece_vec<T, 64, 64>(a, b, h, j0, j1, sc, m, l, acc);
+        decode_piece_vec<T, E, 64, 64>(a, b, h, j0, j1, sc, m, l, acc);
     else if (a.d == 128 && a.dv == 128)
-        decode_piece_vec<T, 128, 128>(a, b, h, j0, j1, sc, m, l, acc);
+        decode_piece_vec<T, E, 128, 128>(a, b, h, j0, j1, sc, m, l, acc);
     else
-        decode_piece_body<T>(a, b, h, j0, j1, sc, m, l, acc);
+        decode_piece_body<T, E>(a, b, h, j0, j1, sc, m, l, acc);
 }
 
 typedef void (*piece_t)(const qkv_decode_args&, int64_t, int64_t, int64_t, int64_t, void*,
                         void*, void*, void*);
 
-#define QKV_PIECE(ATTR, NAME, T)                                                            \
+#define QKV_PIECE(ATTR, NAME, T, E)                                                         \
     ATTR void NAME(const qkv_decode_args& a, int64_t b, int64_t h, int64_t j0, int64_t j1, \
                    void* sc, void* m, void* l, void* acc) {                                 \
-        decode_piece_any<T>(a, b, h, j0, j1, static_cast<T*>(sc), static_cast<T*>(m),      \
-                            static_cast<T*>(l), static_cast<T*>(acc));                      \
+        decode_piece_any<T, E>(a, b, h, j0, j1, static_cast<T*>(sc), static_cast<T*>(m),   \
+                               static_cast<T*>(l), static_cast<T*>(acc));                   \
     }
-QKV_PIECE(, piece_base_f32, float)
-QKV_PIECE(, piece_base_f64, double)
+#define QKV_PIECES(ATTR, ISA)                                \
+    QKV_PIECE(ATTR, piece_##ISA##_f32, float, float)         \
+    QKV_PIECE(ATTR, piece_##ISA##_f64, double, double)       \
+    QKV_PIECE(ATTR, piece_##ISA##_bf16, float, Bf16)         \
+    QKV_PIECE(ATTR, piece_##ISA##_f16, float, F16)           \
+    QKV_PIECE(ATTR, piece_##ISA##_i8, float, I8)             \
+    QKV_PIECE(ATTR, piece_##ISA##_e4m3, float, E4m3)
+QKV_PIECES(, base)
 #if QKV_X86
-QKV_PIECE(QKV_AVX2, piece_avx2_f32, float)
-QKV_PIECE(QKV_AVX2, piece_avx2_f64, double)
-QKV_PIECE(QKV_AVX512, piece_avx512_f32, float)
-QKV_PIECE(QKV_AVX512, piece_avx512_f64, double)
+QKV_PIECES(QKV_AVX2, avx2)
+QKV_PIECES(QKV_AVX512, avx512)
 #endif
+#undef QKV_PIECES
 #undef QKV_PIECE
 
+// The piece for compute type T (float or double) and K/V storage `format` in the clone isa;
+// NULL for a format T does not read (every stored form but its own is computed in float).
 template <typename T>
-piece_t pick_piece(int isa) {
-    if (sizeof(T) == 4) return pick_clone<piece_t>(isa, QKV_CLONES(piece, f32));
-    return pick_clone<piece_t>(isa, QKV_CLONES(piece, f64));
+piece_t pick_piece(int isa, int64_t format) {
+    if (sizeof(T) == 8) return format == KV_SAME ? pick_clone<piece_t>(isa, QKV_CLONES(piece, f64)) : nullptr;
+    switch (format) {
+        case KV_SAME:
+            return pick_clone<piece_t>(isa, QKV_CLONES(piece, f32));
+        case KV_BF16:
+            return pick_clone<piece_t>(isa, QKV_CLONES(piece, bf16));
+        case KV_F16:
+            return pick_clone<piece_t>(isa, QKV_CLONES(piece, f16));
+        case KV_INT8:
+            return pick_clone<piece_t>(isa, QKV_CLONES(piece, i8));
+        case KV_E4M3:
+            return pick_clone<piece_t>(isa, QKV_CLONES(piece, e4m3));
+        default:
+            return nullptr;
+    }
 }
 
 // Each sequence's run of visible keys [lo, hi) from a boolean mask row; false when a row's
@@ -329,7 +531,9 @@ int run_decode(const qkv_decode_args& given) {
     } catch (...) {
         return 1;
     }
-    const piece_t piece = pick_piece<T>(chosen_isa(a.isa));
+    const piece_t piece = pick_piece<T>(chosen_isa(a.isa), a.kv_format);
+    if (!piece) return 2;
+    if ((a.kv_format == KV_INT8 || a.kv_format == KV_E4M3) && !(a.k_scale && a.v_scale)) return 2;
     T* PM = parts.data();  // per item: R maxima, then R sums, then R x dv accumulators
     T* PL = PM + ntasks * R;
     T* PA = PL + ntasks * R;
