@@ -48,7 +48,7 @@ __all__ = ["FORMATS", "SCALED", "check_format", "dequantize_kv", "quantize_kv", 
 
 FORMATS = ("bfloat16", "float16", "int8", "float8_e4m3fn")
 SCALED = ("int8", "float8_e4m3fn")  # forms with a float32 scale per row
-_STORAGE = {
+_STORAGE: dict[str, np.dtype] = {
     "bfloat16": np.dtype(np.uint16),
     "float16": np.dtype(np.float16),
     "int8": np.dtype(np.int8),
