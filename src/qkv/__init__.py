@@ -18,6 +18,7 @@ from . import (
 )
 from ._version import __version__
 from .about import info
+from .engine.quant import dequantize_kv, quantize_kv
 from .errors import InputError, InputTypeError
 from .explanation.trace import Trace, explain
 from .front import (
@@ -41,9 +42,11 @@ __all__ = [
     "attention_varlen",
     "attention_vjp",
     "attention_weights",
+    "dequantize_kv",
     "explain",
     "info",
     "merge",
+    "quantize_kv",
     "reference",
     "scores",
     "softmax",

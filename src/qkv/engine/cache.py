@@ -5,6 +5,13 @@ Each sequence's keys and values live in one growing buffer per batch, shaped
 so appends cost amortised O(1) per token and a sequence's cache is always a plain contiguous
 view (no gather before attending). Attention goes through the same dispatch and kernels as
 :func:`qkv.attention`, so it equals :func:`qkv.reference.attention` on each sequence.
+
+The buffers may hold K/V in fewer bytes than float32 (:mod:`qkv.engine.quant`: bfloat16,
+float16, int8 or float8 e4m3fn with a scale per token and head). A decoding step then reads
+them in place: every sequence, each with its own length, in one call of the native decode
+kernel (:mod:`qkv.engine.kernels.native_decode`); it equals the reference applied to the
+stored values (:func:`qkv.dequantize_kv`). Where that kernel does not serve a call, the
+stored values are widened and the call takes the general road.
 """
 
 from __future__ import annotations
@@ -16,7 +23,8 @@ import numpy as np
 from ..checks import check_int
 from ..errors import InputError, InputTypeError
 from ..validate import Plan, as_array, broadcasts_to, check_flag, check_variants, make_plan
-from .kernels import dispatch
+from .kernels import dispatch, mods, native_decode
+from .quant import FORMATS, SCALED, check_format, dequantize_kv, quantize_kv, storage_dtype
 
 __all__ = ["KVCache"]
 
@@ -34,8 +42,11 @@ class KVCache:
         Size ``d`` of each key (and query).
     value_dim : int, optional
         Size ``dv`` of each value (default ``head_dim``).
-    dtype : float dtype, optional
-        Storage dtype (default float32). Appended arrays are cast to it.
+    dtype : float dtype or str, optional
+        How keys and values are stored (default float32): ``float16``, ``float32`` or
+        ``float64``, to which appended arrays are cast; or ``"bfloat16"``, ``"int8"`` or
+        ``"float8_e4m3fn"`` (:func:`qkv.quantize_kv` states each form), computed in float32.
+        Results come back in ``q``'s dtype, promoted with a float dtype's.
 
     Examples
     --------
@@ -78,18 +89,14 @@ class KVCache:
         self.value_dim = (
             self.head_dim if value_dim is None else check_int(value_dim, "value_dim", minimum=1)
         )
-        try:
-            if dtype is None:  # np.dtype(None) would silently be float64
-                raise TypeError
-            dt = np.dtype(dtype)
-        except TypeError:
-            raise InputTypeError(f"dtype: expected a float dtype, got {dtype!r}") from None
-        if dt not in (np.float16, np.float32, np.float64):
-            raise InputTypeError(f"dtype: expected float16, float32 or float64, got {dt}")
-        self.dtype = dt
+        self.dtype, self._form = _storage(dtype)
+        code = storage_dtype(self._form) if self._form else self.dtype
         self._lengths = np.zeros(self.batch, dtype=np.int64)
-        self._k = np.empty((self.batch, self.kv_heads, 0, self.head_dim), dtype=dt)
-        self._v = np.empty((self.batch, self.kv_heads, 0, self.value_dim), dtype=dt)
+        self._k = np.empty((self.batch, self.kv_heads, 0, self.head_dim), dtype=code)
+        self._v = np.empty((self.batch, self.kv_heads, 0, self.value_dim), dtype=code)
+        scaled = self._form in SCALED
+        self._ks = np.empty((self.batch, self.kv_heads, 0), np.float32) if scaled else None
+        self._vs = np.empty((self.batch, self.kv_heads, 0), np.float32) if scaled else None
 
     @property
     def lengths(self) -> np.ndarray:
@@ -120,13 +127,35 @@ class KVCache:
             return
         new = max(need, 2 * cap, 16)
         used = int(self._lengths.max())
-        # All or nothing: both buffers are allocated before either replaces the old one, so a
+        # All or nothing: every buffer is allocated before any replaces the old one, so a
         # MemoryError leaves the cache exactly as it was.
-        k = np.empty((self.batch, self.kv_heads, new, self.head_dim), dtype=self.dtype)
-        v = np.empty((self.batch, self.kv_heads, new, self.value_dim), dtype=self.dtype)
-        k[:, :, :used] = self._k[:, :, :used]
-        v[:, :, :used] = self._v[:, :, :used]
-        self._k, self._v = k, v
+        grown = []
+        for old in (self._k, self._v, self._ks, self._vs):
+            if old is None:
+                grown.append(None)
+                continue
+            # scales zeroed: the general road widens whole buffers, unused rows included
+            make = np.zeros if old.ndim == 3 else np.empty
+            buf = make(old.shape[:2] + (new,) + old.shape[3:], dtype=old.dtype)
+            buf[:, :, :used] = old[:, :, :used]
+            grown.append(buf)
+        self._k, self._v, self._ks, self._vs = grown
+
+    def _write(self, where: tuple[Any, ...], k: np.ndarray, v: np.ndarray) -> None:
+        """Store ``k`` and ``v`` at ``where`` (an index of the buffers' first three axes), in
+        the cache's form."""
+        if not self._form or self._form == "float16":
+            self._k[where] = k
+            self._v[where] = v
+            return
+        for name, x, buf, scales in (("k", k, self._k, self._ks), ("v", v, self._v, self._vs)):
+            try:
+                codes, sc = quantize_kv(x, self._form)
+            except InputError as exc:
+                raise InputError(f"{name}: {str(exc).split(': ', 1)[1]}") from None
+            buf[where] = codes
+            if scales is not None:
+                scales[where] = sc
 
     def append(self, k: Any, v: Any, seq: int | None = None) -> None:
         """Add ``T >= 1`` tokens to every sequence, or to sequence ``seq`` alone.
@@ -162,30 +191,34 @@ class KVCache:
             self._reserve(int(self._lengths.max()) + T)
             if np.all(self._lengths == self._lengths[0]):
                 n = int(self._lengths[0])
-                self._k[:, :, n : n + T] = ka
-                self._v[:, :, n : n + T] = va
+                self._write((slice(None), slice(None), slice(n, n + T)), ka, va)
             else:
                 for b, n in enumerate(self._lengths.tolist()):
-                    self._k[b, :, n : n + T] = ka[b]
-                    self._v[b, :, n : n + T] = va[b]
+                    self._write((b, slice(None), slice(n, n + T)), ka[b], va[b])
             self._lengths += T
         else:
             b = self._check_seq(seq)
             n = int(self._lengths[b])
             self._reserve(n + T)
-            self._k[b, :, n : n + T] = ka
-            self._v[b, :, n : n + T] = va
+            self._write((b, slice(None), slice(n, n + T)), ka, va)
             self._lengths[b] += T
 
     def keys(self, seq: int) -> np.ndarray:
-        """Cached keys of sequence ``seq``, shape ``(kv_heads, length, head_dim)`` (a view)."""
+        """Cached keys of sequence ``seq``, shape ``(kv_heads, length, head_dim)``: a view of
+        a float dtype's buffer, or the stored values of another form (a float32 copy)."""
         b = self._check_seq(seq)
-        return self._k[b, :, : self._lengths[b]]
+        return self._values(self._k, self._ks, (b, slice(None), slice(0, self._lengths[b])))
 
     def values(self, seq: int) -> np.ndarray:
-        """Cached values of sequence ``seq``, shape ``(kv_heads, length, value_dim)`` (a view)."""
+        """Cached values of sequence ``seq``, shape ``(kv_heads, length, value_dim)``: a view
+        of a float dtype's buffer, or the stored values of another form (a float32 copy)."""
         b = self._check_seq(seq)
-        return self._v[b, :, : self._lengths[b]]
+        return self._values(self._v, self._vs, (b, slice(None), slice(0, self._lengths[b])))
+
+    def _values(self, codes: np.ndarray, scales: np.ndarray | None, where: Any) -> np.ndarray:
+        if not self._form or self._form == "float16":
+            return codes[where]
+        return dequantize_kv(codes[where], None if scales is None else scales[where], self._form)
 
     def attend(
         self,
@@ -242,12 +275,18 @@ class KVCache:
         variants = self._per_head_variants(variants, heads)
         lengths = self._lengths.tolist()
         longest = max(lengths)
+        if kernel in ("auto", "decode"):
+            found = self._attend_native(qa, longest, scale, window, causal, variants)
+            if found is not None:
+                out, lse = found
+                return (out, lse) if return_lse else out
         # One check, over every sequence against the longest; then one part of that checked
         # plan per run of neighbouring sequences of equal length (one part when all are equal),
         # which the kernels run together, the decode ones in one parallel pass.
+        keys = self._values(self._k, self._ks, np.s_[:, :, :longest])
+        vals = self._values(self._v, self._vs, np.s_[:, :, :longest])
         whole = make_plan(
-            qa, self._k[:, :, :longest], self._v[:, :, :longest], scale=scale, causal=causal,
-            window=window, **variants,
+            qa, keys, vals, scale=scale, causal=causal, window=window, **variants
         )  # fmt: skip
         out = np.zeros((self.batch, heads, Lq, self.value_dim), dtype=whole.out_dtype)
         lse = np.full((self.batch, heads, Lq), -np.inf, dtype=whole.acc_dtype)
@@ -261,6 +300,57 @@ class KVCache:
             out[sl] = o
             lse[sl] = s
         return (out, lse) if return_lse else out
+
+    def _attend_native(
+        self,
+        qa: np.ndarray,
+        longest: int,
+        scale: Any,
+        window: Any,
+        causal: bool,
+        variants: dict[str, Any],
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """Every sequence in one native decode call on the stored buffers, each sequence its
+        own run of keys: ``(out, lse)``, or None where the kernel does not serve the call.
+
+        The call is checked as the general road checks it (:func:`make_plan`), against
+        zero-stride stand-ins of the buffers' shapes (nothing is read or copied).
+        """
+        if not native_decode.available():
+            return None
+        value_dtype = np.dtype(np.float32) if self._form not in (None, "float16") else self.dtype
+        stand = np.zeros((), dtype=np.result_type(qa.dtype, value_dtype))
+        plan = make_plan(
+            qa,
+            np.broadcast_to(stand, (self.batch, self.kv_heads, longest, self.head_dim)),
+            np.broadcast_to(stand, (self.batch, self.kv_heads, longest, self.value_dim)),
+            scale=scale, causal=causal, window=window, **variants,
+        )  # fmt: skip
+        Lq = plan.L
+        if plan.alibi is not None or plan.score_mod is not None or plan.mask_mod is not None:
+            return None
+        if (causal and Lq != 1) or (plan.window is not None and Lq != 1):
+            return None  # rows of one sequence would see different keys
+        if not dispatch.scale_fits(plan):
+            return None
+        narrow = self._form is not None or self.dtype == np.float16
+        if narrow and plan.acc_dtype != np.float32:
+            return None  # the stored forms are computed in float32
+        hi = self._lengths.copy()
+        lo = np.zeros_like(hi)
+        if plan.window is not None and plan.window[0] is not None:
+            lo = np.maximum(hi - 1 - plan.window[0], 0)  # the one query sits at length - 1
+        sl = np.s_[:, :, :longest]
+        res = native_decode.step(
+            np.ascontiguousarray(plan.q), self._k[sl], self._v[sl], plan.scale, lo, hi,
+            softcap=plan.softcap, kv_format=self._form if self._form != "float16" else None,
+            k_scale=None if self._ks is None else self._ks[sl],
+            v_scale=None if self._vs is None else self._vs[sl],
+        )  # fmt: skip
+        if res is None:
+            return None
+        out, lse = mods.with_sinks(plan, *res)
+        return out.astype(plan.out_dtype, copy=False), lse
 
     def _per_head_variants(self, variants: dict[str, Any], heads: int) -> dict[str, Any]:
         """``sinks`` and ``alibi_slopes`` as arrays checked against ``(batch, heads)``, so that
@@ -278,6 +368,30 @@ class KVCache:
                 )
             out[name] = a
         return out
+
+
+def _storage(dtype: Any) -> tuple[np.dtype | str, str | None]:
+    """``(dtype, form)`` of a cache's ``dtype`` argument: a float dtype and None (or
+    ``"float16"``, a form read in place), or a stored form's name twice."""
+    if isinstance(dtype, str) and dtype in FORMATS and dtype != "float16":
+        return dtype, dtype
+    if getattr(dtype, "__name__", None) in FORMATS or str(dtype) in ("bfloat16", "float8_e4m3fn"):
+        form = check_format(dtype)
+        if form != "float16":
+            return form, form
+    try:
+        if dtype is None:  # np.dtype(None) would silently be float64
+            raise TypeError
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise InputTypeError(
+            f"dtype: expected float16, float32, float64 or a stored form {FORMATS}, got {dtype!r}"
+        ) from None
+    if dt not in (np.float16, np.float32, np.float64):
+        raise InputTypeError(
+            f"dtype: expected float16, float32, float64 or a stored form {FORMATS}, got {dt}"
+        )
+    return dt, "float16" if dt == np.float16 else None
 
 
 def _offset_batch(plan: Plan, first: int) -> dict[str, Any]:

@@ -1,0 +1,263 @@
+"""Keys and values stored in fewer bytes: the forms' reference, the native decode step that
+reads them in place, and the KV cache that stores them.
+
+Tolerance rule: the kernel computes in float32 from the stored values, so it must equal the
+float64 reference applied to :func:`qkv.dequantize_kv`'s values to float32 rounding (a few
+units of 2^-24 of the output's scale, summed over the keys): ``F32`` below. What storing
+costs against unquantized float32 K/V is a property of the form, bounded separately.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import qkv
+from qkv import reference
+from qkv.engine.kernels import native_decode
+from qkv.engine.quant import _e4m3_bits, _e4m3_values, storage_dtype
+
+FORMS = ["bfloat16", "float16", "int8", "float8_e4m3fn"]
+ISAS = [1, 2, 3]  # capped by the CPU: a clone it cannot run falls back to a narrower one
+F32 = 2e-5  # float32 compute against the float64 reference on the same stored values
+native = pytest.mark.skipif(
+    not native_decode.available(), reason="native kernels not built (or QKV_NATIVE=0)"
+)
+
+
+def _dequantized(x, form):
+    return qkv.dequantize_kv(*qkv.quantize_kv(x, form), form).astype(np.float64)
+
+
+# --- the forms' reference ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_round_trip_error_is_within_the_forms_step(form):
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((3, 5, 64)) * rng.uniform(0.01, 100, (3, 5, 1))).astype(np.float32)
+    codes, scales = qkv.quantize_kv(x, form)
+    assert codes.dtype == storage_dtype(form) and codes.shape == x.shape
+    back = qkv.dequantize_kv(codes, scales, form)
+    assert back.dtype == np.float32
+    top = np.abs(x).max(axis=-1, keepdims=True)
+    # half a step of each form: relative 2^-8 (bfloat16), 2^-11 (float16), of the row's
+    # largest value 1/254 (int8), relative 2^-4 of the value (e4m3fn, 3 mantissa bits)
+    bound = {
+        "bfloat16": np.abs(x) * 2.0**-8,
+        "float16": np.abs(x) * 2.0**-11 + 1e-7,
+        "int8": top / 254 * (1 + 1e-6),
+        "float8_e4m3fn": np.abs(x) * 2.0**-4 + top / 448 * 2.0**-9,
+    }[form]
+    assert np.all(np.abs(back - x) <= bound + 1e-30)
+    if scales is not None:
+        assert scales.shape == x.shape[:-1]
+        np.testing.assert_allclose(scales, top[..., 0] / (127 if form == "int8" else 448))
+
+
+def test_e4m3_codes_match_ml_dtypes():
+    ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes is the peer for float8")
+    rng = np.random.default_rng(1)
+    y = np.concatenate(
+        [
+            rng.uniform(-448, 448, 20000),
+            rng.standard_normal(20000) * 1e-2,
+            np.linspace(-448, 448, 4001),
+        ]
+    ).astype(np.float32)
+    np.testing.assert_array_equal(_e4m3_bits(y), y.astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
+    codes = np.arange(256, dtype=np.uint8)
+    theirs = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    finite = np.isfinite(theirs)  # 0x7f and 0xff are NaN in e4m3fn: never produced
+    np.testing.assert_array_equal(_e4m3_values(codes)[finite], theirs[finite])
+
+
+def test_bfloat16_codes_match_ml_dtypes():
+    ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes is the peer for bfloat16")
+    x = np.random.default_rng(2).standard_normal(50000).astype(np.float32) * 1e3
+    codes, _ = qkv.quantize_kv(x, "bfloat16")
+    np.testing.assert_array_equal(codes, x.astype(ml_dtypes.bfloat16).view(np.uint16))
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda: qkv.quantize_kv(np.ones(4), "int4"), qkv.InputTypeError, "dtype: expected one of"),
+        (lambda: qkv.quantize_kv([np.inf, 1.0], "int8"), qkv.InputError, "finite values"),
+        (lambda: qkv.quantize_kv(np.array(["a"]), "int8"), qkv.InputTypeError, "real numbers"),
+        (
+            lambda: qkv.dequantize_kv(np.ones((2, 4), np.int8), None, "int8"),
+            qkv.InputError,
+            r"scales: .*need their scales",
+        ),
+        (
+            lambda: qkv.dequantize_kv(np.ones((2, 4), np.int8), np.ones(3), "int8"),
+            qkv.InputError,
+            r"scales: expected shape \(2,\)",
+        ),
+        (
+            lambda: qkv.dequantize_kv(np.ones((2, 4), np.float32), None, "bfloat16"),
+            qkv.InputTypeError,
+            "codes: bfloat16 codes are uint16",
+        ),
+        (lambda: qkv.KVCache(1, 1, 4, dtype="int4"), qkv.InputTypeError, "dtype: expected"),
+    ],
+)
+def test_bad_forms_are_named(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+# --- the native decode step on stored K/V --------------------------------------------------
+
+
+@native
+@settings(max_examples=40, deadline=None)
+@given(
+    form=st.sampled_from(FORMS),
+    d=st.sampled_from([16, 40, 64, 128]),
+    kv_heads=st.integers(1, 3),
+    group=st.integers(1, 4),
+    L=st.integers(1, 3),
+    S=st.integers(1, 700),
+    batch=st.integers(1, 3),
+    isa=st.sampled_from(ISAS),
+    threads=st.integers(1, 2),
+    softcap=st.sampled_from([None, 20.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_native_step_equals_reference_on_stored_values(
+    form, d, kv_heads, group, L, S, batch, isa, threads, softcap, seed
+):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((batch, kv_heads * group, L, d)).astype(np.float32)
+    k = (rng.standard_normal((batch, kv_heads, S, d)) * 2).astype(np.float32)
+    v = rng.standard_normal((batch, kv_heads, S, d)).astype(np.float32)
+    kc, ks = qkv.quantize_kv(k, form)
+    vc, vs = qkv.quantize_kv(v, form)
+    lo = rng.integers(0, S, batch).astype(np.int64)
+    hi = (lo + rng.integers(1, S - lo + 1)).astype(np.int64)
+    got = native_decode.step(
+        q, kc, vc, d**-0.5, lo, hi, kv_format=form, k_scale=ks, v_scale=vs, isa=isa,
+        threads=threads, softcap=softcap,
+    )  # fmt: skip
+    assert got is not None
+    kd, vd = (qkv.dequantize_kv(c, s, form).astype(np.float64) for c, s in ((kc, ks), (vc, vs)))
+    for b in range(batch):
+        keep = np.zeros(S, bool)
+        keep[lo[b] : hi[b]] = True
+        want = reference.attention(
+            q[b].astype(np.float64), kd[b], vd[b], mask=keep, softcap=softcap
+        )
+        np.testing.assert_allclose(got[0][b], want, atol=F32, rtol=F32)
+
+
+@native
+def test_native_step_reads_ml_dtypes_bfloat16_and_float16_arrays():
+    ml_dtypes = pytest.importorskip("ml_dtypes", reason="NumPy's bfloat16 comes from ml_dtypes")
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((2, 4, 1, 64)).astype(np.float32)
+    k, v = rng.standard_normal((2, 2, 2, 300, 64))
+    for dt in (ml_dtypes.bfloat16, np.float16):
+        kk, vv = k.astype(dt), v.astype(dt)
+        out, _ = native_decode.step(q, kk, vv, 0.125)
+        want = reference.attention(q, kk.astype(np.float64), vv.astype(np.float64), scale=0.125)
+        np.testing.assert_allclose(out, want, atol=F32)
+    # a float64 compute reads float64 only; an 8-bit form needs its scales
+    assert native_decode.step(q.astype(np.float64), k.astype(np.float16), v, 0.1) is None
+    codes, _ = qkv.quantize_kv(k, "int8")
+    assert native_decode.step(q, codes, codes, 0.1, kv_format="int8") is None
+
+
+# --- the KV cache in each form --------------------------------------------------------------
+
+
+def _ragged_cache(form, lengths, rng, kv_heads=2, d=64):
+    cache = qkv.KVCache(len(lengths), kv_heads, d, dtype=form)
+    full = []
+    for b, n in enumerate(lengths):
+        k = rng.standard_normal((kv_heads, n, d)).astype(np.float32)
+        v = rng.standard_normal((kv_heads, n, d)).astype(np.float32)
+        if n:
+            cache.append(k[:, : n // 2 + 1], v[:, : n // 2 + 1], seq=b)  # appends grow it
+            if n // 2 + 1 < n:
+                cache.append(k[:, n // 2 + 1 :], v[:, n // 2 + 1 :], seq=b)
+        full.append((k, v))
+    return cache, full
+
+
+@pytest.mark.parametrize("form", ["float32", *FORMS])
+def test_ragged_cache_equals_reference_per_sequence_in_every_form(form, monkeypatch):
+    rng = np.random.default_rng(4)
+    lengths = [700, 1, 0, 333, 700]
+    cache, full = _ragged_cache(form, lengths, rng)
+    q = rng.standard_normal((5, 4, 1, 64)).astype(np.float32)
+    calls = []
+    step = native_decode.step
+    monkeypatch.setattr(native_decode, "step", lambda *a, **kw: calls.append(1) or step(*a, **kw))
+    out, lse = cache.attend(q, return_lse=True, softcap=30.0)
+    assert out.dtype == np.float32 and lse.shape == (5, 4, 1)
+    if native_decode.available():
+        assert len(calls) == 1  # every sequence, each its own length, in one call
+    for b, n in enumerate(lengths):
+        if n == 0:
+            np.testing.assert_array_equal(out[b], 0)
+            assert np.all(lse[b] == -np.inf)
+            continue
+        k, v = full[b]
+        kd = k if form == "float32" else _dequantized(k, form)
+        vd = v if form == "float32" else _dequantized(v, form)
+        np.testing.assert_allclose(cache.keys(b), kd, atol=0)
+        want = reference.attention(q[b].astype(np.float64), kd, vd, causal=True, softcap=30.0)
+        np.testing.assert_allclose(out[b], want, atol=F32, rtol=F32)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_stored_cache_error_against_float32_kv_is_bounded(form):
+    """What a form costs against float32 K/V (random data): bounded per form."""
+    rng = np.random.default_rng(5)
+    cache, full = _ragged_cache(form, [512, 512], rng)
+    q = rng.standard_normal((2, 4, 1, 64)).astype(np.float32)
+    out = cache.attend(q)
+    want = np.stack([reference.attention(q[b], *full[b], causal=True) for b in range(2)])
+    err = np.abs(out - want).max() / np.abs(want).max()
+    assert err < {"bfloat16": 2e-2, "float16": 2e-3, "int8": 3e-2, "float8_e4m3fn": 1e-1}[form]
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_stored_cache_general_road_for_what_the_kernel_does_not_serve(form):
+    """A causal block of queries and ALiBi take the general road on the stored values."""
+    rng = np.random.default_rng(6)
+    cache, full = _ragged_cache(form, [40, 17], rng, d=8)
+    q = rng.standard_normal((2, 2, 3, 8)).astype(np.float32)
+    slopes = np.array([0.5, 0.25])
+    out = cache.attend(q, alibi_slopes=slopes)
+    for b in range(2):
+        kd, vd = (_dequantized(x, form) for x in full[b])
+        want = reference.attention(
+            q[b].astype(np.float64), kd, vd, causal=True, alibi_slopes=slopes
+        )
+        np.testing.assert_allclose(out[b], want, atol=F32, rtol=F32)
+
+
+def test_window_and_sinks_on_the_one_call_road():
+    rng = np.random.default_rng(7)
+    cache, full = _ragged_cache("int8", [300, 90], rng)
+    q = rng.standard_normal((2, 2, 1, 64)).astype(np.float32)
+    sinks = np.array([0.5, -1.0])
+    out = cache.attend(q, window=(50, 0), sinks=sinks)
+    for b in range(2):
+        kd, vd = (_dequantized(x, "int8") for x in full[b])
+        want = reference.attention(
+            q[b].astype(np.float64), kd, vd, causal=True, window=(50, 0), sinks=sinks
+        )
+        np.testing.assert_allclose(out[b], want, atol=F32, rtol=F32)
+
+
+def test_scaled_forms_refuse_non_finite_appends_by_name():
+    cache = qkv.KVCache(1, 1, 4, dtype="int8")
+    with pytest.raises(qkv.InputError, match=r"^v: int8 stores finite values"):
+        cache.append(np.ones((1, 1, 1, 4)), np.full((1, 1, 1, 4), np.nan))
+    assert cache.lengths.tolist() == [0]
