@@ -239,3 +239,35 @@ def test_llama_decode_steps_take_the_short_road_where_it_is_built(reads):
     assert len(decode) == 2 * cfg.num_hidden_layers
     assert all(isinstance(r[3], np.ndarray) and r[6] for r in decode)  # runs per sequence
     assert [r[5] for r in decode] == [[3, 6], [3, 6], [4, 7], [4, 7]]  # each its real tokens
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_model_decodes_on_the_cache_in_place(dtype, monkeypatch):
+    """A bfloat16/float16 Llama: each decoding step reads the cache's own 16-bit K/V in place
+    (no conversion), and the steps' logits equal sdpa's in the same dtype to the dtype's
+    rounding (qkv computes in float32 from the stored values, as sdpa accumulates)."""
+    if not native_decode.available():
+        pytest.skip("native kernels not built (or QKV_NATIVE=0): every call takes qkv.attention")
+    cfg, ours, ref = _model("llama")
+    ours, ref = ours.to(dtype), ref.to(dtype)
+    launches = []
+    launch = native_decode.launch
+
+    def launch_spy(f64, sizes, q, k, v, runs, *rest, **kw):
+        launches.append((k[0], kw.get("kv_format")))
+        return launch(f64, sizes, q, k, v, runs, *rest, **kw)
+
+    monkeypatch.setattr(native_decode, "launch", launch_spy)
+    ids, attn = _padded(batch=2, length=6, seed=3)
+    cache = _cache("static", cfg, 16)
+    got, _ = _steps(ours, cache, ids, attn, 3)
+    expect, _ = _steps(ref, _cache("static", cfg, 16), ids, attn, 3)
+    name = "bfloat16" if dtype == torch.bfloat16 else "float16"
+    assert len(launches) == 3 * cfg.num_hidden_layers
+    assert {f for _, f in launches} == {name}
+    keys = {layer.keys.data_ptr() for layer in cache.layers}
+    assert {k for k, _ in launches} <= keys  # the cache's own buffers
+    tol = 3e-2 if dtype == torch.bfloat16 else 3e-3
+    for a, b in zip(got, expect, strict=True):
+        assert a.dtype == dtype
+        torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)

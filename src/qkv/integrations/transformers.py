@@ -129,8 +129,10 @@ def _decode_step(
     """A decoding step's short road: the output ``(batch, 1, heads, dv)``, or None.
 
     A model's decoding step (one query per head; no mask, or one that leaves each sequence
-    one run of keys; no variant but Gemma 2's soft-capping) on CPU float32/float64 tensors
-    that need no gradient is one call of the native decode kernel
+    one run of keys; no variant but Gemma 2's soft-capping) on CPU float32/float64 tensors,
+    or bfloat16/float16 ones (the keys and values read in place and widened in registers,
+    computed in float32, the output given back in the model's dtype), that need no gradient
+    is one call of the native decode kernel
     (:func:`qkv.engine.kernels.native_decode.launch`), the one :func:`qkv.attention` runs for
     the same problem, on the tensors' memory: between the model's operations every Python step
     finds cold caches, and the general path's checks and conversions cost more than the kernel.
@@ -144,12 +146,16 @@ def _decode_step(
     from ..engine.kernels import native_decode
 
     dt = query.dtype
+    # K/V in 16 bits: read in place, computed in float32
+    stored = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(key.dtype)
     if (
         query.ndim != 4
         or query.shape[2] != 1
-        or dt not in (torch.float32, torch.float64)
-        or key.dtype != dt
-        or value.dtype != dt
+        or not (
+            (dt in (torch.float32, torch.float64) and key.dtype == dt)
+            or (stored is not None and dt in (torch.float32, key.dtype))
+        )
+        or value.dtype != key.dtype
         or not (query.is_cpu and key.is_cpu and value.is_cpu)
         or (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad))
         or (torch.is_grad_enabled() and value.requires_grad)
@@ -166,6 +172,8 @@ def _decode_step(
         or min(d, dv) < 1
     ):
         return None
+    if stored is not None and dt != torch.float32:
+        query = query.float()  # one token's rows: the keys and values stay as they are
     ql = native_decode.layout(query.shape, query.stride(), 1)
     kl = native_decode.layout(key.shape, key.stride(), 1)
     vl = native_decode.layout(value.shape, value.stride(), 1)
@@ -174,13 +182,16 @@ def _decode_step(
     scale = 1.0 / math.sqrt(d) if scaling is None else float(scaling)
     if ql is None or kl is None or vl is None:
         return None
-    out = torch.empty((B, 1, hq, dv), dtype=dt)  # (B, heads, 1, dv) in memory: what it writes
+    # (B, heads, 1, dv) in memory: what it writes
+    out = torch.empty((B, 1, hq, dv), dtype=query.dtype)
     status = native_decode.launch(
-        dt == torch.float64, (B, kvh, hq // kvh, 1, d, dv, S),
+        query.dtype == torch.float64, (B, kvh, hq // kvh, 1, d, dv, S),
         (query.data_ptr(), ql), (key.data_ptr(), kl), (value.data_ptr(), vl), None,
-        out.data_ptr(), None, scale, softcap=softcap, mask=mask_rows,
+        out.data_ptr(), None, scale, softcap=softcap, mask=mask_rows, kv_format=stored,
     )  # fmt: skip
-    return None if status else out
+    if status:
+        return None
+    return out if out.dtype == dt else out.to(dt)
 
 
 def _decode_fast(
