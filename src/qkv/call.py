@@ -97,7 +97,7 @@ def build(
     if not is_tensor(q, k, v, *extra):
         plan = make_plan(
             q, k, v, scale=scale, causal=causal, mask=mask, window=window, need_v=need_v,
-            check_finite=check_finite, **variants,
+            check_finite=check_finite, keep_stored=need_v, **variants,
         )  # fmt: skip
         return Call(fn, plan, "numpy", {}, None, kernel, return_lse)
     given = {"q": q, "k": k, "v": v, "mask": mask}
@@ -119,7 +119,7 @@ def build(
     plan = make_plan(
         read_cpu(q, "q"), read_cpu(k, "k"), None if v is None else read_cpu(v, "v"), scale=scale,
         causal=causal, mask=mask, window=window, need_v=need_v, check_finite=check_finite,
-        **variants,
+        keep_stored=need_v and not seen.grad, **variants,
     )  # fmt: skip
     route = "numpy"
     if seen.grad:

@@ -31,6 +31,7 @@ True
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -109,14 +110,28 @@ def read(x: Any, name: str) -> Any:
             f"{name}: {kind} tensors are not supported (shape {tuple(x.shape)}, dtype "
             f"{x.dtype}); convert with .to_dense() or .dequantize() first"
         )
+    if x.dtype == torch.bfloat16 and _bfloat16() is not None:
+        # ml_dtypes' NumPy bfloat16 over the tensor's memory: the attention plan reads K/V in
+        # place (the native decode step), everything else widens them
+        return x.resolve_conj().resolve_neg().view(torch.int16).numpy().view(_bfloat16())
     if x.is_floating_point() and x.dtype not in _numpy_floats():
-        x = x.float()  # bfloat16 and float8, which NumPy lacks
+        x = x.float()  # bfloat16 (without ml_dtypes) and float8, which NumPy lacks
     try:
         return x.resolve_conj().resolve_neg().numpy()
     except (TypeError, RuntimeError) as exc:
         raise InputTypeError(
             f"{name}: a tensor NumPy cannot read (shape {tuple(x.shape)}, dtype {x.dtype}): {exc}"
         ) from None
+
+
+@functools.cache
+def _bfloat16() -> Any:
+    """ml_dtypes' NumPy bfloat16 type, or None where ml_dtypes is not installed."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        return None
+    return ml_dtypes.bfloat16
 
 
 def read_cpu(x: Any, name: str) -> Any:
@@ -200,7 +215,10 @@ def give(result: Any, want: Want | None, *, exact: bool = False) -> Any:
     a = np.asarray(result)
     if not (a.flags.writeable and a.flags.c_contiguous):
         a = np.array(a, order="C")
-    t = torch.from_numpy(a)
+    if a.dtype.name == "bfloat16":  # ml_dtypes' type: the same bits as torch's
+        t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    else:
+        t = torch.from_numpy(a)
     if want.bfloat16 and not exact and t.is_floating_point():
         t = t.to(torch.bfloat16)
     if want.device is not None:

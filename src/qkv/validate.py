@@ -36,9 +36,11 @@ __all__ = [
 ]
 
 
-def as_array(x: Any, name: str) -> np.ndarray:
+def as_array(x: Any, name: str, *, narrow: bool = False) -> np.ndarray:
     """Convert ``x`` to a real floating array (ints and lists become float64).
 
+    ml_dtypes' ``bfloat16`` arrays (the NumPy bfloat16 JAX uses) become float32, or stay as
+    they are with ``narrow`` (for the attention plan, which reads K/V in their own dtype).
     Raises :class:`InputTypeError` for anything that is not real numbers.
     """
     x = from_foreign(x, name)
@@ -46,6 +48,8 @@ def as_array(x: Any, name: str) -> np.ndarray:
         a = np.asarray(x)
     except (ValueError, TypeError) as exc:  # ragged lists and the like
         raise InputError(f"{name}: cannot be read as a rectangular array ({exc})") from None
+    if a.dtype.name == "bfloat16":  # ml_dtypes' type (not a NumPy floating subtype)
+        return a if narrow else a.astype(np.float32)
     if a.dtype.kind not in "iuf":  # not bool, complex, datetime64/timedelta64, objects...
         raise InputTypeError(
             f"{name}: expected real numbers, got dtype {a.dtype} with shape {a.shape}"
@@ -187,6 +191,11 @@ class Plan:
     given : tuple of (dtype, shape)
         ``q`` (a 1-D ``q`` as one row), ``k``, ``v`` and the sinks as the caller gave them,
         before broadcasting: the gradients take these shapes and dtypes.
+    stored : tuple of ndarray, or None
+        ``(k, v)`` as the caller gave them in float16 or bfloat16, before broadcasting, when
+        the call asked to keep them (:func:`make_plan`'s ``keep_stored``): ``k`` and ``v``
+        are then zero-stride stand-ins of their shapes. A kernel that reads that dtype takes
+        them in place; every other runs on :meth:`materialized`.
     offsets : tuple of (int, int)
         Added to the query and key positions the variants see (ALiBi, ``score_mod``,
         ``mask_mod``; :mod:`qkv.engine.kernels.mods`): ``(0, 0)`` for a whole call. A block of a
@@ -213,6 +222,20 @@ class Plan:
     mask_mod: Callable[..., Any] | None = None
     given: tuple[tuple[np.dtype, tuple[int, ...]], ...] = ()
     offsets: tuple[int, int] = (0, 0)
+    stored: tuple[np.ndarray, np.ndarray] | None = None
+
+    def materialized(self) -> Plan:
+        """This plan with :attr:`stored` K/V widened into ``k`` and ``v`` (itself without)."""
+        if self.stored is None:
+            return self
+        k, v = self.stored
+        assert self.v is not None  # stored plans carry values
+        return replace(
+            self,
+            k=np.broadcast_to(k.astype(self.acc_dtype), self.k.shape),
+            v=np.broadcast_to(v.astype(self.acc_dtype), self.v.shape),
+            stored=None,
+        )
 
     @classmethod
     def trusted(cls, **fields: Any) -> Plan:
@@ -237,6 +260,8 @@ class Plan:
         sets its own window, ``offsets`` and no sinks with :func:`dataclasses.replace`); the
         block's arrays must come from the same checked call (same dtype, heads and ``d``).
         """
+        if self.stored is not None:
+            return self.materialized().block(rows, k, v, causal=causal)
         return replace(
             self,
             q=self.q[..., rows, :],
@@ -250,6 +275,8 @@ class Plan:
         """Sequences ``batch`` (axis 0) of this checked plan against their first ``n_keys``
         keys (a KV cache's sequences of one length), not checked again; ``variants``
         replaces user functions (whose batch index the caller offsets)."""
+        if self.stored is not None:
+            return self.materialized().sequences(batch, n_keys, **variants)
         per_head: dict[str, Any] = {
             name: None if a is None else a[batch]
             for name, a in (("sinks", self.sinks), ("alibi", self.alibi))
@@ -318,11 +345,13 @@ def make_plan(
     alibi_slopes: Any = None,
     score_mod: Any = None,
     mask_mod: Any = None,
+    keep_stored: bool = False,
 ) -> Plan:
     """Check every argument and return a :class:`Plan`.
 
-    ``dtype`` forces the compute dtype (the reference uses float64); otherwise float16 is
-    computed in float32 and other float dtypes in themselves.
+    ``dtype`` forces the compute dtype (the reference uses float64); otherwise float16 and
+    bfloat16 are computed in float32 and other float dtypes in themselves. ``keep_stored``
+    keeps float16/bfloat16 K/V as given (:attr:`Plan.stored`) instead of widening them.
 
     The commonest call — NumPy arrays of one float32/float64 dtype and one rank, nothing but
     ``scale`` and ``causal`` — takes a short road (:func:`_plain_plan`) to the same plan.
@@ -345,14 +374,20 @@ def make_plan(
             return plan
     check_flag(causal, "causal")
     check_flag(check_finite, "check_finite")
-    qa, ka, va, squeeze = _read_inputs(q, k, v, need_v, check_finite)
+    qa, ka, va, squeeze = _read_inputs(q, k, v, need_v, check_finite, keep_stored)
     given = tuple((a.dtype, a.shape) for a in (qa, ka, va) if a is not None)
     out_dtype = np.result_type(*(a for a in (qa, ka, va) if a is not None))
     out_dtype = out_dtype if dtype is None else np.dtype(dtype)
-    acc_dtype = np.dtype(np.float32) if out_dtype == np.float16 else out_dtype
+    # float16 and bfloat16 are computed in float32
+    acc_dtype = np.dtype(np.float32) if out_dtype.itemsize < 4 else out_dtype
     batch, kv_batch, group = _heads(qa, ka, va)
     L, S, d = qa.shape[-2], ka.shape[-2], qa.shape[-1]
     qa = np.broadcast_to(qa.astype(acc_dtype, copy=False), batch + (L, d))
+    stored = None
+    if keep_stored and va is not None and acc_dtype == np.float32 and _narrow(ka, va):
+        stored = (ka, va)  # read in place by a kernel that can, widened by the others
+        ka = np.broadcast_to(np.zeros((), acc_dtype), kv_batch + (S, d))
+        va = np.broadcast_to(np.zeros((), acc_dtype), kv_batch + (S, va.shape[-1]))
     ka = np.broadcast_to(ka.astype(acc_dtype, copy=False), kv_batch + (S, d))
     if va is not None:
         va = np.broadcast_to(va.astype(acc_dtype, copy=False), kv_batch + (S, va.shape[-1]))
@@ -380,7 +415,14 @@ def make_plan(
         score_mod=_callable(score_mod, "score_mod"),
         mask_mod=_callable(mask_mod, "mask_mod"),
         given=given,
+        stored=stored,
     )
+
+
+def _narrow(k: np.ndarray, v: np.ndarray) -> bool:
+    """Whether K and V are both float16 or both bfloat16 (kept as given for kernels that read
+    them in their own dtype)."""
+    return k.dtype == v.dtype and (k.dtype == np.float16 or k.dtype.name == "bfloat16")
 
 
 _PLAIN_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
@@ -460,16 +502,16 @@ def broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
 
 
 def _read_inputs(
-    q: Any, k: Any, v: Any, need_v: bool, check_finite: bool
+    q: Any, k: Any, v: Any, need_v: bool, check_finite: bool, narrow: bool = False
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, bool]:
     """``q``, ``k``, ``v`` as arrays with their ranks, ``d`` and ``S`` checked; a 1-D ``q``
-    becomes one row (``squeeze``)."""
-    qa, ka = as_array(q, "q"), as_array(k, "k")
+    becomes one row (``squeeze``). ``narrow`` keeps bfloat16 arrays as they are."""
+    qa, ka = as_array(q, "q", narrow=narrow), as_array(k, "k", narrow=narrow)
     va = None
     if need_v:
         if v is None:
             raise InputError("v: required")
-        va = as_array(v, "v")
+        va = as_array(v, "v", narrow=narrow)
     if qa.ndim < 1:
         raise InputError(f"q: expected shape (..., L, d) or (d,), got a scalar (shape {qa.shape})")
     if ka.ndim < 2:

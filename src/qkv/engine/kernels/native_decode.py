@@ -52,7 +52,16 @@ from ..quant import SCALED, storage_dtype
 from .native_lib import KV_FORMATS, DecodeArgs, invoke, library, switched_off
 from .threads import default_threads
 
-__all__ = ["attend", "available", "launch", "layout", "openmp_parallel", "step", "supports"]
+__all__ = [
+    "attend",
+    "attend_stored",
+    "available",
+    "launch",
+    "layout",
+    "openmp_parallel",
+    "step",
+    "supports",
+]
 
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _F32, _F64 = _DTYPES
@@ -271,6 +280,27 @@ def _scale_rows(s: np.ndarray | None, outer: tuple[int, ...], kvh: int, S: int) 
         return None
     found = layout((*s.shape, 1), (*(st // 4 for st in s.strides), 1), len(outer))
     return None if found is None else (s.ctypes.data, found)
+
+
+def attend_stored(
+    plan: Plan, *, threads: int | None = None
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """:func:`attend` on a plan's stored float16/bfloat16 K/V (:attr:`Plan.stored`), read in
+    place: ``(out, lse)`` in float32, or None where the kernel does not serve it (the caller
+    then widens them, :meth:`Plan.materialized`, and takes the general path).
+    """
+    assert plan.stored is not None and plan.v is not None
+    lo = hi = None
+    if plan.mask is not None:
+        runs = _runs(plan)
+        if runs is None:
+            return None
+        lo, hi = runs
+    outer, kvh = plan.batch[:-1], plan.k.shape[-3]
+    k, v = plan.stored
+    k = np.broadcast_to(k, (*outer, kvh, plan.S, plan.d))
+    v = np.broadcast_to(v, (*outer, kvh, plan.S, plan.dv))
+    return step(plan.q, k, v, plan.scale, lo, hi, threads=threads, softcap=plan.softcap)
 
 
 def step(
