@@ -92,11 +92,13 @@ class KVCache:
         self.dtype, self._form = _storage(dtype)
         code = storage_dtype(self._form) if self._form else self.dtype
         self._lengths = np.zeros(self.batch, dtype=np.int64)
-        self._k = np.empty((self.batch, self.kv_heads, 0, self.head_dim), dtype=code)
-        self._v = np.empty((self.batch, self.kv_heads, 0, self.value_dim), dtype=code)
+        self._k: np.ndarray = np.empty((self.batch, self.kv_heads, 0, self.head_dim), code)
+        self._v: np.ndarray = np.empty((self.batch, self.kv_heads, 0, self.value_dim), code)
         scaled = self._form in SCALED
-        self._ks = np.empty((self.batch, self.kv_heads, 0), np.float32) if scaled else None
-        self._vs = np.empty((self.batch, self.kv_heads, 0), np.float32) if scaled else None
+        self._ks: np.ndarray | None = np.empty((self.batch, self.kv_heads, 0), np.float32)
+        self._vs: np.ndarray | None = np.empty((self.batch, self.kv_heads, 0), np.float32)
+        if not scaled:
+            self._ks = self._vs = None
 
     @property
     def lengths(self) -> np.ndarray:
@@ -129,7 +131,7 @@ class KVCache:
         used = int(self._lengths.max())
         # All or nothing: every buffer is allocated before any replaces the old one, so a
         # MemoryError leaves the cache exactly as it was.
-        grown = []
+        grown: list[np.ndarray | None] = []
         for old in (self._k, self._v, self._ks, self._vs):
             if old is None:
                 grown.append(None)
@@ -139,7 +141,9 @@ class KVCache:
             buf = make(old.shape[:2] + (new,) + old.shape[3:], dtype=old.dtype)
             buf[:, :, :used] = old[:, :, :used]
             grown.append(buf)
-        self._k, self._v, self._ks, self._vs = grown
+        k, v, self._ks, self._vs = grown
+        assert k is not None and v is not None
+        self._k, self._v = k, v
 
     def _write(self, where: tuple[Any, ...], k: np.ndarray, v: np.ndarray) -> None:
         """Store ``k`` and ``v`` at ``where`` (an index of the buffers' first three axes), in
