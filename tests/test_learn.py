@@ -212,3 +212,32 @@ def test_mask_drill_slips(url):
 def test_cli_learn_rejects_a_bad_port(capsys):
     assert main(["learn", "--port", "70000", "--no-browser"]) == 2
     assert "--port" in capsys.readouterr().err
+
+
+def test_cli_learn_serves_the_page(tmp_path):
+    """``qkv learn --no-browser`` says where it serves, serves the page, and stops on SIGINT."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "qkv", "learn", "--no-browser"],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
+    try:
+        line = proc.stderr.readline()
+        assert line.startswith("qkv learn: serving http://127.0.0.1:"), line
+        address = line.split()[3]
+        with urllib.request.urlopen(address, timeout=30) as r:
+            assert "Attention, live" in r.read().decode()
+        status, r = post(address.rstrip("/"), "/api/explain", SEED)
+        assert status == 200 and r["shown"]["weights"] == [["0.04743", "0.95257"]]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+        proc.stderr.close()
