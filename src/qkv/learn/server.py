@@ -5,7 +5,9 @@ Standard library only (:class:`http.server.ThreadingHTTPServer`), bound to ``127
 - ``GET /`` — the page (:func:`qkv.learn.page.live_page`);
 - ``POST /api/explain`` — the form's fields -> every step (:func:`qkv.learn.api.explain_fields`);
 - ``POST /api/exercise`` — a practice problem (:func:`qkv.learn.exercises.exercise_fields`);
-- ``POST /api/check`` — one answer checked (:func:`qkv.learn.exercises.check_fields`).
+- ``POST /api/check`` — one answer checked (:func:`qkv.learn.exercises.check_fields`);
+- ``POST /api/model`` — one head of a real model for one token
+  (:func:`qkv.learn.model.model_fields`; the ``model`` extra).
 
 Bad input is answered ``400`` with ``{"error": message, "field": name}`` — the library's own
 message; an unexpected failure ``500`` with one line, never a stack trace.
@@ -34,6 +36,7 @@ from typing import Any
 from ..errors import InputError
 from .api import FieldError, explain_fields, field_of, fields_of
 from .exercises import check_fields, exercise_fields
+from .model import model_fields
 from .page import live_page
 
 __all__ = ["MAX_BODY", "ROUTES", "make_server"]
@@ -46,6 +49,7 @@ ROUTES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "/api/explain": explain_fields,
     "/api/exercise": exercise_fields,
     "/api/check": check_fields,
+    "/api/model": model_fields,
 }
 
 
