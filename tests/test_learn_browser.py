@@ -269,3 +269,41 @@ def test_model_pane_shows_the_heads_numbers(live):
     page.screenshot(path=str(pw.artifacts() / "learn-model.png"), full_page=True)
     # the layer 9 answer was a 400, logged by the browser itself
     assert [p for p in page.problems if BAD_REQUEST not in p] == []
+
+
+def test_widget_front_end_draws_the_python_state(chromium, tmp_path):
+    """The widget's script, given a stand-in for the notebook's model (the state qkv.widget
+    computed in Python), draws the same numbers; an edit is sent back as new fields."""
+    pytest.importorskip("anywidget", reason="qkv.widget needs the widget extra (anywidget)")
+    import base64
+    import json
+
+    w = qkv.widget([2, 1], [[1, 0], [3, 2]], [[1, 2], [3, 4]], d=4)
+    state = {"fields": w.fields, "view": w.view, "error": w.error}
+    # the module as a data: address (a file:// page may not load a module file)
+    src = "data:text/javascript;base64," + base64.b64encode(w._esm.encode()).decode()
+    page_file = tmp_path / "widget.html"
+    page_file.write_text(
+        "<!DOCTYPE html><html><head><meta charset='utf-8'><link rel='icon' href='data:,'>"
+        f"<style>{w._css}</style></head><body><div id='host'></div><script type='module'>"
+        f"import widget from '{src}';"
+        f"const state = {json.dumps(state)}; const handlers = {{}}; window.sent = [];"
+        "const model = { get: (k) => state[k], set: (k, v) => { state[k] = v; },"
+        " save_changes: () => window.sent.push(state.fields),"
+        " on: (e, f) => { handlers[e] = f; } };"
+        "widget.render({ model, el: document.getElementById('host') });"
+        "document.body.dataset.ready = '1';</script></body></html>",
+        encoding="utf-8",
+    )
+    page = chromium.page(1000, 800)
+    try:
+        page.goto(page_file.as_uri())
+        page.wait_for_function("document.body.dataset.ready === '1'")
+        weights = page.locator("td[data-step=weights]").all_text_contents()
+        assert weights == w.view["shown"]["weights"][0] == ["0.04743", "0.95257"]
+        page.click("button[data-reading=multiply]")
+        sent = page.evaluate("window.sent")
+        assert sent[-1]["reading"] == "multiply" and sent[-1]["q"] == "2, 1"
+        assert page.problems == []
+    finally:
+        page.close()

@@ -30,6 +30,7 @@ from .front import (
     scores,
     softmax,
 )
+from .learn.widget import widget
 
 __all__ = [
     "InputError",
@@ -47,4 +48,5 @@ __all__ = [
     "reference",
     "scores",
     "softmax",
+    "widget",
 ]

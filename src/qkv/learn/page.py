@@ -18,7 +18,7 @@ from typing import Any
 
 from ..explanation.readings import READINGS
 
-__all__ = ["SEED", "live_page"]
+__all__ = ["CSS", "DRAW_JS", "SEED", "live_page"]
 
 #: The example the page opens with: the seed's worked example, ``q = [2, 1]`` with ``d = 4``.
 SEED: dict[str, Any] = {
@@ -84,42 +84,12 @@ section.practice { margin-top: 1.5em; }
 pre.worked { background: #f6f8fa; padding: 4px 8px; font-size: 0.85em; white-space: pre-wrap; }
 """
 
-SCRIPT = r"""
-"use strict";
-const $ = (id) => document.getElementById(id);
-const FIELDS = ["q", "k", "v", "d", "mask", "window"];
-let seq = 0, reading = "divide";
-
+DRAW_JS = r"""
 function el(tag, attrs, text) {
   const e = document.createElement(tag);
   for (const [k, v] of Object.entries(attrs || {})) e.setAttribute(k, v);
   if (text !== undefined) e.textContent = text;
   return e;
-}
-
-function formData() {
-  const out = { reading: reading, causal: $("f-causal").checked, align: $("f-align").value,
-                exact: $("f-exact").checked };
-  for (const f of FIELDS) out[f] = $("f-" + f).value;
-  return out;
-}
-
-function clearErrors() {
-  for (const f of FIELDS.concat(["reading", "causal", "align", "exact"])) {
-    const e = $("err-" + f);
-    if (e) e.textContent = "";
-    const input = $("f-" + f);
-    if (input) input.classList.remove("bad");
-  }
-}
-
-function showError(field, fields, message) {
-  const target = $("err-" + field) ? field : "q";
-  $("err-" + target).textContent = message;
-  for (const f of [target].concat(fields || [])) {
-    const input = $("f-" + f);
-    if (input) input.classList.add("bad");
-  }
 }
 
 function table(cls, head, rows, cell) {
@@ -136,7 +106,8 @@ function table(cls, head, rows, cell) {
   return t;
 }
 
-function draw(b, p) {
+function draw(b, p, root) {
+  const $ = (id) => (root || document).querySelector("#" + id);
   const S = b.shape.S;
   $(p + "scale").textContent = b.scale;
   $(p + "note").textContent = b.note;
@@ -176,6 +147,39 @@ function draw(b, p) {
     steps.push(box);
   }
   $(p + "steps").replaceChildren(...steps);
+}
+
+"""
+
+SCRIPT = r"""
+"use strict";
+const $ = (id) => document.getElementById(id);
+const FIELDS = ["q", "k", "v", "d", "mask", "window"];
+let seq = 0, reading = "divide";
+
+function formData() {
+  const out = { reading: reading, causal: $("f-causal").checked, align: $("f-align").value,
+                exact: $("f-exact").checked };
+  for (const f of FIELDS) out[f] = $("f-" + f).value;
+  return out;
+}
+
+function clearErrors() {
+  for (const f of FIELDS.concat(["reading", "causal", "align", "exact"])) {
+    const e = $("err-" + f);
+    if (e) e.textContent = "";
+    const input = $("f-" + f);
+    if (input) input.classList.remove("bad");
+  }
+}
+
+function showError(field, fields, message) {
+  const target = $("err-" + field) ? field : "q";
+  $("err-" + target).textContent = message;
+  for (const f of [target].concat(fields || [])) {
+    const input = $("f-" + f);
+    if (input) input.classList.add("bad");
+  }
 }
 
 async function redraw() {
@@ -423,5 +427,5 @@ def live_page(fields: dict[str, Any] | None = None) -> str:
         '<h2>Weights at a glance</h2><div id="heat"></div>'
         '<h2>Step by step</h2><div id="steps"></div><p id="status"></p></div></div>'
         f"{practice}{model}"
-        f"<script>{SCRIPT}</script></body></html>\n"
+        f"<script>{SCRIPT}{DRAW_JS}</script></body></html>\n"
     )
