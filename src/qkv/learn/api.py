@@ -173,7 +173,7 @@ def trace_fields(
     assert q is not None and k is not None  # required
     k = np.atleast_2d(k)
     if v is not None:
-        v = np.atleast_2d(v) if k.shape[0] > 1 or v.ndim == 1 else v
+        v = np.atleast_2d(v)  # one row typed is one key's value
     d_text = _text(fields, "d")
     d = parse_int(d_text, "d", minimum=1) if d_text else None
     reading = fields.get("reading") or "divide"
