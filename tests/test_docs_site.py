@@ -1,8 +1,9 @@
 """The built documentation site in headless Chromium, and the one version everything states.
 
 The site is built by ``python -m sphinx -W --keep-going -b html docs docs/_build/html`` (CI's
-docs step builds it, then runs this file); without the built site or without Chromium the
-browser checks say why they skip. ``QKV_DOCS_HTML`` points at another build folder.
+docs step builds it, then runs this file); the browser is the system's Chromium driven by
+Playwright. Without the built site, Playwright or Chromium the browser checks say why they
+skip. ``QKV_DOCS_HTML`` points at another build folder.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ PAGES = ["index.html", "reference/api.html", "tutorial.html"]
 
 
 def _browser_module():
-    """The DevTools-over-a-pipe driver of the explore page's browser test (one copy of it)."""
+    """The Playwright helpers the browser tests share (``_playwright.py``)."""
     spec = importlib.util.spec_from_file_location(
-        "_qkv_cdp_driver", Path(__file__).with_name("test_explore_browser.py")
+        "_qkv_pw", Path(__file__).with_name("_playwright.py")
     )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -46,32 +47,43 @@ def test_version_has_one_source():
 
 
 @pytest.fixture(scope="module")
-def browser(tmp_path_factory):
+def site(tmp_path_factory):
     if not (SITE / "index.html").is_file():
         pytest.skip(
             f"the documentation is not built at {SITE} "
             "(python -m sphinx -W --keep-going -b html docs docs/_build/html)"
         )
     driver = _browser_module()
-    if driver.CHROMIUM is None:
-        pytest.skip("headless Chromium is not installed (CI installs Debian's chromium package)")
-    b = driver.Browser(tmp_path_factory.mktemp("docs") / "profile")
+    reason = driver.skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    b = driver.Browser()
     try:
-        for domain in ("Runtime.enable", "Log.enable", "Page.enable"):
-            b.send(domain, True)
-        yield b
+        yield Site(b.page())
     finally:
         b.close()
 
 
-def _open(b, page: str) -> list[str]:
+class Site:
+    """One Playwright page that loads the site's pages in turn."""
+
+    def __init__(self, page) -> None:
+        self.page = page
+
+    def js(self, expression: str):
+        return self.page.evaluate(expression)
+
+
+def _open(b: Site, page: str) -> list[str]:
     """Load ``page`` of the site; the problems the browser reported while loading it."""
-    b.events.clear()
-    b.send("Page.navigate", True, url=(SITE / page).as_uri())
-    b.wait_for("Page.loadEventFired")
-    b.until("document.readyState === 'complete'")
+    b.page.problems.clear()
+    b.page.messages.clear()
+    b.page.goto((SITE / page).as_uri(), wait_until="load")
+    b.page.wait_for_function("document.readyState === 'complete'")
     # the theme logs its colour mode with console.log: information, not a problem
-    return [p for p in b.problems() if not p.startswith(("console.log:", "console.info:"))]
+    quiet = ("console.log:", "console.info:", "console.debug:")
+    noisy = [m for m in b.page.messages if not m.startswith(quiet)]
+    return sorted(set(b.page.problems) | set(noisy))
 
 
 BROKEN_IMAGES = (
@@ -81,16 +93,16 @@ BROKEN_IMAGES = (
 
 
 @pytest.mark.parametrize("page", PAGES)
-def test_page_loads_without_errors_or_missing_images(browser, page):
-    problems = _open(browser, page)
+def test_page_loads_without_errors_or_missing_images(site, page):
+    problems = _open(site, page)
     assert problems == []
-    assert browser.js(BROKEN_IMAGES) == []
-    assert browser.js("document.title").endswith(f"qkv {qkv.__version__}")
+    assert site.js(BROKEN_IMAGES) == []
+    assert site.js("document.title").endswith(f"qkv {qkv.__version__}")
 
 
-def test_tutorial_shows_the_figures_the_build_made(browser):
-    assert _open(browser, "tutorial.html") == []
-    shown = browser.js(
+def test_tutorial_shows_the_figures_the_build_made(site):
+    assert _open(site, "tutorial.html") == []
+    shown = site.js(
         "Array.from(document.querySelectorAll('article img')).map(i => [i.getAttribute('src'),"
         " i.naturalWidth])"
     )
@@ -105,9 +117,9 @@ def test_tutorial_shows_the_figures_the_build_made(browser):
     )
 
 
-def test_api_page_documents_every_public_name(browser):
-    assert _open(browser, "reference/api.html") == []
-    ids = set(browser.js("Array.from(document.querySelectorAll('dt[id]')).map(e => e.id)"))
+def test_api_page_documents_every_public_name(site):
+    assert _open(site, "reference/api.html") == []
+    ids = set(site.js("Array.from(document.querySelectorAll('dt[id]')).map(e => e.id)"))
     import qkv.distributed
     import qkv.variants
 
@@ -119,7 +131,7 @@ def test_api_page_documents_every_public_name(browser):
     want |= {"qkv.integrations.transformers.register", "qkv.integrations.capture.capture"}
     assert want - ids == set()
     # the docstring's example is on the page, rendered as code
-    example = browser.js(
+    example = site.js(
         "Array.from(document.querySelectorAll('dd pre')).map(e => e.textContent).join('\\n')"
     )
     assert ">>> " in example and "qkv.attention(" in example

