@@ -106,7 +106,8 @@ def attend(plan: Plan, kernel: str = "auto") -> tuple[np.ndarray, np.ndarray]:
     Sinks are added once, to the kernel's finished result (:func:`mods.with_sinks`).
     """
     if plan.stored is not None:  # float16/bfloat16 K/V as given: read in place where served
-        if kernel in ("auto", "decode") and native_decode.supports(plan):
+        decoding = plan.L <= DECODE_MAX_L and kernel in ("auto", "decode")
+        if decoding and native_decode.supports(plan):
             found = native_decode.attend_stored(plan)
             if found is not None:
                 return mods.with_sinks(plan, *found)

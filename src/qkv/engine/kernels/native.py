@@ -56,6 +56,7 @@ from .native_lib import (
     PrefillArgs,
     VarlenArgs,
     invoke,
+    isa_cap,
     library,
     library_path,
     switched_off,
@@ -147,24 +148,34 @@ def info() -> dict[str, Any]:
     Examples
     --------
     >>> sorted(info())
-    ['active', 'isa', 'kernels', 'library', 'reason']
+    ['active', 'isa', 'kernels', 'library', 'products', 'reason']
     """
     ok, why = available()
     lib, _ = library()
     path = library_path()
     decode_ok = lib is not None and not switched_off()
+    isa = None
+    if lib is not None:
+        cap = isa_cap()
+        best = lib.qkv_best_isa()
+        isa = _ISA_NAMES.get(min(best, cap) if cap else best)
     return {
         "active": ok,
         "reason": why or f"built; {ENV} is not 0; SciPy's BLAS found",
         "library": None if path is None else path.name,
-        "isa": _ISA_NAMES.get(lib.qkv_best_isa()) if lib is not None else None,
+        "isa": isa,  # the vector clone that runs (capped by QKV_NATIVE_ISA)
+        "products": {
+            "prefill, varlen, backward": "BLAS sgemm/dgemm (SciPy's) on float32/float64 tiles",
+            "decode": "vector FMA in float32/float64; bfloat16, float16, int8 and float8 "
+            "e4m3fn K/V widened to float32 in registers (the step is bound by the bytes read)",
+        },
         "kernels": {
             "prefill forward (float32, float64; causal, window, bool mask, float bias, "
             "grouped heads, sinks)": ok,
             "prefill backward (FlashAttention-2; the same cases)": ok,
             "packed varlen walk (float32, float64; causal, window, grouped heads)": ok,
-            "decode step (float32, float64; grouped heads, a run of keys per sequence; "
-            "no BLAS needed)": decode_ok,
+            "decode step (float32, float64; K/V also stored as bfloat16, float16, int8, "
+            "float8 e4m3fn; grouped heads, a run of keys per sequence; no BLAS needed)": decode_ok,
         },
     }
 
@@ -254,7 +265,8 @@ def attend(
     threads : int, optional
         Native worker threads (default: :func:`~qkv.engine.kernels.threads.default_threads`).
     isa : {"baseline", "avx2", "avx512"}, optional
-        Run this vector clone (capped at what the CPU supports); default the widest.
+        Run this vector clone (capped at what the CPU supports); default ``QKV_NATIVE_ISA``,
+        else the widest.
     block_q, block_k : int, optional
         Query rows per work item and keys per score tile.
     """
@@ -307,7 +319,7 @@ def attend(
         left=-1 if left is None else left,
         right=-1 if right is None else right,
         threads=n,
-        isa=0 if isa is None else ISAS[isa],
+        isa=isa_cap(isa),
         gemm=gemm[dt],
         block_q=block_q,
         block_k=block_k,
@@ -390,7 +402,7 @@ def backward(
         left=-1 if left is None else left,
         right=-1 if right is None else right,
         threads=_workers(threads),
-        isa=0 if isa is None else ISAS[isa],
+        isa=isa_cap(isa),
         gemm=gemm[dt],
         block_q=block_q,
         block_k=block_k,
@@ -514,7 +526,7 @@ def attend_packed(
         left=-1 if left is None else left,
         right=-1 if right is None else right,
         threads=workers,
-        isa=0 if isa is None else ISAS[isa],
+        isa=isa_cap(isa),
         gemm=gemm[dt],
         block_q=block_q,
         block_k=block_k,

@@ -49,7 +49,7 @@ import numpy as np
 
 from ...validate import Plan
 from ..quant import SCALED, storage_dtype
-from .native_lib import KV_FORMATS, DecodeArgs, invoke, library, switched_off
+from .native_lib import KV_FORMATS, DecodeArgs, invoke, isa_cap, library, switched_off
 from .threads import default_threads
 
 __all__ = [
@@ -174,7 +174,8 @@ def launch(
     ``q``, ``k``, ``v`` each ``(address, (sequence, head, row) strides in elements)``; ``runs``
     the addresses of the int64 ``lo`` and ``hi`` per sequence, or None (every key); ``out``
     (``(sequences, heads, L, dv)``, contiguous) and ``lse`` (or None) the addresses to write;
-    ``isa`` caps the vector clone (:data:`qkv.engine.kernels.native_lib.ISAS`; 0: the widest);
+    ``isa`` caps the vector clone (:data:`qkv.engine.kernels.native_lib.ISAS`; 0:
+    ``QKV_NATIVE_ISA``, else the widest);
     ``softcap`` (> 0) soft-caps the scaled scores, ``c · tanh(s / c)``, as qkv's ``softcap``;
     ``mask`` is ``(address, sequence stride, key stride)`` in bytes of a boolean mask row per
     sequence, read (in C) as each sequence's run of keys in place of ``runs``;
@@ -193,7 +194,8 @@ def launch(
     lo, hi = (None, None) if runs is None else runs
     (ks, kss), (vs, vss) = scales or ((None, (0, 0, 0)), (None, (0, 0, 0)))
     args = DecodeArgs(
-        *sizes, q[0], *q[1], k[0], *k[1], v[0], *v[1], lo, hi, out, lse, scale, workers, isa,
+        *sizes, q[0], *q[1], k[0], *k[1], v[0], *v[1], lo, hi, out, lse, scale, workers,
+        isa or isa_cap(),
         team, softcap or 0.0, *(mask or (None, 0, 0)),
         KV_FORMATS[kv_format] if kv_format else 0, ks, *kss, vs, *vss,
     )  # fmt: skip

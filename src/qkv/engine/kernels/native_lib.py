@@ -26,18 +26,21 @@ from typing import Any
 __all__ = [
     "ENV",
     "ISAS",
+    "ISA_ENV",
     "KV_FORMATS",
     "BackwardArgs",
     "DecodeArgs",
     "PrefillArgs",
     "VarlenArgs",
     "invoke",
+    "isa_cap",
     "library",
     "library_path",
     "switched_off",
 ]
 
 ENV = "QKV_NATIVE"  # "0" switches the native kernels off (read on every call)
+ISA_ENV = "QKV_NATIVE_ISA"  # "baseline", "avx2" or "avx512": the widest clone a call may run
 ISAS = {"baseline": 1, "avx2": 2, "avx512": 3}  # the vector clones, narrowest first
 # How the decode step finds K and V stored (qkv_decode_args.kv_format; qkv.engine.quant):
 # the compute dtype itself, or these forms, read in place and widened to float32 in registers
@@ -124,6 +127,19 @@ _FAMILIES: tuple[tuple[type[ctypes.Structure], str, tuple[str, ...]], ...] = (
     (VarlenArgs, "qkv_varlen_args_size", ("qkv_varlen_f32", "qkv_varlen_f64")),
     (DecodeArgs, "qkv_decode_args_size", ("qkv_decode_f32", "qkv_decode_f64")),
 )
+
+
+def isa_cap(asked: str | int | None = None) -> int:
+    """The clone code a call passes (0: the widest the CPU runs): ``asked`` (a name of
+    :data:`ISAS` or its code), else ``QKV_NATIVE_ISA`` (read on every call; CI runs the
+    suite with narrower clones forced), else 0. The library caps it at what the CPU runs."""
+    if asked is None:
+        asked = os.environ.get(ISA_ENV, "").strip() or 0
+    if isinstance(asked, str):
+        if asked not in ISAS:
+            raise ValueError(f"{ISA_ENV}: expected one of {tuple(ISAS)}, got {asked!r}")
+        return ISAS[asked]
+    return int(asked)
 
 
 def switched_off() -> bool:
