@@ -3,9 +3,11 @@
     python bench/generate.py [--models llama,gemma2] [--prompts 512,2048,8192] [--batches 1,4]
                              [--caches dynamic,static] [--new-tokens 16] [--repeat 3] [--threads 2]
                              [--hidden 1024 --layers 4 --heads 16 --kv-heads 4]
+                             [--dtype bfloat16]
     python bench/generate.py --prompts 512 --layers 2 --repeat 1   # a quick run
 
-Models are built from configs with random weights (no download), float32, in eval mode: a
+Models are built from configs with random weights (no download), float32 (``--dtype
+bfloat16`` or ``float16``: the weights and the cache in that dtype), in eval mode: a
 Llama-style GQA model (the issue's reference: hidden 1024, 4 layers, 16 query heads over 4 kv
 heads, head dim 64) and a Gemma-2-style one of the same size (logit soft-capping, alternating
 sliding-window and full layers). Every backend runs the same weights in one process.
@@ -223,6 +225,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--window", type=int, default=4096, help="Gemma 2's sliding window")
     p.add_argument("--eager-max", type=int, default=2048)
     p.add_argument("--no-machine", action="store_true", help="skip measuring the read rate")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     args = p.parse_args(argv)
 
     import torch
@@ -235,13 +238,13 @@ def main(argv: list[str] | None = None) -> None:
     backends = args.backends.split(",")
     read = float("nan") if args.no_machine else machine.read_gbps(nbytes=1 << 28)
     print(f"threads: torch {torch.get_num_threads()}, {_common.threads_info()}")
-    print(f"machine read rate: {read:.1f} GB/s; float32; new tokens {args.new_tokens}")
+    print(f"machine read rate: {read:.1f} GB/s; {args.dtype}; new tokens {args.new_tokens}")
     rows = []
     for name in args.models.split(","):
         cfg, cls = _config(name, args, max(prompts) + args.new_tokens + 8)
         cfg._attn_implementation = "eager"
         torch.manual_seed(0)
-        model = cls(cfg).eval()
+        model = cls(cfg).eval().to(getattr(torch, args.dtype))
         for length, batch, kind in itertools.product(prompts, batches, args.caches.split(",")):
             if kind not in ("dynamic", "static"):
                 raise SystemExit(f"--caches: unknown cache {kind!r} (dynamic, static)")
