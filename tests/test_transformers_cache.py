@@ -271,3 +271,47 @@ def test_half_precision_model_decodes_on_the_cache_in_place(dtype, monkeypatch):
     for a, b in zip(got, expect, strict=True):
         assert a.dtype == dtype
         torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("form", ["int8", "float8_e4m3fn"])
+def test_quantized_cache_decodes_on_its_codes_in_place(form, monkeypatch):
+    """A QuantizedKVCache: each decoding step's native call reads the layer's own 8-bit codes
+    and scales; the logits equal those of the general road on the widened stored values (to
+    float32 rounding) and stay near float32 K/V's, with the same greedy tokens here."""
+    from qkv.integrations.kv_cache import QuantizedKVCache
+
+    cfg, ours, ref = _model("llama")
+    ids, attn = _padded(batch=2, length=6, seed=3)
+    launches = []
+    launch = native_decode.launch
+
+    def launch_spy(f64, sizes, q, k, v, runs, *rest, **kw):
+        launches.append((k[0], kw.get("kv_format"), kw.get("scales")))
+        return launch(f64, sizes, q, k, v, runs, *rest, **kw)
+
+    monkeypatch.setattr(native_decode, "launch", launch_spy)
+    cache = QuantizedKVCache(cfg, form)
+    got, got_tokens = _steps(ours, cache, ids, attn, 3)
+    if native_decode.available():
+        assert len(launches) == 3 * cfg.num_hidden_layers
+        codes = {layer.codes_k.data_ptr() for layer in cache.layers}
+        assert {k for k, _, _ in launches} <= codes and {f for _, f, _ in launches} == {form}
+    monkeypatch.setenv("QKV_NATIVE", "0")  # the general road on the widened stored values
+    widened, _ = _steps(ours, QuantizedKVCache(cfg, form), ids, attn, 3)
+    expect, expect_tokens = _steps(ref, _cache("dynamic", cfg, 16), ids, attn, 3)
+    assert got_tokens.tolist() == expect_tokens.tolist()
+    for a, b, c in zip(got, widened, expect, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a, c, atol=0.05, rtol=0.05)
+
+
+def test_quantized_cache_refuses_what_it_cannot_store():
+    from qkv.integrations.kv_cache import QuantizedKVCache, QuantizedKVLayer
+
+    with pytest.raises(ValueError, match="dtype: expected one of"):
+        QuantizedKVLayer("bfloat16")
+    cfg, _, _ = _model("llama")
+    cache = QuantizedKVCache(cfg)
+    bad = torch.full((1, 2, 1, 8), float("inf"))
+    with pytest.raises(ValueError, match="finite values only"):
+        cache.update(bad, bad, 0)

@@ -146,14 +146,19 @@ def _decode_step(
     from ..engine.kernels import native_decode
 
     dt = query.dtype
-    # K/V in 16 bits: read in place, computed in float32
-    stored = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(key.dtype)
+    scales = None
+    codes = getattr(key, "qkv_stored", None)  # a QuantizedKVCache layer's stand-ins
+    if codes is not None:  # 8-bit codes with a scale per token and head, read in place
+        key, value, stored = codes.codes_k, codes.codes_v, codes.form
+        scales = (codes.scales_k, codes.scales_v)
+    else:  # K/V in 16 bits: read in place, computed in float32
+        stored = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(key.dtype)
     if (
         query.ndim != 4
         or query.shape[2] != 1
         or not (
             (dt in (torch.float32, torch.float64) and key.dtype == dt)
-            or (stored is not None and dt in (torch.float32, key.dtype))
+            or (stored is not None and dt in (torch.float32, torch.bfloat16, torch.float16))
         )
         or value.dtype != key.dtype
         or not (query.is_cpu and key.is_cpu and value.is_cpu)
@@ -182,12 +187,20 @@ def _decode_step(
     scale = 1.0 / math.sqrt(d) if scaling is None else float(scaling)
     if ql is None or kl is None or vl is None:
         return None
+    rows = None
+    if scales is not None:
+        rows = tuple(
+            (x.data_ptr(), native_decode.layout((*x.shape, 1), (*x.stride(), 1), 1)) for x in scales
+        )
+        if any(r[1] is None for r in rows):
+            return None
     # (B, heads, 1, dv) in memory: what it writes
     out = torch.empty((B, 1, hq, dv), dtype=query.dtype)
     status = native_decode.launch(
         query.dtype == torch.float64, (B, kvh, hq // kvh, 1, d, dv, S),
         (query.data_ptr(), ql), (key.data_ptr(), kl), (value.data_ptr(), vl), None,
         out.data_ptr(), None, scale, softcap=softcap, mask=mask_rows, kv_format=stored,
+        scales=rows,
     )  # fmt: skip
     if status:
         return None
@@ -289,6 +302,9 @@ def attention_forward(
         fast = _decode_fast(query, key, value, attention_mask, scaling, kwargs)
         if fast is not None:
             return fast, None
+    stored = getattr(key, "qkv_stored", None)
+    if stored is not None:  # a QuantizedKVCache: the prompt runs on the widened stored values
+        key, value = stored.widened()
     from torch.nn.functional import pad as torch_pad
 
     from ..front import attention as qkv_attention
