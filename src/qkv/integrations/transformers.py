@@ -187,13 +187,12 @@ def _decode_step(
     scale = 1.0 / math.sqrt(d) if scaling is None else float(scaling)
     if ql is None or kl is None or vl is None:
         return None
-    rows = None
+    rows: Any = None
     if scales is not None:
-        rows = tuple(
-            (x.data_ptr(), native_decode.layout((*x.shape, 1), (*x.stride(), 1), 1)) for x in scales
-        )
-        if any(r[1] is None for r in rows):
+        found = [native_decode.layout((*x.shape, 1), (*x.stride(), 1), 1) for x in scales]
+        if found[0] is None or found[1] is None:
             return None
+        rows = ((scales[0].data_ptr(), found[0]), (scales[1].data_ptr(), found[1]))
     # (B, heads, 1, dv) in memory: what it writes
     out = torch.empty((B, 1, hq, dv), dtype=query.dtype)
     status = native_decode.launch(
