@@ -96,6 +96,6 @@ def test_dispatch_many_picks_decode_for_many_small_caches_together(monkeypatch):
     )
     monkeypatch.setattr(dispatch, "DECODE_MIN_BYTES", 5000)  # 2560 + 4608 bytes
     plans = [make_plan(np.ones((4, 1, 8)), np.ones((4, n, 8)), np.ones((4, n, 8))) for n in (5, 9)]
-    assert dispatch.choose(plans[0]) == "dense"  # alone, each would be dense
+    assert dispatch.choose(plans[0]).name == "dense"  # alone, each would be dense
     dispatch.attend_many(plans)
     assert calls == [2]
