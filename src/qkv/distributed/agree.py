@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..checks import check_real
-from ..engine.kernels.threads import cpu_count, default_threads
+from ..engine.kernels.threads import workers
 from ..errors import InputError, InputTypeError
 from ..masks import Window
 from ..validate import Plan, as_array, check_window, make_plan
@@ -144,7 +144,7 @@ def threads_for(comm: Communicator, rows: np.ndarray) -> int:
     """This rank's share of the cores it may use (ranks on one host split them), at most
     ``OMP_NUM_THREADS`` when that is set."""
     local = int(np.count_nonzero(rows[:, 1] == rows[comm.rank, 1]))
-    return max(1, min(default_threads(), cpu_count() // max(local, 1)))
+    return workers(share=local)
 
 
 def setup(

@@ -30,7 +30,7 @@ from ...validate import Plan
 from . import mods
 from .blocks import finish, merge_arrays
 from .jit import enabled as jit_enabled
-from .threads import default_threads, parallel_map, team_preferred
+from .threads import parallel_map, team_preferred, workers
 
 __all__ = ["ITEM_BYTES", "MIN_SPLIT", "attend", "attend_many", "mask_runs", "use_jit"]
 
@@ -245,7 +245,7 @@ def attend_many(
     >>> all(np.allclose(o, reference.attention(q, k, v)) for (o, _), (k, v) in zip(outs, kv))
     True
     """
-    n = default_threads() if threads is None else max(1, int(threads))
+    n = workers(threads)
     if len(plans) == 1 and team_preferred():
         done = _team_single(plans[0], n)
         if done is not None:
