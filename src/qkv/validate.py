@@ -22,6 +22,7 @@ import numpy as np
 from .checks import check_int, check_real
 from .errors import InputError, InputTypeError
 from .masks import Window
+from .options import VARIANTS, Options
 
 __all__ = [
     "VARIANTS",
@@ -78,9 +79,6 @@ def from_foreign(x: Any, name: str) -> Any:
 
 
 #: The attention variants every path takes (see :func:`qkv.attention`).
-VARIANTS = ("softcap", "sinks", "alibi_slopes", "score_mod", "mask_mod")
-
-
 def check_variants(fn: str, variants: dict[str, Any], allowed: tuple[str, ...] = VARIANTS) -> None:
     """Refuse a keyword that ``fn`` (a public function's name) does not take, by name."""
     for name in variants:
@@ -305,28 +303,30 @@ def make_plan(
     q: Any,
     k: Any,
     v: Any = None,
+    options: Options | None = None,
     *,
-    scale: Any = None,
-    causal: bool = False,
-    mask: Any = None,
-    window: Any = None,
     need_v: bool = True,
     check_finite: bool = False,
     dtype: Any = None,
-    softcap: Any = None,
-    sinks: Any = None,
-    alibi_slopes: Any = None,
-    score_mod: Any = None,
-    mask_mod: Any = None,
+    **keywords: Any,
 ) -> Plan:
     """Check every argument and return a :class:`Plan`.
 
+    The call's options come as one :class:`qkv.options.Options` or as its keywords
+    (``scale=``, ``causal=``, ...; given with ``options``, they replace its fields).
     ``dtype`` forces the compute dtype (the reference uses float64); otherwise float16 is
     computed in float32 and other float dtypes in themselves.
 
     The commonest call — NumPy arrays of one float32/float64 dtype and one rank, nothing but
     ``scale`` and ``causal`` — takes a short road (:func:`_plain_plan`) to the same plan.
     """
+    if options is None:
+        options = Options(**keywords)
+    elif keywords:
+        options = options.replace(**keywords)
+    scale, causal, mask, window = options.scale, options.causal, options.mask, options.window
+    softcap, sinks, alibi_slopes = options.softcap, options.sinks, options.alibi_slopes
+    score_mod, mask_mod = options.score_mod, options.mask_mod
     if (
         mask is None
         and window is None

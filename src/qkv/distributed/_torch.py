@@ -8,12 +8,15 @@
 
 from __future__ import annotations
 
+import inspect
 from functools import cache
 from typing import Any
 
 import numpy as np
 
+from ..options import NAMES
 from ..tensors import as_dtype, give, give_pair, read, want_of
+from .agree import DEFAULT_TIMEOUT
 from .decode import decode as np_decode
 from .ring import (
     RingStats,
@@ -22,8 +25,14 @@ from .ring import (
     ring_forward,
     varlen_forward,
 )
+from .ring import (
+    ring_attention as ring_signature,
+)
 
 __all__ = ["decode", "ring_attention", "ring_attention_varlen"]
+
+#: The options of :func:`qkv.attention` the ring takes (read from its signature).
+_RING_OPTIONS = frozenset(inspect.signature(ring_signature).parameters) & frozenset(NAMES)
 
 
 def _arrays(q: Any, k: Any, v: Any) -> tuple[Any, Any, Any]:
@@ -35,26 +44,24 @@ def ring_attention(
     k: Any,
     v: Any,
     *,
-    comm: Any,
-    causal: bool,
-    scale: Any,
-    layout: str,
-    window: Any = None,
-    softcap: Any = None,
-    sinks: Any = None,
-    alibi_slopes: Any = None,
-    mask_mod: Any = None,
-    return_lse: bool,
-    stats: RingStats | None,
-    timeout: Any,
+    comm: Any = None,
+    layout: str = "zigzag",
+    return_lse: bool = False,
+    stats: RingStats | None = None,
+    timeout: Any = DEFAULT_TIMEOUT,
+    **options: Any,
 ) -> Any:
+    """:func:`~qkv.distributed.ring_attention` on tensors, with autograd; ``options`` are its
+    ``scale``, ``causal``, ``window`` and variants."""
     import torch
 
-    opts = {
-        "comm": comm, "causal": causal, "scale": scale, "layout": layout, "stats": stats,
-        "window": window, "softcap": softcap, "mask_mod": mask_mod, "timeout": timeout,
-        "alibi_slopes": None if alibi_slopes is None else read(alibi_slopes, "alibi_slopes"),
-    }  # fmt: skip
+    for name in options:
+        if name not in _RING_OPTIONS:  # as the NumPy ring's own signature refuses it
+            raise TypeError(f"ring_attention() got an unexpected keyword argument {name!r}")
+    sinks, alibi = options.pop("sinks", None), options.get("alibi_slopes")
+    if alibi is not None:
+        options["alibi_slopes"] = read(alibi, "alibi_slopes")
+    opts = {"comm": comm, "layout": layout, "stats": stats, "timeout": timeout, **options}
     tensors = tuple(x if isinstance(x, torch.Tensor) else torch.as_tensor(x) for x in (q, k, v))
     sink_t = (
         None if sinks is None else torch.as_tensor(sinks) if not torch.is_tensor(sinks) else sinks
@@ -112,7 +119,7 @@ def ring_attention_varlen(q: Any, k: Any, v: Any, cu_seqlens: Any, **opts: Any) 
     """:func:`~qkv.distributed.ring_attention_varlen` on tensors, with autograd."""
     import torch
 
-    return_lse = opts.pop("return_lse")
+    return_lse = opts.pop("return_lse", False)
     tensors = tuple(x if isinstance(x, torch.Tensor) else torch.as_tensor(x) for x in (q, k, v))
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         out, lse = _varlen_function().apply(*tensors, cu_seqlens, opts)
