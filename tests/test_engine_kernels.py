@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.conftest import bound
 
 import qkv
 from qkv import reference
@@ -15,7 +16,7 @@ from qkv.engine.kernels import decode, dispatch, tiled
 from qkv.validate import make_plan
 
 # Tolerances against the float64 reference, relative to the values' size.
-TOL = {np.float64: 1e-10, np.float32: 2e-5, np.float16: 3e-3}
+TOL = bound("kernels")
 
 
 def check(out, lse, q, k, v, dtype=np.float64, **kw):

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tests.conftest import bound
 
 import qkv
 from qkv import reference
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.skipif(
     not native_decode.available(), reason="native kernels not built (or QKV_NATIVE=0)"
 )
 
-TOL = {np.float64: 1e-11, np.float32: 3e-6}
+TOL = bound("native decode")
 ISAS = list(native.ISAS.values())  # capped by the CPU: a clone it cannot run falls back
 
 
