@@ -26,7 +26,6 @@ from typing import Any
 
 from ..tensors import is_tensor
 from . import ring as _ring
-from .agree import DEFAULT_TIMEOUT
 from .comm import RankTimeout
 from .decode import decode as _decode
 from .layout import LAYOUTS, positions, shard, shard_varlen, unshard, unshard_varlen
@@ -53,20 +52,11 @@ def ring_attention_varlen(q: Any, k: Any, v: Any, cu_seqlens: Any, **options: An
 
 
 @wraps(_decode)
-def decode(
-    q: Any,
-    k: Any,
-    v: Any,
-    *,
-    comm: Any = None,
-    scale: Any = None,
-    return_lse: bool = False,
-    timeout: Any = DEFAULT_TIMEOUT,
-) -> Any:
+def decode(q: Any, k: Any, v: Any, **options: Any) -> Any:
     run: Callable[..., Any] = _decode
     if is_tensor(q, k, v):
         from ._torch import decode as run
-    return run(q, k, v, comm=comm, scale=scale, return_lse=return_lse, timeout=timeout)
+    return run(q, k, v, **options)
 
 
 __all__ = [

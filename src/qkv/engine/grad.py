@@ -357,22 +357,14 @@ def _tiled(plan: Plan, grad_out: Any, out: Any, lse: Any, block: Any) -> tuple[n
 
 
 def reference_attention_vjp(
-    q: Any,
-    k: Any,
-    v: Any,
-    grad_out: Any,
-    *,
-    scale: Any = None,
-    causal: bool = False,
-    mask: Any = None,
-    window: Any = None,
-    **variants: Any,
+    q: Any, k: Any, v: Any, grad_out: Any, **options: Any
 ) -> tuple[np.ndarray, ...]:
     """The vector-Jacobian product of :func:`qkv.reference.attention`, literally, in float64.
 
     Weights from :func:`qkv.reference.attention_weights`; kv heads repeated for grouped-query
     attention and their gradients summed back per kv head. Same arguments and returns as
-    :func:`attention_vjp`, except that every result is float64.
+    :func:`attention_vjp` (``options``: ``scale``, ``causal``, ``mask``, ``window`` and the
+    variants; no ``out``, ``lse`` or ``block``), except that every result is float64.
 
     Examples
     --------
@@ -381,12 +373,12 @@ def reference_attention_vjp(
     >>> dk.round(4).tolist()
     [[-0.0904, -0.0452], [0.0904, 0.0452]]
     """
-    options = Options(scale, causal, mask, window, **variants)
-    plan = make_plan(q, k, v, options, dtype=np.float64)
+    opts = Options(**options)
+    plan = make_plan(q, k, v, opts, dtype=np.float64)
     if plan.score_mod is not None:
         raise InputError("score_mod: its derivative is unknown, so there is no VJP")
     # the reference's own functions, on the checked arrays with the same options
-    same = options.replace(scale=plan.scale).keywords()
+    same = opts.replace(scale=plan.scale).keywords()
     d_out = _grad_out(grad_out, plan)
     assert plan.v is not None  # gradients of attention: the plan carries values
     kr, vr = plan.k, plan.v
@@ -416,4 +408,4 @@ def reference_attention_vjp(
     lse = lse[..., None, :] if plan.squeeze and lse.ndim == len(plan.batch) else lse
     p_sink = np.exp(plan.sinks[..., None] - lse.reshape(plan.batch + (plan.L,)))
     dsinks = -np.sum(p_sink * delta[..., 0], axis=-1)
-    return (*res, sum_to(dsinks, as_array(options.sinks, "sinks").shape).astype(np.float64))
+    return (*res, sum_to(dsinks, as_array(opts.sinks, "sinks").shape).astype(np.float64))

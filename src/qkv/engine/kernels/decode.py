@@ -207,17 +207,16 @@ def attend(plan: Plan, *, threads: int | None = None) -> tuple[np.ndarray, np.nd
     plan : Plan
         A checked problem from :func:`qkv.validate.make_plan`.
     threads : int, optional
-        Worker threads (default: every core this process may use).
+        Worker threads (default: as :func:`~qkv.engine.kernels.threads.workers` decides).
 
     Examples
     --------
     >>> import numpy as np
-    >>> from qkv import reference
-    >>> from qkv.validate import make_plan
+    >>> from qkv import reference, validate
     >>> rng = np.random.default_rng(0)
     >>> q = rng.standard_normal((2, 4, 1, 8))          # batch 2, 4 query heads, one token
     >>> k, v = rng.standard_normal((2, 2, 2, 50, 8))    # 2 kv heads, 50 cached tokens
-    >>> out, lse = attend(make_plan(q, k, v, causal=True))
+    >>> out, lse = attend(validate.make_plan(q, k, v, causal=True))
     >>> bool(np.allclose(out, reference.attention(q, k, v, causal=True)))
     True
     """
@@ -236,12 +235,11 @@ def attend_many(
     Examples
     --------
     >>> import numpy as np
-    >>> from qkv import reference
-    >>> from qkv.validate import make_plan
+    >>> from qkv import reference, validate
     >>> rng = np.random.default_rng(0)
     >>> q = rng.standard_normal((4, 1, 8))
     >>> kv = [rng.standard_normal((2, 2, n, 8)) for n in (30, 70)]
-    >>> outs = attend_many([make_plan(q, k, v) for k, v in kv])
+    >>> outs = attend_many([validate.make_plan(q, k, v) for k, v in kv])
     >>> all(np.allclose(o, reference.attention(q, k, v)) for (o, _), (k, v) in zip(outs, kv))
     True
     """

@@ -301,11 +301,10 @@ def attend_plan(
     Examples
     --------
     >>> import numpy as np
-    >>> from qkv import reference
-    >>> from qkv.validate import make_plan
+    >>> from qkv import reference, validate
     >>> rng = np.random.default_rng(0)
     >>> q, k, v = rng.standard_normal((4, 9, 4)), *rng.standard_normal((2, 2, 9, 4))
-    >>> out, lse = attend_plan(make_plan(q, k, v, causal=True), block_rows=4, block_k=3)
+    >>> out, lse = attend_plan(validate.make_plan(q, k, v, causal=True), block_rows=4, block_k=3)
     >>> bool(np.allclose(out, reference.attention(q, k, v, causal=True)))
     True
     """
