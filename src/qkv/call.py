@@ -31,8 +31,10 @@ from .validate import Plan, check_flag, check_variants, make_plan
 
 __all__ = ["Call", "build"]
 
+_PLAIN = Options()  # the options of a call that gives none
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, init=False)
 class Call:
     """A checked call of one of the public attention functions.
 
@@ -71,7 +73,25 @@ class Call:
     kernel: str = "auto"
     return_lse: bool = False
     check_finite: bool = False
-    options: Options = Options()
+    options: Options = _PLAIN
+
+    def __init__(
+        self,
+        fn: str,
+        plan: Plan,
+        route: str,
+        given: dict[str, Any],
+        want: Want | None,
+        kernel: str = "auto",
+        return_lse: bool = False,
+        check_finite: bool = False,
+        options: Options = _PLAIN,
+    ) -> None:
+        # One dict update, not nine object.__setattr__ calls: every public call builds one.
+        self.__dict__.update(
+            fn=fn, plan=plan, route=route, given=given, want=want, kernel=kernel,
+            return_lse=return_lse, check_finite=check_finite, options=options,
+        )  # fmt: skip
 
 
 _BASIC = frozenset(("scale", "causal", "mask", "window"))
@@ -106,7 +126,8 @@ def build(
         options = Options(**keywords)
     need_v = fn == "attention"
     mask, sinks, alibi = options.mask, options.sinks, options.alibi_slopes
-    if not is_tensor(q, k, v, mask, sinks, alibi):
+    extra = (mask,) if sinks is None and alibi is None else (mask, sinks, alibi)
+    if not is_tensor(q, k, v, *extra):
         plan = make_plan(q, k, v, options, need_v=need_v, check_finite=check_finite)
         return Call(fn, plan, "numpy", {}, None, kernel, return_lse, options=options)
     given = {"q": q, "k": k, "v": v, "mask": mask}

@@ -22,7 +22,7 @@ Examples
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 __all__ = ["NAMES", "VARIANTS", "Options"]
@@ -31,7 +31,7 @@ __all__ = ["NAMES", "VARIANTS", "Options"]
 VARIANTS = ("softcap", "sinks", "alibi_slopes", "score_mod", "mask_mod")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Options:
     """The options of one attention call, unchecked (:func:`qkv.validate.make_plan` checks
     them). Each has the default of :func:`qkv.attention`.
@@ -48,6 +48,9 @@ class Options:
         ``(left, right)`` sliding window.
     softcap, sinks, alibi_slopes, score_mod, mask_mod
         The variants (see :func:`qkv.attention`); ``None`` when unused.
+    simple : bool
+        No mask, window or variant: ``scale`` and ``causal`` at most (read from the other
+        fields, not given; for the short road of :func:`qkv.validate.make_plan`).
     """
 
     scale: Any = None
@@ -59,6 +62,30 @@ class Options:
     alibi_slopes: Any = None
     score_mod: Any = None
     mask_mod: Any = None
+    simple: bool = field(init=False, repr=False, compare=False)
+
+    def __init__(
+        self,
+        scale: Any = None,
+        causal: Any = False,
+        mask: Any = None,
+        window: Any = None,
+        softcap: Any = None,
+        sinks: Any = None,
+        alibi_slopes: Any = None,
+        score_mod: Any = None,
+        mask_mod: Any = None,
+    ) -> None:
+        # One dict update instead of a frozen dataclass's nine object.__setattr__ calls: every
+        # public call builds one, and a small call pays for each microsecond.
+        self.__dict__.update(
+            scale=scale, causal=causal, mask=mask, window=window, softcap=softcap, sinks=sinks,
+            alibi_slopes=alibi_slopes, score_mod=score_mod, mask_mod=mask_mod,
+            simple=(
+                mask is None and window is None and softcap is None and sinks is None
+                and alibi_slopes is None and score_mod is None and mask_mod is None
+            ),
+        )  # fmt: skip
 
     def keywords(self) -> dict[str, Any]:
         """The options that differ from the defaults, as keyword arguments (in :data:`NAMES`
@@ -80,5 +107,5 @@ class Options:
 
 
 #: Every option, in the one order the public signatures list them.
-NAMES = tuple(f.name for f in fields(Options))
-_DEFAULTS = {f.name: f.default for f in fields(Options)}
+NAMES = tuple(f.name for f in fields(Options) if f.init)
+_DEFAULTS = {f.name: f.default for f in fields(Options) if f.init}

@@ -324,25 +324,15 @@ def make_plan(
         options = Options(**keywords)
     elif keywords:
         options = options.replace(**keywords)
+    if options.simple and dtype is None and check_finite is False and need_v:
+        causal = options.causal
+        if causal is False or causal is True:
+            plan = _plain_plan(q, k, v, options.scale, causal)
+            if plan is not None:
+                return plan
     scale, causal, mask, window = options.scale, options.causal, options.mask, options.window
     softcap, sinks, alibi_slopes = options.softcap, options.sinks, options.alibi_slopes
     score_mod, mask_mod = options.score_mod, options.mask_mod
-    if (
-        mask is None
-        and window is None
-        and dtype is None
-        and check_finite is False
-        and need_v
-        and (causal is False or causal is True)
-        and softcap is None
-        and sinks is None
-        and alibi_slopes is None
-        and score_mod is None
-        and mask_mod is None
-    ):
-        plan = _plain_plan(q, k, v, scale, causal)
-        if plan is not None:
-            return plan
     check_flag(causal, "causal")
     check_flag(check_finite, "check_finite")
     qa, ka, va, squeeze = _read_inputs(q, k, v, need_v, check_finite)

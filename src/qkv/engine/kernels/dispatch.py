@@ -47,7 +47,6 @@ __all__ = [
     "choose",
     "kv_bytes",
     "may_overflow",
-    "run",
     "scale_fits",
     "scale_in_range",
     "weights",
@@ -101,6 +100,8 @@ class Choice(NamedTuple):
     plain: bool = False
 
 
+_new = tuple.__new__  # builds a Choice without the named tuple's keyword handling (small calls)
+
 _FORCED: dict[str, Callable[[Plan], tuple[np.ndarray, np.ndarray]]] = {
     "dense": dense.attend,
     "tiled": tiled.attend,
@@ -138,9 +139,9 @@ def choose(plan: Plan, kernel: str = "auto") -> Choice:
     L, S = plan.q.shape[-2], plan.k.shape[-2]
     if kernel != "auto":
         name = check_kernel(kernel)
-        return Choice(name, _FORCED[name], size, L * S)
+        return _new(Choice, (name, _FORCED[name], size, L * S, False))
     if L <= DECODE_MAX_L:
-        if size >= min(DECODE_MIN_BYTES, TEAM_DECODE_MIN_BYTES):
+        if size >= TEAM_DECODE_MIN_BYTES or size >= DECODE_MIN_BYTES:  # decode may win
             if native_decode.supports(plan):  # the C++ decode step, when built
                 least = TEAM_DECODE_MIN_BYTES
                 fn = native_decode.attend
@@ -149,27 +150,27 @@ def choose(plan: Plan, kernel: str = "auto") -> Choice:
                 least = TEAM_DECODE_MIN_BYTES if compiled and team_preferred() else DECODE_MIN_BYTES
                 fn = decode.attend
             if size >= least:
-                return Choice("decode", fn, size, L * S)
-        return Choice("dense", dense.attend, size, L * S, _plain(plan))
+                return _new(Choice, ("decode", fn, size, L * S, False))
+        return _new(Choice, ("dense", dense.attend, size, L * S, _plain(plan)))
     if L * S <= DENSE_MAX_SCORES:
-        return Choice("dense", dense.attend, size, L * S, _plain(plan))
+        return _new(Choice, ("dense", dense.attend, size, L * S, _plain(plan)))
     if native.supports(plan):  # the fused C++ kernel, when built (kernels/native.py)
-        return Choice("tiled", native.attend, size, L * S)
+        return _new(Choice, ("tiled", native.attend, size, L * S, False))
     if packed.supports(plan):  # plain problems: the packed walk
-        return Choice("tiled", packed.attend_plan, size, L * S)
-    return Choice("tiled", tiled.attend, size, L * S)
+        return _new(Choice, ("tiled", packed.attend_plan, size, L * S, False))
+    return _new(Choice, ("tiled", tiled.attend, size, L * S, False))
 
 
-def attend(plan: Plan, kernel: str = "auto") -> tuple[np.ndarray, np.ndarray]:
-    """Run ``kernel`` (or the one :func:`choose` picks) on ``plan``: ``(out, lse)``."""
-    return run(plan, choose(plan, kernel))
-
-
-def run(plan: Plan, choice: Choice) -> tuple[np.ndarray, np.ndarray]:
-    """Run ``choice`` on ``plan``: ``(out, lse)``, repaired or explained when not finite.
+def attend(
+    plan: Plan, kernel: str = "auto", choice: Choice | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Run ``choice`` (default: what :func:`choose` decides for ``kernel``) on ``plan``:
+    ``(out, lse)``, repaired or explained when not finite.
 
     Sinks are added once, to the kernel's finished result (:func:`mods.with_sinks`).
     """
+    if choice is None:
+        choice = choose(plan, kernel)
     if choice.plain:
         with np.errstate(over="ignore", invalid="ignore"):
             out, lse = dense.attend_plain(plan)
@@ -211,7 +212,8 @@ def _plain(plan: Plan) -> bool:
     q = plan.q
     if plan.k.shape[-2] == 0 or q.shape[-1] == 0 or (plan.causal and q.shape[-2] != 1):
         return False
-    return scale_fits(plan)
+    tiny, top = _normal_range(plan.acc_dtype)  # scale_fits, written out
+    return tiny <= plan.scale <= top
 
 
 def weights(plan: Plan) -> np.ndarray:
@@ -346,7 +348,7 @@ def attend_many(plans: list[Plan], kernel: str = "auto") -> list[tuple[np.ndarra
                 results[i] = mods.with_sinks(plan, out, lse)
     for i, (plan, choice) in enumerate(zip(plans, choices, strict=True)):
         if results[i] is None:  # not decode, or a rare retry: run's full path
-            results[i] = run(plan, choice)
+            results[i] = attend(plan, choice=choice)
     return results
 
 
