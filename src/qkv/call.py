@@ -114,7 +114,8 @@ def build(
     ``fn`` names the public function (for messages); ``v`` is ``None`` for the functions that
     stop before the values. The call's options come as the public function's keywords
     (``scale=``, ``causal=``, ``mask=``, ``window=`` and the variants), read once into one
-    :class:`qkv.options.Options`, or as that value itself. Raises :class:`qkv.InputError`
+    :class:`qkv.options.Options`, or as that value itself (keywords given beside it replace
+    its fields). Raises :class:`qkv.InputError`
     naming the argument for anything the call cannot run.
     """
     check_flag(return_lse, "return_lse")
@@ -124,6 +125,8 @@ def build(
         if len(keywords) > 4 or not _BASIC.issuperset(keywords):
             check_variants(fn, {n: x for n, x in keywords.items() if n not in _BASIC})
         options = Options(**keywords)
+    elif keywords:
+        options = options.replace(**keywords)
     need_v = fn == "attention"
     mask, sinks, alibi = options.mask, options.sinks, options.alibi_slopes
     extra = (mask,) if sinks is None and alibi is None else (mask, sinks, alibi)
