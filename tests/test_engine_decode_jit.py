@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from tests.conftest import bound
 
 import qkv
 from qkv import reference
 from qkv.engine.kernels import decode
 from qkv.validate import make_plan
 
-TOL = {np.float16: 3e-3, np.float32: 3e-6, np.float64: 1e-12}
+TOL = bound("decode step")
 
 
 @pytest.fixture(params=["jit", "numpy"])

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tests.conftest import bound
 
 import qkv
 from qkv import reference
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 # Tolerances against the float64 reference, relative to the values' size.
-TOL = {np.float64: 1e-10, np.float32: 2e-5, np.float16: 3e-3}
+TOL = bound("kernels")
 ISAS = list(native.ISAS)  # capped by the CPU: a clone it cannot run falls back to a narrower one
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tests.conftest import bound
 
 import qkv
 from qkv import reference
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.skipif(
     not native_decode.available(), reason="native kernels not built (or QKV_NATIVE=0)"
 )
 
-TOL = {np.float64: 1e-11, np.float32: 3e-6}
+TOL = bound("native decode")
 ISAS = list(native.ISAS.values())  # capped by the CPU: a clone it cannot run falls back
 
 
@@ -165,7 +166,7 @@ def test_auto_sends_a_decoding_step_here(monkeypatch):
     q = rng.standard_normal((1, 8, 1, 64)).astype(np.float32)
     k, v = (rng.standard_normal((1, 2, 40_000, 64)).astype(np.float32) for _ in range(2))
     plan = make_plan(q, k, v, causal=True)  # one causal query sees every key
-    assert dispatch.choose(plan) == "decode" and native_decode.supports(plan)
+    assert dispatch.choose(plan).name == "decode" and native_decode.supports(plan)
     out = qkv.attention(q, k, v, causal=True)
     assert len(calls) == 1
     np.testing.assert_allclose(out, reference.attention(q, k, v, causal=True), rtol=2e-5, atol=2e-6)

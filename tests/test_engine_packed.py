@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from tests.conftest import bound
 
 import qkv
 from qkv import reference
@@ -19,7 +20,7 @@ from qkv.validate import make_plan
 
 LQ = [5, 0, 1, 13, 37, 3, 1, 70, 0, 29, 1]
 LK = [5, 4, 1, 13, 41, 0, 9, 70, 0, 29, 1]  # L < S, L == S, no keys, no queries, length 1
-TOL = {np.float16: 2e-3, np.float32: 2e-5, np.float64: 1e-12}
+TOL = bound("packed walk")
 
 
 def make(rng, lq, lk, heads, kv_heads, d=8, dv=5, dtype=np.float64):

@@ -40,6 +40,31 @@ def test_info_is_plain_values_that_match_the_installation():
     assert report["optional"]["torch"] is None or report["optional"]["torch"].startswith("2.")
 
 
+def test_info_reports_the_callers_thread_limit():
+    from qkv.engine.kernels.threads import cpu_count, limit_threads
+
+    with limit_threads(1):
+        inside = qkv.info()["threads"]
+    assert inside["count"] == 1 and "limit_threads(1)" in inside["rule"]
+    assert str(cpu_count()) in inside["rule"]
+
+
+def test_workers_is_the_one_rule_on_thread_counts(monkeypatch):
+    from qkv.engine.kernels import threads
+
+    monkeypatch.setattr(threads, "cpu_count", lambda: 8)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert threads.workers() == 8 and threads.workers(3) == 3 and threads.workers(-2) == 1
+    assert threads.workers(items=3) == 3 and threads.workers(items=0) == 1
+    assert threads.workers(share=3) == 2 and threads.workers(share=16) == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    assert threads.workers() == 4 and "OMP_NUM_THREADS=4" in threads.thread_rule()
+    with threads.limit_threads(2):
+        assert threads.workers() == 2 and threads.workers(5) == 5
+    monkeypatch.setattr(threads, "blas_limitable", lambda: False)
+    assert threads.workers(4, blas=True) == 1 and threads.workers(4) == 4
+
+
 def test_info_follows_the_switches_in_a_fresh_process():
     code = "import json, qkv; print(json.dumps(qkv.info()))"
     off = json.loads(_python(code, QKV_NATIVE="0", QKV_JIT="0", OMP_NUM_THREADS="1"))

@@ -5,15 +5,12 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tests.conftest import tol
 
 import qkv
 from qkv import reference
 
-TOL = {
-    np.float64: dict(rtol=1e-10, atol=1e-12),
-    np.float32: dict(rtol=2e-5, atol=2e-5),
-    np.float16: dict(rtol=2e-3, atol=2e-3),
-}
+TOL = tol("fast path")
 
 
 @st.composite

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from tests.conftest import tol
 
 import qkv
 
@@ -11,7 +12,7 @@ torch = pytest.importorskip("torch")
 F = torch.nn.functional
 from torch.nn.attention.bias import causal_lower_right  # noqa: E402
 
-TOL = {np.float32: dict(rtol=1e-5, atol=1e-5), np.float64: dict(rtol=1e-11, atol=1e-12)}
+TOL = tol("torch peer")
 
 
 def sdpa(q, k, v, **kw):

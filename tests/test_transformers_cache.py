@@ -17,6 +17,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from tests._models import config  # noqa: E402
+
 import qkv.integrations.transformers as hf  # noqa: E402
 from qkv import front as qkv_front  # noqa: E402
 from qkv.engine.kernels import native_decode  # noqa: E402
@@ -25,34 +27,11 @@ from qkv.integrations.transformers import register  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers' renames
 
 VOCAB = 64
-SMALL = {
-    "vocab_size": VOCAB,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 8,
-    "max_position_embeddings": 64,
-    "pad_token_id": 0,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
 
 
 def _model(name):
-    if name == "llama":
-        cfg, cls, peer = transformers.LlamaConfig(**SMALL), transformers.LlamaForCausalLM, "sdpa"
-    else:
-        cfg = transformers.Gemma2Config(
-            **SMALL,
-            sliding_window=4,
-            attn_logit_softcapping=0.5,
-            final_logit_softcapping=30.0,
-            query_pre_attn_scalar=8,
-            layer_types=["sliding_attention", "full_attention"],
-        )
-        cls, peer = transformers.Gemma2ForCausalLM, "eager"
+    cfg, cls = config(name, VOCAB)
+    peer = "sdpa" if name == "llama" else "eager"  # transformers runs Gemma 2 only on eager
     cfg._attn_implementation = peer
     torch.manual_seed(0)
     ref = cls(cfg).eval()

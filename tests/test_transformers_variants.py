@@ -15,71 +15,16 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from tests._models import NAMES, config  # noqa: E402
+
 from qkv.integrations.transformers import register  # noqa: E402
 
 VOCAB = 96
-SMALL = {
-    "vocab_size": VOCAB,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 8,
-    "max_position_embeddings": 64,
-    "pad_token_id": 0,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
 
 
-def _llama():
-    return transformers.LlamaConfig(**SMALL), transformers.LlamaForCausalLM
-
-
-def _qwen2():
-    cfg = transformers.Qwen2Config(
-        **SMALL, use_sliding_window=True, sliding_window=4, max_window_layers=1
-    )
-    return cfg, transformers.Qwen2ForCausalLM
-
-
-def _qwen3():
-    cfg = transformers.Qwen3Config(
-        **SMALL, use_sliding_window=True, sliding_window=3, max_window_layers=0
-    )
-    return cfg, transformers.Qwen3ForCausalLM
-
-
-def _gemma2():
-    cfg = transformers.Gemma2Config(
-        **SMALL,
-        sliding_window=4,
-        attn_logit_softcapping=0.5,  # small, so that the tanh changes the scores a lot
-        final_logit_softcapping=30.0,
-        query_pre_attn_scalar=8,
-        layer_types=["sliding_attention", "full_attention"],
-    )
-    return cfg, transformers.Gemma2ForCausalLM
-
-
-def _gpt_oss():
-    cfg = transformers.GptOssConfig(
-        **SMALL,
-        num_local_experts=2,
-        num_experts_per_tok=1,
-        sliding_window=4,
-        layer_types=["sliding_attention", "full_attention"],
-    )
-    return cfg, transformers.GptOssForCausalLM
-
-
-MODELS = {"llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3, "gemma2": _gemma2, "gpt_oss": _gpt_oss}
-
-
-@pytest.fixture(scope="module", params=sorted(MODELS))
+@pytest.fixture(scope="module", params=sorted(NAMES))
 def pair(request):
-    cfg, cls = MODELS[request.param]()
+    cfg, cls = config(request.param, VOCAB)
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
     ref = cls(cfg).eval()
@@ -127,7 +72,7 @@ def test_greedy_generate_identical(pair):
 
 
 def test_gpt_oss_sink_gradients_equal_eager():
-    cfg, cls = _gpt_oss()
+    cfg, cls = config("gpt_oss", VOCAB)
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
     ref = cls(cfg).train()

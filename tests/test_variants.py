@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.conftest import tol
 
 import qkv
 from qkv import reference
@@ -23,11 +24,7 @@ from qkv.validate import make_plan
 from qkv.variants import and_masks, causal, document, or_masks, prefix_lm, sliding_window
 
 RNG = np.random.default_rng(13)
-TOL = {  # a fast path against the float64 reference on the same inputs
-    np.dtype(np.float64): dict(rtol=1e-10, atol=1e-12),
-    np.dtype(np.float32): dict(rtol=2e-5, atol=2e-5),
-    np.dtype(np.float16): dict(rtol=3e-3, atol=3e-3),
-}
+TOL = tol("variants")  # a fast path against the float64 reference on the same inputs
 
 
 def literal(

@@ -6,11 +6,12 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.conftest import bound
 
 import qkv
 from qkv import reference
 
-TOL = {np.float16: 2e-3, np.float32: 2e-5, np.float64: 1e-12}
+TOL = bound("packed walk")
 
 
 def packed(rng, lq, lk, heads, kv_heads, d, dv, dtype=np.float64):

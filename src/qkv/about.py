@@ -26,7 +26,7 @@ import numpy as np
 
 from ._version import __version__
 from .engine.kernels import jit, native
-from .engine.kernels.threads import cpu_count, default_threads
+from .engine.kernels.threads import thread_rule, workers
 
 __all__ = ["OPTIONAL", "format_info", "info"]
 
@@ -53,15 +53,6 @@ def _version_of(name: str) -> str | None:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
         return "unknown version"
-
-
-def _thread_rule() -> str:
-    """How :func:`~qkv.engine.kernels.threads.default_threads` got its number."""
-    cores = cpu_count()
-    omp = os.environ.get("OMP_NUM_THREADS", "")
-    if omp.strip().isdigit() and int(omp) > 0:
-        return f"min({cores} usable cores, OMP_NUM_THREADS={int(omp)})"
-    return f"the {cores} cores this process may use (OMP_NUM_THREADS not set)"
 
 
 def _jit() -> dict[str, Any]:
@@ -108,7 +99,7 @@ def info() -> dict[str, Any]:
         "python": platform.python_version(),
         "numpy": np.__version__,
         "blas": _blas(),
-        "threads": {"count": default_threads(), "rule": _thread_rule()},
+        "threads": {"count": workers(), "rule": thread_rule()},
         "native": native.info(),
         "jit": _jit(),
         "optional": {name: _version_of(name) for name in OPTIONAL},

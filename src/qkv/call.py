@@ -21,17 +21,20 @@ Examples
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 from .engine.kernels.dispatch import check_kernel
 from .errors import InputError
+from .options import Options
 from .tensors import Want, is_tensor, read_cpu, read_shadow, survey
 from .validate import Plan, check_flag, check_variants, make_plan
 
 __all__ = ["Call", "build"]
 
+_PLAIN = Options()  # the options of a call that gives none
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, init=False)
 class Call:
     """A checked call of one of the public attention functions.
 
@@ -54,6 +57,12 @@ class Call:
         The kernel asked for (``"auto"`` by default).
     return_lse : bool
         Whether the caller wants the log-sum-exp too.
+    check_finite : bool
+        Whether NaN and infinity in ``q``, ``k``, ``v`` are refused (read on the device path;
+        the plan has checked them otherwise).
+    options : Options
+        The call's options as given (:class:`qkv.options.Options`), for a back end that
+        calls again with them (the GPU's CPU fallback).
     """
 
     fn: str
@@ -64,6 +73,28 @@ class Call:
     kernel: str = "auto"
     return_lse: bool = False
     check_finite: bool = False
+    options: Options = _PLAIN
+
+    def __init__(
+        self,
+        fn: str,
+        plan: Plan,
+        route: str,
+        given: dict[str, Any],
+        want: Want | None,
+        kernel: str = "auto",
+        return_lse: bool = False,
+        check_finite: bool = False,
+        options: Options = _PLAIN,
+    ) -> None:
+        # One dict update, not nine object.__setattr__ calls: every public call builds one.
+        self.__dict__.update(
+            fn=fn, plan=plan, route=route, given=given, want=want, kernel=kernel,
+            return_lse=return_lse, check_finite=check_finite, options=options,
+        )  # fmt: skip
+
+
+_BASIC = frozenset(("scale", "causal", "mask", "window"))
 
 
 def build(
@@ -71,61 +102,62 @@ def build(
     q: Any,
     k: Any,
     v: Any = None,
+    options: Options | None = None,
     *,
-    scale: Any = None,
-    causal: bool = False,
-    mask: Any = None,
-    window: Any = None,
     return_lse: bool = False,
     check_finite: bool = False,
     kernel: str = "auto",
-    **variants: Any,
+    **keywords: Any,
 ) -> Call:
     """Check a public call once and return it as a :class:`Call`.
 
     ``fn`` names the public function (for messages); ``v`` is ``None`` for the functions that
-    stop before the values. Raises :class:`qkv.InputError` naming the argument for anything
-    the call cannot run.
+    stop before the values. The call's options come as the public function's keywords
+    (``scale=``, ``causal=``, ``mask=``, ``window=`` and the variants), read once into one
+    :class:`qkv.options.Options`, or as that value itself (keywords given beside it replace
+    its fields). Raises :class:`qkv.InputError`
+    naming the argument for anything the call cannot run.
     """
     check_flag(return_lse, "return_lse")
     if kernel != "auto":
         kernel = check_kernel(kernel)
-    if variants:
-        check_variants(fn, variants)
+    if options is None:
+        if len(keywords) > 4 or not _BASIC.issuperset(keywords):
+            check_variants(fn, {n: x for n, x in keywords.items() if n not in _BASIC})
+        options = Options(**keywords)
+    elif keywords:
+        options = options.replace(**keywords)
     need_v = fn == "attention"
-    extra = (mask, variants.get("sinks"), variants.get("alibi_slopes")) if variants else (mask,)
+    mask, sinks, alibi = options.mask, options.sinks, options.alibi_slopes
+    extra = (mask,) if sinks is None and alibi is None else (mask, sinks, alibi)
     if not is_tensor(q, k, v, *extra):
         plan = make_plan(
-            q, k, v, scale=scale, causal=causal, mask=mask, window=window, need_v=need_v,
-            check_finite=check_finite, keep_stored=need_v, **variants,
-        )  # fmt: skip
-        return Call(fn, plan, "numpy", {}, None, kernel, return_lse)
+            q, k, v, options, need_v=need_v, check_finite=check_finite, keep_stored=need_v
+        )
+        return Call(fn, plan, "numpy", {}, None, kernel, return_lse, options=options)
     given = {"q": q, "k": k, "v": v, "mask": mask}
-    for name in ("sinks", "alibi_slopes"):
-        if variants.get(name) is not None:
-            given[name] = variants[name]
+    for name, x in (("sinks", sinks), ("alibi_slopes", alibi)):
+        if x is not None:
+            given[name] = x
     seen = survey(given)
     if seen.device:
         shadows: dict[str, Any] = {name: read_shadow(x) for name, x in given.items()}
-        plan = make_plan(
-            shadows["q"], shadows["k"], shadows["v"], scale=scale, causal=causal,
-            mask=shadows["mask"], window=window, need_v=need_v,
-            **cast(
-                dict[str, Any],
-                {**variants, **{n: shadows[n] for n in ("sinks", "alibi_slopes") if n in shadows}},
-            ),
-        )  # fmt: skip
-        return Call(fn, plan, "device", given, seen.want, kernel, return_lse, check_finite)
+        shadowed = options.replace(
+            mask=shadows["mask"],
+            sinks=shadows.get("sinks"),
+            alibi_slopes=shadows.get("alibi_slopes"),
+        )
+        plan = make_plan(shadows["q"], shadows["k"], shadows["v"], shadowed, need_v=need_v)
+        return Call(fn, plan, "device", given, seen.want, kernel, return_lse, check_finite, options)
     plan = make_plan(
-        read_cpu(q, "q"), read_cpu(k, "k"), None if v is None else read_cpu(v, "v"), scale=scale,
-        causal=causal, mask=mask, window=window, need_v=need_v, check_finite=check_finite,
-        keep_stored=need_v and not seen.grad, **variants,
+        read_cpu(q, "q"), read_cpu(k, "k"), None if v is None else read_cpu(v, "v"), options,
+        need_v=need_v, check_finite=check_finite, keep_stored=need_v and not seen.grad,
     )  # fmt: skip
     route = "numpy"
     if seen.grad:
         _check_differentiable(fn, plan, given, seen.grad)
         route = "autograd" if set(seen.grad) & {"q", "k", "v", "sinks"} else "numpy"
-    return Call(fn, plan, route, given, seen.want, kernel, return_lse)
+    return Call(fn, plan, route, given, seen.want, kernel, return_lse, options=options)
 
 
 def _check_differentiable(fn: str, plan: Plan, given: dict[str, Any], grad: tuple) -> None:

@@ -44,7 +44,7 @@ __all__ = [
 def _run(call: Call) -> Any:
     """The back end for a checked call (see the module docstring)."""
     if call.route == "numpy":
-        res = core.run(call)
+        res = core.run(call.fn, call.plan, call.kernel, call.return_lse)
         return give_pair(res[0], res[1], call.want) if call.return_lse else give(res, call.want)
     if call.route == "autograd":
         return torch_bridge.run(call)

@@ -22,6 +22,7 @@ import numpy as np
 from .checks import check_int, check_real
 from .errors import InputError, InputTypeError
 from .masks import Window
+from .options import VARIANTS, Options
 
 __all__ = [
     "VARIANTS",
@@ -82,9 +83,6 @@ def from_foreign(x: Any, name: str) -> Any:
 
 
 #: The attention variants every path takes (see :func:`qkv.attention`).
-VARIANTS = ("softcap", "sinks", "alibi_slopes", "score_mod", "mask_mod")
-
-
 def check_variants(fn: str, variants: dict[str, Any], allowed: tuple[str, ...] = VARIANTS) -> None:
     """Refuse a keyword that ``fn`` (a public function's name) does not take, by name."""
     for name in variants:
@@ -332,23 +330,18 @@ def make_plan(
     q: Any,
     k: Any,
     v: Any = None,
+    options: Options | None = None,
     *,
-    scale: Any = None,
-    causal: bool = False,
-    mask: Any = None,
-    window: Any = None,
     need_v: bool = True,
     check_finite: bool = False,
     dtype: Any = None,
-    softcap: Any = None,
-    sinks: Any = None,
-    alibi_slopes: Any = None,
-    score_mod: Any = None,
-    mask_mod: Any = None,
     keep_stored: bool = False,
+    **keywords: Any,
 ) -> Plan:
     """Check every argument and return a :class:`Plan`.
 
+    The call's options come as one :class:`qkv.options.Options` or as its keywords
+    (``scale=``, ``causal=``, ...; given with ``options``, they replace its fields).
     ``dtype`` forces the compute dtype (the reference uses float64); otherwise float16 and
     bfloat16 are computed in float32 and other float dtypes in themselves. ``keep_stored``
     keeps float16/bfloat16 K/V as given (:attr:`Plan.stored`) instead of widening them.
@@ -356,22 +349,19 @@ def make_plan(
     The commonest call — NumPy arrays of one float32/float64 dtype and one rank, nothing but
     ``scale`` and ``causal`` — takes a short road (:func:`_plain_plan`) to the same plan.
     """
-    if (
-        mask is None
-        and window is None
-        and dtype is None
-        and check_finite is False
-        and need_v
-        and (causal is False or causal is True)
-        and softcap is None
-        and sinks is None
-        and alibi_slopes is None
-        and score_mod is None
-        and mask_mod is None
-    ):
-        plan = _plain_plan(q, k, v, scale, causal)
-        if plan is not None:
-            return plan
+    if options is None:
+        options = Options(**keywords)
+    elif keywords:
+        options = options.replace(**keywords)
+    if options.simple and dtype is None and check_finite is False and need_v:
+        causal = options.causal
+        if causal is False or causal is True:
+            plan = _plain_plan(q, k, v, options.scale, causal)
+            if plan is not None:
+                return plan
+    scale, causal, mask, window = options.scale, options.causal, options.mask, options.window
+    softcap, sinks, alibi_slopes = options.softcap, options.sinks, options.alibi_slopes
+    score_mod, mask_mod = options.score_mod, options.mask_mod
     check_flag(causal, "causal")
     check_flag(check_finite, "check_finite")
     qa, ka, va, squeeze = _read_inputs(q, k, v, need_v, check_finite, keep_stored)

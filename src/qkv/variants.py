@@ -122,23 +122,21 @@ def prefix_lm(n: int) -> MaskMod:
 
 def and_masks(*mods: MaskMod) -> MaskMod:
     """A key is allowed where every ``mask_mod`` allows it (no mods: everything)."""
-
-    def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-        ok: Any = True
-        for m in mods:
-            ok = np.logical_and(ok, m(b, h, q_idx, kv_idx))
-        return ok
-
-    return mask_mod
+    return _combined(mods, np.logical_and, True)
 
 
 def or_masks(*mods: MaskMod) -> MaskMod:
     """A key is allowed where any ``mask_mod`` allows it (no mods: nothing)."""
+    return _combined(mods, np.logical_or, False)
+
+
+def _combined(mods: tuple[MaskMod, ...], op: Any, start: bool) -> MaskMod:
+    """One ``mask_mod``: ``op`` folded over ``mods``' answers, from ``start``."""
 
     def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-        ok: Any = False
+        ok: Any = start
         for m in mods:
-            ok = np.logical_or(ok, m(b, h, q_idx, kv_idx))
+            ok = op(ok, m(b, h, q_idx, kv_idx))
         return ok
 
     return mask_mod

@@ -27,7 +27,8 @@ def register(sub: Any) -> None:
     p.set_defaults(run=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    trace = explain(**trace_kwargs(args))
+def run(args: argparse.Namespace, stop_at: str | None = None) -> int:
+    """Print the trace (``qkv scores`` stops it at the scores)."""
+    trace = explain(**trace_kwargs(args), stop_at=stop_at)
     emit(trace.render(args.format), args.output, args.format)
     return 0

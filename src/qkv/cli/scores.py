@@ -1,12 +1,13 @@
-"""``qkv scores``: the pre-softmax scores q·Kᵀ·scale only, and the formula used."""
+"""``qkv scores``: the pre-softmax scores q·Kᵀ·scale only, and the formula used (``qkv
+explain``'s trace, stopped at the scores)."""
 
 from __future__ import annotations
 
-import argparse
+from functools import partial
 from typing import Any
 
-from ..explanation.trace import explain
-from .options import add_command, add_format, add_inputs, emit, trace_kwargs
+from . import explain as explain_command
+from .options import add_command, add_format, add_inputs
 
 NAME = "scores"
 HELP = "pre-softmax scores q·Kᵀ·scale, saying which scale formula was used"
@@ -20,10 +21,4 @@ def register(sub: Any) -> None:
     p = add_command(sub, NAME, HELP, EPILOG)
     add_inputs(p, values=False, masks=False)
     add_format(p)
-    p.set_defaults(run=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    trace = explain(**trace_kwargs(args), stop_at="scores")
-    emit(trace.render(args.format), args.output, args.format)
-    return 0
+    p.set_defaults(run=partial(explain_command.run, stop_at="scores"))

@@ -26,7 +26,6 @@ from typing import Any
 
 from ..tensors import is_tensor
 from . import ring as _ring
-from .agree import DEFAULT_TIMEOUT
 from .comm import RankTimeout
 from .decode import decode as _decode
 from .layout import LAYOUTS, positions, shard, shard_varlen, unshard, unshard_varlen
@@ -37,73 +36,27 @@ from .ring import RingStats, ring_attention_varlen_vjp, ring_attention_vjp
 
 
 @wraps(_ring.ring_attention)
-def ring_attention(
-    q: Any,
-    k: Any,
-    v: Any,
-    *,
-    comm: Any = None,
-    causal: bool = False,
-    scale: Any = None,
-    layout: str = "zigzag",
-    window: Any = None,
-    softcap: Any = None,
-    sinks: Any = None,
-    alibi_slopes: Any = None,
-    mask_mod: Any = None,
-    return_lse: bool = False,
-    stats: RingStats | None = None,
-    timeout: Any = DEFAULT_TIMEOUT,
-) -> Any:
+def ring_attention(q: Any, k: Any, v: Any, **options: Any) -> Any:
     run: Callable[..., Any] = _ring.ring_attention
-    if is_tensor(q, k, v, sinks, alibi_slopes):
+    if is_tensor(q, k, v, options.get("sinks"), options.get("alibi_slopes")):
         from ._torch import ring_attention as run
-    return run(
-        q, k, v, comm=comm, causal=causal, scale=scale, layout=layout, window=window,
-        softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes, mask_mod=mask_mod,
-        return_lse=return_lse, stats=stats, timeout=timeout,
-    )  # fmt: skip
+    return run(q, k, v, **options)
 
 
 @wraps(_ring.ring_attention_varlen)
-def ring_attention_varlen(
-    q: Any,
-    k: Any,
-    v: Any,
-    cu_seqlens: Any,
-    *,
-    comm: Any = None,
-    causal: bool = False,
-    scale: Any = None,
-    window: Any = None,
-    layout: str = "zigzag",
-    return_lse: bool = False,
-    stats: RingStats | None = None,
-) -> Any:
+def ring_attention_varlen(q: Any, k: Any, v: Any, cu_seqlens: Any, **options: Any) -> Any:
     run = _ring.ring_attention_varlen
     if is_tensor(q, k, v):
         from ._torch import ring_attention_varlen as run
-    return run(
-        q, k, v, cu_seqlens, comm=comm, causal=causal, scale=scale, window=window,
-        layout=layout, return_lse=return_lse, stats=stats,
-    )  # fmt: skip
+    return run(q, k, v, cu_seqlens, **options)
 
 
 @wraps(_decode)
-def decode(
-    q: Any,
-    k: Any,
-    v: Any,
-    *,
-    comm: Any = None,
-    scale: Any = None,
-    return_lse: bool = False,
-    timeout: Any = DEFAULT_TIMEOUT,
-) -> Any:
+def decode(q: Any, k: Any, v: Any, **options: Any) -> Any:
     run: Callable[..., Any] = _decode
     if is_tensor(q, k, v):
         from ._torch import decode as run
-    return run(q, k, v, comm=comm, scale=scale, return_lse=return_lse, timeout=timeout)
+    return run(q, k, v, **options)
 
 
 __all__ = [

@@ -17,9 +17,10 @@ from typing import Any
 import numpy as np
 
 from ..checks import check_real
-from ..engine.kernels.threads import cpu_count, default_threads
+from ..engine.kernels.threads import workers
 from ..errors import InputError, InputTypeError
 from ..masks import Window
+from ..options import Options
 from ..validate import Plan, as_array, check_window, make_plan
 from .comm import Communicator, RankTimeout, get_comm
 from .layout import check_layout, chunk_ids
@@ -144,7 +145,7 @@ def threads_for(comm: Communicator, rows: np.ndarray) -> int:
     """This rank's share of the cores it may use (ranks on one host split them), at most
     ``OMP_NUM_THREADS`` when that is set."""
     local = int(np.count_nonzero(rows[:, 1] == rows[comm.rank, 1]))
-    return max(1, min(default_threads(), cpu_count() // max(local, 1)))
+    return workers(share=local)
 
 
 def setup(
@@ -153,24 +154,21 @@ def setup(
     q: Any,
     k: Any,
     v: Any,
-    causal: Any,
-    scale: Any,
+    options: Options,
     layout: Any,
     extra: dict[str, Any],
-    variants: dict[str, Any] | None = None,
     timeout: Any = DEFAULT_TIMEOUT,
 ) -> tuple[Setup, dict[str, np.ndarray]]:
     """Validate locally, then agree with every other rank (one all-gather, waiting at most
     ``timeout`` seconds for them).
 
-    ``variants``: ``window`` (over the whole sequence, so not clamped to this rank's tokens)
-    and ``softcap``, ``sinks``, ``alibi_slopes``, ``mask_mod`` as :func:`qkv.attention` takes
-    them; the ranks agree on the window, the softcap and which variants are given.
+    ``options`` as :func:`qkv.attention` takes them (no ``mask``, no ``score_mod``), with the
+    ``window`` over the whole sequence, so not clamped to this rank's tokens; the ranks agree
+    on the scale, causal, the window, the softcap and which variants are given.
     """
     c = get_comm(comm)
     seconds: float | None = DEFAULT_TIMEOUT
-    variants = dict(variants or {})
-    window = variants.pop("window", None)
+    causal, window, variants = options.causal, options.window, options.variants()
     win: Window | None = None
     err: Exception | None = None
     arrays: dict[str, np.ndarray | None] = {"q": None, "k": None, "v": None}
@@ -188,7 +186,7 @@ def setup(
         if qa.ndim < 2:
             raise InputError(f"q: expected this rank's shard (..., n_local, d), got {qa.shape}")
         win = check_window(window)
-        plan = make_plan(qa, ka, arrays["v"], scale=scale, causal=causal, **variants)
+        plan = make_plan(qa, ka, arrays["v"], options.replace(window=None))
         if qa.shape[-2] != ka.shape[-2]:
             raise InputError(
                 f"q, k: this rank's shards must hold the same tokens: q has shape {qa.shape}, "

@@ -67,7 +67,7 @@ def decode(
         got[1] = got[1][:-2] + (-1,) + got[1][-1:] if len(got[1]) >= 2 else got[1]
         got[2] = got[2][:-2] + (-1,) + got[2][-1:] if len(got[2]) >= 2 else got[2]
         shapes = list(got)
-        plan = make_plan(*arrays, scale=scale)
+        plan = make_plan(arrays[0], arrays[1], arrays[2], scale=scale)
     except (InputError, InputTypeError) as exc:
         err = exc
     fields = [("scale", [int(np.float64(plan.scale if plan else 0.0).view(np.int64))])]

@@ -38,6 +38,7 @@ from ..engine.kernels.blocks import merge_arrays
 from ..engine.kernels.threads import limit_threads, single_threaded_blas
 from ..errors import InputError, InputTypeError
 from ..masks import Window, key_bounds
+from ..options import Options
 from ..validate import Plan, as_array
 from .agree import DEFAULT_TIMEOUT, Setup, agree, setup
 from .comm import get_comm
@@ -343,14 +344,14 @@ def ring_attention(
     v: Any,
     *,
     comm: Any = None,
-    causal: bool = False,
     scale: Any = None,
-    layout: str = "zigzag",
+    causal: bool = False,
     window: Any = None,
     softcap: Any = None,
     sinks: Any = None,
     alibi_slopes: Any = None,
     mask_mod: Any = None,
+    layout: str = "zigzag",
     return_lse: bool = False,
     stats: RingStats | None = None,
     timeout: Any = DEFAULT_TIMEOUT,
@@ -370,12 +371,10 @@ def ring_attention(
     comm : torch ProcessGroup, mpi4py communicator or None, optional
         The ranks; ``None``: the default ``torch.distributed`` group if initialised, else
         ``MPI.COMM_WORLD`` if ``mpi4py.MPI`` is imported, else this process alone.
-    causal : bool, optional
-        Causal masking over the whole sequence (global positions).
     scale : float, optional
         Default ``1/sqrt(d)``.
-    layout : {"zigzag", "contiguous"}, optional
-        How the sequence was sharded (see :mod:`qkv.distributed.layout`).
+    causal : bool, optional
+        Causal masking over the whole sequence (global positions).
     window : (left, right), optional
         Sliding window over the whole sequence (global positions), as in
         :func:`qkv.attention`. Blocks it hides entirely are not computed.
@@ -384,6 +383,8 @@ def ring_attention(
         ``mask_mod(b, h, q_idx, kv_idx)`` see global positions (as :func:`positions` gives
         them), blocks a ``mask_mod`` hides entirely are not computed, and sinks (one logit per
         query head) are added once, after the merge.
+    layout : {"zigzag", "contiguous"}, optional
+        How the sequence was sharded (see :mod:`qkv.distributed.layout`).
     return_lse : bool, optional
         Also return this rank's rows' log-sum-exp (accumulation dtype).
     stats : RingStats, optional
@@ -420,8 +421,8 @@ def ring_attention(
     >>> bool(np.allclose(ring_attention(q, k, v, causal=True), qkv.attention(q, k, v, causal=True)))
     True
     """
-    variants = _variants(window, softcap, sinks, alibi_slopes, mask_mod)
-    s, _ = setup("ring_attention", comm, q, k, v, causal, scale, layout, {}, variants, timeout)
+    options = Options(scale, causal, None, window, softcap, sinks, alibi_slopes, None, mask_mod)
+    s, _ = setup("ring_attention", comm, q, k, v, options, layout, {}, timeout)
     out, lse = _run_forward(s, stats)
     out = out.astype(s.plan.out_dtype, copy=False)
     return (out, lse) if return_lse else out
@@ -433,36 +434,15 @@ def ring_forward(
     v: Any,
     *,
     comm: Any = None,
-    causal: bool = False,
-    scale: Any = None,
     layout: str = "zigzag",
     stats: RingStats | None = None,
     timeout: Any = DEFAULT_TIMEOUT,
-    **variants: Any,
+    **options: Any,
 ) -> tuple[np.ndarray, np.ndarray]:
     """:func:`ring_attention` on NumPy input, with ``out`` left in the accumulation dtype;
-    ``variants`` are its ``window``, ``softcap``, ``sinks``, ``alibi_slopes``, ``mask_mod``."""
-    variants = _variants(**variants)
-    s, _ = setup("ring_attention", comm, q, k, v, causal, scale, layout, {}, variants, timeout)
+    ``options`` are its ``scale``, ``causal``, ``window`` and variants."""
+    s, _ = setup("ring_attention", comm, q, k, v, Options(**options), layout, {}, timeout)
     return _run_forward(s, stats)
-
-
-def _variants(
-    window: Any = None,
-    softcap: Any = None,
-    sinks: Any = None,
-    alibi_slopes: Any = None,
-    mask_mod: Any = None,
-) -> dict[str, Any]:
-    """The variants that were given (none: the plain plan's short road stays open)."""
-    given = {
-        "window": window,
-        "softcap": softcap,
-        "sinks": sinks,
-        "alibi_slopes": alibi_slopes,
-        "mask_mod": mask_mod,
-    }
-    return {name: x for name, x in given.items() if x is not None}
 
 
 def _run_forward(
@@ -483,14 +463,14 @@ def ring_attention_vjp(
     lse: Any,
     *,
     comm: Any = None,
-    causal: bool = False,
     scale: Any = None,
-    layout: str = "zigzag",
+    causal: bool = False,
     window: Any = None,
     softcap: Any = None,
     sinks: Any = None,
     alibi_slopes: Any = None,
     mask_mod: Any = None,
+    layout: str = "zigzag",
     stats: RingStats | None = None,
     timeout: Any = DEFAULT_TIMEOUT,
 ) -> tuple[np.ndarray, ...]:
@@ -524,10 +504,8 @@ def ring_attention_vjp(
     True
     """
     extra = {"grad_out": grad_out, "out": out, "lse": lse}
-    variants = _variants(window, softcap, sinks, alibi_slopes, mask_mod)
-    s, arrays = setup(
-        "ring_attention_vjp", comm, q, k, v, causal, scale, layout, extra, variants, timeout
-    )
+    options = Options(scale, causal, None, window, softcap, sinks, alibi_slopes, None, mask_mod)
+    s, arrays = setup("ring_attention_vjp", comm, q, k, v, options, layout, extra, timeout)
     return _vjp(s, arrays, stats)
 
 
@@ -574,8 +552,8 @@ def ring_attention_varlen(
     cu_seqlens: Any,
     *,
     comm: Any = None,
-    causal: bool = False,
     scale: Any = None,
+    causal: bool = False,
     window: Any = None,
     layout: str = "zigzag",
     return_lse: bool = False,
@@ -599,7 +577,7 @@ def ring_attention_varlen(
     cu_seqlens : array_like of int, shape ``(batch + 1,)``
         The whole packed batch's offsets, the same on every rank. Every document's length
         must be a multiple of ``2W`` (zigzag) or ``W`` (contiguous); empty ones are fine.
-    comm, causal, scale, window, layout, return_lse, stats
+    comm, scale, causal, window, layout, return_lse, stats
         As in :func:`ring_attention`; ``causal`` and ``window`` apply within each document.
 
     Returns
@@ -624,9 +602,8 @@ def ring_attention_varlen(
     >>> bool(np.allclose(out, qkv.attention_varlen(q, k, v, cu, cu, causal=True)))
     True
     """
-    s, docs, _ = _varlen_setup(
-        "ring_attention_varlen", comm, q, k, v, cu_seqlens, causal, scale, window, layout, {}
-    )
+    options = Options(scale, causal, window=window)
+    s, docs, _ = _varlen_setup("ring_attention_varlen", comm, q, k, v, cu_seqlens, options, layout)
     out, lse = _run_forward(s, stats, docs)
     out = np.moveaxis(out.astype(s.plan.out_dtype, copy=False), -2, 0)
     lse = np.moveaxis(lse, -1, 0)
@@ -640,16 +617,15 @@ def varlen_forward(
     cu_seqlens: Any,
     *,
     comm: Any = None,
-    causal: bool = False,
     scale: Any = None,
+    causal: bool = False,
     window: Any = None,
     layout: str = "zigzag",
     stats: RingStats | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """:func:`ring_attention_varlen` on NumPy input, ``out`` left in the accumulation dtype."""
-    s, docs, _ = _varlen_setup(
-        "ring_attention_varlen", comm, q, k, v, cu_seqlens, causal, scale, window, layout, {}
-    )
+    options = Options(scale, causal, window=window)
+    s, docs, _ = _varlen_setup("ring_attention_varlen", comm, q, k, v, cu_seqlens, options, layout)
     out, lse = _run_forward(s, stats, docs)
     return np.moveaxis(out, -2, 0), np.moveaxis(lse, -1, 0)
 
@@ -664,8 +640,8 @@ def ring_attention_varlen_vjp(
     cu_seqlens: Any,
     *,
     comm: Any = None,
-    causal: bool = False,
     scale: Any = None,
+    causal: bool = False,
     window: Any = None,
     layout: str = "zigzag",
     stats: RingStats | None = None,
@@ -694,8 +670,9 @@ def ring_attention_varlen_vjp(
     True
     """
     extra = {"grad_out": grad_out, "out": out, "lse": lse}
+    options = Options(scale, causal, window=window)
     s, docs, arrays = _varlen_setup(
-        "ring_attention_varlen_vjp", comm, q, k, v, cu_seqlens, causal, scale, window, layout, extra
+        "ring_attention_varlen_vjp", comm, q, k, v, cu_seqlens, options, layout, extra
     )
     return tuple(np.moveaxis(g, -2, 0) for g in _vjp(s, arrays, stats, docs))
 
@@ -707,11 +684,9 @@ def _varlen_setup(
     k: Any,
     v: Any,
     cu_seqlens: Any,
-    causal: Any,
-    scale: Any,
-    window: Any,
+    options: Options,
     layout: Any,
-    extra: dict[str, Any],
+    extra: dict[str, Any] | None = None,
 ) -> tuple[Setup, Docs, dict[str, np.ndarray]]:
     """Check ``cu_seqlens`` and the packed shapes (the ranks agree on them first), then the
     ring's own :func:`setup` on ``(heads, tokens, d)`` views."""
@@ -726,7 +701,7 @@ def _varlen_setup(
         starts = np.concatenate([[0], np.cumsum(sizes * per)])[:-1]
         docs = [(int(a), int(h)) for a, h in zip(starts, sizes, strict=True)]
         key = [zlib.crc32(np.ascontiguousarray(sizes).tobytes()) & 0x7FFFFFFF, len(sizes)]
-        for name, x in (("q", q), ("k", k), ("v", v), *extra.items()):
+        for name, x in (("q", q), ("k", k), ("v", v), *(extra or {}).items()):
             a = as_array(x, name)
             nd = 2 if name == "lse" else 3
             shape = "(n_local, heads)" if name == "lse" else "(n_local, heads, d)"
@@ -739,9 +714,6 @@ def _varlen_setup(
     except (InputError, InputTypeError) as exc:
         err = exc
     agree(c, what, [("cu_seqlens", key)], err)
-    ex = {name: moved[name] for name in extra}
-    variants = {} if window is None else {"window": window}
-    s, arrays = setup(
-        what, c, moved["q"], moved["k"], moved["v"], causal, scale, layout, ex, variants
-    )
+    ex = {name: moved[name] for name in extra or {}}
+    s, arrays = setup(what, c, moved["q"], moved["k"], moved["v"], options, layout, ex)
     return s, docs, arrays

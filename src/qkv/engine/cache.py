@@ -229,8 +229,8 @@ class KVCache:
         q: Any,
         *,
         scale: Any = None,
-        window: Any = None,
         causal: bool = True,
+        window: Any = None,
         return_lse: bool = False,
         kernel: str = "auto",
         **variants: Any,
@@ -243,10 +243,12 @@ class KVCache:
             ``heads`` a multiple of ``kv_heads``. The ``Lq`` queries of sequence ``b`` are its
             last ``Lq`` positions (bottom-right causal): row ``i`` sits at position
             ``length_b - Lq + i`` and sees the keys up to it. Append their keys first.
-        scale, window, kernel
-            As in :func:`qkv.attention`; positions are counted within each sequence.
+        scale : float, optional
+            As in :func:`qkv.attention`.
         causal : bool, optional
             Default True (decoding); False lets every query see the whole cache.
+        window, kernel
+            As in :func:`qkv.attention`; positions are counted within each sequence.
         return_lse : bool, optional
             Also return the log-sum-exp, shape ``(batch, heads, Lq)``.
         **variants

@@ -46,6 +46,7 @@ import numpy as np
 from .. import reference
 from ..checks import check_int
 from ..errors import InputError
+from ..options import Options
 from ..validate import Plan, as_array, broadcasts_to, check_variants, make_plan
 from .kernels import dense, dispatch, mods, tiled, tiled_backward
 from .kernels.blocks import heads_by_kv
@@ -207,7 +208,8 @@ def attention_vjp(
     """
     if variants:
         check_variants("attention_vjp", variants)
-    plan = make_plan(q, k, v, scale=scale, causal=causal, mask=mask, window=window, **variants)
+    options = Options(scale, causal, mask, window, **variants)
+    plan = make_plan(q, k, v, options)
     if plan.score_mod is not None:
         raise InputError(
             "score_mod: attention_vjp cannot differentiate a user function; use the torch "
@@ -355,22 +357,14 @@ def _tiled(plan: Plan, grad_out: Any, out: Any, lse: Any, block: Any) -> tuple[n
 
 
 def reference_attention_vjp(
-    q: Any,
-    k: Any,
-    v: Any,
-    grad_out: Any,
-    *,
-    scale: Any = None,
-    causal: bool = False,
-    mask: Any = None,
-    window: Any = None,
-    **variants: Any,
+    q: Any, k: Any, v: Any, grad_out: Any, **options: Any
 ) -> tuple[np.ndarray, ...]:
     """The vector-Jacobian product of :func:`qkv.reference.attention`, literally, in float64.
 
     Weights from :func:`qkv.reference.attention_weights`; kv heads repeated for grouped-query
     attention and their gradients summed back per kv head. Same arguments and returns as
-    :func:`attention_vjp`, except that every result is float64.
+    :func:`attention_vjp` (``options``: ``scale``, ``causal``, ``mask``, ``window`` and the
+    variants; no ``out``, ``lse`` or ``block``), except that every result is float64.
 
     Examples
     --------
@@ -379,19 +373,18 @@ def reference_attention_vjp(
     >>> dk.round(4).tolist()
     [[-0.0904, -0.0452], [0.0904, 0.0452]]
     """
-    plan = make_plan(
-        q, k, v, scale=scale, causal=causal, mask=mask, window=window, dtype=np.float64, **variants
-    )
+    opts = Options(**options)
+    plan = make_plan(q, k, v, opts, dtype=np.float64)
     if plan.score_mod is not None:
         raise InputError("score_mod: its derivative is unknown, so there is no VJP")
+    # the reference's own functions, on the checked arrays with the same options
+    same = opts.replace(scale=plan.scale).keywords()
     d_out = _grad_out(grad_out, plan)
     assert plan.v is not None  # gradients of attention: the plan carries values
     kr, vr = plan.k, plan.v
     if plan.group > 1:
         kr, vr = np.repeat(kr, plan.group, axis=-3), np.repeat(vr, plan.group, axis=-3)
-    w = reference.attention_weights(
-        plan.q, kr, scale=plan.scale, causal=causal, mask=mask, window=window, **variants
-    )
+    w = reference.attention_weights(plan.q, kr, **same)
     dvr = np.swapaxes(w, -1, -2) @ d_out
     dp = d_out @ np.swapaxes(vr, -1, -2)
     delta = np.sum(dp * w, axis=-1, keepdims=True)  # rowsum(dO ∘ O)
@@ -411,18 +404,8 @@ def reference_attention_vjp(
     res = tuple(r.astype(np.float64) for r in res)
     if plan.sinks is None:
         return res
-    _, lse = reference.attention(
-        plan.q,
-        kr,
-        vr,
-        scale=plan.scale,
-        causal=causal,
-        mask=mask,
-        window=window,
-        return_lse=True,
-        **variants,
-    )
+    _, lse = reference.attention(plan.q, kr, vr, return_lse=True, **same)
     lse = lse[..., None, :] if plan.squeeze and lse.ndim == len(plan.batch) else lse
     p_sink = np.exp(plan.sinks[..., None] - lse.reshape(plan.batch + (plan.L,)))
     dsinks = -np.sum(p_sink * delta[..., 0], axis=-1)
-    return (*res, sum_to(dsinks, as_array(variants["sinks"], "sinks").shape).astype(np.float64))
+    return (*res, sum_to(dsinks, as_array(opts.sinks, "sinks").shape).astype(np.float64))

@@ -1,7 +1,7 @@
 """The NumPy back end of the public attention functions: run a checked call on a kernel.
 
 :mod:`qkv.front` holds the public functions and their documentation; it builds one checked
-:class:`qkv.call.Call` and sends it here (NumPy input, and CPU tensors read as arrays), to
+:class:`qkv.call.Call` and sends its plan here (NumPy input, and CPU tensors read as arrays), to
 :mod:`qkv.torch_bridge` (autograd) or to :mod:`qkv.gpu` (device tensors). Nothing here checks
 arguments again, and nothing here knows of PyTorch.
 
@@ -11,7 +11,7 @@ dtypes) are those of :mod:`qkv.reference`, which every path here is tested to eq
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -19,9 +19,6 @@ from ..checks import check_int
 from ..errors import InputError
 from ..validate import Plan, as_array
 from .kernels import dense, dispatch, mods
-
-if TYPE_CHECKING:  # pragma: no cover
-    from ..call import Call
 
 __all__ = ["attend", "run", "softmax", "weights"]
 
@@ -40,17 +37,17 @@ def softmax(x: Any, axis: int = -1) -> np.ndarray:
     return np.moveaxis(w, -1, axis).astype(a.dtype, copy=False)
 
 
-def run(call: Call) -> Any:
-    """Run a checked :class:`qkv.call.Call` on the NumPy kernels; NumPy results.
+def run(fn: str, plan: Plan, kernel: str = "auto", return_lse: bool = False) -> Any:
+    """Run a checked call of the public function ``fn`` on the NumPy kernels; NumPy results.
 
     ``attention`` gives ``out`` (and ``lse`` with ``return_lse``), ``attention_weights`` the
     weights, ``scores`` the scaled scores, shaped and typed as :mod:`qkv.front` documents.
+    The front passes its :class:`qkv.call.Call`'s fields (nothing here knows that type).
     """
-    plan = call.plan
-    if call.fn == "attention":
-        out, lse = attend(plan, call.kernel)
-        return (out, lse) if call.return_lse else out
-    if call.fn == "attention_weights":
+    if fn == "attention":
+        out, lse = attend(plan, kernel)
+        return (out, lse) if return_lse else out
+    if fn == "attention_weights":
         w = weights(plan)
     else:
         w = dense.raw_scores(plan)

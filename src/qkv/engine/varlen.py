@@ -111,8 +111,8 @@ def attention_varlen(
     cu_seqlens_q: Any,
     cu_seqlens_k: Any,
     *,
-    causal: bool = False,
     scale: Any = None,
+    causal: bool = False,
     window: Any = None,
     return_lse: bool = False,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
@@ -131,11 +131,11 @@ def attention_varlen(
         Cumulative offsets: sequence ``b`` is ``q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]]`` and
         ``k[cu_seqlens_k[b]:cu_seqlens_k[b + 1]]``. Start at 0, never decrease, end at the
         totals. Empty sequences are allowed.
+    scale : float, optional
+        Default ``1/sqrt(d)``.
     causal : bool, optional
         Bottom-right aligned within each sequence: with ``L`` queries and ``S`` keys, query
         ``i`` sees keys ``j <= S - L + i`` (as in FlashAttention).
-    scale : float, optional
-        Default ``1/sqrt(d)``.
     window : (int or None, int or None), optional
         ``(left, right)`` within each sequence, as in :func:`qkv.attention`.
     return_lse : bool, optional

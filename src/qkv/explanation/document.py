@@ -15,14 +15,11 @@ Examples
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from ..errors import InputError
-
-if TYPE_CHECKING:
-    from .trace import Trace
 
 __all__ = ["MAX_NUMBERS", "SCHEMA", "json_array", "trace_dict"]
 
@@ -73,8 +70,11 @@ def _exact(ex: Any, rows: Any) -> Any:
     return {"text": text, "latex": ex.latex(rows), "value": ex.value(rows)}
 
 
-def trace_dict(t: Trace) -> dict[str, Any]:
-    """The trace as plain Python objects (the JSON document before ``json.dumps``)."""
+def trace_dict(t: Any) -> dict[str, Any]:
+    """The trace as plain Python objects (the JSON document before ``json.dumps``).
+
+    ``t`` is a :class:`qkv.explanation.trace.Trace` (not imported: the trace module imports
+    this one, and no module imports the one above it, even for typing)."""
     from .._version import __version__
 
     n = t.L * t.S * (8 + t.dv)

@@ -30,6 +30,7 @@ import numpy as np
 from ..engine.kernels import dense, dispatch, mods
 from ..errors import InputError, InputTypeError
 from ..masks import allowed, exclusion_reasons, query_positions
+from ..options import Options
 from ..validate import Plan, as_array, check_variants, make_plan
 from .display import fmt
 from .document import trace_dict
@@ -330,8 +331,8 @@ def explain(
     check_variants("explain", variants)
     qa = as_array(q, "q")
     info = resolve_scale(scale, d, qa.shape[-1] if qa.ndim >= 1 else 0)
-    masks = dict(causal=causal, mask=mask, window=window, **variants)
-    plan = make_plan(q, k, v, scale=info.value, need_v=v is not None, **masks)
+    options = Options(info.value, causal, mask, window, **variants)
+    plan = make_plan(q, k, v, options, need_v=v is not None)
     _check_explainable(plan, exact, variants, qa, k, v)
 
     fields = _input_fields(plan, info, stage, title, key_labels, query_labels)

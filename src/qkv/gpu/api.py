@@ -121,30 +121,20 @@ def _fallback(reason: str, call: Call) -> Any:
         stacklevel=4,
     )
     host = {n: x.cpu() if isinstance(x, torch.Tensor) else x for n, x in call.given.items()}
-    plan = call.plan
-    variants = {
-        n: x
-        for n, x in (
-            ("softcap", plan.softcap),
-            ("score_mod", plan.score_mod),
-            ("mask_mod", plan.mask_mod),
-            ("sinks", host.get("sinks")),
-            ("alibi_slopes", host.get("alibi_slopes")),
-        )
-        if x is not None
-    }
+    options = call.options.replace(
+        mask=host["mask"], sinks=host.get("sinks"), alibi_slopes=host.get("alibi_slopes")
+    )
     cpu = build(
-        call.fn, host["q"], host["k"], host["v"], scale=plan.scale, causal=plan.causal,
-        mask=host["mask"], window=plan.window, return_lse=call.return_lse,
-        check_finite=call.check_finite, kernel=call.kernel, **variants,
+        call.fn, host["q"], host["k"], host["v"], options, return_lse=call.return_lse,
+        check_finite=call.check_finite, kernel=call.kernel,
     )  # fmt: skip
     if cpu.route == "autograd":
         res = torch_bridge.run(cpu)
     elif cpu.return_lse:
-        out, lse = core.run(cpu)
+        out, lse = core.run(cpu.fn, cpu.plan, cpu.kernel, cpu.return_lse)
         res = give_pair(out, lse, cpu.want)
     else:
-        res = give(core.run(cpu), cpu.want)
+        res = give(core.run(cpu.fn, cpu.plan, cpu.kernel, cpu.return_lse), cpu.want)
     if isinstance(res, tuple):
         return tuple(r.to(dev) for r in res)
     return res.to(dev)

@@ -275,28 +275,23 @@ def _row_label(t: Trace, i: int) -> str:
     return text
 
 
+def _labels(*names: str) -> list[Cell]:
+    """A table's column headings, one label cell each."""
+    return [Cell(name, kind="label") for name in names]
+
+
 def _row_steps(t: Trace, i: int, keys: list[int | None]) -> list[Any]:
     ex = t.exact
     has_w = t.reaches("weights")
     # the steps section is built from the scores stage on
     assert t.raw is not None and t.scaled is not None
-    header = [
-        Cell("key", kind="label"),
-        Cell("q·k (terms)", kind="label"),
-        Cell("raw", kind="label"),
-        Cell(f"× {t.scale.substituted}", kind="label"),
-    ]
     steps = {"softcap": "c·tanh(s/c)", "alibi": "+ ALiBi", "score_mod": "score_mod"}
-    header += [Cell(steps[name], kind="label") for name in t.steps]
+    header = _labels("key", "q·k (terms)", "raw", f"× {t.scale.substituted}")
+    header += _labels(*(steps[name] for name in t.steps))
     if t.bias is not None and has_w:
-        header.append(Cell("+ bias", kind="label"))
+        header += _labels("+ bias")
     if has_w:
-        header += [
-            Cell("excluded?", kind="label"),
-            Cell("s − max", kind="label"),
-            Cell("exp", kind="label"),
-            Cell("weight", kind="label"),
-        ]
+        header += _labels("excluded?", "s − max", "exp", "weight")
     rows = []
     for j in keys:
         if j is None:
@@ -382,12 +377,7 @@ def _weighted(t: Trace, i: int, keys: list[int | None]) -> list[Any]:
     # called only when the trace reaches the output
     assert t.excluded is not None and t.weights is not None
     assert t.v is not None and t.output is not None
-    header = [
-        Cell("key", kind="label"),
-        Cell("weight", kind="label"),
-        Cell("v", kind="label"),
-        Cell("weight · v", kind="label"),
-    ]
+    header = _labels("key", "weight", "v", "weight · v")
     rows = []
     for j in keys:
         if j is None:
@@ -496,50 +486,28 @@ def _steps(t: Trace, rows: list[int | None], keys: list[int | None]) -> list[Any
 
 
 def _results(t: Trace, max_rows: int, max_keys: int, max_dims: int) -> list[Any]:
-    blocks: list[Any] = [Heading(2, "Results")]
     assert t.scaled is not None  # the results section is built from the scores stage on
-    names: dict[str, Any] = dict(
-        row_names=None if t.query_labels is None else list(t.query_labels),
-        col_names=None if t.key_labels is None else list(t.key_labels),
-    )
-    some_excluded = t.excluded is not None and bool(t.excluded.any())
-    blocks.append(
-        _matrix_table(
-            t.scaled,
-            "q",
-            "k",
-            max_rows,
-            max_keys,
-            caption="scaled scores q·kᵀ · scale"
-            + (" (greyed: pairs the query may not see, weight 0)" if some_excluded else ""),
-            masked=t.excluded,
-            **names,
+    rows = None if t.query_labels is None else list(t.query_labels)
+    keys = None if t.key_labels is None else list(t.key_labels)
+
+    def per_key(a: np.ndarray, caption: str, **kw: Any) -> Any:
+        return _matrix_table(
+            a, "q", "k", max_rows, max_keys, caption=caption, row_names=rows, col_names=keys, **kw
         )
-    )
+
+    some_excluded = t.excluded is not None and bool(t.excluded.any())
+    greyed = " (greyed: pairs the query may not see, weight 0)" if some_excluded else ""
+    blocks: list[Any] = [
+        Heading(2, "Results"),
+        per_key(t.scaled, "scaled scores q·kᵀ · scale" + greyed, masked=t.excluded),
+    ]
     if t.reaches("weights"):
         assert t.weights is not None
-        blocks.append(
-            _matrix_table(
-                t.weights,
-                "q",
-                "k",
-                max_rows,
-                max_keys,
-                caption="attention weights (each row sums to 1)",
-                **names,
-            )
-        )
+        blocks.append(per_key(t.weights, "attention weights (each row sums to 1)"))
     if t.reaches("output"):
         assert t.output is not None
+        caption = "output = weights · V"
         blocks.append(
-            _matrix_table(
-                t.output,
-                "q",
-                "",
-                max_rows,
-                max_dims,
-                caption="output = weights · V",
-                row_names=names["row_names"],
-            )
+            _matrix_table(t.output, "q", "", max_rows, max_dims, caption=caption, row_names=rows)
         )
     return blocks

@@ -30,7 +30,7 @@ from ...validate import Plan
 from . import mods
 from .blocks import finish, merge_arrays
 from .jit import enabled as jit_enabled
-from .threads import default_threads, parallel_map, team_preferred
+from .threads import parallel_map, team_preferred, workers
 
 __all__ = ["ITEM_BYTES", "MIN_SPLIT", "attend", "attend_many", "mask_runs", "use_jit"]
 
@@ -207,17 +207,16 @@ def attend(plan: Plan, *, threads: int | None = None) -> tuple[np.ndarray, np.nd
     plan : Plan
         A checked problem from :func:`qkv.validate.make_plan`.
     threads : int, optional
-        Worker threads (default: every core this process may use).
+        Worker threads (default: as :func:`~qkv.engine.kernels.threads.workers` decides).
 
     Examples
     --------
     >>> import numpy as np
-    >>> from qkv import reference
-    >>> from qkv.validate import make_plan
+    >>> from qkv import reference, validate
     >>> rng = np.random.default_rng(0)
     >>> q = rng.standard_normal((2, 4, 1, 8))          # batch 2, 4 query heads, one token
     >>> k, v = rng.standard_normal((2, 2, 2, 50, 8))    # 2 kv heads, 50 cached tokens
-    >>> out, lse = attend(make_plan(q, k, v, causal=True))
+    >>> out, lse = attend(validate.make_plan(q, k, v, causal=True))
     >>> bool(np.allclose(out, reference.attention(q, k, v, causal=True)))
     True
     """
@@ -236,16 +235,15 @@ def attend_many(
     Examples
     --------
     >>> import numpy as np
-    >>> from qkv import reference
-    >>> from qkv.validate import make_plan
+    >>> from qkv import reference, validate
     >>> rng = np.random.default_rng(0)
     >>> q = rng.standard_normal((4, 1, 8))
     >>> kv = [rng.standard_normal((2, 2, n, 8)) for n in (30, 70)]
-    >>> outs = attend_many([make_plan(q, k, v) for k, v in kv])
+    >>> outs = attend_many([validate.make_plan(q, k, v) for k, v in kv])
     >>> all(np.allclose(o, reference.attention(q, k, v)) for (o, _), (k, v) in zip(outs, kv))
     True
     """
-    n = default_threads() if threads is None else max(1, int(threads))
+    n = workers(threads)
     if len(plans) == 1 and team_preferred():
         done = _team_single(plans[0], n)
         if done is not None:

@@ -22,9 +22,10 @@ Every kernel returns ``(out, lse)`` in the plan's compute dtype and equals the r
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import replace
 from functools import cache
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -41,8 +42,10 @@ __all__ = [
     "attend",
     "attend_many",
     "check_kernel",
+    "Choice",
     "check_overflow",
     "choose",
+    "kv_bytes",
     "may_overflow",
     "scale_fits",
     "scale_in_range",
@@ -71,37 +74,98 @@ def check_kernel(kernel: Any) -> str:
     return kernel
 
 
-def choose(plan: Plan) -> str:
-    """The kernel ``"auto"`` runs for ``plan``.
+class Choice(NamedTuple):
+    """The kernel a plan runs on, and the sizes it was chosen by (:func:`choose`).
+
+    Attributes
+    ----------
+    name : str
+        ``"dense"``, ``"tiled"`` or ``"decode"`` (the family, as ``kernel=`` names it).
+    run : callable
+        Computes ``(out, lse)`` of the plan: the family's NumPy kernel, or under ``"auto"``
+        the packed walk or a native kernel where one serves the plan.
+    kv_bytes : int
+        The bytes of K and V in the compute dtype (:func:`kv_bytes`).
+    scores : int
+        ``L · S``, the scores per head.
+    plain : bool
+        A dense problem whose rows all see every key, with no variant:
+        :func:`dense.attend_plain` serves it first.
+    """
+
+    name: str
+    run: Callable[[Plan], tuple[np.ndarray, np.ndarray]]
+    kv_bytes: int
+    scores: int
+    plain: bool = False
+
+
+_new = tuple.__new__  # builds a Choice without the named tuple's keyword handling (small calls)
+
+_FORCED: dict[str, Callable[[Plan], tuple[np.ndarray, np.ndarray]]] = {
+    "dense": dense.attend,
+    "tiled": tiled.attend,
+    "decode": decode.attend,
+}
+
+
+def kv_bytes(plan: Plan) -> int:
+    """The bytes of ``plan``'s K and V in its compute dtype (the decode thresholds' measure)."""
+    d = plan.q.shape[-1]
+    dv = 0 if plan.v is None else plan.v.shape[-1]
+    return plan.k.size * (d + dv) // max(d, 1) * plan.acc_dtype.itemsize
+
+
+def choose(plan: Plan, kernel: str = "auto") -> Choice:
+    """The kernel ``plan`` runs on: the one ``"auto"`` picks by shape, or the one ``kernel``
+    forces (the family's NumPy kernel).
 
     Examples
     --------
     >>> import numpy as np
     >>> from qkv.validate import make_plan
-    >>> choose(make_plan(np.ones((4, 8)), np.ones((4, 8)), np.ones((4, 8))))
+    >>> choose(make_plan(np.ones((4, 8)), np.ones((4, 8)), np.ones((4, 8)))).name
     'dense'
-    >>> choose(make_plan(np.ones((1, 8)), np.ones((5000, 8)), np.ones((5000, 8))))
+    >>> choose(make_plan(np.ones((1, 8)), np.ones((5000, 8)), np.ones((5000, 8)))).name
     'dense'
-    >>> choose(make_plan(np.ones((1, 8)), np.ones((200_000, 8)), np.ones((200_000, 8))))
+    >>> choose(make_plan(np.ones((1, 8)), np.ones((200_000, 8)), np.ones((200_000, 8)))).name
     'decode'
-    >>> choose(make_plan(np.ones((500, 8)), np.ones((500, 8)), np.ones((500, 8))))
+    >>> choose(make_plan(np.ones((500, 8)), np.ones((500, 8)), np.ones((500, 8)))).name
+    'tiled'
+    >>> choose(make_plan(np.ones((4, 8)), np.ones((4, 8)), np.ones((4, 8))), "tiled").name
     'tiled'
     """
-    if plan.L <= DECODE_MAX_L:
-        kv_bytes = plan.k.size * (plan.d + plan.dv) // plan.d * plan.acc_dtype.itemsize
-        if native_decode.supports(plan):
-            least = TEAM_DECODE_MIN_BYTES
-        else:
-            compiled = decode.use_jit(plan) or (plan.mask is not None and plan.L == 1)
-            least = TEAM_DECODE_MIN_BYTES if compiled and team_preferred() else DECODE_MIN_BYTES
-        return "decode" if kv_bytes >= least else "dense"
-    if plan.L * plan.S <= DENSE_MAX_SCORES:
-        return "dense"
-    return "tiled"
+    size = kv_bytes(plan)
+    L, S = plan.q.shape[-2], plan.k.shape[-2]
+    if kernel != "auto":
+        name = check_kernel(kernel)
+        return _new(Choice, (name, _FORCED[name], size, L * S, False))
+    if L <= DECODE_MAX_L:
+        if size >= TEAM_DECODE_MIN_BYTES or size >= DECODE_MIN_BYTES:  # decode may win
+            if native_decode.supports(plan):  # the C++ decode step, when built
+                least = TEAM_DECODE_MIN_BYTES
+                fn = native_decode.attend
+            else:
+                compiled = decode.use_jit(plan) or (plan.mask is not None and L == 1)
+                least = TEAM_DECODE_MIN_BYTES if compiled and team_preferred() else DECODE_MIN_BYTES
+                fn = decode.attend
+            if size >= least:
+                return _new(Choice, ("decode", fn, size, L * S, False))
+        return _new(Choice, ("dense", dense.attend, size, L * S, _plain(plan)))
+    if L * S <= DENSE_MAX_SCORES:
+        return _new(Choice, ("dense", dense.attend, size, L * S, _plain(plan)))
+    if native.supports(plan):  # the fused C++ kernel, when built (kernels/native.py)
+        return _new(Choice, ("tiled", native.attend, size, L * S, False))
+    if packed.supports(plan):  # plain problems: the packed walk
+        return _new(Choice, ("tiled", packed.attend_plan, size, L * S, False))
+    return _new(Choice, ("tiled", tiled.attend, size, L * S, False))
 
 
-def attend(plan: Plan, kernel: str = "auto") -> tuple[np.ndarray, np.ndarray]:
-    """Run ``kernel`` (or the one :func:`choose` picks) on ``plan``: ``(out, lse)``.
+def attend(
+    plan: Plan, kernel: str = "auto", choice: Choice | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Run ``choice`` (default: what :func:`choose` decides for ``kernel``) on ``plan``:
+    ``(out, lse)``, repaired or explained when not finite.
 
     Sinks are added once, to the kernel's finished result (:func:`mods.with_sinks`).
     """
@@ -111,39 +175,34 @@ def attend(plan: Plan, kernel: str = "auto") -> tuple[np.ndarray, np.ndarray]:
             found = native_decode.attend_stored(plan)
             if found is not None:
                 return mods.with_sinks(plan, *found)
-        plan = plan.materialized()
-    if kernel == "auto" and _plain(plan):
+        plan, choice = plan.materialized(), None  # every other kernel reads widened K/V
+    if choice is None:
+        choice = choose(plan, kernel)
+    if choice.plain:
         with np.errstate(over="ignore", invalid="ignore"):
             out, lse = dense.attend_plain(plan)
         if np.isfinite(out).all():
             return out, lse
-    name = choose(plan) if kernel == "auto" else check_kernel(kernel)
-    run = {"dense": dense.attend, "decode": decode.attend, "tiled": tiled.attend}[name]
-    if name == "decode" and kernel == "auto" and native_decode.supports(plan):
-        run = native_decode.attend  # the C++ decode step, when built (kernels/native_decode.py)
-    if name == "tiled" and kernel == "auto" and packed.supports(plan):
-        run = packed.attend_plan
-    if name == "tiled" and kernel == "auto" and native.supports(plan):
-        run = native.attend  # the fused C++ kernel, when built (kernels/native.py)
+    fn = choice.run
     # An intermediate may overflow on the way to a finite answer (the retries below repair it),
     # and NaN or inf inputs propagate by policy: neither is worth a NumPy warning.
     with np.errstate(over="ignore", invalid="ignore"):
         if not scale_fits(plan):
-            out, lse = _in_float64(run, plan)
+            out, lse = _in_float64(fn, plan)
         else:
-            out, lse = run(plan)
+            out, lse = fn(plan)
             assert plan.v is not None  # outputs: the plan carries values
             if not np.isfinite(out).all() and plan.v.size:
-                out, lse = _rescaled(run, plan, out, lse)
+                out, lse = _rescaled(fn, plan, out, lse)
             if not np.isfinite(out).all() and plan.acc_dtype != np.float64 and may_overflow(plan):
-                out, lse = _in_float64(run, plan)
+                out, lse = _in_float64(fn, plan)
     if not np.isfinite(out).all():
         check_overflow(plan)
     return mods.with_sinks(plan, out, lse)
 
 
 def _plain(plan: Plan) -> bool:
-    """Whether :func:`choose` picks the dense kernel for ``plan`` and every row sees every key,
+    """Whether every row of a problem :func:`choose` sends to the dense kernel sees every key,
     with no variant: :func:`dense.attend_plain` serves it (a single causal query sees all
     keys too). Written out in one function, as small calls pay for every attribute lookup."""
     if (
@@ -157,16 +216,11 @@ def _plain(plan: Plan) -> bool:
         or plan.mask_mod is not None
     ):
         return False
-    q, k = plan.q, plan.k
-    L, S, d = q.shape[-2], k.shape[-2], q.shape[-1]
-    if S == 0 or d == 0 or (plan.causal and L != 1) or not scale_fits(plan):
+    q = plan.q
+    if plan.k.shape[-2] == 0 or q.shape[-1] == 0 or (plan.causal and q.shape[-2] != 1):
         return False
-    if L <= DECODE_MAX_L:
-        assert plan.v is not None  # attention plans carry values
-        # below the smallest size decode is ever chosen from (choose() decides above it)
-        kv_bytes = k.size * (d + plan.v.shape[-1]) // d * plan.acc_dtype.itemsize
-        return kv_bytes < min(DECODE_MIN_BYTES, TEAM_DECODE_MIN_BYTES)
-    return L * S <= DENSE_MAX_SCORES
+    tiny, top = _normal_range(plan.acc_dtype)  # scale_fits, written out
+    return tiny <= plan.scale <= top
 
 
 def weights(plan: Plan) -> np.ndarray:
@@ -236,14 +290,14 @@ def _score_bound(plan: Plan) -> float:
     return bound
 
 
-def _in_float64(run: Any, plan: Plan) -> tuple[np.ndarray, np.ndarray]:
+def _in_float64(fn: Any, plan: Plan) -> tuple[np.ndarray, np.ndarray]:
     """Rerun in float64 when the scores may have overflowed the compute dtype on the way.
 
     ``q · kᵀ · scale`` can exceed float32's range (a large ``scale``, large entries) where
     the weights and the output — a weighted mean of the values — are perfectly finite. Only
     runs when the output is not finite and the finite inputs are that large.
     """
-    out, lse = run(widened(plan))
+    out, lse = fn(widened(plan))
     return out.astype(plan.acc_dtype), lse.astype(plan.acc_dtype)
 
 
@@ -278,10 +332,6 @@ def _normal_range(dtype: np.dtype) -> tuple[float, float]:
     return float(info.tiny), float(info.max)
 
 
-def _kv_bytes(plan: Plan) -> int:
-    return plan.k.size * (plan.d + plan.dv) // max(plan.d, 1) * plan.acc_dtype.itemsize
-
-
 def attend_many(plans: list[Plan], kernel: str = "auto") -> list[tuple[np.ndarray, np.ndarray]]:
     """:func:`attend` on each of ``plans``; the decode ones run in one parallel pass.
 
@@ -289,13 +339,11 @@ def attend_many(plans: list[Plan], kernel: str = "auto") -> list[tuple[np.ndarra
     are large enough (:data:`DECODE_MIN_BYTES`) — a batch of short caches is one large
     memory-bound job, not many small ones — and otherwise chooses for each plan alone.
     """
-    if kernel == "auto":
-        few = all(p.L <= DECODE_MAX_L for p in plans)
-        big = sum(_kv_bytes(p) for p in plans) >= DECODE_MIN_BYTES
-        names = ["decode" if few and big else choose(p) for p in plans]
-    else:
-        names = [check_kernel(kernel)] * len(plans)
-    at = [i for i, name in enumerate(names) if name == "decode"]
+    choices = [choose(p, kernel) for p in plans]
+    if kernel == "auto" and all(p.L <= DECODE_MAX_L for p in plans):
+        if sum(c.kv_bytes for c in choices) >= DECODE_MIN_BYTES:
+            choices = [c._replace(name="decode", run=decode.attend, plain=False) for c in choices]
+    at = [i for i, c in enumerate(choices) if c.name == "decode"]
     results: list[Any] = [None] * len(plans)
     if at:
         with np.errstate(over="ignore", invalid="ignore"):
@@ -305,13 +353,13 @@ def attend_many(plans: list[Plan], kernel: str = "auto") -> list[tuple[np.ndarra
             assert plan.v is not None  # outputs: the plan carries values
             if scale_fits(plan) and (np.isfinite(out).all() or not plan.v.size):
                 results[i] = mods.with_sinks(plan, out, lse)
-    for i, (plan, name) in enumerate(zip(plans, names, strict=True)):
-        if results[i] is None:  # not decode, or a rare retry: attend's full path
-            results[i] = attend(plan, name)
+    for i, (plan, choice) in enumerate(zip(plans, choices, strict=True)):
+        if results[i] is None:  # not decode, or a rare retry: run's full path
+            results[i] = attend(plan, choice=choice)
     return results
 
 
-def _rescaled(run: Any, plan: Plan, out: np.ndarray, lse: np.ndarray) -> tuple[np.ndarray, ...]:
+def _rescaled(fn: Any, plan: Plan, out: np.ndarray, lse: np.ndarray) -> tuple[np.ndarray, ...]:
     """Rerun with ``v`` divided by a power of two when the kernel's accumulator overflowed.
 
     Tiled and decode sum ``exp(s - m) · v`` before dividing by the softmax denominator, so
@@ -329,5 +377,5 @@ def _rescaled(run: Any, plan: Plan, out: np.ndarray, lse: np.ndarray) -> tuple[n
     if e == 0:
         return out, lse  # not an accumulator overflow: NaN or inf came from q or k
     f = plan.acc_dtype.type(2.0**e)
-    out2, lse2 = run(replace(plan, v=plan.v / f))
+    out2, lse2 = fn(replace(plan, v=plan.v / f))
     return out2 * f, lse2

@@ -61,7 +61,7 @@ from .native_lib import (
     library_path,
     switched_off,
 )
-from .threads import blas_limitable, default_threads, rescan_blas, single_threaded_blas
+from .threads import rescan_blas, single_threaded_blas, workers
 
 __all__ = [
     "BLOCK_K",
@@ -219,17 +219,10 @@ def _row_stride(a: np.ndarray) -> int:
     return a.strides[-2] // a.itemsize if a.shape[-2] > 1 else a.shape[-1]
 
 
-def _workers(threads: int | None) -> int:
-    """Native threads for a call: as asked, or the NumPy kernels' rule; one when BLAS cannot
-    be held to one thread per worker (its own threads would fight ours)."""
-    n = default_threads() if threads is None else max(1, int(threads))
-    return 1 if n > 1 and not blas_limitable() else n
-
-
-def _fit_rows(block_q: int, tasks: Any, workers: int) -> int:
+def _fit_rows(block_q: int, tasks: Any, threads: int) -> int:
     """``block_q``, halved (down to 64 rows) while ``tasks(block_q)`` work items would leave
-    some of the ``workers`` threads idle (two items per thread at least)."""
-    while workers > 1 and block_q > 64 and tasks(block_q) < 2 * workers:
+    some of the ``threads`` idle (two items per thread at least)."""
+    while threads > 1 and block_q > 64 and tasks(block_q) < 2 * threads:
         block_q = max(64, block_q // 2)
     return block_q
 
@@ -290,7 +283,7 @@ def attend(
     m, m_off = _masks(plan)
     m_ptr = None if m is None else m.ctypes.data  # the mask's or the bias's data
     left, right = plan.window if plan.window is not None else (None, None)
-    n = _workers(threads)
+    n = workers(threads, blas=True)  # BLAS tiles: one thread unless BLAS can be held
     block_q = _fit_rows(block_q, lambda bq: nb * -(-L // bq), n)
     args = PrefillArgs(
         nb=nb,
@@ -401,7 +394,7 @@ def backward(
         causal=int(plan.causal),
         left=-1 if left is None else left,
         right=-1 if right is None else right,
-        threads=_workers(threads),
+        threads=workers(threads, blas=True),
         isa=isa_cap(isa),
         gemm=gemm[dt],
         block_q=block_q,
@@ -495,10 +488,10 @@ def attend_packed(
         return out, lse
     q, k, v = (_packed_operand(x, dt) for x in (q, k, v))
     left, right = window if window is not None else (None, None)
-    workers = _workers(threads)
+    n_workers = workers(threads, blas=True)
     lq = np.diff(cq)[chosen]
     lq = lq[lq > 0]
-    block_q = _fit_rows(block_q, lambda bq: kv_heads * int(np.sum(-(-lq // bq))), workers)
+    block_q = _fit_rows(block_q, lambda bq: kv_heads * int(np.sum(-(-lq // bq))), n_workers)
     flags = np.zeros(cq.size - 1, dtype=np.uint8)  # set per sequence with a non-finite output
     args = VarlenArgs(
         nseq=chosen.size,
@@ -525,7 +518,7 @@ def attend_packed(
         causal=int(causal),
         left=-1 if left is None else left,
         right=-1 if right is None else right,
-        threads=workers,
+        threads=n_workers,
         isa=isa_cap(isa),
         gemm=gemm[dt],
         block_q=block_q,

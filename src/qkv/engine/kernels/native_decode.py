@@ -50,7 +50,7 @@ import numpy as np
 from ...validate import Plan
 from ..quant import SCALED, storage_dtype
 from .native_lib import KV_FORMATS, DecodeArgs, invoke, isa_cap, library, switched_off
-from .threads import default_threads
+from .threads import workers
 
 __all__ = [
     "attend",
@@ -117,7 +117,7 @@ def openmp_parallel() -> tuple[int | None, int]:
     threads qkv would use); else the only OpenMP runtime the process has loaded, if one.
     Looked up again only when the process or the ``torch`` module changes.
     """
-    threads = default_threads()
+    threads = workers()
     pid, torch = os.getpid(), sys.modules.get("torch")
     if _shared[0] != pid or _shared[1] is not torch:
         path = _openmp_library(_torch_dir(torch)) if pid == _PID else None
@@ -188,13 +188,13 @@ def launch(
     one run of keys (then take the general path). The caller guarantees the memory matches;
     nothing is checked here.
     """
-    team, workers = openmp_parallel()
+    team, n = openmp_parallel()
     if threads is not None:
-        workers = max(1, int(threads))
+        n = workers(threads)
     lo, hi = (None, None) if runs is None else runs
     (ks, kss), (vs, vss) = scales or ((None, (0, 0, 0)), (None, (0, 0, 0)))
     args = DecodeArgs(
-        *sizes, q[0], *q[1], k[0], *k[1], v[0], *v[1], lo, hi, out, lse, scale, workers,
+        *sizes, q[0], *q[1], k[0], *k[1], v[0], *v[1], lo, hi, out, lse, scale, n,
         isa or isa_cap(),
         team, softcap or 0.0, *(mask or (None, 0, 0)),
         KV_FORMATS[kv_format] if kv_format else 0, ks, *kss, vs, *vss,

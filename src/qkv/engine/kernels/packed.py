@@ -39,7 +39,7 @@ import numpy as np
 from ...masks import key_bounds
 from ...validate import Plan
 from .blocks import finish, key_pieces
-from .threads import default_threads, parallel_map
+from .threads import parallel_map, workers
 
 __all__ = ["BLOCK_K", "BLOCK_ROWS", "TAU", "attend", "attend_plan", "supports"]
 
@@ -267,7 +267,7 @@ def attend(
         sq, sk = slice(int(cq[b]), int(cq[b + 1])), slice(int(ck[b]), int(ck[b + 1]))
         views.append((q[sq], k[sk], v[sk], out[sq], lse[sq]))
     walk = _Walk(views, scale, causal, window, dt, block_rows, block_k)
-    n = default_threads() if threads is None else max(1, int(threads))
+    n = workers(threads)
     items = walk.items(n)
     if items:
         parallel_map(walk.item, items, n)
@@ -301,11 +301,10 @@ def attend_plan(
     Examples
     --------
     >>> import numpy as np
-    >>> from qkv import reference
-    >>> from qkv.validate import make_plan
+    >>> from qkv import reference, validate
     >>> rng = np.random.default_rng(0)
     >>> q, k, v = rng.standard_normal((4, 9, 4)), *rng.standard_normal((2, 2, 9, 4))
-    >>> out, lse = attend_plan(make_plan(q, k, v, causal=True), block_rows=4, block_k=3)
+    >>> out, lse = attend_plan(validate.make_plan(q, k, v, causal=True), block_rows=4, block_k=3)
     >>> bool(np.allclose(out, reference.attention(q, k, v, causal=True)))
     True
     """
@@ -327,7 +326,7 @@ def attend_plan(
         for idx in np.ndindex(*outer)
     ]
     walk = _Walk(views, plan.scale, plan.causal, plan.window, dt, block_rows, block_k)
-    n = default_threads() if threads is None else max(1, int(threads))
+    n = workers(threads)
     items = walk.items(n)
     if items:
         parallel_map(walk.item, items, n)

@@ -22,6 +22,7 @@ import numpy as np
 
 __all__ = [
     "compiled_team",
+    "blas_limitable",
     "cpu_count",
     "default_threads",
     "limit_threads",
@@ -29,6 +30,8 @@ __all__ = [
     "rescan_blas",
     "single_threaded_blas",
     "team_preferred",
+    "thread_rule",
+    "workers",
 ]
 
 T = TypeVar("T")
@@ -46,6 +49,15 @@ def cpu_count() -> int:
 _limit: list[int] = []  # worker caps set by limit_threads, innermost last
 
 
+def _omp_threads() -> int | None:
+    """``OMP_NUM_THREADS`` when it names a positive count, else None."""
+    try:
+        omp = int(os.environ.get("OMP_NUM_THREADS", ""))
+    except ValueError:
+        return None
+    return omp if omp > 0 else None
+
+
 def default_threads() -> int:
     """Worker threads for a call that names none: the cores this process may use, capped by
     :func:`limit_threads` or else by ``OMP_NUM_THREADS`` (how launchers such as ``torchrun``
@@ -53,11 +65,60 @@ def default_threads() -> int:
     n = cpu_count()
     if _limit:
         return max(1, min(n, _limit[-1]))
-    try:
-        omp = int(os.environ.get("OMP_NUM_THREADS", ""))
-    except ValueError:
-        return n
-    return max(1, min(n, omp)) if omp > 0 else n
+    omp = _omp_threads()
+    return n if omp is None else min(n, omp)
+
+
+def thread_rule() -> str:
+    """How :func:`default_threads` gets its number now, in words (for ``qkv info``)."""
+    cores = cpu_count()
+    if _limit:
+        return f"min({cores} usable cores, limit_threads({_limit[-1]}))"
+    omp = _omp_threads()
+    if omp is not None:
+        return f"min({cores} usable cores, OMP_NUM_THREADS={omp})"
+    return f"the {cores} cores this process may use (OMP_NUM_THREADS not set)"
+
+
+def workers(
+    threads: int | None = None,
+    *,
+    items: int | None = None,
+    blas: bool = False,
+    share: int = 1,
+) -> int:
+    """The worker threads a kernel runs on: every rule on their number, written once.
+
+    Parameters
+    ----------
+    threads : int, optional
+        As the caller asked (at least 1); default :func:`default_threads`.
+    items : int, optional
+        Never more threads than work items (at least 1).
+    blas : bool, optional
+        The work is mostly BLAS: one thread unless BLAS can be held to one thread per worker
+        (:func:`blas_limitable`), as its own threads would fight ours.
+    share : int, optional
+        Processes on this host splitting its cores (ranks of a distributed run): at most this
+        process's share of them.
+
+    Examples
+    --------
+    >>> workers(3)
+    3
+    >>> workers(8, items=2)
+    2
+    >>> workers(0)
+    1
+    """
+    n = default_threads() if threads is None else max(1, int(threads))
+    if share > 1:
+        n = max(1, min(n, cpu_count() // share))
+    if items is not None:
+        n = max(1, min(n, items))
+    if blas and n > 1 and not blas_limitable():
+        n = 1
+    return n
 
 
 @contextmanager
@@ -254,10 +315,7 @@ def parallel_map(
     own threads only add overhead) and falls back to one thread when BLAS cannot be held;
     other work (the compiled kernels, which call no BLAS) leaves BLAS's settings alone.
     """
-    n = default_threads() if threads is None else max(1, int(threads))
-    n = min(n, len(items))
-    if blas_heavy and n > 1 and not blas_limitable():
-        n = 1
+    n = workers(threads, items=len(items), blas=blas_heavy)
     with single_threaded_blas() if blas_heavy else nullcontext():
         if n <= 1:
             return [fn(x) for x in items]

@@ -318,16 +318,15 @@ def attend(
         Query rows and keys per tile; extra memory is about ``block_q · block_k + S · dv`` per
         thread.
     threads : int, optional
-        Worker threads (default: every core this process may use).
+        Worker threads (default: as :func:`~qkv.engine.kernels.threads.workers` decides).
 
     Examples
     --------
     >>> import numpy as np
-    >>> from qkv import reference
-    >>> from qkv.validate import make_plan
+    >>> from qkv import reference, validate
     >>> rng = np.random.default_rng(0)
     >>> q, k, v = rng.standard_normal((3, 2, 7, 4))
-    >>> plan = make_plan(q, k, v, causal=True)
+    >>> plan = validate.make_plan(q, k, v, causal=True)
     >>> out, lse = attend(plan, block_q=3, block_k=2)
     >>> bool(np.allclose(out, reference.attention(q, k, v, causal=True)))
     True
