@@ -24,6 +24,7 @@ from collections.abc import Callable
 from functools import wraps
 from typing import Any
 
+from ..keywords import near_keywords
 from ..tensors import is_tensor
 from . import ring as _ring
 from .agree import DEFAULT_TIMEOUT
@@ -36,6 +37,7 @@ from .ring import RingStats, ring_attention_varlen_vjp, ring_attention_vjp
 # everything else to the NumPy ring; neither of those imports this router.
 
 
+@near_keywords()
 @wraps(_ring.ring_attention)
 def ring_attention(
     q: Any,
@@ -65,6 +67,7 @@ def ring_attention(
     )  # fmt: skip
 
 
+@near_keywords()
 @wraps(_ring.ring_attention_varlen)
 def ring_attention_varlen(
     q: Any,
@@ -89,6 +92,7 @@ def ring_attention_varlen(
     )  # fmt: skip
 
 
+@near_keywords()
 @wraps(_decode)
 def decode(
     q: Any,

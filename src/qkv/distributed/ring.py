@@ -37,6 +37,7 @@ from ..engine.kernels import dispatch, mods, tiled_backward
 from ..engine.kernels.blocks import merge_arrays
 from ..engine.kernels.threads import limit_threads, single_threaded_blas
 from ..errors import InputError, InputTypeError
+from ..keywords import near_keywords
 from ..masks import Window, key_bounds
 from ..validate import Plan, as_array
 from .agree import DEFAULT_TIMEOUT, Setup, agree, setup
@@ -474,6 +475,7 @@ def _run_forward(
         return _forward(s, stats, docs)
 
 
+@near_keywords()
 def ring_attention_vjp(
     q: Any,
     k: Any,
@@ -654,6 +656,7 @@ def varlen_forward(
     return np.moveaxis(out, -2, 0), np.moveaxis(lse, -1, 0)
 
 
+@near_keywords()
 def ring_attention_varlen_vjp(
     q: Any,
     k: Any,

@@ -15,7 +15,16 @@ import numpy as np
 
 from ..checks import check_int
 from ..errors import InputError, InputTypeError
-from ..validate import Plan, as_array, broadcasts_to, check_flag, check_variants, make_plan
+from ..keywords import near_keywords
+from ..validate import (
+    VARIANTS,
+    Plan,
+    as_array,
+    broadcasts_to,
+    check_flag,
+    check_variants,
+    make_plan,
+)
 from .kernels import dispatch
 
 __all__ = ["KVCache"]
@@ -63,6 +72,7 @@ class KVCache:
     [0, 3]
     """
 
+    @near_keywords()
     def __init__(
         self,
         batch: int,
@@ -128,6 +138,7 @@ class KVCache:
         v[:, :, :used] = self._v[:, :, :used]
         self._k, self._v = k, v
 
+    @near_keywords()
     def append(self, k: Any, v: Any, seq: int | None = None) -> None:
         """Add ``T >= 1`` tokens to every sequence, or to sequence ``seq`` alone.
 
@@ -177,16 +188,19 @@ class KVCache:
             self._v[b, :, n : n + T] = va
             self._lengths[b] += T
 
+    @near_keywords()
     def keys(self, seq: int) -> np.ndarray:
         """Cached keys of sequence ``seq``, shape ``(kv_heads, length, head_dim)`` (a view)."""
         b = self._check_seq(seq)
         return self._k[b, :, : self._lengths[b]]
 
+    @near_keywords()
     def values(self, seq: int) -> np.ndarray:
         """Cached values of sequence ``seq``, shape ``(kv_heads, length, value_dim)`` (a view)."""
         b = self._check_seq(seq)
         return self._v[b, :, : self._lengths[b]]
 
+    @near_keywords(VARIANTS)
     def attend(
         self,
         q: Any,

@@ -46,7 +46,8 @@ import numpy as np
 from .. import reference
 from ..checks import check_int
 from ..errors import InputError
-from ..validate import Plan, as_array, broadcasts_to, check_variants, make_plan
+from ..keywords import near_keywords
+from ..validate import VARIANTS, Plan, as_array, broadcasts_to, check_variants, make_plan
 from .kernels import dense, dispatch, mods, tiled, tiled_backward
 from .kernels.blocks import heads_by_kv
 
@@ -142,6 +143,7 @@ def _grad_like(grad: Any, plan: Plan, n: int) -> np.ndarray:
     return g[..., None, :] if plan.squeeze else g
 
 
+@near_keywords(VARIANTS)
 def attention_vjp(
     q: Any,
     k: Any,
@@ -354,6 +356,7 @@ def _tiled(plan: Plan, grad_out: Any, out: Any, lse: Any, block: Any) -> tuple[n
     return (*grads, _dsinks(plan, m_used, np.sum(d_out * o_used, axis=-1)))
 
 
+@near_keywords(VARIANTS)
 def reference_attention_vjp(
     q: Any,
     k: Any,

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InputError, InputTypeError
+from ..keywords import near_keywords
 from ..validate import as_array, block_plan, check_scale, check_window, from_foreign
 from .kernels import dispatch, native, packed
 
@@ -104,6 +105,7 @@ def _buckets(lq: np.ndarray, lk: np.ndarray, unit: int) -> list[np.ndarray]:
     return [np.asarray(g, dtype=np.int64) for g in groups]
 
 
+@near_keywords()
 def attention_varlen(
     q: Any,
     k: Any,

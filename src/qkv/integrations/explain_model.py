@@ -26,6 +26,7 @@ import numpy as np
 
 from ..errors import InputError
 from ..extras import require
+from ..keywords import near_keywords
 
 __all__ = [
     "MAX_TOKENS",
@@ -266,6 +267,7 @@ class ModelExplanation:
         return render_blocks([blocks[0], intro] + blocks[1:], format)
 
 
+@near_keywords()
 def explain_model(
     text: str,
     model: str | None = None,
