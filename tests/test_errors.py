@@ -179,3 +179,13 @@ def test_bad_input_gets_the_project_exceptions(call, exc, needle):
     with pytest.raises(exc) as info:
         call()
     assert needle in str(info.value)
+
+
+@pytest.mark.parametrize("fn", [qkv.scores, qkv.reference.scores])
+def test_a_scale_given_as_text_is_answered_with_the_standard_scale(fn):
+    # the suggestion must not be the slip the project teaches against (multiplying by sqrt(d))
+    with pytest.raises(qkv.InputTypeError) as info:
+        fn([2, 1], [[1, 0], [3, 2]], scale="1/sqrt(d)")
+    text = str(info.value)
+    assert "1 / math.sqrt(d)" in text and "multiplies" in text
+    assert "(e.g. math.sqrt(d))" not in text

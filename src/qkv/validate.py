@@ -106,9 +106,10 @@ def check_scale(scale: Any, d: int) -> float:
         return 1.0 / math.sqrt(d)
     if isinstance(scale, str):
         raise InputTypeError(
-            f"scale: expected a real number or None, got the text {scale[:40]!r}; expressions in d "
-            "such as 'sqrt(d)' are read by qkv.explain and the qkv command's --scale, here pass "
-            "a number (e.g. math.sqrt(d))"
+            f"scale: expected a real number or None, got the text {scale[:40]!r}; the scale "
+            "multiplies the scores, so the standard one is 1 / math.sqrt(d) (or None, the "
+            "default); expressions in d such as '1/sqrt(d)' are read by qkv.explain and the "
+            "qkv command's --scale"
         )
     return check_real(scale, "scale", positive=True)
 
