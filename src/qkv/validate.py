@@ -517,7 +517,7 @@ def _heads(
             if hq % hkv != 0:
                 raise InputError(
                     f"q, k: {hq} query heads cannot share {hkv} kv heads (axis -3): "
-                    f"q has shape {qa.shape}, k has shape {ka.shape}"
+                    f"q has shape {qa.shape}, k has shape {ka.shape}{_layout_hint(qa, ka)}"
                 )
             group = hq // hkv
     if group == 1:
@@ -525,6 +525,25 @@ def _heads(
         return batch, batch, 1
     rest = _broadcast(qb[:-1], kvb[:-1], "q, k")
     return rest + (qb[-1],), rest + (kvb[-1],), group
+
+
+def _layout_hint(qa: np.ndarray, ka: np.ndarray) -> str:
+    """A hint when the shapes fit (..., L, heads, d) instead of qkv's (..., heads, L, d)."""
+    if qa.ndim < 3 or ka.ndim < 3:
+        return ""
+    hq, hkv = qa.shape[-2], ka.shape[-2]
+    if hkv < 1 or hq % hkv:
+        return ""
+    try:
+        np.broadcast_shapes(qa.shape[:-3], ka.shape[:-3])
+    except ValueError:
+        return ""
+    return (
+        f"; these shapes fit the layout (batch, L, heads, d), with {hq} query heads and "
+        f"{hkv} kv heads, while qkv reads (batch, heads, L, d): pass q.swapaxes(-3, -2), "
+        "k.swapaxes(-3, -2) and v.swapaxes(-3, -2) (the same call on tensors), and swap the "
+        "output back"
+    )
 
 
 def _read_mask(
