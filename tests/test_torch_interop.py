@@ -228,3 +228,27 @@ def test_bad_tensor_input_raises_input_error_naming_shapes():
         qkv.attention(torch.ones(2, 4), torch.ones(3, 4), torch.ones(3, 2), mask=torch.ones(5, 5))
     with pytest.raises(qkv.InputError, match="mask: qkv gives no gradient"):
         qkv.attention(rand(2, 4, grad=True), rand(3, 4), rand(3, 2), mask=rand(2, 3, grad=True))
+
+
+def _lse(qs, ks):
+    """The log-sum-exp of the reference scores of (heads, L, d) against (heads, S, d)."""
+    s = reference.scores(qs.double().numpy(), ks.double().numpy())
+    m = s.max(-1, keepdims=True)
+    return m[..., 0] + np.log(np.exp(s - m).sum(-1))
+
+
+def test_varlen_and_cache_give_the_lse_in_float32_for_bfloat16():
+    # the lse is documented in the accumulation dtype: bfloat16 would round it to |lse|·2⁻⁹
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (3 * torch.randn(12, 2, 8, generator=g, dtype=torch.bfloat16) for _ in range(3))
+    cu = [0, 5, 12]
+    out, lse = qkv.attention_varlen(q, k, v, cu, cu, return_lse=True)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    want = [_lse(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1)) for a, b in ((0, 5), (5, 12))]
+    np.testing.assert_allclose(lse.numpy(), np.concatenate(want, 1).T, rtol=1e-6, atol=1e-5)
+    cache = qkv.KVCache(1, 2, 8)
+    cache.append(k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+    out, lse = cache.attend(q[-1:].transpose(0, 1)[None], return_lse=True)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    want = _lse(q[-1:].transpose(0, 1), k.transpose(0, 1))  # the last query sees every key
+    np.testing.assert_allclose(lse[0].numpy(), want, rtol=1e-6, atol=1e-5)

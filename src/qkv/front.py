@@ -280,7 +280,7 @@ def attention_varlen(q: Any, k: Any, v: Any, *args: Any, **options: Any) -> Any:
     # Tensors in give tensors out; qkv has no varlen gradient, so tensors that require grad
     # are refused by name (attention per sequence has one).
     refuse_grad("attention_varlen", q=q, k=k, v=v)
-    return give(varlen.attention_varlen(q, k, v, *args, **options), want_of(q, k, v))
+    return _give(varlen.attention_varlen(q, k, v, *args, **options), want_of(q, k, v))
 
 
 class KVCache(cache.KVCache):
@@ -296,9 +296,14 @@ class KVCache(cache.KVCache):
     @near_keywords(VARIANTS, like=cache.KVCache.attend)
     def attend(self, q: Any, **options: Any) -> Any:
         refuse_grad("KVCache.attend", q=q)
-        return give(super().attend(q, **options), want_of(q))
+        return _give(super().attend(q, **options), want_of(q))
 
     attend.__doc__ = cache.KVCache.attend.__doc__
+
+
+def _give(res: Any, want: Any) -> Any:
+    """An output, or an ``(out, lse)`` pair with the lse in its accumulation dtype."""
+    return give_pair(res[0], res[1], want) if isinstance(res, tuple) else give(res, want)
 
 
 def _gpu_run() -> Any:
