@@ -40,6 +40,13 @@ EPILOG = """examples:
 Run "qkv COMMAND --help" for each command's options and examples."""
 
 
+#: Commands people type that are options of another: where to go instead.
+POINTERS = {
+    "practice": "the practice session is qkv exercise --practice (add --seed N for a given one)",
+    "version": "qkv --version prints the version (qkv info: the installation)",
+}
+
+
 class UsageError(Exception):
     """A command-line usage error (argparse's), reported in one line."""
 
@@ -67,6 +74,8 @@ def _near_command(parser: argparse.ArgumentParser, message: str) -> str:
     if not message.startswith("argument COMMAND: invalid choice:"):
         return ""
     given = message.split("'")[1] if message.count("'") >= 2 else ""
+    if given in POINTERS:
+        return f"; {POINTERS[given]}"
     near = nearest(given.replace("-", "_"), [m.NAME.replace("-", "_") for m in COMMANDS])
     return f"; did you mean {near.replace('_', '-')!r}?" if near else ""
 
