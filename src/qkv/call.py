@@ -106,7 +106,7 @@ def build(
             given[name] = variants[name]
     seen = survey(given)
     if seen.device:
-        shadows: dict[str, Any] = {name: read_shadow(x) for name, x in given.items()}
+        shadows: dict[str, Any] = {name: read_shadow(x, name) for name, x in given.items()}
         plan = make_plan(
             shadows["q"], shadows["k"], shadows["v"], scale=scale, causal=causal,
             mask=shadows["mask"], window=window, need_v=need_v,
