@@ -7,10 +7,26 @@ installed; ``qkv.engine.kernels.native.info()`` then says the native kernels are
 
 from __future__ import annotations
 
+import hashlib
+import os
 import sys
+import tempfile
 
 from setuptools import Extension, setup
+from setuptools.command.build import build
 from setuptools.command.build_ext import build_ext
+
+
+class OutOfTreeBuild(build):
+    """``build`` whose working folder is outside the checkout (one per checkout, in the temp
+    folder), so ``pip install -e .`` leaves no ``build/`` folder there: one would shadow the
+    ``build`` package and ``python -m build`` would fail. ``--build-base`` still overrides it."""
+
+    def initialize_options(self) -> None:
+        super().initialize_options()
+        here = os.path.dirname(os.path.abspath(__file__))
+        tag = hashlib.sha256(here.encode()).hexdigest()[:12]
+        self.build_base = os.path.join(tempfile.gettempdir(), f"qkv-build-{tag}")
 
 
 class OptionalBuildExt(build_ext):
@@ -69,4 +85,4 @@ def _native() -> list[Extension]:
     ]
 
 
-setup(ext_modules=_native(), cmdclass={"build_ext": OptionalBuildExt})
+setup(ext_modules=_native(), cmdclass={"build": OutOfTreeBuild, "build_ext": OptionalBuildExt})

@@ -87,11 +87,34 @@ def peak_extra_bytes(fn: Callable[[], Any]) -> int:
     return best
 
 
+_held: list[Any] = []  # the BLAS limit same_threads sets, kept alive for the process
+
+
+def same_threads(n: int) -> None:
+    """Give qkv the ``n`` threads PyTorch gets (the caller sets ``torch.set_num_threads(n)``):
+    its worker threads, native threads and decode teams (they follow ``OMP_NUM_THREADS``, read on
+    every call), Numba's team and BLAS. Without it qkv would use every core the process may run
+    on while PyTorch used ``n``: not a like-for-like race."""
+    os.environ["OMP_NUM_THREADS"] = str(n)
+    try:
+        import numba
+
+        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+    except ImportError:
+        pass
+    try:
+        from threadpoolctl import threadpool_limits
+
+        _held.append(threadpool_limits(n, user_api="blas"))
+    except ImportError:
+        pass
+
+
 def threads_info() -> str:
     """Threads each contender may use."""
-    from qkv.engine.kernels.threads import cpu_count
+    from qkv.engine.kernels.threads import default_threads
 
-    parts = [f"qkv {cpu_count()}"]
+    parts = [f"qkv {default_threads()}"]
     try:
         import torch
 

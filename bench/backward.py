@@ -6,9 +6,10 @@ Measures in one process the backward pass alone: qkv.attention_vjp given the for
 output and log-sum-exp (the FlashAttention-2 backward: the native kernel of kernels/native.py
 where it is built, and again with QKV_NATIVE=0, the NumPy one of kernels/tiled_backward.py),
 against PyTorch's autograd through its CPU scaled_dot_product_attention (the graph is kept, so
-only its backward is timed). Prints the time ratio against PyTorch, effective GFLOP/s (five
-products of 2·N²·d per head, halved by causal) as a fraction of this machine's float32 GEMM rate,
-peak extra memory and threads.
+only its backward is timed), and loss.backward() through qkv.attention on tensors (the PyTorch
+bridge, which runs the same tiled backward from the forward's saved out and lse). Prints the
+time ratio against PyTorch, effective GFLOP/s (five products of 2·N²·d per head, halved by
+causal) as a fraction of this machine's float32 GEMM rate, peak extra memory and threads.
 """
 
 from __future__ import annotations
@@ -75,6 +76,19 @@ def main() -> None:
             return tq.grad.numpy(), tk.grad.numpy(), tv.grad.numpy()
 
         contenders["torch sdpa"] = run_torch
+
+        # loss.backward() through qkv.attention on tensors: the bridge saves the forward's out
+        # and lse and runs the same tiled backward (its graph is kept, so only it is timed)
+        aq, ak, av = (torch.from_numpy(x.copy()).requires_grad_() for x in (q, k, v))
+        aout = qkv.attention(aq, ak, av, causal=True)
+
+        def run_autograd():
+            for x in (aq, ak, av):
+                x.grad = None
+            aout.backward(tdo, retain_graph=True)
+            return aq.grad.numpy(), ak.grad.numpy(), av.grad.numpy()
+
+        contenders["qkv autograd"] = run_autograd
     except ImportError:
         print("PyTorch not installed: no peer to compare against")
 

@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> None:
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     torch.set_num_threads(args.threads)
+    _common.same_threads(args.threads)  # qkv's prefill and decode routes: the same threads
     qkv_hf.register()
     routes = ["team", "native threads", "one thread", "numba team", "python workers", "sdpa"]
     if not native_decode.available():

@@ -232,6 +232,7 @@ def main(argv: list[str] | None = None) -> None:
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     torch.set_num_threads(args.threads)
+    _common.same_threads(args.threads)  # qkv's prefill and decode routes: the same threads
     qkv_hf.register()
     prompts = [int(x) for x in args.prompts.split(",")]
     batches = [int(x) for x in args.batches.split(",")]

@@ -191,8 +191,9 @@ def main() -> None:
         f"{gemm:.0f} GFLOP/s); causal, float32, 1 head, d = 64\n"
     )
 
-    # peers, one process: PyTorch SDPA and qkv.attention at the largest size
-    n_peer = min(args.sizes)  # PyTorch SDPA on the CPU may hold GiBs at large N
+    # peers, one process: PyTorch SDPA and qkv.attention at the smallest size (PyTorch SDPA
+    # on the CPU may hold GiBs at large N)
+    n_peer = min(args.sizes)
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((1, n_peer, 64), dtype=np.float32) for _ in range(3))
     import qkv

@@ -35,6 +35,7 @@ extensions = [
     "qkv_cli",
     "qkv_images",
     "qkv_public",
+    "qkv_viewcode",
 ]
 
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}

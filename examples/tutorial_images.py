@@ -133,7 +133,8 @@ def main(out: Path = OUT) -> None:
         )
         shot(model, tmp / "head.png", (1100, 2400))
         small(tmp / "head.png", (0, 0, 1100, 560), out / "tutorial-model-head.png")
-        small(tmp / "head.png", (0, 1600, 1100, 2400), out / "tutorial-model-grid.png")
+        # from just above the heading "All 12 heads of layer 2" (the table above ends near 1720)
+        small(tmp / "head.png", (0, 1728, 1100, 2400), out / "tutorial-model-grid.png")
 
 
 if __name__ == "__main__":

@@ -76,6 +76,11 @@ def test_cache_with_an_empty_sequence_and_alibi():
 
 # ----- 2. softcap beyond the compute dtype -----
 
+# Each dtype its own bound (issue 33, item 15): float32 as tight as the rest of the suite; float16
+# about two of its rounding units (2⁻¹¹ relative) on values of order one.
+OUT_TOL = {np.float32: 1e-6, np.float16: 1e-3}
+GRAD_TOL = {np.float32: 1e-6, np.float16: 2e-3}
+
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -84,10 +89,11 @@ def test_softcap_beyond_the_dtype_is_the_uncapped_answer(dtype, kernel):
     out = qkv.attention(q, k, v, softcap=1e39, kernel=kernel)
     assert out.dtype == dtype and np.isfinite(out).all()
     ref = reference.attention(q, k, v)  # the cap of 1e39 changes no score of these inputs
-    np.testing.assert_allclose(out, ref, rtol=2e-3, atol=2e-3)
-    np.testing.assert_allclose(out, reference.attention(q, k, v, softcap=1e39), atol=2e-3)
+    tol = OUT_TOL[dtype]
+    np.testing.assert_allclose(out, ref, rtol=tol, atol=tol)
+    np.testing.assert_allclose(out, reference.attention(q, k, v, softcap=1e39), atol=tol)
     w = qkv.attention_weights(q, k, softcap=1e39)
-    np.testing.assert_allclose(w, reference.attention_weights(q, k), atol=2e-3)
+    np.testing.assert_allclose(w, reference.attention_weights(q, k), rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
@@ -99,7 +105,7 @@ def test_softcap_beyond_the_dtype_in_the_gradients(dtype):
         got = qkv.attention_vjp(q, k, v, g, softcap=1e39, **extra)
         for a, b in zip(got, want, strict=True):
             assert a.dtype == dtype and np.isfinite(a).all()
-            np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-2)
+            np.testing.assert_allclose(a, b, rtol=GRAD_TOL[dtype], atol=GRAD_TOL[dtype])
 
 
 def test_tiny_softcap_in_float32_caps_every_score_to_nearly_zero():

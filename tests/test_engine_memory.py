@@ -33,3 +33,41 @@ def test_tiled_never_allocates_the_score_matrix():
     want = (w / w.sum(axis=1, keepdims=True)) @ v
     got, _ = tiled.attend(make_plan(q, k, v, causal=True))
     np.testing.assert_allclose(got[rows], want, rtol=1e-4, atol=1e-5)
+
+
+def test_the_autograd_backward_stays_within_the_forwards_working_set():
+    """Issue 33, item 11: ``loss.backward()`` through :func:`qkv.attention` runs the tiled
+    backward from the forward's saved ``out`` and ``lse``, not the dense one (the float32
+    weights alone would be 256 MiB here, and the dense backward holds several such)."""
+    import pytest
+
+    torch = pytest.importorskip("torch")
+    import qkv
+
+    L = 8192
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, L, 16, generator=g, requires_grad=True) for _ in range(3))
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        out = qkv.attention(q, k, v, causal=True)
+        forward = tracemalloc.get_traced_memory()[1] - base
+        loss = (out * out).sum()
+        before = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        loss.backward()
+        backward = tracemalloc.get_traced_memory()[1] - before
+    finally:
+        tracemalloc.stop()
+    assert backward < forward + 4 * 2**20, (backward / 2**20, forward / 2**20)
+    # and the gradients are right on a few rows (the weights' rows recomputed in float64)
+    rows = np.array([0, 1, 4095, 8191])
+    qa, ka, va, oa = (x.detach().double().numpy()[0] for x in (q, k, v, out))
+    s = (qa[rows] @ ka.T) / 4.0
+    s[np.arange(L)[None, :] > rows[:, None]] = -np.inf
+    p = np.exp(s - s.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    d_out = 2 * oa[rows]  # d(sum out²)/d out
+    dp = d_out @ va.T
+    dz = p * (dp - np.sum(dp * p, axis=1, keepdims=True))
+    np.testing.assert_allclose(q.grad[0, rows].numpy(), dz @ ka / 4.0, rtol=1e-4, atol=1e-5)

@@ -179,3 +179,35 @@ def test_bad_input_gets_the_project_exceptions(call, exc, needle):
     with pytest.raises(exc) as info:
         call()
     assert needle in str(info.value)
+
+
+@pytest.mark.parametrize("fn", [qkv.scores, qkv.reference.scores])
+def test_a_scale_given_as_text_is_answered_with_the_standard_scale(fn):
+    # the suggestion must not be the slip the project teaches against (multiplying by sqrt(d))
+    with pytest.raises(qkv.InputTypeError) as info:
+        fn([2, 1], [[1, 0], [3, 2]], scale="1/sqrt(d)")
+    text = str(info.value)
+    assert "1 / math.sqrt(d)" in text and "multiplies" in text
+    assert "(e.g. math.sqrt(d))" not in text
+
+
+def test_arrays_laid_out_batch_length_heads_get_the_transpose():
+    # (batch, L, heads, d) with 6 query heads and 2 kv heads, L = 4 and S = 6: read as qkv's
+    # (batch, heads, L, d) they are 4 query heads against 6 kv heads
+    rng = np.random.default_rng(0)
+    q, k, v = rng.standard_normal((2, 4, 6, 8)), *rng.standard_normal((2, 2, 6, 2, 8))
+    with pytest.raises(qkv.InputError) as info:
+        qkv.attention(q, k, v)
+    text = str(info.value)
+    assert "4 query heads cannot share 6 kv heads" in text
+    assert "(batch, L, heads, d)" in text and "swapaxes(-3, -2)" in text
+    # the transpose it shows is the one that works: equal to the reference
+    out = qkv.attention(q.swapaxes(-3, -2), k.swapaxes(-3, -2), v.swapaxes(-3, -2))
+    want = qkv.reference.attention(q.swapaxes(-3, -2), k.swapaxes(-3, -2), v.swapaxes(-3, -2))
+    np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
+
+
+def test_no_layout_hint_when_the_other_layout_does_not_fit_either():
+    with pytest.raises(qkv.InputError) as info:
+        qkv.attention(np.ones((3, 2, 5)), np.ones((2, 3, 5)), np.ones((2, 3, 5)))
+    assert "swapaxes" not in str(info.value)

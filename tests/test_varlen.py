@@ -221,3 +221,12 @@ def test_bad_input_names_the_argument(args, kw, exc, words):
     with pytest.raises(exc, match=None) as info:
         qkv.attention_varlen(*args, **kw)
     assert words in str(info.value)
+
+
+@pytest.mark.parametrize("cu", [[0, 2**70, 12], [0, -(2**64), 12]])
+def test_offsets_beyond_int64_are_named_as_out_of_range(cu):
+    x = np.ones((12, 1, 2))
+    with pytest.raises(
+        qkv.InputError, match=r"cu_seqlens_q: offset -?\d+ is out of the int64 range"
+    ):
+        qkv.attention_varlen(x, x, x, cu, [0, 12])

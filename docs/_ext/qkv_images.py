@@ -7,13 +7,15 @@
 They go to ``docs/img`` (ignored by git). Every build makes them afresh, so the site shows what
 the library computes today; ``QKV_DOCS_KEEP_IMAGES=1`` reuses figures already there (for quick
 rebuilds while editing text). Without Chromium or the small model of ``qkv[model]`` the
-screenshots cannot be made: the build says so, and a strict build fails.
+screenshots cannot be made: the build says so, and a strict build fails (without Chromium at
+once, in one line that names the fix).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -60,9 +62,31 @@ def _tutorial() -> None:
     module.main(IMG)
 
 
+#: The one line a strict build ends with when the tutorial's screenshots cannot be made.
+NO_CHROMIUM = (
+    "docs: the tutorial's figures need headless Chromium, which is not on the PATH: install it "
+    "(apt-get install chromium) and build again"
+)
+
+
+def _strict(app: Sphinx) -> bool:
+    """Whether warnings are errors (``-W``)."""
+    return bool(getattr(app, "_fail_on_warnings", getattr(app, "warningiserror", False)))
+
+
+def _chromium() -> bool:
+    return any(shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome"))
+
+
 def make_images(app: Sphinx) -> None:
-    """Write every figure the pages show into ``docs/img``."""
+    """Write every figure the pages show into ``docs/img``.
+
+    A strict build without Chromium stops at once with one line naming the fix
+    (:data:`NO_CHROMIUM`), not after a warning for every screenshot the pages then miss.
+    """
     keep = os.environ.get("QKV_DOCS_KEEP_IMAGES") == "1"
+    if not (keep and _present(TUTORIAL)) and not _chromium() and _strict(app):
+        raise SystemExit(NO_CHROMIUM)  # Sphinx reports no SystemExit of its own: one line
     IMG.mkdir(exist_ok=True)
     jobs = [(f"qkv study {' '.join(a)}", lambda a=a: _study(a), n) for a, n in STUDY.items()]
     jobs.append(("examples/tutorial_images.py", _tutorial, TUTORIAL))

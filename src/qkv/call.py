@@ -141,7 +141,7 @@ def build(
             given[name] = x
     seen = survey(given)
     if seen.device:
-        shadows: dict[str, Any] = {name: read_shadow(x) for name, x in given.items()}
+        shadows: dict[str, Any] = {name: read_shadow(x, name) for name, x in given.items()}
         shadowed = options.replace(
             mask=shadows["mask"],
             sinks=shadows.get("sinks"),

@@ -27,7 +27,9 @@ from .engine import cache, grad, varlen
 from .engine import merge as merging
 from .engine import run as core
 from .errors import InputError
+from .keywords import near_keywords
 from .tensors import give, give_pair, refuse_grad, want_of, wants_grad
+from .validate import VARIANTS
 
 __all__ = [
     "KVCache",
@@ -51,6 +53,7 @@ def _run(call: Call) -> Any:
     return _gpu_run()(call)
 
 
+@near_keywords()
 def softmax(x: Any, axis: int = -1) -> Any:
     """Numerically stable softmax along ``axis``.
 
@@ -83,6 +86,7 @@ def softmax(x: Any, axis: int = -1) -> Any:
     return give(core.softmax(x, axis=axis), want_of(x))
 
 
+@near_keywords()
 def scores(q: Any, k: Any, *, scale: Any = None) -> Any:
     """Scaled pre-softmax scores ``q · kᵀ · scale``.
 
@@ -116,6 +120,7 @@ def scores(q: Any, k: Any, *, scale: Any = None) -> Any:
     return _run(build("scores", q, k, scale=scale))
 
 
+@near_keywords(VARIANTS)
 def attention_weights(
     q: Any,
     k: Any,
@@ -163,6 +168,7 @@ def attention_weights(
     )  # fmt: skip
 
 
+@near_keywords(VARIANTS)
 def attention(
     q: Any,
     k: Any,
@@ -244,6 +250,7 @@ def attention(
 # documentation are the engine's own (functools.wraps), written once there.
 
 
+@near_keywords(VARIANTS)
 @wraps(grad.attention_vjp)
 def attention_vjp(q: Any, k: Any, v: Any, grad_out: Any, **options: Any) -> Any:
     # Tensors in give tensors out (each input's dtype). No autograd graph: qkv has no second
@@ -252,6 +259,7 @@ def attention_vjp(q: Any, k: Any, v: Any, grad_out: Any, **options: Any) -> Any:
     return give(grad.attention_vjp(q, k, v, grad_out, **options), want_of(q, k, v))
 
 
+@near_keywords()
 @wraps(merging.merge)
 def merge(parts: Sequence[tuple[Any, Any]], *, sinks: Any = None) -> Any:
     # Tensors in give tensors out, with gradients for every part that requires grad.
@@ -266,28 +274,36 @@ def merge(parts: Sequence[tuple[Any, Any]], *, sinks: Any = None) -> Any:
     return give_pair(out, lse, want)
 
 
+@near_keywords()
 @wraps(varlen.attention_varlen)
 def attention_varlen(q: Any, k: Any, v: Any, *args: Any, **options: Any) -> Any:
     # Tensors in give tensors out; qkv has no varlen gradient, so tensors that require grad
     # are refused by name (attention per sequence has one).
     refuse_grad("attention_varlen", q=q, k=k, v=v)
-    return give(varlen.attention_varlen(q, k, v, *args, **options), want_of(q, k, v))
+    return _give(varlen.attention_varlen(q, k, v, *args, **options), want_of(q, k, v))
 
 
 class KVCache(cache.KVCache):
     __doc__ = cache.KVCache.__doc__
 
+    @near_keywords()
     def append(self, k: Any, v: Any, seq: int | None = None) -> None:
         refuse_grad("KVCache.append", k=k, v=v)
         super().append(k, v, seq)
 
     append.__doc__ = cache.KVCache.append.__doc__
 
+    @near_keywords(VARIANTS, like=cache.KVCache.attend)
     def attend(self, q: Any, **options: Any) -> Any:
         refuse_grad("KVCache.attend", q=q)
-        return give(super().attend(q, **options), want_of(q))
+        return _give(super().attend(q, **options), want_of(q))
 
     attend.__doc__ = cache.KVCache.attend.__doc__
+
+
+def _give(res: Any, want: Any) -> Any:
+    """An output, or an ``(out, lse)`` pair with the lse in its accumulation dtype."""
+    return give_pair(res[0], res[1], want) if isinstance(res, tuple) else give(res, want)
 
 
 def _gpu_run() -> Any:

@@ -23,6 +23,7 @@ import numpy as np
 
 from .errors import InputError, InputTypeError
 from .extras import require
+from .keywords import near_keywords
 from .validate import from_foreign
 
 __all__ = ["weights"]
@@ -77,6 +78,7 @@ def _select(a: np.ndarray, index: Any, name: str) -> np.ndarray:
         ) from None
 
 
+@near_keywords()
 def weights(
     w: Any,
     *,

@@ -24,8 +24,9 @@ from typing import Any
 
 import numpy as np
 
+from .keywords import near_keywords
 from .masks import allowed
-from .validate import Plan, make_plan
+from .validate import VARIANTS, Plan, make_plan
 
 __all__ = ["attention", "attention_weights", "scores", "softmax"]
 
@@ -76,6 +77,7 @@ def _with_sink(z: np.ndarray, plan: Plan) -> np.ndarray:
     return np.concatenate([z, sink], axis=-1)
 
 
+@near_keywords()
 def softmax(x: Any, axis: int = -1) -> np.ndarray:
     """``exp(x - max) / sum(exp(x - max))`` in float64; an all ``-inf`` slice gives zeros."""
     x = np.asarray(x, dtype=np.float64)
@@ -87,6 +89,7 @@ def softmax(x: Any, axis: int = -1) -> np.ndarray:
     return np.where(empty, 0.0, e / np.where(empty, 1.0, total))
 
 
+@near_keywords()
 def scores(q: Any, k: Any, *, scale: Any = None) -> np.ndarray:
     """Scaled pre-softmax scores ``q kᵀ · scale``, shape ``(..., L, S)`` (``(S,)`` for 1-D q)."""
     plan = make_plan(q, k, need_v=False, scale=scale, dtype=np.float64)
@@ -94,6 +97,7 @@ def scores(q: Any, k: Any, *, scale: Any = None) -> np.ndarray:
     return s[..., 0, :] if plan.squeeze else s
 
 
+@near_keywords(VARIANTS)
 def attention_weights(
     q: Any,
     k: Any,
@@ -124,6 +128,7 @@ def attention_weights(
     return w[..., 0, :] if plan.squeeze else w
 
 
+@near_keywords(VARIANTS)
 def attention(
     q: Any,
     k: Any,

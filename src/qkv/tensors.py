@@ -6,9 +6,9 @@ One module decides this for every public function (:func:`qkv.attention` and its
 
 - **NumPy arrays, lists and scalars** are read by NumPy; results are NumPy arrays.
 - **PyTorch tensors on the CPU** are read as NumPy arrays *without a copy* (a contiguous
-  float tensor shares its memory); ``bfloat16`` and other floats NumPy lacks are read as float32.
+  float tensor shares its memory); ``bfloat16``, which NumPy lacks, is read as float32.
   Results come back as tensors: of the inputs' dtype (``bfloat16`` when every tensor input is),
-  on the CPU. Sparse and quantized tensors are refused by name.
+  on the CPU. Sparse and quantized tensors, and float8 ones, are refused by name.
 - **Tensors on another device** (CUDA, ``meta``...) are never copied silently. Only
   :func:`qkv.attention` takes them, and runs them on qkv's Triton kernels (:mod:`qkv.gpu`), which
   fall back to the CPU with a warning for what they do not cover. Every other function refuses
@@ -50,6 +50,7 @@ __all__ = [
     "read",
     "read_cpu",
     "read_shadow",
+    "refuse_dtype",
     "refuse_grad",
     "survey",
     "wants_grad",
@@ -115,7 +116,8 @@ def read(x: Any, name: str) -> Any:
         # place (the native decode step), everything else widens them
         return x.resolve_conj().resolve_neg().view(torch.int16).numpy().view(_bfloat16())
     if x.is_floating_point() and x.dtype not in _numpy_floats():
-        x = x.float()  # bfloat16 (without ml_dtypes) and float8, which NumPy lacks
+        refuse_dtype(x, name)
+        x = x.float()  # bfloat16 (without ml_dtypes), which NumPy lacks
     try:
         return x.resolve_conj().resolve_neg().numpy()
     except (TypeError, RuntimeError) as exc:
@@ -134,6 +136,23 @@ def _bfloat16() -> Any:
     return ml_dtypes.bfloat16
 
 
+#: The floating dtypes qkv takes as tensors (float8 and smaller are refused by name).
+ACCEPTED = "float16, bfloat16, float32 and float64"
+
+
+def refuse_dtype(x: Any, name: str) -> None:
+    """Refuse a floating tensor of a dtype qkv does not compute in (float8 and the like), by
+    name: it would come back as float32, not in the caller's dtype as documented."""
+    import torch
+
+    if x.is_floating_point() and x.dtype not in (*_numpy_floats(), torch.bfloat16):
+        kind = "float8" if "float8" in str(x.dtype) else str(x.dtype).replace("torch.", "")
+        raise InputTypeError(
+            f"{name}: {kind} tensors ({x.dtype}, shape {tuple(x.shape)}) are not supported; "
+            f"qkv takes {ACCEPTED} tensors: convert with .to(torch.bfloat16) or .float() first"
+        )
+
+
 def read_cpu(x: Any, name: str) -> Any:
     """:func:`read` for an argument already known to be on the CPU: a plain tensor's
     ``.numpy()`` first (the common case, one call), else the whole policy."""
@@ -143,16 +162,19 @@ def read_cpu(x: Any, name: str) -> Any:
         return read(x, name)
 
 
-def read_shadow(x: Any) -> Any:
+def read_shadow(x: Any, name: str = "tensor") -> Any:
     """A zero-stride NumPy stand-in with a device tensor's shape, for checking shapes only.
 
-    Floats become float32, bools bool; other dtypes keep a kind the checks refuse by name.
-    Anything that is not a tensor is returned as it is.
+    Floats become float32, bools bool; other dtypes keep a kind the checks refuse by name, and
+    float8 is refused here (:func:`refuse_dtype`). Anything that is not a tensor is returned
+    as it is.
     """
     tensor = _tensor_type()
     if tensor is None or not isinstance(x, tensor):
         return x
     import torch
+
+    refuse_dtype(x, name)
 
     if x.dtype == torch.bool:
         dtype: Any = np.bool_

@@ -10,7 +10,9 @@ again)::
     out.sum().backward()                        # gradients from qkv.engine.grad.vjp
 
 - :func:`qkv.attention`: gradients for ``q``, ``k``, ``v`` and ``sinks`` (gpt-oss's learned
-  sinks), as :func:`qkv.attention_vjp` gives them;
+  sinks), as :func:`qkv.attention_vjp` gives them: from the forward's saved ``out`` and ``lse``
+  by the tiled (FlashAttention-2) backward, which never holds the ``L × S`` weights (the dense
+  one only when the returned lse itself feeds the loss);
 - :func:`qkv.attention_weights` and :func:`qkv.scores`: gradients for ``q`` and ``k``;
 - :func:`qkv.softmax` and :func:`qkv.merge`: gradients for their inputs.
 
@@ -34,7 +36,7 @@ import numpy as np
 
 from .engine import grad, merge
 from .engine import run as core
-from .engine.kernels import dense
+from .engine.kernels import dense, dispatch
 from .tensors import as_dtype, give, give_pair, read, want_of
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -71,22 +73,34 @@ def _attention() -> Any:  # a torch.autograd.Function subclass (torch is optiona
 
         @staticmethod
         def forward(ctx: Any, q: Any, k: Any, v: Any, sinks: Any, call: Any) -> Any:
-            out, lse = core.attend(call.plan, call.kernel)
+            plan = call.plan
+            acc_out, acc_lse = dispatch.attend(plan, call.kernel)  # the compute dtype
+            out = acc_out.astype(plan.out_dtype, copy=False)
+            lse = acc_lse
+            if plan.squeeze:
+                acc_out, acc_lse = acc_out[..., 0, :], acc_lse[..., 0]
+                out, lse = out[..., 0, :], lse[..., 0]
             # torch checks that tensors saved here are not modified in place before backward
             ctx.save_for_backward(*(t for t in (q, k, v) if isinstance(t, torch.Tensor)))
             ctx.call, ctx.likes = call, (q, k, v, sinks)
+            # the backward is the tiled one (FlashAttention-2): it recomputes the weights tile
+            # by tile from the forward's out and lse, never holding the L × S matrix
+            ctx.forward = (acc_out, acc_lse)
+            ctx.set_materialize_grads(False)  # an unused lse gets None, not a tensor of zeros
             lse_t = give(np.asarray(lse), call.want, exact=True)
             return give(out, call.want), lse_t
 
         @staticmethod
         def backward(ctx: Any, grad_out: Any, grad_lse: Any) -> Any:
             plan = ctx.call.plan
-            gl = None if grad_lse is None else read(grad_lse, "grad_lse")
-            if gl is not None and plan.squeeze:
-                gl = gl[..., None]
-            grads: tuple[np.ndarray | None, ...] = grad.vjp(
-                plan, read(grad_out, "grad_out"), grad_lse=gl
-            )
+            acc_out, acc_lse = ctx.forward
+            g = np.zeros_like(acc_out) if grad_out is None else read(grad_out, "grad_out")
+            grads: tuple[np.ndarray | None, ...]
+            if grad_lse is None:
+                grads = grad.vjp(plan, g, out=acc_out, lse=acc_lse)
+            else:  # the lse is used downstream (a merge): the dense path takes its gradient
+                gl = read(grad_lse, "grad_lse")
+                grads = grad.vjp(plan, g, grad_lse=gl[..., None] if plan.squeeze else gl)
             if len(grads) == 3:
                 grads = (*grads, None)
             return (*_grads(grads, ctx.likes, ctx.needs_input_grad[:4]), None)

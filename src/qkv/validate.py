@@ -108,9 +108,10 @@ def check_scale(scale: Any, d: int) -> float:
         return 1.0 / math.sqrt(d)
     if isinstance(scale, str):
         raise InputTypeError(
-            f"scale: expected a real number or None, got the text {scale[:40]!r}; expressions in d "
-            "such as 'sqrt(d)' are read by qkv.explain and the qkv command's --scale, here pass "
-            "a number (e.g. math.sqrt(d))"
+            f"scale: expected a real number or None, got the text {scale[:40]!r}; the scale "
+            "multiplies the scores, so the standard one is 1 / math.sqrt(d) (or None, the "
+            "default); expressions in d such as '1/sqrt(d)' are read by qkv.explain and the "
+            "qkv command's --scale"
         )
     return check_real(scale, "scale", positive=True)
 
@@ -548,7 +549,7 @@ def _heads(
             if hq % hkv != 0:
                 raise InputError(
                     f"q, k: {hq} query heads cannot share {hkv} kv heads (axis -3): "
-                    f"q has shape {qa.shape}, k has shape {ka.shape}"
+                    f"q has shape {qa.shape}, k has shape {ka.shape}{_layout_hint(qa, ka)}"
                 )
             group = hq // hkv
     if group == 1:
@@ -556,6 +557,25 @@ def _heads(
         return batch, batch, 1
     rest = _broadcast(qb[:-1], kvb[:-1], "q, k")
     return rest + (qb[-1],), rest + (kvb[-1],), group
+
+
+def _layout_hint(qa: np.ndarray, ka: np.ndarray) -> str:
+    """A hint when the shapes fit (..., L, heads, d) instead of qkv's (..., heads, L, d)."""
+    if qa.ndim < 3 or ka.ndim < 3:
+        return ""
+    hq, hkv = qa.shape[-2], ka.shape[-2]
+    if hkv < 1 or hq % hkv:
+        return ""
+    try:
+        np.broadcast_shapes(qa.shape[:-3], ka.shape[:-3])
+    except ValueError:
+        return ""
+    return (
+        f"; these shapes fit the layout (batch, L, heads, d), with {hq} query heads and "
+        f"{hkv} kv heads, while qkv reads (batch, heads, L, d): pass q.swapaxes(-3, -2), "
+        "k.swapaxes(-3, -2) and v.swapaxes(-3, -2) (the same call on tensors), and swap the "
+        "output back"
+    )
 
 
 def _read_mask(

@@ -37,6 +37,7 @@ import numpy as np
 
 from .checks import check_int
 from .errors import InputError
+from .keywords import near_keywords
 
 __all__ = [
     "MaskMod",
@@ -58,6 +59,7 @@ def causal(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
     return kv_idx <= q_idx
 
 
+@near_keywords()
 def sliding_window(left: int | None, right: int | None = 0) -> MaskMod:
     """Keys ``q_idx - left <= kv_idx <= q_idx + right`` (``None``: unbounded on that side).
 
@@ -81,6 +83,7 @@ def sliding_window(left: int | None, right: int | None = 0) -> MaskMod:
     return mask_mod
 
 
+@near_keywords()
 def document(ids: Any) -> MaskMod:
     """Queries and keys in the same document: ``ids[q_idx] == ids[kv_idx]``.
 
@@ -104,6 +107,7 @@ def document(ids: Any) -> MaskMod:
     return mask_mod
 
 
+@near_keywords()
 def prefix_lm(n: int) -> MaskMod:
     """Prefix-LM: every query sees the first ``n`` positions, and causal keys beyond them.
 

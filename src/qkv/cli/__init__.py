@@ -18,10 +18,11 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from ..errors import InputError
 from ..extras import EXTRAS, hint
+from ..keywords import nearest
 from . import exercise, explain, explain_model, explore, info, learn, scores, study
 from .options import OutputError
 from .terminal import attach_values, encodable_stdout, silence_stdout
@@ -39,6 +40,13 @@ EPILOG = """examples:
 Run "qkv COMMAND --help" for each command's options and examples."""
 
 
+#: Commands people type that are options of another: where to go instead.
+POINTERS = {
+    "practice": "the practice session is qkv exercise --practice (add --seed N for a given one)",
+    "version": "qkv --version prints the version (qkv info: the installation)",
+}
+
+
 class UsageError(Exception):
     """A command-line usage error (argparse's), reported in one line."""
 
@@ -46,8 +54,77 @@ class UsageError(Exception):
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         raise UsageError(
-            f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)"
+            f"{self.prog}: error: {' '.join(message.split())}{_near_command(self, message)} "
+            f"(see {self.prog} --help)"
         )
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:
+        try:
+            ns, extras = self.parse_known_args(args, namespace)
+        except UsageError:  # e.g. a required option missing: a mistyped one is the likelier fix
+            _unrecognized(self, None, list(args or []), only_options=True)
+            raise
+        if extras:
+            _unrecognized(self, ns, extras)
+        return ns
+
+
+def _near_command(parser: argparse.ArgumentParser, message: str) -> str:
+    """``; did you mean 'explain'?`` for argparse's ``invalid choice: 'explan'``."""
+    if not message.startswith("argument COMMAND: invalid choice:"):
+        return ""
+    given = message.split("'")[1] if message.count("'") >= 2 else ""
+    if given in POINTERS:
+        return f"; {POINTERS[given]}"
+    near = nearest(given.replace("-", "_"), [m.NAME.replace("-", "_") for m in COMMANDS])
+    return f"; did you mean {near.replace('_', '-')!r}?" if near else ""
+
+
+def _chosen(parser: argparse.ArgumentParser, ns: Any, argv: list[str]) -> Any:
+    """The (sub)command parser that was chosen: ``qkv study scaling`` has two levels."""
+    chosen = parser
+    while True:
+        subs = [a for a in chosen._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subs:
+            return chosen
+        if ns is not None:
+            name = getattr(ns, subs[0].dest, None)
+        else:
+            name = next((t for t in argv if t in subs[0].choices), None)
+        if name not in subs[0].choices:
+            return chosen
+        chosen = subs[0].choices[name]
+
+
+def _known(parser: argparse.ArgumentParser, option: str) -> bool:
+    names = parser._option_string_actions
+    return option in names or sum(n.startswith(option) for n in names) == 1
+
+
+def _unrecognized(
+    parser: argparse.ArgumentParser, ns: Any, extras: list[str], only_options: bool = False
+) -> None:
+    """Refuse options the chosen command does not take, naming the nearest one it does.
+
+    With ``only_options`` (``ns`` is ``None``; ``extras`` is the whole command line), only an
+    option the chosen command does not know is refused, and nothing is raised without one.
+    """
+    chosen = _chosen(parser, ns, extras)
+    if only_options and any(isinstance(a, argparse._SubParsersAction) for a in chosen._actions):
+        return  # no command was chosen: that is the error to report
+    options = [x.split("=")[0] for x in extras if x.startswith("--") and len(x) > 2]
+    option = next((o for o in options if not _known(chosen, o)), None)
+    if only_options and option is None:
+        return
+    text = option if only_options else " ".join(extras)
+    hint = ""
+    if option is not None:
+        takes = {o.lstrip("-").replace("-", "_"): o for o in chosen._option_string_actions}
+        near = nearest(option.lstrip("-").replace("-", "_"), takes)
+        hint = f"; did you mean {takes[near]}?" if near else ""
+    raise UsageError(
+        f"{chosen.prog}: error: unrecognized arguments: {text}{hint} (see {chosen.prog} --help)"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

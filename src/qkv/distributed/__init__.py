@@ -24,6 +24,7 @@ from collections.abc import Callable
 from functools import wraps
 from typing import Any
 
+from ..keywords import near_keywords
 from ..tensors import is_tensor
 from . import ring as _ring
 from .comm import RankTimeout
@@ -35,6 +36,7 @@ from .ring import RingStats, ring_attention_varlen_vjp, ring_attention_vjp
 # everything else to the NumPy ring; neither of those imports this router.
 
 
+@near_keywords()
 @wraps(_ring.ring_attention)
 def ring_attention(q: Any, k: Any, v: Any, **options: Any) -> Any:
     run: Callable[..., Any] = _ring.ring_attention
@@ -43,6 +45,7 @@ def ring_attention(q: Any, k: Any, v: Any, **options: Any) -> Any:
     return run(q, k, v, **options)
 
 
+@near_keywords()
 @wraps(_ring.ring_attention_varlen)
 def ring_attention_varlen(q: Any, k: Any, v: Any, cu_seqlens: Any, **options: Any) -> Any:
     run = _ring.ring_attention_varlen
@@ -51,6 +54,7 @@ def ring_attention_varlen(q: Any, k: Any, v: Any, cu_seqlens: Any, **options: An
     return run(q, k, v, cu_seqlens, **options)
 
 
+@near_keywords()
 @wraps(_decode)
 def decode(q: Any, k: Any, v: Any, **options: Any) -> Any:
     run: Callable[..., Any] = _decode

@@ -20,6 +20,7 @@ import numpy as np
 
 from ..checks import check_int
 from ..errors import InputError
+from ..keywords import near_keywords
 from ..tensors import is_tensor
 from ..validate import from_foreign
 
@@ -115,6 +116,7 @@ def _axis(x: Any, axis: Any, name: str) -> int:
     return axis % nd
 
 
+@near_keywords()
 def shard(x: Any, rank: int, world: int, *, layout: str = "zigzag", axis: int = -2) -> Any:
     """This rank's part of a whole sequence ``x`` (NumPy array or torch tensor).
 
@@ -154,6 +156,7 @@ def shard(x: Any, rank: int, world: int, *, layout: str = "zigzag", axis: int = 
     return _concat([_take(x, ax, c * h, (c + 1) * h) for c in chunk_ids(rank, world, layout)], ax)
 
 
+@near_keywords()
 def unshard(parts: Sequence[Any], *, layout: str = "zigzag", axis: int = -2) -> Any:
     """The whole sequence from every rank's part (``parts[r]`` from rank ``r``); inverts
     :func:`shard`.
@@ -189,6 +192,7 @@ def unshard(parts: Sequence[Any], *, layout: str = "zigzag", axis: int = -2) -> 
     return _concat(chunks, ax)
 
 
+@near_keywords()
 def positions(n: int, rank: int, world: int, *, layout: str = "zigzag") -> np.ndarray:
     """The global token positions rank ``rank`` holds, in its order (what rotary embeddings and
     any position-dependent code must use once tokens are re-ordered).
@@ -237,6 +241,7 @@ def doc_chunks(cu_seqlens: Any, world: int, layout: str, name: str = "cu_seqlens
     return lengths // parts
 
 
+@near_keywords()
 def shard_varlen(
     x: Any, cu_seqlens: Any, rank: int, world: int, *, layout: str = "zigzag", axis: int = 0
 ) -> Any:
@@ -268,6 +273,7 @@ def shard_varlen(
     return _concat(parts, ax) if parts else _take(x, ax, 0, 0)
 
 
+@near_keywords()
 def unshard_varlen(
     parts: Sequence[Any], cu_seqlens: Any, *, layout: str = "zigzag", axis: int = 0
 ) -> Any:

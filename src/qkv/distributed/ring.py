@@ -37,6 +37,7 @@ from ..engine.kernels import dispatch, mods, tiled_backward
 from ..engine.kernels.blocks import merge_arrays
 from ..engine.kernels.threads import limit_threads, single_threaded_blas
 from ..errors import InputError, InputTypeError
+from ..keywords import near_keywords
 from ..masks import Window, key_bounds
 from ..options import Options
 from ..validate import Plan, as_array
@@ -454,6 +455,7 @@ def _run_forward(
         return _forward(s, stats, docs)
 
 
+@near_keywords()
 def ring_attention_vjp(
     q: Any,
     k: Any,
@@ -630,6 +632,7 @@ def varlen_forward(
     return np.moveaxis(out, -2, 0), np.moveaxis(lse, -1, 0)
 
 
+@near_keywords()
 def ring_attention_varlen_vjp(
     q: Any,
     k: Any,
@@ -677,6 +680,30 @@ def ring_attention_varlen_vjp(
     return tuple(np.moveaxis(g, -2, 0) for g in _vjp(s, arrays, stats, docs))
 
 
+def _documents_differ(c: Any, what: str, lengths: list[int]) -> InputError:
+    """What differs between the ranks' ``cu_seqlens``: the number of documents, or the first
+    document whose length differs (one more all-gather, on the error path only)."""
+    counts = c.timed_allgather(np.asarray([len(lengths)], dtype=np.int64), DEFAULT_TIMEOUT)[:, 0]
+    mine = np.full(int(counts.max()), -1, dtype=np.int64)
+    mine[: len(lengths)] = lengths
+    rows = c.timed_allgather(mine, DEFAULT_TIMEOUT)
+    here = f"(this is rank {c.rank})"
+    r = next((r for r in range(c.size) if not np.array_equal(rows[r], rows[0])), None)
+    if r is None:  # the same documents, cut into different chunks
+        return InputError(f"{what}: ranks disagree on layout {here}; pass the same on every rank")
+    if counts[r] != counts[0]:
+        return InputError(
+            f"{what}: ranks disagree on cu_seqlens: rank 0 has {int(counts[0])} documents, "
+            f"rank {r} has {int(counts[r])} {here}; every rank passes the whole batch's offsets"
+        )
+    j = int(np.flatnonzero(rows[r] != rows[0])[0])
+    return InputError(
+        f"{what}: ranks disagree on cu_seqlens: document {j} has {int(rows[0, j])} tokens on "
+        f"rank 0 and {int(rows[r, j])} on rank {r} {here}; every rank passes the whole "
+        "batch's offsets"
+    )
+
+
 def _varlen_setup(
     what: str,
     comm: Any,
@@ -713,7 +740,15 @@ def _varlen_setup(
             moved[name] = np.moveaxis(a, 0, -1 if name == "lse" else -2)
     except (InputError, InputTypeError) as exc:
         err = exc
-    agree(c, what, [("cu_seqlens", key)], err)
+    try:
+        agree(c, what, [("cu_seqlens", key)], err)
+    except InputError as exc:
+        # Every rank sees the same gathered rows, so every rank takes this branch together
+        # and gathers the document lengths a second time, to say which ones differ.
+        if err is None and str(exc).startswith(f"{what}: ranks disagree on cu_seqlens"):
+            parts = n_chunks(c.size, layout)
+            raise _documents_differ(c, what, [h * parts for _, h in docs]) from None
+        raise
     ex = {name: moved[name] for name in extra or {}}
     s, arrays = setup(what, c, moved["q"], moved["k"], moved["v"], options, layout, ex)
     return s, docs, arrays

@@ -22,7 +22,16 @@ import numpy as np
 
 from ..checks import check_int
 from ..errors import InputError, InputTypeError
-from ..validate import Plan, as_array, broadcasts_to, check_flag, check_variants, make_plan
+from ..keywords import near_keywords
+from ..validate import (
+    VARIANTS,
+    Plan,
+    as_array,
+    broadcasts_to,
+    check_flag,
+    check_variants,
+    make_plan,
+)
 from .kernels import dispatch, mods, native_decode
 from .quant import FORMATS, SCALED, check_format, dequantize_kv, quantize_kv, storage_dtype
 
@@ -74,6 +83,7 @@ class KVCache:
     [0, 3]
     """
 
+    @near_keywords()
     def __init__(
         self,
         batch: int,
@@ -161,6 +171,7 @@ class KVCache:
             if scales is not None:
                 scales[where] = sc
 
+    @near_keywords()
     def append(self, k: Any, v: Any, seq: int | None = None) -> None:
         """Add ``T >= 1`` tokens to every sequence, or to sequence ``seq`` alone.
 
@@ -207,12 +218,14 @@ class KVCache:
             self._write((b, slice(None), slice(n, n + T)), ka, va)
             self._lengths[b] += T
 
+    @near_keywords()
     def keys(self, seq: int) -> np.ndarray:
         """Cached keys of sequence ``seq``, shape ``(kv_heads, length, head_dim)``: a view of
         a float dtype's buffer, or the stored values of another form (a float32 copy)."""
         b = self._check_seq(seq)
         return self._values(self._k, self._ks, (b, slice(None), slice(0, self._lengths[b])))
 
+    @near_keywords()
     def values(self, seq: int) -> np.ndarray:
         """Cached values of sequence ``seq``, shape ``(kv_heads, length, value_dim)``: a view
         of a float dtype's buffer, or the stored values of another form (a float32 copy)."""
@@ -224,6 +237,7 @@ class KVCache:
             return codes[where]
         return dequantize_kv(codes[where], None if scales is None else scales[where], self._form)
 
+    @near_keywords(VARIANTS)
     def attend(
         self,
         q: Any,

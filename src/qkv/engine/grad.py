@@ -46,8 +46,9 @@ import numpy as np
 from .. import reference
 from ..checks import check_int
 from ..errors import InputError
+from ..keywords import near_keywords
 from ..options import Options
-from ..validate import Plan, as_array, broadcasts_to, check_variants, make_plan
+from ..validate import VARIANTS, Plan, as_array, broadcasts_to, check_variants, make_plan
 from .kernels import dense, dispatch, mods, tiled, tiled_backward
 from .kernels.blocks import heads_by_kv
 
@@ -143,6 +144,7 @@ def _grad_like(grad: Any, plan: Plan, n: int) -> np.ndarray:
     return g[..., None, :] if plan.squeeze else g
 
 
+@near_keywords(VARIANTS)
 def attention_vjp(
     q: Any,
     k: Any,
@@ -356,6 +358,7 @@ def _tiled(plan: Plan, grad_out: Any, out: Any, lse: Any, block: Any) -> tuple[n
     return (*grads, _dsinks(plan, m_used, np.sum(d_out * o_used, axis=-1)))
 
 
+@near_keywords(VARIANTS)
 def reference_attention_vjp(
     q: Any, k: Any, v: Any, grad_out: Any, **options: Any
 ) -> tuple[np.ndarray, ...]:

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InputError, InputTypeError
+from ..keywords import near_keywords
 from ..validate import as_array
 from .kernels.blocks import merge_arrays
 from .kernels.mods import add_sink
@@ -32,6 +33,7 @@ from .kernels.mods import add_sink
 __all__ = ["check", "merge", "merge_arrays", "merge_vjp"]
 
 
+@near_keywords()
 def merge(parts: Sequence[tuple[Any, Any]], *, sinks: Any = None) -> tuple[np.ndarray, np.ndarray]:
     """Attention over the union of disjoint key sets, from the attention over each set.
 

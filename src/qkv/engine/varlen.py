@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InputError, InputTypeError
+from ..keywords import near_keywords
 from ..validate import as_array, block_plan, check_scale, check_window, from_foreign
 from .kernels import dispatch, native, packed
 
@@ -55,6 +56,12 @@ def check_offsets(cu: Any, name: str, total: int, total_name: str) -> np.ndarray
         a = np.asarray(cu)
     except (ValueError, TypeError) as exc:
         raise InputError(f"{name}: cannot be read as a 1-D array of ints ({exc})") from None
+    if a.dtype == object and a.size and all(type(x) is int for x in a.reshape(-1).tolist()):
+        big = max(a.reshape(-1).tolist(), key=abs)  # Python ints NumPy could not hold
+        raise InputError(
+            f"{name}: offset {big} is out of the int64 range (|offset| < 2**63); offsets count "
+            f"the rows of the packed array, {total_name} = {total}"
+        )
     if a.dtype == bool or not np.issubdtype(a.dtype, np.integer):
         if not (a.size == 0 and a.dtype == np.float64):  # an empty list reads as float64
             raise InputTypeError(
@@ -104,6 +111,7 @@ def _buckets(lq: np.ndarray, lk: np.ndarray, unit: int) -> list[np.ndarray]:
     return [np.asarray(g, dtype=np.int64) for g in groups]
 
 
+@near_keywords()
 def attention_varlen(
     q: Any,
     k: Any,

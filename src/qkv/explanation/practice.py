@@ -66,13 +66,13 @@ SLIPS = (
 )
 
 _WHY = {
-    "forgot to scale": "these are the scores without the scale: multiply every q·k by 1/√d",
-    "multiplied by √d": "this multiplies by √d; standard attention divides by √d",
-    "used len(q) for d": "this uses d = len(q); here d is given and is not the length of q",
-    "forgot to subtract the max": "these are exp(s), not exp(s − max): subtract the row's "
-    "maximum first (same weights in exact arithmetic, but exp overflows without it)",
-    "summed the wrong axis": "each exponential was divided by the sum down its column (over "
-    "queries); divide by the sum along its row (over the keys of that query)",
+    "forgot to scale": "multiply every q·k by 1/√d",
+    "multiplied by √d": "standard attention divides by √d (multiplies by 1/√d)",
+    "used len(q) for d": "here d is given, and it is not the length of q",
+    "forgot to subtract the max": "subtract the row's maximum before exp (the same weights "
+    "in exact arithmetic, but exp overflows without it)",
+    "summed the wrong axis": "each exponential was divided by its column's sum (over "
+    "queries); divide by its row's sum (over the keys of that query)",
 }
 
 
@@ -262,7 +262,7 @@ class Practice:
         for name in SLIPS:
             cand = s.slips.get(name)
             if cand is not None and not _close(cand, want) and _close(a, cand):
-                return Feedback(False, name, f"not quite: {_WHY[name]}")
+                return Feedback(False, name, f"not quite (slip: {name}): {_WHY[name]}")
         return Feedback(False, None, "not quite")
 
     # ----- the worked steps, one line per query row and key -----
@@ -409,11 +409,10 @@ def run_session(
     >>> s = run_session(Practice(make_exercise(seed=7)), lambda p: next(lines, None), out.append)
     >>> s.text()
     'Stopped after 2 of 5 steps: 2 of 2 right (1 at the second try).'
-    >>> print("".join(m for m in out if m.startswith(("slip", "could not"))))
+    >>> print("".join(m for m in out if m.startswith(("not quite", "could not"))))
     could not read that (entry 1: 'abc' is not allowed (numbers, e, sqrt( ), exp( ), log( ),
     + - * / ** only)); try again
-    slip: forgot to scale — not quite: these are the scores without the scale: multiply every
-    q·k by 1/√d; try again (1 try left)
+    not quite (slip: forgot to scale): multiply every q·k by 1/√d; try again (1 try left)
     """
     summary = Summary(len(practice.steps))
     for n, step in enumerate(practice.steps, 1):
@@ -442,9 +441,8 @@ def run_session(
                 say("right\n")
                 break
             left -= 1
-            label = f"slip: {fb.slip} — " if fb.slip else ""
             more = f"; try again ({left} {'try' if left == 1 else 'tries'} left)" if left else ""
-            say(f"{label}{fb.message}{more}\n")
+            say(f"{fb.message}{more}\n")
             if not left:
                 say("worked step:\n" + "\n".join("  " + w for w in step.worked) + "\n")
                 break

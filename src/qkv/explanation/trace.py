@@ -29,9 +29,10 @@ import numpy as np
 
 from ..engine.kernels import dense, dispatch, mods
 from ..errors import InputError, InputTypeError
+from ..keywords import near_keywords
 from ..masks import allowed, exclusion_reasons, query_positions
 from ..options import Options
-from ..validate import Plan, as_array, check_variants, make_plan
+from ..validate import VARIANTS, Plan, as_array, check_variants, make_plan
 from .display import fmt
 from .document import trace_dict
 from .formats import Renderable
@@ -250,6 +251,7 @@ class Trace(Renderable):
         )
 
 
+@near_keywords(VARIANTS)
 def explain(
     q: Any,
     k: Any,

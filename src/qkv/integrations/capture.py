@@ -26,6 +26,7 @@ import numpy as np
 
 from ..errors import InputError
 from ..front import attention
+from ..keywords import near_keywords
 
 __all__ = ["Capture", "Record", "capture"]
 
@@ -131,6 +132,7 @@ def _numpy(t: Any) -> np.ndarray:
     return t.detach().to("cpu").clone().numpy()
 
 
+@near_keywords()
 @contextmanager
 def capture(
     model: Any, layers: Iterable[int] | None = None, heads: Iterable[int] | None = None

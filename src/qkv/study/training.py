@@ -41,6 +41,7 @@ from ..checks import check_int, check_real
 from ..engine.grad import attention_vjp
 from ..errors import InputError
 from ..front import attention
+from ..keywords import near_keywords
 from .scaling import mode_scale
 
 __all__ = ["TrainingRun", "training_study"]
@@ -87,6 +88,7 @@ def _loss_and_grad(
     return loss, acc, dq.T @ x  # ∂loss/∂W
 
 
+@near_keywords()
 def training_study(
     *,
     d: int = 1024,

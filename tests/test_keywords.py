@@ -1,0 +1,131 @@
+"""A mistyped keyword names the keyword meant, searched over every keyword the function takes
+(issue 33, item 2): every public function and method, and every option of every command."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+
+import numpy as np
+import pytest
+
+import qkv
+import qkv.distributed
+import qkv.plot
+import qkv.reference
+import qkv.study
+import qkv.variants
+from qkv.cli import build_parser, main
+from qkv.engine.grad import reference_attention_vjp
+from qkv.keywords import nearest
+
+
+def typo(name: str) -> str:
+    """A slip of the keyboard: two letters swapped, or a short name's last letter doubled."""
+    if len(name) >= 4 and name[1] != name[2]:
+        return name[0] + name[2] + name[1] + name[3:]
+    return name + name[-1]
+
+
+def public_functions():
+    found = {}
+    for mod in (qkv, qkv.reference, qkv.distributed, qkv.study, qkv.plot, qkv.variants):
+        for name in mod.__all__:
+            obj = getattr(mod, name)
+            if inspect.isfunction(obj):
+                found[f"{mod.__name__}.{name}"] = obj
+    found["qkv.engine.grad.reference_attention_vjp"] = reference_attention_vjp
+    cache = qkv.KVCache(1, 1, 2)
+    for name in ("append", "attend", "keys", "values"):
+        found[f"qkv.KVCache.{name}"] = getattr(cache, name)
+    found["qkv.KVCache"] = qkv.KVCache
+    del found["qkv.variants.causal"]  # a mask_mod: the engine calls it, by position
+    return found
+
+
+def keyword_cases():
+    for label, fn in public_functions().items():
+        for p in inspect.signature(fn).parameters.values():
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self":
+                yield pytest.param(fn, p.name, id=f"{label}:{p.name}")
+
+
+def call_with(fn, **kwargs):
+    """Call ``fn`` with small arrays for its required positional arguments and ``kwargs``."""
+    args = [
+        np.ones((2, 2))
+        for p in inspect.signature(fn).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+    ]
+    return fn(*args, **kwargs)
+
+
+@pytest.mark.parametrize("fn, keyword", list(keyword_cases()))
+def test_a_mistyped_keyword_names_the_one_meant(fn, keyword):
+    wrong = typo(keyword)
+    with pytest.raises(qkv.InputTypeError, match=f"did you mean {keyword!r}") as err:
+        call_with(fn, **{wrong: 1})
+    assert str(err.value).startswith(f"{wrong}: ")
+
+
+@pytest.mark.parametrize(
+    "call, meant",
+    [
+        (lambda a: qkv.attention(a, a, a, casual=True), "causal"),
+        (lambda a: qkv.attention(a, a, a, is_causal=True), "causal"),
+        (lambda a: qkv.attention(a, a, a, attn_mask=a), "mask"),
+        (lambda a: qkv.explain(a, a, d_k=4), "d"),
+        (lambda a: qkv.attention_weights(a, a, softcapping=2.0), "softcap"),
+        (lambda a: qkv.KVCache(1, 1, 2).attend(a[None, None], scael=1.0), "scale"),
+    ],
+)
+def test_the_issue_slips_and_other_libraries_names(call, meant):
+    with pytest.raises(qkv.InputTypeError, match=f"did you mean {meant!r}"):
+        call(np.ones((2, 2)))
+
+
+def test_an_unknown_keyword_is_reported_before_other_problems():
+    # the arrays are bad as well (ragged); the keyword is what the user can fix at once
+    with pytest.raises(qkv.InputTypeError, match="did you mean 'causal'"):
+        qkv.attention([[1, 2], [3]], [[1]], [[1]], casual=True)
+
+
+def test_a_valid_variant_with_another_error_keeps_that_error():
+    with pytest.raises(qkv.InputError, match="softcap"):
+        qkv.attention(np.ones((2, 2)), np.ones((2, 2)), np.ones((2, 2)), softcap=-1.0)
+
+
+def test_nearest_finds_nothing_for_nonsense():
+    assert nearest("frobnicate", ("q", "k", "causal")) is None
+
+
+def subcommands(parser, prefix=()):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from subcommands(sub, (*prefix, name))
+            return
+    yield prefix, parser
+
+
+def option_cases():
+    for words, parser in subcommands(build_parser()):
+        if not words:
+            continue
+        for option in parser._option_string_actions:
+            if option.startswith("--") and option not in ("--help",):
+                yield pytest.param(words, option, id=f"{' '.join(words)}:{option}")
+
+
+@pytest.mark.parametrize("words, option", list(option_cases()))
+def test_a_mistyped_option_names_the_one_meant(capsys, words, option):
+    wrong = "--" + typo(option[2:])
+    rc = main([*words, wrong, "1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1
+    assert f"unrecognized arguments: {wrong}" in err and f"did you mean {option}?" in err
+
+
+def test_a_mistyped_command_names_the_one_meant(capsys):
+    assert main(["explian", "--q", "1"]) == 2
+    assert "did you mean 'explain'?" in capsys.readouterr().err
