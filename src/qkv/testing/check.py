@@ -73,7 +73,7 @@ def _inputs(case: Case) -> dict[str, Any]:
 
 def _check_feature(kernel: Kernel, feature: str, dtype: str, examples: int, seed: int) -> FeatureResult:
     strategy = case_strategy(feature, alignment=kernel.causal_alignment,
-                             supports=frozenset(kernel.supports or ()))  # fmt: skip
+                             supports=frozenset(kernel.supports or ()), dtype=dtype)  # fmt: skip
     n = min(examples, _FEWER.get(feature, examples))
     seen = {"count": 0, "first": 0, "worst": 0.0, "allowed": 0.0}
 

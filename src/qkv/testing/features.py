@@ -73,8 +73,9 @@ def _case(feature: str, s: qs.Shape, seed: int, options: dict[str, Any], alignme
 
 @st.composite
 def case_strategy(draw: Any, feature: str, *, alignment: str = "bottom-right",
-                  supports: frozenset[str] = frozenset()) -> Case:
-    """A strategy of :class:`Case` for ``feature`` (a key of :data:`qkv.testing.FEATURES`)."""
+                  supports: frozenset[str] = frozenset(), dtype: str = "float64") -> Case:
+    """A strategy of :class:`Case` for ``feature`` (a key of :data:`qkv.testing.FEATURES`),
+    with values representable in ``dtype``."""
     seed = draw(st.integers(0, 2**32 - 1))
     opts: dict[str, Any] = {}
     spread = (1.0, 1.0)
@@ -105,8 +106,10 @@ def case_strategy(draw: Any, feature: str, *, alignment: str = "bottom-right",
         w = draw(qs.windows())
         opts["window"] = w
     elif feature == "extreme":
-        spread = draw(st.sampled_from([(16.0, 1.0), (32.0, 1.0), (1.0, 2.0**20), (1.0, 2.0**-20),
-                                       (8.0, 2.0**16)]))
+        big = 2.0**12 if dtype == "float16" else 2.0**20  # float16 ends at 65504
+        small = 2.0**-12 if dtype == "float16" else 2.0**-20
+        spread = draw(st.sampled_from([(16.0, 1.0), (32.0, 1.0), (1.0, big), (1.0, small),
+                                       (8.0, big / 16)]))
     elif feature == "masked_rows":
         if "mask" in supports:
             m = draw(qs.bool_masks(s.B, s.Hq, s.L, s.S, every_row_sees=False))

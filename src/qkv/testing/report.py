@@ -169,6 +169,10 @@ def _finite(x: float) -> float | None:
 
 
 def _plain(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_plain(v) for v in x]
     if isinstance(x, np.ndarray):
         a = x.astype(object) if x.dtype != bool else x
         return np.where(np.isnan(x), None, a).tolist() if x.dtype.kind == "f" else a.tolist()
@@ -180,6 +184,10 @@ def _plain(x: Any) -> Any:
 
 
 def _fmt(x: Any) -> str:
+    if isinstance(x, dict):
+        return "; ".join(f"{k}: {_fmt(v)}" for k, v in x.items())
+    if isinstance(x, list) and all(isinstance(a, np.ndarray) for a in x):
+        return "\n      ".join(_fmt(a) for a in x) if x else "(none)"
     if isinstance(x, np.ndarray):
         if x.dtype == bool:
             x = x.astype(int)
