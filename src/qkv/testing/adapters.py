@@ -24,6 +24,7 @@ True
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
@@ -109,8 +110,10 @@ def _flex(q: Any, k: Any, v: Any, *, causal: bool = False, mask: Any = None,
         return s
 
     plain = softcap is None and alibi_slopes is None and bias is None
-    return flex_attention(q, k, v, score_mod=None if plain else score_mod, block_mask=block,
-                          scale=scale, enable_gqa=q.shape[1] != k.shape[1])  # fmt: skip
+    with warnings.catch_warnings():  # eager on purpose: the warning urges torch.compile
+        warnings.filterwarnings("ignore", message=".*without torch.compile", category=UserWarning)
+        return flex_attention(q, k, v, score_mod=None if plain else score_mod, block_mask=block,
+                              scale=scale, enable_gqa=q.shape[1] != k.shape[1])  # fmt: skip
 
 
 FLEX_ATTENTION = Kernel(

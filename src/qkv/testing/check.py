@@ -19,11 +19,13 @@ import numpy as np
 from hypothesis import HealthCheck, Phase, find, settings
 from hypothesis.errors import NoSuchExample, Unsatisfiable
 
+from ..checks import check_int
+from ..errors import InputError
 from .diagnose import diagnose
 from .features import Case, case_strategy
 from .kernel import FEATURES, Kernel
 from .report import Failure, FeatureResult, Report
-from .tolerance import allowed
+from .tolerance import DTYPES, allowed
 
 __all__ = ["assert_attention", "check_attention"]
 
@@ -174,17 +176,16 @@ def check_attention(
     else:
         kernel = Kernel(fn, layout=layout, arrays=arrays, supports=supports,
                         causal_alignment=causal_alignment, masked_rows=masked_rows)  # fmt: skip
-    from ..checks import check_int
-
     check_int(examples, "examples", minimum=1)
     check_int(seed, "seed", minimum=0)
     wanted = list(FEATURES) if features is None else list(features)
     unknown = [f for f in wanted if f not in FEATURES]
     if unknown:
-        from ..errors import InputError
-
         raise InputError(f"features: unknown {', '.join(unknown)}; expected some of {', '.join(FEATURES)}")
     dtypes = list(dtypes)
+    bad = [d for d in dtypes if d not in DTYPES]
+    if bad or not dtypes:
+        raise InputError(f"dtypes: expected some of {', '.join(DTYPES)}, got {dtypes}")
     report = Report(kernel.name, kernel.layout, kernel.arrays, kernel.causal_alignment,
                     examples, seed, notes=list(kernel.notes))  # fmt: skip
     sup = set(kernel.supports or ())
