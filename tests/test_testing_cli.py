@@ -51,16 +51,22 @@ def test_conform_passes_with_status_0(kernels, capsys):
 
 
 def test_conform_failure_names_the_slip_with_status_1(kernels, capsys):
-    assert main(["conform", "my_kernels:attention", "--examples", "5",
-                 "--features", "plain,causal"]) == 1
+    assert (
+        main(["conform", "my_kernels:attention", "--examples", "5", "--features", "plain,causal"])
+        == 1
+    )
     out = capsys.readouterr().out
     assert "diagnosis: multiplied by √d" in out
     assert "expected = " in out and "obtained = " in out
 
 
 def test_conform_json(kernels, capsys):
-    assert main(["conform", "my_kernels:attention", "--examples", "5", "--features", "plain",
-                 "--json"]) == 1
+    assert (
+        main(
+            ["conform", "my_kernels:attention", "--examples", "5", "--features", "plain", "--json"]
+        )
+        == 1
+    )
     data = json.loads(capsys.readouterr().out)
     assert data["passed"] is False
     assert data["results"][0]["failure"]["slip"] == "multiplied by √d"
@@ -87,19 +93,47 @@ def test_conform_bad_usage_is_one_line_with_status_2(kernels, capsys, argv, word
 
 def test_conform_runs_an_adapter_with_its_conventions(capsys):
     pytest.importorskip("torch")
-    assert main(["conform", "qkv.testing.adapters:TORCH_SDPA", "--examples", "3",
-                 "--features", "causal,mask"]) == 0
+    assert (
+        main(
+            [
+                "conform",
+                "qkv.testing.adapters:TORCH_SDPA",
+                "--examples",
+                "3",
+                "--features",
+                "causal,mask",
+            ]
+        )
+        == 0
+    )
     assert "top-left" in capsys.readouterr().out
     # the same function declared bottom-right fails, and the kit says why
-    assert main(["conform", "qkv.testing.adapters:TORCH_SDPA", "--examples", "10",
-                 "--features", "causal", "--causal-alignment", "bottom-right"]) == 1
+    assert (
+        main(
+            [
+                "conform",
+                "qkv.testing.adapters:TORCH_SDPA",
+                "--examples",
+                "10",
+                "--features",
+                "causal",
+                "--causal-alignment",
+                "bottom-right",
+            ]
+        )
+        == 1
+    )
     assert "diagnosis: top-left causal" in capsys.readouterr().out
 
 
 def test_torch_sdpa_card_is_clean_in_float32_and_bfloat16():
     pytest.importorskip("torch")
-    report = check_attention(adapters.TORCH_SDPA, examples=3, dtypes=["float32", "bfloat16"],
-                             features=["plain", "causal", "mask", "gqa", "masked_rows", "grad"])
+    report = check_attention(
+        adapters.TORCH_SDPA,
+        examples=3,
+        dtypes=["float32", "bfloat16"],
+        features=["plain", "causal", "mask", "gqa", "masked_rows", "grad"],
+    )
     assert report, str(report)
     assert "top-left" in str(report)
 
@@ -120,15 +154,17 @@ def test_a_low_precision_slip_fails_at_float32_and_passes_at_bfloat16():
 
 def test_flex_attention_adapter():
     pytest.importorskip("torch.nn.attention.flex_attention")
-    report = check_attention(adapters.FLEX_ATTENTION, examples=2,
-                             features=["causal", "window", "softcap"])
+    report = check_attention(
+        adapters.FLEX_ATTENTION, examples=2, features=["causal", "window", "softcap"]
+    )
     assert report, str(report)
 
 
 def test_jax_adapter_or_its_reason():
     jax = pytest.importorskip("jax", reason="jax is not installed (not in the test extra)")
-    report = check_attention(adapters.JAX_DOT_PRODUCT_ATTENTION, examples=3,
-                             features=["plain", "causal", "gqa"])
+    report = check_attention(
+        adapters.JAX_DOT_PRODUCT_ATTENTION, examples=3, features=["plain", "causal", "gqa"]
+    )
     assert report, str(report)
     assert jax
 
@@ -141,7 +177,8 @@ def test_qkv_forced_kernels_pass():
 
 def test_pytest_plugin_one_test(tmp_path):
     (tmp_path / "conftest.py").write_text('pytest_plugins = ["qkv.testing.pytest_plugin"]\n')
-    (tmp_path / "test_mine.py").write_text(textwrap.dedent("""
+    (tmp_path / "test_mine.py").write_text(
+        textwrap.dedent("""
         import numpy as np
         import qkv
 
@@ -156,12 +193,28 @@ def test_pytest_plugin_one_test(tmp_path):
 
         def test_slipped(attention_conformance):
             attention_conformance(slipped, features=["plain"])
-    """))
+    """)
+    )
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
     res = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--qkv-examples", "4",
-         "-o", "addopts=", "test_mine.py"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--qkv-examples",
+            "4",
+            "-o",
+            "addopts=",
+            "test_mine.py",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert "1 failed, 1 passed" in res.stdout, res.stdout + res.stderr
     assert "diagnosis: forgot to scale" in res.stdout

@@ -7,13 +7,24 @@ import pytest
 
 import qkv
 from qkv import reference
-from qkv.testing import FEATURES, Kernel, check_attention
+from qkv.testing import FEATURES, check_attention
 
 pytest.importorskip("hypothesis")
 
 
-def _naive(q, k, v, *, scale=None, causal=False, mask=None, axis=-1, pairing="repeat",
-           fill=-np.inf, top_left=False):
+def _naive(
+    q,
+    k,
+    v,
+    *,
+    scale=None,
+    causal=False,
+    mask=None,
+    axis=-1,
+    pairing="repeat",
+    fill=-np.inf,
+    top_left=False,
+):
     """A straightforward NumPy attention whose options plant one slip each."""
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     hq, hkv = q.shape[1], k.shape[1]
@@ -100,15 +111,20 @@ def test_planted_slip_is_caught_and_named(fn, feature, slip):
     assert f"diagnosis: {slip}" in card and "smallest failing input" in card
     # the numbers shown are the reference's and the kernel's on the input shown
     f = result.failure
-    want = reference.attention(f.inputs["q"], f.inputs["k"], f.inputs["v"],
-                               **{k: v for k, v in f.inputs.items() if k not in "qkv"})
+    want = reference.attention(
+        f.inputs["q"],
+        f.inputs["k"],
+        f.inputs["v"],
+        **{k: v for k, v in f.inputs.items() if k not in "qkv"},
+    )
     np.testing.assert_allclose(f.expected, want)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_qkv_attention_passes_with_several_seeds(seed):
-    report = check_attention(qkv.attention, examples=4, seed=seed,
-                             supports=set(FEATURES) - {"grad"})
+    report = check_attention(
+        qkv.attention, examples=4, seed=seed, supports=set(FEATURES) - {"grad"}
+    )
     assert report, str(report)
     assert {r.status for r in report.results} == {"pass", "unsupported"}
 
@@ -121,11 +137,14 @@ def test_a_correct_naive_kernel_passes():
 
 
 def test_top_left_declared_kernel_is_judged_by_its_convention():
-    report = check_attention(top_left, examples=8, features=["causal"],
-                             causal_alignment="top-left")
+    report = check_attention(top_left, examples=8, features=["causal"], causal_alignment="top-left")
     assert report, str(report)
-    slipped = check_attention(lambda q, k, v, *, causal=False: _naive(q, k, v, causal=causal),
-                              examples=10, features=["causal"], causal_alignment="top-left")
+    slipped = check_attention(
+        lambda q, k, v, *, causal=False: _naive(q, k, v, causal=causal),
+        examples=10,
+        features=["causal"],
+        causal_alignment="top-left",
+    )
     assert slipped.result("causal").failure.slip == "bottom-right causal"
 
 

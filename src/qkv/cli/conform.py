@@ -30,9 +30,12 @@ is called as qkv.attention is, fn(q, k, v, causal=..., mask=..., scale=...), wit
 keywords of the features it supports (read from its signature unless --supports is given).
 A qkv.testing.Kernel brings its own conventions. Exit status: 0 all pass, 1 a failure."""
 
-_CHOICES = {"layout": ("bhld", "blhd"), "arrays": ("numpy", "torch", "jax"),
-            "causal_alignment": ("bottom-right", "top-left"),
-            "masked_rows": ("zero", "nan", "any")}  # fmt: skip
+_CHOICES = {
+    "layout": ("bhld", "blhd"),
+    "arrays": ("numpy", "torch", "jax"),
+    "causal_alignment": ("bottom-right", "top-left"),
+    "masked_rows": ("zero", "nan", "any"),
+}
 
 
 def register(sub: Any) -> None:
@@ -42,12 +45,19 @@ def register(sub: Any) -> None:
     p.add_argument("--arrays", choices=_CHOICES["arrays"], help="array type (default numpy)")
     p.add_argument("--supports", metavar="LIST", help="features supported, comma-separated")
     p.add_argument("--features", metavar="LIST", help="check only these features")
-    p.add_argument("--dtypes", metavar="LIST", default="float32",
-                   help="dtypes to check (default float32)")  # fmt: skip
-    p.add_argument("--causal-alignment", choices=_CHOICES["causal_alignment"],
-                   help="what causal=True means for L != S (default bottom-right)")  # fmt: skip
-    p.add_argument("--masked-rows", choices=_CHOICES["masked_rows"],
-                   help="output of a row with no key (default zero)")  # fmt: skip
+    p.add_argument(
+        "--dtypes", metavar="LIST", default="float32", help="dtypes to check (default float32)"
+    )
+    p.add_argument(
+        "--causal-alignment",
+        choices=_CHOICES["causal_alignment"],
+        help="what causal=True means for L != S (default bottom-right)",
+    )
+    p.add_argument(
+        "--masked-rows",
+        choices=_CHOICES["masked_rows"],
+        help="output of a row with no key (default zero)",
+    )
     p.add_argument("--examples", type=int, default=25, help="cases per feature (default 25)")
     p.add_argument("--seed", type=int, default=0, help="makes the run repeatable (default 0)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -92,9 +102,12 @@ def run(args: argparse.Namespace) -> int:
     else:
         raise InputError(f"TARGET: {args.target} is a {type(fn).__name__}, not a callable")
     report = testing.check_attention(
-        kernel, dtypes=_list(args.dtypes) or ["float32"], examples=args.examples, seed=args.seed,
+        kernel,
+        dtypes=_list(args.dtypes) or ["float32"],
+        examples=args.examples,
+        seed=args.seed,
         features=_list(args.features),
-    )  # fmt: skip
+    )
     text = json.dumps(report.to_dict(), indent=2, ensure_ascii=False) if args.json else str(report)
     emit(text + "\n", None)
     return 0 if report else 1

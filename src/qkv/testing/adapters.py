@@ -43,21 +43,35 @@ __all__ = [
 ]
 
 
-def _sdpa(q: Any, k: Any, v: Any, *, causal: bool = False, mask: Any = None,
-          scale: Any = None) -> Any:  # fmt: skip
+def _sdpa(
+    q: Any, k: Any, v: Any, *, causal: bool = False, mask: Any = None, scale: Any = None
+) -> Any:
     import torch.nn.functional as F
 
     gqa = q.shape[-3] != k.shape[-3]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
-                                          enable_gqa=gqa)  # fmt: skip
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa
+    )
 
 
 TORCH_SDPA = Kernel(
     _sdpa,
     name="torch.nn.functional.scaled_dot_product_attention",
     arrays="torch",
-    supports={"scale", "causal", "mask", "float_mask", "gqa", "dv", "empty", "single", "long",
-              "extreme", "masked_rows", "grad"},  # fmt: skip
+    supports={
+        "scale",
+        "causal",
+        "mask",
+        "float_mask",
+        "gqa",
+        "dv",
+        "empty",
+        "single",
+        "long",
+        "extreme",
+        "masked_rows",
+        "grad",
+    },
     causal_alignment="top-left",
     notes=[
         "is_causal=True is aligned top-left (query i sees keys j <= i): checked as declared; "
@@ -67,9 +81,18 @@ TORCH_SDPA = Kernel(
 )
 
 
-def _flex(q: Any, k: Any, v: Any, *, causal: bool = False, mask: Any = None,
-          window: Any = None, scale: Any = None, softcap: Any = None,
-          alibi_slopes: Any = None) -> Any:  # fmt: skip
+def _flex(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    causal: bool = False,
+    mask: Any = None,
+    window: Any = None,
+    scale: Any = None,
+    softcap: Any = None,
+    alibi_slopes: Any = None,
+) -> Any:
     import torch
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -86,7 +109,9 @@ def _flex(q: Any, k: Any, v: Any, *, causal: bool = False, mask: Any = None,
             keep.append(lambda b, h, i, j: j <= i + shift + right)
     if mask is not None and mask.dtype == torch.bool:
         m = mask
-        keep.append(lambda b, h, i, j: m[b if m.shape[0] > 1 else 0, h if m.shape[1] > 1 else 0, i, j])
+        keep.append(
+            lambda b, h, i, j: m[b if m.shape[0] > 1 else 0, h if m.shape[1] > 1 else 0, i, j]
+        )
     block = None
     if keep:
 
@@ -112,30 +137,53 @@ def _flex(q: Any, k: Any, v: Any, *, causal: bool = False, mask: Any = None,
     plain = softcap is None and alibi_slopes is None and bias is None
     with warnings.catch_warnings():  # eager on purpose: the warning urges torch.compile
         warnings.filterwarnings("ignore", message=".*without torch.compile", category=UserWarning)
-        return flex_attention(q, k, v, score_mod=None if plain else score_mod, block_mask=block,
-                              scale=scale, enable_gqa=q.shape[1] != k.shape[1])  # fmt: skip
+        return flex_attention(
+            q,
+            k,
+            v,
+            score_mod=None if plain else score_mod,
+            block_mask=block,
+            scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
 
 
 FLEX_ATTENTION = Kernel(
     _flex,
     name="torch.nn.attention.flex_attention (CPU, eager)",
     arrays="torch",
-    supports={"scale", "causal", "mask", "float_mask", "window", "gqa", "dv", "single",
-              "extreme", "masked_rows", "softcap", "alibi"},  # fmt: skip
-    notes=["causal, masks and windows are given as a mask_mod in bottom-right positions; "
-           "float masks, softcap and ALiBi as a score_mod"],  # fmt: skip
+    supports={
+        "scale",
+        "causal",
+        "mask",
+        "float_mask",
+        "window",
+        "gqa",
+        "dv",
+        "single",
+        "extreme",
+        "masked_rows",
+        "softcap",
+        "alibi",
+    },
+    notes=[
+        "causal, masks and windows are given as a mask_mod in bottom-right positions; "
+        "float masks, softcap and ALiBi as a score_mod"
+    ],
 )
 
 
-def _jax(q: Any, k: Any, v: Any, *, causal: bool = False, mask: Any = None,
-         scale: Any = None) -> Any:  # fmt: skip
+def _jax(
+    q: Any, k: Any, v: Any, *, causal: bool = False, mask: Any = None, scale: Any = None
+) -> Any:
     import jax
 
     bias = None
     if mask is not None and mask.dtype != bool:
         bias, mask = mask, None
-    return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=scale,
-                                        is_causal=causal)  # fmt: skip
+    return jax.nn.dot_product_attention(
+        q, k, v, bias=bias, mask=mask, scale=scale, is_causal=causal
+    )
 
 
 JAX_DOT_PRODUCT_ATTENTION = Kernel(
@@ -143,8 +191,18 @@ JAX_DOT_PRODUCT_ATTENTION = Kernel(
     name="jax.nn.dot_product_attention",
     layout="blhd",
     arrays="jax",
-    supports={"scale", "causal", "mask", "float_mask", "gqa", "dv", "single", "long",
-              "extreme", "masked_rows"},  # fmt: skip
+    supports={
+        "scale",
+        "causal",
+        "mask",
+        "float_mask",
+        "gqa",
+        "dv",
+        "single",
+        "long",
+        "extreme",
+        "masked_rows",
+    },
     causal_alignment="top-left",
     notes=["layout (batch, L, heads, d); is_causal is aligned top-left"],
 )

@@ -36,9 +36,16 @@ _FEWER = {"long": 4, "empty": 8, "grad": 8}
 class _Verdict:
     """One case's verdict: ``ok``, the largest error and what was allowed, or what went wrong."""
 
-    def __init__(self, ok: bool, error: float, tol: float, obtained: Any = None,
-                 message: str = "") -> None:  # fmt: skip
-        self.ok, self.error, self.tol, self.obtained, self.message = ok, error, tol, obtained, message
+    def __init__(
+        self, ok: bool, error: float, tol: float, obtained: Any = None, message: str = ""
+    ) -> None:
+        self.ok, self.error, self.tol, self.obtained, self.message = (
+            ok,
+            error,
+            tol,
+            obtained,
+            message,
+        )
 
 
 def judge(kernel: Kernel, case: Case, dtype: str) -> _Verdict:
@@ -51,8 +58,9 @@ def judge(kernel: Kernel, case: Case, dtype: str) -> _Verdict:
     except Exception as exc:  # any error of the kernel is a failure to report
         return _Verdict(False, np.inf, tol, None, f"raised {type(exc).__name__}: {exc}")
     if got.shape != expected.shape:
-        return _Verdict(False, np.inf, tol, got,
-                        f"output shape {got.shape}, expected {expected.shape}")  # fmt: skip
+        return _Verdict(
+            False, np.inf, tol, got, f"output shape {got.shape}, expected {expected.shape}"
+        )
     rows = case.no_key_rows()
     if rows.any() and kernel.masked_rows != "any":
         want = np.isnan(got[rows]) if kernel.masked_rows == "nan" else got[rows] == 0
@@ -73,11 +81,17 @@ def _inputs(case: Case) -> dict[str, Any]:
     return out
 
 
-def _check_feature(kernel: Kernel, feature: str, dtype: str, examples: int, seed: int) -> FeatureResult:
-    strategy = case_strategy(feature, alignment=kernel.causal_alignment,
-                             supports=frozenset(kernel.supports or ()), dtype=dtype)  # fmt: skip
+def _check_feature(
+    kernel: Kernel, feature: str, dtype: str, examples: int, seed: int
+) -> FeatureResult:
+    strategy = case_strategy(
+        feature,
+        alignment=kernel.causal_alignment,
+        supports=frozenset(kernel.supports or ()),
+        dtype=dtype,
+    )
     n = min(examples, _FEWER.get(feature, examples))
-    seen = {"count": 0, "first": 0, "worst": 0.0, "allowed": 0.0}
+    seen: dict[str, Any] = {"count": 0, "first": 0, "worst": 0.0, "allowed": 0.0}
 
     def fails(case: Case) -> bool:
         seen["count"] += 1
@@ -88,22 +102,36 @@ def _check_feature(kernel: Kernel, feature: str, dtype: str, examples: int, seed
             seen["first"] = seen["count"]
         return not v.ok
 
-    conf = settings(max_examples=n, database=None, deadline=None, derandomize=False,
-                    phases=[Phase.generate, Phase.shrink],
-                    suppress_health_check=list(HealthCheck))  # fmt: skip
+    conf = settings(
+        max_examples=n,
+        database=None,
+        deadline=None,
+        derandomize=False,
+        phases=[Phase.generate, Phase.shrink],
+        suppress_health_check=list(HealthCheck),
+    )
     try:
-        case = find(strategy, fails, settings=conf, random=random.Random(f"{seed}:{feature}:{dtype}"))
+        case = find(
+            strategy, fails, settings=conf, random=random.Random(f"{seed}:{feature}:{dtype}")
+        )
     except (NoSuchExample, Unsatisfiable):
-        return FeatureResult(feature, dtype, "pass", min(seen["count"], n), seen["worst"],
-                             seen["allowed"])  # fmt: skip
+        return FeatureResult(
+            feature, dtype, "pass", min(seen["count"], n), seen["worst"], seen["allowed"]
+        )
     v = judge(kernel, case, dtype)
     expected = case.expected()
     slip = diagnose(case, v.obtained, v.tol) if v.obtained is not None else None
     failure = Failure(
-        shape=case.shape.describe(), inputs=_inputs(case), expected=expected,
-        obtained=v.obtained, error=v.error, allowed=v.tol, message=v.message,
-        slip=slip[0] if slip else None, why=slip[1] if slip else None,
-    )  # fmt: skip
+        shape=case.shape.describe(),
+        inputs=_inputs(case),
+        expected=expected,
+        obtained=v.obtained,
+        error=v.error,
+        allowed=v.tol,
+        message=v.message,
+        slip=slip[0] if slip else None,
+        why=slip[1] if slip else None,
+    )
     return FeatureResult(feature, dtype, "fail", seen["first"], failure=failure)
 
 
@@ -174,26 +202,43 @@ def check_attention(
     if isinstance(fn, Kernel):
         kernel = fn
     else:
-        kernel = Kernel(fn, layout=layout, arrays=arrays, supports=supports,
-                        causal_alignment=causal_alignment, masked_rows=masked_rows)  # fmt: skip
+        kernel = Kernel(
+            fn,
+            layout=layout,
+            arrays=arrays,
+            supports=supports,
+            causal_alignment=causal_alignment,
+            masked_rows=masked_rows,
+        )
     check_int(examples, "examples", minimum=1)
     check_int(seed, "seed", minimum=0)
     wanted = list(FEATURES) if features is None else list(features)
     unknown = [f for f in wanted if f not in FEATURES]
     if unknown:
-        raise InputError(f"features: unknown {', '.join(unknown)}; expected some of {', '.join(FEATURES)}")
+        raise InputError(
+            f"features: unknown {', '.join(unknown)}; expected some of {', '.join(FEATURES)}"
+        )
     dtypes = list(dtypes)
     bad = [d for d in dtypes if d not in DTYPES]
     if bad or not dtypes:
         raise InputError(f"dtypes: expected some of {', '.join(DTYPES)}, got {dtypes}")
-    report = Report(kernel.name, kernel.layout, kernel.arrays, kernel.causal_alignment,
-                    examples, seed, notes=list(kernel.notes))  # fmt: skip
+    report = Report(
+        kernel.name,
+        kernel.layout,
+        kernel.arrays,
+        kernel.causal_alignment,
+        examples,
+        seed,
+        notes=list(kernel.notes),
+    )
     sup = set(kernel.supports or ())
     for dtype in dtypes:
         usable = _dtype_usable(kernel, dtype)
         for feature in wanted:
             if feature not in sup:
-                report.results.append(FeatureResult(feature, dtype, "unsupported", note="not supported"))
+                report.results.append(
+                    FeatureResult(feature, dtype, "unsupported", note="not supported")
+                )
             elif feature == "grad":
                 report.results.append(_check_grad(kernel, dtype, examples, seed))
             elif usable:

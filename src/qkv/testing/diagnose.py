@@ -26,6 +26,7 @@ Examples
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -129,10 +130,16 @@ def _candidates(case: Case, expected: np.ndarray) -> Iterator[tuple[str, Callabl
     yield _WRONG_AXIS, lambda: _wrong_axis(case)
     if s.Hkv > 1 and s.Hq != s.Hkv:
         yield "grouped heads interleaved", lambda: _interleaved(case)
-    for name, key in (("causal", "causal"), ("mask", "mask"), ("window", "window"),
-                      ("softcap", "softcap"), ("sinks", "sinks"), ("alibi", "alibi_slopes")):
+    for name, key in (
+        ("causal", "causal"),
+        ("mask", "mask"),
+        ("window", "window"),
+        ("softcap", "softcap"),
+        ("sinks", "sinks"),
+        ("alibi", "alibi_slopes"),
+    ):
         if key in o:
-            yield f"{name} ignored", lambda key=key: _ref(case, **{key: None})
+            yield f"{name} ignored", partial(_ref, case, **{key: None})
 
 
 def _close(a: np.ndarray, b: np.ndarray, tol: float, lenient: bool = False) -> bool:

@@ -53,13 +53,22 @@ def top_left(L: int, S: int) -> np.ndarray:
 def _and_mask(opts: dict[str, Any], m: np.ndarray) -> dict[str, Any]:
     out = dict(opts)
     old = out.get("mask")
-    out["mask"] = m if old is None else (np.logical_and(old, m) if old.dtype == bool else
-                                         np.where(m, old, -np.inf))
+    out["mask"] = (
+        m
+        if old is None
+        else (np.logical_and(old, m) if old.dtype == bool else np.where(m, old, -np.inf))
+    )
     return out
 
 
-def _case(feature: str, s: qs.Shape, seed: int, options: dict[str, Any], alignment: str,
-          spread: tuple[float, float] = (1.0, 1.0)) -> Case:
+def _case(
+    feature: str,
+    s: qs.Shape,
+    seed: int,
+    options: dict[str, Any],
+    alignment: str,
+    spread: tuple[float, float] = (1.0, 1.0),
+) -> Case:
     rng = np.random.default_rng(seed)
     q = qs.values(rng, (s.B, s.Hq, s.L, s.d), spread[0])
     k = qs.values(rng, (s.B, s.Hkv, s.S, s.d), spread[0])
@@ -72,8 +81,14 @@ def _case(feature: str, s: qs.Shape, seed: int, options: dict[str, Any], alignme
 
 
 @st.composite
-def case_strategy(draw: Any, feature: str, *, alignment: str = "bottom-right",
-                  supports: frozenset[str] = frozenset(), dtype: str = "float64") -> Case:
+def case_strategy(
+    draw: Any,
+    feature: str,
+    *,
+    alignment: str = "bottom-right",
+    supports: frozenset[str] = frozenset(),
+    dtype: str = "float64",
+) -> Case:
     """A strategy of :class:`Case` for ``feature`` (a key of :data:`qkv.testing.FEATURES`),
     with values representable in ``dtype``."""
     seed = draw(st.integers(0, 2**32 - 1))
@@ -108,8 +123,9 @@ def case_strategy(draw: Any, feature: str, *, alignment: str = "bottom-right",
     elif feature == "extreme":
         big = 2.0**12 if dtype == "float16" else 2.0**20  # float16 ends at 65504
         small = 2.0**-12 if dtype == "float16" else 2.0**-20
-        spread = draw(st.sampled_from([(16.0, 1.0), (32.0, 1.0), (1.0, big), (1.0, small),
-                                       (8.0, big / 16)]))
+        spread = draw(
+            st.sampled_from([(16.0, 1.0), (32.0, 1.0), (1.0, big), (1.0, small), (8.0, big / 16)])
+        )
     elif feature == "masked_rows":
         if "mask" in supports:
             m = draw(qs.bool_masks(s.B, s.Hq, s.L, s.S, every_row_sees=False))

@@ -28,21 +28,29 @@ __all__ = ["GRAD_ULPS", "check_grad"]
 GRAD_ULPS = 32.0
 
 
-def _run(kernel: Kernel, case: Case, g: np.ndarray, dtype: str) -> tuple[list[Any], float, float, str]:
+def _run(
+    kernel: Kernel, case: Case, g: np.ndarray, dtype: str
+) -> tuple[list[Any], float, float, str]:
     """(obtained grads or [], largest error, allowed, message)."""
     want = reference_attention_vjp(case.q, case.k, case.v, g, **case.ref_options)
     size = max((float(np.max(np.abs(w))) for w in want if w.size), default=0.0)
     tol = GRAD_ULPS * eps(dtype) * max(size, 1.0) * np.sqrt(max(case.shape.S, 1))
     try:
         args = [kernel.to_arrays(x, dtype).requires_grad_() for x in (case.q, case.k, case.v)]
-        kw = {n: kernel.mask_arrays(x, dtype) if n == "mask" else x for n, x in case.options.items()}
+        kw = {
+            n: kernel.mask_arrays(x, dtype) if n == "mask" else x for n, x in case.options.items()
+        }
         out = kernel.fn(*args, **kw)
-        (out.float() * kernel.to_arrays(g, "float32" if dtype != "float64" else dtype)).sum().backward()
+        (
+            out.float() * kernel.to_arrays(g, "float32" if dtype != "float64" else dtype)
+        ).sum().backward()
         got = [kernel.from_arrays(a.grad) for a in args]
     except Exception as exc:  # the kernel's error is the failure reported
         return [], np.inf, tol, f"raised {type(exc).__name__}: {exc}"
     with np.errstate(invalid="ignore"):
-        errs = [float(np.max(np.abs(a - w))) if w.size else 0.0 for a, w in zip(got, want)]
+        errs = [
+            float(np.max(np.abs(a - w))) if w.size else 0.0 for a, w in zip(got, want, strict=True)
+        ]
     err = max(errs) if all(np.isfinite(errs)) else np.inf
     return got, err, tol, ""
 
@@ -50,11 +58,13 @@ def _run(kernel: Kernel, case: Case, g: np.ndarray, dtype: str) -> tuple[list[An
 def check_grad(kernel: Kernel, dtype: str, examples: int, seed: int) -> FeatureResult:
     """The ``grad`` row of the report card (PyTorch callables only)."""
     if kernel.arrays != "torch":
-        return FeatureResult("grad", dtype, "skipped", note="gradients are checked for PyTorch callables")
+        return FeatureResult(
+            "grad", dtype, "skipped", note="gradients are checked for PyTorch callables"
+        )
     feature = "causal" if "causal" in (kernel.supports or ()) else "plain"
     base = case_strategy(feature, alignment=kernel.causal_alignment, dtype=dtype)
     pair = st.tuples(base, st.integers(0, 2**32 - 1))
-    seen = {"count": 0, "first": 0, "worst": 0.0, "allowed": 0.0}
+    seen: dict[str, Any] = {"count": 0, "first": 0, "worst": 0.0, "allowed": 0.0}
 
     def grad_out(case: Case, gseed: int) -> np.ndarray:
         s = case.shape
@@ -69,8 +79,13 @@ def check_grad(kernel: Kernel, dtype: str, examples: int, seed: int) -> FeatureR
             seen["first"] = seen["count"]
         return not err <= tol
 
-    conf = settings(max_examples=examples, database=None, deadline=None,
-                    phases=[Phase.generate, Phase.shrink], suppress_health_check=list(HealthCheck))  # fmt: skip
+    conf = settings(
+        max_examples=examples,
+        database=None,
+        deadline=None,
+        phases=[Phase.generate, Phase.shrink],
+        suppress_health_check=list(HealthCheck),
+    )
     try:
         case, gseed = find(pair, fails, settings=conf, random=random.Random(f"{seed}:grad:{dtype}"))
     except NoSuchExample:
@@ -79,6 +94,13 @@ def check_grad(kernel: Kernel, dtype: str, examples: int, seed: int) -> FeatureR
     got, err, tol, msg = _run(kernel, case, g, dtype)
     want = reference_attention_vjp(case.q, case.k, case.v, g, **case.ref_options)
     inputs: dict[str, Any] = {"q": case.q, "k": case.k, "v": case.v, "grad_out": g, **case.options}
-    failure = Failure(case.shape.describe(), inputs, {"dq, dk, dv": list(want)},
-                      {"dq, dk, dv": got}, err, tol, msg)  # fmt: skip
+    failure = Failure(
+        case.shape.describe(),
+        inputs,
+        {"dq, dk, dv": list(want)},
+        {"dq, dk, dv": got},
+        err,
+        tol,
+        msg,
+    )
     return FeatureResult("grad", dtype, "fail", seen["first"], failure=failure)

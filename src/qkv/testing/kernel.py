@@ -147,7 +147,9 @@ class Kernel:
         if self.arrays == "torch":
             import torch
 
-            t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32 if dtype == "bfloat16" else dtype))
+            t = torch.from_numpy(
+                np.ascontiguousarray(x, dtype=np.float32 if dtype == "bfloat16" else dtype)
+            )
             return t.to(device=self.device, dtype=getattr(torch, dtype))
         if self.arrays == "jax":
             import jax.numpy as jnp
@@ -176,7 +178,9 @@ class Kernel:
             return m
         return self.to_arrays(m, dtype, layout=False)
 
-    def call(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, options: dict, dtype: str) -> np.ndarray:
+    def call(
+        self, q: np.ndarray, k: np.ndarray, v: np.ndarray, options: dict, dtype: str
+    ) -> np.ndarray:
         """Run the function on a case (float64 arrays in bhld) and give its output as
         float64 in bhld."""
         kw: dict[str, Any] = {}
@@ -184,7 +188,9 @@ class Kernel:
             if name == "mask":
                 kw[name] = self.mask_arrays(value, dtype)
             elif name in ("sinks", "alibi_slopes"):
-                kw[name] = self.to_arrays(value, "float32" if dtype != "float64" else dtype, layout=False)
+                kw[name] = self.to_arrays(
+                    value, "float32" if dtype != "float64" else dtype, layout=False
+                )
             else:
                 kw[name] = value
         args = [self.to_arrays(x, dtype) for x in (q, k, v)]
@@ -196,7 +202,9 @@ def _numpy_dtype(dtype: str) -> Any:
         try:
             import ml_dtypes
         except ImportError:
-            raise InputError("dtypes: bfloat16 NumPy arrays need ml_dtypes (pip install ml_dtypes)") from None
+            raise InputError(
+                "dtypes: bfloat16 NumPy arrays need ml_dtypes (pip install ml_dtypes)"
+            ) from None
         return ml_dtypes.bfloat16
     if dtype not in DTYPES:
         raise InputError(f"dtypes: expected some of {', '.join(DTYPES)}, got {dtype!r}")

@@ -27,10 +27,18 @@ __all__ = ["attention_conformance", "pytest_addoption"]
 
 def pytest_addoption(parser: Any) -> None:
     group = parser.getgroup("qkv", "qkv.testing: attention conformance")
-    group.addoption("--qkv-examples", type=int, default=25,
-                    help="cases per feature for the attention_conformance fixture (default 25)")  # fmt: skip
-    group.addoption("--qkv-seed", type=int, default=0,
-                    help="seed for the attention_conformance fixture (default 0)")  # fmt: skip
+    group.addoption(
+        "--qkv-examples",
+        type=int,
+        default=25,
+        help="cases per feature for the attention_conformance fixture (default 25)",
+    )
+    group.addoption(
+        "--qkv-seed",
+        type=int,
+        default=0,
+        help="seed for the attention_conformance fixture (default 0)",
+    )
 
 
 @pytest.fixture

@@ -75,7 +75,8 @@ class FeatureResult:
         mark = _MARK[self.status]
         what = f"{self.feature} [{self.dtype}]"
         if self.status == "pass":
-            rest = f"{self.examples} examples, largest error {self.worst:.2g} (allowed {self.allowed:.2g})"
+            err, tol = f"{self.worst:.2g}", f"{self.allowed:.2g}"
+            rest = f"{self.examples} examples, largest error {err} (allowed {tol})"
         elif self.status == "fail":
             slip = self.failure.slip if self.failure else None
             rest = f"at example {self.examples}" + (f": {slip}" if slip else "")
@@ -174,8 +175,15 @@ def _plain(x: Any) -> Any:
     if isinstance(x, list):
         return [_plain(v) for v in x]
     if isinstance(x, np.ndarray):
-        a = x.astype(object) if x.dtype != bool else x
-        return np.where(np.isnan(x), None, a).tolist() if x.dtype.kind == "f" else a.tolist()
+        if x.dtype.kind != "f":
+            return x.tolist()
+        return (
+            [None if np.isnan(e) else e for e in x.ravel().tolist()]
+            if x.ndim == 0
+            else [_plain(row) for row in x]
+            if x.ndim > 1
+            else [None if np.isnan(e) else float(e) for e in x.tolist()]
+        )
     if isinstance(x, (np.floating, np.integer)):
         return x.item()
     if isinstance(x, tuple):
@@ -194,7 +202,8 @@ def _fmt(x: Any) -> str:
         arr = x
         if arr.ndim == 4 and arr.shape[0] == 1 and arr.shape[1] == 1:
             arr = arr[0, 0]  # one batch, one head: the matrix alone
-        text = np.array2string(arr, precision=5, separator=", ", threshold=48, edgeitems=2,
-                               max_line_width=96)  # fmt: skip
+        text = np.array2string(
+            arr, precision=5, separator=", ", threshold=48, edgeitems=2, max_line_width=96
+        )
         return text.replace("\n", "\n      ")
     return repr(x)

@@ -145,7 +145,9 @@ def windows(max_side: int = 4) -> Any:
 
 
 @st.composite
-def variants(draw: Any, heads: int, *, which: tuple[str, ...] = ("softcap", "sinks", "alibi")) -> dict:
+def variants(
+    draw: Any, heads: int, *, which: tuple[str, ...] = ("softcap", "sinks", "alibi")
+) -> dict:
     """Keywords of :func:`qkv.attention`'s variants, at least one of ``which``.
 
     ``softcap`` is a float in ``[1, 20]``; ``sinks`` and ``alibi_slopes`` have shape
@@ -164,7 +166,9 @@ def variants(draw: Any, heads: int, *, which: tuple[str, ...] = ("softcap", "sin
 
 
 @st.composite
-def cu_seqlens(draw: Any, *, batch: tuple[int, int] = (1, 4), length: tuple[int, int] = (0, 6)) -> np.ndarray:
+def cu_seqlens(
+    draw: Any, *, batch: tuple[int, int] = (1, 4), length: tuple[int, int] = (0, 6)
+) -> np.ndarray:
     """Cumulative offsets ``[0, n0, n0 + n1, ...]`` (int64) of a packed batch; lengths may be 0."""
     lengths = draw(st.lists(st.integers(*length), min_size=batch[0], max_size=batch[1]))
     return np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64)

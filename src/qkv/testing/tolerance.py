@@ -57,12 +57,16 @@ def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
         return x.astype(dtype).astype(np.float64)
     # bfloat16: the top 16 bits of float32, rounded to nearest even
     bits = x.astype(np.float32).view(np.uint32).astype(np.uint64)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    out = bits.astype(np.uint32).view(np.float32).astype(np.float64)
+    rounded = (bits + np.uint64(0x7FFF) + ((bits >> np.uint64(16)) & np.uint64(1))) & np.uint64(
+        0xFFFF0000
+    )
+    out = rounded.astype(np.uint32).view(np.float32).astype(np.float64)
     return np.where(np.isnan(x), np.nan, out)
 
 
-def same_precision(q: np.ndarray, k: np.ndarray, v: np.ndarray, options: dict, dtype: str) -> np.ndarray:
+def same_precision(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, options: dict, dtype: str
+) -> np.ndarray:
     """The reference formula computed as a careful ``dtype`` kernel would (module docstring)."""
     work = np.float64 if dtype == "float64" else np.float32
     plan = make_plan(q, k, v, dtype=work, **options)
@@ -79,16 +83,18 @@ def same_precision(q: np.ndarray, k: np.ndarray, v: np.ndarray, options: dict, d
         p = np.where(total == 0, 0, e / total)[..., :-1].astype(work)
     if dtype in ("float16", "bfloat16"):
         p = round_to(p, dtype).astype(work)
+    assert plan.v is not None  # made with values
     vv = np.repeat(plan.v, plan.group, axis=-3) if plan.group > 1 else plan.v
     return round_to(p @ vv.astype(work), dtype)
 
 
-def allowed(q: np.ndarray, k: np.ndarray, v: np.ndarray, options: dict, dtype: str,
-            expected: Any = None) -> float:
+def allowed(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, options: dict, dtype: str, expected: Any = None
+) -> float:
     """The largest error allowed on this input in ``dtype`` (module docstring).
 
     ``expected`` is the float64 reference, computed here when not given.
-    """  # fmt: skip
+    """
     ref = reference.attention(q, k, v, **options) if expected is None else expected
     with np.errstate(all="ignore"):
         diff = np.abs(same_precision(q, k, v, options, dtype) - ref)
