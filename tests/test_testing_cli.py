@@ -152,6 +152,21 @@ def test_a_low_precision_slip_fails_at_float32_and_passes_at_bfloat16():
     assert torch  # used
 
 
+def test_a_wrong_gradient_is_caught():
+    pytest.importorskip("torch")
+    import torch.nn.functional as F
+
+    def no_dv(q, k, v):  # right forward, no gradient for v
+        return F.scaled_dot_product_attention(q, k, v.detach())
+
+    report = check_attention(
+        no_dv, arrays="torch", examples=4, features=["plain", "grad"], supports={"grad"}
+    )
+    assert report.result("plain").status == "pass"
+    assert report.result("grad").status == "fail"
+    assert "dv: [[" in str(report)
+
+
 def test_flex_attention_adapter():
     pytest.importorskip("torch.nn.attention.flex_attention")
     report = check_attention(

@@ -92,6 +92,7 @@ SLIPPED = [
     (times_sqrt_d, "plain", "multiplied by √d"),
     (no_scale, "plain", "forgot to scale"),
     (top_left, "causal", "top-left causal"),
+    (top_left, "decode", "top-left causal"),
     (inverted_mask, "mask", "mask polarity inverted"),
     (wrong_axis, "plain", "summed the wrong axis"),
     (interleaved, "gqa", "grouped heads interleaved"),

@@ -13,7 +13,8 @@ Each is a :class:`~qkv.testing.Kernel` that states its conventions, so that
 - :data:`JAX_DOT_PRODUCT_ATTENTION`: ``jax.nn.dot_product_attention`` (layout ``blhd``; its
   ``is_causal`` is top-left aligned). Needs JAX, which qkv does not bring.
 - :data:`QKV_ATTENTION` and :data:`QKV_DENSE`, :data:`QKV_TILED`, :data:`QKV_DECODE`:
-  :func:`qkv.attention` with every feature, and with each kernel forced.
+  :func:`qkv.attention` with every feature, and with each kernel forced; :data:`QKV_TORCH`
+  the same on PyTorch tensors, gradients included.
 
 Examples
 --------
@@ -39,6 +40,7 @@ __all__ = [
     "QKV_DECODE",
     "QKV_DENSE",
     "QKV_TILED",
+    "QKV_TORCH",
     "TORCH_SDPA",
 ]
 
@@ -70,6 +72,7 @@ TORCH_SDPA = Kernel(
         "long",
         "extreme",
         "masked_rows",
+        "decode",
         "grad",
     },
     causal_alignment="top-left",
@@ -163,6 +166,7 @@ FLEX_ATTENTION = Kernel(
         "single",
         "extreme",
         "masked_rows",
+        "decode",
         "softcap",
         "alibi",
     },
@@ -202,6 +206,7 @@ JAX_DOT_PRODUCT_ATTENTION = Kernel(
         "long",
         "extreme",
         "masked_rows",
+        "decode",
     },
     causal_alignment="top-left",
     notes=["layout (batch, L, heads, d); is_causal is aligned top-left"],
@@ -219,6 +224,12 @@ def _forced(kernel: str) -> Any:
 
 
 QKV_ATTENTION = Kernel(front.attention, name="qkv.attention", supports=_ALL)
+QKV_TORCH = Kernel(
+    front.attention,
+    name="qkv.attention on PyTorch tensors (autograd)",
+    arrays="torch",
+    supports=_ALL | {"grad"},
+)
 QKV_DENSE = Kernel(_forced("dense"), name="qkv.attention(kernel='dense')", supports=_ALL)
 QKV_TILED = Kernel(_forced("tiled"), name="qkv.attention(kernel='tiled')", supports=_ALL)
 QKV_DECODE = Kernel(_forced("decode"), name="qkv.attention(kernel='decode')", supports=_ALL)

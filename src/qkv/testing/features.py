@@ -108,6 +108,10 @@ def case_strategy(
     elif feature == "causal":
         s = draw(qs.shapes())
         opts["causal"] = True
+    elif feature == "decode":
+        s = draw(qs.shapes(L=(1, 2), S=(3, 40), grouped="gqa" in supports and draw(st.booleans())))
+        if "causal" in supports:
+            opts["causal"] = True
     else:
         s = draw(qs.shapes())
     if feature == "scale":

@@ -39,6 +39,7 @@ FEATURES: dict[str, str] = {
     "long": "long rows (S in the thousands)",
     "extreme": "extreme magnitudes (scores in the thousands, tiny or huge values)",
     "masked_rows": "rows that may attend no key",
+    "decode": "a few queries against a longer cache of keys (causal where supported)",
     "softcap": "softcap=c: scores c·tanh(s/c)",
     "sinks": "sinks=: one logit per head in every softmax, with no value",
     "alibi": "alibi_slopes=: ALiBi position bias",
@@ -58,7 +59,7 @@ KEYWORDS = {
 }
 
 # Features needing no keyword: every kernel is checked on them unless it says otherwise.
-_SHAPES = ("plain", "gqa", "dv", "empty", "single", "long", "extreme")
+_SHAPES = ("plain", "gqa", "dv", "empty", "single", "long", "extreme", "decode")
 
 
 def infer_supports(fn: Callable[..., Any]) -> set[str]:
