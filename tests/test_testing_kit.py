@@ -189,3 +189,31 @@ def test_bad_arguments():
         check_attention(qkv.attention, supports={"flash"})
     with pytest.raises(qkv.InputError, match="features"):
         check_attention(qkv.attention, features=["nope"])
+
+
+def _t(x):
+    return np.swapaxes(x, 0, 1)
+
+
+def leaky_varlen(q, k, v, cu_q, cu_k, *, causal=False):
+    """Ignores the offsets: every query attends the whole packed batch."""
+    return _t(qkv.attention(_t(q), _t(k), _t(v), causal=causal))
+
+
+def top_left_varlen(q, k, v, cu_q, cu_k, *, causal=False):
+    parts = []
+    for a, b, c, e in zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:], strict=True):
+        tri = np.tril(np.ones((b - a, e - c), dtype=bool)) if causal else None
+        parts.append(_t(qkv.attention(_t(q[a:b]), _t(k[c:e]), _t(v[c:e]), mask=tri)))
+    return np.concatenate(parts)
+
+
+def test_varlen_right_and_planted_slips():
+    kw = dict(examples=10, features=["varlen"])
+    assert check_attention(qkv.attention, varlen=qkv.attention_varlen, **kw)
+    for fn, slip in ((leaky_varlen, "sequences leak into each other"),
+                     (top_left_varlen, "top-left causal")):  # fmt: skip
+        report = check_attention(qkv.attention, varlen=fn, **kw)
+        assert report.result("varlen").failure.slip == slip, str(report)
+    # without a varlen function the feature is not supported
+    assert check_attention(qkv.attention, **kw).result("varlen").status == "unsupported"

@@ -213,6 +213,7 @@ JAX_DOT_PRODUCT_ATTENTION = Kernel(
 )
 
 _ALL = set(FEATURES) - {"grad"}
+_FORCED = _ALL - {"varlen"}
 
 
 def _forced(kernel: str) -> Any:
@@ -223,13 +224,15 @@ def _forced(kernel: str) -> Any:
     return attention
 
 
-QKV_ATTENTION = Kernel(front.attention, name="qkv.attention", supports=_ALL)
+QKV_ATTENTION = Kernel(
+    front.attention, name="qkv.attention", supports=_ALL, varlen=front.attention_varlen
+)
 QKV_TORCH = Kernel(
     front.attention,
     name="qkv.attention on PyTorch tensors (autograd)",
     arrays="torch",
-    supports=_ALL | {"grad"},
+    supports=(_ALL | {"grad"}) - {"varlen"},
 )
-QKV_DENSE = Kernel(_forced("dense"), name="qkv.attention(kernel='dense')", supports=_ALL)
-QKV_TILED = Kernel(_forced("tiled"), name="qkv.attention(kernel='tiled')", supports=_ALL)
-QKV_DECODE = Kernel(_forced("decode"), name="qkv.attention(kernel='decode')", supports=_ALL)
+QKV_DENSE = Kernel(_forced("dense"), name="qkv.attention(kernel='dense')", supports=_FORCED)
+QKV_TILED = Kernel(_forced("tiled"), name="qkv.attention(kernel='tiled')", supports=_FORCED)
+QKV_DECODE = Kernel(_forced("decode"), name="qkv.attention(kernel='decode')", supports=_FORCED)

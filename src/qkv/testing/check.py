@@ -30,7 +30,7 @@ from .tolerance import DTYPES, allowed
 __all__ = ["assert_attention", "check_attention"]
 
 # Features that cost more per example run fewer of them.
-_FEWER = {"long": 4, "empty": 8, "grad": 8}
+_FEWER = {"long": 4, "empty": 8, "grad": 8, "varlen": 10}
 
 
 class _Verdict:
@@ -147,6 +147,7 @@ def check_attention(
     examples: int = 25,
     seed: int = 0,
     features: Iterable[str] | None = None,
+    varlen: Callable[..., Any] | None = None,
 ) -> Report:
     """Check an attention kernel against the float64 reference, feature by feature.
 
@@ -180,6 +181,9 @@ def check_attention(
         Makes the run repeatable.
     features : iterable of str, optional
         Check only these features (default: all).
+    varlen : callable, optional
+        The kernel's packed variable-length entry (``cu_seqlens``), checked as the ``varlen``
+        feature (:mod:`qkv.testing.varlen`).
 
     Returns
     -------
@@ -204,6 +208,7 @@ def check_attention(
     else:
         kernel = Kernel(
             fn,
+            varlen=varlen,
             layout=layout,
             arrays=arrays,
             supports=supports,
@@ -239,10 +244,15 @@ def check_attention(
                 report.results.append(
                     FeatureResult(feature, dtype, "unsupported", note="not supported")
                 )
-            elif feature == "grad":
-                report.results.append(_check_grad(kernel, dtype, examples, seed))
             elif usable:
                 report.results.append(FeatureResult(feature, dtype, "skipped", note=usable))
+            elif feature == "grad":
+                report.results.append(_check_grad(kernel, dtype, examples, seed))
+            elif feature == "varlen":
+                from .varlen import check_varlen
+
+                n = min(examples, _FEWER["varlen"])
+                report.results.append(check_varlen(kernel, dtype, n, seed))
             else:
                 report.results.append(_check_feature(kernel, feature, dtype, examples, seed))
     return report

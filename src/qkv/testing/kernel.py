@@ -43,6 +43,7 @@ FEATURES: dict[str, str] = {
     "softcap": "softcap=c: scores c·tanh(s/c)",
     "sinks": "sinks=: one logit per head in every softmax, with no value",
     "alibi": "alibi_slopes=: ALiBi position bias",
+    "varlen": "packed sequences of different lengths (cu_seqlens), with a varlen= function",
     "grad": "gradients of q, k, v (PyTorch callables)",
 }
 
@@ -104,6 +105,10 @@ class Kernel:
         Conventions worth printing on the card.
     device : str
         Where torch tensors are made (``"cpu"``, ``"cuda"``).
+    varlen : callable, optional
+        The kernel's packed variable-length entry, called as :func:`qkv.attention_varlen` is:
+        ``varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=...)`` with ``(total, heads, d)``
+        arrays (:mod:`qkv.testing.varlen`).
     """
 
     fn: Callable[..., Any]
@@ -115,6 +120,7 @@ class Kernel:
     masked_rows: str = "zero"
     notes: list[str] = field(default_factory=list)
     device: str = "cpu"
+    varlen: Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
         if not callable(self.fn):
@@ -132,6 +138,8 @@ class Kernel:
             qual = getattr(self.fn, "__qualname__", None) or type(self.fn).__name__
             self.name = f"{mod}.{qual}" if mod else qual
         sup = infer_supports(self.fn) if self.supports is None else set(self.supports)
+        if self.supports is None and self.varlen is not None:
+            sup.add("varlen")
         unknown = sorted(sup - set(FEATURES))
         if unknown:
             raise InputError(
