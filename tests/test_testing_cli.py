@@ -255,3 +255,19 @@ def test_without_hypothesis_the_error_names_the_extra():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert 'pip install "qkv[testing]"' in out.stdout, out.stderr
     assert np  # numpy imported for the kernels above
+
+
+def test_transformers_attention_functions_and_their_conventions():
+    pytest.importorskip("transformers")
+    sdpa = check_attention(
+        adapters.TRANSFORMERS_SDPA, examples=4, features=["plain", "mask", "decode"]
+    )
+    assert sdpa.result("plain").status == sdpa.result("mask").status == "pass"
+    # a single query with causal=True sees every key (decoding), not PyTorch's top-left
+    assert sdpa.result("decode").failure.slip == "bottom-right causal"
+    eager = check_attention(
+        adapters.TRANSFORMERS_EAGER, examples=4, features=["gqa", "masked_rows"]
+    )
+    assert eager.result("gqa").status == "pass"
+    # its masks hold the dtype's minimum, not -inf: a row with no key averages the values
+    assert eager.result("masked_rows").failure.slip == "mean of values for a row with no key"

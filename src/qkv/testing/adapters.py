@@ -12,6 +12,9 @@ Each is a :class:`~qkv.testing.Kernel` that states its conventions, so that
   float masks, soft-capping and ALiBi as a ``score_mod``.
 - :data:`JAX_DOT_PRODUCT_ATTENTION`: ``jax.nn.dot_product_attention`` (layout ``blhd``; its
   ``is_causal`` is top-left aligned). Needs JAX, which qkv does not bring.
+- :data:`TRANSFORMERS_SDPA` and :data:`TRANSFORMERS_EAGER`: the attention functions of
+  Hugging Face ``transformers`` (``sdpa_attention_forward``; Llama's
+  ``eager_attention_forward``), called as a model's attention layer calls them.
 - :data:`QKV_ATTENTION` and :data:`QKV_DENSE`, :data:`QKV_TILED`, :data:`QKV_DECODE`:
   :func:`qkv.attention` with every feature, and with each kernel forced; :data:`QKV_TORCH`
   the same on PyTorch tensors, gradients included.
@@ -42,6 +45,8 @@ __all__ = [
     "QKV_TILED",
     "QKV_TORCH",
     "TORCH_SDPA",
+    "TRANSFORMERS_EAGER",
+    "TRANSFORMERS_SDPA",
 ]
 
 
@@ -210,6 +215,63 @@ JAX_DOT_PRODUCT_ATTENTION = Kernel(
     },
     causal_alignment="top-left",
     notes=["layout (batch, L, heads, d); is_causal is aligned top-left"],
+)
+
+
+def _hf_module(q: Any, k: Any) -> Any:
+    """The few attributes transformers' attention functions read from the attention layer."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        num_key_value_groups=q.shape[1] // max(k.shape[1], 1), training=False, is_causal=True
+    )
+
+
+def _hf_sdpa(q: Any, k: Any, v: Any, *, causal: bool = False, mask: Any = None,
+             scale: Any = None) -> Any:  # fmt: skip
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    out, _ = sdpa_attention_forward(
+        _hf_module(q, k), q, k, v, mask, scaling=scale, is_causal=causal
+    )
+    return out.transpose(1, 2)  # it returns (batch, L, heads, dv)
+
+
+def _hf_eager(q: Any, k: Any, v: Any, *, mask: Any = None, scale: Any = None) -> Any:
+    import torch
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    if mask is not None and mask.dtype == torch.bool:  # as transformers builds eager masks
+        mask = torch.where(mask, 0.0, torch.finfo(q.dtype).min).to(q.dtype)
+    scaling = q.shape[-1] ** -0.5 if scale is None else scale
+    out, _ = eager_attention_forward(_hf_module(q, k), q, k, v, mask, scaling)
+    return out.transpose(1, 2)
+
+
+_HF = {"scale", "mask", "float_mask", "gqa", "dv", "single", "long", "extreme", "masked_rows",
+       "decode", "grad"}  # fmt: skip
+
+TRANSFORMERS_SDPA = Kernel(
+    _hf_sdpa,
+    name="transformers sdpa_attention_forward",
+    arrays="torch",
+    supports=_HF | {"causal"},
+    causal_alignment="top-left",
+    notes=[
+        "is_causal is top-left (PyTorch's) for L > 1, but a single query (L = 1) drops it and "
+        "sees every key; in a model the causal mask comes as attention_mask instead",
+    ],
+)
+
+TRANSFORMERS_EAGER = Kernel(
+    _hf_eager,
+    name="transformers eager_attention_forward (Llama)",
+    arrays="torch",
+    supports=_HF,
+    notes=[
+        "a boolean mask is given as transformers builds it for eager: 0 where allowed and the "
+        "dtype's minimum elsewhere (not -inf)",
+    ],
 )
 
 _ALL = set(FEATURES) - {"grad"}
