@@ -9,7 +9,8 @@ floor). Its :class:`Report` is truthy when everything supported passes; ``str(re
 report card, with the smallest failing input hypothesis found for each failure, the expected
 and obtained numbers, and the slip they point to (:mod:`qkv.testing.diagnose`).
 
-The kit needs hypothesis: ``pip install "qkv[testing]"``. ``import qkv`` never imports it.
+The kit needs hypothesis, which the ``testing`` extra brings (``python -m pip install
+".[testing]"`` in qkv's source folder); ``import qkv`` never imports it.
 
 Examples
 --------
@@ -29,7 +30,7 @@ except ImportError as exc:  # pragma: no cover - exercised with hypothesis absen
 
     raise MissingExtraError(
         'qkv.testing needs hypothesis: pip install "qkv[testing]" (or ".[testing]" in qkv\'s '
-        "source folder)"
+        "source folder, or pip install hypothesis)"
     ) from exc
 
 from .check import assert_attention, check_attention

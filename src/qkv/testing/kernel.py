@@ -150,6 +150,7 @@ class Kernel:
 
     # ----- conversion to and from the function's arrays -----
     def to_arrays(self, x: np.ndarray, dtype: str, *, layout: bool = True) -> Any:
+        """``x`` (float64, ``bhld``) as the function's arrays in ``dtype`` (and its layout)."""
         x = round_to(x, dtype)
         if layout and self.layout == "blhd":
             x = np.swapaxes(x, 1, 2)
@@ -167,6 +168,7 @@ class Kernel:
         return np.ascontiguousarray(x.astype(_numpy_dtype(dtype)))
 
     def from_arrays(self, out: Any) -> np.ndarray:
+        """The function's output as float64 NumPy in ``bhld``."""
         if self.arrays == "torch" or hasattr(out, "detach"):
             out = out.detach().float().cpu().numpy()
         a = np.asarray(out, dtype=np.float64)
@@ -175,6 +177,7 @@ class Kernel:
         return a
 
     def mask_arrays(self, m: np.ndarray, dtype: str) -> Any:
+        """A mask as the function's arrays (boolean kept boolean; float in ``dtype``)."""
         if m.dtype == bool:
             if self.arrays == "torch":
                 import torch

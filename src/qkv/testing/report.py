@@ -29,6 +29,7 @@ class Failure:
     why: str | None = None
 
     def lines(self) -> list[str]:
+        """The failure as lines of the report card."""
         out = [f"smallest failing input: {self.shape}"]
         for name, value in self.inputs.items():
             out.append(f"  {name} = {_fmt(value)}")
@@ -45,6 +46,7 @@ class Failure:
         return out
 
     def to_dict(self) -> dict[str, Any]:
+        """JSON-ready data (NaN as ``None``)."""
         return {
             "shape": self.shape,
             "inputs": {k: _plain(v) for k, v in self.inputs.items()},
@@ -72,6 +74,7 @@ class FeatureResult:
     failure: Failure | None = None
 
     def line(self) -> str:
+        """The feature's line of the report card."""
         mark = _MARK[self.status]
         what = f"{self.feature} [{self.dtype}]"
         if self.status == "pass":
@@ -85,6 +88,7 @@ class FeatureResult:
         return f"  {mark}  {what:<26} {rest}"
 
     def to_dict(self) -> dict[str, Any]:
+        """JSON-ready data (NaN as ``None``)."""
         return {
             "feature": self.feature,
             "dtype": self.dtype,
@@ -151,6 +155,7 @@ class Report:
         return "\n".join(head + [""] + body + tail + ["", summary])
 
     def to_dict(self) -> dict[str, Any]:
+        """The report as JSON-ready data (what ``qkv conform --json`` prints)."""
         return {
             "kernel": self.kernel,
             "passed": bool(self),

@@ -64,7 +64,7 @@ class Shape(NamedTuple):
 
 
 @st.composite
-def shapes(
+def _shapes(
     draw: Any,
     *,
     batch: tuple[int, int] = (1, 2),
@@ -75,12 +75,6 @@ def shapes(
     grouped: bool = False,
     dv_differs: bool = False,
 ) -> Shape:
-    """A :class:`Shape` with sizes in the given inclusive ranges.
-
-    ``grouped=True`` gives grouped-query attention with at least two kv heads, each serving
-    at least two query heads (so that pairing heads in the wrong order shows). ``dv_differs``
-    draws a value width different from ``d``; otherwise ``dv == d``.
-    """
     B = draw(st.integers(*batch))
     if grouped:
         Hkv = draw(st.integers(2, max(2, heads[1])))
@@ -101,7 +95,7 @@ def values(rng: np.random.Generator, shape: tuple[int, ...], spread: float = 1.0
 
 
 @st.composite
-def inputs(draw: Any, shape: Any = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _inputs(draw: Any, shape: Any = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(q, k, v)`` float64 arrays of a drawn :class:`Shape` (default :func:`shapes`)."""
     s = draw(shape if shape is not None else shapes())
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
@@ -111,14 +105,9 @@ def inputs(draw: Any, shape: Any = None) -> tuple[np.ndarray, np.ndarray, np.nda
 
 
 @st.composite
-def bool_masks(
+def _bool_masks(
     draw: Any, B: int, H: int, L: int, S: int, *, every_row_sees: bool = True
 ) -> np.ndarray:
-    """A boolean mask (``True`` = may attend), shape ``(B or 1, H or 1, L, S)``.
-
-    With ``every_row_sees`` each query row keeps at least one key; otherwise whole rows may be
-    masked out.
-    """
     b = draw(st.sampled_from([1, B]))
     h = draw(st.sampled_from([1, H]))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
@@ -130,7 +119,7 @@ def bool_masks(
 
 
 @st.composite
-def float_masks(draw: Any, B: int, H: int, L: int, S: int) -> np.ndarray:
+def _float_masks(draw: Any, B: int, H: int, L: int, S: int) -> np.ndarray:
     """A float mask (added to the scaled scores), shape ``(B or 1, H or 1, L, S)``."""
     b = draw(st.sampled_from([1, B]))
     h = draw(st.sampled_from([1, H]))
@@ -145,14 +134,9 @@ def windows(max_side: int = 4) -> Any:
 
 
 @st.composite
-def variants(
+def _variants(
     draw: Any, heads: int, *, which: tuple[str, ...] = ("softcap", "sinks", "alibi")
 ) -> dict:
-    """Keywords of :func:`qkv.attention`'s variants, at least one of ``which``.
-
-    ``softcap`` is a float in ``[1, 20]``; ``sinks`` and ``alibi_slopes`` have shape
-    ``(heads,)``.
-    """
     names = draw(st.lists(st.sampled_from(which), min_size=1, max_size=len(which), unique=True))
     out: dict[str, Any] = {}
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
@@ -166,7 +150,7 @@ def variants(
 
 
 @st.composite
-def cu_seqlens(
+def _cu_seqlens(
     draw: Any, *, batch: tuple[int, int] = (1, 4), length: tuple[int, int] = (0, 6)
 ) -> np.ndarray:
     """Cumulative offsets ``[0, n0, n0 + n1, ...]`` (int64) of a packed batch; lengths may be 0."""
@@ -178,3 +162,59 @@ def caches(prompt: tuple[int, int] = (0, 8), steps: tuple[int, int] = (1, 4)) ->
     """``(prompt, steps)``: a KV cache filled with ``prompt`` keys, then ``steps`` single-query
     decoding steps each appending one key."""
     return st.tuples(st.integers(*prompt), st.integers(*steps))
+
+
+# The public strategies are plain functions (documentable, introspectable) over the composites.
+
+
+def shapes(
+    *,
+    batch: tuple[int, int] = (1, 2),
+    heads: tuple[int, int] = (1, 2),
+    L: tuple[int, int] = (1, 6),
+    S: tuple[int, int] = (1, 6),
+    d: tuple[int, int] = (1, 8),
+    grouped: bool = False,
+    dv_differs: bool = False,
+) -> Any:
+    """A strategy of :class:`Shape` with sizes in the given inclusive ranges.
+
+    ``grouped=True`` gives grouped-query attention with at least two kv heads, each serving
+    at least two query heads (so that pairing heads in the wrong order shows). ``dv_differs``
+    draws a value width different from ``d``; otherwise ``dv == d``.
+    """
+    return _shapes(batch=batch, heads=heads, L=L, S=S, d=d, grouped=grouped, dv_differs=dv_differs)
+
+
+def inputs(shape: Any = None) -> Any:
+    """A strategy of ``(q, k, v)`` float64 arrays of a drawn :class:`Shape` (default
+    :func:`shapes`), in the ``(batch, heads, L, d)`` layout."""
+    return _inputs(shape)
+
+
+def bool_masks(B: int, H: int, L: int, S: int, *, every_row_sees: bool = True) -> Any:
+    """A strategy of boolean masks (``True`` = may attend), shape ``(B or 1, H or 1, L, S)``.
+
+    With ``every_row_sees`` each query row keeps at least one key; otherwise whole rows may be
+    masked out.
+    """
+    return _bool_masks(B, H, L, S, every_row_sees=every_row_sees)
+
+
+def float_masks(B: int, H: int, L: int, S: int) -> Any:
+    """A strategy of float masks (added to the scaled scores), shape ``(B or 1, H or 1, L, S)``."""
+    return _float_masks(B, H, L, S)
+
+
+def variants(heads: int, *, which: tuple[str, ...] = ("softcap", "sinks", "alibi")) -> Any:
+    """A strategy of keywords of :func:`qkv.attention`'s variants, at least one of ``which``.
+
+    ``softcap`` is one of 1, 2, 5, 20; ``sinks`` and ``alibi_slopes`` have shape ``(heads,)``.
+    """
+    return _variants(heads, which=which)
+
+
+def cu_seqlens(*, batch: tuple[int, int] = (1, 4), length: tuple[int, int] = (0, 6)) -> Any:
+    """A strategy of cumulative offsets ``[0, n0, n0 + n1, ...]`` (int64) of a packed batch of
+    ``batch`` sequences whose lengths (in the range ``length``) may be 0."""
+    return _cu_seqlens(batch=batch, length=length)
