@@ -250,10 +250,15 @@ def test_without_hypothesis_the_error_names_the_extra():
             import qkv.testing
         except ImportError as exc:
             print(exc)
+        from qkv.cli import main
+        print("status", main(["conform", "qkv:attention"]))
     """)
     env = {**os.environ, "PYTHONPATH": SRC}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert 'pip install "qkv[testing]"' in out.stdout, out.stderr
+    assert "status 2" in out.stdout
+    assert out.stderr.startswith("qkv conform: error: qkv.testing needs hypothesis")
+    assert len(out.stderr.strip().splitlines()) == 1
     assert np  # numpy imported for the kernels above
 
 

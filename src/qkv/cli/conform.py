@@ -58,6 +58,7 @@ def register(sub: Any) -> None:
         choices=_CHOICES["masked_rows"],
         help="output of a row with no key (default zero)",
     )
+    p.add_argument("--device", help="where PyTorch tensors are made: cpu (default), cuda")
     p.add_argument("--examples", type=int, default=25, help="cases per feature (default 25)")
     p.add_argument("--seed", type=int, default=0, help="makes the run repeatable (default 0)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -90,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
     from .. import testing
 
     fn = resolve(args.target)
-    given = {n: getattr(args, n) for n in ("layout", "arrays", "causal_alignment", "masked_rows")}
+    names = ("layout", "arrays", "causal_alignment", "masked_rows", "device")
+    given = {n: getattr(args, n) for n in names}
     given = {n: v for n, v in given.items() if v is not None}
     supports = _list(args.supports)
     if supports is not None:

@@ -148,6 +148,7 @@ def check_attention(
     seed: int = 0,
     features: Iterable[str] | None = None,
     varlen: Callable[..., Any] | None = None,
+    device: str = "cpu",
 ) -> Report:
     """Check an attention kernel against the float64 reference, feature by feature.
 
@@ -184,6 +185,8 @@ def check_attention(
     varlen : callable, optional
         The kernel's packed variable-length entry (``cu_seqlens``), checked as the ``varlen``
         feature (:mod:`qkv.testing.varlen`).
+    device : str
+        Where PyTorch tensors are made (``"cpu"``, ``"cuda"``).
 
     Returns
     -------
@@ -209,6 +212,7 @@ def check_attention(
         kernel = Kernel(
             fn,
             varlen=varlen,
+            device=device,
             layout=layout,
             arrays=arrays,
             supports=supports,

@@ -6,7 +6,7 @@ reference* computes the same formula the way a careful kernel in that dtype woul
 softmax in float32 (float64 for float64 inputs), the weights rounded to the dtype before the
 product with ``v`` when the dtype is narrower than float32 (as FlashAttention rounds ``P``), the
 output rounded to the dtype. Its error ``e_ref = max |same − ref64|`` is what that precision
-costs on this very input. A kernel passes when
+costs on this very input. A kernel passes when::
 
     max |out − ref64|  <=  FACTOR · e_ref  +  FLOOR_ULPS · eps(dtype) · max(|v|max, 1)
 
