@@ -175,6 +175,14 @@ def test_flex_attention_adapter():
     assert report, str(report)
 
 
+def test_a_missing_array_library_is_a_usage_error(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "jax", None)
+    with pytest.raises(qkv.InputError, match="needs jax"):
+        check_attention(adapters.JAX_DOT_PRODUCT_ATTENTION, examples=1)
+    assert main(["conform", "qkv.testing.adapters:JAX_DOT_PRODUCT_ATTENTION"]) == 2
+    assert "needs jax" in capsys.readouterr().err
+
+
 def test_jax_adapter_or_its_reason():
     jax = pytest.importorskip("jax", reason="jax is not installed (not in the test extra)")
     report = check_attention(

@@ -21,6 +21,7 @@ from hypothesis.errors import NoSuchExample, Unsatisfiable
 
 from ..checks import check_int
 from ..errors import InputError
+from ..extras import require
 from .diagnose import diagnose
 from .features import Case, case_strategy
 from .kernel import FEATURES, Kernel
@@ -231,6 +232,8 @@ def check_attention(
     bad = [d for d in dtypes if d not in DTYPES]
     if bad or not dtypes:
         raise InputError(f"dtypes: expected some of {', '.join(DTYPES)}, got {dtypes}")
+    if kernel.arrays != "numpy":  # a missing library is a usage error, not a failing kernel
+        require(kernel.arrays, f"{kernel.name} ({kernel.arrays} arrays)")
     report = Report(
         kernel.name,
         kernel.layout,
