@@ -164,7 +164,8 @@ def test_a_wrong_gradient_is_caught():
     )
     assert report.result("plain").status == "pass"
     assert report.result("grad").status == "fail"
-    assert "dv: [[" in str(report)
+    assert "dv = [[" in str(report)
+    assert report.result("grad").failure.slip == "wrong dv"
 
 
 def test_flex_attention_adapter():

@@ -98,13 +98,29 @@ def check_grad(kernel: Kernel, dtype: str, examples: int, seed: int) -> FeatureR
     got, err, tol, msg = _run(kernel, case, g, dtype)
     want = reference_attention_vjp(case.q, case.k, case.v, g, **case.ref_options)
     inputs: dict[str, Any] = {"q": case.q, "k": case.k, "v": case.v, "grad_out": g, **case.options}
+    names = ("dq", "dk", "dv")
+    slip = why = None
+    if got:
+        with np.errstate(invalid="ignore"):
+            bad = [
+                n
+                for n, a, w in zip(names, got, want, strict=True)
+                if not np.all(np.abs(a - w) <= tol)
+            ]
+        good = [n for n in names if n not in bad]
+        slip = f"wrong {', '.join(bad)}"
+        why = f"{', '.join(bad)} differ from the reference's vector-Jacobian product" + (
+            f"; {', '.join(good)} agree" if good else ""
+        )
     failure = Failure(
         case.shape.describe(),
         inputs,
-        dict(zip(("dq", "dk", "dv"), want, strict=True)),
-        dict(zip(("dq", "dk", "dv"), got, strict=False)),
+        dict(zip(names, want, strict=True)),
+        dict(zip(names, got, strict=False)),
         err,
         tol,
         msg,
+        slip,
+        why,
     )
     return FeatureResult("grad", dtype, "fail", seen["first"], failure=failure)

@@ -41,7 +41,7 @@ class Failure:
             out.append(f"  largest error {self.error:.3g}, allowed {self.allowed:.3g}")
         if self.slip:
             out.append(f"  diagnosis: {self.slip} — {self.why}")
-        else:
+        elif self.obtained is not None:
             out.append("  diagnosis: no common slip matches these numbers")
         return out
 
@@ -198,17 +198,20 @@ def _plain(x: Any) -> Any:
 
 def _fmt(x: Any) -> str:
     if isinstance(x, dict):
-        return "; ".join(f"{k}: {_fmt(v)}" for k, v in x.items())
+        return "\n      ".join(f"{k} = {_fmt(v)}" for k, v in x.items())
     if isinstance(x, list) and all(isinstance(a, np.ndarray) for a in x):
         return "\n      ".join(_fmt(a) for a in x) if x else "(none)"
     if isinstance(x, np.ndarray):
         if x.dtype == bool:
             x = x.astype(int)
-        arr = x
-        if arr.ndim == 4 and arr.shape[0] == 1 and arr.shape[1] == 1:
-            arr = arr[0, 0]  # one batch, one head: the matrix alone
+        if x.ndim == 4 and x.shape[:2] != (1, 1) and x.size <= 96:
+            # one (L, S) or (L, d) matrix per batch and head, each labelled
+            blocks = [f"[batch {b}, head {h}] {_fmt(x[b, h])}" for b in range(x.shape[0])
+                      for h in range(x.shape[1])]  # fmt: skip
+            return "\n      ".join(blocks)
+        arr = x[0, 0] if x.ndim == 4 and x.shape[:2] == (1, 1) else x  # one batch, one head
         text = np.array2string(
             arr, precision=5, separator=", ", threshold=48, edgeitems=2, max_line_width=96
         )
-        return text.replace("\n", "\n      ")
+        return text.replace("\n\n", "\n").replace("\n", "\n      ")
     return repr(x)
