@@ -5,11 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import qkv
-from qkv import reference
-from qkv.testing import FEATURES, check_attention
-
 pytest.importorskip("hypothesis")
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import qkv  # noqa: E402
+from qkv import reference  # noqa: E402
+from qkv.testing import FEATURES, check_attention  # noqa: E402
+from qkv.testing import strategies as qs  # noqa: E402
 
 
 def _naive(
@@ -88,6 +92,22 @@ def mean_rows(q, k, v, *, mask=None):
     return _naive(q, k, v, mask=mask, fill=-1e9)
 
 
+def ignores_scale(q, k, v, *, scale=None):
+    return _naive(q, k, v)
+
+
+def subtracts_bias(q, k, v, *, mask=None):
+    return _naive(q, k, v, mask=None if mask is None else -mask)
+
+
+def ignores_window(q, k, v, *, window=None):
+    return qkv.attention(q, k, v)
+
+
+def ignores_softcap(q, k, v, *, softcap=None):
+    return qkv.attention(q, k, v)
+
+
 SLIPPED = [
     (times_sqrt_d, "plain", "multiplied by √d"),
     (no_scale, "plain", "forgot to scale"),
@@ -98,6 +118,10 @@ SLIPPED = [
     (interleaved, "gqa", "grouped heads interleaved"),
     (nan_rows, "masked_rows", "NaN for a row with no key"),
     (mean_rows, "masked_rows", "mean of values for a row with no key"),
+    (ignores_scale, "scale", "explicit scale ignored"),
+    (subtracts_bias, "float_mask", "float mask subtracted"),
+    (ignores_window, "window", "window ignored"),
+    (ignores_softcap, "softcap", "softcap ignored"),
 ]
 
 
@@ -217,3 +241,26 @@ def test_varlen_right_and_planted_slips():
         assert report.result("varlen").failure.slip == slip, str(report)
     # without a varlen function the feature is not supported
     assert check_attention(qkv.attention, **kw).result("varlen").status == "unsupported"
+
+
+# ----- the public strategies keep their promises -----
+
+
+@settings(max_examples=30, deadline=None)
+@given(qs.shapes(grouped=True, dv_differs=True), st.data())
+def test_strategies(shape, data):
+    assert shape.Hkv >= 2 and shape.Hq % shape.Hkv == 0 and shape.Hq >= 2 * shape.Hkv
+    assert shape.dv != shape.d
+    m = data.draw(qs.bool_masks(shape.B, shape.Hq, shape.L, shape.S))
+    assert m.shape[-2:] == (shape.L, shape.S) and m.any(axis=-1).all()
+    f = data.draw(qs.float_masks(shape.B, shape.Hq, shape.L, shape.S))
+    assert f.dtype == np.float64 and np.all(np.abs(f) <= 8)
+    assert data.draw(qs.windows()) != (None, None)
+    cu = data.draw(qs.cu_seqlens())
+    assert cu[0] == 0 and np.all(np.diff(cu) >= 0) and cu.dtype == np.int64
+    var = data.draw(qs.variants(shape.Hq))
+    assert var and set(var) <= {"softcap", "sinks", "alibi_slopes"}
+    q, k, v = data.draw(qs.inputs(qs.shapes()))
+    # values on the grid of sixteenths: exact in bfloat16
+    assert np.array_equal(q * 16, np.round(q * 16)) and np.all(np.abs(q) <= 4)
+    np.testing.assert_allclose(qkv.attention(q, k, v), reference.attention(q, k, v), atol=1e-12)
