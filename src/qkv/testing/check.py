@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -34,19 +35,15 @@ __all__ = ["assert_attention", "check_attention"]
 _FEWER = {"long": 4, "empty": 8, "grad": 8, "varlen": 10}
 
 
+@dataclass
 class _Verdict:
     """One case's verdict: ``ok``, the largest error and what was allowed, or what went wrong."""
 
-    def __init__(
-        self, ok: bool, error: float, tol: float, obtained: Any = None, message: str = ""
-    ) -> None:
-        self.ok, self.error, self.tol, self.obtained, self.message = (
-            ok,
-            error,
-            tol,
-            obtained,
-            message,
-        )
+    ok: bool
+    error: float
+    tol: float
+    obtained: Any = None
+    message: str = ""
 
 
 def judge(kernel: Kernel, case: Case, dtype: str) -> _Verdict:
@@ -116,6 +113,8 @@ def _check_feature(
             strategy, fails, settings=conf, random=random.Random(f"{seed}:{feature}:{dtype}")
         )
     except (NoSuchExample, Unsatisfiable):
+        if not seen["count"]:
+            return FeatureResult(feature, dtype, "skipped", note="no case could be drawn")
         return FeatureResult(
             feature, dtype, "pass", min(seen["count"], n), seen["worst"], seen["allowed"]
         )
