@@ -285,3 +285,11 @@ def test_transformers_attention_functions_and_their_conventions():
     assert eager.result("gqa").status == "pass"
     # its masks hold the dtype's minimum, not -inf: a row with no key averages the values
     assert eager.result("masked_rows").failure.slip == "mean of values for a row with no key"
+
+
+def test_conform_help_lists_every_feature(capsys):
+    from qkv.testing import FEATURES
+
+    assert main(["conform", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "features: " + ", ".join(FEATURES) + "." in out

@@ -28,7 +28,10 @@ EPILOG = """examples:
 TARGET is module:function (the module importable from here, as python -m sees it); the function
 is called as qkv.attention is, fn(q, k, v, causal=..., mask=..., scale=...), with only the
 keywords of the features it supports (read from its signature unless --supports is given).
-A qkv.testing.Kernel brings its own conventions. Exit status: 0 all pass, 1 a failure."""
+A qkv.testing.Kernel brings its own conventions. Exit status: 0 all pass, 1 a failure.
+
+features: plain, scale, causal, mask, float_mask, window, gqa, dv, empty, single, long,
+extreme, masked_rows, decode, softcap, sinks, alibi, varlen, grad."""
 
 _CHOICES = {
     "layout": ("bhld", "blhd"),
