@@ -23,14 +23,14 @@ from typing import Any, NoReturn
 from ..errors import InputError
 from ..extras import EXTRAS, hint
 from ..keywords import nearest
-from . import exercise, explain, explain_model, explore, info, learn, scores, study
+from . import conform, exercise, explain, explain_model, explore, info, learn, scores, study
 from .options import OutputError
 from .terminal import attach_values, encodable_stdout, silence_stdout
 
 __all__ = ["COMMANDS", "UsageError", "attach_values", "build_parser", "main"]
 
 #: The command modules, in the order ``qkv --help`` lists them.
-COMMANDS = [explain, scores, exercise, study, explore, learn, explain_model, info]
+COMMANDS = [explain, scores, exercise, study, explore, learn, explain_model, conform, info]
 
 EPILOG = """examples:
   qkv explain --q "2,1" --k "1,0;3,2" --v "1,2;3,4" --d 4

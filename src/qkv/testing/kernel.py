@@ -1,0 +1,223 @@
+"""A kernel under test: the function, its calling convention, and how to call it on a case.
+
+The kit's cases are float64 NumPy arrays in the ``(batch, heads, L, d)`` layout with the
+keywords of :func:`qkv.attention`. A :class:`Kernel` says how the function wants them: the
+layout (``"bhld"`` or ``"blhd"``), the array type (NumPy, PyTorch or JAX arrays), the dtype,
+which features it supports and how it aligns ``causal``. Masks keep the ``(..., L, S)`` shape
+in every layout.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..errors import InputError
+from .tolerance import DTYPES, round_to
+
+__all__ = ["ARRAYS", "FEATURES", "KEYWORDS", "LAYOUTS", "Kernel", "infer_supports"]
+
+LAYOUTS = ("bhld", "blhd")
+ARRAYS = ("numpy", "torch", "jax")
+
+#: Every feature the kit checks, in report order, with what it means.
+FEATURES: dict[str, str] = {
+    "plain": "softmax(q kᵀ/√d) v, default scale",
+    "scale": "an explicit scale=",
+    "causal": "causal=True in the declared alignment",
+    "mask": "a boolean mask, True = may attend",
+    "float_mask": "a float mask added to the scaled scores",
+    "window": "a sliding window (left, right)",
+    "gqa": "grouped heads: query head h reads kv head h // (Hq / Hkv)",
+    "dv": "values of another width than the keys (dv ≠ d)",
+    "empty": "L = 0 or S = 0",
+    "single": "L = 1 or S = 1",
+    "long": "long rows (S in the thousands)",
+    "extreme": "extreme magnitudes (scores in the thousands, tiny or huge values)",
+    "masked_rows": "rows that may attend no key",
+    "decode": "a few queries against a longer cache of keys (causal where supported)",
+    "softcap": "softcap=c: scores c·tanh(s/c)",
+    "sinks": "sinks=: one logit per head in every softmax, with no value",
+    "alibi": "alibi_slopes=: ALiBi position bias",
+    "varlen": "packed sequences of different lengths (cu_seqlens), with a varlen= function",
+    "grad": "gradients of q, k, v (PyTorch callables)",
+}
+
+#: The keyword each feature passes to the function (features not listed pass none).
+KEYWORDS = {
+    "scale": "scale",
+    "causal": "causal",
+    "mask": "mask",
+    "float_mask": "mask",
+    "window": "window",
+    "softcap": "softcap",
+    "sinks": "sinks",
+    "alibi": "alibi_slopes",
+}
+
+# Features needing no keyword: every kernel is checked on them unless it says otherwise.
+_SHAPES = ("plain", "gqa", "dv", "empty", "single", "long", "extreme", "decode")
+
+
+def infer_supports(fn: Callable[..., Any]) -> set[str]:
+    """The features a function's signature declares: the shape features, plus each feature
+    whose keyword it names (``**kwargs`` alone declares none); ``masked_rows`` with a mask,
+    causal or window keyword."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        params = {}  # type: ignore[assignment]
+    named = {n for n, p in params.items() if p.kind is not inspect.Parameter.VAR_KEYWORD}
+    out = set(_SHAPES) | {f for f, kw in KEYWORDS.items() if kw in named}
+    if named & {"mask", "causal", "window"}:
+        out.add("masked_rows")
+    return out
+
+
+@dataclass
+class Kernel:
+    """An attention function and its conventions.
+
+    Parameters
+    ----------
+    fn : callable
+        Called as ``fn(q, k, v, **keywords)`` with only the keywords of the case's feature.
+    name : str, optional
+        For the report card (default: the function's qualified name).
+    layout : {"bhld", "blhd"}
+        ``(batch, heads, L, d)`` or ``(batch, L, heads, d)`` for ``q``, ``k``, ``v`` and the
+        output.
+    arrays : {"numpy", "torch", "jax"}
+        The array type the function takes and returns.
+    supports : iterable of str, optional
+        Features it supports (keys of :data:`FEATURES`); default from its signature
+        (:func:`infer_supports`).
+    causal_alignment : {"bottom-right", "top-left"}
+        Where ``causal=True`` puts the queries when ``L != S``: bottom-right (qkv,
+        FlashAttention, decoding with a cache) or top-left (PyTorch's ``is_causal``).
+    masked_rows : {"zero", "nan", "any"}
+        What a row that may attend no key gives: 0 (qkv), NaN, or not checked.
+    notes : list of str
+        Conventions worth printing on the card.
+    device : str
+        Where torch tensors are made (``"cpu"``, ``"cuda"``).
+    varlen : callable, optional
+        The kernel's packed variable-length entry, called as :func:`qkv.attention_varlen` is:
+        ``varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=...)`` with ``(total, heads, d)``
+        arrays (:mod:`qkv.testing.varlen`).
+    """
+
+    fn: Callable[..., Any]
+    name: str = ""
+    layout: str = "bhld"
+    arrays: str = "numpy"
+    supports: Iterable[str] | None = None
+    causal_alignment: str = "bottom-right"
+    masked_rows: str = "zero"
+    notes: list[str] = field(default_factory=list)
+    device: str = "cpu"
+    varlen: Callable[..., Any] | None = None
+
+    def __post_init__(self) -> None:
+        if not callable(self.fn):
+            raise InputError(f"fn: expected a callable, got {type(self.fn).__name__}")
+        for what, value, choices in (
+            ("layout", self.layout, LAYOUTS),
+            ("arrays", self.arrays, ARRAYS),
+            ("causal_alignment", self.causal_alignment, ("bottom-right", "top-left")),
+            ("masked_rows", self.masked_rows, ("zero", "nan", "any")),
+        ):
+            if value not in choices:
+                raise InputError(f"{what}: expected one of {', '.join(choices)}, got {value!r}")
+        if not self.name:
+            mod = getattr(self.fn, "__module__", None) or ""
+            qual = getattr(self.fn, "__qualname__", None) or type(self.fn).__name__
+            self.name = f"{mod}.{qual}" if mod else qual
+        sup = infer_supports(self.fn) if self.supports is None else set(self.supports)
+        if self.supports is None and self.varlen is not None:
+            sup.add("varlen")
+        unknown = sorted(sup - set(FEATURES))
+        if unknown:
+            raise InputError(
+                f"supports: unknown feature(s) {', '.join(unknown)}; expected some of "
+                f"{', '.join(FEATURES)}"
+            )
+        self.supports = sup | {"plain"}
+
+    # ----- conversion to and from the function's arrays -----
+    def to_arrays(self, x: np.ndarray, dtype: str, *, layout: bool = True) -> Any:
+        """``x`` (float64, ``bhld``) as the function's arrays in ``dtype`` (and its layout)."""
+        x = round_to(x, dtype)
+        if layout and self.layout == "blhd":
+            x = np.swapaxes(x, 1, 2)
+        if self.arrays == "torch":
+            import torch
+
+            t = torch.from_numpy(
+                np.ascontiguousarray(x, dtype=np.float32 if dtype == "bfloat16" else dtype)
+            )
+            return t.to(device=self.device, dtype=getattr(torch, dtype))
+        if self.arrays == "jax":
+            import jax.numpy as jnp
+
+            return jnp.asarray(x.astype(np.float32), dtype=getattr(jnp, dtype))
+        return np.ascontiguousarray(x.astype(_numpy_dtype(dtype)))
+
+    def from_arrays(self, out: Any) -> np.ndarray:
+        """The function's output as float64 NumPy in ``bhld``."""
+        if self.arrays == "torch" or hasattr(out, "detach"):
+            out = out.detach().float().cpu().numpy()
+        a = np.asarray(out, dtype=np.float64)
+        if self.layout == "blhd" and a.ndim == 4:
+            a = np.swapaxes(a, 1, 2)
+        return a
+
+    def mask_arrays(self, m: np.ndarray, dtype: str) -> Any:
+        """A mask as the function's arrays (boolean kept boolean; float in ``dtype``)."""
+        if m.dtype == bool:
+            if self.arrays == "torch":
+                import torch
+
+                return torch.from_numpy(m.copy()).to(self.device)
+            if self.arrays == "jax":
+                import jax.numpy as jnp
+
+                return jnp.asarray(m)
+            return m
+        return self.to_arrays(m, dtype, layout=False)
+
+    def call(
+        self, q: np.ndarray, k: np.ndarray, v: np.ndarray, options: dict, dtype: str
+    ) -> np.ndarray:
+        """Run the function on a case (float64 arrays in bhld) and give its output as
+        float64 in bhld."""
+        kw: dict[str, Any] = {}
+        for name, value in options.items():
+            if name == "mask":
+                kw[name] = self.mask_arrays(value, dtype)
+            elif name in ("sinks", "alibi_slopes"):
+                kw[name] = self.to_arrays(
+                    value, "float32" if dtype != "float64" else dtype, layout=False
+                )
+            else:
+                kw[name] = value
+        args = [self.to_arrays(x, dtype) for x in (q, k, v)]
+        return self.from_arrays(self.fn(*args, **kw))
+
+
+def _numpy_dtype(dtype: str) -> Any:
+    if dtype == "bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise InputError(
+                "dtypes: bfloat16 NumPy arrays need ml_dtypes (pip install ml_dtypes)"
+            ) from None
+        return ml_dtypes.bfloat16
+    if dtype not in DTYPES:
+        raise InputError(f"dtypes: expected some of {', '.join(DTYPES)}, got {dtype!r}")
+    return np.dtype(dtype)
