@@ -390,6 +390,9 @@ class KVCache:
         return out
 
 
+_WANTED = f"dtype: expected a float dtype (float16, float32, float64) or a stored form {FORMATS}"
+
+
 def _storage(dtype: Any) -> tuple[np.dtype | str, str | None]:
     """``(dtype, form)`` of a cache's ``dtype`` argument: a float dtype and None (or
     ``"float16"``, a form read in place), or a stored form's name twice."""
@@ -404,13 +407,9 @@ def _storage(dtype: Any) -> tuple[np.dtype | str, str | None]:
             raise TypeError
         dt = np.dtype(dtype)
     except TypeError:
-        raise InputTypeError(
-            f"dtype: expected float16, float32, float64 or a stored form {FORMATS}, got {dtype!r}"
-        ) from None
+        raise InputTypeError(f"{_WANTED}, got {dtype!r}") from None
     if dt not in (np.float16, np.float32, np.float64):
-        raise InputTypeError(
-            f"dtype: expected float16, float32, float64 or a stored form {FORMATS}, got {dt}"
-        )
+        raise InputTypeError(f"{_WANTED}, got {dt}")
     return dt, "float16" if dt == np.float16 else None
 
 

@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InputError, InputTypeError
+from ..keywords import near_keywords
 
 __all__ = ["FORMATS", "SCALED", "check_format", "dequantize_kv", "quantize_kv", "storage_dtype"]
 
@@ -111,6 +112,7 @@ def _e4m3_values(bits: np.ndarray) -> np.ndarray:
     return np.where(b & 0x80, -mag, mag).astype(np.float32)
 
 
+@near_keywords()
 def quantize_kv(x: Any, dtype: Any) -> tuple[np.ndarray, np.ndarray | None]:
     """Keys or values in a stored form: ``(codes, scales)``.
 
@@ -155,6 +157,7 @@ def quantize_kv(x: Any, dtype: Any) -> tuple[np.ndarray, np.ndarray | None]:
     return _e4m3_bits(y), scales
 
 
+@near_keywords()
 def dequantize_kv(codes: Any, scales: Any, dtype: Any) -> np.ndarray:
     """The float32 values a stored form holds (the reference the kernel must equal).
 

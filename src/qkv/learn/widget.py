@@ -18,6 +18,7 @@ import numpy as np
 
 from ..explanation.display import fmt
 from ..extras import require
+from ..keywords import near_keywords
 from .api import FieldError, explain_fields
 from .page import CSS, DRAW_JS, SEED
 
@@ -121,6 +122,7 @@ def _widget_class() -> type:
     return LiveWidget
 
 
+@near_keywords()
 def widget(
     q: Any,
     k: Any,
