@@ -112,6 +112,7 @@ struct E4m3 {
 template <typename T, typename E>
 struct Kv {  // stored as T
     static constexpr bool scaled = false;
+    static constexpr bool by_vector = true;  // vec<V>() reads one vector (else row<V, N>() only)
     static QKV_INLINE T get(const E* p) { return *p; }
     template <typename V>
     static QKV_INLINE V vec(const E* p) {
@@ -128,6 +129,7 @@ struct Kv {  // stored as T
 template <>
 struct Kv<float, Bf16> {  // bfloat16: the high half of a float32's bits
     static constexpr bool scaled = false;
+    static constexpr bool by_vector = true;
     static QKV_INLINE float get(const Bf16* p) {
         const uint32_t u = uint32_t(p->bits) << 16;
         float f;
@@ -157,6 +159,7 @@ struct Kv<float, Bf16> {  // bfloat16: the high half of a float32's bits
 template <>
 struct Kv<float, F16> {
     static constexpr bool scaled = false;
+    static constexpr bool by_vector = true;
     static QKV_INLINE float get(const F16* p) {
         _Float16 h;
         std::memcpy(&h, p, 2);
@@ -207,6 +210,7 @@ QKV_INLINE void bytes_high(const void* p, U* out) {
 template <>
 struct Kv<float, I8> {  // int8 codes
     static constexpr bool scaled = true;
+    static constexpr bool by_vector = false;
     static QKV_INLINE float get(const I8* p) { return float(p->code); }
     template <typename V, int N>
     static QKV_INLINE void row(const I8* p, V* out) {
@@ -225,6 +229,7 @@ struct Kv<float, I8> {  // int8 codes
 template <>
 struct Kv<float, E4m3> {
     static constexpr bool scaled = true;
+    static constexpr bool by_vector = false;
     static QKV_INLINE float get(const E4m3* p) {
         const uint32_t c = p->code, mag = c & 0x7F, sign = (c & 0x80) << 24;
         float f;
@@ -400,19 +405,33 @@ QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h,
                 for (int64_t j = 0; j < n; ++j) {
                     const T vsj = KV::scaled ? T(at.vs[(b0 + j) * a.vs_rs]) : T(1);
                     const T p0 = s0[j] * vsj, p1 = s1[j] * vsj;
-                    V y[NV];
-                    KV::template row<V, NV>(V0 + (b0 + j) * a.v_rs, y);
-                    for (int c = 0; c < NV; ++c) {
-                        x0[c] += p0 * y[c];
-                        x1[c] += p1 * y[c];
+                    const E* vr = V0 + (b0 + j) * a.v_rs;
+                    if constexpr (KV::by_vector) {  // each vector loaded as it is used
+                        for (int c = 0; c < NV; ++c) {
+                            const V y = KV::template vec<V>(vr + c * W);
+                            x0[c] += p0 * y;
+                            x1[c] += p1 * y;
+                        }
+                    } else {  // bytes: whole 64-byte lines at once
+                        V y[NV];
+                        KV::template row<V, NV>(vr, y);
+                        for (int c = 0; c < NV; ++c) {
+                            x0[c] += p0 * y[c];
+                            x1[c] += p1 * y[c];
+                        }
                     }
                 }
             } else {
                 for (int64_t j = 0; j < n; ++j) {
                     const T p0 = KV::scaled ? s0[j] * T(at.vs[(b0 + j) * a.vs_rs]) : s0[j];
-                    V y[NV];
-                    KV::template row<V, NV>(V0 + (b0 + j) * a.v_rs, y);
-                    for (int c = 0; c < NV; ++c) x0[c] += p0 * y[c];
+                    const E* vr = V0 + (b0 + j) * a.v_rs;
+                    if constexpr (KV::by_vector) {
+                        for (int c = 0; c < NV; ++c) x0[c] += p0 * KV::template vec<V>(vr + c * W);
+                    } else {
+                        V y[NV];
+                        KV::template row<V, NV>(vr, y);
+                        for (int c = 0; c < NV; ++c) x0[c] += p0 * y[c];
+                    }
                 }
             }
             for (int c = 0; c < NV; ++c) {
