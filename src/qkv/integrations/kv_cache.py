@@ -99,6 +99,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.length = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Empty buffers for the first tokens' batch, heads and head sizes."""
         b, h, _, d = key_states.shape
         dv = value_states.shape[-1]
         self.device, self.dtype = key_states.device, key_states.dtype
@@ -145,15 +146,19 @@ class QuantizedKVLayer(CacheLayerMixin):
         return keys, values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """The mask's key length (cached plus new tokens) and offset (0)."""
         return self.get_seq_length() + query_length, 0
 
     def get_seq_length(self) -> int:
+        """Tokens stored."""
         return self.length
 
     def get_max_length(self) -> int:
+        """-1: the buffers grow without a maximum."""
         return -1
 
     def reset(self) -> None:
+        """Forget every stored token (the buffers are kept)."""
         self.length = 0
 
 
