@@ -239,6 +239,44 @@ def _masks(plan: Plan) -> tuple[np.ndarray | None, np.ndarray | None]:
     return m, np.ascontiguousarray(_offsets(m)).reshape(-1)
 
 
+def _operands(*arrays: tuple[np.ndarray, np.ndarray]) -> dict[str, int]:
+    """The q, k, v fields of an argument struct: each operand's address, per-head element
+    offsets and row stride, from ``(operand, offsets)`` pairs in that order."""
+    fields: dict[str, int] = {}
+    for name, (a, off) in zip("qkv", arrays, strict=True):
+        fields.update({name: a.ctypes.data, f"{name}_off": off.ctypes.data})
+        fields[f"{name}_rs"] = _row_stride(a)
+    return fields
+
+
+def _mask_and_rule(
+    plan: Plan, threads: int, isa: str | None, gemm: int, block_q: int, block_k: int
+) -> tuple[dict[str, Any], tuple[Any, Any]]:
+    """The fields the prefill and the backward share after their operands: the mask or bias
+    (:func:`_masks`), the scale and visibility rule, threads, clone, BLAS and tile sizes; and
+    the mask arrays, which the caller holds until the call returns (the fields point into
+    them)."""
+    m, m_off = _masks(plan)
+    left, right = plan.window if plan.window is not None else (None, None)
+    fields = {
+        "mask": None if plan.mask is None or m is None else m.ctypes.data,
+        "bias": None if plan.bias is None or m is None else m.ctypes.data,
+        "m_off": None if m_off is None else m_off.ctypes.data,
+        "m_rs": 0 if m is None else m.strides[-2] // m.itemsize,
+        "m_cs": 0 if m is None else m.strides[-1] // m.itemsize,
+        "scale": plan.scale,
+        "causal": int(plan.causal),
+        "left": -1 if left is None else left,
+        "right": -1 if right is None else right,
+        "threads": threads,
+        "isa": isa_cap(isa),
+        "gemm": gemm,
+        "block_q": block_q,
+        "block_k": block_k,
+    }
+    return fields, (m, m_off)
+
+
 def attend(
     plan: Plan,
     *,
@@ -280,45 +318,16 @@ def attend(
     k_off, v_off = (
         np.ascontiguousarray(np.broadcast_to(o, batch)).reshape(-1) for o in (k_off, v_off)
     )
-    m, m_off = _masks(plan)
-    m_ptr = None if m is None else m.ctypes.data  # the mask's or the bias's data
-    left, right = plan.window if plan.window is not None else (None, None)
     n = workers(threads, blas=True)  # BLAS tiles: one thread unless BLAS can be held
     block_q = _fit_rows(block_q, lambda bq: nb * -(-L // bq), n)
+    rule, held = _mask_and_rule(plan, n, isa, gemm[dt], block_q, block_k)
     args = PrefillArgs(
-        nb=nb,
-        L=L,
-        S=plan.S,
-        d=plan.d,
-        dv=dv,
-        q=q.ctypes.data,
-        q_off=q_off.ctypes.data,
-        q_rs=_row_stride(q),
-        k=k.ctypes.data,
-        k_off=k_off.ctypes.data,
-        k_rs=_row_stride(k),
-        v=v.ctypes.data,
-        v_off=v_off.ctypes.data,
-        v_rs=_row_stride(v),
-        out=out.ctypes.data,
-        lse=lse.ctypes.data,
-        mask=None if plan.mask is None else m_ptr,
-        bias=None if plan.bias is None else m_ptr,
-        m_off=None if m_off is None else m_off.ctypes.data,
-        m_rs=0 if m is None else m.strides[-2] // m.itemsize,
-        m_cs=0 if m is None else m.strides[-1] // m.itemsize,
-        scale=plan.scale,
-        causal=int(plan.causal),
-        left=-1 if left is None else left,
-        right=-1 if right is None else right,
-        threads=n,
-        isa=isa_cap(isa),
-        gemm=gemm[dt],
-        block_q=block_q,
-        block_k=block_k,
-    )
+        nb=nb, L=L, S=plan.S, d=plan.d, dv=dv, out=out.ctypes.data, lse=lse.ctypes.data,
+        **_operands((q, q_off), (k, k_off), (v, v_off)), **rule,
+    )  # fmt: skip
     with single_threaded_blas():
         invoke(f"qkv_prefill_{_SUFFIX[dt]}", args, "prefill")
+    del held  # the mask arrays the call read
     return out, lse
 
 
@@ -360,48 +369,16 @@ def backward(
     q_off = np.ascontiguousarray(_offsets(q)).reshape(-1)
     k_off = np.ascontiguousarray(_offsets(k)).reshape(-1)
     v_off = np.ascontiguousarray(_offsets(v)).reshape(-1)
-    m, m_off = _masks(plan)
-    m_ptr = None if m is None else m.ctypes.data  # the mask's or the bias's data
-    left, right = plan.window if plan.window is not None else (None, None)
+    rule, held = _mask_and_rule(plan, workers(threads, blas=True), isa, gemm[dt], block_q, block_k)
     args = BackwardArgs(
-        nkv=k_off.size,
-        group=nq // k_off.size,
-        L=L,
-        S=S,
-        d=d,
-        dv=dv,
-        q=q.ctypes.data,
-        q_off=q_off.ctypes.data,
-        q_rs=_row_stride(q),
-        k=k.ctypes.data,
-        k_off=k_off.ctypes.data,
-        k_rs=_row_stride(k),
-        v=v.ctypes.data,
-        v_off=v_off.ctypes.data,
-        v_rs=_row_stride(v),
-        dout=d_out.ctypes.data,
-        lse=lse_safe.ctypes.data,
-        delta=delta.ctypes.data,
-        dq=dq.ctypes.data,
-        dk=dk.ctypes.data,
-        dvo=dvv.ctypes.data,
-        mask=None if plan.mask is None else m_ptr,
-        bias=None if plan.bias is None else m_ptr,
-        m_off=None if m_off is None else m_off.ctypes.data,
-        m_rs=0 if m is None else m.strides[-2] // m.itemsize,
-        m_cs=0 if m is None else m.strides[-1] // m.itemsize,
-        scale=plan.scale,
-        causal=int(plan.causal),
-        left=-1 if left is None else left,
-        right=-1 if right is None else right,
-        threads=workers(threads, blas=True),
-        isa=isa_cap(isa),
-        gemm=gemm[dt],
-        block_q=block_q,
-        block_k=block_k,
-    )
+        nkv=k_off.size, group=nq // k_off.size, L=L, S=S, d=d, dv=dv,
+        **_operands((q, q_off), (k, k_off), (v, v_off)),
+        dout=d_out.ctypes.data, lse=lse_safe.ctypes.data, delta=delta.ctypes.data,
+        dq=dq.ctypes.data, dk=dk.ctypes.data, dvo=dvv.ctypes.data, **rule,
+    )  # fmt: skip
     with single_threaded_blas():
         invoke(f"qkv_backward_{_SUFFIX[dt]}", args, "backward")
+    del held  # the mask arrays the call read
     return dq, dk, dvv
 
 
