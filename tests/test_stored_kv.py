@@ -261,3 +261,28 @@ def test_scaled_forms_refuse_non_finite_appends_by_name():
     with pytest.raises(qkv.InputError, match=r"^v: int8 stores finite values"):
         cache.append(np.ones((1, 1, 1, 4)), np.full((1, 1, 1, 4), np.nan))
     assert cache.lengths.tolist() == [0]
+
+
+@native
+@pytest.mark.parametrize("q_dtype", [np.float16, np.float32])
+def test_a_decoding_step_on_a_stored_cache_copies_nothing(q_dtype):
+    """The one-call road checks the call against zero-stride stand-ins: no buffer-sized
+    array is made (the K/V here are 8 MiB; the step allocates well under 1 MiB)."""
+    import tracemalloc
+
+    rng = np.random.default_rng(8)
+    cache = qkv.KVCache(2, 2, 64, dtype=np.float16)
+    k, v = rng.standard_normal((2, 2, 2, 4000, 64))
+    cache.append(k, v)
+    q = rng.standard_normal((2, 8, 1, 64)).astype(q_dtype)
+    cache.attend(q)  # warm: imports, thread team
+    tracemalloc.start()
+    out = cache.attend(q)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert out.dtype == q_dtype and peak < 1 << 20
+    kd, vd = (x.astype(np.float16).astype(np.float64) for x in (k, v))
+    want = reference.attention(q.astype(np.float64), kd, vd, causal=True)
+    np.testing.assert_allclose(
+        out.astype(np.float64), want, atol=2e-3 if q_dtype == np.float16 else F32
+    )

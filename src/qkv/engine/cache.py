@@ -339,7 +339,9 @@ class KVCache:
         if not native_decode.available():
             return None
         value_dtype = np.dtype(np.float32) if self._form not in (None, "float16") else self.dtype
-        stand = np.zeros((), dtype=np.result_type(qa.dtype, value_dtype))
+        out_dtype = np.result_type(qa.dtype, value_dtype)
+        # stand-ins in the compute dtype (float16's is float32), so that none is widened
+        stand = np.zeros((), dtype=np.float32 if out_dtype.itemsize < 4 else out_dtype)
         plan = make_plan(
             qa,
             np.broadcast_to(stand, (self.batch, self.kv_heads, longest, self.head_dim)),
@@ -370,7 +372,7 @@ class KVCache:
         if res is None:
             return None
         out, lse = mods.with_sinks(plan, *res)
-        return out.astype(plan.out_dtype, copy=False), lse
+        return out.astype(out_dtype, copy=False), lse
 
     def _per_head_variants(self, variants: dict[str, Any], heads: int) -> dict[str, Any]:
         """``sinks`` and ``alibi_slopes`` as arrays checked against ``(batch, heads)``, so that
