@@ -44,7 +44,7 @@ import numpy as np
 from ..errors import InputError
 from ..front import softmax
 from .display import fmt
-from .practice import ATOL, RTOL, Feedback, Step
+from .practice import Feedback, Step, judge
 from .scale import read_number
 from .trace import explain
 
@@ -106,10 +106,6 @@ def read_drill_answer(text: str) -> np.ndarray:
     return np.array(out, dtype=np.float64)
 
 
-def _close(a: np.ndarray, b: np.ndarray) -> bool:
-    return a.shape == b.shape and bool(np.allclose(a, b, rtol=RTOL, atol=ATOL, equal_nan=True))
-
-
 def _softmax_of(scores: np.ndarray, **masks: object) -> tuple[np.ndarray, np.ndarray]:
     """The library's masked scores and weights for ``scores`` themselves (identity keys, scale
     1, so the scores pass through unchanged)."""
@@ -166,20 +162,7 @@ class MaskDrill:
         """Compare ``answer`` (text or numbers) with part ``key``; on a miss, name the slip."""
         s = self.step(key)
         a = read_drill_answer(answer) if isinstance(answer, str) else np.asarray(answer, float)
-        want = s.expected
-        if a.shape != want.shape and a.size == want.size:
-            a = a.reshape(want.shape)
-        if a.shape != want.shape:
-            rows, cols = want.shape
-            what = f"{cols} numbers" if rows == 1 else f"{rows} rows of {cols} numbers"
-            return Feedback(False, None, f"expected {what}, got {a.size}", readable=False)
-        if _close(a, want):
-            return Feedback(True, None, "right")
-        for name in DRILL_SLIPS:
-            cand = s.slips.get(name)
-            if cand is not None and not _close(cand, want) and _close(a, cand):
-                return Feedback(False, name, f"not quite: {_WHY[name]}")
-        return Feedback(False, None, "not quite")
+        return judge(a, s.expected, s.slips, DRILL_SLIPS, lambda n: f"not quite: {_WHY[n]}", True)
 
 
 def _masks(rng: np.random.Generator, L: int, S: int) -> np.ndarray:

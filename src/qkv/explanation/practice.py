@@ -172,8 +172,34 @@ def read_answer(text: str) -> np.ndarray:
     return a[0] if len(out) == 1 else a
 
 
-def _close(a: np.ndarray, b: np.ndarray) -> bool:
-    return a.shape == b.shape and bool(np.allclose(a, b, rtol=RTOL, atol=ATOL, equal_nan=False))
+def _close(a: np.ndarray, b: np.ndarray, nan: bool = False) -> bool:
+    return a.shape == b.shape and bool(np.allclose(a, b, rtol=RTOL, atol=ATOL, equal_nan=nan))
+
+
+def judge(
+    a: np.ndarray,
+    want: np.ndarray,
+    slips: dict[str, np.ndarray],
+    names: Any,
+    say: Callable[[str], str],
+    nan: bool = False,
+) -> Feedback:
+    """The feedback on answer ``a`` to a step whose value is ``want``: right, the first slip
+    of ``names`` whose value (in ``slips``) it equals, in ``say(name)``'s words, or not quite;
+    a shape that does not fit is said as such. ``nan``: NaN answers equal NaN values."""
+    if a.shape != want.shape and a.size == want.size:
+        a = a.reshape(want.shape)  # one query: a row or a flat list
+    if a.shape != want.shape:
+        rows, cols = want.shape
+        what = f"{cols} numbers" if rows == 1 else f"{rows} rows of {cols} numbers"
+        return Feedback(False, None, f"expected {what}, got {a.size}", readable=False)
+    if _close(a, want, nan):
+        return Feedback(True, None, "right")
+    for name in names:
+        cand = slips.get(name)
+        if cand is not None and not _close(cand, want, nan) and _close(a, cand, nan):
+            return Feedback(False, name, say(name))
+    return Feedback(False, None, "not quite")
 
 
 class Practice:
@@ -250,20 +276,7 @@ class Practice:
         if isinstance(answer, str):
             answer = read_answer(answer)
         a = np.asarray(answer, dtype=float)
-        want = s.expected
-        if a.shape != want.shape and a.size == want.size:
-            a = a.reshape(want.shape)  # one query: a row or a flat list
-        if a.shape != want.shape:
-            rows, cols = want.shape
-            what = f"{cols} numbers" if rows == 1 else f"{rows} rows of {cols} numbers"
-            return Feedback(False, None, f"expected {what}, got {a.size}", readable=False)
-        if _close(a, want):
-            return Feedback(True, None, "right")
-        for name in SLIPS:
-            cand = s.slips.get(name)
-            if cand is not None and not _close(cand, want) and _close(a, cand):
-                return Feedback(False, name, f"not quite (slip: {name}): {_WHY[name]}")
-        return Feedback(False, None, "not quite")
+        return judge(a, s.expected, s.slips, SLIPS, lambda n: f"not quite (slip: {n}): {_WHY[n]}")
 
     # ----- the worked steps, one line per query row and key -----
     def _rows(self) -> list[tuple[int, str]]:
