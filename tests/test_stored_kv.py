@@ -286,3 +286,20 @@ def test_a_decoding_step_on_a_stored_cache_copies_nothing(q_dtype):
     np.testing.assert_allclose(
         out.astype(np.float64), want, atol=2e-3 if q_dtype == np.float16 else F32
     )
+
+
+def test_quantize_kv_reads_tensors_and_lists_as_arrays():
+    torch = pytest.importorskip("torch")
+    x = np.random.default_rng(9).standard_normal((3, 16)).astype(np.float32)
+    for form in FORMS:
+        want = qkv.quantize_kv(x, form)
+        for arg in (torch.from_numpy(x), x.tolist()):
+            got = qkv.quantize_kv(arg, form)
+            np.testing.assert_array_equal(got[0], want[0])
+            assert (got[1] is None) == (want[1] is None)
+    # a bfloat16 tensor is read as its values (widened exactly)
+    b = torch.from_numpy(x).bfloat16()
+    codes, _ = qkv.quantize_kv(b, "bfloat16")
+    np.testing.assert_array_equal(codes, b.view(torch.int16).numpy().view(np.uint16))
+    with pytest.raises(qkv.InputError, match=r"x: expected at least 1 dimension"):
+        qkv.quantize_kv(3.0, "int8")

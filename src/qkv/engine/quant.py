@@ -44,6 +44,7 @@ import numpy as np
 
 from ..errors import InputError, InputTypeError
 from ..keywords import near_keywords
+from ..validate import as_array
 
 __all__ = ["FORMATS", "SCALED", "check_format", "dequantize_kv", "quantize_kv", "storage_dtype"]
 
@@ -126,17 +127,15 @@ def quantize_kv(x: Any, dtype: Any) -> tuple[np.ndarray, np.ndarray | None]:
     Returns
     -------
     codes : ndarray, shape ``(..., d)``
-        ``uint16`` bits (bfloat16), ``float16``, ``int8`` codes or ``uint8`` e4m3fn bits.
+        ``uint16`` bits (bfloat16), ``float16``, ``int8`` codes or ``uint8`` e4m3fn bits: NumPy
+        arrays whatever ``x`` was (a CPU tensor is read in place), as the cache stores them.
     scales : ndarray of float32, shape ``(...)``, or None
         One scale per row of ``d`` values for ``"int8"`` and ``"float8_e4m3fn"``; None else.
     """
     form = check_format(dtype)
-    a = np.asarray(x)
-    if a.dtype.kind not in "iuf" or a.ndim < 1:
-        raise InputTypeError(
-            f"x: expected real numbers with at least 1 dimension, got dtype {a.dtype} with "
-            f"shape {a.shape}"
-        )
+    a = as_array(x, "x")  # NumPy arrays, lists, CPU tensors (bfloat16 ones too)
+    if a.ndim < 1:
+        raise InputError(f"x: expected at least 1 dimension (..., d), got shape {a.shape}")
     a = a.astype(np.float32, copy=False)
     if form == "bfloat16":
         return _bf16_bits(a), None
