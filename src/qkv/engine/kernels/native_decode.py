@@ -241,19 +241,37 @@ def attend(plan: Plan, *, threads: int | None = None) -> tuple[np.ndarray, np.nd
     """
     from . import decode
 
-    q, k, v = plan.q, plan.k, plan.v
-    assert v is not None  # supports() checked it
-    outer, kvh = plan.batch[:-1], k.shape[-3]
+    assert plan.v is not None  # supports() checked it
+    res = _attend(plan, plan.k, plan.v, threads)
+    return decode.attend(plan, threads=threads) if res is None else res
+
+
+def attend_stored(
+    plan: Plan, *, threads: int | None = None
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """:func:`attend` on a plan's stored float16/bfloat16 K/V (:attr:`Plan.stored`), read in
+    place: ``(out, lse)`` in float32, or None where the kernel does not serve it (the caller
+    then widens them, :meth:`Plan.materialized`, and takes the general path).
+    """
+    assert plan.stored is not None
+    return _attend(plan, *plan.stored, threads)
+
+
+def _attend(
+    plan: Plan, k: np.ndarray, v: np.ndarray, threads: int | None
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """One step of ``plan``'s queries against ``k`` and ``v`` (broadcast to the plan's K/V
+    shapes), each sequence its run of keys from the plan's mask; None where not served."""
     lo = hi = None
     if plan.mask is not None:
         runs = _runs(plan)
         if runs is None:
-            return decode.attend(plan, threads=threads)
+            return None
         lo, hi = runs
+    outer, kvh = plan.batch[:-1], plan.k.shape[-3]
     k = np.broadcast_to(k, (*outer, kvh, plan.S, plan.d))
     v = np.broadcast_to(v, (*outer, kvh, plan.S, plan.dv))
-    res = step(q, k, v, plan.scale, lo, hi, threads=threads, softcap=plan.softcap)
-    return decode.attend(plan, threads=threads) if res is None else res
+    return step(plan.q, k, v, plan.scale, lo, hi, threads=threads, softcap=plan.softcap)
 
 
 def _stored_form(dt: np.dtype, k: np.ndarray, v: np.ndarray, kv_format: str | None) -> str | None:
@@ -282,27 +300,6 @@ def _scale_rows(s: np.ndarray | None, outer: tuple[int, ...], kvh: int, S: int) 
         return None
     found = layout((*s.shape, 1), (*(st // 4 for st in s.strides), 1), len(outer))
     return None if found is None else (s.ctypes.data, found)
-
-
-def attend_stored(
-    plan: Plan, *, threads: int | None = None
-) -> tuple[np.ndarray, np.ndarray] | None:
-    """:func:`attend` on a plan's stored float16/bfloat16 K/V (:attr:`Plan.stored`), read in
-    place: ``(out, lse)`` in float32, or None where the kernel does not serve it (the caller
-    then widens them, :meth:`Plan.materialized`, and takes the general path).
-    """
-    assert plan.stored is not None and plan.v is not None
-    lo = hi = None
-    if plan.mask is not None:
-        runs = _runs(plan)
-        if runs is None:
-            return None
-        lo, hi = runs
-    outer, kvh = plan.batch[:-1], plan.k.shape[-3]
-    k, v = plan.stored
-    k = np.broadcast_to(k, (*outer, kvh, plan.S, plan.d))
-    v = np.broadcast_to(v, (*outer, kvh, plan.S, plan.dv))
-    return step(plan.q, k, v, plan.scale, lo, hi, threads=threads, softcap=plan.softcap)
 
 
 def step(
