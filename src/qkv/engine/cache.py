@@ -398,12 +398,12 @@ _WANTED = f"dtype: expected a float dtype (float16, float32, float64) or a store
 def _storage(dtype: Any) -> tuple[np.dtype | str, str | None]:
     """``(dtype, form)`` of a cache's ``dtype`` argument: a float dtype and None (or
     ``"float16"``, a form read in place), or a stored form's name twice."""
-    if isinstance(dtype, str) and dtype in FORMATS and dtype != "float16":
-        return dtype, dtype
-    if getattr(dtype, "__name__", None) in FORMATS or str(dtype) in ("bfloat16", "float8_e4m3fn"):
+    try:
         form = check_format(dtype)
-        if form != "float16":
-            return form, form
+    except InputTypeError:
+        form = None  # a float dtype, or nothing qkv stores
+    if form is not None and form != "float16":
+        return form, form
     try:
         if dtype is None:  # np.dtype(None) would silently be float64
             raise TypeError
