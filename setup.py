@@ -66,7 +66,9 @@ def _native() -> list[Extension]:
         Extension(
             "qkv.engine.kernels._native",
             # one source per kernel family over the shared headers (abi.h, common.h)
-            sources=[f"{_SRC}/{name}.cpp" for name in ("forward", "backward", "decode")],
+            sources=[
+                f"{_SRC}/{name}.cpp" for name in ("forward", "forward_bf16", "backward", "decode")
+            ],
             depends=[f"{_SRC}/abi.h", f"{_SRC}/common.h"],
             language="c++",
             # No -march: the vector clones are chosen at run time (see common.h).

@@ -31,7 +31,7 @@ import numpy as np
 
 from ...errors import InputError, InputTypeError
 from ...validate import Plan
-from . import decode, dense, mods, native, native_decode, packed, tiled
+from . import decode, dense, mods, native, native_bf16, native_decode, packed, tiled
 from .threads import team_preferred
 
 __all__ = [
@@ -175,6 +175,10 @@ def attend(
             found = native_decode.attend_stored(plan)
             if found is not None:
                 return mods.with_sinks(plan, *found)
+        elif _prefill(plan, kernel) and native_bf16.supports(plan):  # bfloat16 tile products
+            out, lse = native_bf16.attend(plan)
+            if np.isfinite(out).all():  # else the float32 kernels apply their rules
+                return mods.with_sinks(plan, out, lse)
         plan, choice = plan.materialized(), None  # every other kernel reads widened K/V
     if choice is None:
         choice = choose(plan, kernel)
@@ -199,6 +203,13 @@ def attend(
     if not np.isfinite(out).all():
         check_overflow(plan)
     return mods.with_sinks(plan, out, lse)
+
+
+def _prefill(plan: Plan, kernel: str) -> bool:
+    """Whether :func:`choose` sends ``plan`` to a prefill (``"tiled"``) kernel."""
+    if kernel != "auto":
+        return kernel == "tiled"
+    return plan.L > DECODE_MAX_L and plan.L * plan.S > DENSE_MAX_SCORES
 
 
 def _plain(plan: Plan) -> bool:

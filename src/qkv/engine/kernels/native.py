@@ -49,16 +49,21 @@ from typing import Any
 import numpy as np
 
 from ...validate import Plan
+from . import native_bf16
 from .native_lib import (
     ENV,
     ISAS,
     BackwardArgs,
     PrefillArgs,
     VarlenArgs,
+    blas_rows,
+    head_offsets,
     invoke,
     isa_cap,
     library,
     library_path,
+    operands,
+    prefill_operands,
     switched_off,
 )
 from .threads import rescan_blas, single_threaded_blas, workers
@@ -154,6 +159,7 @@ def info() -> dict[str, Any]:
     lib, _ = library()
     path = library_path()
     decode_ok = lib is not None and not switched_off()
+    bf16 = native_bf16.available()
     isa = None
     if lib is not None:
         cap = isa_cap()
@@ -166,12 +172,18 @@ def info() -> dict[str, Any]:
         "isa": isa,  # the vector clone that runs (capped by QKV_NATIVE_ISA)
         "products": {
             "prefill, varlen, backward": "BLAS sgemm/dgemm (SciPy's) on float32/float64 tiles",
+            "prefill, bfloat16": "vdpbf16ps (AVX512_BF16): pairs of bfloat16 products summed "
+            "into float32"
+            if bf16
+            else "K/V widened to float32, then the float32 kernel (no AVX512_BF16 here, or a "
+            "narrower clone forced)",
             "decode": "vector FMA in float32/float64; bfloat16, float16, int8 and float8 "
             "e4m3fn K/V widened to float32 in registers (the step is bound by the bytes read)",
         },
         "kernels": {
             "prefill forward (float32, float64; causal, window, bool mask, float bias, "
             "grouped heads, sinks)": ok,
+            "prefill forward, bfloat16 tile products (causal, window, grouped heads, sinks)": bf16,
             "prefill backward (FlashAttention-2; the same cases)": ok,
             "packed varlen walk (float32, float64; causal, window, grouped heads)": ok,
             "decode step (float32, float64; K/V also stored as bfloat16, float16, int8, "
@@ -191,34 +203,6 @@ def supports(plan: Plan) -> bool:
     )
 
 
-def _rows(a: np.ndarray) -> np.ndarray:
-    """``a`` itself when its rows suit BLAS (contiguous last axis, row stride a whole number
-    of elements, at least the row's length and below 2**31), else a contiguous copy."""
-    item = a.itemsize
-    ok = (
-        a.strides[-1] == item
-        and all(s >= 0 and s % item == 0 for s in a.strides)
-        and (a.shape[-2] <= 1 or a.shape[-1] * item <= a.strides[-2] < item << 31)
-    )  # BLAS takes the row stride as a 32-bit int
-    return a if ok else np.ascontiguousarray(a)
-
-
-def _offsets(a: np.ndarray) -> np.ndarray:
-    """Element offset of each index over ``a``'s batch axes (all but the last two), shaped as
-    those axes; strides may be 0 (broadcast axes)."""
-    lead = a.shape[: a.ndim - 2]
-    off = np.zeros(lead, dtype=np.int64)
-    for ax, (n, st) in enumerate(zip(lead, a.strides[: a.ndim - 2], strict=True)):
-        shape = [1] * len(lead)
-        shape[ax] = n
-        off = off + (np.arange(n, dtype=np.int64) * (st // a.itemsize)).reshape(shape)
-    return off
-
-
-def _row_stride(a: np.ndarray) -> int:
-    return a.strides[-2] // a.itemsize if a.shape[-2] > 1 else a.shape[-1]
-
-
 def _fit_rows(block_q: int, tasks: Any, threads: int) -> int:
     """``block_q``, halved (down to 64 rows) while ``tasks(block_q)`` work items would leave
     some of the ``threads`` idle (two items per thread at least)."""
@@ -236,17 +220,7 @@ def _masks(plan: Plan) -> tuple[np.ndarray | None, np.ndarray | None]:
     m = np.broadcast_to(m, plan.batch + (plan.L, plan.S))
     if any(s < 0 or s % m.itemsize for s in m.strides):
         m = np.ascontiguousarray(m)
-    return m, np.ascontiguousarray(_offsets(m)).reshape(-1)
-
-
-def _operands(*arrays: tuple[np.ndarray, np.ndarray]) -> dict[str, int]:
-    """The q, k, v fields of an argument struct: each operand's address, per-head element
-    offsets and row stride, from ``(operand, offsets)`` pairs in that order."""
-    fields: dict[str, int] = {}
-    for name, (a, off) in zip("qkv", arrays, strict=True):
-        fields.update({name: a.ctypes.data, f"{name}_off": off.ctypes.data})
-        fields[f"{name}_rs"] = _row_stride(a)
-    return fields
+    return m, np.ascontiguousarray(head_offsets(m)).reshape(-1)
 
 
 def _mask_and_rule(
@@ -310,24 +284,17 @@ def attend(
     nb = int(np.prod(batch, dtype=np.int64))
     if nb == 0:
         return out, lse
-    q, k, v = _rows(plan.q), _rows(plan.k), _rows(plan.v)
-    q_off = np.ascontiguousarray(_offsets(q)).reshape(-1)
-    k_off, v_off = _offsets(k), _offsets(v)
-    if plan.group > 1:  # query head h reads kv head h // group
-        k_off, v_off = (np.repeat(o, plan.group, axis=-1) for o in (k_off, v_off))
-    k_off, v_off = (
-        np.ascontiguousarray(np.broadcast_to(o, batch)).reshape(-1) for o in (k_off, v_off)
-    )
+    fields, arrays = prefill_operands(plan.q, plan.k, plan.v, plan.group)
     n = workers(threads, blas=True)  # BLAS tiles: one thread unless BLAS can be held
     block_q = _fit_rows(block_q, lambda bq: nb * -(-L // bq), n)
     rule, held = _mask_and_rule(plan, n, isa, gemm[dt], block_q, block_k)
     args = PrefillArgs(
         nb=nb, L=L, S=plan.S, d=plan.d, dv=dv, out=out.ctypes.data, lse=lse.ctypes.data,
-        **_operands((q, q_off), (k, k_off), (v, v_off)), **rule,
+        **fields, **rule,
     )  # fmt: skip
     with single_threaded_blas():
         invoke(f"qkv_prefill_{_SUFFIX[dt]}", args, "prefill")
-    del held  # the mask arrays the call read
+    del held, arrays  # what the call read
     return out, lse
 
 
@@ -365,14 +332,14 @@ def backward(
     delta = np.ascontiguousarray(np.sum(d_out * out, axis=-1), dtype=dt)
     lse = np.broadcast_to(lse, batch + (L,)).astype(dt, copy=False)
     lse_safe = np.ascontiguousarray(np.where(lse == -np.inf, np.inf, lse), dtype=dt)
-    q, k, v = _rows(plan.q), _rows(plan.k), _rows(plan.v)
-    q_off = np.ascontiguousarray(_offsets(q)).reshape(-1)
-    k_off = np.ascontiguousarray(_offsets(k)).reshape(-1)
-    v_off = np.ascontiguousarray(_offsets(v)).reshape(-1)
+    q, k, v = blas_rows(plan.q), blas_rows(plan.k), blas_rows(plan.v)
+    q_off = np.ascontiguousarray(head_offsets(q)).reshape(-1)
+    k_off = np.ascontiguousarray(head_offsets(k)).reshape(-1)
+    v_off = np.ascontiguousarray(head_offsets(v)).reshape(-1)
     rule, held = _mask_and_rule(plan, workers(threads, blas=True), isa, gemm[dt], block_q, block_k)
     args = BackwardArgs(
         nkv=k_off.size, group=nq // k_off.size, L=L, S=S, d=d, dv=dv,
-        **_operands((q, q_off), (k, k_off), (v, v_off)),
+        **operands((q, q_off), (k, k_off), (v, v_off)),
         dout=d_out.ctypes.data, lse=lse_safe.ctypes.data, delta=delta.ctypes.data,
         dq=dq.ctypes.data, dk=dk.ctypes.data, dvo=dvv.ctypes.data, **rule,
     )  # fmt: skip

@@ -23,6 +23,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 __all__ = [
     "ENV",
     "ISAS",
@@ -32,7 +34,12 @@ __all__ = [
     "DecodeArgs",
     "PrefillArgs",
     "VarlenArgs",
+    "blas_rows",
+    "head_offsets",
     "invoke",
+    "operands",
+    "prefill_operands",
+    "row_stride",
     "isa_cap",
     "library",
     "library_path",
@@ -122,7 +129,7 @@ class DecodeArgs(ctypes.Structure):
 # Each kernel family: the struct its functions take, the function reporting its size, and the
 # functions (one per compute dtype).
 _FAMILIES: tuple[tuple[type[ctypes.Structure], str, tuple[str, ...]], ...] = (
-    (PrefillArgs, "qkv_args_size", ("qkv_prefill_f32", "qkv_prefill_f64")),
+    (PrefillArgs, "qkv_args_size", ("qkv_prefill_f32", "qkv_prefill_f64", "qkv_prefill_bf16")),
     (BackwardArgs, "qkv_backward_args_size", ("qkv_backward_f32", "qkv_backward_f64")),
     (VarlenArgs, "qkv_varlen_args_size", ("qkv_varlen_f32", "qkv_varlen_f64")),
     (DecodeArgs, "qkv_decode_args_size", ("qkv_decode_f32", "qkv_decode_f64")),
@@ -178,6 +185,7 @@ def library() -> tuple[Any, str]:
                 getattr(lib, name).argtypes = [ctypes.POINTER(args)]
                 getattr(lib, name).restype = ctypes.c_int
         lib.qkv_best_isa.restype = ctypes.c_int
+        lib.qkv_bf16_products.restype = ctypes.c_int
     except AttributeError:
         return None, "the library is from another version of qkv (argument layout differs)"
     return lib, ""
@@ -200,3 +208,61 @@ def invoke(
     if status == 1:
         raise MemoryError(f"qkv native {what}: not enough memory for its work")
     raise RuntimeError(f"qkv native {what}: bad arguments (status {status})")
+
+
+def blas_rows(a: np.ndarray) -> np.ndarray:
+    """``a`` itself when its rows suit BLAS (contiguous last axis, row stride a whole number
+    of elements, at least the row's length and below 2**31), else a contiguous copy."""
+    item = a.itemsize
+    ok = (
+        a.strides[-1] == item
+        and all(s >= 0 and s % item == 0 for s in a.strides)
+        and (a.shape[-2] <= 1 or a.shape[-1] * item <= a.strides[-2] < item << 31)
+    )  # BLAS takes the row stride as a 32-bit int
+    return a if ok else np.ascontiguousarray(a)
+
+
+def head_offsets(a: np.ndarray) -> np.ndarray:
+    """Element offset of each index over ``a``'s batch axes (all but the last two), shaped as
+    those axes; strides may be 0 (broadcast axes)."""
+    lead = a.shape[: a.ndim - 2]
+    off = np.zeros(lead, dtype=np.int64)
+    for ax, (n, st) in enumerate(zip(lead, a.strides[: a.ndim - 2], strict=True)):
+        shape = [1] * len(lead)
+        shape[ax] = n
+        off = off + (np.arange(n, dtype=np.int64) * (st // a.itemsize)).reshape(shape)
+    return off
+
+
+def row_stride(a: np.ndarray) -> int:
+    return a.strides[-2] // a.itemsize if a.shape[-2] > 1 else a.shape[-1]
+
+
+def operands(*arrays: tuple[np.ndarray, np.ndarray]) -> dict[str, int]:
+    """The q, k, v fields of an argument struct: each operand's address, per-head element
+    offsets and row stride, from ``(operand, offsets)`` pairs in that order."""
+    fields: dict[str, int] = {}
+    for name, (a, off) in zip("qkv", arrays, strict=True):
+        fields.update({name: a.ctypes.data, f"{name}_off": off.ctypes.data})
+        fields[f"{name}_rs"] = row_stride(a)
+    return fields
+
+
+def prefill_operands(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, group: int
+) -> tuple[dict[str, int], tuple[np.ndarray, ...]]:
+    """The q, k, v fields of a prefill struct, for ``q (*batch, L, d)`` and K/V with
+    ``Hq // group`` kv heads (query head ``h`` reads kv head ``h // group``), one offset per
+    query head; and the arrays the fields point into, which the caller holds until the call
+    returns."""
+    q, k, v = blas_rows(q), blas_rows(k), blas_rows(v)
+    batch = q.shape[:-2]
+    q_off = np.ascontiguousarray(head_offsets(q)).reshape(-1)
+    k_off, v_off = head_offsets(k), head_offsets(v)
+    if group > 1:
+        k_off, v_off = (np.repeat(o, group, axis=-1) for o in (k_off, v_off))
+    k_off, v_off = (
+        np.ascontiguousarray(np.broadcast_to(o, batch)).reshape(-1) for o in (k_off, v_off)
+    )
+    arrays = (q, k, v, q_off, k_off, v_off)
+    return operands((q, q_off), (k, k_off), (v, v_off)), arrays

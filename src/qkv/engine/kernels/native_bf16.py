@@ -1,0 +1,108 @@
+"""Native bfloat16 prefill: the fused forward with both tile products on ``vdpbf16ps``.
+
+Must equal :func:`qkv.reference.attention` applied to the same bfloat16 numbers, up to one
+more rounding: the weights are rounded to bfloat16 for the second product, as FlashAttention
+and PyTorch's own bfloat16 kernels do. Scores, the running max and sum, the accumulator,
+``out`` and ``lse`` are float32 (``native_src/forward_bf16.cpp`` says how).
+
+When it runs: a prefill whose queries, keys and values are all bfloat16 (K and V read in place
+from :attr:`~qkv.validate.Plan.stored`), causal or windowed or neither, with grouped heads and
+sinks, no mask, bias or score variant, an even head size, on a CPU with AVX-512 and
+AVX512_BF16. ``QKV_NATIVE_ISA`` naming a clone (``avx512`` and narrower) forces the widening
+road instead: K and V widened to float32 for the float32 kernels, as on a CPU without the
+instruction. Threads: work items are (head, 64 query rows), as many threads as
+:func:`~qkv.engine.kernels.threads.workers` gives (no BLAS is involved).
+
+Examples
+--------
+>>> import numpy as np, ml_dtypes
+>>> from qkv.validate import make_plan
+>>> x = np.arange(8.0).reshape(4, 2).astype(ml_dtypes.bfloat16)
+>>> plan = make_plan(x, x, x, causal=True, keep_stored=True)
+>>> if supports(plan):
+...     out, lse = attend(plan)
+... else:  # no AVX512_BF16 here: the float32 kernels give the same numbers
+...     from qkv.engine.kernels import tiled
+...     out, lse = tiled.attend(plan.materialized())
+>>> out[0].tolist()
+[0.0, 1.0]
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...validate import Plan
+from .native_lib import (
+    ISAS,
+    PrefillArgs,
+    invoke,
+    isa_cap,
+    library,
+    prefill_operands,
+    switched_off,
+)
+from .threads import workers
+
+__all__ = ["ISA", "attend", "available", "supports"]
+
+ISA = max(ISAS.values()) + 1  # the clone code above AVX-512: AVX-512 with AVX512_BF16
+
+
+def available() -> bool:
+    """Whether the library is built and on, this CPU has AVX512_BF16 and no narrower clone
+    is forced (``QKV_NATIVE_ISA``)."""
+    if switched_off():
+        return False
+    lib = library()[0]
+    return lib is not None and isa_cap() in (0, ISA) and bool(lib.qkv_bf16_products())
+
+
+def supports(plan: Plan) -> bool:
+    """Whether :func:`attend` runs ``plan`` (see the module's docstring)."""
+    stored = plan.stored
+    return (
+        stored is not None
+        and stored[0].dtype.name == "bfloat16"
+        and plan.out_dtype.name == "bfloat16"
+        and plan.mask is None
+        and plan.bias is None
+        and not plan.modded
+        and plan.d % 2 == 0
+        and min(plan.L, plan.d, plan.dv) >= 1
+        and plan.S < 2**31
+        and available()
+    )
+
+
+def attend(plan: Plan, *, threads: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Output ``(*batch, L, dv)`` and lse ``(*batch, L)`` in float32, for a plan that
+    :func:`supports` accepts.
+
+    Parameters
+    ----------
+    plan : Plan
+        A checked bfloat16 problem with its K/V stored (``make_plan(..., keep_stored=True)``).
+    threads : int, optional
+        Worker threads (default: :func:`~qkv.engine.kernels.threads.workers`).
+    """
+    assert plan.stored is not None and plan.v is not None  # supports() asks for them
+    batch, L, dv = plan.batch, plan.L, plan.dv
+    out = np.empty(batch + (L, dv), dtype=np.float32)
+    lse = np.empty(batch + (L,), dtype=np.float32)
+    nb = int(np.prod(batch, dtype=np.int64))
+    if nb == 0:
+        return out, lse
+    k, v = (np.broadcast_to(a, b.shape) for a, b in zip(plan.stored, (plan.k, plan.v), strict=True))
+    fields, arrays = prefill_operands(plan.q, k, v, plan.group)
+    left, right = plan.window if plan.window is not None else (-1, -1)
+    args = PrefillArgs(
+        nb=nb, L=L, S=plan.S, d=plan.d, dv=dv, out=out.ctypes.data, lse=lse.ctypes.data,
+        **fields,
+        scale=plan.scale, causal=int(plan.causal),
+        left=-1 if left is None else left, right=-1 if right is None else right,
+        threads=workers(threads), isa=ISA,
+    )  # fmt: skip
+    invoke("qkv_prefill_bf16", args, "bfloat16 prefill")
+    del arrays  # what the call read
+    return out, lse

@@ -1,0 +1,129 @@
+"""The native bfloat16 prefill (vdpbf16ps tile products) against the float64 reference.
+
+Tolerance rule: the kernel computes in float32 from the exact bfloat16 inputs and rounds one
+thing, the weights P, to bfloat16 for the second product (as FlashAttention and PyTorch's
+bfloat16 kernels do). Each weight's relative error is then at most 2**-9, so the output's error
+is at most 2**-9 · max|v|; the bound allows twice that (FlashAttention's suites allow a
+low-precision kernel twice the error of a same-precision reference), plus float32 rounding.
+The lse takes no bfloat16 rounding: float32's bound applies.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import qkv
+from qkv import reference
+from qkv.engine.kernels import native_bf16
+from qkv.validate import make_plan
+
+BF16 = ml_dtypes.bfloat16
+pytestmark = pytest.mark.skipif(
+    not native_bf16.available(),
+    reason="no AVX512_BF16 here, the library is not built, or QKV_NATIVE_ISA forces a clone",
+)
+
+
+def _inputs(rng, B, kv_heads, group, L, S, d, dv, spread=1.0):
+    q = rng.standard_normal((B, kv_heads * group, L, d)).astype(BF16)
+    k = (rng.standard_normal((B, kv_heads, S, d)) * spread).astype(BF16)
+    v = rng.standard_normal((B, kv_heads, S, dv)).astype(BF16)
+    return q, k, v
+
+
+def _check(out, lse, q, k, v, **options):
+    want, want_lse = reference.attention(
+        *(x.astype(np.float64) for x in (q, k, v)), return_lse=True, **options
+    )
+    assert out.dtype == np.float32 and lse.dtype == np.float32
+    vmax = float(np.abs(v.astype(np.float64)).max(initial=0.0))
+    np.testing.assert_allclose(out, want, rtol=0, atol=2.0**-8 * vmax + 1e-5)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
+    seen = np.isfinite(want_lse)
+    np.testing.assert_allclose(lse[seen], want_lse[seen], rtol=2e-5, atol=2e-5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    B=st.integers(1, 2),
+    kv_heads=st.integers(1, 2),
+    group=st.integers(1, 3),
+    L=st.integers(1, 150),
+    S=st.integers(0, 300),
+    d=st.sampled_from([2, 8, 64, 128]),
+    dv=st.sampled_from([1, 7, 64, 96]),
+    causal=st.booleans(),
+    window=st.sampled_from([None, (0, 0), (5, 0), (40, 3), (None, 0)]),
+    threads=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_equals_the_reference(B, kv_heads, group, L, S, d, dv, causal, window, threads, seed):
+    q, k, v = _inputs(np.random.default_rng(seed), B, kv_heads, group, L, S, d, dv, spread=2.0)
+    options = dict(causal=causal, window=window)
+    plan = make_plan(q, k, v, keep_stored=True, **options)
+    assert native_bf16.supports(plan)
+    out, lse = native_bf16.attend(plan, threads=threads)
+    _check(out, lse, q, k, v, **options)
+
+
+def test_strided_and_broadcast_kv():
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((3, 4, 130, 64)).astype(BF16)
+    kv = rng.standard_normal((1, 2, 200, 2, 64)).astype(BF16)  # k and v interleaved
+    k, v = kv[..., 0, :], kv[..., 1, :]  # row stride 256 elements, batch broadcast
+    plan = make_plan(q, k, v, causal=True, keep_stored=True)
+    assert native_bf16.supports(plan)
+    out, lse = native_bf16.attend(plan)
+    _check(out, lse, q, np.broadcast_to(k, (3, 2, 200, 64)), np.broadcast_to(v, (3, 2, 200, 64)),
+           causal=True)  # fmt: skip
+
+
+def test_attention_runs_it_and_keeps_the_dtype(monkeypatch):
+    calls = []
+    run = native_bf16.attend
+    monkeypatch.setattr(native_bf16, "attend", lambda plan: calls.append(plan) or run(plan))
+    q, k, v = _inputs(np.random.default_rng(0), 1, 2, 2, 300, 300, 64, 64)
+    out, lse = qkv.attention(q, k, v, causal=True, return_lse=True)
+    assert len(calls) == 1 and out.dtype == BF16 and lse.dtype == np.float32
+    want = reference.attention(*(x.astype(np.float64) for x in (q, k, v)), causal=True)
+    np.testing.assert_allclose(out.astype(np.float64), want, atol=_bound(v, want))
+
+
+def _bound(v, want):
+    """The kernel's bound plus the output's rounding to bfloat16 (half a unit, 2**-8)."""
+    return 2.0**-8 * (np.abs(v.astype(np.float64)).max() + np.abs(want).max()) + 1e-5
+
+
+def test_a_forced_clone_takes_the_widening_road(monkeypatch):
+    q, k, v = _inputs(np.random.default_rng(1), 1, 1, 2, 200, 200, 32, 32)
+    fast = qkv.attention(q, k, v, causal=True).astype(np.float64)
+    monkeypatch.setenv("QKV_NATIVE_ISA", "avx512")
+    assert not native_bf16.available()
+    monkeypatch.setattr(native_bf16, "attend", None)  # would raise if called
+    slow = qkv.attention(q, k, v, causal=True).astype(np.float64)
+    want = reference.attention(*(x.astype(np.float64) for x in (q, k, v)), causal=True)
+    assert np.abs(fast - want).max() <= _bound(v, want)
+    assert np.abs(slow - want).max() <= 2.0**-8 * np.abs(want).max() + 1e-6
+
+
+def test_non_finite_inputs_follow_the_float32_rules():
+    q, k, v = _inputs(np.random.default_rng(2), 1, 1, 1, 200, 200, 16, 16)
+    k[0, 0, 5, 3] = np.inf
+    v[0, 0, 7, 0] = np.nan
+    out = qkv.attention(q, k, v, causal=True)
+    f32 = qkv.attention(*(x.astype(np.float32) for x in (q, k, v)), causal=True)
+    np.testing.assert_array_equal(np.isnan(out.astype(np.float32)), np.isnan(f32))
+
+
+def test_masks_and_variants_are_not_taken():
+    q, k, v = _inputs(np.random.default_rng(4), 1, 1, 1, 64, 64, 16, 16)
+    keep = np.tril(np.ones((64, 64), dtype=bool))
+    for options in (dict(mask=keep), dict(softcap=5.0), dict(causal=True, alibi_slopes=[0.5])):
+        assert not native_bf16.supports(make_plan(q, k, v, keep_stored=True, **options))
+    assert not native_bf16.supports(make_plan(q, k, v.astype(np.float32), keep_stored=True))
+    odd = make_plan(q[..., :15], k[..., :15], v, keep_stored=True)
+    assert not native_bf16.supports(odd)  # an odd head size
