@@ -127,3 +127,26 @@ def test_masks_and_variants_are_not_taken():
     assert not native_bf16.supports(make_plan(q, k, v.astype(np.float32), keep_stored=True))
     odd = make_plan(q[..., :15], k[..., :15], v, keep_stored=True)
     assert not native_bf16.supports(odd)  # an odd head size
+
+
+def test_training_forward_runs_it_and_the_gradients_hold(monkeypatch):
+    torch = pytest.importorskip("torch")
+    calls = []
+    run = native_bf16.attend
+    monkeypatch.setattr(native_bf16, "attend", lambda plan: calls.append(plan) or run(plan))
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(1, 4, 200, 32, generator=g).to(torch.bfloat16) for _ in range(4))
+    ours = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    out = qkv.attention(*ours, causal=True)
+    out.backward(dout)
+    assert len(calls) == 1 and out.dtype == torch.bfloat16
+    exact = [x.double().requires_grad_(True) for x in (q, k, v)]
+    torch.nn.functional.scaled_dot_product_attention(*exact, is_causal=True).backward(dout.double())
+    theirs = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    torch.nn.functional.scaled_dot_product_attention(*theirs, is_causal=True).backward(dout)
+    for a, b, want in zip(ours, theirs, exact, strict=True):
+        assert a.grad.dtype == torch.bfloat16
+        err = (a.grad.double() - want.grad).abs().max().item()
+        their_err = (b.grad.double() - want.grad).abs().max().item()
+        # the tolerance rule of tests/test_half_precision.py: PyTorch's error plus a rounding
+        assert err <= their_err + 2.0**-8 * want.grad.abs().max().item() + 1e-6

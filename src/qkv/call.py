@@ -151,7 +151,7 @@ def build(
         return Call(fn, plan, "device", given, seen.want, kernel, return_lse, check_finite, options)
     plan = make_plan(
         read_cpu(q, "q"), read_cpu(k, "k"), None if v is None else read_cpu(v, "v"), options,
-        need_v=need_v, check_finite=check_finite, keep_stored=need_v and not seen.grad,
+        need_v=need_v, check_finite=check_finite, keep_stored=need_v,
     )  # fmt: skip
     route = "numpy"
     if seen.grad:

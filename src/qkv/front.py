@@ -28,7 +28,7 @@ from .engine import merge as merging
 from .engine import run as core
 from .errors import InputError
 from .keywords import near_keywords
-from .tensors import give, give_pair, refuse_grad, want_of, wants_grad
+from .tensors import give, give_pair, one_device, refuse_grad, want_of, wants_grad
 from .validate import VARIANTS
 
 __all__ = [
@@ -50,6 +50,7 @@ def _run(call: Call) -> Any:
         return give_pair(res[0], res[1], call.want) if call.return_lse else give(res, call.want)
     if call.route == "autograd":
         return torch_bridge.run(call)
+    one_device(call.given)  # another device is refused by name, with Triton or without
     return _gpu_run()(call)
 
 

@@ -47,6 +47,7 @@ __all__ = [
     "give",
     "give_pair",
     "is_tensor",
+    "one_device",
     "read",
     "read_cpu",
     "read_shadow",
@@ -234,13 +235,7 @@ def give(result: Any, want: Want | None, *, exact: bool = False) -> Any:
         return result
     import torch
 
-    a = np.asarray(result)
-    if not (a.flags.writeable and a.flags.c_contiguous):
-        a = np.array(a, order="C")
-    if a.dtype.name == "bfloat16":  # ml_dtypes' type: the same bits as torch's
-        t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-    else:
-        t = torch.from_numpy(a)
+    t = _tensor_of(result)
     if want.bfloat16 and not exact and t.is_floating_point():
         t = t.to(torch.bfloat16)
     if want.device is not None:
@@ -256,12 +251,20 @@ def give_pair(out: Any, lse: Any, want: Want | None) -> tuple[Any, Any]:
 
 def as_dtype(a: np.ndarray, like: Any) -> Any:
     """``a`` as a tensor of ``like``'s dtype and device (gradients back to their input)."""
+    return _tensor_of(a).to(dtype=like.dtype, device=like.device)
+
+
+def _tensor_of(result: Any) -> Any:
+    """An array as a CPU tensor, sharing its memory where NumPy allows (a writeable
+    contiguous array); ml_dtypes' ``bfloat16`` as torch's (the same bits)."""
     import torch
 
-    arr = np.asarray(a)
-    if not (arr.flags.writeable and arr.flags.c_contiguous):
-        arr = np.array(arr, order="C")
-    return torch.from_numpy(arr).to(dtype=like.dtype, device=like.device)
+    a = np.asarray(result)
+    if not (a.flags.writeable and a.flags.c_contiguous):
+        a = np.array(a, order="C")
+    if a.dtype.name == "bfloat16":
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
 
 
 @dataclass(frozen=True)
@@ -320,3 +323,32 @@ def refuse_grad(fn: str, **named: Any) -> None:
 
 # Every NumPy function of qkv that reads an argument reads tensors by this same policy.
 add_reader(is_tensor, read)
+
+
+def one_device(given: dict[str, Any]) -> Any:
+    """The one CUDA (or CPU) device the tensors among a call's arguments ``given`` lie on;
+    an :class:`InputError` naming them for another device, several, or a mix of tensors and
+    arrays (checked before anything GPU-specific is imported)."""
+    import torch
+
+    tensors = [(n, t) for n, t in given.items() if isinstance(t, torch.Tensor)]
+    for n, t in tensors:
+        if t.device.type not in ("cuda", "cpu"):
+            raise InputError(
+                f"{n}: tensors on device {t.device} are not supported (shape "
+                f"{tuple(t.shape)}); qkv's GPU kernels run on CUDA devices, so move them with "
+                ".cuda() or .cpu()"
+            )
+    devices = {t.device for _, t in tensors}
+    named = [(n, given.get(n)) for n in ("q", "k", "v", "mask")]
+    untensored = any(
+        n != "mask" and x is not None and not isinstance(x, torch.Tensor) for n, x in named
+    )
+    if len(devices) > 1 or untensored:
+        where = ", ".join(
+            f"{n} on {t.device}" if isinstance(t, torch.Tensor) else f"{n} not a tensor"
+            for n, t in given.items()
+            if t is not None
+        )
+        raise InputError(f"{', '.join(given)}: must be tensors on one device, got {where}")
+    return next(iter(devices))

@@ -39,7 +39,7 @@ from .. import torch_bridge
 from ..call import Call, build
 from ..engine import run as core
 from ..errors import InputError
-from ..tensors import give, give_pair
+from ..tensors import give, give_pair, one_device
 from ..validate import VARIANTS
 from . import launch
 
@@ -57,27 +57,7 @@ class GpuFallbackWarning(UserWarning):
 
 
 def _device(call: Call) -> torch.device:
-    tensors = [(n, t) for n, t in call.given.items() if isinstance(t, torch.Tensor)]
-    for n, t in tensors:
-        if t.device.type not in ("cuda", "cpu"):
-            raise InputError(
-                f"{n}: tensors on device {t.device} are not supported (shape "
-                f"{tuple(t.shape)}); qkv's GPU kernels run on CUDA devices, so move them with "
-                ".cuda() or .cpu()"
-            )
-    devices = {t.device for _, t in tensors}
-    named = [(n, call.given.get(n)) for n in ("q", "k", "v", "mask")]
-    untensored = any(
-        n != "mask" and x is not None and not isinstance(x, torch.Tensor) for n, x in named
-    )
-    if len(devices) > 1 or untensored:
-        where = ", ".join(
-            f"{n} on {t.device}" if isinstance(t, torch.Tensor) else f"{n} not a tensor"
-            for n, t in call.given.items()
-            if t is not None
-        )
-        raise InputError(f"{', '.join(call.given)}: must be tensors on one device, got {where}")
-    return next(iter(devices))
+    return one_device(call.given)
 
 
 def _check_interpreted(dev: torch.device) -> None:
