@@ -69,7 +69,7 @@ def _native() -> list[Extension]:
             sources=[
                 f"{_SRC}/{name}.cpp" for name in ("forward", "forward_bf16", "backward", "decode")
             ],
-            depends=[f"{_SRC}/abi.h", f"{_SRC}/common.h"],
+            depends=[f"{_SRC}/{name}.h" for name in ("abi", "common", "bf16")],
             language="c++",
             # No -march: the vector clones are chosen at run time (see common.h).
             extra_compile_args=[

@@ -14,8 +14,9 @@ Tables (PyTorch and qkv at ``--threads``, default every core this process may us
   this machine's read rate (``bench/machine.py``'s, measured at the start).
 - a ragged cache (lengths 1024..8192, B8, kv 8, d 128) in float32 and bfloat16: one native
   call for every sequence; PyTorch gets the sequences padded to the longest with a key mask.
-- causal prefill B1 H8 N4096 d64 in bfloat16: qkv (which widens bfloat16 to float32 for its
-  BLAS tiles) and SDPA.
+- causal prefill B1 H8 N4096 d64 and B1 H16 N2048 d128 in bfloat16, forward and backward
+  (autograd): qkv (its bfloat16 tile products where the CPU has AVX512_BF16; the backward
+  widens to float32) and SDPA; each row's share of this machine's bfloat16 matrix-product rate.
 """
 
 from __future__ import annotations
@@ -125,31 +126,61 @@ def ragged(repeat: int, read: float) -> None:
     print(_common.table(rows, list(rows[0])))
 
 
+def _bf16_rate() -> float:
+    """This machine's bfloat16 matrix-product rate (FLOP/s): PyTorch's 2048² ``torch.mm``, best
+    of five, at the threads PyTorch runs."""
+    a = torch.randn(2048, 2048).bfloat16()
+    best = _common.best_time(lambda: torch.mm(a, a), repeat=5, pause=0)
+    return 2 * 2048**3 / best
+
+
 def prefill(repeat: int) -> None:
-    b, h, n, d = 1, 8, 4096, 64
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(b, h, n, d, generator=g).bfloat16() for _ in range(3))
+    rate = _bf16_rate()
+    for shape in ((1, 8, 4096, 64), (1, 16, 2048, 128)):
+        _prefill_shape(*shape, rate=rate, repeat=repeat)
+
+
+def _prefill_shape(b: int, h: int, n: int, d: int, *, rate: float, repeat: int) -> None:
     sdpa = torch.nn.functional.scaled_dot_product_attention
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(b, h, n, d, generator=g).bfloat16() for _ in range(4))
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
 
     def peer() -> None:
         with torch.no_grad():
             sdpa(q, k, v, is_causal=True)
 
+    def backward(fn):
+        out = fn(*leaves, is_causal=True) if fn is sdpa else fn(*leaves, causal=True)
+        return lambda: out.backward(dout, retain_graph=True)
+
     best = _common.race(
-        {"torch sdpa bfloat16": peer, "qkv bfloat16": lambda: qkv.attention(q, k, v, causal=True)},
+        {
+            "torch sdpa bfloat16": peer,
+            "qkv bfloat16": lambda: qkv.attention(q, k, v, causal=True),
+            "torch sdpa bfloat16, backward": backward(sdpa),
+            "qkv bfloat16, backward": backward(qkv.attention),
+        },
         repeat=repeat,
     )
     flops = 2 * 2 * b * h * n * n * d / 2  # two products, half the scores under causal
-    rows = [
-        {
-            "contender": name,
-            "ms": f"{t * 1e3:.1f}",
-            "/ sdpa": f"{t / best['torch sdpa bfloat16']:.2f}x",
-            "GFLOP/s": f"{flops / t / 1e9:.0f}",
-        }
-        for name, t in best.items()
-    ]
-    print(f"\ncausal prefill bfloat16 B{b} H{h} N{n} d{d}; {_common.threads_info()}")
+    rows = []
+    for name, t in best.items():
+        peer_t = best["torch sdpa bfloat16" + (", backward" if "backward" in name else "")]
+        work = flops * (2.5 if "backward" in name else 1)  # five products against two
+        rows.append(
+            {
+                "contender": name,
+                "ms": f"{t * 1e3:.1f}",
+                "/ sdpa": f"{t / peer_t:.2f}x",
+                "GFLOP/s": f"{work / t / 1e9:.0f}",
+                "share of bf16 mm": f"{work / t / rate:.0%}",
+            }
+        )
+    print(
+        f"\ncausal prefill bfloat16 B{b} H{h} N{n} d{d} (bfloat16 torch.mm 2048²: "
+        f"{rate / 1e9:.0f} GFLOP/s); {_common.threads_info()}"
+    )
     print(_common.table(rows, list(rows[0])))
 
 
