@@ -67,7 +67,8 @@ def _native() -> list[Extension]:
             "qkv.engine.kernels._native",
             # one source per kernel family over the shared headers (abi.h, common.h)
             sources=[
-                f"{_SRC}/{name}.cpp" for name in ("forward", "forward_bf16", "backward", "decode")
+                f"{_SRC}/{name}.cpp"
+                for name in ("forward", "forward_bf16", "backward", "backward_bf16", "decode")
             ],
             depends=[f"{_SRC}/{name}.h" for name in ("abi", "common", "bf16")],
             language="c++",

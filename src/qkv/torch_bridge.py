@@ -92,7 +92,7 @@ def _attention() -> Any:  # a torch.autograd.Function subclass (torch is optiona
 
         @staticmethod
         def backward(ctx: Any, grad_out: Any, grad_lse: Any) -> Any:
-            plan = ctx.call.plan.materialized()  # K/V the forward read in place, widened
+            plan = ctx.call.plan  # K/V read in place where a kernel can, widened elsewhere
             acc_out, acc_lse = ctx.forward
             g = np.zeros_like(acc_out) if grad_out is None else read(grad_out, "grad_out")
             grads: tuple[np.ndarray | None, ...]

@@ -238,6 +238,7 @@ def vjp(
     """
     if out is not None or lse is not None or block is not None:
         return _tiled(plan, grad_out, out, lse, block)
+    plan = plan.materialized()  # the dense path reads K/V as arrays of the compute dtype
     dq, dk, dv, delta, lse_all = _guarded(
         plan, _grad_out(grad_out, plan), lambda p, g: _dense(p, g, grad_lse)
     )
@@ -348,7 +349,8 @@ def _tiled(plan: Plan, grad_out: Any, out: Any, lse: Any, block: Any) -> tuple[n
             o_, m_ = o, m
             assert m_ is not None  # out and lse are given together
         else:
-            o_, m_ = mods.with_sinks(p, *tiled.attend(p, block_q=int(block), block_k=int(block)))
+            blocks = {"block_q": int(block), "block_k": int(block)}
+            o_, m_ = mods.with_sinks(p, *tiled.attend(p.materialized(), **blocks))
         return (*tiled_backward.backward(p, g, o_, m_, int(block)), o_, m_)
 
     dq, dk, dv, o_used, m_used = _guarded(plan, d_out, run)

@@ -258,6 +258,7 @@ def check_overflow(plan: Plan) -> None:
     scores ``q·kᵀ·scale`` overflow even float64 (``q = k = 1e200``) would otherwise give NaN
     without a word. The softmax of such scores has no float64 computation, so it is refused.
     """
+    plan = plan.materialized()
     arrays = [a for a in (plan.q, plan.k, plan.v) if a is not None]
     if not all(np.isfinite(a).all() for a in arrays):
         return
@@ -277,7 +278,7 @@ def may_overflow(plan: Plan) -> bool:
     """Whether the finite entries of ``q``, ``k`` and the bias can make a score overflow the
     compute dtype (a bound: ``scale · d · max|q| · max|k| + max|bias|``)."""
 
-    return _score_bound(plan) > float(np.finfo(plan.acc_dtype).max) / 4
+    return _score_bound(plan.materialized()) > float(np.finfo(plan.acc_dtype).max) / 4
 
 
 def _magnitude(plan: Plan) -> str:
@@ -314,6 +315,7 @@ def _in_float64(fn: Any, plan: Plan) -> tuple[np.ndarray, np.ndarray]:
 
 def widened(plan: Plan) -> Plan:
     """``plan`` computed in float64."""
+    plan = plan.materialized()
     f64 = np.dtype(np.float64)
     return replace(
         plan,

@@ -172,7 +172,8 @@ def info() -> dict[str, Any]:
         "isa": isa,  # the vector clone that runs (capped by QKV_NATIVE_ISA)
         "products": {
             "prefill, varlen, backward": "BLAS sgemm/dgemm (SciPy's) on float32/float64 tiles",
-            "prefill, bfloat16": "vdpbf16ps (AVX512_BF16): pairs of bfloat16 products summed "
+            "prefill and its backward, bfloat16": "vdpbf16ps (AVX512_BF16): pairs of bfloat16 "
+            "products summed "
             "into float32"
             if bf16
             else "K/V widened to float32, then the float32 kernel (no AVX512_BF16 here, or a "
@@ -183,7 +184,8 @@ def info() -> dict[str, Any]:
         "kernels": {
             "prefill forward (float32, float64; causal, window, bool mask, float bias, "
             "grouped heads, sinks)": ok,
-            "prefill forward, bfloat16 tile products (causal, window, grouped heads, sinks)": bf16,
+            "prefill forward and backward, bfloat16 tile products (causal, window, grouped "
+            "heads, sinks)": bf16,
             "prefill backward (FlashAttention-2; the same cases)": ok,
             "packed varlen walk (float32, float64; causal, window, grouped heads)": ok,
             "decode step (float32, float64; K/V also stored as bfloat16, float16, int8, "

@@ -35,16 +35,20 @@ import numpy as np
 from ...validate import Plan
 from .native_lib import (
     ISAS,
+    BackwardArgs,
     PrefillArgs,
+    blas_rows,
+    head_offsets,
     invoke,
     isa_cap,
     library,
+    operands,
     prefill_operands,
     switched_off,
 )
 from .threads import workers
 
-__all__ = ["ISA", "attend", "available", "supports"]
+__all__ = ["ISA", "attend", "available", "backward", "supports", "supports_backward"]
 
 ISA = max(ISAS.values()) + 1  # the clone code above AVX-512: AVX-512 with AVX512_BF16
 
@@ -106,3 +110,56 @@ def attend(plan: Plan, *, threads: int | None = None) -> tuple[np.ndarray, np.nd
     invoke("qkv_prefill_bf16", args, "bfloat16 prefill")
     del arrays  # what the call read
     return out, lse
+
+
+def supports_backward(plan: Plan) -> bool:
+    """Whether :func:`backward` runs ``plan``: what :func:`supports` takes, with an even
+    value size and at least one key."""
+    return supports(plan) and plan.dv % 2 == 0 and plan.S >= 1
+
+
+def backward(
+    plan: Plan,
+    d_out: np.ndarray,
+    out: np.ndarray,
+    lse: np.ndarray,
+    *,
+    threads: int | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The FlashAttention-2 backward with bfloat16 tile products: ``(dq, dk, dv)`` in float32,
+    in the plan's shapes of q, k and v, for a plan that :func:`supports_backward` accepts.
+
+    ``d_out`` and ``out`` are ``(*batch, L, dv)``, ``lse`` ``(*batch, L)``, float32. ``d_out``
+    is rounded to bfloat16 (a bfloat16 model's gradients are), and the weights and their
+    gradients are rounded for the last three products, as in PyTorch's bfloat16 backward.
+    """
+    assert plan.stored is not None and plan.v is not None  # supports() asks for them
+    batch, L, S, d, dv = plan.batch, plan.L, plan.S, plan.d, plan.dv
+    f32 = np.float32
+    dq = np.zeros(plan.q.shape, dtype=f32)
+    dk = np.zeros(plan.k.shape, dtype=f32)
+    dvv = np.zeros(plan.v.shape, dtype=f32)
+    if int(np.prod(batch, dtype=np.int64)) == 0:
+        return dq, dk, dvv
+    bf16 = plan.stored[0].dtype
+    q = np.ascontiguousarray(plan.q, dtype=bf16)  # exact: q holds bfloat16 values
+    dout = np.ascontiguousarray(np.broadcast_to(d_out, batch + (L, dv)), dtype=bf16)
+    out = np.broadcast_to(out, batch + (L, dv))
+    delta = np.ascontiguousarray(np.sum(dout.astype(f32) * out, axis=-1), dtype=f32)
+    lse = np.broadcast_to(lse, batch + (L,))
+    lse_safe = np.ascontiguousarray(np.where(lse == -np.inf, np.inf, lse), dtype=f32)
+    k, v = (np.broadcast_to(a, b.shape) for a, b in zip(plan.stored, (plan.k, plan.v), strict=True))
+    q, k, v = blas_rows(q), blas_rows(k), blas_rows(v)
+    q_off, k_off, v_off = (np.ascontiguousarray(head_offsets(a)).reshape(-1) for a in (q, k, v))
+    left, right = plan.window if plan.window is not None else (-1, -1)
+    args = BackwardArgs(
+        nkv=k_off.size, group=plan.group, L=L, S=S, d=d, dv=dv,
+        **operands((q, q_off), (k, k_off), (v, v_off)),
+        dout=dout.ctypes.data, lse=lse_safe.ctypes.data, delta=delta.ctypes.data,
+        dq=dq.ctypes.data, dk=dk.ctypes.data, dvo=dvv.ctypes.data,
+        scale=plan.scale, causal=int(plan.causal),
+        left=-1 if left is None else left, right=-1 if right is None else right,
+        threads=workers(threads), isa=ISA,
+    )  # fmt: skip
+    invoke("qkv_backward_bf16", args, "bfloat16 backward")
+    return dq, dk, dvv

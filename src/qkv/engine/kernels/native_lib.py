@@ -130,7 +130,11 @@ class DecodeArgs(ctypes.Structure):
 # functions (one per compute dtype).
 _FAMILIES: tuple[tuple[type[ctypes.Structure], str, tuple[str, ...]], ...] = (
     (PrefillArgs, "qkv_args_size", ("qkv_prefill_f32", "qkv_prefill_f64", "qkv_prefill_bf16")),
-    (BackwardArgs, "qkv_backward_args_size", ("qkv_backward_f32", "qkv_backward_f64")),
+    (
+        BackwardArgs,
+        "qkv_backward_args_size",
+        ("qkv_backward_f32", "qkv_backward_f64", "qkv_backward_bf16"),
+    ),
     (VarlenArgs, "qkv_varlen_args_size", ("qkv_varlen_f32", "qkv_varlen_f64")),
     (DecodeArgs, "qkv_decode_args_size", ("qkv_decode_f32", "qkv_decode_f64")),
 )

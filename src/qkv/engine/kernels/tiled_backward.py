@@ -32,7 +32,7 @@ import numpy as np
 
 from ...masks import allowed, query_positions
 from ...validate import Plan
-from . import mods, native
+from . import mods, native, native_bf16
 from .blocks import grouped_matmul, grouped_matmul_t
 
 __all__ = ["backward"]
@@ -80,6 +80,11 @@ def backward(
     accumulation dtype. Where the optional native library is built and covers the plan, its
     fused version of this loop runs instead (:func:`qkv.engine.kernels.native.backward`).
     """
+    if native_bf16.supports_backward(plan):  # bfloat16 tile products, K/V read in place
+        grads = native_bf16.backward(plan, d_out, out, lse)
+        if all(np.isfinite(g).all() for g in grads):
+            return grads
+    plan = plan.materialized()
     if native.supports(plan):
         return native.backward(plan, d_out, out, lse)
     acc, g = plan.acc_dtype, plan.group
