@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -58,9 +58,9 @@ class TrainingRun:
     d: int
     keys: int
     lr: float
-    loss: list[float]
-    accuracy: list[float]
-    grad_norm: list[float]
+    loss: list[float] = field(default_factory=list)
+    accuracy: list[float] = field(default_factory=list)
+    grad_norm: list[float] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         """The run as a plain dict (the JSON document)."""
@@ -140,28 +140,16 @@ def training_study(
 
     runs = []
     for mode in modes:
-        scale = mode_scale(mode, d)
+        run = TrainingRun(mode, mode_scale(mode, d), d, keys, lr)
         w = w0.copy()
-        losses, accs, norms = [], [], []
         for step in range(steps + 1):
-            loss, acc, grad = _loss_and_grad(w, x, k, scale)
-            losses.append(loss)
-            accs.append(acc)
-            norms.append(float(np.linalg.norm(grad)))
+            loss, acc, grad = _loss_and_grad(w, x, k, run.scale)
+            run.loss.append(loss)
+            run.accuracy.append(acc)
+            run.grad_norm.append(float(np.linalg.norm(grad)))
             if step < steps:
                 w -= lr * grad
                 if progress is not None:
                     progress(1)
-        runs.append(
-            TrainingRun(
-                mode=mode,
-                scale=scale,
-                d=d,
-                keys=keys,
-                lr=lr,
-                loss=losses,
-                accuracy=accs,
-                grad_norm=norms,
-            )
-        )
+        runs.append(run)
     return runs
