@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -58,9 +58,9 @@ class TrainingRun:
     d: int
     keys: int
     lr: float
-    loss: list[float] = field(default_factory=list)
-    accuracy: list[float] = field(default_factory=list)
-    grad_norm: list[float] = field(default_factory=list)
+    loss: list[float]
+    accuracy: list[float]
+    grad_norm: list[float]
 
     def as_dict(self) -> dict[str, Any]:
         """The run as a plain dict (the JSON document)."""
@@ -140,7 +140,9 @@ def training_study(
 
     runs = []
     for mode in modes:
-        run = TrainingRun(mode, mode_scale(mode, d), d, keys, lr)
+        run = TrainingRun(
+            mode, mode_scale(mode, d), d, keys, lr, loss=[], accuracy=[], grad_norm=[]
+        )
         w = w0.copy()
         for step in range(steps + 1):
             loss, acc, grad = _loss_and_grad(w, x, k, run.scale)
