@@ -33,7 +33,7 @@ from typing import Any
 
 from .errors import InputError, InputTypeError
 
-__all__ = ["check_int", "check_real", "parse_int", "parse_real"]
+__all__ = ["check_int", "check_real", "parse_int", "parse_real", "parse_window"]
 
 _INT_TEXT = re.compile(r"[+-]?\d{1,4000}")  # Python converts at most 4300 digits from text
 
@@ -174,3 +174,34 @@ def parse_real(text: str, name: str, *, finite: bool = True, positive: bool = Fa
         shown = text if len(text) <= 30 else text[:20] + "…"
         raise InputError(f"{name}: expected a number, got {shown!r}") from None
     return check_real(x, name, finite=finite, positive=positive)
+
+
+def parse_window(text: str, name: str) -> tuple[int | None, int | None]:
+    """A sliding window written as ``"L,R"``: keys from ``p - L`` to ``p + R``; an empty side,
+    ``none`` or ``inf`` is unbounded.
+
+    Examples
+    --------
+    >>> parse_window("2,0", "--window"), parse_window(" ,none", "--window")
+    ((2, 0), (None, None))
+    >>> parse_window("2,-1", "--window")
+    Traceback (most recent call last):
+    ...
+    qkv.errors.InputError: --window: right must be an integer >= 0 or empty, got '-1'
+    """
+    parts = text.split(",")
+    if len(parts) != 2:
+        raise InputError(f"{name}: expected L,R (e.g. 2,0), got {text!r}")
+    sides: list[int | None] = []
+    for side, p in zip(("left", "right"), parts, strict=True):
+        p = p.strip().lower()
+        if p in ("", "none", "inf"):
+            sides.append(None)
+            continue
+        try:
+            sides.append(parse_int(p, name, minimum=0))
+        except InputError:
+            raise InputError(
+                f"{name}: {side} must be an integer >= 0 or empty, got {p!r}"
+            ) from None
+    return sides[0], sides[1]

@@ -56,12 +56,20 @@ def run(call: Call) -> Any:
     return _scores().apply(g["q"], g["k"], call)
 
 
-def _grads(arrays: tuple[Any, ...], likes: tuple[Any, ...], needed: tuple[bool, ...]) -> list:
-    """Each gradient as a tensor of its input's dtype, where the input needs one."""
-    return [
-        as_dtype(a, like) if need and a is not None else None
-        for a, like, need in zip(arrays, likes, needed, strict=True)
-    ]
+def _backward_result(ctx: Any, grads: tuple[np.ndarray | None, ...]) -> tuple[Any, ...]:
+    """What the backward of a checked call's function returns: each gradient as a tensor of its
+    input's dtype where the input (``ctx.likes``) needs one; ``None`` for the sinks when the
+    VJP gave no sinks gradient, and for the checked call itself (the last input)."""
+    likes = ctx.likes
+    padded = (*grads, *(None,) * (len(likes) - len(grads)))
+    needed = ctx.needs_input_grad[: len(likes)]
+    return (
+        *(
+            as_dtype(a, like) if need and a is not None else None
+            for a, like, need in zip(padded, likes, needed, strict=True)
+        ),
+        None,
+    )
 
 
 @cache
@@ -95,15 +103,12 @@ def _attention() -> Any:  # a torch.autograd.Function subclass (torch is optiona
             plan = ctx.call.plan  # K/V read in place where a kernel can, widened elsewhere
             acc_out, acc_lse = ctx.forward
             g = np.zeros_like(acc_out) if grad_out is None else read(grad_out, "grad_out")
-            grads: tuple[np.ndarray | None, ...]
             if grad_lse is None:
                 grads = grad.vjp(plan, g, out=acc_out, lse=acc_lse)
             else:  # the lse is used downstream (a merge): the dense path takes its gradient
                 gl = read(grad_lse, "grad_lse")
                 grads = grad.vjp(plan, g, grad_lse=gl[..., None] if plan.squeeze else gl)
-            if len(grads) == 3:
-                grads = (*grads, None)
-            return (*_grads(grads, ctx.likes, ctx.needs_input_grad[:4]), None)
+            return _backward_result(ctx, grads)
 
     return QkvAttention
 
@@ -126,12 +131,7 @@ def _weights() -> Any:  # a torch.autograd.Function subclass (torch is optional)
 
         @staticmethod
         def backward(ctx: Any, g: Any) -> Any:
-            grads: tuple[np.ndarray | None, ...] = grad.weights_vjp(
-                ctx.call.plan, ctx.w, read(g, "grad")
-            )
-            if len(grads) == 2:
-                grads = (*grads, None)
-            return (*_grads(grads, ctx.likes, ctx.needs_input_grad[:3]), None)
+            return _backward_result(ctx, grad.weights_vjp(ctx.call.plan, ctx.w, read(g, "grad")))
 
     return QkvWeights
 
@@ -153,8 +153,7 @@ def _scores() -> Any:  # a torch.autograd.Function subclass (torch is optional)
 
         @staticmethod
         def backward(ctx: Any, g: Any) -> Any:
-            grads = grad.scores_vjp(ctx.call.plan, read(g, "grad"))
-            return (*_grads(grads, ctx.likes, ctx.needs_input_grad[:2]), None)
+            return _backward_result(ctx, grad.scores_vjp(ctx.call.plan, read(g, "grad")))
 
     return QkvScores
 

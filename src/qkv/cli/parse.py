@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from ..checks import parse_int
+from ..checks import parse_int, parse_window
 from ..errors import InputError
 from ..explanation.scale import ScaleExpr, parse_scale
 
@@ -218,22 +218,7 @@ def _undo_surrogates(text: str) -> str:
 
 def window(text: str) -> tuple[int | None, int | None]:
     """``"L,R"``: keys from ``p - L`` to ``p + R``; an empty side or ``none`` is unbounded."""
-    parts = text.split(",")
-    if len(parts) != 2:
-        raise InputError(f"--window: expected L,R (e.g. 2,0), got {text!r}")
-    out: list[int | None] = []
-    for side, p in zip(("left", "right"), parts, strict=True):
-        p = p.strip().lower()
-        if p in ("", "none", "inf"):
-            out.append(None)
-            continue
-        try:
-            out.append(parse_int(p, "--window", minimum=0))
-        except InputError:
-            raise InputError(
-                f"--window: {side} must be an integer >= 0 or empty, got {p!r}"
-            ) from None
-    return (out[0], out[1])
+    return parse_window(text, "--window")
 
 
 def d_value(text: str) -> int:

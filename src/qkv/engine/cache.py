@@ -23,6 +23,7 @@ import numpy as np
 from ..checks import check_int
 from ..errors import InputError, InputTypeError
 from ..keywords import near_keywords
+from ..options import Options
 from ..validate import (
     VARIANTS,
     Plan,
@@ -292,11 +293,11 @@ class KVCache:
                 f"q: {heads} query heads cannot share {self.kv_heads} kv heads: q has shape "
                 f"{qa.shape}, the cache holds {self.kv_heads} kv heads"
             )
-        variants = self._per_head_variants(variants, heads)
+        options = Options(scale, causal, None, window, **self._per_head_variants(variants, heads))
         lengths = self._lengths.tolist()
         longest = max(lengths)
         if kernel in ("auto", "decode"):
-            found = self._attend_native(qa, longest, scale, window, causal, variants)
+            found = self._attend_native(qa, longest, options)
             if found is not None:
                 out, lse = found
                 return (out, lse) if return_lse else out
@@ -305,9 +306,7 @@ class KVCache:
         # which the kernels run together, the decode ones in one parallel pass.
         keys = self._values(self._k, self._ks, np.s_[:, :, :longest])
         vals = self._values(self._v, self._vs, np.s_[:, :, :longest])
-        whole = make_plan(
-            qa, keys, vals, scale=scale, causal=causal, window=window, **variants
-        )  # fmt: skip
+        whole = make_plan(qa, keys, vals, options)
         out = np.zeros((self.batch, heads, Lq, self.value_dim), dtype=whole.out_dtype)
         lse = np.full((self.batch, heads, Lq), -np.inf, dtype=whole.acc_dtype)
         runs, start = [], 0
@@ -322,13 +321,7 @@ class KVCache:
         return (out, lse) if return_lse else out
 
     def _attend_native(
-        self,
-        qa: np.ndarray,
-        longest: int,
-        scale: Any,
-        window: Any,
-        causal: bool,
-        variants: dict[str, Any],
+        self, qa: np.ndarray, longest: int, options: Options
     ) -> tuple[np.ndarray, np.ndarray] | None:
         """Every sequence in one native decode call on the stored buffers, each sequence its
         own run of keys: ``(out, lse)``, or None where the kernel does not serve the call.
@@ -346,12 +339,12 @@ class KVCache:
             qa,
             np.broadcast_to(stand, (self.batch, self.kv_heads, longest, self.head_dim)),
             np.broadcast_to(stand, (self.batch, self.kv_heads, longest, self.value_dim)),
-            scale=scale, causal=causal, window=window, **variants,
-        )  # fmt: skip
+            options,
+        )
         Lq = plan.L
         if plan.alibi is not None or plan.score_mod is not None or plan.mask_mod is not None:
             return None
-        if (causal and Lq != 1) or (plan.window is not None and Lq != 1):
+        if (plan.causal and Lq != 1) or (plan.window is not None and Lq != 1):
             return None  # rows of one sequence would see different keys
         if not dispatch.scale_fits(plan):
             return None

@@ -31,12 +31,14 @@ entries) are redone per sequence by :func:`qkv.engine.kernels.dispatch.attend`, 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ..errors import InputError, InputTypeError
 from ..keywords import near_keywords
+from ..masks import Window
 from ..validate import as_array, block_plan, check_scale, check_window, from_foreign
 from .kernels import dispatch, native, packed
 
@@ -230,66 +232,68 @@ def attention_varlen(
             bad=redo,
         )
     out = o if o.dtype == out_dt else o.astype(out_dt)
+    batch = _Batch(qa, ka, va, cq, ck, out, lse, fscale, causal, window)
     for b in sorted(redo):
-        _alone(qa, ka, va, cq, ck, b, out, lse, causal, fscale, window)
+        _alone(batch, b)
     short = np.flatnonzero(live & ~walk)
     if short.size:
         for idx in _buckets(lq[short], lk[short], unit):
-            _bucket(qa, ka, va, cq, ck, short[idx], lq, lk, out, lse, causal, fscale, window)
+            _bucket(batch, short[idx], lq, lk)
     return (out, lse) if return_lse else out
 
 
-def _alone(
-    qa: np.ndarray,
-    ka: np.ndarray,
-    va: np.ndarray,
-    cq: np.ndarray,
-    ck: np.ndarray,
-    b: int,
-    out: np.ndarray,
-    lse: np.ndarray,
-    causal: bool,
-    scale: float,
-    window: Any,
-) -> None:
-    """Sequence ``b`` by the ordinary kernels on views of the packed arrays (with their
-    retries for scores that overflow the compute dtype)."""
-    sq, sk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
-    plan = block_plan(
-        *(x.transpose(1, 0, 2) for x in (qa[sq], ka[sk], va[sk])),
-        scale=scale,
-        causal=causal,
-        window=window,
-        out_dtype=np.result_type(qa, ka, va),
-    )
-    o, s = dispatch.attend(plan)
-    out[sq], lse[sq] = o.transpose(1, 0, 2), s.T
+@dataclass(frozen=True)
+class _Batch:
+    """A checked packed call: its arrays and offsets, its checked options, and the ``out`` and
+    ``lse`` being filled (the sequences the packed walk did not serve are written in here)."""
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    cq: np.ndarray
+    ck: np.ndarray
+    out: np.ndarray
+    lse: np.ndarray
+    scale: float
+    causal: bool
+    window: Window | None
+
+    def attend(
+        self, q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``(out, lse)`` of heads-first blocks of this call by the ordinary kernels (with their
+        retries for scores that overflow the compute dtype); nothing is checked again."""
+        plan = block_plan(
+            q,
+            k,
+            v,
+            scale=self.scale,
+            causal=self.causal,
+            window=self.window,
+            mask=mask,
+            out_dtype=np.result_type(self.q, self.k, self.v),
+        )
+        return dispatch.attend(plan)
 
 
-def _bucket(
-    qa: np.ndarray,
-    ka: np.ndarray,
-    va: np.ndarray,
-    cq: np.ndarray,
-    ck: np.ndarray,
-    seqs: np.ndarray,
-    lq: np.ndarray,
-    lk: np.ndarray,
-    out: np.ndarray,
-    lse: np.ndarray,
-    causal: bool,
-    scale: float,
-    window: Any,
-) -> None:
+def _alone(batch: _Batch, b: int) -> None:
+    """Sequence ``b`` by the ordinary kernels on views of the packed arrays."""
+    sq, sk = slice(batch.cq[b], batch.cq[b + 1]), slice(batch.ck[b], batch.ck[b + 1])
+    o, s = batch.attend(*(x.transpose(1, 0, 2) for x in (batch.q[sq], batch.k[sk], batch.v[sk])))
+    batch.out[sq], batch.lse[sq] = o.transpose(1, 0, 2), s.T
+
+
+def _bucket(batch: _Batch, seqs: np.ndarray, lq: np.ndarray, lk: np.ndarray) -> None:
     """One batched call for the sequences ``seqs``, front-padded to their longest."""
     nq, nk = lq[seqs].tolist(), lk[seqs].tolist()
     Lm, Sm = max(nq), max(nk)
     # Causal with one offset S - L for every sequence (prompts: L == S): pad at the back, and
     # no real query sees a padded key, so no mask is needed and the kernel skips the tiles above
     # the diagonal. Otherwise pad at the front and mask the padded keys.
-    back = causal and all(b - a == Sm - Lm for a, b in zip(nq, nk, strict=True))
-    rows = [(int(cq[i]), n, 0 if back else Lm - n) for i, n in zip(seqs.tolist(), nq, strict=True)]
-    keys = [(int(ck[i]), n, 0 if back else Sm - n) for i, n in zip(seqs.tolist(), nk, strict=True)]
+    back = batch.causal and all(b - a == Sm - Lm for a, b in zip(nq, nk, strict=True))
+    starts_q, starts_k = batch.cq[seqs].tolist(), batch.ck[seqs].tolist()
+    rows = [(int(i), n, 0 if back else Lm - n) for i, n in zip(starts_q, nq, strict=True)]
+    keys = [(int(i), n, 0 if back else Sm - n) for i, n in zip(starts_k, nk, strict=True)]
 
     def padded(x: np.ndarray, where: list[tuple[int, int, int]], width: int) -> np.ndarray:
         # Heads first and contiguous, as the kernels read fastest; one strided copy each.
@@ -301,17 +305,9 @@ def _bucket(
     mask = None
     if not back and min(nk) < Sm:
         mask = (np.arange(Sm)[None, :] >= Sm - np.asarray(nk)[:, None])[:, None, None, :]
-    plan = block_plan(
-        padded(qa, rows, Lm),
-        padded(ka, keys, Sm),
-        padded(va, keys, Sm),
-        scale=scale,
-        causal=causal,
-        window=window,
-        mask=mask,
-        out_dtype=np.result_type(qa, ka, va),
+    o, s = batch.attend(
+        padded(batch.q, rows, Lm), padded(batch.k, keys, Sm), padded(batch.v, keys, Sm), mask
     )
-    o, s = dispatch.attend(plan)
     for j, (start, n, off) in enumerate(rows):
-        out[start : start + n] = o[j, :, off : off + n].transpose(1, 0, 2)
-        lse[start : start + n] = s[j, :, off : off + n].T
+        batch.out[start : start + n] = o[j, :, off : off + n].transpose(1, 0, 2)
+        batch.lse[start : start + n] = s[j, :, off : off + n].T

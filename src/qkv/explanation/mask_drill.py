@@ -44,7 +44,7 @@ import numpy as np
 from ..errors import InputError
 from ..front import softmax
 from .display import fmt
-from .practice import Feedback, Step, judge
+from .practice import Feedback, Step, judge, read_rows
 from .scale import read_number
 from .trace import explain
 
@@ -82,28 +82,16 @@ def read_drill_answer(text: str) -> np.ndarray:
     >>> read_drill_answer("nan, 0 1/2; 1 0 0").tolist()
     [[nan, 0.0, 0.5], [1.0, 0.0, 0.0]]
     """
-    rows = [r.strip() for r in str(text).strip().split(";")]
-    if not rows[0]:
-        raise InputError("no numbers given")
-    out = []
-    for n, row in enumerate(rows, start=1):
-        where = f"row {n}, " if len(rows) > 1 else ""
-        entries = [e for e in re.split(r"[,\s]+", row) if e]
-        if not entries:
-            raise InputError(f"row {n} is empty")
-        values = []
-        for e, tok in enumerate(entries, start=1):
-            if tok.lower() in ("nan", "inf", "+inf", "-inf", "−inf"):
-                values.append(float(tok.lower().replace("−", "-")))
-                continue
-            try:
-                values.append(read_number(tok))
-            except InputError as exc:
-                raise InputError(f"{where}entry {e}: {exc}") from None
-        out.append(values)
-    if len({len(r) for r in out}) > 1:
-        raise InputError("rows have different lengths")
-    return np.array(out, dtype=np.float64)
+    return read_rows(
+        str(text), lambda row, where: [e for e in re.split(r"[,\s]+", row) if e], _drill_number
+    )
+
+
+def _drill_number(tok: str) -> float:
+    """A number of a drill answer: as in practice, or ``nan`` and ``±inf`` spelt out."""
+    if tok.lower() in ("nan", "inf", "+inf", "-inf", "−inf"):
+        return float(tok.lower().replace("−", "-"))
+    return read_number(tok)
 
 
 def _softmax_of(scores: np.ndarray, **masks: object) -> tuple[np.ndarray, np.ndarray]:

@@ -124,6 +124,35 @@ def _entries(part: str) -> list[str]:
     return out
 
 
+def read_rows(
+    text: str,
+    entries: Callable[[str, str], list[str]],
+    number: Callable[[str], float],
+) -> np.ndarray:
+    """Rows split by ``;``, each cut into entries by ``entries(row, where)`` and each entry
+    read by ``number``: a 2-D float64 array. Every slip is an :class:`~qkv.InputError` naming
+    the row and entry (``where`` is ``"row n, "`` when there are several rows)."""
+    rows = [r.strip() for r in text.strip().split(";")]
+    if not rows[0]:
+        raise InputError("no numbers given")
+    out = []
+    for n, row in enumerate(rows, start=1):
+        where = f"row {n}, " if len(rows) > 1 else ""
+        tokens = entries(row, where) if row else []
+        if not tokens:
+            raise InputError(f"row {n} is empty")
+        values = []
+        for e, tok in enumerate(tokens, start=1):
+            try:
+                values.append(number(tok))
+            except InputError as exc:
+                raise InputError(f"{where}entry {e}: {exc}") from None
+        out.append(values)
+    if len({len(r) for r in out}) > 1:
+        raise InputError("rows have different lengths")
+    return np.array(out, dtype=np.float64)
+
+
 def read_answer(text: str) -> np.ndarray:
     """An answer as typed: numbers split by commas or spaces, rows of several queries by ``;``.
 
@@ -147,29 +176,15 @@ def read_answer(text: str) -> np.ndarray:
     >>> read_answer("9/2 3; 1 - 2, -2").tolist()
     [[4.5, 3.0], [-1.0, -2.0]]
     """
-    rows = [r.strip() for r in text.strip().split(";")]
-    if not rows[0]:
-        raise InputError("no numbers given")
-    out = []
-    for n, row in enumerate(rows, start=1):
-        where = f"row {n}, " if len(rows) > 1 else ""
-        if not row:
-            raise InputError(f"row {n} is empty")
+
+    def entries(row: str, where: str) -> list[str]:
         parts = [p.strip() for p in row.split(",")]
         if any(not p for p in parts):
             raise InputError(f"{where}an empty entry between commas")
-        entries = [e for p in parts for e in _entries(p)]
-        values = []
-        for e, tok in enumerate(entries, start=1):
-            try:
-                values.append(read_number(tok))
-            except InputError as exc:
-                raise InputError(f"{where}entry {e}: {exc}") from None
-        out.append(values)
-    if len({len(r) for r in out}) > 1:
-        raise InputError("rows have different lengths")
-    a = np.array(out, dtype=np.float64)
-    return a[0] if len(out) == 1 else a
+        return [e for p in parts for e in _entries(p)]
+
+    a = read_rows(text, entries, read_number)
+    return a[0] if len(a) == 1 else a
 
 
 def _close(a: np.ndarray, b: np.ndarray, nan: bool = False) -> bool:

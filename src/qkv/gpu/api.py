@@ -133,19 +133,18 @@ def _function() -> Any:  # a torch.autograd.Function subclass (torch is optional
         """Forward: the prefill/decode kernels; backward: the FlashAttention-2 kernels."""
 
         @staticmethod
-        def forward(ctx: Any, q: Any, k: Any, v: Any, mask: Any, bias: Any, cfg: Any) -> Any:
-            opts, kernel = cfg
-            out, lse = launch.forward(q, k, v, opts, mask, bias, kernel)
+        def forward(ctx: Any, q: Any, k: Any, v: Any, opts: Any, kernel: str) -> Any:
+            out, lse = launch.forward(q, k, v, opts, kernel)
             ctx.save_for_backward(q, k, v, out, lse)
-            ctx.opts, ctx.mask, ctx.bias = opts, mask, bias
+            ctx.opts = opts  # with the detached mask or bias, which get no gradient
             ctx.mark_non_differentiable(lse)
             return out, lse
 
         @staticmethod
         def backward(ctx: Any, grad_out: Any, grad_lse: Any) -> Any:
             q, k, v, out, lse = ctx.saved_tensors
-            dq, dk, dv = launch.backward(q, k, v, out, lse, grad_out, ctx.opts, ctx.mask, ctx.bias)
-            return dq, dk, dv, None, None, None
+            dq, dk, dv = launch.backward(q, k, v, out, lse, grad_out, ctx.opts)
+            return dq, dk, dv, None, None
 
     return TritonAttention
 
@@ -187,15 +186,15 @@ def run(call: Call) -> Any:
         else:
             bias4 = m4 if m4.is_floating_point() else m4.float()
     left, right = plan.window if plan.window is not None else (None, None)
-    opts = launch.Options(plan.scale, plan.causal, left, right, plan.group)
+    opts = launch.Options(plan.scale, plan.causal, left, right, plan.group, mask4, bias4)
     kernel = _GPU_KERNELS[call.kernel]
     if kernel in ("auto", "decode") and plan.group * L > launch.DECODE_MAX_ROWS:
         kernel = "prefill"
     if wants_grad:
-        out4, lse3 = _function().apply(q4, k4, v4, mask4, bias4, (opts, kernel))
+        out4, lse3 = _function().apply(q4, k4, v4, opts, kernel)
     else:
         with torch.no_grad():
-            out4, lse3 = launch.forward(q4, k4, v4, opts, mask4, bias4, kernel)
+            out4, lse3 = launch.forward(q4, k4, v4, opts, kernel)
     out = out4.reshape(*batch, L, dv)
     lse = lse3.reshape(*batch, L)
     if plan.squeeze:

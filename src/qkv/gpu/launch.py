@@ -1,9 +1,10 @@
 """Launch the Triton kernels on canonical 4-D tensors: block sizes, grids, splits, autotuning.
 
 Layout: ``q (Z, Hq, L, d)``, ``k (Z, Hkv, S, d)``, ``v (Z, Hkv, S, dv)`` with
-``Hq = group · Hkv``, any strides; ``mask`` a bool tensor and ``bias`` a float tensor
-broadcastable to ``(Z, Hq, L, S)`` (expanded views, stride 0 where broadcast). Outputs are new
-contiguous tensors: ``out (Z, Hq, L, dv)`` in q's dtype and ``lse (Z, Hq, L)`` in float32.
+``Hq = group · Hkv``, any strides; the :class:`Options`' ``mask`` a bool tensor and ``bias`` a
+float tensor broadcastable to ``(Z, Hq, L, S)`` (expanded views, stride 0 where broadcast).
+Outputs are new contiguous tensors: ``out (Z, Hq, L, dv)`` in q's dtype and ``lse (Z, Hq, L)``
+in float32.
 
 On a device the prefill forward is autotuned over a few block shapes; under Triton's
 interpreter (``TRITON_INTERPRET=1``, CPU tensors) no autotuning runs and small fixed blocks
@@ -31,13 +32,17 @@ DECODE_MAX_ROWS = 64  # group · L up to which one program holds all rows of a k
 
 @dataclass(frozen=True)
 class Options:
-    """What the kernels need besides the tensors (already checked by ``make_plan``)."""
+    """What the kernels need besides ``q``, ``k`` and ``v`` (already checked by ``make_plan``):
+    the scale, causal, the window's sides, the grouping, and the canonical bool ``mask`` and
+    float ``bias`` when the call has one."""
 
     scale: float
     causal: bool
     left: int | None
     right: int | None
     group: int
+    mask: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
 
 
 def _interpreted() -> bool:
@@ -52,24 +57,43 @@ def _strides4(t: torch.Tensor | None) -> tuple[int, int, int, int]:
     return (0, 0, 0, 0) if t is None else tuple(t.stride())  # type: ignore[return-value]
 
 
-def _flags(q: torch.Tensor, opts: Options, mask: Any, bias: Any) -> dict[str, Any]:
+def _flags(q: torch.Tensor, opts: Options) -> dict[str, Any]:
     upcast = _interpreted() and q.dtype == torch.bfloat16
     return {
         "GROUP": opts.group,
         "CAUSAL": opts.causal,
         "HAS_LEFT": opts.left is not None,
         "HAS_RIGHT": opts.right is not None,
-        "HAS_MASK": mask is not None,
-        "HAS_BIAS": bias is not None,
+        "HAS_MASK": opts.mask is not None,
+        "HAS_BIAS": opts.bias is not None,
         "UPCAST": upcast,
         "IEEE": upcast or q.dtype == torch.float32,
     }
 
 
-def _mask_args(q: torch.Tensor, mask: Any, bias: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def _mask_args(q: torch.Tensor, opts: Options) -> tuple[torch.Tensor, torch.Tensor]:
     """Pointers for absent mask/bias: any tensor of the right device (never read)."""
-    m = mask.view(torch.uint8) if mask is not None else q
-    return m, (bias if bias is not None else q)
+    m = opts.mask.view(torch.uint8) if opts.mask is not None else q
+    return m, (opts.bias if opts.bias is not None else q)
+
+
+def _mask_strides(opts: Options) -> tuple[int, ...]:
+    """The mask's and the bias's four strides each (zeros for an absent one)."""
+    return (*_strides4(opts.mask), *_strides4(opts.bias))
+
+
+def _outputs(q: torch.Tensor, dv: int, S: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """New ``out (Z, Hq, L, dv)`` in q's dtype and ``lse (Z, Hq, L)`` in float32, and whether
+    there is nothing to attend (no row or no key): then they are final already, out 0 and
+    lse ``-inf``."""
+    Z, Hq, L, _ = q.shape
+    out = torch.empty((Z, Hq, L, dv), dtype=q.dtype, device=q.device)
+    lse = torch.empty((Z, Hq, L), dtype=torch.float32, device=q.device)
+    empty = out.numel() == 0 or S == 0
+    if empty:
+        out.zero_()
+        lse.fill_(-math.inf)
+    return out, lse, empty
 
 
 def _scalars(opts: Options) -> tuple[int, int, float]:
@@ -93,28 +117,18 @@ def _tuned_prefill() -> Any:
 
 
 def prefill(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    opts: Options,
-    mask: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: Options
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` by the prefill kernel (online softmax, band tiles only)."""
     Z, Hq, L, d = q.shape
     S, dv = k.shape[2], v.shape[3]
-    out = torch.empty((Z, Hq, L, dv), dtype=q.dtype, device=q.device)
-    lse = torch.empty((Z, Hq, L), dtype=torch.float32, device=q.device)
-    if out.numel() == 0 or S == 0:
-        out.zero_()
-        lse.fill_(-math.inf)
+    out, lse, empty = _outputs(q, dv, S)
+    if empty:
         return out, lse
-    m, b = _mask_args(q, mask, bias)
     left, right, qk_scale = _scalars(opts)
     args = (
-        q, k, v, out, lse, m, b,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        *_strides4(mask), *_strides4(bias),
+        q, k, v, out, lse, *_mask_args(q, opts),
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *_mask_strides(opts),
         Hq, L, S, d, dv, left, right, qk_scale,
         triton.next_power_of_2(L) * 65536 + triton.next_power_of_2(S),
     )  # fmt: skip
@@ -122,11 +136,11 @@ def prefill(
     if _interpreted():
         grid: tuple[int, int] | Callable[[dict[str, Any]], tuple[int, int]]
         grid = (triton.cdiv(L, 16), Z * Hq)
-        K.prefill_fwd[grid](*args, **_flags(q, opts, mask, bias), BLOCK_M=16, BLOCK_N=16, **blocks)
+        K.prefill_fwd[grid](*args, **_flags(q, opts), BLOCK_M=16, BLOCK_N=16, **blocks)
     else:  # pragma: no cover - needs a GPU
         kernel = _tuned_prefill()
         grid = lambda meta: (triton.cdiv(L, meta["BLOCK_M"]), Z * Hq)  # noqa: E731
-        kernel[grid](*args, **_flags(q, opts, mask, bias), **blocks)
+        kernel[grid](*args, **_flags(q, opts), **blocks)
     return out, lse
 
 
@@ -140,13 +154,7 @@ def _splits(q: torch.Tensor, Z: int, Hkv: int, S: int, block_n: int) -> int:
 
 
 def decode(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    opts: Options,
-    mask: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    splits: int | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: Options, splits: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` by split-K decoding: keys split over programs, partials merged.
 
@@ -158,11 +166,8 @@ def decode(
     rows = opts.group * L
     if rows > DECODE_MAX_ROWS:
         raise ValueError(f"decode: group · L = {rows} exceeds {DECODE_MAX_ROWS}; use prefill")
-    out = torch.empty((Z, Hq, L, dv), dtype=q.dtype, device=q.device)
-    lse = torch.empty((Z, Hq, L), dtype=torch.float32, device=q.device)
-    if out.numel() == 0 or S == 0:
-        out.zero_()
-        lse.fill_(-math.inf)
+    out, lse, empty = _outputs(q, dv, S)
+    if empty:
         return out, lse
     block_n = 16 if _interpreted() else 64
     n = splits if splits is not None else _splits(q, Z, Hkv, S, block_n)
@@ -171,13 +176,12 @@ def decode(
     block_dv = _p2(dv)
     part_out = torch.empty((Z * Hq * L, n, block_dv), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((Z * Hq * L, n), dtype=torch.float32, device=q.device)
-    m, b = _mask_args(q, mask, bias)
     left, right, qk_scale = _scalars(opts)
     K.decode_split[(n, Z * Hkv)](
-        q, k, v, part_out, part_lse, m, b,
-        *q.stride(), *k.stride(), *v.stride(), *_strides4(mask), *_strides4(bias),
+        q, k, v, part_out, part_lse, *_mask_args(q, opts),
+        *q.stride(), *k.stride(), *v.stride(), *_mask_strides(opts),
         Hkv, L, S, d, dv, left, right, qk_scale, chunk, n,
-        **_flags(q, opts, mask, bias),
+        **_flags(q, opts),
         BLOCK_M=_p2(rows), BLOCK_N=block_n, BLOCK_D=_p2(d), BLOCK_DV=block_dv,
         **({} if _interpreted() else {"num_warps": 4, "num_stages": 2}),
     )  # fmt: skip
@@ -189,20 +193,14 @@ def decode(
 
 
 def forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    opts: Options,
-    mask: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    kernel: str = "auto",
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: Options, kernel: str = "auto"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Prefill or decode by shape (few query rows per kv head: decode), or as forced."""
     if kernel == "auto":
         kernel = "decode" if opts.group * q.shape[2] <= 16 else "prefill"
     if kernel == "decode":
-        return decode(q, k, v, opts, mask, bias)
-    return prefill(q, k, v, opts, mask, bias)
+        return decode(q, k, v, opts)
+    return prefill(q, k, v, opts)
 
 
 def backward(
@@ -213,8 +211,6 @@ def backward(
     lse: torch.Tensor,
     grad_out: torch.Tensor,
     opts: Options,
-    mask: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` by the FlashAttention-2 backward from the saved ``out`` and ``lse``.
 
@@ -234,13 +230,11 @@ def backward(
     wide = max(d, dv) > 128  # 64-row tiles of 256-wide heads would not fit in shared memory
     bm, bn = (16, 16) if _interpreted() else ((32, 32) if wide else (64, 64))
     K.bwd_delta[(triton.cdiv(L, bm), Z * Hq)](out, do, delta, L, dv, BLOCK_M=bm, BLOCK_DV=_p2(dv))
-    m, b = _mask_args(q, mask, bias)
+    m, b = _mask_args(q, opts)
     left, right, qk_scale = _scalars(opts)
-    common = (
-        *q.stride(), *k.stride(), *v.stride(), *_strides4(mask), *_strides4(bias),
-    )  # fmt: skip
+    common = (*q.stride(), *k.stride(), *v.stride(), *_mask_strides(opts))
     consts = {
-        **_flags(q, opts, mask, bias),
+        **_flags(q, opts),
         "BLOCK_M": bm,
         "BLOCK_N": bn,
         "BLOCK_D": _p2(d),

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ..checks import parse_int
+from ..checks import parse_int, parse_window
 from ..errors import InputError
 from ..explanation.display import fmt
 from ..explanation.practice import read_answer
@@ -119,23 +119,11 @@ def _flag(fields: dict[str, Any], name: str) -> bool:
 def _window(text: str) -> tuple[int | None, int | None] | None:
     if not text:
         return None
-    parts = text.split(",")
-    if len(parts) != 2:
-        raise FieldError("window", f"window: expected L,R (e.g. 2,0), got {text!r}")
-    sides: list[int | None] = []
-    for side, p in zip(("left", "right"), parts, strict=True):
-        p = p.strip().lower()
-        if p in ("", "none", "inf"):
-            sides.append(None)
-            continue
-        try:
-            sides.append(parse_int(p, "window", minimum=0))
-        except InputError:
-            msg = f"window: {side} must be an integer >= 0 or empty, got {p!r}"
-            raise FieldError("window", msg) from None
-    if sides == [None, None]:
-        return None
-    return sides[0], sides[1]
+    try:
+        window = parse_window(text, "window")
+    except InputError as exc:
+        raise FieldError("window", str(exc)) from None
+    return None if window == (None, None) else window
 
 
 def _mask(text: str, L: int, S: int) -> np.ndarray | None:

@@ -17,6 +17,7 @@ import html
 from typing import Any
 
 from ..explanation.readings import READINGS
+from ..render.style import PAGE_CSS
 
 __all__ = ["CSS", "DRAW_JS", "SEED", "live_page"]
 
@@ -34,7 +35,9 @@ SEED: dict[str, Any] = {
     "exact": False,
 }
 
-CSS = """
+CSS = (
+    PAGE_CSS
+    + """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; color: #1a1a1a;
   max-width: 1300px; margin: 1em auto; padding: 0 1em; line-height: 1.4; }
 h1 { font-size: 1.4em; margin-bottom: 0.2em; }
@@ -52,17 +55,10 @@ textarea { height: 3.4em; resize: vertical; }
 .err:empty { display: none; }
 .toggle button { font: inherit; padding: 3px 9px; margin: 2px 4px 2px 0; border: 1px solid #8aa;
   background: #fff; border-radius: 4px; cursor: pointer; }
-.toggle button[aria-pressed="true"] { background: #08306b; color: #fff; border-color: #08306b; }
 .row { display: flex; gap: 0.8em; align-items: center; margin-top: 0.5em; flex-wrap: wrap; }
 .row label { display: inline; margin: 0; }
-p.formula { font-family: ui-monospace, "DejaVu Sans Mono", monospace; background: #f6f8fa;
-  padding: 4px 8px; }
-p.note { background: #fff8e1; border-left: 4px solid #f0b400; padding: 4px 8px; }
-p.note:empty { display: none; }
 table { border-collapse: collapse; margin: 0.2em 0 0.6em; font-size: 0.9em; }
-th, td { border: 1px solid #d0d7de; padding: 2px 7px; }
 th { background: #f0f3f6; font-weight: 600; }
-td.num { text-align: right; font-family: ui-monospace, "DejaVu Sans Mono", monospace; }
 td.off { color: #888; background: #f0f0f0; }
 td .ex { display: block; font-size: 0.8em; color: #0b4f8a; }
 table.heat td.w { width: 54px; height: 30px; text-align: center; font-size: 0.75em; padding: 0; }
@@ -83,6 +79,7 @@ section.practice { margin-top: 1.5em; }
 .fb.wrong { color: #b71c1c; }
 pre.worked { background: #f6f8fa; padding: 4px 8px; font-size: 0.85em; white-space: pre-wrap; }
 """
+)
 
 DRAW_JS = r"""
 function el(tag, attrs, text) {

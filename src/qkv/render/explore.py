@@ -35,6 +35,7 @@ from ..explanation.readings import READINGS, scale_readings
 from ..explanation.trace import Trace
 from .as_html import table_html, weight_color
 from .blocks import Cell, Table
+from .style import PAGE_CSS
 
 __all__ = ["explore_page"]
 
@@ -94,21 +95,16 @@ def _e(x: Any) -> str:
     return html.escape(str(x), quote=True)
 
 
-CSS = """
+CSS = (
+    PAGE_CSS
+    + """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; color: #1a1a1a;
   max-width: 1200px; margin: 1em auto; padding: 0 1em; line-height: 1.45; }
 h1 { font-size: 1.45em; } h2 { font-size: 1.15em; border-bottom: 1px solid #ddd; }
 .toggle button { font: inherit; padding: 4px 12px; margin-right: 6px; border: 1px solid #8aa;
   background: #fff; border-radius: 4px; cursor: pointer; }
-.toggle button[aria-pressed="true"] { background: #08306b; color: #fff; border-color: #08306b; }
-p.formula { font-family: ui-monospace, "DejaVu Sans Mono", monospace; background: #f6f8fa;
-  padding: 4px 8px; }
-p.note { background: #fff8e1; border-left: 4px solid #f0b400; padding: 4px 8px; }
-p.note:empty { display: none; }
 table { border-collapse: collapse; margin: 0.4em 0 1em; font-size: 0.9em; }
-th, td { border: 1px solid #d0d7de; padding: 2px 7px; }
 th { background: #f0f3f6; }
-td.num { text-align: right; font-family: ui-monospace, "DejaVu Sans Mono", monospace; }
 td.terms { font-family: ui-monospace, "DejaVu Sans Mono", monospace; font-size: 0.85em; }
 table.heat td.w { width: 52px; height: 30px; text-align: center; font-size: 0.75em; padding: 0; }
 tr.masked { color: #888; background: #f0f0f0; }
@@ -117,6 +113,7 @@ tr.masked td.key { text-decoration: line-through; }
 .hl:not(.w) { background: #fee6ce; }
 .explained { font-weight: 700; }
 """
+)
 
 SCRIPT = """
 (function () {

@@ -140,28 +140,18 @@ def training_study(
 
     runs = []
     for mode in modes:
-        scale = mode_scale(mode, d)
+        run = TrainingRun(
+            mode, mode_scale(mode, d), d, keys, lr, loss=[], accuracy=[], grad_norm=[]
+        )
         w = w0.copy()
-        losses, accs, norms = [], [], []
         for step in range(steps + 1):
-            loss, acc, grad = _loss_and_grad(w, x, k, scale)
-            losses.append(loss)
-            accs.append(acc)
-            norms.append(float(np.linalg.norm(grad)))
+            loss, acc, grad = _loss_and_grad(w, x, k, run.scale)
+            run.loss.append(loss)
+            run.accuracy.append(acc)
+            run.grad_norm.append(float(np.linalg.norm(grad)))
             if step < steps:
                 w -= lr * grad
                 if progress is not None:
                     progress(1)
-        runs.append(
-            TrainingRun(
-                mode=mode,
-                scale=scale,
-                d=d,
-                keys=keys,
-                lr=lr,
-                loss=losses,
-                accuracy=accs,
-                grad_norm=norms,
-            )
-        )
+        runs.append(run)
     return runs

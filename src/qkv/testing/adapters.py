@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from .. import front
+from ..options import Options
 from .kernel import FEATURES, Kernel
 
 __all__ = [
@@ -48,6 +49,12 @@ __all__ = [
     "TRANSFORMERS_EAGER",
     "TRANSFORMERS_SDPA",
 ]
+
+
+#: What every foreign kernel here supports; each adds its own features to these.
+_FOREIGN = frozenset(
+    ("scale", "mask", "float_mask", "gqa", "dv", "single", "extreme", "masked_rows", "decode")
+)
 
 
 def _sdpa(
@@ -65,21 +72,7 @@ TORCH_SDPA = Kernel(
     _sdpa,
     name="torch.nn.functional.scaled_dot_product_attention",
     arrays="torch",
-    supports={
-        "scale",
-        "causal",
-        "mask",
-        "float_mask",
-        "gqa",
-        "dv",
-        "empty",
-        "single",
-        "long",
-        "extreme",
-        "masked_rows",
-        "decode",
-        "grad",
-    },
+    supports=_FOREIGN | {"causal", "empty", "long", "grad"},
     causal_alignment="top-left",
     notes=[
         "is_causal=True is aligned top-left (query i sees keys j <= i): checked as declared; "
@@ -89,28 +82,20 @@ TORCH_SDPA = Kernel(
 )
 
 
-def _flex(
-    q: Any,
-    k: Any,
-    v: Any,
-    *,
-    causal: bool = False,
-    mask: Any = None,
-    window: Any = None,
-    scale: Any = None,
-    softcap: Any = None,
-    alibi_slopes: Any = None,
-) -> Any:
+def _flex(q: Any, k: Any, v: Any, **keywords: Any) -> Any:
+    # the kit passes qkv.attention's keywords for the features FLEX_ATTENTION supports
     import torch
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+    o = Options(**keywords)
+    mask, softcap, alibi_slopes = o.mask, o.softcap, o.alibi_slopes
     L, S = q.shape[-2], k.shape[-2]
     shift = S - L  # bottom-right: query row i sits at position S - L + i
     keep = []
-    if causal:
+    if o.causal:
         keep.append(lambda b, h, i, j: j <= i + shift)
-    if window is not None:
-        left, right = window
+    if o.window is not None:
+        left, right = o.window
         if left is not None:
             keep.append(lambda b, h, i, j: j >= i + shift - left)
         if right is not None:
@@ -151,7 +136,7 @@ def _flex(
             v,
             score_mod=None if plain else score_mod,
             block_mask=block,
-            scale=scale,
+            scale=o.scale,
             enable_gqa=q.shape[1] != k.shape[1],
         )
 
@@ -160,21 +145,7 @@ FLEX_ATTENTION = Kernel(
     _flex,
     name="torch.nn.attention.flex_attention (CPU, eager)",
     arrays="torch",
-    supports={
-        "scale",
-        "causal",
-        "mask",
-        "float_mask",
-        "window",
-        "gqa",
-        "dv",
-        "single",
-        "extreme",
-        "masked_rows",
-        "decode",
-        "softcap",
-        "alibi",
-    },
+    supports=_FOREIGN | {"causal", "window", "softcap", "alibi"},
     notes=[
         "causal, masks and windows are given as a mask_mod in bottom-right positions; "
         "float masks, softcap and ALiBi as a score_mod"
@@ -200,19 +171,7 @@ JAX_DOT_PRODUCT_ATTENTION = Kernel(
     name="jax.nn.dot_product_attention",
     layout="blhd",
     arrays="jax",
-    supports={
-        "scale",
-        "causal",
-        "mask",
-        "float_mask",
-        "gqa",
-        "dv",
-        "single",
-        "long",
-        "extreme",
-        "masked_rows",
-        "decode",
-    },
+    supports=_FOREIGN | {"causal", "long"},
     causal_alignment="top-left",
     notes=["layout (batch, L, heads, d); is_causal is aligned top-left"],
 )
@@ -248,8 +207,7 @@ def _hf_eager(q: Any, k: Any, v: Any, *, mask: Any = None, scale: Any = None) ->
     return out.transpose(1, 2)
 
 
-_HF = {"scale", "mask", "float_mask", "gqa", "dv", "single", "long", "extreme", "masked_rows",
-       "decode", "grad"}  # fmt: skip
+_HF = _FOREIGN | {"long", "grad"}
 
 TRANSFORMERS_SDPA = Kernel(
     _hf_sdpa,

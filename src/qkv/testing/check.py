@@ -10,15 +10,13 @@ value (0 by default); every other entry must be within the tolerance of
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from hypothesis import HealthCheck, Phase, find, settings
-from hypothesis.errors import NoSuchExample, Unsatisfiable
+from hypothesis.errors import Unsatisfiable
 
 from ..checks import check_int
 from ..errors import InputError
@@ -27,6 +25,7 @@ from .diagnose import diagnose
 from .features import Case, case_strategy
 from .kernel import FEATURES, Kernel
 from .report import Failure, FeatureResult, Report
+from .search import Search
 from .tolerance import DTYPES, allowed
 
 __all__ = ["assert_attention", "check_attention"]
@@ -89,34 +88,21 @@ def _check_feature(
         dtype=dtype,
     )
     n = min(examples, _FEWER.get(feature, examples))
-    seen: dict[str, Any] = {"count": 0, "first": 0, "worst": 0.0, "allowed": 0.0}
+    search = Search(n, f"{seed}:{feature}:{dtype}")
 
-    def fails(case: Case) -> bool:
-        seen["count"] += 1
+    def judged(case: Case) -> tuple[bool, float, float]:
         v = judge(kernel, case, dtype)
-        if v.ok and v.error >= seen["worst"]:
-            seen["worst"], seen["allowed"] = v.error, v.tol
-        if not v.ok and not seen["first"]:
-            seen["first"] = seen["count"]
-        return not v.ok
+        return v.ok, v.error, v.tol
 
-    conf = settings(
-        max_examples=n,
-        database=None,
-        deadline=None,
-        derandomize=False,
-        phases=[Phase.generate, Phase.shrink],
-        suppress_health_check=list(HealthCheck),
-    )
     try:
-        case = find(
-            strategy, fails, settings=conf, random=random.Random(f"{seed}:{feature}:{dtype}")
-        )
-    except (NoSuchExample, Unsatisfiable):
-        if not seen["count"]:
+        case = search.smallest_failure(strategy, judged)
+    except Unsatisfiable:
+        case = None
+    if case is None:
+        if not search.count:
             return FeatureResult(feature, dtype, "skipped", note="no case could be drawn")
         return FeatureResult(
-            feature, dtype, "pass", min(seen["count"], n), seen["worst"], seen["allowed"]
+            feature, dtype, "pass", min(search.count, n), search.worst, search.allowed
         )
     v = judge(kernel, case, dtype)
     expected = case.expected()
@@ -132,7 +118,7 @@ def _check_feature(
         slip=slip[0] if slip else None,
         why=slip[1] if slip else None,
     )
-    return FeatureResult(feature, dtype, "fail", seen["first"], failure=failure)
+    return FeatureResult(feature, dtype, "fail", search.first, failure=failure)
 
 
 def check_attention(

@@ -8,18 +8,16 @@ inputs. A gradient passes within ``GRAD_ULPS · eps(dtype) · max(|reference gra
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
 import numpy as np
-from hypothesis import HealthCheck, Phase, find, settings
 from hypothesis import strategies as st
-from hypothesis.errors import NoSuchExample
 
 from ..engine.grad import reference_attention_vjp
 from .features import Case, case_strategy
 from .kernel import Kernel
 from .report import Failure, FeatureResult
+from .search import Search
 from .strategies import values
 from .tolerance import eps
 
@@ -68,32 +66,20 @@ def check_grad(kernel: Kernel, dtype: str, examples: int, seed: int) -> FeatureR
     feature = "causal" if "causal" in (kernel.supports or ()) else "plain"
     base = case_strategy(feature, alignment=kernel.causal_alignment, dtype=dtype)
     pair = st.tuples(base, st.integers(0, 2**32 - 1))
-    seen: dict[str, Any] = {"count": 0, "first": 0, "worst": 0.0, "allowed": 0.0}
+    search = Search(examples, f"{seed}:grad:{dtype}")
 
     def grad_out(case: Case, gseed: int) -> np.ndarray:
         s = case.shape
         return values(np.random.default_rng(gseed), (s.B, s.Hq, s.L, s.dv))
 
-    def fails(drawn: tuple[Case, int]) -> bool:
-        seen["count"] += 1
+    def judged(drawn: tuple[Case, int]) -> tuple[bool, float, float]:
         _, err, tol, _ = _run(kernel, drawn[0], grad_out(*drawn), dtype)
-        if err <= tol and err >= seen["worst"]:
-            seen["worst"], seen["allowed"] = err, tol
-        if err > tol and not seen["first"]:
-            seen["first"] = seen["count"]
-        return not err <= tol
+        return err <= tol, err, tol
 
-    conf = settings(
-        max_examples=examples,
-        database=None,
-        deadline=None,
-        phases=[Phase.generate, Phase.shrink],
-        suppress_health_check=list(HealthCheck),
-    )
-    try:
-        case, gseed = find(pair, fails, settings=conf, random=random.Random(f"{seed}:grad:{dtype}"))
-    except NoSuchExample:
-        return FeatureResult("grad", dtype, "pass", examples, seen["worst"], seen["allowed"])
+    found = search.smallest_failure(pair, judged)
+    if found is None:
+        return FeatureResult("grad", dtype, "pass", examples, search.worst, search.allowed)
+    case, gseed = found
     g = grad_out(case, gseed)
     got, err, tol, msg = _run(kernel, case, g, dtype)
     want = reference_attention_vjp(case.q, case.k, case.v, g, **case.ref_options)
@@ -123,4 +109,4 @@ def check_grad(kernel: Kernel, dtype: str, examples: int, seed: int) -> FeatureR
         slip,
         why,
     )
-    return FeatureResult("grad", dtype, "fail", seen["first"], failure=failure)
+    return FeatureResult("grad", dtype, "fail", search.first, failure=failure)

@@ -66,15 +66,15 @@ class Shape(NamedTuple):
 @st.composite
 def _shapes(
     draw: Any,
-    *,
-    batch: tuple[int, int] = (1, 2),
-    heads: tuple[int, int] = (1, 2),
-    L: tuple[int, int] = (1, 6),
-    S: tuple[int, int] = (1, 6),
-    d: tuple[int, int] = (1, 8),
-    grouped: bool = False,
-    dv_differs: bool = False,
+    batch: tuple[int, int],
+    heads: tuple[int, int],
+    L: tuple[int, int],
+    S: tuple[int, int],
+    d: tuple[int, int],
+    grouped: bool,
+    dv_differs: bool,
 ) -> Shape:
+    # the ranges' defaults are those of the public shapes(), the one place they are written
     B = draw(st.integers(*batch))
     if grouped:
         Hkv = draw(st.integers(2, max(2, heads[1])))
@@ -183,7 +183,7 @@ def shapes(
     at least two query heads (so that pairing heads in the wrong order shows). ``dv_differs``
     draws a value width different from ``d``; otherwise ``dv == d``.
     """
-    return _shapes(batch=batch, heads=heads, L=L, S=S, d=d, grouped=grouped, dv_differs=dv_differs)
+    return _shapes(batch, heads, L, S, d, grouped, dv_differs)
 
 
 def inputs(shape: Any = None) -> Any:

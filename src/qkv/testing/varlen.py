@@ -11,20 +11,18 @@ sequences attending across their boundaries (the offsets ignored).
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from hypothesis import HealthCheck, Phase, find, settings
 from hypothesis import strategies as st
-from hypothesis.errors import NoSuchExample
 
 from .. import reference
 from .diagnose import diagnose
 from .features import Case, top_left
 from .kernel import Kernel
 from .report import Failure, FeatureResult
+from .search import Search
 from .strategies import Shape, cu_seqlens, values
 from .tolerance import allowed
 
@@ -131,28 +129,15 @@ def check_varlen(kernel: Kernel, dtype: str, examples: int, seed: int) -> Featur
         return FeatureResult("varlen", dtype, "unsupported", note="no varlen= function given")
     sup = set(kernel.supports or ())
     strategy = packed("causal" in sup, kernel.causal_alignment, "gqa" in sup)
-    seen: dict[str, Any] = {"count": 0, "first": 0, "worst": 0.0, "allowed": 0.0}
+    search = Search(examples, f"{seed}:varlen:{dtype}")
 
-    def fails(p: Packed) -> bool:
-        seen["count"] += 1
+    def judged(p: Packed) -> tuple[bool, float, float]:
         ok, err, tol, _, _ = _judge(kernel, p, dtype)
-        if ok and err >= seen["worst"]:
-            seen["worst"], seen["allowed"] = err, tol
-        if not ok and not seen["first"]:
-            seen["first"] = seen["count"]
-        return not ok
+        return ok, err, tol
 
-    conf = settings(
-        max_examples=examples,
-        database=None,
-        deadline=None,
-        phases=[Phase.generate, Phase.shrink],
-        suppress_health_check=list(HealthCheck),
-    )
-    try:
-        p = find(strategy, fails, settings=conf, random=random.Random(f"{seed}:varlen:{dtype}"))
-    except NoSuchExample:
-        return FeatureResult("varlen", dtype, "pass", examples, seen["worst"], seen["allowed"])
+    p = search.smallest_failure(strategy, judged)
+    if p is None:
+        return FeatureResult("varlen", dtype, "pass", examples, search.worst, search.allowed)
     _, err, tol, got, msg = _judge(kernel, p, dtype)
     slip = None
     if got is not None and got.shape == p.q.shape[:2] + p.v.shape[2:]:
@@ -180,4 +165,4 @@ def check_varlen(kernel: Kernel, dtype: str, examples: int, seed: int) -> Featur
         slip[0] if slip else None,
         slip[1] if slip else None,
     )
-    return FeatureResult("varlen", dtype, "fail", seen["first"], failure=failure)
+    return FeatureResult("varlen", dtype, "fail", search.first, failure=failure)
