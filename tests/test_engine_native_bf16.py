@@ -179,7 +179,7 @@ def test_backward_equals_the_reference(kv_heads, group, L, S, d, dv, causal, win
     plan = make_plan(q, k, v, keep_stored=True, **options)
     assert native_bf16.supports_backward(plan)
     out, lse = native_bf16.attend(plan)
-    grads = native_bf16.backward(plan, dout.astype(np.float32), out, lse, threads=threads)
+    grads = native_bf16.backward(plan, dout.astype(np.float32), (out, lse), threads=threads)
     wide = [x.astype(np.float64) for x in (q, k, v, dout)]
     for got, want in zip(grads, reference_attention_vjp(*wide, **options), strict=True):
         assert got.dtype == np.float32 and got.shape == want.shape

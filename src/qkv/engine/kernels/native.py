@@ -56,13 +56,12 @@ from .native_lib import (
     BackwardArgs,
     PrefillArgs,
     VarlenArgs,
-    blas_rows,
+    backward_operands,
     head_offsets,
     invoke,
     isa_cap,
     library,
     library_path,
-    operands,
     prefill_operands,
     switched_off,
 )
@@ -329,25 +328,15 @@ def backward(
     nq = int(np.prod(batch, dtype=np.int64))
     if nq == 0 or min(L, S, dv) == 0:
         return dq, dk, dvv
-    d_out = np.ascontiguousarray(np.broadcast_to(d_out, batch + (L, dv)), dtype=dt)
-    out = np.broadcast_to(out, batch + (L, dv)).astype(dt, copy=False)
-    delta = np.ascontiguousarray(np.sum(d_out * out, axis=-1), dtype=dt)
-    lse = np.broadcast_to(lse, batch + (L,)).astype(dt, copy=False)
-    lse_safe = np.ascontiguousarray(np.where(lse == -np.inf, np.inf, lse), dtype=dt)
-    q, k, v = blas_rows(plan.q), blas_rows(plan.k), blas_rows(plan.v)
-    q_off = np.ascontiguousarray(head_offsets(q)).reshape(-1)
-    k_off = np.ascontiguousarray(head_offsets(k)).reshape(-1)
-    v_off = np.ascontiguousarray(head_offsets(v)).reshape(-1)
+    fields, arrays = backward_operands(plan.q, plan.k, plan.v, (d_out, out, lse), dt, dt)
     rule, held = _mask_and_rule(plan, workers(threads, blas=True), isa, gemm[dt], block_q, block_k)
     args = BackwardArgs(
-        nkv=k_off.size, group=nq // k_off.size, L=L, S=S, d=d, dv=dv,
-        **operands((q, q_off), (k, k_off), (v, v_off)),
-        dout=d_out.ctypes.data, lse=lse_safe.ctypes.data, delta=delta.ctypes.data,
+        group=nq // fields["nkv"], L=L, S=S, d=d, dv=dv, **fields,
         dq=dq.ctypes.data, dk=dk.ctypes.data, dvo=dvv.ctypes.data, **rule,
     )  # fmt: skip
     with single_threaded_blas():
         invoke(f"qkv_backward_{_SUFFIX[dt]}", args, "backward")
-    del held  # the mask arrays the call read
+    del held, arrays  # what the call read
     return dq, dk, dvv
 
 

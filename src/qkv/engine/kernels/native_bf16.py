@@ -30,6 +30,8 @@ Examples
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from ...validate import Plan
@@ -37,12 +39,10 @@ from .native_lib import (
     ISAS,
     BackwardArgs,
     PrefillArgs,
-    blas_rows,
-    head_offsets,
+    backward_operands,
     invoke,
     isa_cap,
     library,
-    operands,
     prefill_operands,
     switched_off,
 )
@@ -97,15 +97,10 @@ def attend(plan: Plan, *, threads: int | None = None) -> tuple[np.ndarray, np.nd
     nb = int(np.prod(batch, dtype=np.int64))
     if nb == 0:
         return out, lse
-    k, v = (np.broadcast_to(a, b.shape) for a, b in zip(plan.stored, (plan.k, plan.v), strict=True))
-    fields, arrays = prefill_operands(plan.q, k, v, plan.group)
-    left, right = plan.window if plan.window is not None else (-1, -1)
+    fields, arrays = prefill_operands(plan.q, *_stored(plan), plan.group)
     args = PrefillArgs(
         nb=nb, L=L, S=plan.S, d=plan.d, dv=dv, out=out.ctypes.data, lse=lse.ctypes.data,
-        **fields,
-        scale=plan.scale, causal=int(plan.causal),
-        left=-1 if left is None else left, right=-1 if right is None else right,
-        threads=workers(threads), isa=ISA,
+        **fields, **_rule(plan, threads),
     )  # fmt: skip
     invoke("qkv_prefill_bf16", args, "bfloat16 prefill")
     del arrays  # what the call read
@@ -121,45 +116,52 @@ def supports_backward(plan: Plan) -> bool:
 def backward(
     plan: Plan,
     d_out: np.ndarray,
-    out: np.ndarray,
-    lse: np.ndarray,
+    forward: tuple[np.ndarray, np.ndarray],
     *,
     threads: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The FlashAttention-2 backward with bfloat16 tile products: ``(dq, dk, dv)`` in float32,
     in the plan's shapes of q, k and v, for a plan that :func:`supports_backward` accepts.
 
-    ``d_out`` and ``out`` are ``(*batch, L, dv)``, ``lse`` ``(*batch, L)``, float32. ``d_out``
-    is rounded to bfloat16 (a bfloat16 model's gradients are), and the weights and their
-    gradients are rounded for the last three products, as in PyTorch's bfloat16 backward.
+    ``d_out`` is ``(*batch, L, dv)`` and ``forward`` the forward's float32 ``(out, lse)``.
+    ``d_out`` is rounded to bfloat16 (a bfloat16 model's gradients are), and the weights and
+    their gradients are rounded for the last three products, as in PyTorch's bfloat16
+    backward.
     """
     assert plan.stored is not None and plan.v is not None  # supports() asks for them
-    batch, L, S, d, dv = plan.batch, plan.L, plan.S, plan.d, plan.dv
-    f32 = np.float32
+    f32, bf16 = np.dtype(np.float32), plan.stored[0].dtype
     dq = np.zeros(plan.q.shape, dtype=f32)
     dk = np.zeros(plan.k.shape, dtype=f32)
     dvv = np.zeros(plan.v.shape, dtype=f32)
-    if int(np.prod(batch, dtype=np.int64)) == 0:
+    if int(np.prod(plan.batch, dtype=np.int64)) == 0:
         return dq, dk, dvv
-    bf16 = plan.stored[0].dtype
-    q = np.ascontiguousarray(plan.q, dtype=bf16)  # exact: q holds bfloat16 values
-    dout = np.ascontiguousarray(np.broadcast_to(d_out, batch + (L, dv)), dtype=bf16)
-    out = np.broadcast_to(out, batch + (L, dv))
-    delta = np.ascontiguousarray(np.sum(dout.astype(f32) * out, axis=-1), dtype=f32)
-    lse = np.broadcast_to(lse, batch + (L,))
-    lse_safe = np.ascontiguousarray(np.where(lse == -np.inf, np.inf, lse), dtype=f32)
-    k, v = (np.broadcast_to(a, b.shape) for a, b in zip(plan.stored, (plan.k, plan.v), strict=True))
-    q, k, v = blas_rows(q), blas_rows(k), blas_rows(v)
-    q_off, k_off, v_off = (np.ascontiguousarray(head_offsets(a)).reshape(-1) for a in (q, k, v))
-    left, right = plan.window if plan.window is not None else (-1, -1)
+    q = plan.q.astype(bf16)  # exact: q holds bfloat16 values
+    fields, arrays = backward_operands(q, *_stored(plan), (d_out, *forward), bf16, f32)
     args = BackwardArgs(
-        nkv=k_off.size, group=plan.group, L=L, S=S, d=d, dv=dv,
-        **operands((q, q_off), (k, k_off), (v, v_off)),
-        dout=dout.ctypes.data, lse=lse_safe.ctypes.data, delta=delta.ctypes.data,
-        dq=dq.ctypes.data, dk=dk.ctypes.data, dvo=dvv.ctypes.data,
-        scale=plan.scale, causal=int(plan.causal),
-        left=-1 if left is None else left, right=-1 if right is None else right,
-        threads=workers(threads), isa=ISA,
+        group=plan.group, L=plan.L, S=plan.S, d=plan.d, dv=plan.dv, **fields,
+        dq=dq.ctypes.data, dk=dk.ctypes.data, dvo=dvv.ctypes.data, **_rule(plan, threads),
     )  # fmt: skip
     invoke("qkv_backward_bf16", args, "bfloat16 backward")
+    del arrays  # what the call read
     return dq, dk, dvv
+
+
+def _stored(plan: Plan) -> tuple[np.ndarray, np.ndarray]:
+    """The plan's stored K and V, broadcast to its kv heads' shapes (views)."""
+    assert plan.stored is not None and plan.v is not None  # supports() asks for them
+    k, v = plan.stored
+    return np.broadcast_to(k, plan.k.shape), np.broadcast_to(v, plan.v.shape)
+
+
+def _rule(plan: Plan, threads: int | None) -> dict[str, Any]:
+    """The fields both structs take from the plan and the call: scale, visibility, threads and
+    the clone (the bfloat16 one)."""
+    left, right = plan.window if plan.window is not None else (None, None)
+    return {
+        "scale": plan.scale,
+        "causal": int(plan.causal),
+        "left": -1 if left is None else left,
+        "right": -1 if right is None else right,
+        "threads": workers(threads),
+        "isa": ISA,
+    }

@@ -34,6 +34,7 @@ __all__ = [
     "DecodeArgs",
     "PrefillArgs",
     "VarlenArgs",
+    "backward_operands",
     "blas_rows",
     "head_offsets",
     "invoke",
@@ -60,18 +61,27 @@ def _ints(*names: str) -> list[tuple[str, Any]]:
     return [(name, _i64) for name in names]
 
 
+# The fields abi.h's QKV_OPERAND_FIELDS and QKV_RULE_FIELDS stand for, in their order.
+_OPERANDS: list[tuple[str, Any]] = [
+    ("q", _ptr), ("q_off", _ptr), ("q_rs", _i64),
+    ("k", _ptr), ("k_off", _ptr), ("k_rs", _i64),
+    ("v", _ptr), ("v_off", _ptr), ("v_rs", _i64),
+]  # fmt: skip
+_RULE: list[tuple[str, Any]] = [
+    ("scale", _f64), *_ints("causal", "left", "right", "threads", "isa"),
+    ("gemm", _ptr), *_ints("block_q", "block_k"),
+]  # fmt: skip
+
+
 class PrefillArgs(ctypes.Structure):
     """``qkv_prefill_args`` of ``native_src/abi.h`` (same order, all 8-byte fields)."""
 
     _fields_ = [
         *_ints("nb", "L", "S", "d", "dv"),
-        ("q", _ptr), ("q_off", _ptr), ("q_rs", _i64),
-        ("k", _ptr), ("k_off", _ptr), ("k_rs", _i64),
-        ("v", _ptr), ("v_off", _ptr), ("v_rs", _i64),
+        *_OPERANDS,
         ("out", _ptr), ("lse", _ptr),
         ("mask", _ptr), ("bias", _ptr), ("m_off", _ptr), *_ints("m_rs", "m_cs"),
-        ("scale", _f64), *_ints("causal", "left", "right", "threads", "isa"),
-        ("gemm", _ptr), *_ints("block_q", "block_k"),
+        *_RULE,
     ]  # fmt: skip
 
 
@@ -80,14 +90,11 @@ class BackwardArgs(ctypes.Structure):
 
     _fields_ = [
         *_ints("nkv", "group", "L", "S", "d", "dv"),
-        ("q", _ptr), ("q_off", _ptr), ("q_rs", _i64),
-        ("k", _ptr), ("k_off", _ptr), ("k_rs", _i64),
-        ("v", _ptr), ("v_off", _ptr), ("v_rs", _i64),
+        *_OPERANDS,
         ("dout", _ptr), ("lse", _ptr), ("delta", _ptr),
         ("dq", _ptr), ("dk", _ptr), ("dvo", _ptr),
         ("mask", _ptr), ("bias", _ptr), ("m_off", _ptr), *_ints("m_rs", "m_cs"),
-        ("scale", _f64), *_ints("causal", "left", "right", "threads", "isa"),
-        ("gemm", _ptr), *_ints("block_q", "block_k"),
+        *_RULE,
     ]  # fmt: skip
 
 
@@ -101,8 +108,7 @@ class VarlenArgs(ctypes.Structure):
         ("v", _ptr), *_ints("v_ts", "v_hs"),
         ("cq", _ptr), ("ck", _ptr), ("seqs", _ptr),
         ("out", _ptr), ("lse", _ptr), ("bad", _ptr),
-        ("scale", _f64), *_ints("causal", "left", "right", "threads", "isa"),
-        ("gemm", _ptr), *_ints("block_q", "block_k"),
+        *_RULE,
     ]  # fmt: skip
 
 
@@ -270,3 +276,34 @@ def prefill_operands(
     )
     arrays = (q, k, v, q_off, k_off, v_off)
     return operands((q, q_off), (k, k_off), (v, v_off)), arrays
+
+
+def backward_operands(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    grads_in: tuple[np.ndarray, np.ndarray, np.ndarray],
+    dout_dtype: np.dtype,
+    dtype: np.dtype,
+) -> tuple[dict[str, int], tuple[np.ndarray, ...]]:
+    """The fields of a backward struct: q ``(*batch, L, d)`` (offsets per query head), K/V
+    (per kv head), and from ``grads_in = (d_out, out, lse)``: ``dout`` in ``dout_dtype``,
+    ``delta = rowsum(dO ∘ O)`` and the lse with rows of no key as ``+inf``, in ``dtype``; and
+    the arrays the fields point into, which the caller holds until the call returns."""
+    d_out, out, lse = grads_in
+    rows = q.shape[:-1]
+    dout = np.ascontiguousarray(np.broadcast_to(d_out, rows + v.shape[-1:]), dtype=dout_dtype)
+    out = np.broadcast_to(out, dout.shape)
+    delta = np.ascontiguousarray(np.sum(dout.astype(dtype) * out, axis=-1), dtype=dtype)
+    lse = np.broadcast_to(lse, rows)
+    lse_safe = np.ascontiguousarray(np.where(lse == -np.inf, np.inf, lse), dtype=dtype)
+    q, k, v = blas_rows(q), blas_rows(k), blas_rows(v)
+    offsets = [np.ascontiguousarray(head_offsets(a)).reshape(-1) for a in (q, k, v)]
+    fields = {
+        **operands(*zip((q, k, v), offsets, strict=True)),
+        "nkv": offsets[1].size,
+        "dout": dout.ctypes.data,
+        "lse": lse_safe.ctypes.data,
+        "delta": delta.ctypes.data,
+    }
+    return fields, (q, k, v, *offsets, dout, delta, lse_safe)

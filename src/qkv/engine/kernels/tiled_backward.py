@@ -81,7 +81,7 @@ def backward(
     fused version of this loop runs instead (:func:`qkv.engine.kernels.native.backward`).
     """
     if native_bf16.supports_backward(plan):  # bfloat16 tile products, K/V read in place
-        grads = native_bf16.backward(plan, d_out, out, lse)
+        grads = native_bf16.backward(plan, d_out, (out, lse))
         if all(np.isfinite(g).all() for g in grads):
             return grads
     plan = plan.materialized()

@@ -17,34 +17,44 @@ typedef void (*dgemm_t)(const char*, const char*, const int*, const int*, const 
                         const double*, const double*, const int*, const double*, const int*,
                         const double*, double*, const int*);
 
+// The fields the prefill and backward structs share, in this order: q, k, v with per-head
+// offsets and a row stride each ...
+#define QKV_OPERAND_FIELDS \
+    const void* q;         \
+    const int64_t* q_off;  \
+    int64_t q_rs;          \
+    const void* k;         \
+    const int64_t* k_off;  \
+    int64_t k_rs;          \
+    const void* v;         \
+    const int64_t* v_off;  \
+    int64_t v_rs;
+
+// ... and, last in the prefill, varlen and backward structs, the scale and visibility rule,
+// threads, clone, BLAS and tile sizes.
+#define QKV_RULE_FIELDS                                                                  \
+    double scale;                                                                        \
+    int64_t causal;                                                                      \
+    int64_t left, right;    /* window sides; -1 = unbounded */                           \
+    int64_t threads;                                                                     \
+    int64_t isa;            /* 0 = best available, 1 = baseline, 2 = AVX2, 3 = AVX-512 */ \
+    void* gemm;             /* sgemm for float32, dgemm for float64 */                   \
+    int64_t block_q, block_k;
+
 // Everything one call needs. Offsets and strides are in elements; the last axis of q, k, v
 // (and of out) is contiguous. Per query head h (the flattened batch), its queries start at
 // q + q_off[h], its kv head's keys and values at k + k_off[h] and v + v_off[h], its mask or
 // bias entry (row i, key j) at m_off[h] + i * m_rs + j * m_cs.
 struct qkv_prefill_args {
     int64_t nb, L, S, d, dv;
-    const void* q;
-    const int64_t* q_off;
-    int64_t q_rs;
-    const void* k;
-    const int64_t* k_off;
-    int64_t k_rs;
-    const void* v;
-    const int64_t* v_off;
-    int64_t v_rs;
+    QKV_OPERAND_FIELDS
     void* out;  // (nb, L, dv) contiguous
     void* lse;  // (nb, L) contiguous
     const uint8_t* mask;  // bool mask (1 = may attend) or NULL
     const void* bias;     // float bias in the compute dtype or NULL
     const int64_t* m_off;
     int64_t m_rs, m_cs;
-    double scale;
-    int64_t causal;
-    int64_t left, right;  // window sides; -1 = unbounded
-    int64_t threads;
-    int64_t isa;  // 0 = best available, 1 = baseline, 2 = AVX2, 3 = AVX-512
-    void* gemm;   // sgemm for float32, dgemm for float64
-    int64_t block_q, block_k;
+    QKV_RULE_FIELDS
 };
 
 // The packed varlen walk (qkv.engine.kernels.packed's layout): q (total_q, heads, d), k and
@@ -67,13 +77,7 @@ struct qkv_varlen_args {
     void* out;
     void* lse;
     uint8_t* bad;  // per sequence (batch entries), set to 1 where an output is not finite; or NULL
-    double scale;
-    int64_t causal;
-    int64_t left, right;
-    int64_t threads;
-    int64_t isa;
-    void* gemm;
-    int64_t block_q, block_k;
+    QKV_RULE_FIELDS
 };
 
 // The FlashAttention-2 backward. q, k, v as above but k_off/v_off are per kv head (nkv of
@@ -82,15 +86,7 @@ struct qkv_varlen_args {
 // dq, dk, dv must be zeroed by the caller.
 struct qkv_backward_args {
     int64_t nkv, group, L, S, d, dv;
-    const void* q;
-    const int64_t* q_off;
-    int64_t q_rs;
-    const void* k;
-    const int64_t* k_off;
-    int64_t k_rs;
-    const void* v;
-    const int64_t* v_off;
-    int64_t v_rs;
+    QKV_OPERAND_FIELDS
     const void* dout;   // (nkv * group, L, dv)
     const void* lse;    // (nkv * group, L)
     const void* delta;  // (nkv * group, L)
@@ -101,13 +97,7 @@ struct qkv_backward_args {
     const void* bias;
     const int64_t* m_off;
     int64_t m_rs, m_cs;
-    double scale;
-    int64_t causal;
-    int64_t left, right;
-    int64_t threads;
-    int64_t isa;
-    void* gemm;
-    int64_t block_q, block_k;
+    QKV_RULE_FIELDS
 };
 
 // The GOMP_parallel entry of a running OpenMP runtime (libgomp's ABI, which LLVM's and Intel's

@@ -16,15 +16,8 @@ namespace {
 // The backward's two elementwise steps on a (rows x n) tile, stride lds, rows' visible
 // columns [jl, jh): the weights P = exp(S - lse) (mask and bias applied, 0 where hidden), then
 // after dP = dO Vᵀ: dS = P ∘ (dP - delta) · scale, written over dP.
-struct BwdArgs {
-    void* s;
+struct BwdArgs : TileRows {
     void* dp;
-    int64_t lds, rows, n;
-    const int64_t* jl;
-    const int64_t* jh;
-    const uint8_t* mask;
-    const void* bias;
-    int64_t m_rs, m_cs;
     const void* lse;
     const void* delta;
     double scale;
@@ -32,20 +25,13 @@ struct BwdArgs {
 
 template <typename T>
 QKV_INLINE void bwd_weights(const BwdArgs& a) {
-    const T ninf = -std::numeric_limits<T>::infinity();
     const T* lse = static_cast<const T*>(a.lse);
     const T* bias = static_cast<const T*>(a.bias);
     for (int64_t i = 0; i < a.rows; ++i) {
         T* __restrict s = static_cast<T*>(a.s) + i * a.lds;
         const int64_t jl = a.jl[i], jh = a.jh[i], cs = a.m_cs;
-        if (bias) {
-            const T* b = bias + i * a.m_rs;
-            for (int64_t j = jl; j < jh; ++j) s[j] += b[j * cs];
-        }
-        if (a.mask) {
-            const uint8_t* m = a.mask + i * a.m_rs;
-            for (int64_t j = jl; j < jh; ++j) s[j] = m[j * cs] ? s[j] : ninf;
-        }
+        bias_and_mask(s, jl, jh, bias ? bias + i * a.m_rs : nullptr,
+                      a.mask ? a.mask + i * a.m_rs : nullptr, cs);
         const T li = lse[i];
         for (int64_t j = 0; j < jl; ++j) s[j] = 0;
 #pragma omp simd
@@ -72,20 +58,8 @@ struct BwdSteps {
     void (*dscores)(const BwdArgs&);
 };
 
-void bw_base_f32(const BwdArgs& a) { bwd_weights<float>(a); }
-void bd_base_f32(const BwdArgs& a) { bwd_dscores<float>(a); }
-void bw_base_f64(const BwdArgs& a) { bwd_weights<double>(a); }
-void bd_base_f64(const BwdArgs& a) { bwd_dscores<double>(a); }
-#if QKV_X86
-QKV_AVX2 void bw_avx2_f32(const BwdArgs& a) { bwd_weights<float>(a); }
-QKV_AVX2 void bd_avx2_f32(const BwdArgs& a) { bwd_dscores<float>(a); }
-QKV_AVX2 void bw_avx2_f64(const BwdArgs& a) { bwd_weights<double>(a); }
-QKV_AVX2 void bd_avx2_f64(const BwdArgs& a) { bwd_dscores<double>(a); }
-QKV_AVX512 void bw_avx512_f32(const BwdArgs& a) { bwd_weights<float>(a); }
-QKV_AVX512 void bd_avx512_f32(const BwdArgs& a) { bwd_dscores<float>(a); }
-QKV_AVX512 void bw_avx512_f64(const BwdArgs& a) { bwd_weights<double>(a); }
-QKV_AVX512 void bd_avx512_f64(const BwdArgs& a) { bwd_dscores<double>(a); }
-#endif
+QKV_CLONE_SET(bw, BwdArgs, bwd_weights)
+QKV_CLONE_SET(bd, BwdArgs, bwd_dscores)
 
 template <typename T>
 BwdSteps pick_bwd(int isa) {

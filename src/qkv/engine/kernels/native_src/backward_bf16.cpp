@@ -214,12 +214,7 @@ int qkv_backward_bf16(const qkv_backward_args* a) {
     if (!a || a->L < 1 || a->S < 1 || a->d < 2 || a->d % 2 || a->dv < 2 || a->dv % 2 ||
         a->mask || a->bias || a->S >= (int64_t(1) << 31) || a->nkv < 1 || a->group < 1)
         return 2;
-#if QKV_X86
-    if (!cpu_has_bf16()) return 2;
-    return run_backward_bf16(*a);
-#else
-    return 2;
-#endif
+    return QKV_ON_BF16(run_backward_bf16(*a));
 }
 
 }  // extern "C"

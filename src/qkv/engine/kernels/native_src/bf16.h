@@ -178,4 +178,8 @@ struct Arena {
 
 }  // namespace
 
+// call (an int status) where this CPU runs the bfloat16 kernels, else 2.
+#define QKV_ON_BF16(call) (cpu_has_bf16() ? (call) : 2)
+#else
+#define QKV_ON_BF16(call) 2
 #endif  // QKV_X86

@@ -42,6 +42,20 @@
 
 #include "abi.h"
 
+// Six functions name_<clone>_<f32|f64>(const Args&), one per clone and compute dtype, each
+// running body<float> or body<double> (pick_clone chooses among them at run time).
+#define QKV_CLONE_BODY(attr, name, clone, Args, body)                           \
+    attr void name##_##clone##_f32(const Args& a) { body<float>(a); }         \
+    attr void name##_##clone##_f64(const Args& a) { body<double>(a); }
+#if QKV_X86
+#define QKV_CLONE_SET(name, Args, body)              \
+    QKV_CLONE_BODY(, name, base, Args, body)         \
+    QKV_CLONE_BODY(QKV_AVX2, name, avx2, Args, body) \
+    QKV_CLONE_BODY(QKV_AVX512, name, avx512, Args, body)
+#else
+#define QKV_CLONE_SET(name, Args, body) QKV_CLONE_BODY(, name, base, Args, body)
+#endif
+
 namespace {
 
 // The clone for the vector extension isa (3 AVX-512, 2 AVX2, else the baseline), where built.
@@ -71,69 +85,62 @@ QKV_INLINE int chosen_isa(int64_t asked) {
     return asked > 0 ? std::min<int>(int(asked), best_isa()) : best_isa();
 }
 
+// The constants of exp_neg in T: where the result is 0 (below low) and the clamp for Upper,
+// the rounding constant 1.5·2^p, log2(e), ln 2 in two parts (Cody-Waite), the exponent's bias
+// and place, and the Taylor coefficients 1/k!, highest first (float to r^7; double to r^12,
+// error below 2e-16 for |r| <= ln2/2).
+template <typename T>
+struct ExpParts;
+template <>
+struct ExpParts<float> {
+    typedef int32_t Bits;
+    static constexpr float low = -87.0f, high = 88.0f, magic = 12582912.0f;  // 1.5 · 2^23
+    static constexpr float log2e = 1.44269504088896341f;
+    static constexpr float ln2_hi = 0.693145751953125f, ln2_lo = 1.42860682030941723212e-6f;
+    static constexpr int bias = 127, place = 23, terms = 8;
+    static constexpr float coef[terms] = {1.0f / 5040, 1.0f / 720, 1.0f / 120, 1.0f / 24,
+                                          1.0f / 6,    0.5f,        1.0f,        1.0f};
+};
+template <>
+struct ExpParts<double> {
+    typedef int64_t Bits;
+    static constexpr double low = -708.0, high = 709.0, magic = 6755399441055744.0;  // 1.5 · 2^52
+    static constexpr double log2e = 1.4426950408889634074;
+    static constexpr double ln2_hi = 6.93147180369123816490e-01;
+    static constexpr double ln2_lo = 1.90821492927058770002e-10;
+    static constexpr int bias = 1023, place = 52, terms = 13;
+    static constexpr double coef[terms] = {
+        1.0 / 479001600, 1.0 / 39916800, 1.0 / 3628800, 1.0 / 362880, 1.0 / 40320,
+        1.0 / 5040,      1.0 / 720,      1.0 / 120,     1.0 / 24,     1.0 / 6,
+        0.5,             1.0,            1.0};
+};
+
 // exp(x) for x <= 0 (x - max of the row), as a branch-free polynomial the compiler
 // vectorises. Range reduction x = n ln2 + r with |r| <= ln2/2; 2^n is built in the exponent
 // bits, with n read from the low bits of x·log2(e) + 1.5·2^p (no float-to-int conversion).
 // Below exp(-87) (float) or exp(-708) (double) the result is exactly 0, so a hidden key (-inf)
 // weighs nothing; NaN stays NaN. Upper: also clamp large x (the backward's s - lse may be a
 // little above 0, and a caller's lse may be wrong).
-template <bool Upper = false>
-QKV_INLINE float exp_neg(float x) {
-    const bool under = x < -87.0f;  // NaN compares false and passes through
-    x = under ? -87.0f : x;
-    if (Upper) x = x > 88.0f ? 88.0f : x;
-    const float magic = 12582912.0f;  // 1.5 · 2^23
-    float t = x * 1.44269504088896341f + magic;
-    float n = t - magic;
-    float r = x - n * 0.693145751953125f;  // ln2 in two parts (Cody-Waite)
-    r = r - n * 1.42860682030941723212e-6f;
-    float p = 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    int32_t ti, mi;
-    std::memcpy(&ti, &t, 4);
-    std::memcpy(&mi, &magic, 4);
-    int32_t bits = (ti - mi + 127) << 23;
-    float two_n;
-    std::memcpy(&two_n, &bits, 4);
-    return under ? 0 : p * two_n;
-}
-
-template <bool Upper = false>
-QKV_INLINE double exp_neg(double x) {
-    const bool under = x < -708.0;
-    x = under ? -708.0 : x;
-    if (Upper) x = x > 709.0 ? 709.0 : x;
-    const double magic = 6755399441055744.0;  // 1.5 · 2^52
-    double t = x * 1.4426950408889634074 + magic;
-    double n = t - magic;
-    double r = x - n * 6.93147180369123816490e-01;
-    r = r - n * 1.90821492927058770002e-10;
-    double p = 1.0 / 479001600.0;  // Taylor to r^12: error below 2e-16 for |r| <= ln2/2
-    p = p * r + 1.0 / 39916800.0;
-    p = p * r + 1.0 / 3628800.0;
-    p = p * r + 1.0 / 362880.0;
-    p = p * r + 1.0 / 40320.0;
-    p = p * r + 1.0 / 5040.0;
-    p = p * r + 1.0 / 720.0;
-    p = p * r + 1.0 / 120.0;
-    p = p * r + 1.0 / 24.0;
-    p = p * r + 1.0 / 6.0;
-    p = p * r + 0.5;
-    p = p * r + 1.0;
-    p = p * r + 1.0;
-    int64_t ti, mi;
-    std::memcpy(&ti, &t, 8);
-    std::memcpy(&mi, &magic, 8);
-    int64_t bits = (ti - mi + 1023) << 52;
-    double two_n;
-    std::memcpy(&two_n, &bits, 8);
-    return under ? 0 : p * two_n;
+template <bool Upper = false, typename T>
+QKV_INLINE T exp_neg(T x) {
+    typedef ExpParts<T> E;
+    typedef typename E::Bits B;
+    const bool under = x < E::low;  // NaN compares false and passes through
+    x = under ? E::low : x;
+    if (Upper) x = x > E::high ? E::high : x;
+    const T t = x * E::log2e + E::magic;
+    const T n = t - E::magic;
+    T r = x - n * E::ln2_hi;
+    r = r - n * E::ln2_lo;
+    T p = E::coef[0];
+    for (int i = 1; i < E::terms; ++i) p = p * r + E::coef[i];
+    B ti, mi;
+    std::memcpy(&ti, &t, sizeof(T));
+    std::memcpy(&mi, &E::magic, sizeof(T));
+    const B bits = (ti - mi + E::bias) << E::place;
+    T two_n;
+    std::memcpy(&two_n, &bits, sizeof(T));
+    return under ? T(0) : p * two_n;
 }
 
 // Max of s[a:b) as an OpenMP simd max reduction, which each clone runs in its own vector width
@@ -156,6 +163,43 @@ QKV_INLINE void gemm(dgemm_t f, const char* ta, const char* tb, int m, int n, in
                      double alpha, const double* a, int lda, const double* b, int ldb,
                      double beta, double* c, int ldc) {
     f(ta, tb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &beta, c, &ldc);
+}
+
+// A score tile's rows [0, rows) (stride lds, n columns), each row's visible columns
+// [jl, jh), and where its mask or bias rows start (row stride m_rs, column stride m_cs): what
+// the prefill's and the backward's elementwise steps read.
+struct TileRows {
+    void* s;
+    int64_t lds, rows, n;
+    const int64_t* jl;
+    const int64_t* jh;
+    const uint8_t* mask;
+    const void* bias;
+    int64_t m_rs, m_cs;
+};
+
+// A row's scores s[jl:jh) with its float bias added (brow; NULL: none) and the keys its
+// boolean mask hides (mrow; NULL: none) set to -inf; the bias and mask step m_cs per key.
+template <typename T>
+QKV_INLINE void bias_and_mask(T* __restrict s, int64_t jl, int64_t jh, const T* __restrict brow,
+                              const uint8_t* __restrict mrow, int64_t m_cs) {
+    const T ninf = -std::numeric_limits<T>::infinity();
+    if (brow) {
+        if (m_cs == 1) {
+#pragma omp simd
+            for (int64_t j = jl; j < jh; ++j) s[j] += brow[j];
+        } else {
+            for (int64_t j = jl; j < jh; ++j) s[j] += brow[j * m_cs];
+        }
+    }
+    if (mrow) {
+        if (m_cs == 1) {
+#pragma omp simd
+            for (int64_t j = jl; j < jh; ++j) s[j] = mrow[j] ? s[j] : ninf;
+        } else {
+            for (int64_t j = jl; j < jh; ++j) s[j] = mrow[j * m_cs] ? s[j] : ninf;
+        }
+    }
 }
 
 // Keys [lo, hi) that the query at absolute position p may see (qkv.masks.key_bounds).

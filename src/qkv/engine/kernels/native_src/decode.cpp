@@ -126,8 +126,28 @@ struct Kv {  // stored as T
     }
 };
 
+typedef uint32_t U32x16 __attribute__((vector_size(64)));
+typedef int32_t I32x16 __attribute__((vector_size(64)));
+
+// 16 stored 16-bit values from p as the zero-extended 32-bit lanes of a 64-byte vector.
+QKV_INLINE U32x16 halves(const void* p) {
+    typedef uint16_t H __attribute__((vector_size(32)));
+    H h;
+    std::memcpy(&h, p, sizeof(H));
+    return __builtin_convertvector(h, U32x16);
+}
+
+// row<V, N>() of a 16-bit format that reads one vector of 16 values at a time (Self::vec).
+template <typename Self, typename E>
+struct VectorRows {
+    template <typename V, int N>
+    static QKV_INLINE void row(const E* p, V* out) {
+        for (int c = 0; c < N; ++c) out[c] = Self::template vec<V>(p + c * 16);
+    }
+};
+
 template <>
-struct Kv<float, Bf16> {  // bfloat16: the high half of a float32's bits
+struct Kv<float, Bf16> : VectorRows<Kv<float, Bf16>, Bf16> {  // float32's high 16 bits
     static constexpr bool scaled = false;
     static constexpr bool by_vector = true;
     static QKV_INLINE float get(const Bf16* p) {
@@ -138,18 +158,10 @@ struct Kv<float, Bf16> {  // bfloat16: the high half of a float32's bits
     }
     template <typename V>
     static QKV_INLINE V vec(const Bf16* p) {
-        typedef uint16_t H __attribute__((vector_size(32)));
-        typedef uint32_t U __attribute__((vector_size(64)));
-        H h;
-        std::memcpy(&h, p, sizeof(H));
-        const U u = __builtin_convertvector(h, U) << 16;
+        const U32x16 u = halves(p) << 16;
         V x;
         std::memcpy(&x, &u, sizeof(V));
         return x;
-    }
-    template <typename V, int N>
-    static QKV_INLINE void row(const Bf16* p, V* out) {
-        for (int c = 0; c < N; ++c) out[c] = vec<V>(p + c * int(64 / sizeof(float)));
     }
 };
 
@@ -157,7 +169,7 @@ struct Kv<float, Bf16> {  // bfloat16: the high half of a float32's bits
 // lane at a time): a normal value's fields move into a float32's with the exponent bias raised
 // by 112; a subnormal one is its mantissa times 2^-24; infinities and NaN keep their kind.
 template <>
-struct Kv<float, F16> {
+struct Kv<float, F16> : VectorRows<Kv<float, F16>, F16> {
     static constexpr bool scaled = false;
     static constexpr bool by_vector = true;
     static QKV_INLINE float get(const F16* p) {
@@ -167,12 +179,9 @@ struct Kv<float, F16> {
     }
     template <typename V>
     static QKV_INLINE V vec(const F16* p) {
-        typedef uint16_t H __attribute__((vector_size(32)));
-        typedef uint32_t U __attribute__((vector_size(64)));
+        typedef U32x16 U;
         typedef int32_t I __attribute__((vector_size(64)));
-        H h;
-        std::memcpy(&h, p, sizeof(H));
-        const U w = __builtin_convertvector(h, U);
+        const U w = halves(p);
         const U sign = (w & 0x8000) << 16, em = w & 0x7FFF, e = em >> 10;
         const U normal = sign | ((em << 13) + (112u << 23));
         const U special = sign | 0x7F800000u | ((em & 0x3FF) << 13);
@@ -183,10 +192,6 @@ struct Kv<float, F16> {
         V x;
         std::memcpy(&x, &bits, sizeof(V));
         return x;
-    }
-    template <typename V, int N>
-    static QKV_INLINE void row(const F16* p, V* out) {
-        for (int c = 0; c < N; ++c) out[c] = vec<V>(p + c * int(64 / sizeof(float)));
     }
 };
 
@@ -207,6 +212,13 @@ QKV_INLINE void bytes_high(const void* p, U* out) {
     }
 }
 
+// bytes_high for a row of N vectors (N / 4 whole 64-byte lines).
+template <int N>
+QKV_INLINE void line_bytes(const void* p, U32x16* out) {
+    static_assert(N % 4 == 0, "rows of whole 64-byte lines");
+    bytes_high<N / 4>(p, out);
+}
+
 template <>
 struct Kv<float, I8> {  // int8 codes
     static constexpr bool scaled = true;
@@ -214,12 +226,9 @@ struct Kv<float, I8> {  // int8 codes
     static QKV_INLINE float get(const I8* p) { return float(p->code); }
     template <typename V, int N>
     static QKV_INLINE void row(const I8* p, V* out) {
-        typedef uint32_t U __attribute__((vector_size(64)));
-        typedef int32_t I __attribute__((vector_size(64)));
-        static_assert(N % 4 == 0, "rows of whole 64-byte lines");
-        U w[N];
-        bytes_high<N / 4>(p, w);
-        for (int c = 0; c < N; ++c) out[c] = __builtin_convertvector(I(w[c]) >> 24, V);
+        U32x16 w[N];
+        line_bytes<N>(p, w);
+        for (int c = 0; c < N; ++c) out[c] = __builtin_convertvector(I32x16(w[c]) >> 24, V);
     }
 };
 
@@ -244,16 +253,14 @@ struct Kv<float, E4m3> {
     }
     template <typename V, int N>
     static QKV_INLINE void row(const E4m3* p, V* out) {
-        typedef uint32_t U __attribute__((vector_size(64)));
-        typedef int32_t I __attribute__((vector_size(64)));
-        static_assert(N % 4 == 0, "rows of whole 64-byte lines");
+        typedef U32x16 U;
         U ws[N];
-        bytes_high<N / 4>(p, ws);
+        line_bytes<N>(p, ws);
         for (int c = 0; c < N; ++c) {
             const U w = ws[c] >> 24;
             const U mag = w & 0x7F, sign = (w & 0x80) << 24;
             const U normal = sign | ((mag << 20) + (120u << 23));
-            const V sub = __builtin_convertvector(I(mag), V) * 0x1p-9f;
+            const V sub = __builtin_convertvector(I32x16(mag), V) * 0x1p-9f;
             U subu;
             std::memcpy(&subu, &sub, sizeof(U));
             const U bits = (mag >> 3) != 0 ? normal : (subu | sign);

@@ -32,22 +32,7 @@ QKV_INLINE void row_step(T* __restrict s, int64_t n, int64_t jl, int64_t jh,
                          const uint8_t* __restrict mrow, const T* __restrict brow, int64_t m_cs,
                          T* __restrict m, T* __restrict l, T* __restrict acc, int64_t dv) {
     const T ninf = -std::numeric_limits<T>::infinity();
-    if (brow) {
-        if (m_cs == 1) {
-#pragma omp simd
-            for (int64_t j = jl; j < jh; ++j) s[j] += brow[j];
-        } else {
-            for (int64_t j = jl; j < jh; ++j) s[j] += brow[j * m_cs];
-        }
-    }
-    if (mrow) {
-        if (m_cs == 1) {
-#pragma omp simd
-            for (int64_t j = jl; j < jh; ++j) s[j] = mrow[j] ? s[j] : ninf;
-        } else {
-            for (int64_t j = jl; j < jh; ++j) s[j] = mrow[j * m_cs] ? s[j] : ninf;
-        }
-    }
+    bias_and_mask(s, jl, jh, brow, mrow, m_cs);
     const T mx = lane_max(s, jl, jh);
     T mold = *m;
     T mnew = std::max(mold, mx);
@@ -79,14 +64,7 @@ QKV_INLINE void row_step(T* __restrict s, int64_t n, int64_t jl, int64_t jh,
 }
 
 // The softmax step over rows [0, rows) of a score tile, stride lds.
-struct StepArgs {
-    void* s;
-    int64_t lds, rows, n;
-    const int64_t* jl;
-    const int64_t* jh;
-    const uint8_t* mask;
-    const void* bias;
-    int64_t m_rs, m_cs;
+struct StepArgs : TileRows {
     void* m;
     void* l;
     void* acc;
@@ -107,14 +85,7 @@ QKV_INLINE void tile_step(const StepArgs& a) {
     }
 }
 
-void step_base_f32(const StepArgs& a) { tile_step<float>(a); }
-void step_base_f64(const StepArgs& a) { tile_step<double>(a); }
-#if QKV_X86
-QKV_AVX2 void step_avx2_f32(const StepArgs& a) { tile_step<float>(a); }
-QKV_AVX2 void step_avx2_f64(const StepArgs& a) { tile_step<double>(a); }
-QKV_AVX512 void step_avx512_f32(const StepArgs& a) { tile_step<float>(a); }
-QKV_AVX512 void step_avx512_f64(const StepArgs& a) { tile_step<double>(a); }
-#endif
+QKV_CLONE_SET(step, StepArgs, tile_step)
 
 typedef void (*step_t)(const StepArgs&);
 

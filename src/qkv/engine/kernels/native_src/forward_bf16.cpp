@@ -170,11 +170,7 @@ extern "C" {
 
 // Whether this CPU (and this build) runs qkv_prefill_bf16: AVX-512 with AVX512_BF16.
 int qkv_bf16_products(void) {
-#if QKV_X86
-    return cpu_has_bf16() ? 1 : 0;
-#else
-    return 0;
-#endif
+    return QKV_ON_BF16(1) == 1;
 }
 
 // q float32 (bfloat16 values), k and v bfloat16 (uint16 bits), out and lse float32; the
@@ -185,12 +181,7 @@ int qkv_prefill_bf16(const qkv_prefill_args* a) {
     if (!a || a->L < 1 || a->S < 0 || a->d < 2 || a->d % 2 || a->dv < 1 || a->mask || a->bias ||
         a->S >= (int64_t(1) << 31))
         return 2;
-#if QKV_X86
-    if (!cpu_has_bf16()) return 2;
-    return run_bf16(*a);
-#else
-    return 2;
-#endif
+    return QKV_ON_BF16(run_bf16(*a));
 }
 
 }  // extern "C"
