@@ -184,3 +184,45 @@ def test_backward_equals_the_reference(kv_heads, group, L, S, d, dv, causal, win
     for got, want in zip(grads, reference_attention_vjp(*wide, **options), strict=True):
         assert got.dtype == np.float32 and got.shape == want.shape
         np.testing.assert_allclose(got, want, rtol=0, atol=2.0**-7 * np.abs(want).max() + 1e-4)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    lengths=st.lists(st.tuples(st.integers(0, 90), st.integers(0, 130)), min_size=1, max_size=4),
+    kv_heads=st.integers(1, 2),
+    group=st.integers(1, 2),
+    d=st.sampled_from([2, 16, 64]),
+    dv=st.sampled_from([1, 8, 64]),
+    causal=st.booleans(),
+    window=st.sampled_from([None, (7, 0), (None, 0)]),
+    seed=st.integers(0, 2**16),
+)
+def test_packed_varlen_equals_the_reference(lengths, kv_heads, group, d, dv, causal, window, seed):
+    rng = np.random.default_rng(seed)
+    cq, ck = (np.concatenate([[0], np.cumsum(n)]) for n in zip(*lengths, strict=True))
+    q = rng.standard_normal((cq[-1], kv_heads * group, d)).astype(BF16)
+    k = (rng.standard_normal((ck[-1], kv_heads, d)) * 2).astype(BF16)
+    v = rng.standard_normal((ck[-1], kv_heads, dv)).astype(BF16)
+    assert native_bf16.packs(q, k, v)
+    options = dict(causal=causal, window=window)
+    out, lse = qkv.attention_varlen(q, k, v, cq, ck, return_lse=True, **options)
+    assert out.dtype == BF16 and lse.dtype == np.float32
+    for b in range(len(lengths)):
+        sq, sk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        one = [x.transpose(1, 0, 2).astype(np.float64) for x in (q[sq], k[sk], v[sk])]
+        if one[0].shape[1] == 0 or one[1].shape[1] == 0:
+            assert (out[sq].astype(np.float32) == 0).all()
+            continue
+        want = reference.attention(*one, **options).transpose(1, 0, 2)
+        np.testing.assert_allclose(out[sq].astype(np.float64), want, atol=_bound(v, want))
+
+
+def test_packed_varlen_redoes_a_sequence_that_is_not_finite():
+    rng = np.random.default_rng(5)
+    cu = np.array([0, 70, 200])
+    q, k, v = (rng.standard_normal((200, 2, 16)).astype(BF16) for _ in range(3))
+    k[100, 0, 3] = np.inf
+    out = qkv.attention_varlen(q, k, v, cu, cu, causal=True).astype(np.float32)
+    wide = qkv.attention_varlen(*(x.astype(np.float32) for x in (q, k, v)), cu, cu, causal=True)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(wide))
+    assert np.isfinite(out[:70]).all()

@@ -465,7 +465,7 @@ def block_plan(
     (axis -3), a checked ``scale`` and ``window``, a boolean ``mask`` with as many dims as
     ``q``. Nothing is checked again.
     """
-    acc = np.dtype(np.float32) if out_dtype == np.float16 else np.dtype(out_dtype)
+    acc = np.dtype(np.float32) if np.dtype(out_dtype).itemsize < 4 else np.dtype(out_dtype)
     L, S = q.shape[-2], k.shape[-2]
     group = q.shape[-3] // k.shape[-3] if q.ndim > 2 and k.shape[-3] else 1
     return Plan(

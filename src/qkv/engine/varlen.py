@@ -40,7 +40,7 @@ from ..errors import InputError, InputTypeError
 from ..keywords import near_keywords
 from ..masks import Window
 from ..validate import as_array, block_plan, check_scale, check_window, from_foreign
-from .kernels import dispatch, native, packed
+from .kernels import dispatch, native, native_bf16, packed
 
 __all__ = ["CALL_FLOPS", "PAD_FRACTION", "WALK_FLOPS", "attention_varlen", "check_offsets"]
 
@@ -178,7 +178,11 @@ def attention_varlen(
         raise InputTypeError(f"causal: expected True or False, got {causal!r}")
     if not isinstance(return_lse, (bool, np.bool_)):
         raise InputTypeError(f"return_lse: expected True or False, got {return_lse!r}")
-    qa, ka, va = as_array(q, "q"), as_array(k, "k"), as_array(v, "v")
+    qa, ka, va = (as_array(x, name, narrow=True) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+    if not native_bf16.packs(qa, ka, va):  # bfloat16 read in place only by that kernel
+        qa, ka, va = (
+            x.astype(np.float32) if x.dtype.name == "bfloat16" else x for x in (qa, ka, va)
+        )
     for name, a, want in (
         ("q", qa, "(total_q, heads, d)"),
         ("k", ka, "(total_k, kv_heads, d)"),
@@ -204,11 +208,13 @@ def attention_varlen(
         raise InputError(
             f"cu_seqlens_q, cu_seqlens_k: batch sizes differ: shapes {cq.shape} and {ck.shape}"
         )
+    if not native_bf16.packs(qa, ka, va):  # bfloat16 is read in place by that kernel only
+        qa, ka, va = (_widened(x) for x in (qa, ka, va))
     fscale = check_scale(scale, qa.shape[2])
     window = check_window(window)
 
     out_dt = np.result_type(qa, ka, va)
-    acc_dt = np.dtype(np.float32) if out_dt == np.float16 else out_dt
+    acc_dt = np.dtype(np.float32) if out_dt.itemsize < 4 else out_dt  # float16, bfloat16
     lq, lk = np.diff(cq), np.diff(ck)
     unit = heads * 2 * (qa.shape[2] + va.shape[2])  # flops per score
     live = (lq > 0) & (lk > 0)  # the others give zeros and -inf
@@ -279,7 +285,8 @@ class _Batch:
 def _alone(batch: _Batch, b: int) -> None:
     """Sequence ``b`` by the ordinary kernels on views of the packed arrays."""
     sq, sk = slice(batch.cq[b], batch.cq[b + 1]), slice(batch.ck[b], batch.ck[b + 1])
-    o, s = batch.attend(*(x.transpose(1, 0, 2) for x in (batch.q[sq], batch.k[sk], batch.v[sk])))
+    views = (batch.q[sq], batch.k[sk], batch.v[sk])
+    o, s = batch.attend(*(_widened(x).transpose(1, 0, 2) for x in views))
     batch.out[sq], batch.lse[sq] = o.transpose(1, 0, 2), s.T
 
 
@@ -311,3 +318,8 @@ def _bucket(batch: _Batch, seqs: np.ndarray, lq: np.ndarray, lk: np.ndarray) -> 
     for j, (start, n, off) in enumerate(rows):
         batch.out[start : start + n] = o[j, :, off : off + n].transpose(1, 0, 2)
         batch.lse[start : start + n] = s[j, :, off : off + n].T
+
+
+def _widened(a: np.ndarray) -> np.ndarray:
+    """``a``, or its float32 values where it is bfloat16 (ml_dtypes')."""
+    return a.astype(np.float32) if a.dtype.name == "bfloat16" else a

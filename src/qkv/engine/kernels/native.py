@@ -411,7 +411,9 @@ def attend_packed(
     True
     """
     gemm = _blas()
+    bf16 = native_bf16.packs(q, k, v)  # the bfloat16 tile products, operands read in place
     dt = np.dtype(np.result_type(np.float32, q, k, v) if dtype is None else dtype)
+    dt = np.dtype(np.float32) if bf16 else dt
     heads, kv_heads, dv = q.shape[1], k.shape[1], v.shape[2]
     out = np.zeros((q.shape[0], heads, dv), dtype=dt)
     lse = np.full((q.shape[0], heads), -np.inf, dtype=dt)
@@ -421,7 +423,7 @@ def attend_packed(
     chosen = np.ascontiguousarray(chosen, dtype=np.int64)
     if chosen.size == 0 or heads == 0 or dv == 0 or q.shape[0] == 0 or k.shape[0] == 0:
         return out, lse
-    q, k, v = (_packed_operand(x, dt) for x in (q, k, v))
+    q, k, v = (_packed_operand(x, x.dtype if bf16 else dt) for x in (q, k, v))
     left, right = window if window is not None else (None, None)
     n_workers = workers(threads, blas=True)
     lq = np.diff(cq)[chosen]
@@ -454,13 +456,13 @@ def attend_packed(
         left=-1 if left is None else left,
         right=-1 if right is None else right,
         threads=n_workers,
-        isa=isa_cap(isa),
+        isa=native_bf16.ISA if bf16 else isa_cap(isa),
         gemm=gemm[dt],
         block_q=block_q,
         block_k=block_k,
     )
     with single_threaded_blas():
-        invoke(f"qkv_varlen_{_SUFFIX[dt]}", args, "varlen")
+        invoke(f"qkv_varlen_{'bf16' if bf16 else _SUFFIX[dt]}", args, "varlen")
     if bad is not None:
         bad.update(np.flatnonzero(flags).tolist())
     return out, lse

@@ -48,7 +48,15 @@ from .native_lib import (
 )
 from .threads import workers
 
-__all__ = ["ISA", "attend", "available", "backward", "supports", "supports_backward"]
+__all__ = [
+    "ISA",
+    "attend",
+    "available",
+    "backward",
+    "packs",
+    "supports",
+    "supports_backward",
+]
 
 ISA = max(ISAS.values()) + 1  # the clone code above AVX-512: AVX-512 with AVX512_BF16
 
@@ -60,6 +68,18 @@ def available() -> bool:
         return False
     lib = library()[0]
     return lib is not None and isa_cap() in (0, ISA) and bool(lib.qkv_bf16_products())
+
+
+def packs(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> bool:
+    """Whether :func:`qkv.engine.kernels.native.attend_packed` runs packed ``q, k, v`` on the
+    bfloat16 tile products: all three bfloat16, an even head size, and :func:`available`."""
+    return (
+        all(x.dtype.name == "bfloat16" for x in (q, k, v))
+        and q.shape[-1] % 2 == 0
+        and q.shape[-1] >= 2
+        and max(q.shape[0], k.shape[0]) < 2**31
+        and available()
+    )
 
 
 def supports(plan: Plan) -> bool:

@@ -102,51 +102,90 @@ QKV_BF16 void softmax_step(Tiles& t, int64_t n, int64_t c0, float scale) {
     }
 }
 
-// One work item: rows [r0, r0 + rows) of query head h (see the top of the file).
-QKV_BF16 void forward_item(const qkv_prefill_args& a, Tiles& t, int64_t h, int64_t r0,
-                           int64_t rows, int64_t dvp) {
+// One work item: query rows [r0, r0 + rows) of one head of a sequence of L queries and S keys,
+// with where its operands are (pointers at the item's first query row and at key 0; row
+// strides in elements) and where its results go.
+template <typename QT>
+struct Item {
+    const QT* q;  // float32 holding bfloat16 values, or bfloat16 bits
+    int64_t q_rs;
+    const uint16_t* k;
+    int64_t k_rs;
+    const uint16_t* v;
+    int64_t v_rs;
+    int64_t L, S, r0, rows;
+    float* out;
+    int64_t out_rs;
+    float* lse;
+    int64_t lse_s;
+};
+
+// The visibility rule of a call, for bounds() (S set per item).
+struct Rule {
+    int64_t S, causal, left, right;
+};
+
+// Query row r's pair word p (two bfloat16 in 32 bits, the first low).
+QKV_INLINE uint32_t q_word(const float* q, int64_t p) {
+    return bf16_bits(q[2 * p]) | bf16_bits(q[2 * p + 1]) << 16;
+}
+QKV_INLINE uint32_t q_word(const uint16_t* q, int64_t p) {
+    uint32_t w;
+    std::memcpy(&w, q + 2 * p, 4);
+    return w;
+}
+
+// The work item's recurrence (see the top of the file); returns whether every output is
+// finite.
+template <typename QT>
+QKV_BF16 bool forward_item(const Item<QT>& it, Rule rule, int64_t d, int64_t dv, float scale,
+                           Tiles& t, int64_t dvp) {
     const float ninf = -std::numeric_limits<float>::infinity();
-    const int64_t d = a.d, dv = a.dv, pairs = d / 2;
-    const float* q = static_cast<const float*>(a.q) + a.q_off[h] + r0 * a.q_rs;
-    const uint16_t* K = static_cast<const uint16_t*>(a.k) + a.k_off[h];
-    const uint16_t* V = static_cast<const uint16_t*>(a.v) + a.v_off[h];
+    const int64_t pairs = d / 2, rows = it.rows;
+    rule.S = it.S;
     for (int64_t r = 0; r < BQ; ++r) {
         int64_t lo = 0, hi = 0;  // rows past the end see nothing
-        if (r < rows) bounds(a, a.S - a.L + r0 + r, &lo, &hi);
+        if (r < rows) bounds(rule, it.S - it.L + it.r0 + r, &lo, &hi);
         t.lo[r] = int32_t(lo);
         t.hi[r] = int32_t(hi);
         t.m[r] = ninf;
         t.l[r] = 0;
-        for (int64_t p = 0; p < pairs; ++p)
-            t.qp[p * BQ + r] = r < rows ? bf16_bits(q[r * a.q_rs + 2 * p]) |
-                                              bf16_bits(q[r * a.q_rs + 2 * p + 1]) << 16
-                                        : 0u;
+        for (int64_t p = 0; p < pairs; ++p) t.qp[p * BQ + r] = r < rows ? q_word(it.q + r * it.q_rs, p) : 0u;
     }
     std::memset(t.acc, 0, size_t(dv * BQ) * sizeof(float));
     const int64_t klo = t.lo[0], khi = t.hi[rows - 1];  // both nondecreasing in the row
     for (int64_t c0 = klo; c0 < khi; c0 += BK) {
         const int64_t n = std::min(BK, khi - c0);
         // Sᵀ (n keys x BQ rows) = K_tile · Q_blkᵀ: each key's pair words broadcast from K
-        dp_rows(n, t.qp, BQ, K + c0 * a.k_rs, a.k_rs, 2, pairs, t.st, BQ, FROM_ZERO, nullptr);
-        softmax_step(t, n, c0, float(a.scale));
-        pack_row_pairs(V + c0 * a.v_rs, a.v_rs, n, dv, dvp, t.vp);
+        dp_rows(n, t.qp, BQ, it.k + c0 * it.k_rs, it.k_rs, 2, pairs, t.st, BQ, FROM_ZERO, nullptr);
+        softmax_step(t, n, c0, scale);
+        pack_row_pairs(it.v + c0 * it.v_rs, it.v_rs, n, dv, dvp, t.vp);
         // accᵀ (dv x BQ) = accᵀ · alpha + Vᵀ · Pᵀ: each column's pair words broadcast from vp
         dp_rows(dv, t.pp, BQ, reinterpret_cast<const uint16_t*>(t.vp), 2, 2 * dvp, (n + 1) / 2,
                 t.acc, BQ, FROM_SCALED, t.alpha);
     }
-    float* out = static_cast<float*>(a.out) + (h * a.L + r0) * dv;
-    float* lse = static_cast<float*>(a.lse) + h * a.L + r0;
+    float bad = 0;  // 0, or NaN when some output is not finite (0 * inf and NaN are NaN)
     for (int64_t r = 0; r < rows; ++r) {
+        float* out = it.out + r * it.out_rs;
         const float li = t.l[r];
         if (li == 0.0f) {  // no visible key: 0 and −inf, never NaN
-            for (int64_t c = 0; c < dv; ++c) out[r * dv + c] = 0;
-            lse[r] = ninf;
+            for (int64_t c = 0; c < dv; ++c) out[c] = 0;
+            it.lse[r * it.lse_s] = ninf;
             continue;
         }
         const float inv = 1.0f / li;
-        for (int64_t c = 0; c < dv; ++c) out[r * dv + c] = t.acc[c * BQ + r] * inv;
-        lse[r] = t.m[r] + std::log(li);
+        for (int64_t c = 0; c < dv; ++c) {
+            out[c] = t.acc[c * BQ + r] * inv;
+            bad += out[c] * 0.0f;
+        }
+        it.lse[r * it.lse_s] = t.m[r] + std::log(li);
     }
+    return bad == bad;
+}
+
+template <typename Args>
+Rule rule_of(const Args& a) {
+    return Rule{0, a.causal, a.left, a.right};
 }
 
 int run_bf16(const qkv_prefill_args& a) {
@@ -157,8 +196,74 @@ int run_bf16(const qkv_prefill_args& a) {
         [&](Tiles& t, int64_t task) {
         // latest query blocks first: under causal they cost the most
         const int64_t qb = nqb - 1 - task / a.nb, h = task % a.nb;
-        const int64_t r0 = qb * BQ;
-        forward_item(a, t, h, r0, std::min(BQ, a.L - r0), dvp);
+        Item<float> it;
+        it.r0 = qb * BQ;
+        it.rows = std::min(BQ, a.L - it.r0);
+        it.q = static_cast<const float*>(a.q) + a.q_off[h] + it.r0 * a.q_rs;
+        it.q_rs = a.q_rs;
+        it.k = static_cast<const uint16_t*>(a.k) + a.k_off[h];
+        it.k_rs = a.k_rs;
+        it.v = static_cast<const uint16_t*>(a.v) + a.v_off[h];
+        it.v_rs = a.v_rs;
+        it.L = a.L;
+        it.S = a.S;
+        it.out = static_cast<float*>(a.out) + (h * a.L + it.r0) * a.dv;
+        it.out_rs = a.dv;
+        it.lse = static_cast<float*>(a.lse) + h * a.L + it.r0;
+        it.lse_s = 1;
+        forward_item(it, rule_of(a), a.d, a.dv, float(a.scale), t, dvp);
+    });
+}
+
+// The packed varlen walk (forward.cpp's run_varlen, same layout): tasks (sequence, query head,
+// query block), costliest first, read straight from the packed bfloat16 arrays.
+int run_varlen_bf16(const qkv_varlen_args& a) {
+    struct Task {
+        int64_t b, r0, cost;
+    };
+    std::vector<Task> tasks;
+    try {
+        for (int64_t i = 0; i < a.nseq; ++i) {
+            const int64_t b = a.seqs[i];
+            const int64_t L = a.cq[b + 1] - a.cq[b], S = a.ck[b + 1] - a.ck[b];
+            if (L < 1 || S < 1) continue;  // the caller's zeros and -inf stand
+            for (int64_t r0 = 0; r0 < L; r0 += BQ) {
+                const int64_t r1 = std::min(r0 + BQ, L);
+                int64_t seen = S;  // keys the block's last row may see, roughly its cost
+                if (a.causal) seen = std::min(S, std::max<int64_t>(S - L + r1, 0));
+                tasks.push_back({b, r0, (r1 - r0) * std::max<int64_t>(seen, 1)});
+            }
+        }
+        std::stable_sort(tasks.begin(), tasks.end(),
+                         [](const Task& x, const Task& y) { return x.cost > y.cost; });
+    } catch (const std::bad_alloc&) {
+        return 1;
+    }
+    const int64_t H = a.heads, dv = a.dv, dvp = (dv + 31) / 32 * 32;
+    const int64_t ntasks = int64_t(tasks.size()) * H;
+    const uint16_t* Q = static_cast<const uint16_t*>(a.q);
+    return for_tasks<Tiles>(
+        ntasks, a.threads, nullptr, [&](Tiles& t) { return t.make(a.d, dv, dvp); },
+        [&](Tiles& t, int64_t n) {
+        const Task& task = tasks[size_t(n / H)];
+        const int64_t h = n % H, q0 = a.cq[task.b], k0 = a.ck[task.b];
+        Item<uint16_t> it;
+        it.L = a.cq[task.b + 1] - q0;
+        it.S = a.ck[task.b + 1] - k0;
+        it.r0 = task.r0;
+        it.rows = std::min(BQ, it.L - task.r0);
+        it.q = Q + (q0 + task.r0) * a.q_ts + h * a.q_hs;
+        it.q_rs = a.q_ts;
+        it.k = static_cast<const uint16_t*>(a.k) + k0 * a.k_ts + (h / a.group) * a.k_hs;
+        it.k_rs = a.k_ts;
+        it.v = static_cast<const uint16_t*>(a.v) + k0 * a.v_ts + (h / a.group) * a.v_hs;
+        it.v_rs = a.v_ts;
+        it.out = static_cast<float*>(a.out) + ((q0 + task.r0) * H + h) * dv;
+        it.out_rs = H * dv;
+        it.lse = static_cast<float*>(a.lse) + (q0 + task.r0) * H + h;
+        it.lse_s = H;
+        if (!forward_item(it, rule_of(a), a.d, dv, float(a.scale), t, dvp) && a.bad)
+            __atomic_store_n(a.bad + task.b, uint8_t(1), __ATOMIC_RELAXED);
     });
 }
 
@@ -182,6 +287,15 @@ int qkv_prefill_bf16(const qkv_prefill_args* a) {
         a->S >= (int64_t(1) << 31))
         return 2;
     return QKV_ON_BF16(run_bf16(*a));
+}
+
+// q, k, v bfloat16 (uint16 bits) in the packed layout of qkv_varlen_f32; out and lse float32
+// (the caller's zeros and -inf stand in rows of sequences not listed or without keys); gemm and
+// the block sizes unused. 0 done; 1 no memory; 2 bad arguments, or a CPU without AVX512_BF16.
+int qkv_varlen_bf16(const qkv_varlen_args* a) {
+    if (!a || a->nseq < 0 || a->heads < 1 || a->group < 1 || a->d < 2 || a->d % 2 || a->dv < 1)
+        return 2;
+    return QKV_ON_BF16(run_varlen_bf16(*a));
 }
 
 }  // extern "C"
