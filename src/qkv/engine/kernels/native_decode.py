@@ -14,6 +14,12 @@ sequence one run of keys, the same for every head (a padded batch's real tokens)
 sequence then reads only its own run. Of the score variants it applies soft-capping (Gemma 2),
 ``c · tanh(s / c)`` on the scaled scores; sinks are added to the result by the dispatcher.
 
+A step is planned once and run per layer (:class:`DecodePlan`, FlashInfer's plan/run pair as
+the model): the plan checks the sizes, grouping, scale and soft-cap and holds which keys each
+sequence sees (runs found by :func:`qkv.engine.kernels.decode.key_runs`, or a boolean mask row
+per sequence that the C step reads as its run); :func:`step` and the transformers backend's
+decoding steps run through it.
+
 Threads: between PyTorch's operations (a model's attention layer), the work runs on the team
 of PyTorch's own OpenMP runtime, whose threads have just finished PyTorch's operation and take
 it at once; a second team of threads would compete with them for the cores. The runtime's
@@ -440,9 +446,10 @@ def step(
     :mod:`qkv.engine.quant` and read in place: ``float16`` and ml_dtypes' ``bfloat16`` arrays
     are recognised by their dtype; codes (``uint16`` bfloat16 bits, ``int8``, ``uint8``
     e4m3fn bits) are named by ``kv_format``, the 8-bit ones with their float32 ``k_scale``
-    and ``v_scale`` of shape ``(*outer, kv_heads, S)``. Nothing else is checked: callers pass
-    checked arrays. ``out (*outer, heads, L, dv)`` and ``lse (*outer, heads, L)`` are new
-    arrays in the compute dtype. None when the inputs do not have that form, and when a
+    and ``v_scale`` of shape ``(*outer, kv_heads, S)``. The step is a :class:`DecodePlan` of
+    these sizes run once; nothing else is checked: callers pass checked arrays.
+    ``out (*outer, heads, L, dv)`` and ``lse (*outer, heads, L)`` are new arrays in the
+    compute dtype. None when the inputs do not have that form, and when a
     result is not finite (infinite or NaN inputs, an overflow): the caller then takes the
     general path, which applies qkv's rules for those.
     """
