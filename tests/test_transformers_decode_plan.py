@@ -158,9 +158,14 @@ def test_a_model_step_is_planned_once_for_its_layers(spies):
     assert spies["plan"] == 3 and spies["launch"] == 3 * 2 and spies["kernels"] == []
 
 
-def test_a_mask_of_two_runs_takes_the_general_road_after_one_native_check(spies):
-    """A mask row with a gap: the native kernel says so once (status 4), and every layer of the
-    step takes the general road, its output equal to the reference."""
+def test_a_mask_of_two_runs_takes_the_general_road_after_one_native_check(spies, monkeypatch):
+    """A mask row with a gap: the native kernel says so once (status 4), the backend does not
+    look for the runs again, and every layer of the step takes the general road, its output
+    equal to the reference."""
+    from qkv.engine.kernels import decode
+
+    found = []
+    monkeypatch.setattr(decode, "key_runs", lambda rows: found.append(rows.shape))
     keep, mask = _mask("bool")
     mask[1, ..., 10] = False
     for layer in range(2):
@@ -170,3 +175,4 @@ def test_a_mask_of_two_runs_takes_the_general_road_after_one_native_check(spies)
         expect = _reference(q, k, v, mask, scale=0.3)
         np.testing.assert_allclose(out.numpy(), expect, rtol=TOL, atol=TOL)
     assert spies["launch"] == 1 and spies["kernels"] == ["auto", "auto"]
+    assert found == []  # (this small step runs on the dense kernel, which reads the mask)

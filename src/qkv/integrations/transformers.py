@@ -264,7 +264,7 @@ def _decode_step(query: Any, key: Any, value: Any, step: _Step) -> Any:
     if status == 3:  # not finite: the NumPy decode kernel, with qkv's rules for that
         return _fallback(given, key, value, step)
     if status:  # 4: a mask row is not one run (so for every layer of the step)
-        step.plan = None
+        step.plan, step._seen = None, (None,)  # the kernel's verdict, not read again here
         return None
     return out if out.dtype == given.dtype else out.to(given.dtype)
 
