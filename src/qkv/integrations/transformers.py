@@ -44,7 +44,6 @@ Importing this module imports neither torch nor transformers.
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 from ..engine.kernels.threads import compiled_team
@@ -74,135 +73,219 @@ def _split_mask(attention_mask: Any, position_bias: Any) -> Any:
 
 
 class _Seen(NamedTuple):
-    """Which keys a decoding step's sequences see (:func:`_visible_keys`)."""
+    """Which keys a decoding step's sequences see (:meth:`_Step.seen`)."""
 
     first: int  # no sequence sees a key before first ...
     last: int  # ... or from last on
     exact: bool  # every sequence sees exactly keys first:last (the mask is then not needed)
 
 
-def _visible_keys(mask: Any, L: int, S: int) -> _Seen | None:
-    """Which keys each sequence of a decoding step's mask sees; None when the mask does not
-    qualify.
-
-    Decoding (``L == 1``) through transformers' caches, each sequence's mask is one run of
-    visible keys: a ``StaticCache``'s filled prefix, a left-padded sequence's real tokens, a
-    sliding window's last keys. Read as such, the keys are a view of the cache, and with one run
-    for the whole batch the call needs no mask (the fast, unmasked kernels) instead of the whole
-    cache under a dense mask. Only a mask
-    that is the same for every head (``(batch, 1, 1, S)`` for ``S`` keys), boolean or float with
-    only ``0`` and ``-inf``, qualifies.
-    """
+def _keep(mask: Any) -> Any:
+    """``mask`` as booleans (``True`` = may attend): a boolean one as it is, a float one of
+    only ``0`` and ``-inf`` turned into booleans (the one place the backend does so); None for
+    any other (a true float bias, an integer mask)."""
     import torch
 
-    if L != 1 or mask.ndim != 4 or mask.shape[1:3] != (1, 1) or mask.shape[3] != S:
-        return None  # (a mask of another length: qkv.attention says so)
-    if not mask.is_cpu:
+    if mask.dtype == torch.bool:
+        return mask
+    if not mask.is_floating_point():
         return None
-    m = mask[:, 0, 0, :]
-    if m.dtype != torch.bool:
-        if not m.is_floating_point():
-            return None
-        ok = m == 0
-        if not bool((ok | (m == float("-inf"))).all()):
-            return None  # a true float bias: keep it
-        m = ok
-    a = m.numpy()
-    S = a.shape[1]
-    if S == 0 or not a.any(axis=1).all():
-        return None  # a sequence that sees no key: leave it to the general path
-    lo = a.argmax(axis=1)
-    hi = S - a[:, ::-1].argmax(axis=1)
+    keep = mask == 0
+    if not bool((keep | (mask == float("-inf"))).all()):
+        return None  # a true float bias: keep it
+    return keep
+
+
+class _Step:
+    """A model's decoding step, planned once for every layer that shares its mask (FlashInfer's
+    ``plan()`` once, ``run()`` per layer is the model).
+
+    ``plan`` is the native step's checked constants
+    (:class:`qkv.engine.kernels.native_decode.DecodePlan`: sizes and grouping, scale,
+    soft-cap, stored form, the mask's boolean rows, which the kernel reads as each sequence's
+    run of keys), or None where the short road does not apply; :meth:`seen` is what the general
+    road reads instead, found once per step.
+    """
+
+    __slots__ = ("_seen", "keep", "mask", "plan")
+
+    def __init__(self, mask: Any, keep: Any, plan: Any) -> None:
+        self.mask, self.keep, self.plan = mask, keep, plan
+        self._seen: tuple[_Seen | None, ...] = ()
+
+    def seen(self, S: int) -> _Seen | None:
+        """Which of ``S`` keys the step's sequences see when each sees one run of them (read
+        once by :func:`qkv.engine.kernels.decode.key_runs`); None for any other mask."""
+        if not self._seen:
+            self._seen = (_visible_keys(self.keep, S),)
+        return self._seen[0]
+
+
+def _visible_keys(keep: Any, S: int) -> _Seen | None:
+    """The keys a decoding step's boolean mask ``(batch or 1, 1, 1, S)`` (or None) leaves each
+    sequence, when that is one run of keys per sequence: a ``StaticCache``'s filled prefix, a
+    left-padded sequence's real tokens, a sliding window's last keys. Read as such, the keys are
+    a view of the cache, and with one run for the whole batch the call needs no mask (the fast,
+    unmasked kernels) instead of the whole cache under a dense mask. None otherwise."""
+    from ..engine.kernels.decode import key_runs
+
+    if keep is None or keep.ndim != 4 or keep.shape[1:] != (1, 1, S) or not keep.is_cpu:
+        return None  # (a mask of another length: qkv.attention says so)
+    runs = key_runs(keep[:, 0, 0, :].numpy())
+    if runs is None or not len(runs.lo):
+        return None  # not one run each, or a sequence that sees no key: the general path
+    lo, hi = runs
     first, last = int(lo.min()), int(hi.max())
-    exact = bool(first == lo.max() and last == hi.min() and a[:, first:last].all())
-    return _Seen(first, last, exact)
+    return _Seen(first, last, bool(first == lo.max() and last == hi.min()))
 
 
-def _decode_step(
-    query: Any,
-    key: Any,
-    value: Any,
-    scaling: Any,
-    softcap: Any = None,
-    mask_rows: tuple[int, int, int] | None = None,
-) -> Any:
+_STEPS: dict[Any, _Step] = {}  # the steps planned lately, by mask and shapes: a few kept
+
+
+def _step(query: Any, key: Any, value: Any, mask: Any, scaling: Any, softcap: Any) -> _Step:
+    """The plan of this decoding step: the one planned for an earlier layer with the same mask
+    (unchanged since), shapes, dtypes, scale and soft-cap, or a new one."""
+    import torch
+
+    stored = getattr(key, "qkv_stored", None)  # a QuantizedKVCache layer's stand-ins
+    if stored is not None:
+        form = stored.form
+    else:  # K/V in 16 bits: read in place, computed in float32
+        form = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(key.dtype)
+    name = (
+        None if mask is None else (id(mask), getattr(mask, "_version", None)),
+        type(scaling), scaling, type(softcap), softcap, form,
+        query.dtype, key.dtype, value.dtype, query.shape, key.shape, value.shape,
+    )  # fmt: skip
+    try:
+        step = _STEPS.get(name)
+    except TypeError:  # an unhashable scale or soft-cap: qkv.attention says what it is
+        return _Step(mask, None, None)
+    if step is None or step.mask is not mask:
+        if len(_STEPS) >= 8:
+            _STEPS.clear()
+        step = _STEPS[name] = _plan(query, key, value, mask, scaling, softcap, form)
+    return step
+
+
+def _plan(
+    query: Any, key: Any, value: Any, mask: Any, scaling: Any, softcap: Any, form: Any
+) -> _Step:
+    """A new :class:`_Step`: what every layer of it shares, checked once."""
+    import torch
+
+    from ..engine.kernels import native_decode
+
+    if mask is not None and not mask.is_cpu:
+        return _Step(mask, None, None)
+    keep = None if mask is None else _keep(mask)
+    if mask is not None and keep is None:
+        return _Step(mask, None, None)  # a float bias: the general road applies it
+    if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
+        return _Step(mask, keep, None)  # (qkv.attention says what is wrong)
+    dt = query.dtype
+    B, hq, L, d = query.shape
+    kvh, S, dv = key.shape[1], key.shape[2], value.shape[-1]
+    rows = None
+    if keep is not None:
+        if keep.ndim != 4 or keep.shape[1:] != (1, 1, S) or keep.shape[0] not in (1, B):
+            return _Step(mask, keep, None)  # (a mask of another shape: qkv.attention says so)
+        rows = (keep.data_ptr(), keep.stride(0) if keep.shape[0] > 1 else 0, keep.stride(3))
+    if (
+        L != 1
+        or not (
+            (dt in (torch.float32, torch.float64) and key.dtype == dt and form is None)
+            or (form is not None and dt in (torch.float32, torch.bfloat16, torch.float16))
+        )
+        or value.dtype != key.dtype
+        or key.shape != (B, kvh, S, d)
+        or value.shape[:3] != (B, kvh, S)
+    ):
+        return _Step(mask, keep, None)
+    plan = native_decode.DecodePlan.plan(
+        (B, hq, kvh, 1, d, dv, S), f64=dt == torch.float64, scale=scaling, softcap=softcap,
+        kv_format=form, mask=rows,
+    )  # fmt: skip
+    return _Step(mask, keep, plan)
+
+
+def _decode_step(query: Any, key: Any, value: Any, step: _Step) -> Any:
     """A decoding step's short road: the output ``(batch, 1, heads, dv)``, or None.
 
     A model's decoding step (one query per head; no mask, or one that leaves each sequence
     one run of keys; no variant but Gemma 2's soft-capping) on CPU float32/float64 tensors,
     or bfloat16/float16 ones (the keys and values read in place and widened in registers,
     computed in float32, the output given back in the model's dtype), that need no gradient
-    is one call of the native decode kernel
-    (:func:`qkv.engine.kernels.native_decode.launch`), the one :func:`qkv.attention` runs for
-    the same problem, on the tensors' memory: between the model's operations every Python step
-    finds cold caches, and the general path's checks and conversions cost more than the kernel.
-    ``mask_rows`` is the address and byte strides of a boolean mask row per sequence, which
-    the kernel reads as each sequence's run of keys. None where this does not apply (the
-    caller then takes :func:`qkv.attention`): another dtype or device, a gradient, the kernel
-    not built, a mask row that is not one run, a result that is not finite.
+    is one call of the native decode kernel (``step.plan``'s
+    :meth:`~qkv.engine.kernels.native_decode.DecodePlan.run`), the one :func:`qkv.attention`
+    runs for the same problem, on the tensors' memory: between the model's operations every
+    Python step finds cold caches, and the general path's checks and conversions cost more
+    than the kernel. A result that is not finite is computed again at once by the NumPy
+    decode kernel (:func:`_fallback`), not by the native kernel a second time. None where
+    this does not apply (the caller then takes :func:`qkv.attention`): another dtype or
+    device, a gradient, the kernel not built, a mask row that is not one run.
     """
     import torch
 
-    from ..engine.kernels import native_decode
+    from ..engine.kernels.native_decode import layout
 
-    dt = query.dtype
-    scales = None
-    codes = getattr(key, "qkv_stored", None)  # a QuantizedKVCache layer's stand-ins
-    if codes is not None:  # 8-bit codes with a scale per token and head, read in place
-        key, value, stored = codes.codes_k, codes.codes_v, codes.form
-        scales = (codes.scales_k, codes.scales_v)
-    else:  # K/V in 16 bits: read in place, computed in float32
-        stored = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(key.dtype)
+    plan = step.plan
     if (
-        query.ndim != 4
-        or query.shape[2] != 1
-        or not (
-            (dt in (torch.float32, torch.float64) and key.dtype == dt)
-            or (stored is not None and dt in (torch.float32, torch.bfloat16, torch.float16))
-        )
-        or value.dtype != key.dtype
+        plan is None
         or not (query.is_cpu and key.is_cpu and value.is_cpu)
         or (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad))
         or (torch.is_grad_enabled() and value.requires_grad)
-        or not native_decode.available()
     ):
         return None
-    B, hq, _, d = query.shape
-    kvh, S, dv = key.shape[1], key.shape[2], value.shape[3]
-    if (
-        key.shape != (B, kvh, S, d)
-        or value.shape[:3] != (B, kvh, S)
-        or kvh < 1
-        or hq % kvh
-        or min(d, dv) < 1
-    ):
-        return None
-    if stored is not None and dt != torch.float32:
+    given, k, v, scales = query, key, value, None
+    codes = getattr(key, "qkv_stored", None)  # a QuantizedKVCache layer's stand-ins
+    if codes is not None:  # 8-bit codes with a scale per token and head, read in place
+        k, v, scales = codes.codes_k, codes.codes_v, (codes.scales_k, codes.scales_v)
+    if plan.kv_format is not None and query.dtype != torch.float32:
         query = query.float()  # one token's rows: the keys and values stay as they are
-    ql = native_decode.layout(query.shape, query.stride(), 1)
-    kl = native_decode.layout(key.shape, key.stride(), 1)
-    vl = native_decode.layout(value.shape, value.stride(), 1)
-    if scaling is not None and not (type(scaling) in (int, float) and 0 < scaling < math.inf):
-        return None  # qkv.attention says what is wrong with it
-    scale = 1.0 / math.sqrt(d) if scaling is None else float(scaling)
+    ql = layout(query.shape, query.stride(), 1)
+    kl = layout(k.shape, k.stride(), 1)
+    vl = layout(v.shape, v.stride(), 1)
     if ql is None or kl is None or vl is None:
         return None
     rows: Any = None
     if scales is not None:
-        found = [native_decode.layout((*x.shape, 1), (*x.stride(), 1), 1) for x in scales]
+        found = [layout((*x.shape, 1), (*x.stride(), 1), 1) for x in scales]
         if found[0] is None or found[1] is None:
             return None
         rows = ((scales[0].data_ptr(), found[0]), (scales[1].data_ptr(), found[1]))
     # (B, heads, 1, dv) in memory: what it writes
-    out = torch.empty((B, 1, hq, dv), dtype=query.dtype)
-    status = native_decode.launch(
-        query.dtype == torch.float64, (B, kvh, hq // kvh, 1, d, dv, S),
-        (query.data_ptr(), ql), (key.data_ptr(), kl), (value.data_ptr(), vl), None,
-        out.data_ptr(), None, scale, softcap=softcap, mask=mask_rows, kv_format=stored,
+    B, hq, _, _ = query.shape
+    out = torch.empty((B, 1, hq, v.shape[-1]), dtype=query.dtype)
+    status = plan.run(
+        (query.data_ptr(), ql), (k.data_ptr(), kl), (v.data_ptr(), vl), out.data_ptr(),
         scales=rows,
     )  # fmt: skip
-    if status:
+    if status == 3:  # not finite: the NumPy decode kernel, with qkv's rules for that
+        return _fallback(given, key, value, step)
+    if status:  # 4: a mask row is not one run (so for every layer of the step)
+        step.plan, step._seen = None, (None,)  # the kernel's verdict, not read again here
         return None
+    return out if out.dtype == given.dtype else out.to(given.dtype)
+
+
+def _fallback(query: Any, key: Any, value: Any, step: _Step) -> Any:
+    """A decoding step whose native result was not finite, on the general road's NumPy
+    decode kernel (``kernel="decode"``: its retries, and qkv's rules for infinite and NaN
+    inputs) over the keys the mask leaves visible, K/V widened as the general road widens them
+    (so that the native kernel is not run on them again)."""
+    import torch
+
+    stored = getattr(key, "qkv_stored", None)
+    if stored is not None:
+        key, value = stored.widened()
+    dt = query.dtype
+    if key.dtype != dt or dt not in (torch.float32, torch.float64):  # computed in float32
+        query, key, value = query.float(), key.float(), value.float()
+    plan = step.plan
+    assert plan is not None  # it ran
+    kwargs = {} if plan.softcap is None else {"softcap": plan.softcap}
+    out, _ = _general(None, query, key, value, step.mask, plan.scale, kwargs, step, "decode")
     return out if out.dtype == dt else out.to(dt)
 
 
@@ -212,36 +295,18 @@ def _decode_fast(
     """:func:`_decode_step` for a decoding step with nothing but a mask of runs of keys and
     soft-capping (no other variant, no weights asked for); None otherwise.
 
-    A mask ``(batch or 1, 1, 1, S)`` is handed to the kernel as boolean rows (transformers
-    builds booleans for this backend; a float mask of only ``0`` and ``-inf`` is turned into
-    them), and the kernel reads each sequence's run of keys from it.
+    The step's plan (:func:`_step`) is made by the first layer and shared by the others: a mask
+    ``(batch or 1, 1, 1, S)`` is handed to the kernel as boolean rows (transformers builds
+    booleans for this backend; a float mask of only ``0`` and ``-inf`` is turned into them
+    once), and the kernel reads each sequence's run of keys from it.
     """
     for name in ("position_bias", "s_aux", "sinks"):
         if kwargs.get(name) is not None:
             return None
-    softcap = kwargs.get("softcap")
-    if softcap is not None and not (type(softcap) in (int, float) and 0 < softcap < math.inf):
-        return None  # qkv.attention says what is wrong with it
     if kwargs.get("output_attentions"):
         return None
-    if mask is None:
-        return _decode_step(query, key, value, scaling, softcap)
-    import torch
-
-    S = key.shape[-2]
-    if mask.ndim != 4 or mask.shape[1:] != (1, 1, S) or mask.shape[0] not in (1, query.shape[0]):
-        return None
-    if not mask.is_cpu:
-        return None
-    if mask.dtype != torch.bool:  # a float mask qualifies with only 0 and -inf: as booleans
-        if not mask.is_floating_point():
-            return None
-        keep = mask == 0
-        if not bool((keep | (mask == float("-inf"))).all()):
-            return None  # a true float bias
-        mask = keep
-    rows = (mask.data_ptr(), mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(3))
-    return _decode_step(query, key, value, scaling, softcap, rows)
+    step = _step(query, key, value, mask, scaling, kwargs.get("softcap"))
+    return _decode_step(query, key, value, step)
 
 
 def attention_forward(
@@ -297,10 +362,29 @@ def attention_forward(
             f"dropout: qkv has no attention dropout, got {dropout}; use the model in eval() "
             "mode, or set its attention dropout to 0 to train through qkv"
         )
-    if query.ndim == 4 and query.shape[2] == 1 and not OBSERVERS:  # a decoding step
-        fast = _decode_fast(query, key, value, attention_mask, scaling, kwargs)
-        if fast is not None:
-            return fast, None
+    step = None
+    if query.ndim == 4 and query.shape[2] == 1:  # a decoding step
+        if not OBSERVERS:
+            fast = _decode_fast(query, key, value, attention_mask, scaling, kwargs)
+            if fast is not None:
+                return fast, None
+        step = _step(query, key, value, attention_mask, scaling, kwargs.get("softcap"))
+    return _general(module, query, key, value, attention_mask, scaling, kwargs, step)
+
+
+def _general(
+    module: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    attention_mask: Any,
+    scaling: Any,
+    kwargs: dict[str, Any],
+    step: _Step | None = None,
+    kernel: str = "auto",
+) -> tuple[Any, Any]:
+    """The general road: :func:`qkv.attention` (on ``kernel``) with what the model passed,
+    reading only the keys some sequence sees (a decoding step's ``step`` says which)."""
     stored = getattr(key, "qkv_stored", None)
     if stored is not None:  # a QuantizedKVCache: the prompt runs on the widened stored values
         key, value = stored.widened()
@@ -336,15 +420,15 @@ def attention_forward(
     if sinks is not None:
         options["sinks"] = sinks
     seen = None
-    if mask is not None and kwargs.get("position_bias") is None:
-        seen = _visible_keys(mask, L, S)
+    if step is not None and mask is not None and mask is step.mask:  # no position bias added
+        seen = step.seen(S)
         if seen is not None:
             lo, hi = seen.first, seen.last
             if hi - lo < S:  # read only the keys some sequence sees, as views of the cache
                 key, value, skipped = key[..., lo:hi, :], value[..., lo:hi, :], lo
             options["mask"] = None if seen.exact else mask[..., lo:hi]
     with compiled_team():  # between PyTorch's operations: see threads.compiled_team
-        out = qkv_attention(query, key, value, **options)
+        out = qkv_attention(query, key, value, kernel=kernel, **options)
     for observe in OBSERVERS:
         observe(module, query, key, value, options, out)
     weights = None

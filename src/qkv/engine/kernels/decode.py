@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -32,7 +32,17 @@ from .blocks import finish, merge_arrays
 from .jit import enabled as jit_enabled
 from .threads import parallel_map, team_preferred, workers
 
-__all__ = ["ITEM_BYTES", "MIN_SPLIT", "attend", "attend_many", "mask_runs", "use_jit"]
+__all__ = [
+    "ITEM_BYTES",
+    "MIN_SPLIT",
+    "KeyRuns",
+    "attend",
+    "attend_many",
+    "key_runs",
+    "mask_runs",
+    "plan_runs",
+    "use_jit",
+]
 
 ITEM_BYTES = 32 << 20  # K/V bytes per work item: large enough to hide Python's overhead
 PARALLEL_BYTES = 4 << 20  # below this much K/V, threads cost more than they save
@@ -196,7 +206,9 @@ def use_jit(plan: Plan) -> bool:
     )
 
 
-def attend(plan: Plan, *, threads: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def attend(
+    plan: Plan, *, threads: int | None = None, found: tuple[KeyRuns | None, ...] = ()
+) -> tuple[np.ndarray, np.ndarray]:
     """Decode attention: output ``(*batch, L, dv)`` and lse ``(*batch, L)``, compute dtype.
 
     Must equal :func:`qkv.reference.attention` on the same plan. Meant for small ``L`` (each
@@ -208,6 +220,9 @@ def attend(plan: Plan, *, threads: int | None = None) -> tuple[np.ndarray, np.nd
         A checked problem from :func:`qkv.validate.make_plan`.
     threads : int, optional
         Worker threads (default: as :func:`~qkv.engine.kernels.threads.workers` decides).
+    found : tuple, optional
+        ``(runs,)``: the plan's mask already read by :func:`plan_runs` (a caller that tried
+        another kernel first), so that it is not read again; ``()`` (default): read here.
 
     Examples
     --------
@@ -220,7 +235,12 @@ def attend(plan: Plan, *, threads: int | None = None) -> tuple[np.ndarray, np.nd
     >>> bool(np.allclose(out, reference.attention(q, k, v, causal=True)))
     True
     """
-    return attend_many([plan], threads=threads)[0]
+    n = workers(threads)
+    if team_preferred():
+        done = _team_single(plan, n, found)
+        if done is not None:
+            return done
+    return _attend_many([plan], n)[0]
 
 
 def attend_many(
@@ -243,11 +263,13 @@ def attend_many(
     >>> all(np.allclose(o, reference.attention(q, k, v)) for (o, _), (k, v) in zip(outs, kv))
     True
     """
-    n = workers(threads)
-    if len(plans) == 1 and team_preferred():
-        done = _team_single(plans[0], n)
-        if done is not None:
-            return [done]
+    if len(plans) == 1:
+        return [attend(plans[0], threads=threads)]
+    return _attend_many(plans, workers(threads))
+
+
+def _attend_many(plans: list[Plan], n: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """:func:`attend_many` on ``n`` threads, by the work items of every plan."""
     probs = [_Problem(plan) for plan in plans]
     work = [
         (i, item)
@@ -374,7 +396,9 @@ def _heads_on_team(threads: int, *args: Any) -> None:
 _BOUNDS: dict[tuple[int, int], np.ndarray] = {}  # every row sees keys [0, S): a few kept
 
 
-def _team_single(plan: Plan, threads: int) -> tuple[np.ndarray, np.ndarray] | None:
+def _team_single(
+    plan: Plan, threads: int, found: tuple[KeyRuns | None, ...] = ()
+) -> tuple[np.ndarray, np.ndarray] | None:
     """One plan with heads (``(..., heads, L, d)``) and nothing restricting the keys, as a
     model's decoding step gives it, on Numba's thread team with as little Python as possible
     around the compiled call (between PyTorch's operations every NumPy call finds cold
@@ -382,13 +406,13 @@ def _team_single(plan: Plan, threads: int) -> tuple[np.ndarray, np.ndarray] | No
 
     A boolean mask of one query (``L == 1``) that is the same for every head and leaves each
     sequence one run of keys (a padded batch's real tokens) is served as that run per
-    sequence: the ragged batch's keys, read without the mask.
+    sequence: the ragged batch's keys, read without the mask (``found``: as :func:`attend`).
     """
     if plan.structured or not plan.batch or not plan.L or not plan.S:
         return None
     runs = None
     if plan.mask is not None:
-        runs = mask_runs(plan)
+        (runs,) = found or (plan_runs(plan),)
         if runs is None:
             return None
     if not (plan.group * plan.L >= 2 and plan.bias is None and not plan.modded):
@@ -419,8 +443,9 @@ def _team_single(plan: Plan, threads: int) -> tuple[np.ndarray, np.ndarray] | No
         ]
     else:  # each sequence's own run of keys, cut in as many pieces (some maybe empty)
         table = []
+        los, his = runs.lo.tolist(), runs.hi.tolist()
         for i in range(heads):
-            lo, hi = runs[i // kv_heads]
+            lo, hi = los[i // kv_heads], his[i // kv_heads]
             width = -(-(hi - lo) // len(cuts))
             for c in range(len(cuts)):
                 c0 = min(lo + c * width, hi)
@@ -453,18 +478,53 @@ def _team_single(plan: Plan, threads: int) -> tuple[np.ndarray, np.ndarray] | No
     return o.reshape(*plan.batch, L, dv), s.reshape(*plan.batch, L)
 
 
-def mask_runs(plan: Plan) -> list[tuple[int, int]] | None:
-    """Each sequence's ``(lo, hi)``, the one run of keys a one-query plan's mask leaves it
-    (the mask the same for every head); None for any other mask or a sequence that sees none."""
+class KeyRuns(NamedTuple):
+    """Each sequence's run of visible keys ``[lo, hi)``: int64 arrays, C-ordered (what the
+    native decode step reads)."""
+
+    lo: np.ndarray
+    hi: np.ndarray
+
+
+def key_runs(rows: np.ndarray) -> KeyRuns | None:
+    """Each boolean row's one run of visible keys ``[lo, hi)``; None when some row's visible
+    keys are not one run, or none. The one place qkv's Python finds runs of keys (the native
+    step checks the same again in C, as its last guard).
+
+    ``rows (n, S)``: ``True`` = may attend.
+
+    >>> key_runs(np.array([[0, 1, 1, 0], [1, 1, 1, 1]], dtype=bool))
+    KeyRuns(lo=array([1, 0]), hi=array([3, 4]))
+    >>> key_runs(np.array([[1, 0, 1]], dtype=bool)) is None  # a gap: two runs
+    True
+    """
+    n, S = rows.shape
+    if n and not S:
+        return None  # no key to see
+    lo = rows.argmax(axis=1)
+    hi = S - rows[:, ::-1].argmax(axis=1)
+    if not (rows.sum(axis=1) == hi - lo).all() or not rows[np.arange(n), lo].all():
+        return None  # a gap in a run, or a sequence with no key
+    return KeyRuns(
+        np.ascontiguousarray(lo, dtype=np.int64), np.ascontiguousarray(hi, dtype=np.int64)
+    )
+
+
+def plan_runs(plan: Plan) -> KeyRuns | None:
+    """Each sequence's run of keys in a one-query plan's boolean mask (the mask the same for
+    every head), by :func:`key_runs`; None for any other mask or a sequence that sees none."""
     mask, S = plan.mask, plan.S
     assert mask is not None
     nb = len(plan.batch)
     if plan.L != 1 or mask.ndim != nb + 2 or mask.shape[-3] != 1 or mask.shape[-2] != 1:
         return None
     outer = plan.batch[:-1]
-    m = np.broadcast_to(mask[..., 0, 0, :], (*outer, S)).reshape(-1, S)
-    lo = m.argmax(axis=1)
-    hi = S - m[:, ::-1].argmax(axis=1)
-    if not (m.sum(axis=1) == hi - lo).all() or not m[np.arange(len(lo)), lo].all():
-        return None  # a gap in a run, or a sequence with no key
-    return list(zip(lo.tolist(), hi.tolist(), strict=True))
+    return key_runs(np.broadcast_to(mask[..., 0, 0, :], (*outer, S)).reshape(-1, S))
+
+
+def mask_runs(plan: Plan) -> list[tuple[int, int]] | None:
+    """:func:`plan_runs` as a list of ``(lo, hi)`` per sequence."""
+    runs = plan_runs(plan)
+    if runs is None:
+        return None
+    return list(zip(runs.lo.tolist(), runs.hi.tolist(), strict=True))

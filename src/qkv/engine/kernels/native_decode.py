@@ -14,6 +14,12 @@ sequence one run of keys, the same for every head (a padded batch's real tokens)
 sequence then reads only its own run. Of the score variants it applies soft-capping (Gemma 2),
 ``c · tanh(s / c)`` on the scaled scores; sinks are added to the result by the dispatcher.
 
+A step is planned once and run per layer (:class:`DecodePlan`, FlashInfer's plan/run pair as
+the model): the plan checks the sizes, grouping, scale and soft-cap and holds which keys each
+sequence sees (runs found by :func:`qkv.engine.kernels.decode.key_runs`, or a boolean mask row
+per sequence that the C step reads as its run); :func:`step` and the transformers backend's
+decoding steps run through it.
+
 Threads: between PyTorch's operations (a model's attention layer), the work runs on the team
 of PyTorch's own OpenMP runtime, whose threads have just finished PyTorch's operation and take
 it at once; a second team of threads would compete with them for the cores. The runtime's
@@ -42,6 +48,7 @@ import functools
 import math
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +56,13 @@ import numpy as np
 
 from ...validate import Plan
 from ..quant import SCALED, storage_dtype
+from .decode import KeyRuns, plan_runs
 from .native_lib import KV_FORMATS, DecodeArgs, invoke, isa_cap, library, switched_off
 from .threads import workers
 
 __all__ = [
+    "DecodePlan",
+    "Operand",
     "attend",
     "attend_stored",
     "available",
@@ -202,18 +212,6 @@ def launch(
     return invoke("qkv_decode_f64" if f64 else "qkv_decode_f32", args, "decode", allowed=(3, 4))
 
 
-def _runs(plan: Plan) -> tuple[np.ndarray, np.ndarray] | None:
-    """Each sequence's run of keys ``(lo, hi)`` as int64 arrays, from a one-query plan's
-    boolean mask; None when the mask does not leave each sequence one run."""
-    from .decode import mask_runs
-
-    runs = mask_runs(plan)
-    if runs is None:
-        return None
-    lo, hi = np.array(runs, dtype=np.int64).reshape(-1, 2).T
-    return np.ascontiguousarray(lo), np.ascontiguousarray(hi)
-
-
 def supports(plan: Plan) -> bool:
     """Whether :func:`attend` runs ``plan`` (and the kernel is built)."""
     if plan.v is None or plan.bias is not None or plan.window is not None:
@@ -242,8 +240,11 @@ def attend(plan: Plan, *, threads: int | None = None) -> tuple[np.ndarray, np.nd
     from . import decode
 
     assert plan.v is not None  # supports() checked it
-    res = _attend(plan, plan.k, plan.v, threads)
-    return decode.attend(plan, threads=threads) if res is None else res
+    found: tuple[KeyRuns | None, ...] = ()
+    if plan.mask is not None:
+        found = (plan_runs(plan),)  # read once, for this kernel and the fallback
+    res = _attend(plan, plan.k, plan.v, threads, found)
+    return decode.attend(plan, threads=threads, found=found) if res is None else res
 
 
 def attend_stored(
@@ -254,17 +255,24 @@ def attend_stored(
     then widens them, :meth:`Plan.materialized`, and takes the general path).
     """
     assert plan.stored is not None
-    return _attend(plan, *plan.stored, threads)
+    found = () if plan.mask is None else (plan_runs(plan),)
+    return _attend(plan, *plan.stored, threads, found)
 
 
 def _attend(
-    plan: Plan, k: np.ndarray, v: np.ndarray, threads: int | None
+    plan: Plan,
+    k: np.ndarray,
+    v: np.ndarray,
+    threads: int | None,
+    found: tuple[KeyRuns | None, ...],
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """One step of ``plan``'s queries against ``k`` and ``v`` (broadcast to the plan's K/V
-    shapes), each sequence its run of keys from the plan's mask; None where not served."""
+    shapes), each sequence its run of keys ``found`` in the plan's mask (``(runs,)``, from
+    :func:`qkv.engine.kernels.decode.plan_runs`; ``()`` without a mask); None where not
+    served."""
     lo = hi = None
-    if plan.mask is not None:
-        runs = _runs(plan)
+    if found:
+        (runs,) = found
         if runs is None:
             return None
         lo, hi = runs
@@ -272,6 +280,117 @@ def _attend(
     k = np.broadcast_to(k, (*outer, kvh, plan.S, plan.d))
     v = np.broadcast_to(v, (*outer, kvh, plan.S, plan.dv))
     return step(plan.q, k, v, plan.scale, lo, hi, threads=threads, softcap=plan.softcap)
+
+
+Operand = tuple[int, tuple[int, int, int]]  # (address, (sequence, head, row) strides)
+
+
+def _positive(x: Any) -> bool:
+    """Whether ``x`` is a real number (not a bool) in ``(0, inf)``: a scale or a soft-cap."""
+    ok = isinstance(x, int | float | np.floating) and not isinstance(x, bool)
+    return ok and 0 < x < math.inf
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """A decoding step planned once and run per layer: the native step's constants, checked.
+
+    FlashInfer's decode wrapper is the model (``plan()`` once per generation step, then
+    ``run()`` for each layer): :meth:`plan` checks what every layer of a model step shares —
+    the sizes and grouping, the scale and soft-cap, the dtypes, which keys each sequence sees
+    — and :meth:`run` hands one layer's q, K and V to the kernel with nothing checked again.
+
+    Attributes
+    ----------
+    sizes : tuple of int
+        ``(sequences, kv_heads, group, L, d, dv, S)``.
+    f64 : bool
+        Computed in float64 (else float32).
+    scale : float
+        The checked scale (``1/sqrt(d)`` when none was given).
+    softcap : float or None
+        The checked soft-cap.
+    kv_format : str or None
+        How K and V are stored when not in the compute dtype (:func:`launch`).
+    runs : KeyRuns or None
+        Each sequence's run of keys, found in Python (:func:`qkv.engine.kernels.decode.key_runs`).
+    mask : tuple of int or None
+        Or a boolean row per sequence, ``(address, sequence stride, key stride)`` in bytes,
+        which the kernel reads as each sequence's run (status 4 when one is not).
+    threads, isa
+        As :func:`launch` takes them.
+    """
+
+    sizes: tuple[int, int, int, int, int, int, int]
+    f64: bool
+    scale: float
+    softcap: float | None = None
+    kv_format: str | None = None
+    runs: KeyRuns | None = None
+    mask: tuple[int, int, int] | None = None
+    threads: int | None = None
+    isa: int = 0
+    runs_at: tuple[int, int] | None = None  # the runs' addresses, taken once
+
+    @classmethod
+    def plan(
+        cls,
+        sizes: tuple[int, int, int, int, int, int, int],
+        *,
+        f64: bool,
+        scale: Any = None,
+        softcap: Any = None,
+        kv_format: str | None = None,
+        runs: KeyRuns | None = None,
+        mask: tuple[int, int, int] | None = None,
+        threads: int | None = None,
+        isa: int = 0,
+    ) -> DecodePlan | None:
+        """The plan of a step of ``sizes = (sequences, heads, kv_heads, L, d, dv, S)``, or
+        None where the kernel does not take it: not built here, heads not a multiple of the kv
+        heads, an empty axis, a scale (None: ``1/sqrt(d)``) or soft-cap that is not a positive
+        finite number (the general path then says what is wrong with it).
+
+        >>> p = DecodePlan.plan((2, 8, 2, 1, 64, 64, 100), f64=False)
+        >>> p is None or (p.sizes, p.scale) == ((2, 2, 4, 1, 64, 64, 100), 0.125)
+        True
+        >>> DecodePlan.plan((2, 8, 3, 1, 64, 64, 100), f64=False) is None  # 8 heads, 3 kv heads
+        True
+        """
+        n, heads, kvh, L, d, dv, S = sizes
+        if kvh < 1 or heads % kvh or min(L, d, dv) < 1:
+            return None
+        if scale is not None and not _positive(scale):
+            return None
+        if softcap is not None and not _positive(softcap):
+            return None
+        if not available():
+            return None
+        at = None if runs is None else (runs.lo.ctypes.data, runs.hi.ctypes.data)
+        return cls(
+            (n, kvh, heads // kvh, L, d, dv, S), f64,
+            1.0 / math.sqrt(d) if scale is None else float(scale),
+            None if softcap is None else float(softcap), kv_format, runs, mask, threads, isa, at,
+        )  # fmt: skip
+
+    def run(
+        self,
+        q: Operand,
+        k: Operand,
+        v: Operand,
+        out: int,
+        lse: int | None = None,
+        scales: tuple[Operand, Operand] | None = None,
+    ) -> int:
+        """One layer's step on raw memory (as :func:`launch` takes it; ``scales`` for the
+        8-bit forms): the kernel's status, 0 when ``out`` (and ``lse``) are written, 3 when a
+        result is not finite (the caller then runs its fallback kernel), 4 when a mask row is
+        not one run of keys."""
+        return launch(
+            self.f64, self.sizes, q, k, v, self.runs_at, out, lse, self.scale,
+            threads=self.threads, isa=self.isa, softcap=self.softcap, mask=self.mask,
+            kv_format=self.kv_format, scales=scales,
+        )  # fmt: skip
 
 
 def _stored_form(dt: np.dtype, k: np.ndarray, v: np.ndarray, kv_format: str | None) -> str | None:
@@ -327,16 +446,15 @@ def step(
     :mod:`qkv.engine.quant` and read in place: ``float16`` and ml_dtypes' ``bfloat16`` arrays
     are recognised by their dtype; codes (``uint16`` bfloat16 bits, ``int8``, ``uint8``
     e4m3fn bits) are named by ``kv_format``, the 8-bit ones with their float32 ``k_scale``
-    and ``v_scale`` of shape ``(*outer, kv_heads, S)``. Nothing else is checked: callers pass
-    checked arrays. ``out (*outer, heads, L, dv)`` and ``lse (*outer, heads, L)`` are new
-    arrays in the compute dtype. None when the inputs do not have that form, and when a
+    and ``v_scale`` of shape ``(*outer, kv_heads, S)``. The step is a :class:`DecodePlan` of
+    these sizes run once; nothing else is checked: callers pass checked arrays.
+    ``out (*outer, heads, L, dv)`` and ``lse (*outer, heads, L)`` are new arrays in the
+    compute dtype. None when the inputs do not have that form, and when a
     result is not finite (infinite or NaN inputs, an overflow): the caller then takes the
     general path, which applies qkv's rules for those.
     """
     dt = q.dtype
-    if not available() or q.ndim < 3 or k.ndim != q.ndim or v.ndim != q.ndim:
-        return None
-    if dt not in _DTYPES:
+    if q.ndim < 3 or k.ndim != q.ndim or v.ndim != q.ndim or dt not in _DTYPES:
         return None
     form = _stored_form(dt, k, v, kv_format)
     if form is None:
@@ -344,9 +462,16 @@ def step(
     *outer, hq, L, d = q.shape
     kvh, S = k.shape[-3], k.shape[-2]
     dv = v.shape[-1]
-    if kvh < 1 or hq % kvh or min(L, d, dv) < 1 or k.shape[-1] != d or v.shape[-2] != S:
+    if k.shape[-1] != d or v.shape[-2] != S:
         return None
     if tuple(k.shape[:-3]) != tuple(outer) or tuple(v.shape[:-3]) != tuple(outer):
+        return None
+    plan = DecodePlan.plan(
+        (math.prod(outer), hq, kvh, L, d, dv, S), f64=dt == _F64, scale=scale, softcap=softcap,
+        kv_format=form or None, runs=None if lo is None or hi is None else KeyRuns(lo, hi),
+        threads=threads, isa=isa,
+    )  # fmt: skip
+    if plan is None:
         return None
     scales = None
     if form in SCALED:
@@ -365,11 +490,8 @@ def step(
         return None
     out = np.empty((*outer, hq, L, dv), dtype=dt)
     lse = np.empty((*outer, hq, L), dtype=dt)
-    runs = None if lo is None or hi is None else (lo.ctypes.data, hi.ctypes.data)
-    status = launch(
-        dt == _F64, (math.prod(outer), kvh, hq // kvh, L, d, dv, S),
-        (q.ctypes.data, ql), (k.ctypes.data, kl), (v.ctypes.data, vl), runs,
-        out.ctypes.data, lse.ctypes.data, scale, threads, isa, softcap,
-        kv_format=form or None, scales=scales,
+    status = plan.run(
+        (q.ctypes.data, ql), (k.ctypes.data, kl), (v.ctypes.data, vl),
+        out.ctypes.data, lse.ctypes.data, scales,
     )  # fmt: skip
     return None if status else (out, lse)
