@@ -176,9 +176,9 @@ def attend(
             if found is not None:
                 return mods.with_sinks(plan, *found)
         elif _prefill(plan, kernel) and native_bf16.supports(plan):  # bfloat16 tile products
-            out, lse = native_bf16.attend(plan)
-            if np.isfinite(out).all():  # else the float32 kernels apply their rules
-                return mods.with_sinks(plan, out, lse)
+            found = native_bf16.attend(plan)
+            if found is not None:  # else (not finite) the float32 kernels apply their rules
+                return mods.with_sinks(plan, *found)
         plan, choice = plan.materialized(), None  # every other kernel reads widened K/V
     if choice is None:
         choice = choose(plan, kernel)

@@ -415,7 +415,7 @@ def attend_packed(
     dt = np.dtype(np.result_type(np.float32, q, k, v) if dtype is None else dtype)
     dt = np.dtype(np.float32) if bf16 else dt
     heads, kv_heads, dv = q.shape[1], k.shape[1], v.shape[2]
-    out = np.zeros((q.shape[0], heads, dv), dtype=dt)
+    out = np.zeros((q.shape[0], heads, dv), dtype=v.dtype if bf16 else dt)  # bfloat16: bfloat16
     lse = np.full((q.shape[0], heads), -np.inf, dtype=dt)
     cq = np.ascontiguousarray(cq, dtype=np.int64)
     ck = np.ascontiguousarray(ck, dtype=np.int64)

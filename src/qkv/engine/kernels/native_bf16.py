@@ -99,9 +99,10 @@ def supports(plan: Plan) -> bool:
     )
 
 
-def attend(plan: Plan, *, threads: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Output ``(*batch, L, dv)`` and lse ``(*batch, L)`` in float32, for a plan that
-    :func:`supports` accepts.
+def attend(plan: Plan, *, threads: int | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+    """Output ``(*batch, L, dv)`` in bfloat16 and lse ``(*batch, L)`` in float32, for a plan
+    that :func:`supports` accepts; ``None`` when some output is not finite (infinite or NaN
+    inputs: the caller's general path applies its rules to those).
 
     Parameters
     ----------
@@ -112,7 +113,7 @@ def attend(plan: Plan, *, threads: int | None = None) -> tuple[np.ndarray, np.nd
     """
     assert plan.stored is not None and plan.v is not None  # supports() asks for them
     batch, L, dv = plan.batch, plan.L, plan.dv
-    out = np.empty(batch + (L, dv), dtype=np.float32)
+    out = np.empty(batch + (L, dv), dtype=plan.stored[1].dtype)
     lse = np.empty(batch + (L,), dtype=np.float32)
     nb = int(np.prod(batch, dtype=np.int64))
     if nb == 0:
@@ -122,9 +123,9 @@ def attend(plan: Plan, *, threads: int | None = None) -> tuple[np.ndarray, np.nd
         nb=nb, L=L, S=plan.S, d=plan.d, dv=dv, out=out.ctypes.data, lse=lse.ctypes.data,
         **fields, **_rule(plan, threads),
     )  # fmt: skip
-    invoke("qkv_prefill_bf16", args, "bfloat16 prefill")
+    status = invoke("qkv_prefill_bf16", args, "bfloat16 prefill", allowed=(3,))
     del arrays  # what the call read
-    return out, lse
+    return None if status == 3 else (out, lse)
 
 
 def supports_backward(plan: Plan) -> bool:

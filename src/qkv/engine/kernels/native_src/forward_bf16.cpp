@@ -4,7 +4,8 @@
 //
 // Must equal qkv.reference.attention applied to the same (bfloat16) numbers, up to the one
 // rounding FlashAttention and PyTorch make too: the weights P are rounded to bfloat16 for the
-// second product. Scores, the running max and sum, the accumulator, out and lse are float32.
+// second product. Scores, the running max and sum, the accumulator and lse are float32; out
+// is rounded to bfloat16 once, at the end.
 //
 // Layout: a work item is 64 query rows of one head, held "queries in lanes": four vectors of
 // 16 rows. Its queries are packed once, pair by pair of the d axis (q[r][2p], q[r][2p+1] in
@@ -114,7 +115,7 @@ struct Item {
     const uint16_t* v;
     int64_t v_rs;
     int64_t L, S, r0, rows;
-    float* out;
+    uint16_t* out;  // bfloat16 bits
     int64_t out_rs;
     float* lse;
     int64_t lse_s;
@@ -166,7 +167,7 @@ QKV_BF16 bool forward_item(const Item<QT>& it, Rule rule, int64_t d, int64_t dv,
     }
     float bad = 0;  // 0, or NaN when some output is not finite (0 * inf and NaN are NaN)
     for (int64_t r = 0; r < rows; ++r) {
-        float* out = it.out + r * it.out_rs;
+        uint16_t* out = it.out + r * it.out_rs;
         const float li = t.l[r];
         if (li == 0.0f) {  // no visible key: 0 and −inf, never NaN
             for (int64_t c = 0; c < dv; ++c) out[c] = 0;
@@ -175,8 +176,9 @@ QKV_BF16 bool forward_item(const Item<QT>& it, Rule rule, int64_t d, int64_t dv,
         }
         const float inv = 1.0f / li;
         for (int64_t c = 0; c < dv; ++c) {
-            out[c] = t.acc[c * BQ + r] * inv;
-            bad += out[c] * 0.0f;
+            const float o = t.acc[c * BQ + r] * inv;
+            out[c] = uint16_t(bf16_bits(o));
+            bad += o * 0.0f;
         }
         it.lse[r * it.lse_s] = t.m[r] + std::log(li);
     }
@@ -191,7 +193,8 @@ Rule rule_of(const Args& a) {
 int run_bf16(const qkv_prefill_args& a) {
     const int64_t nqb = (a.L + BQ - 1) / BQ, ntasks = a.nb * nqb;
     const int64_t dvp = (a.dv + 31) / 32 * 32;
-    return for_tasks<Tiles>(
+    int bad = 0;
+    const int status = for_tasks<Tiles>(
         ntasks, a.threads, nullptr, [&](Tiles& t) { return t.make(a.d, a.dv, dvp); },
         [&](Tiles& t, int64_t task) {
         // latest query blocks first: under causal they cost the most
@@ -207,12 +210,14 @@ int run_bf16(const qkv_prefill_args& a) {
         it.v_rs = a.v_rs;
         it.L = a.L;
         it.S = a.S;
-        it.out = static_cast<float*>(a.out) + (h * a.L + it.r0) * a.dv;
+        it.out = static_cast<uint16_t*>(a.out) + (h * a.L + it.r0) * a.dv;
         it.out_rs = a.dv;
         it.lse = static_cast<float*>(a.lse) + h * a.L + it.r0;
         it.lse_s = 1;
-        forward_item(it, rule_of(a), a.d, a.dv, float(a.scale), t, dvp);
+        if (!forward_item(it, rule_of(a), a.d, a.dv, float(a.scale), t, dvp))
+            __atomic_store_n(&bad, 1, __ATOMIC_RELAXED);
     });
+    return status ? status : (bad ? 3 : 0);
 }
 
 // The packed varlen walk (forward.cpp's run_varlen, same layout): tasks (sequence, query head,
@@ -258,7 +263,7 @@ int run_varlen_bf16(const qkv_varlen_args& a) {
         it.k_rs = a.k_ts;
         it.v = static_cast<const uint16_t*>(a.v) + k0 * a.v_ts + (h / a.group) * a.v_hs;
         it.v_rs = a.v_ts;
-        it.out = static_cast<float*>(a.out) + ((q0 + task.r0) * H + h) * dv;
+        it.out = static_cast<uint16_t*>(a.out) + ((q0 + task.r0) * H + h) * dv;
         it.out_rs = H * dv;
         it.lse = static_cast<float*>(a.lse) + (q0 + task.r0) * H + h;
         it.lse_s = H;
@@ -278,10 +283,10 @@ int qkv_bf16_products(void) {
     return QKV_ON_BF16(1) == 1;
 }
 
-// q float32 (bfloat16 values), k and v bfloat16 (uint16 bits), out and lse float32; the
-// fields as for qkv_prefill_f32 (offsets and strides in elements of each operand's own type;
-// no mask or bias; gemm and the block sizes unused). 0 done; 1 no memory; 2 bad arguments, or
-// a CPU without AVX512_BF16.
+// q float32 (bfloat16 values), k, v and out bfloat16 (uint16 bits), lse float32; the fields
+// as for qkv_prefill_f32 (offsets and strides in elements of each operand's own type; no mask
+// or bias; gemm and the block sizes unused). 0 done; 3 some output is not finite (the caller's
+// general path applies its rules); 1 no memory; 2 bad arguments, or a CPU without AVX512_BF16.
 int qkv_prefill_bf16(const qkv_prefill_args* a) {
     if (!a || a->L < 1 || a->S < 0 || a->d < 2 || a->d % 2 || a->dv < 1 || a->mask || a->bias ||
         a->S >= (int64_t(1) << 31))
@@ -289,7 +294,7 @@ int qkv_prefill_bf16(const qkv_prefill_args* a) {
     return QKV_ON_BF16(run_bf16(*a));
 }
 
-// q, k, v bfloat16 (uint16 bits) in the packed layout of qkv_varlen_f32; out and lse float32
+// q, k, v and out bfloat16 (uint16 bits) in the packed layout of qkv_varlen_f32; lse float32
 // (the caller's zeros and -inf stand in rows of sequences not listed or without keys); gemm and
 // the block sizes unused. 0 done; 1 no memory; 2 bad arguments, or a CPU without AVX512_BF16.
 int qkv_varlen_bf16(const qkv_varlen_args* a) {
