@@ -76,8 +76,10 @@ def sum_to(g: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def _grad_out(grad_out: Any, plan: Plan) -> np.ndarray:
-    """``grad_out`` checked against the output's shape, as ``(*batch, L, dv)``."""
-    g = as_array(grad_out, "grad_out")
+    """``grad_out`` checked against the output's shape, as ``(*batch, L, dv)``: in the compute
+    dtype, or bfloat16 as given for a plan whose bfloat16 K/V are stored (the bfloat16
+    backward reads it so)."""
+    g = as_array(grad_out, "grad_out", narrow=plan.stored is not None)
     out_shape = plan.batch + ((plan.dv,) if plan.squeeze else (plan.L, plan.dv))
     assert plan.v is not None  # gradients of attention: the plan carries values
     if not broadcasts_to(g.shape, out_shape):
@@ -85,7 +87,9 @@ def _grad_out(grad_out: Any, plan: Plan) -> np.ndarray:
             f"grad_out: shape {g.shape} does not broadcast to the output's shape {out_shape} "
             f"(q {plan.q.shape}, k {plan.k.shape}, v {plan.v.shape} after broadcasting)"
         )
-    g = np.broadcast_to(g.astype(plan.acc_dtype, copy=False), out_shape)
+    if g.dtype.name != "bfloat16":
+        g = g.astype(plan.acc_dtype, copy=False)
+    g = np.broadcast_to(g, out_shape)
     return g[..., None, :] if plan.squeeze else g
 
 
@@ -357,7 +361,8 @@ def _tiled(plan: Plan, grad_out: Any, out: Any, lse: Any, block: Any) -> tuple[n
     grads = _finish((dq, dk, dv), plan)
     if plan.sinks is None:
         return grads
-    return (*grads, _dsinks(plan, m_used, np.sum(d_out * o_used, axis=-1)))
+    delta = np.sum(d_out.astype(plan.acc_dtype) * o_used, axis=-1)
+    return (*grads, _dsinks(plan, m_used, delta))
 
 
 @near_keywords(VARIANTS)

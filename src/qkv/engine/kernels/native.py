@@ -331,7 +331,7 @@ def backward(
     fields, arrays = backward_operands(plan.q, plan.k, plan.v, (d_out, out, lse), dt, dt)
     rule, held = _mask_and_rule(plan, workers(threads, blas=True), isa, gemm[dt], block_q, block_k)
     args = BackwardArgs(
-        group=nq // fields["nkv"], L=L, S=S, d=d, dv=dv, **fields,
+        group=nq // int(np.prod(plan.k.shape[:-2])), L=L, S=S, d=d, dv=dv, **fields,
         dq=dq.ctypes.data, dk=dk.ctypes.data, dvo=dvv.ctypes.data, **rule,
     )  # fmt: skip
     with single_threaded_blas():

@@ -157,7 +157,10 @@ def backward(
     if int(np.prod(plan.batch, dtype=np.int64)) == 0:
         return dq, dk, dvv
     q = plan.q.astype(bf16)  # exact: q holds bfloat16 values
-    fields, arrays = backward_operands(q, *_stored(plan), (d_out, *forward), bf16, f32)
+    out = forward[0]
+    fields, arrays = backward_operands(
+        q, *_stored(plan), (d_out, *forward), bf16, f32, delta_from_out=out.dtype == bf16
+    )
     args = BackwardArgs(
         group=plan.group, L=plan.L, S=plan.S, d=plan.d, dv=plan.dv, **fields,
         dq=dq.ctypes.data, dk=dk.ctypes.data, dvo=dvv.ctypes.data, **_rule(plan, threads),

@@ -95,6 +95,7 @@ class BackwardArgs(ctypes.Structure):
         ("dq", _ptr), ("dk", _ptr), ("dvo", _ptr),
         ("mask", _ptr), ("bias", _ptr), ("m_off", _ptr), *_ints("m_rs", "m_cs"),
         *_RULE,
+        ("out", _ptr),
     ]  # fmt: skip
 
 
@@ -285,16 +286,24 @@ def backward_operands(
     grads_in: tuple[np.ndarray, np.ndarray, np.ndarray],
     dout_dtype: np.dtype,
     dtype: np.dtype,
-) -> tuple[dict[str, int], tuple[np.ndarray, ...]]:
+    *,
+    delta_from_out: bool = False,
+) -> tuple[dict[str, int | None], tuple[np.ndarray, ...]]:
     """The fields of a backward struct: q ``(*batch, L, d)`` (offsets per query head), K/V
     (per kv head), and from ``grads_in = (d_out, out, lse)``: ``dout`` in ``dout_dtype``,
-    ``delta = rowsum(dO ∘ O)`` and the lse with rows of no key as ``+inf``, in ``dtype``; and
+    ``delta = rowsum(dO ∘ O)`` (with ``delta_from_out``, ``out`` instead, for the kernel to take
+    delta itself: the bfloat16 one) and the lse with rows of no key as ``+inf``, in ``dtype``;
+    and
     the arrays the fields point into, which the caller holds until the call returns."""
     d_out, out, lse = grads_in
     rows = q.shape[:-1]
     dout = np.ascontiguousarray(np.broadcast_to(d_out, rows + v.shape[-1:]), dtype=dout_dtype)
-    out = np.broadcast_to(out, dout.shape)
-    delta = np.ascontiguousarray(np.sum(dout.astype(dtype) * out, axis=-1), dtype=dtype)
+    if delta_from_out:
+        out = np.ascontiguousarray(np.broadcast_to(out, dout.shape))
+        delta = None
+    else:
+        out = np.broadcast_to(out, dout.shape)
+        delta = np.ascontiguousarray(np.sum(dout.astype(dtype) * out, axis=-1), dtype=dtype)
     lse = np.broadcast_to(lse, rows)
     lse_safe = np.ascontiguousarray(np.where(lse == -np.inf, np.inf, lse), dtype=dtype)
     q, k, v = blas_rows(q), blas_rows(k), blas_rows(v)
@@ -304,6 +313,7 @@ def backward_operands(
         "nkv": offsets[1].size,
         "dout": dout.ctypes.data,
         "lse": lse_safe.ctypes.data,
-        "delta": delta.ctypes.data,
+        "delta": None if delta is None else delta.ctypes.data,
+        "out": out.ctypes.data,
     }
-    return fields, (q, k, v, *offsets, dout, delta, lse_safe)
+    return fields, (q, k, v, *offsets, dout, out, lse_safe, *([] if delta is None else [delta]))

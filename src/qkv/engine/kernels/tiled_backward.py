@@ -81,10 +81,9 @@ def backward(
     fused version of this loop runs instead (:func:`qkv.engine.kernels.native.backward`).
     """
     if native_bf16.supports_backward(plan):  # bfloat16 tile products, K/V read in place
-        grads = native_bf16.backward(plan, d_out, (out, lse))
-        if all(np.isfinite(g).all() for g in grads):
-            return grads
+        return native_bf16.backward(plan, d_out, (out, lse))
     plan = plan.materialized()
+    d_out = d_out.astype(plan.acc_dtype, copy=False)  # bfloat16 as given for the above
     if native.supports(plan):
         return native.backward(plan, d_out, out, lse)
     acc, g = plan.acc_dtype, plan.group

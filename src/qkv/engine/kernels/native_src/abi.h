@@ -98,6 +98,9 @@ struct qkv_backward_args {
     const int64_t* m_off;
     int64_t m_rs, m_cs;
     QKV_RULE_FIELDS
+    // qkv_backward_bf16 only: the forward's output (nkv * group, L, dv), bfloat16, from which
+    // it takes delta itself when delta is NULL.
+    const void* out;
 };
 
 // The GOMP_parallel entry of a running OpenMP runtime (libgomp's ABI, which LLVM's and Intel's

@@ -33,12 +33,13 @@ struct Bufs {
     uint32_t *dot, *qt;      // (BROWS / 2, dvp), (BROWS / 2, dqp): dO, Q as pairs of rows
     uint32_t* dsw;           // (BROWS, BKEYS / 2): dS as pairs of keys
     float* dql;              // (BROWS, dpad)
+    float* delta;  // (BROWS): rowsum(dO ∘ O) of a step's rows, when the caller gives none
     int32_t *lo, *hi;
     bool make(int64_t d, int64_t dv, int64_t dvp, int64_t dqp, int64_t dpad) {
         const int64_t words = d / 2 * BKEYS + dv / 2 * BKEYS + BKEYS / 2 * dpad + d * BKEYS +
                               dv * BKEYS + 2 * BROWS * BKEYS + BROWS * BKEYS +
                               BROWS / 2 * (dvp + dqp) + BROWS * BKEYS / 2 + BROWS * dpad +
-                              2 * BROWS;
+                              3 * BROWS;
         if (!arena.make(size_t(words + 16 * 16) * 4)) return false;
         kp = arena.take<uint32_t>(d / 2 * BKEYS);
         vp = arena.take<uint32_t>(dv / 2 * BKEYS);
@@ -53,6 +54,7 @@ struct Bufs {
         qt = arena.take<uint32_t>(BROWS / 2 * dqp);
         dsw = arena.take<uint32_t>(BROWS * BKEYS / 2);
         dql = arena.take<float>(BROWS * dpad);
+        delta = arena.take<float>(BROWS);
         lo = arena.take<int32_t>(BROWS);
         hi = arena.take<int32_t>(BROWS);
         return true;
@@ -68,6 +70,22 @@ void pack_by_lane(const uint16_t* x, int64_t rs, int64_t n, int64_t cols, uint32
             if (j < n) std::memcpy(&w, x + j * rs + 2 * p, 4);
             out[p * BKEYS + j] = w;
         }
+}
+
+// delta[r] = Σ_c x[r][c] · y[r][c] for rows r < nr of two (nr x n) bfloat16 matrices (row
+// stride n), in float32.
+QKV_BF16 void row_dots(const uint16_t* x, const uint16_t* y, int64_t nr, int64_t n, float* delta) {
+    for (int64_t r = 0; r < nr; ++r) {
+        const uint16_t* xr = x + r * n;
+        const uint16_t* yr = y + r * n;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t c = 0; c < n; c += 32) {
+            const __mmask32 m = n - c >= 32 ? ~__mmask32(0) : (__mmask32(1) << (n - c)) - 1;
+            acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi16(m, xr + c),
+                                   (__m512bh)_mm512_maskz_loadu_epi16(m, yr + c));
+        }
+        delta[r] = _mm512_reduce_add_ps(acc);
+    }
 }
 
 // The elementwise steps for rows [0, nr) of a step (see the top of the file): P into b.s, dS
@@ -137,7 +155,8 @@ QKV_BF16 void backward_item(const qkv_backward_args& a, Bufs& b, int64_t kvh, in
         const uint16_t* Q = static_cast<const uint16_t*>(a.q) + a.q_off[h];
         const uint16_t* DO = static_cast<const uint16_t*>(a.dout) + h * L * dv;
         const float* LSE = static_cast<const float*>(a.lse) + h * L;
-        const float* DELTA = static_cast<const float*>(a.delta) + h * L;
+        const float* DELTA = a.delta ? static_cast<const float*>(a.delta) + h * L : nullptr;
+        const uint16_t* OUT = static_cast<const uint16_t*>(a.out) + h * L * dv;
         float* DQ = static_cast<float*>(a.dq) + h * L * d;
         for (int64_t qb = 0; qb < nqb; ++qb) {
             const int64_t r0 = qb * BROWS, nr = std::min(BROWS, L - r0);
@@ -152,7 +171,9 @@ QKV_BF16 void backward_item(const qkv_backward_args& a, Bufs& b, int64_t kvh, in
             const uint16_t* dout = DO + r0 * dv;
             dp_rows(nr, b.kp, BKEYS, q, a.q_rs, 2, d / 2, b.s, BKEYS, FROM_ZERO, nullptr);
             dp_rows(nr, b.vp, BKEYS, dout, dv, 2, dv / 2, b.dp, BKEYS, FROM_ZERO, nullptr);
-            weights_step(b, nr, k0, k1, LSE + r0, DELTA + r0, float(a.scale));
+            const float* delta = DELTA ? DELTA + r0 : b.delta;
+            if (!DELTA) row_dots(dout, OUT + r0 * dv, nr, dv, b.delta);
+            weights_step(b, nr, k0, k1, LSE + r0, delta, float(a.scale));
             pack_row_pairs(dout, dv, nr, dv, dvp, b.dot);
             pack_row_pairs(q, a.q_rs, nr, d, dqp, b.qt);
             const int64_t rp = (nr + 1) / 2;
@@ -207,12 +228,14 @@ int run_backward_bf16(const qkv_backward_args& a) {
 extern "C" {
 
 // q, k, v, dout bfloat16 (uint16 bits; dout contiguous), lse (+inf for rows with no key) and
-// delta float32, dq, dk, dvo float32 zeroed by the caller; otherwise as qkv_backward_f32 (no
+// delta float32 (or NULL: taken from out, bfloat16 and contiguous, as rowsum(dO ∘ O)), dq, dk,
+// dvo float32 zeroed by the caller; otherwise as qkv_backward_f32 (no
 // mask or bias; gemm and the block sizes unused). 0 done; 1 no memory; 2 bad arguments, or a
 // CPU without AVX512_BF16.
 int qkv_backward_bf16(const qkv_backward_args* a) {
     if (!a || a->L < 1 || a->S < 1 || a->d < 2 || a->d % 2 || a->dv < 2 || a->dv % 2 ||
-        a->mask || a->bias || a->S >= (int64_t(1) << 31) || a->nkv < 1 || a->group < 1)
+        a->mask || a->bias || a->S >= (int64_t(1) << 31) || a->nkv < 1 || a->group < 1 ||
+        (!a->delta && !a->out))
         return 2;
     return QKV_ON_BF16(run_backward_bf16(*a));
 }
