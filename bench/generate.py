@@ -3,7 +3,7 @@
     python bench/generate.py [--models llama,gemma2] [--prompts 512,2048,8192] [--batches 1,4]
                              [--caches dynamic,static] [--new-tokens 16] [--repeat 3] [--threads 2]
                              [--hidden 1024 --layers 4 --heads 16 --kv-heads 4]
-                             [--dtype bfloat16]
+                             [--dtype bfloat16] [--kv-dtype int8]
     python bench/generate.py --prompts 512 --layers 2 --repeat 1   # a quick run
 
 Models are built from configs with random weights (no download), float32 (``--dtype
@@ -18,7 +18,9 @@ padded to the longest), per backend:
 - **prefill**: one forward pass over the prompt into a fresh cache (best of ``--repeat``);
 - **decode**: per-token time of greedy decoding through a ``DynamicCache`` (or a
   ``StaticCache`` of prompt + new-token slots, ``--caches static``), the median step of
-  ``--repeat`` runs of ``--new-tokens`` steps (and the fastest step, in brackets);
+  ``--repeat`` runs of ``--new-tokens`` steps (and the fastest step, in brackets); with
+  ``--kv-dtype int8`` (or ``float8_e4m3fn``) qkv decodes on its ``QuantizedKVCache`` in that
+  form while the others keep transformers' cache in the model's dtype;
 - **attn GB/s**: during one decode run the attention function of every layer is timed; the K/V
   bytes it reads per call over that time, also as a fraction of the machine's read rate
   (``bench/machine.py``);
@@ -126,23 +128,28 @@ def _timed_backend(model: Any, backend: str, clock: AttentionClock) -> str:
     return name
 
 
-def _cache(kind: str, model: Any, length: int) -> Any:
-    """A fresh cache: ``DynamicCache``, or a ``StaticCache`` of ``length`` slots."""
+def _cache(kind: str, model: Any, length: int, kv_dtype: str | None = None) -> Any:
+    """A fresh cache: ``DynamicCache``, a ``StaticCache`` of ``length`` slots, or with
+    ``kv_dtype`` qkv's ``QuantizedKVCache`` storing K/V in that 8-bit form."""
     from transformers import DynamicCache, StaticCache
 
+    if kv_dtype is not None:
+        from qkv.integrations.kv_cache import QuantizedKVCache
+
+        return QuantizedKVCache(model.config, dtype=kv_dtype)
     if kind == "static":
         return StaticCache(config=model.config, max_cache_len=length)
     return DynamicCache()
 
 
 def _decode(
-    model: Any, ids: Any, mask: Any, new: int, kind: str = "dynamic"
+    model: Any, ids: Any, mask: Any, new: int, kind: str = "dynamic", kv_dtype: str | None = None
 ) -> tuple[float, list[float], list]:
-    """Prefill into a fresh ``kind`` cache, then ``new`` greedy steps: the prefill's seconds,
-    each step's seconds and the tokens."""
+    """Prefill into a fresh ``kind`` cache (or a quantized one, :func:`_cache`), then ``new``
+    greedy steps: the prefill's seconds, each step's seconds and the tokens."""
     import torch
 
-    cache = _cache(kind, model, ids.shape[1] + new)
+    cache = _cache(kind, model, ids.shape[1] + new, kv_dtype)
     t0 = time.perf_counter()
     out = model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
     t_pre = time.perf_counter() - t0
@@ -155,6 +162,12 @@ def _decode(
         out = model(nxt, attention_mask=mask, past_key_values=cache, use_cache=True)
         times.append(time.perf_counter() - t0)
     return t_pre, times, torch.cat(tokens, dim=1).tolist()
+
+
+def _kv(backend: str, args: argparse.Namespace) -> str | None:
+    """The 8-bit K/V form ``backend`` decodes on: ``--kv-dtype`` for qkv, else none (the
+    others keep transformers' cache in the model's dtype)."""
+    return args.kv_dtype if backend == "qkv" and args.kv_dtype != "none" else None
 
 
 def measure(
@@ -179,12 +192,14 @@ def measure(
     with torch.no_grad():
         for b in backends:  # warm-up: a short prompt each (first-call costs, thread pools)
             model.set_attn_implementation(b)
-            _decode(model, ids[:, -64:], mask[:, -64:], 2, kind)
+            _decode(model, ids[:, -64:], mask[:, -64:], 2, kind, _kv(b, args))
         for r in range(args.repeat):
             for b in backends[r % len(backends) :] + backends[: r % len(backends)]:
                 model.set_attn_implementation(b)
                 time.sleep(0.1)  # let other runtimes' spinning worker threads go idle
-                t_pre, times, tokens = _decode(model, ids, mask, args.new_tokens, kind)
+                t_pre, times, tokens = _decode(
+                    model, ids, mask, args.new_tokens, kind, _kv(b, args)
+                )
                 runs[b]["prefill"].append(t_pre)
                 runs[b]["steps"] += times
                 runs[b]["tokens"] = tokens
@@ -193,7 +208,7 @@ def measure(
             clock = AttentionClock()
             if b != "eager":  # eager's function lives in each model's module: not timed
                 _timed_backend(model, b, clock)
-                _decode(model, ids, mask, args.new_tokens, kind)
+                _decode(model, ids, mask, args.new_tokens, kind, _kv(b, args))
                 model.set_attn_implementation(b)
             steps = sorted(runs[b]["steps"])
             results[b] = {
@@ -226,6 +241,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--eager-max", type=int, default=2048)
     p.add_argument("--no-machine", action="store_true", help="skip measuring the read rate")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    p.add_argument(
+        "--kv-dtype",
+        choices=("none", "int8", "float8_e4m3fn"),
+        default="none",
+        help="qkv decodes on a QuantizedKVCache in this form (the others on their own cache)",
+    )
     args = p.parse_args(argv)
 
     import torch

@@ -214,6 +214,36 @@ QKV_INLINE void bounds(const Args& a, int64_t p, int64_t* lo, int64_t* hi) {
     *hi = std::max(b, std::min(e, a.S));
 }
 
+// A work item of the packed varlen walk: query rows [r0, r0 + block) of sequence b, and a
+// rough cost (rows times the keys the block's last row may see).
+struct VarlenTask {
+    int64_t b, r0, cost;
+};
+
+// The listed sequences' query blocks of bq rows, costliest first (those with no query or no
+// key are left out: the caller's zeros and -inf stand); false without memory.
+inline bool varlen_tasks(const qkv_varlen_args& a, int64_t bq, std::vector<VarlenTask>& tasks) {
+    try {
+        for (int64_t i = 0; i < a.nseq; ++i) {
+            const int64_t b = a.seqs[i];
+            const int64_t L = a.cq[b + 1] - a.cq[b], S = a.ck[b + 1] - a.ck[b];
+            if (L < 1 || S < 1) continue;
+            for (int64_t r0 = 0; r0 < L; r0 += bq) {
+                const int64_t r1 = std::min(r0 + bq, L);
+                int64_t seen = S;
+                if (a.causal) seen = std::min(S, std::max<int64_t>(S - L + r1, 0));
+                if (a.left >= 0 && a.right >= 0) seen = std::min(seen, a.left + a.right + 1);
+                tasks.push_back({b, r0, (r1 - r0) * std::max<int64_t>(seen, 1)});
+            }
+        }
+        std::stable_sort(tasks.begin(), tasks.end(),
+                         [](const VarlenTask& x, const VarlenTask& y) { return x.cost > y.cost; });
+    } catch (const std::bad_alloc&) {
+        return false;
+    }
+    return true;
+}
+
 // Runs work(state, t) for tasks t in [0, ntasks), taken from a shared counter by `threads`
 // threads (the caller one of them), each with its own state made once by init(state) (false:
 // no memory). The threads are the team of a running OpenMP runtime when `parallel` is its

@@ -305,28 +305,8 @@ int run_varlen(const qkv_varlen_args& a) {
     const int64_t bq = std::max<int64_t>(1, a.block_q), bk = std::max<int64_t>(1, a.block_k);
     const int isa = chosen_isa(a.isa);
     const Shared<Gemm> sh = shared_of<Gemm>(a, bk, pick_step<T>(isa));
-    struct Task {
-        int64_t b, r0, cost;
-    };
-    std::vector<Task> tasks;
-    try {
-        for (int64_t i = 0; i < a.nseq; ++i) {
-            const int64_t b = a.seqs[i];
-            const int64_t L = a.cq[b + 1] - a.cq[b], S = a.ck[b + 1] - a.ck[b];
-            if (L < 1 || S < 1) continue;  // the caller's zeros and -inf stand
-            for (int64_t r0 = 0; r0 < L; r0 += bq) {
-                const int64_t r1 = std::min(r0 + bq, L);
-                int64_t seen = S;  // keys the block's last row may see, roughly its cost
-                if (a.causal) seen = std::min(S, std::max<int64_t>(S - L + r1, 0));
-                if (a.left >= 0 && a.right >= 0) seen = std::min(seen, a.left + a.right + 1);
-                tasks.push_back({b, r0, (r1 - r0) * std::max<int64_t>(seen, 1)});
-            }
-        }
-        std::stable_sort(tasks.begin(), tasks.end(),
-                         [](const Task& x, const Task& y) { return x.cost > y.cost; });
-    } catch (const std::bad_alloc&) {
-        return 1;
-    }
+    std::vector<VarlenTask> tasks;
+    if (!varlen_tasks(a, bq, tasks)) return 1;
     const int64_t H = a.heads, nkv = H / a.group, ntasks = int64_t(tasks.size()) * nkv;
     const int64_t d = a.d, dv = a.dv;
     const T* Q = static_cast<const T*>(a.q);
@@ -342,7 +322,7 @@ int run_varlen(const qkv_varlen_args& a) {
     return for_tasks<Buffers<T>>(
         ntasks, a.threads, nullptr, [&](Buffers<T>& buf) { return buf.make(bq, bk, dv); },
         [&](Buffers<T>& buf, int64_t t) {
-        const Task& task = tasks[size_t(t / nkv)];
+        const VarlenTask& task = tasks[size_t(t / nkv)];
         const int64_t kvh = t % nkv;
         const int64_t q0 = a.cq[task.b], k0 = a.ck[task.b];
         Block<T> b;

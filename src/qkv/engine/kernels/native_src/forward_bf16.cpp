@@ -223,34 +223,15 @@ int run_bf16(const qkv_prefill_args& a) {
 // The packed varlen walk (forward.cpp's run_varlen, same layout): tasks (sequence, query head,
 // query block), costliest first, read straight from the packed bfloat16 arrays.
 int run_varlen_bf16(const qkv_varlen_args& a) {
-    struct Task {
-        int64_t b, r0, cost;
-    };
-    std::vector<Task> tasks;
-    try {
-        for (int64_t i = 0; i < a.nseq; ++i) {
-            const int64_t b = a.seqs[i];
-            const int64_t L = a.cq[b + 1] - a.cq[b], S = a.ck[b + 1] - a.ck[b];
-            if (L < 1 || S < 1) continue;  // the caller's zeros and -inf stand
-            for (int64_t r0 = 0; r0 < L; r0 += BQ) {
-                const int64_t r1 = std::min(r0 + BQ, L);
-                int64_t seen = S;  // keys the block's last row may see, roughly its cost
-                if (a.causal) seen = std::min(S, std::max<int64_t>(S - L + r1, 0));
-                tasks.push_back({b, r0, (r1 - r0) * std::max<int64_t>(seen, 1)});
-            }
-        }
-        std::stable_sort(tasks.begin(), tasks.end(),
-                         [](const Task& x, const Task& y) { return x.cost > y.cost; });
-    } catch (const std::bad_alloc&) {
-        return 1;
-    }
+    std::vector<VarlenTask> tasks;
+    if (!varlen_tasks(a, BQ, tasks)) return 1;
     const int64_t H = a.heads, dv = a.dv, dvp = (dv + 31) / 32 * 32;
     const int64_t ntasks = int64_t(tasks.size()) * H;
     const uint16_t* Q = static_cast<const uint16_t*>(a.q);
     return for_tasks<Tiles>(
         ntasks, a.threads, nullptr, [&](Tiles& t) { return t.make(a.d, dv, dvp); },
         [&](Tiles& t, int64_t n) {
-        const Task& task = tasks[size_t(n / H)];
+        const VarlenTask& task = tasks[size_t(n / H)];
         const int64_t h = n % H, q0 = a.cq[task.b], k0 = a.ck[task.b];
         Item<uint16_t> it;
         it.L = a.cq[task.b + 1] - q0;
