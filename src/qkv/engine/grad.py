@@ -334,7 +334,7 @@ def _tiled(plan: Plan, grad_out: Any, out: Any, lse: Any, block: Any) -> tuple[n
         raise InputError("out, lse: give both (from attention(..., return_lse=True)) or neither")
     o = m = None
     if out is not None:
-        o, m = as_array(out, "out"), as_array(lse, "lse")
+        o, m = as_array(out, "out", narrow=plan.stored is not None), as_array(lse, "lse")
         want_o = plan.batch + ((plan.dv,) if plan.squeeze else (plan.L, plan.dv))
         want_m = plan.batch + (() if plan.squeeze else (plan.L,))
         for name, a, want in (("out", o, want_o), ("lse", m, want_m)):
@@ -342,7 +342,9 @@ def _tiled(plan: Plan, grad_out: Any, out: Any, lse: Any, block: Any) -> tuple[n
                 raise InputError(
                     f"{name}: expected shape {want} (the forward pass's), got {a.shape}"
                 )
-        o, m = o.astype(plan.acc_dtype, copy=False), m.astype(plan.acc_dtype, copy=False)
+        if o.dtype.name != "bfloat16":  # the bfloat16 backward takes delta from it as given
+            o = o.astype(plan.acc_dtype, copy=False)
+        m = m.astype(plan.acc_dtype, copy=False)
         if plan.squeeze:
             o, m = o[..., None, :], m[..., None]
 
