@@ -113,6 +113,7 @@ template <typename T, typename E>
 struct Kv {  // stored as T
     static constexpr bool scaled = false;
     static constexpr bool by_vector = true;  // vec<V>() reads one vector (else row<V, N>() only)
+    static constexpr bool paired = false;    // row<V, N>()'s order: as stored
     static QKV_INLINE T get(const E* p) { return *p; }
     template <typename V>
     static QKV_INLINE V vec(const E* p) {
@@ -147,23 +148,50 @@ struct VectorRows {
 };
 
 template <>
-struct Kv<float, Bf16> : VectorRows<Kv<float, Bf16>, Bf16> {  // float32's high 16 bits
+struct Kv<float, Bf16> {  // float32's high 16 bits
     static constexpr bool scaled = false;
-    static constexpr bool by_vector = true;
+    static constexpr bool by_vector = false;
+    // row<V, N>() gives each 64 bytes' 32 values as two vectors, the even-numbered values then
+    // the odd ones: the low and high halves of each 32-bit word, one operation each (the
+    // caller holds its query rows and accumulators in that order, paired_order()).
+    static constexpr bool paired = true;
     static QKV_INLINE float get(const Bf16* p) {
         const uint32_t u = uint32_t(p->bits) << 16;
         float f;
         std::memcpy(&f, &u, 4);
         return f;
     }
-    template <typename V>
-    static QKV_INLINE V vec(const Bf16* p) {
-        const U32x16 u = halves(p) << 16;
-        V x;
-        std::memcpy(&x, &u, sizeof(V));
-        return x;
+    template <typename V, int N>
+    static QKV_INLINE void row(const Bf16* p, V* out) {
+        static_assert(N % 2 == 0, "rows of whole 64-byte lines");
+        for (int c = 0; c < N; c += 2) {
+            U32x16 w;
+            std::memcpy(&w, p + c * 16, sizeof(w));
+            const U32x16 even = w << 16, odd = w & 0xFFFF0000u;
+            std::memcpy(&out[c], &even, sizeof(V));
+            std::memcpy(&out[c + 1], &odd, sizeof(V));
+        }
     }
 };
+
+// Rows x[r * n : (r + 1) * n) (r < rows; n a multiple of 32) moved between the natural order
+// and Kv<float, Bf16>::row's: within each 32 values, the 16 even-numbered then the 16 odd
+// (to_pairs), or back.
+QKV_INLINE void paired_order(float* x, int64_t rows, int64_t n, bool to_pairs) {
+    float t[32];
+    for (int64_t i = 0; i < rows * n; i += 32) {
+        for (int j = 0; j < 16; ++j) {
+            if (to_pairs) {
+                t[j] = x[i + 2 * j];
+                t[16 + j] = x[i + 2 * j + 1];
+            } else {
+                t[2 * j] = x[i + j];
+                t[2 * j + 1] = x[i + 16 + j];
+            }
+        }
+        std::memcpy(x + i, t, sizeof(t));
+    }
+}
 
 // IEEE half precision, widened with integer operations (GCC converts vectors of _Float16 one
 // lane at a time): a normal value's fields move into a float32's with the exponent bias raised
@@ -172,6 +200,7 @@ template <>
 struct Kv<float, F16> : VectorRows<Kv<float, F16>, F16> {
     static constexpr bool scaled = false;
     static constexpr bool by_vector = true;
+    static constexpr bool paired = false;
     static QKV_INLINE float get(const F16* p) {
         _Float16 h;
         std::memcpy(&h, p, 2);
@@ -223,6 +252,7 @@ template <>
 struct Kv<float, I8> {  // int8 codes
     static constexpr bool scaled = true;
     static constexpr bool by_vector = false;
+    static constexpr bool paired = false;
     static QKV_INLINE float get(const I8* p) { return float(p->code); }
     template <typename V, int N>
     static QKV_INLINE void row(const I8* p, V* out) {
@@ -239,6 +269,7 @@ template <>
 struct Kv<float, E4m3> {
     static constexpr bool scaled = true;
     static constexpr bool by_vector = false;
+    static constexpr bool paired = false;
     static QKV_INLINE float get(const E4m3* p) {
         const uint32_t c = p->code, mag = c & 0x7F, sign = (c & 0x80) << 24;
         float f;
@@ -348,6 +379,33 @@ QKV_INLINE T lane_sum(V x) {
     }
 }
 
+// The lane sums of four 16-lane float vectors at once: halves added pairwise across the four
+// (a transpose by shuffles), so four sums cost about as much as one.
+template <typename V>
+QKV_INLINE void lane_sums4(const V* x, float* out) {
+    typedef float V8 __attribute__((vector_size(32)));
+    typedef float V4 __attribute__((vector_size(16)));
+    // [a0..7 + a8..15, b0..7 + b8..15] and the same for c, d
+    const V ab = __builtin_shufflevector(x[0], x[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20,
+                                         21, 22, 23) +
+                 __builtin_shufflevector(x[0], x[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27,
+                                         28, 29, 30, 31);
+    const V cd = __builtin_shufflevector(x[2], x[3], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20,
+                                         21, 22, 23) +
+                 __builtin_shufflevector(x[2], x[3], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27,
+                                         28, 29, 30, 31);
+    // [a 4 partial sums, b 4, c 4, d 4]
+    const V y = __builtin_shufflevector(ab, cd, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25,
+                                        26, 27) +
+                __builtin_shufflevector(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29,
+                                        30, 31);
+    // [a 2, b 2, c 2, d 2], then [a, b, c, d]
+    const V8 z = __builtin_shufflevector(y, y, 0, 1, 4, 5, 8, 9, 12, 13) +
+                 __builtin_shufflevector(y, y, 2, 3, 6, 7, 10, 11, 14, 15);
+    const V4 w = __builtin_shufflevector(z, z, 0, 2, 4, 6) + __builtin_shufflevector(z, z, 1, 3, 5, 7);
+    std::memcpy(out, &w, sizeof(w));
+}
+
 // The piece of decode_piece_body for head sizes D and DV known at compile time, multiples of
 // 64 bytes, written with vectors of 64 bytes (GCC/Clang vector extensions; each clone
 // splits them into its own registers): a key row is loaded once for all the rows, each
@@ -364,6 +422,7 @@ QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h,
     T* __restrict qs = scratch;
     T* __restrict s = scratch + R * D;
     decode_start(a, b, h, D, DV, qs, m, l, acc);
+    if constexpr (KV::paired) paired_order(qs, R, D, true);
     const Rows<E> at(a, b, h);
     const E* K = at.k;
     const E* V0 = at.v;
@@ -381,7 +440,22 @@ QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h,
             V kv[NQ];
             KV::template row<V, NQ>(kr, kv);
             const T ks = KV::scaled ? T(at.ks[(b0 + j) * a.ks_rs]) : T(1);
-            for (int64_t r = 0; r < R; ++r) {
+            int64_t r = 0;
+            if constexpr (sizeof(T) == 4) {  // four rows' sums at once
+                for (; r + 4 <= R; r += 4) {
+                    V x[4];
+                    for (int i = 0; i < 4; ++i) {
+                        const V* qv = reinterpret_cast<const V*>(qs + (r + i) * D);
+                        x[i] = qv[0] * kv[0];
+                        for (int c = 1; c < NQ; ++c) x[i] += qv[c] * kv[c];
+                    }
+                    T sums[4];
+                    lane_sums4(x, sums);
+                    for (int i = 0; i < 4; ++i)
+                        s[(r + i) * DECODE_BK + j] = KV::scaled ? sums[i] * ks : sums[i];
+                }
+            }
+            for (; r < R; ++r) {
                 const V* qv = reinterpret_cast<const V*>(qs + r * D);
                 V x = qv[0] * kv[0];
                 for (int c = 1; c < NQ; ++c) x += qv[c] * kv[c];
@@ -447,6 +521,7 @@ QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h,
             }
         }
     }
+    if constexpr (KV::paired) paired_order(acc, R, DV, false);
 }
 
 // The piece for the head sizes of the arguments: unrolled for 64 and 128, else general.
