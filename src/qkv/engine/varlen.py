@@ -179,10 +179,6 @@ def attention_varlen(
     if not isinstance(return_lse, (bool, np.bool_)):
         raise InputTypeError(f"return_lse: expected True or False, got {return_lse!r}")
     qa, ka, va = (as_array(x, name, narrow=True) for x, name in ((q, "q"), (k, "k"), (v, "v")))
-    if not native_bf16.packs(qa, ka, va):  # bfloat16 read in place only by that kernel
-        qa, ka, va = (
-            x.astype(np.float32) if x.dtype.name == "bfloat16" else x for x in (qa, ka, va)
-        )
     for name, a, want in (
         ("q", qa, "(total_q, heads, d)"),
         ("k", ka, "(total_k, kv_heads, d)"),

@@ -171,9 +171,9 @@ def info() -> dict[str, Any]:
         "isa": isa,  # the vector clone that runs (capped by QKV_NATIVE_ISA)
         "products": {
             "prefill, varlen, backward": "BLAS sgemm/dgemm (SciPy's) on float32/float64 tiles",
-            "prefill and its backward, bfloat16": "vdpbf16ps (AVX512_BF16): pairs of bfloat16 "
-            "products summed "
-            "into float32"
+            "prefill and its backward, bfloat16": (
+                "vdpbf16ps (AVX512_BF16): pairs of bfloat16 products summed into float32"
+            )
             if bf16
             else "K/V widened to float32, then the float32 kernel (no AVX512_BF16 here, or a "
             "narrower clone forced)",

@@ -1,16 +1,19 @@
-"""Native bfloat16 prefill: the fused forward with both tile products on ``vdpbf16ps``.
+"""Native bfloat16 attention: the fused prefill, its backward and the packed varlen walk with
+every tile product on ``vdpbf16ps`` (``native_src/forward_bf16.cpp``, ``backward_bf16.cpp``).
 
 Must equal :func:`qkv.reference.attention` applied to the same bfloat16 numbers, up to one
-more rounding: the weights are rounded to bfloat16 for the second product, as FlashAttention
-and PyTorch's own bfloat16 kernels do. Scores, the running max and sum, the accumulator,
-``out`` and ``lse`` are float32 (``native_src/forward_bf16.cpp`` says how).
+more rounding: the weights (and in the backward their gradients) are rounded to bfloat16 for
+the products that take them, as FlashAttention and PyTorch's own bfloat16 kernels do.
+Scores, the running max and sum, the accumulators and ``lse`` are float32; ``out`` is
+rounded to bfloat16 once, the gradients are float32.
 
-When it runs: a prefill whose queries, keys and values are all bfloat16 (K and V read in place
-from :attr:`~qkv.validate.Plan.stored`), causal or windowed or neither, with grouped heads and
-sinks, no mask, bias or score variant, an even head size, on a CPU with AVX-512 and
-AVX512_BF16. ``QKV_NATIVE_ISA`` naming a clone (``avx512`` and narrower) forces the widening
-road instead: K and V widened to float32 for the float32 kernels, as on a CPU without the
-instruction. Threads: work items are (head, 64 query rows), as many threads as
+When it runs: a problem whose queries, keys and values are all bfloat16 (K and V read in
+place from :attr:`~qkv.validate.Plan.stored`, or the packed arrays as given), causal or
+windowed or neither, with grouped heads and sinks, no mask, bias or score variant, an even
+head size, on a CPU with AVX-512 and AVX512_BF16. ``QKV_NATIVE_ISA`` naming a clone
+(``avx512`` and narrower) forces the widening road instead: K and V widened to float32 for
+the float32 kernels, as on a CPU without the instruction. Threads: work items are (head, 64
+query rows), or (kv head, 64 keys) in the backward, on as many threads as
 :func:`~qkv.engine.kernels.threads.workers` gives (no BLAS is involved).
 
 Examples
@@ -144,7 +147,8 @@ def backward(
     """The FlashAttention-2 backward with bfloat16 tile products: ``(dq, dk, dv)`` in float32,
     in the plan's shapes of q, k and v, for a plan that :func:`supports_backward` accepts.
 
-    ``d_out`` is ``(*batch, L, dv)`` and ``forward`` the forward's float32 ``(out, lse)``.
+    ``d_out`` is ``(*batch, L, dv)`` and ``forward`` the forward's ``(out, lse)``: ``out``
+    bfloat16 (the kernel then takes ``rowsum(dO ∘ O)`` from it) or float32, ``lse`` float32.
     ``d_out`` is rounded to bfloat16 (a bfloat16 model's gradients are), and the weights and
     their gradients are rounded for the last three products, as in PyTorch's bfloat16
     backward.

@@ -38,12 +38,12 @@ __all__ = [
     "blas_rows",
     "head_offsets",
     "invoke",
-    "operands",
-    "prefill_operands",
-    "row_stride",
     "isa_cap",
     "library",
     "library_path",
+    "operands",
+    "prefill_operands",
+    "row_stride",
     "switched_off",
 ]
 
