@@ -230,3 +230,10 @@ def test_offsets_beyond_int64_are_named_as_out_of_range(cu):
         qkv.InputError, match=r"cu_seqlens_q: offset -?\d+ is out of the int64 range"
     ):
         qkv.attention_varlen(x, x, x, cu, [0, 12])
+
+
+def test_bfloat16_input_of_the_wrong_rank_is_named():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    q = np.array(1.0, dtype=ml_dtypes.bfloat16)
+    with pytest.raises(qkv.InputError, match=r"q: expected shape \(total_q, heads, d\), got \(\)"):
+        qkv.attention_varlen(q, np.ones((3, 1, 2)), np.ones((3, 1, 2)), [0, 3], [0, 3])
