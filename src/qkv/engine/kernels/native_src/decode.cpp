@@ -107,23 +107,19 @@ struct E4m3 {
 };
 
 // Stored keys and values read as the compute type T, widened in registers: get() one value,
-// row<V, N>() the next N · 64 / sizeof(T) values as N 64-byte vectors V of T. A scaled format's
-// values are its codes: the caller multiplies by the row's scale (once per key, not per value).
+// line<V>() the values of one 64-byte line of storage as per_line 64-byte vectors V of T. A
+// scaled format's values are its codes: the caller multiplies by the row's scale (once per
+// key, not per value) times `unit`, what line() gives one code as (get() gives it as 1).
 template <typename T, typename E>
 struct Kv {  // stored as T
     static constexpr bool scaled = false;
-    static constexpr bool by_vector = true;  // vec<V>() reads one vector (else row<V, N>() only)
-    static constexpr bool paired = false;    // row<V, N>()'s order: as stored
+    static constexpr int per_line = 1;
+    static constexpr int order = 1;  // line<V>()'s order: as stored (see strided_order)
+    static constexpr T unit = 1;
     static QKV_INLINE T get(const E* p) { return *p; }
     template <typename V>
-    static QKV_INLINE V vec(const E* p) {
-        V x;
-        std::memcpy(&x, p, sizeof(V));
-        return x;
-    }
-    template <typename V, int N>
-    static QKV_INLINE void row(const E* p, V* out) {
-        for (int c = 0; c < N; ++c) out[c] = vec<V>(p + c * int(64 / sizeof(T)));
+    static QKV_INLINE void line(const E* p, V* out) {
+        std::memcpy(out, p, sizeof(V));
     }
 };
 
@@ -138,58 +134,46 @@ QKV_INLINE U32x16 halves(const void* p) {
     return __builtin_convertvector(h, U32x16);
 }
 
-// row<V, N>() of a 16-bit format that reads one vector of 16 values at a time (Self::vec).
-template <typename Self, typename E>
-struct VectorRows {
-    template <typename V, int N>
-    static QKV_INLINE void row(const E* p, V* out) {
-        for (int c = 0; c < N; ++c) out[c] = Self::template vec<V>(p + c * 16);
-    }
-};
-
 template <>
 struct Kv<float, Bf16> {  // float32's high 16 bits
     static constexpr bool scaled = false;
-    static constexpr bool by_vector = false;
-    // row<V, N>() gives each 64 bytes' 32 values as two vectors, the even-numbered values then
-    // the odd ones: the low and high halves of each 32-bit word, one operation each (the
-    // caller holds its query rows and accumulators in that order, paired_order()).
-    static constexpr bool paired = true;
+    static constexpr int per_line = 2;
+    // line<V>() gives its 32 values as two vectors, the even-numbered values then the odd
+    // ones: the low and high halves of each 32-bit word, one operation each (the caller holds
+    // its query rows and accumulators in that order, strided_order()).
+    static constexpr int order = 2;
+    static constexpr float unit = 1;
     static QKV_INLINE float get(const Bf16* p) {
         const uint32_t u = uint32_t(p->bits) << 16;
         float f;
         std::memcpy(&f, &u, 4);
         return f;
     }
-    template <typename V, int N>
-    static QKV_INLINE void row(const Bf16* p, V* out) {
-        static_assert(N % 2 == 0, "rows of whole 64-byte lines");
-        for (int c = 0; c < N; c += 2) {
-            U32x16 w;
-            std::memcpy(&w, p + c * 16, sizeof(w));
-            const U32x16 even = w << 16, odd = w & 0xFFFF0000u;
-            std::memcpy(&out[c], &even, sizeof(V));
-            std::memcpy(&out[c + 1], &odd, sizeof(V));
-        }
+    template <typename V>
+    static QKV_INLINE void line(const Bf16* p, V* out) {
+        U32x16 w;
+        std::memcpy(&w, p, sizeof(w));
+        const U32x16 even = w << 16, odd = w & 0xFFFF0000u;
+        std::memcpy(&out[0], &even, sizeof(V));
+        std::memcpy(&out[1], &odd, sizeof(V));
     }
 };
 
-// Rows x[r * n : (r + 1) * n) (r < rows; n a multiple of 32) moved between the natural order
-// and Kv<float, Bf16>::row's: within each 32 values, the 16 even-numbered then the 16 odd
-// (to_pairs), or back.
-QKV_INLINE void paired_order(float* x, int64_t rows, int64_t n, bool to_pairs) {
-    float t[32];
-    for (int64_t i = 0; i < rows * n; i += 32) {
-        for (int j = 0; j < 16; ++j) {
-            if (to_pairs) {
-                t[j] = x[i + 2 * j];
-                t[16 + j] = x[i + 2 * j + 1];
-            } else {
-                t[2 * j] = x[i + j];
-                t[2 * j + 1] = x[i + 16 + j];
+// Rows x[r * n : (r + 1) * n) (r < rows; n a multiple of 16 · P) moved between the natural
+// order and the order of a line<V>() that reads P values per 32-bit word: within each 16 · P
+// values, vector p's lane i holds value P · i + p (to_strided), or back.
+QKV_INLINE void strided_order(float* x, int64_t rows, int64_t n, int P, bool to_strided) {
+    float t[64];
+    for (int64_t i = 0; i < rows * n; i += 16 * P) {
+        for (int p = 0; p < P; ++p) {
+            for (int j = 0; j < 16; ++j) {
+                if (to_strided)
+                    t[16 * p + j] = x[i + P * j + p];
+                else
+                    t[P * j + p] = x[i + 16 * p + j];
             }
         }
-        std::memcpy(x + i, t, sizeof(t));
+        std::memcpy(x + i, t, sizeof(float) * size_t(16 * P));
     }
 }
 
@@ -197,10 +181,11 @@ QKV_INLINE void paired_order(float* x, int64_t rows, int64_t n, bool to_pairs) {
 // lane at a time): a normal value's fields move into a float32's with the exponent bias raised
 // by 112; a subnormal one is its mantissa times 2^-24; infinities and NaN keep their kind.
 template <>
-struct Kv<float, F16> : VectorRows<Kv<float, F16>, F16> {
+struct Kv<float, F16> {
     static constexpr bool scaled = false;
-    static constexpr bool by_vector = true;
-    static constexpr bool paired = false;
+    static constexpr int per_line = 2;
+    static constexpr int order = 1;
+    static constexpr float unit = 1;
     static QKV_INLINE float get(const F16* p) {
         _Float16 h;
         std::memcpy(&h, p, 2);
@@ -209,12 +194,11 @@ struct Kv<float, F16> : VectorRows<Kv<float, F16>, F16> {
     template <typename V>
     static QKV_INLINE V vec(const F16* p) {
         typedef U32x16 U;
-        typedef int32_t I __attribute__((vector_size(64)));
         const U w = halves(p);
         const U sign = (w & 0x8000) << 16, em = w & 0x7FFF, e = em >> 10;
         const U normal = sign | ((em << 13) + (112u << 23));
         const U special = sign | 0x7F800000u | ((em & 0x3FF) << 13);
-        const V sub = __builtin_convertvector(I(em), V) * 0x1p-24f;
+        const V sub = __builtin_convertvector(I32x16(em), V) * 0x1p-24f;
         U subu;
         std::memcpy(&subu, &sub, sizeof(U));
         const U bits = e == 0 ? (subu | sign) : (e == 31 ? special : normal);
@@ -222,43 +206,31 @@ struct Kv<float, F16> : VectorRows<Kv<float, F16>, F16> {
         std::memcpy(&x, &bits, sizeof(V));
         return x;
     }
+    template <typename V>
+    static QKV_INLINE void line(const F16* p, V* out) {
+        out[0] = vec<V>(p);
+        out[1] = vec<V>(p + 16);
+    }
 };
 
-// A row of 64·G bytes as 4·G vectors of 16 lanes of 32 bits, lane i of vector c holding byte
-// 16c + i in its top 8 bits (the rest 0): each 64 bytes loaded at once, and each quarter's
-// 4 words repeated in 4 lanes (a permute in registers), each lane shifted left by its
-// byte's place. GCC widens vectors of bytes one lane at a time, or through the stack.
-template <int G, typename U>
-QKV_INLINE void bytes_high(const void* p, U* out) {
-    const U shift = {24, 16, 8, 0, 24, 16, 8, 0, 24, 16, 8, 0, 24, 16, 8, 0};
-    for (int g = 0; g < G; ++g) {
-        U w;
-        std::memcpy(&w, static_cast<const char*>(p) + 64 * g, 64);
-        out[4 * g + 0] = __builtin_shufflevector(w, w, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3) << shift;
-        out[4 * g + 1] = __builtin_shufflevector(w, w, 4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7) << shift;
-        out[4 * g + 2] = __builtin_shufflevector(w, w, 8, 8, 8, 8, 9, 9, 9, 9, 10, 10, 10, 10, 11, 11, 11, 11) << shift;
-        out[4 * g + 3] = __builtin_shufflevector(w, w, 12, 12, 12, 12, 13, 13, 13, 13, 14, 14, 14, 14, 15, 15, 15, 15) << shift;
-    }
-}
-
-// bytes_high for a row of N vectors (N / 4 whole 64-byte lines).
-template <int N>
-QKV_INLINE void line_bytes(const void* p, U32x16* out) {
-    static_assert(N % 4 == 0, "rows of whole 64-byte lines");
-    bytes_high<N / 4>(p, out);
-}
-
+// An 8-bit format's line is read as 16 words of 4 codes, vector p holding each word's byte p
+// (values 4i + p, strided_order): shifts and masks within the lanes, no permutes. GCC widens
+// vectors of bytes one lane at a time, or through the stack.
 template <>
 struct Kv<float, I8> {  // int8 codes
     static constexpr bool scaled = true;
-    static constexpr bool by_vector = false;
-    static constexpr bool paired = false;
+    static constexpr int per_line = 4;
+    static constexpr int order = 4;
+    // line() converts each code as it sits in its lane's top byte, zeros below: code · 2^24
+    static constexpr float unit = 0x1p-24f;
     static QKV_INLINE float get(const I8* p) { return float(p->code); }
-    template <typename V, int N>
-    static QKV_INLINE void row(const I8* p, V* out) {
-        U32x16 w[N];
-        line_bytes<N>(p, w);
-        for (int c = 0; c < N; ++c) out[c] = __builtin_convertvector(I32x16(w[c]) >> 24, V);
+    template <typename V>
+    static QKV_INLINE void line(const I8* p, V* out) {
+        U32x16 w;
+        std::memcpy(&w, p, 64);
+        const U32x16 top = w & 0xFF000000u;
+        const U32x16 b[4] = {w << 24, (w << 16) & 0xFF000000u, (w << 8) & 0xFF000000u, top};
+        for (int c = 0; c < 4; ++c) out[c] = __builtin_convertvector(I32x16(b[c]), V);
     }
 };
 
@@ -268,8 +240,9 @@ struct Kv<float, I8> {  // int8 codes
 template <>
 struct Kv<float, E4m3> {
     static constexpr bool scaled = true;
-    static constexpr bool by_vector = false;
-    static constexpr bool paired = false;
+    static constexpr int per_line = 4;
+    static constexpr int order = 4;
+    static constexpr float unit = 1;
     static QKV_INLINE float get(const E4m3* p) {
         const uint32_t c = p->code, mag = c & 0x7F, sign = (c & 0x80) << 24;
         float f;
@@ -282,13 +255,13 @@ struct Kv<float, E4m3> {
         }
         return f;
     }
-    template <typename V, int N>
-    static QKV_INLINE void row(const E4m3* p, V* out) {
+    template <typename V>
+    static QKV_INLINE void line(const E4m3* p, V* out) {
         typedef U32x16 U;
-        U ws[N];
-        line_bytes<N>(p, ws);
-        for (int c = 0; c < N; ++c) {
-            const U w = ws[c] >> 24;
+        U ws;
+        std::memcpy(&ws, p, 64);
+        for (int c = 0; c < 4; ++c) {
+            const U w = (ws >> (8 * c)) & 0xFF;
             const U mag = w & 0x7F, sign = (w & 0x80) << 24;
             const U normal = sign | ((mag << 20) + (120u << 23));
             const V sub = __builtin_convertvector(I32x16(mag), V) * 0x1p-9f;
@@ -406,132 +379,258 @@ QKV_INLINE void lane_sums4(const V* x, float* out) {
     std::memcpy(out, &w, sizeof(w));
 }
 
+// The lane sums of sixteen 16-lane float vectors, out[f] that of x[f]: pairs of vectors halved
+// and added level by level (8 + 4 + 2 + 1 adds), each level's vectors holding twice the
+// sources in half the lanes.
+template <typename V>
+QKV_INLINE void lane_sums16(const V* x, float* out) {
+    V y[8], z[4], u[2];
+    for (int k = 0; k < 8; ++k)  // [x 8 partial sums, x' 8]
+        y[k] = __builtin_shufflevector(x[2 * k], x[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18,
+                                       19, 20, 21, 22, 23) +
+               __builtin_shufflevector(x[2 * k], x[2 * k + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24,
+                                       25, 26, 27, 28, 29, 30, 31);
+    for (int k = 0; k < 4; ++k)  // 4 sources, 4 partial sums each
+        z[k] = __builtin_shufflevector(y[2 * k], y[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17,
+                                       18, 19, 24, 25, 26, 27) +
+               __builtin_shufflevector(y[2 * k], y[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21,
+                                       22, 23, 28, 29, 30, 31);
+    for (int k = 0; k < 2; ++k)  // 8 sources, 2 each
+        u[k] = __builtin_shufflevector(z[2 * k], z[2 * k + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17,
+                                       20, 21, 24, 25, 28, 29) +
+               __builtin_shufflevector(z[2 * k], z[2 * k + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19,
+                                       22, 23, 26, 27, 30, 31);
+    const V t = __builtin_shufflevector(u[0], u[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22,
+                                        24, 26, 28, 30) +
+                __builtin_shufflevector(u[0], u[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23,
+                                        25, 27, 29, 31);
+    std::memcpy(out, &t, sizeof(t));
+}
+
+// The lane sums of N 16-lane float vectors for a clone whose registers hold L < 16 lanes
+// (AVX2 8, baseline 4): each vector's parts of L lanes added (no operation crosses a register),
+// then the same halving tree as lane_sums16 on L-lane vectors, L sums per vector. (Shuffles
+// across a 64-byte vector are taken a lane at a time there, through memory.)
+typedef float F32x8 __attribute__((vector_size(32)));
+typedef float F32x4 __attribute__((vector_size(16)));
+template <int L, int N, typename V>
+QKV_INLINE void lane_sums_narrow(const V* x, float* out) {
+    typedef typename std::conditional<L == 8, F32x8, F32x4>::type P;
+    static_assert(N % L == 0, "whole vectors of sums");
+    P y[N];
+    for (int f = 0; f < N; ++f) {
+        P part[16 / L];
+        std::memcpy(part, &x[f], sizeof(V));
+        y[f] = part[0];
+        for (int c = 1; c < 16 / L; ++c) y[f] += part[c];
+    }
+    for (int f = 0; f < N; f += L) {
+        P* g = y + f;
+        if constexpr (L == 8) {
+            for (int k = 0; k < 4; ++k)
+                g[k] = __builtin_shufflevector(g[2 * k], g[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+                       __builtin_shufflevector(g[2 * k], g[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+            for (int k = 0; k < 2; ++k)
+                g[k] = __builtin_shufflevector(g[2 * k], g[2 * k + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+                       __builtin_shufflevector(g[2 * k], g[2 * k + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+            g[0] = __builtin_shufflevector(g[0], g[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+                   __builtin_shufflevector(g[0], g[1], 1, 3, 5, 7, 9, 11, 13, 15);
+        } else {
+            static_assert(L == 4, "4 or 8 lanes");
+            for (int k = 0; k < 2; ++k)
+                g[k] = __builtin_shufflevector(g[2 * k], g[2 * k + 1], 0, 1, 4, 5) +
+                       __builtin_shufflevector(g[2 * k], g[2 * k + 1], 2, 3, 6, 7);
+            g[0] = __builtin_shufflevector(g[0], g[1], 0, 2, 4, 6) +
+                   __builtin_shufflevector(g[0], g[1], 1, 3, 5, 7);
+        }
+        std::memcpy(out + f, &g[0], sizeof(P));
+    }
+}
+
+// The scores of RB query rows (q, rows D apart, in line<V>()'s order) against KB keys (k, rows
+// k_rs apart) into s[i * DECODE_BK + kk]: each key line widened once for the RB rows, each
+// query vector loaded once for the KB keys, and the RB · KB lane sums added up together, in
+// registers of LANES float lanes (the clone's).
+template <typename T, typename E, typename V, int D, int RB, int KB, int LANES>
+QKV_INLINE void score_tile(const T* __restrict q, const E* __restrict k, int64_t k_rs,
+                           T* __restrict s) {
+    typedef Kv<T, E> KV;
+    constexpr int W = int(64 / sizeof(T)), PL = KV::per_line, EL = int(64 / sizeof(E));
+    constexpr int LK = int(D * sizeof(E) / 64);
+    V x[RB][KB] = {};
+    for (int l = 0; l < LK; ++l) {
+        V kv[KB][PL];
+        for (int kk = 0; kk < KB; ++kk) KV::template line<V>(k + kk * k_rs + l * EL, kv[kk]);
+        for (int p = 0; p < PL; ++p) {
+            for (int i = 0; i < RB; ++i) {
+                V qv;
+                std::memcpy(&qv, q + i * D + (l * PL + p) * W, sizeof(V));
+                for (int kk = 0; kk < KB; ++kk) x[i][kk] += qv * kv[kk][p];
+            }
+        }
+    }
+    constexpr int NX = RB * KB;
+    T out[NX];
+    const V* flat = &x[0][0];
+    if constexpr (sizeof(T) == 4 && LANES < 16 && NX % LANES == 0) {
+        lane_sums_narrow<LANES, NX>(flat, out);
+    } else if constexpr (sizeof(T) == 4 && LANES == 16 && NX == 16) {
+        lane_sums16(flat, out);
+    } else if constexpr (sizeof(T) == 4 && LANES == 16 && NX % 4 == 0) {
+        for (int f = 0; f < NX; f += 4) lane_sums4(flat + f, out + f);
+    } else {
+        for (int f = 0; f < NX; ++f) out[f] = lane_sum<T>(flat[f]);
+    }
+    for (int i = 0; i < RB; ++i)
+        for (int kk = 0; kk < KB; ++kk) s[i * DECODE_BK + kk] = out[i * KB + kk];
+}
+
+// x in every lane of a 64-byte vector V, for a clone whose registers hold LANES float lanes:
+// there, one register's worth is broadcast and repeated (a whole-vector broadcast goes a lane at
+// a time through memory on clones narrower than the vector).
+template <typename V, int LANES, typename T>
+QKV_INLINE V splat(T x) {
+    if constexpr (LANES * 4 >= int(sizeof(V))) {
+        return V{} + x;
+    } else {
+        typedef typename std::conditional<LANES == 8, F32x8, F32x4>::type P;
+        typedef typename std::conditional<sizeof(T) == 4, P, T>::type Q;  // double: no narrowing
+        if constexpr (sizeof(T) != 4) {
+            return V{} + x;
+        } else {
+            const Q q = Q{} + x;
+            Q parts[sizeof(V) / sizeof(Q)];
+            for (auto& part : parts) part = q;
+            V v;
+            std::memcpy(&v, parts, sizeof(V));
+            return v;
+        }
+    }
+}
+
+// RB rows' accumulators' vectors [c0, c0 + CV) (acc, rows DV apart, in line<V>()'s order)
+// scaled by alpha[i], plus the n weighted value rows w[i * DECODE_BK + j] · v[j]: held in
+// registers over the block, each value line widened once for the RB rows.
+template <typename T, typename E, typename V, int DV, int RB, int CV, int LANES>
+QKV_INLINE void value_tile(T* __restrict acc, const T* __restrict w, const T* __restrict alpha,
+                           const E* __restrict v, int64_t v_rs, int64_t n, int c0) {
+    typedef Kv<T, E> KV;
+    constexpr int W = int(64 / sizeof(T)), PL = KV::per_line, EL = int(64 / sizeof(E));
+    static_assert(CV % PL == 0, "whole lines");
+    V x[RB][CV];
+    for (int i = 0; i < RB; ++i) {
+        for (int c = 0; c < CV; ++c) {
+            std::memcpy(&x[i][c], acc + i * DV + (c0 + c) * W, sizeof(V));
+            x[i][c] *= alpha[i];
+        }
+    }
+    const E* vl = v + (c0 / PL) * EL;
+    for (int64_t j = 0; j < n; ++j) {
+        V y[CV];
+        for (int g = 0; g < CV / PL; ++g) KV::template line<V>(vl + j * v_rs + g * EL, y + g * PL);
+        for (int i = 0; i < RB; ++i) {
+            const V wij = splat<V, LANES>(w[i * DECODE_BK + j]);
+            for (int c = 0; c < CV; ++c) x[i][c] += wij * y[c];
+        }
+    }
+    for (int i = 0; i < RB; ++i)
+        for (int c = 0; c < CV; ++c) std::memcpy(acc + i * DV + (c0 + c) * W, &x[i][c], sizeof(V));
+}
+
+// value_tile over all of a row group's vectors, CV at a time.
+template <typename T, typename E, typename V, int DV, int RB, int CV, int LANES>
+QKV_INLINE void value_rows(T* acc, const T* w, const T* alpha, const E* v, int64_t v_rs,
+                           int64_t n) {
+    constexpr int NV = int(DV / (64 / sizeof(T)));
+    static_assert(NV % CV == 0, "whole tiles");
+    for (int c0 = 0; c0 < NV; c0 += CV) value_tile<T, E, V, DV, RB, CV, LANES>(acc, w, alpha, v, v_rs, n, c0);
+}
+
 // The piece of decode_piece_body for head sizes D and DV known at compile time, multiples of
 // 64 bytes, written with vectors of 64 bytes (GCC/Clang vector extensions; each clone
-// splits them into its own registers): a key row is loaded once for all the rows, each
-// row's dot product summed in lanes and added up once, and each row's accumulator held in
-// registers while a block's values are added. The same recurrence as decode_piece_body.
-template <typename T, typename E, int D, int DV>
+// splits them into its own registers). A block's scores are taken in tiles of up to four rows
+// by KB keys (score_tile), and its values added in tiles of rows by vectors of the
+// accumulators (value_tile), so that each key and value line is widened once per four rows and
+// the accumulators stay in registers. The same recurrence as decode_piece_body.
+template <typename T, typename E, int D, int DV, int LANES>
 QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h, int64_t j0,
                                  int64_t j1, T* __restrict scratch, T* __restrict m,
                                  T* __restrict l, T* __restrict acc) {
     typedef T V __attribute__((vector_size(64), aligned(sizeof(T))));
     typedef Kv<T, E> KV;
-    constexpr int W = int(64 / sizeof(T)), NQ = D / W, NV = DV / W;
+    constexpr int W = int(64 / sizeof(T)), PL = KV::per_line, NV = DV / W;
+    constexpr int KB = PL == 4 ? 2 : 4;  // keys per score tile: the widened lines fit registers
+    constexpr int CV4 = NV < 4 ? NV : 4, CV2 = NV < 8 ? NV : 8;  // vectors per value tile
     const int64_t R = a.group * a.L;
     T* __restrict qs = scratch;
-    T* __restrict s = scratch + R * D;
+    T* __restrict s = qs + R * D;
+    T* __restrict alpha = s + R * DECODE_BK;
+    T* __restrict vsc = alpha + R;  // a block's value scales (scaled formats)
     decode_start(a, b, h, D, DV, qs, m, l, acc);
-    if constexpr (KV::paired) paired_order(qs, R, D, true);
+    if constexpr (KV::order > 1) strided_order(qs, R, D, KV::order, true);
     const Rows<E> at(a, b, h);
-    const E* K = at.k;
-    const E* V0 = at.v;
     for (int64_t b0 = j0; b0 < j1; b0 += DECODE_BK) {
         const int64_t n = std::min<int64_t>(DECODE_BK, j1 - b0);
-        const int64_t ahead = std::min<int64_t>(DECODE_BK, j1 - b0 - n);  // the next block's
-        for (int64_t j = 0; j < n; ++j) {
-            const E* kr = K + (b0 + j) * a.k_rs;
-            if (j < ahead) {  // ask for the next block's rows while this one is computed
-                const char* kn = reinterpret_cast<const char*>(kr + DECODE_BK * a.k_rs);
-                const char* vn = reinterpret_cast<const char*>(V0 + (b0 + DECODE_BK + j) * a.v_rs);
-                for (int c = 0; c < int(D * sizeof(E)); c += 64) __builtin_prefetch(kn + c);
-                for (int c = 0; c < int(DV * sizeof(E)); c += 64) __builtin_prefetch(vn + c);
+        const E* K = at.k + b0 * a.k_rs;
+        const E* Vb = at.v + b0 * a.v_rs;
+        // the next block's rows are asked for while this one is computed, a few per tile, into
+        // L2 (into L1 they measured slower: the rows of this block compete with them there)
+        const int64_t ahead = std::min<int64_t>(DECODE_BK, j1 - b0 - n);
+        int64_t j = 0;
+        for (; j + KB <= n; j += KB) {
+            for (int64_t i = j; i < std::min(j + KB, ahead); ++i) {
+                const char* kn = reinterpret_cast<const char*>(K + (DECODE_BK + i) * a.k_rs);
+                const char* vn = reinterpret_cast<const char*>(Vb + (DECODE_BK + i) * a.v_rs);
+                for (int c = 0; c < int(D * sizeof(E)); c += 64) __builtin_prefetch(kn + c, 0, 1);
+                for (int c = 0; c < int(DV * sizeof(E)); c += 64) __builtin_prefetch(vn + c, 0, 1);
             }
-            V kv[NQ];
-            KV::template row<V, NQ>(kr, kv);
-            const T ks = KV::scaled ? T(at.ks[(b0 + j) * a.ks_rs]) : T(1);
             int64_t r = 0;
-            if constexpr (sizeof(T) == 4) {  // four rows' sums at once
-                for (; r + 4 <= R; r += 4) {
-                    V x[4];
-                    for (int i = 0; i < 4; ++i) {
-                        const V* qv = reinterpret_cast<const V*>(qs + (r + i) * D);
-                        x[i] = qv[0] * kv[0];
-                        for (int c = 1; c < NQ; ++c) x[i] += qv[c] * kv[c];
-                    }
-                    T sums[4];
-                    lane_sums4(x, sums);
-                    for (int i = 0; i < 4; ++i)
-                        s[(r + i) * DECODE_BK + j] = KV::scaled ? sums[i] * ks : sums[i];
-                }
-            }
-            for (; r < R; ++r) {
-                const V* qv = reinterpret_cast<const V*>(qs + r * D);
-                V x = qv[0] * kv[0];
-                for (int c = 1; c < NQ; ++c) x += qv[c] * kv[c];
-                s[r * DECODE_BK + j] = KV::scaled ? lane_sum<T>(x) * ks : lane_sum<T>(x);
-            }
+            for (; r + 4 <= R; r += 4)
+                score_tile<T, E, V, D, 4, KB, LANES>(qs + r * D, K + j * a.k_rs, a.k_rs, s + r * DECODE_BK + j);
+            for (; r < R; ++r)
+                score_tile<T, E, V, D, 1, KB, LANES>(qs + r * D, K + j * a.k_rs, a.k_rs, s + r * DECODE_BK + j);
+        }
+        for (; j < n; ++j) {
+            int64_t r = 0;
+            for (; r + 4 <= R; r += 4)
+                score_tile<T, E, V, D, 4, 1, LANES>(qs + r * D, K + j * a.k_rs, a.k_rs, s + r * DECODE_BK + j);
+            for (; r < R; ++r)
+                score_tile<T, E, V, D, 1, 1, LANES>(qs + r * D, K + j * a.k_rs, a.k_rs, s + r * DECODE_BK + j);
+        }
+        if constexpr (KV::scaled) {
+            for (int64_t i = 0; i < n; ++i) vsc[i] = T(at.ks[(b0 + i) * a.ks_rs]) * KV::unit;
+            for (int64_t r = 0; r < R; ++r)
+#pragma omp simd
+                for (int64_t i = 0; i < n; ++i) s[r * DECODE_BK + i] *= vsc[i];
         }
         if (a.softcap > 0) softcap_block(s, R, n, T(a.softcap));
-        T alpha[2];
-        for (int64_t r = 0; r < R; ++r) {
-            alpha[r & 1] = decode_row_step(s + r * DECODE_BK, n, m + r, l + r);
-            if (!(r & 1) && r + 1 < R) continue;  // rows go in pairs: one value row, two rows
-            const int64_t r0 = r & ~int64_t(1);
-            const int pair = int(r - r0) + 1;  // 2, or 1 for a last odd row
-            T* a0 = acc + r0 * DV;
-            T* a1 = a0 + DV;
-            const T* s0 = s + r0 * DECODE_BK;
-            const T* s1 = s0 + DECODE_BK;
-            V x0[NV], x1[NV] = {};  // x1 unused for a last odd row
-            for (int c = 0; c < NV; ++c) {
-                std::memcpy(&x0[c], a0 + c * W, sizeof(V));
-                x0[c] *= alpha[0];
-                if (pair == 2) {
-                    std::memcpy(&x1[c], a1 + c * W, sizeof(V));
-                    x1[c] *= alpha[1];
-                }
-            }
-            if (pair == 2) {
-                for (int64_t j = 0; j < n; ++j) {
-                    const T vsj = KV::scaled ? T(at.vs[(b0 + j) * a.vs_rs]) : T(1);
-                    const T p0 = s0[j] * vsj, p1 = s1[j] * vsj;
-                    const E* vr = V0 + (b0 + j) * a.v_rs;
-                    if constexpr (KV::by_vector) {  // each vector loaded as it is used
-                        for (int c = 0; c < NV; ++c) {
-                            const V y = KV::template vec<V>(vr + c * W);
-                            x0[c] += p0 * y;
-                            x1[c] += p1 * y;
-                        }
-                    } else {  // bytes: whole 64-byte lines at once
-                        V y[NV];
-                        KV::template row<V, NV>(vr, y);
-                        for (int c = 0; c < NV; ++c) {
-                            x0[c] += p0 * y[c];
-                            x1[c] += p1 * y[c];
-                        }
-                    }
-                }
-            } else {
-                for (int64_t j = 0; j < n; ++j) {
-                    const T p0 = KV::scaled ? s0[j] * T(at.vs[(b0 + j) * a.vs_rs]) : s0[j];
-                    const E* vr = V0 + (b0 + j) * a.v_rs;
-                    if constexpr (KV::by_vector) {
-                        for (int c = 0; c < NV; ++c) x0[c] += p0 * KV::template vec<V>(vr + c * W);
-                    } else {
-                        V y[NV];
-                        KV::template row<V, NV>(vr, y);
-                        for (int c = 0; c < NV; ++c) x0[c] += p0 * y[c];
-                    }
-                }
-            }
-            for (int c = 0; c < NV; ++c) {
-                std::memcpy(a0 + c * W, &x0[c], sizeof(V));
-                if (pair == 2) std::memcpy(a1 + c * W, &x1[c], sizeof(V));
-            }
+        for (int64_t r = 0; r < R; ++r) alpha[r] = decode_row_step(s + r * DECODE_BK, n, m + r, l + r);
+        if constexpr (KV::scaled) {  // the weights times each value row's scale
+            for (int64_t i = 0; i < n; ++i) vsc[i] = T(at.vs[(b0 + i) * a.vs_rs]) * KV::unit;
+            for (int64_t r = 0; r < R; ++r)
+#pragma omp simd
+                for (int64_t i = 0; i < n; ++i) s[r * DECODE_BK + i] *= vsc[i];
         }
+        int64_t r = 0;
+        for (; r + 4 <= R; r += 4)
+            value_rows<T, E, V, DV, 4, CV4, LANES>(acc + r * DV, s + r * DECODE_BK, alpha + r, Vb, a.v_rs, n);
+        if (r + 2 <= R) {
+            value_rows<T, E, V, DV, 2, CV2, LANES>(acc + r * DV, s + r * DECODE_BK, alpha + r, Vb, a.v_rs, n);
+            r += 2;
+        }
+        if (r < R) value_rows<T, E, V, DV, 1, CV2, LANES>(acc + r * DV, s + r * DECODE_BK, alpha + r, Vb, a.v_rs, n);
     }
-    if constexpr (KV::paired) paired_order(acc, R, DV, false);
+    if constexpr (KV::order > 1) strided_order(acc, R, DV, KV::order, false);
 }
 
 // The piece for the head sizes of the arguments: unrolled for 64 and 128, else general.
-template <typename T, typename E>
+template <typename T, typename E, int LANES>
 QKV_INLINE void decode_piece_any(const qkv_decode_args& a, int64_t b, int64_t h, int64_t j0,
                                  int64_t j1, T* sc, T* m, T* l, T* acc) {
     if (a.d == 64 && a.dv == 64)
-        decode_piece_vec<T, E, 64, 64>(a, b, h, j0, j1, sc, m, l, acc);
+        decode_piece_vec<T, E, 64, 64, LANES>(a, b, h, j0, j1, sc, m, l, acc);
     else if (a.d == 128 && a.dv == 128)
-        decode_piece_vec<T, E, 128, 128>(a, b, h, j0, j1, sc, m, l, acc);
+        decode_piece_vec<T, E, 128, 128, LANES>(a, b, h, j0, j1, sc, m, l, acc);
     else
         decode_piece_body<T, E>(a, b, h, j0, j1, sc, m, l, acc);
 }
@@ -539,23 +638,25 @@ QKV_INLINE void decode_piece_any(const qkv_decode_args& a, int64_t b, int64_t h,
 typedef void (*piece_t)(const qkv_decode_args&, int64_t, int64_t, int64_t, int64_t, void*,
                         void*, void*, void*);
 
-#define QKV_PIECE(ATTR, NAME, T, E)                                                         \
+#define QKV_PIECE(ATTR, NAME, T, E, LANES)                                                  \
     ATTR void NAME(const qkv_decode_args& a, int64_t b, int64_t h, int64_t j0, int64_t j1, \
                    void* sc, void* m, void* l, void* acc) {                                 \
-        decode_piece_any<T, E>(a, b, h, j0, j1, static_cast<T*>(sc), static_cast<T*>(m),   \
-                               static_cast<T*>(l), static_cast<T*>(acc));                   \
+        decode_piece_any<T, E, LANES>(a, b, h, j0, j1, static_cast<T*>(sc),                \
+                                      static_cast<T*>(m), static_cast<T*>(l),              \
+                                      static_cast<T*>(acc));                                \
     }
-#define QKV_PIECES(ATTR, ISA)                                \
-    QKV_PIECE(ATTR, piece_##ISA##_f32, float, float)         \
-    QKV_PIECE(ATTR, piece_##ISA##_f64, double, double)       \
-    QKV_PIECE(ATTR, piece_##ISA##_bf16, float, Bf16)         \
-    QKV_PIECE(ATTR, piece_##ISA##_f16, float, F16)           \
-    QKV_PIECE(ATTR, piece_##ISA##_i8, float, I8)             \
-    QKV_PIECE(ATTR, piece_##ISA##_e4m3, float, E4m3)
-QKV_PIECES(, base)
+// LANES: the float lanes of the clone's registers
+#define QKV_PIECES(ATTR, ISA, LANES)                                \
+    QKV_PIECE(ATTR, piece_##ISA##_f32, float, float, LANES)         \
+    QKV_PIECE(ATTR, piece_##ISA##_f64, double, double, LANES)       \
+    QKV_PIECE(ATTR, piece_##ISA##_bf16, float, Bf16, LANES)         \
+    QKV_PIECE(ATTR, piece_##ISA##_f16, float, F16, LANES)           \
+    QKV_PIECE(ATTR, piece_##ISA##_i8, float, I8, LANES)             \
+    QKV_PIECE(ATTR, piece_##ISA##_e4m3, float, E4m3, LANES)
+QKV_PIECES(, base, 4)
 #if QKV_X86
-QKV_PIECES(QKV_AVX2, avx2)
-QKV_PIECES(QKV_AVX512, avx512)
+QKV_PIECES(QKV_AVX2, avx2, 8)
+QKV_PIECES(QKV_AVX512, avx512, 16)
 #endif
 #undef QKV_PIECES
 #undef QKV_PIECE
@@ -638,7 +739,7 @@ int run_decode(const qkv_decode_args& given) {
     T* PM = parts.data();  // per item: R maxima, then R sums, then R x dv accumulators
     T* PL = PM + ntasks * R;
     T* PA = PL + ntasks * R;
-    const int64_t scratch = R * (a.d + DECODE_BK);
+    const int64_t scratch = R * (a.d + DECODE_BK + 1) + DECODE_BK;  // see decode_piece_vec
     auto init = [&](std::vector<T>& sc) {
         sc.resize(size_t(scratch));
         return true;
@@ -716,3 +817,4 @@ int64_t qkv_decode_args_size(void) { return int64_t(sizeof(qkv_decode_args)); }
 int qkv_best_isa(void) { return best_isa(); }
 
 }  // extern "C"
+
