@@ -100,10 +100,11 @@ def read(x: Any, name: str) -> Any:
         )
     if x.requires_grad:
         x = x.detach()
-    try:
-        return x.numpy()  # zero-copy: the common case ends here
-    except (TypeError, RuntimeError):
-        pass
+    if not _is_bfloat16(x):
+        try:
+            return x.numpy()  # zero-copy: the common case ends here
+        except (TypeError, RuntimeError):
+            pass
     import torch
 
     if x.layout != torch.strided or x.is_quantized:
@@ -157,10 +158,20 @@ def refuse_dtype(x: Any, name: str) -> None:
 def read_cpu(x: Any, name: str) -> Any:
     """:func:`read` for an argument already known to be on the CPU: a plain tensor's
     ``.numpy()`` first (the common case, one call), else the whole policy."""
-    try:
-        return x.numpy()
-    except (AttributeError, TypeError, RuntimeError):
-        return read(x, name)
+    if not _is_bfloat16(x):  # NumPy has no bfloat16: .numpy() would raise, at a cost
+        try:
+            return x.numpy()
+        except (AttributeError, TypeError, RuntimeError):
+            pass
+    return read(x, name)
+
+
+def _is_bfloat16(x: Any) -> bool:
+    """Whether ``x`` is a bfloat16 tensor (its ``.numpy()`` raises: a C++ exception, tens of
+    microseconds per call)."""
+    import torch
+
+    return getattr(x, "dtype", None) == torch.bfloat16
 
 
 def read_shadow(x: Any, name: str = "tensor") -> Any:
