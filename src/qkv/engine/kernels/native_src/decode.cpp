@@ -107,24 +107,22 @@ struct E4m3 {
 };
 
 // Stored keys and values read as the compute type T, widened in registers: get() one value,
-// line<V>() the values of one 64-byte line of storage as per_line 64-byte vectors V of T. A
+// line() the values of one 64-byte line of storage as per_line 64-byte vectors of T at out. A
 // scaled format's values are its codes: the caller multiplies by the row's scale (once per
 // key, not per value) times `unit`, what line() gives one code as (get() gives it as 1).
 template <typename T, typename E>
 struct Kv {  // stored as T
     static constexpr bool scaled = false;
     static constexpr int per_line = 1;
-    static constexpr int order = 1;  // line<V>()'s order: as stored (see strided_order)
+    static constexpr int order = 1;  // line()'s order: as stored (see strided_order)
+    static constexpr bool direct = true;  // no line(): callers load registers from storage
     static constexpr T unit = 1;
     static QKV_INLINE T get(const E* p) { return *p; }
-    template <typename V>
-    static QKV_INLINE void line(const E* p, V* out) {
-        std::memcpy(out, p, sizeof(V));
-    }
 };
 
 typedef uint32_t U32x16 __attribute__((vector_size(64)));
 typedef int32_t I32x16 __attribute__((vector_size(64)));
+typedef float F32x16 __attribute__((vector_size(64)));
 
 // 16 stored 16-bit values from p as the zero-extended 32-bit lanes of a 64-byte vector.
 QKV_INLINE U32x16 halves(const void* p) {
@@ -137,8 +135,9 @@ QKV_INLINE U32x16 halves(const void* p) {
 template <>
 struct Kv<float, Bf16> {  // float32's high 16 bits
     static constexpr bool scaled = false;
+    static constexpr bool direct = false;
     static constexpr int per_line = 2;
-    // line<V>() gives its 32 values as two vectors, the even-numbered values then the odd
+    // line() gives its 32 values as two vectors, the even-numbered values then the odd
     // ones: the low and high halves of each 32-bit word, one operation each (the caller holds
     // its query rows and accumulators in that order, strided_order()).
     static constexpr int order = 2;
@@ -149,13 +148,12 @@ struct Kv<float, Bf16> {  // float32's high 16 bits
         std::memcpy(&f, &u, 4);
         return f;
     }
-    template <typename V>
-    static QKV_INLINE void line(const Bf16* p, V* out) {
+    static QKV_INLINE void line(const Bf16* p, void* out) {
         U32x16 w;
         std::memcpy(&w, p, sizeof(w));
         const U32x16 even = w << 16, odd = w & 0xFFFF0000u;
-        std::memcpy(&out[0], &even, sizeof(V));
-        std::memcpy(&out[1], &odd, sizeof(V));
+        std::memcpy(out, &even, 64);
+        std::memcpy(static_cast<char*>(out) + 64, &odd, 64);
     }
 };
 
@@ -183,6 +181,7 @@ QKV_INLINE void strided_order(float* x, int64_t rows, int64_t n, int P, bool to_
 template <>
 struct Kv<float, F16> {
     static constexpr bool scaled = false;
+    static constexpr bool direct = false;
     static constexpr int per_line = 2;
     static constexpr int order = 1;
     static constexpr float unit = 1;
@@ -191,9 +190,9 @@ struct Kv<float, F16> {
         std::memcpy(&h, p, 2);
         return float(h);
     }
-    template <typename V>
-    static QKV_INLINE V vec(const F16* p) {
+    static QKV_INLINE F32x16 vec(const F16* p) {
         typedef U32x16 U;
+        typedef F32x16 V;
         const U w = halves(p);
         const U sign = (w & 0x8000) << 16, em = w & 0x7FFF, e = em >> 10;
         const U normal = sign | ((em << 13) + (112u << 23));
@@ -206,10 +205,9 @@ struct Kv<float, F16> {
         std::memcpy(&x, &bits, sizeof(V));
         return x;
     }
-    template <typename V>
-    static QKV_INLINE void line(const F16* p, V* out) {
-        out[0] = vec<V>(p);
-        out[1] = vec<V>(p + 16);
+    static QKV_INLINE void line(const F16* p, void* out) {
+        const F32x16 x[2] = {vec(p), vec(p + 16)};
+        std::memcpy(out, x, sizeof(x));
     }
 };
 
@@ -219,18 +217,20 @@ struct Kv<float, F16> {
 template <>
 struct Kv<float, I8> {  // int8 codes
     static constexpr bool scaled = true;
+    static constexpr bool direct = false;
     static constexpr int per_line = 4;
     static constexpr int order = 4;
     // line() converts each code as it sits in its lane's top byte, zeros below: code · 2^24
     static constexpr float unit = 0x1p-24f;
     static QKV_INLINE float get(const I8* p) { return float(p->code); }
-    template <typename V>
-    static QKV_INLINE void line(const I8* p, V* out) {
+    static QKV_INLINE void line(const I8* p, void* out) {
         U32x16 w;
         std::memcpy(&w, p, 64);
         const U32x16 top = w & 0xFF000000u;
         const U32x16 b[4] = {w << 24, (w << 16) & 0xFF000000u, (w << 8) & 0xFF000000u, top};
-        for (int c = 0; c < 4; ++c) out[c] = __builtin_convertvector(I32x16(b[c]), V);
+        F32x16 x[4];
+        for (int c = 0; c < 4; ++c) x[c] = __builtin_convertvector(I32x16(b[c]), F32x16);
+        std::memcpy(out, x, sizeof(x));
     }
 };
 
@@ -240,6 +240,7 @@ struct Kv<float, I8> {  // int8 codes
 template <>
 struct Kv<float, E4m3> {
     static constexpr bool scaled = true;
+    static constexpr bool direct = false;
     static constexpr int per_line = 4;
     static constexpr int order = 4;
     static constexpr float unit = 1;
@@ -255,9 +256,9 @@ struct Kv<float, E4m3> {
         }
         return f;
     }
-    template <typename V>
-    static QKV_INLINE void line(const E4m3* p, V* out) {
+    static QKV_INLINE void line(const E4m3* p, void* out) {
         typedef U32x16 U;
+        typedef F32x16 V;
         U ws;
         std::memcpy(&ws, p, 64);
         for (int c = 0; c < 4; ++c) {
@@ -268,7 +269,7 @@ struct Kv<float, E4m3> {
             U subu;
             std::memcpy(&subu, &sub, sizeof(U));
             const U bits = (mag >> 3) != 0 ? normal : (subu | sign);
-            std::memcpy(&out[c], &bits, sizeof(V));
+            std::memcpy(static_cast<char*>(out) + 64 * c, &bits, 64);
         }
     }
 };
@@ -336,14 +337,24 @@ template <typename T, typename V>
 QKV_INLINE T lane_sum(V x) {
     typedef T V32 __attribute__((vector_size(32)));
     typedef T V16 __attribute__((vector_size(16)));
-    static_assert(sizeof(V) == 64, "a 64-byte vector");
-    V32 lo, hi;
-    std::memcpy(&lo, &x, 32);
-    std::memcpy(&hi, reinterpret_cast<const char*>(&x) + 32, 32);
-    lo += hi;
+    static_assert(sizeof(V) == 16 || sizeof(V) == 32 || sizeof(V) == 64, "a vector of 16-64 bytes");
+    V32 lo;
+    if constexpr (sizeof(V) == 64) {
+        V32 hi;
+        std::memcpy(&lo, &x, 32);
+        std::memcpy(&hi, reinterpret_cast<const char*>(&x) + 32, 32);
+        lo += hi;
+    } else if constexpr (sizeof(V) == 32) {
+        std::memcpy(&lo, &x, 32);
+    }
     V16 a, b;
-    std::memcpy(&a, &lo, 16);
-    std::memcpy(&b, reinterpret_cast<const char*>(&lo) + 16, 16);
+    if constexpr (sizeof(V) == 16) {
+        std::memcpy(&a, &x, 16);
+        b = V16{};
+    } else {
+        std::memcpy(&a, &lo, 16);
+        std::memcpy(&b, reinterpret_cast<const char*>(&lo) + 16, 16);
+    }
     a += b;
     if constexpr (sizeof(T) == 8) {
         return a[0] + a[1];
@@ -407,10 +418,9 @@ QKV_INLINE void lane_sums16(const V* x, float* out) {
     std::memcpy(out, &t, sizeof(t));
 }
 
-// The lane sums of N 16-lane float vectors for a clone whose registers hold L < 16 lanes
-// (AVX2 8, baseline 4): each vector's parts of L lanes added (no operation crosses a register),
-// then the same halving tree as lane_sums16 on L-lane vectors, L sums per vector. (Shuffles
-// across a 64-byte vector are taken a lane at a time there, through memory.)
+// The lane sums of N float vectors for a clone whose registers hold L < 16 lanes (AVX2 8,
+// baseline 4): each vector's parts of L lanes added (no operation crosses a register), then the
+// same halving tree as lane_sums16 on L-lane vectors, L sums per vector.
 typedef float F32x8 __attribute__((vector_size(32)));
 typedef float F32x4 __attribute__((vector_size(16)));
 template <int L, int N, typename V>
@@ -419,10 +429,10 @@ QKV_INLINE void lane_sums_narrow(const V* x, float* out) {
     static_assert(N % L == 0, "whole vectors of sums");
     P y[N];
     for (int f = 0; f < N; ++f) {
-        P part[16 / L];
+        P part[sizeof(V) / sizeof(P)];
         std::memcpy(part, &x[f], sizeof(V));
         y[f] = part[0];
-        for (int c = 1; c < 16 / L; ++c) y[f] += part[c];
+        for (int c = 1; c < int(sizeof(V) / sizeof(P)); ++c) y[f] += part[c];
     }
     for (int f = 0; f < N; f += L) {
         P* g = y + f;
@@ -447,25 +457,38 @@ QKV_INLINE void lane_sums_narrow(const V* x, float* out) {
     }
 }
 
-// The scores of RB query rows (q, rows D apart, in line<V>()'s order) against KB keys (k, rows
+// The register V at p.
+template <typename V, typename E>
+QKV_INLINE V load(const E* p) {
+    V x;
+    std::memcpy(&x, p, sizeof(V));
+    return x;
+}
+
+// The scores of RB query rows (q, rows D apart, in line()'s order) against KB keys (k, rows
 // k_rs apart) into s[i * DECODE_BK + kk]: each key line widened once for the RB rows, each
-// query vector loaded once for the KB keys, and the RB · KB lane sums added up together, in
-// registers of LANES float lanes (the clone's).
+// query vector loaded once for the KB keys, and the RB · KB lane sums added up together. V is
+// the clone's register of T (LANES float lanes), NVL of them per line of storage.
 template <typename T, typename E, typename V, int D, int RB, int KB, int LANES>
 QKV_INLINE void score_tile(const T* __restrict q, const E* __restrict k, int64_t k_rs,
                            T* __restrict s) {
     typedef Kv<T, E> KV;
-    constexpr int W = int(64 / sizeof(T)), PL = KV::per_line, EL = int(64 / sizeof(E));
-    constexpr int LK = int(D * sizeof(E) / 64);
+    constexpr int W = int(sizeof(V) / sizeof(T)), EL = int(64 / sizeof(E));
+    constexpr int NVL = int(KV::per_line * 64 / sizeof(V)), LK = int(D * sizeof(E) / 64);
     V x[RB][KB] = {};
     for (int l = 0; l < LK; ++l) {
-        V kv[KB][PL];
-        for (int kk = 0; kk < KB; ++kk) KV::template line<V>(k + kk * k_rs + l * EL, kv[kk]);
-        for (int p = 0; p < PL; ++p) {
+        V kv[KB][NVL];
+        if constexpr (!KV::direct)
+            for (int kk = 0; kk < KB; ++kk) KV::line(k + kk * k_rs + l * EL, kv[kk]);
+        for (int p = 0; p < NVL; ++p) {
             for (int i = 0; i < RB; ++i) {
-                V qv;
-                std::memcpy(&qv, q + i * D + (l * PL + p) * W, sizeof(V));
-                for (int kk = 0; kk < KB; ++kk) x[i][kk] += qv * kv[kk][p];
+                const V qv = load<V>(q + i * D + (l * NVL + p) * W);
+                for (int kk = 0; kk < KB; ++kk) {
+                    if constexpr (KV::direct)  // as an operand (a copy to the stack stalls)
+                        x[i][kk] += qv * load<V>(k + kk * k_rs + l * EL + p * W);
+                    else
+                        x[i][kk] += qv * kv[kk][p];
+                }
             }
         }
     }
@@ -485,38 +508,16 @@ QKV_INLINE void score_tile(const T* __restrict q, const E* __restrict k, int64_t
         for (int kk = 0; kk < KB; ++kk) s[i * DECODE_BK + kk] = out[i * KB + kk];
 }
 
-// x in every lane of a 64-byte vector V, for a clone whose registers hold LANES float lanes:
-// there, one register's worth is broadcast and repeated (a whole-vector broadcast goes a lane at
-// a time through memory on clones narrower than the vector).
-template <typename V, int LANES, typename T>
-QKV_INLINE V splat(T x) {
-    if constexpr (LANES * 4 >= int(sizeof(V))) {
-        return V{} + x;
-    } else {
-        typedef typename std::conditional<LANES == 8, F32x8, F32x4>::type P;
-        typedef typename std::conditional<sizeof(T) == 4, P, T>::type Q;  // double: no narrowing
-        if constexpr (sizeof(T) != 4) {
-            return V{} + x;
-        } else {
-            const Q q = Q{} + x;
-            Q parts[sizeof(V) / sizeof(Q)];
-            for (auto& part : parts) part = q;
-            V v;
-            std::memcpy(&v, parts, sizeof(V));
-            return v;
-        }
-    }
-}
-
-// RB rows' accumulators' vectors [c0, c0 + CV) (acc, rows DV apart, in line<V>()'s order)
+// RB rows' accumulators' registers [c0, c0 + CV) (acc, rows DV apart, in line()'s order)
 // scaled by alpha[i], plus the n weighted value rows w[i * DECODE_BK + j] · v[j]: held in
 // registers over the block, each value line widened once for the RB rows.
-template <typename T, typename E, typename V, int DV, int RB, int CV, int LANES>
+template <typename T, typename E, typename V, int DV, int RB, int CV>
 QKV_INLINE void value_tile(T* __restrict acc, const T* __restrict w, const T* __restrict alpha,
                            const E* __restrict v, int64_t v_rs, int64_t n, int c0) {
     typedef Kv<T, E> KV;
-    constexpr int W = int(64 / sizeof(T)), PL = KV::per_line, EL = int(64 / sizeof(E));
-    static_assert(CV % PL == 0, "whole lines");
+    constexpr int W = int(sizeof(V) / sizeof(T)), EL = int(64 / sizeof(E));
+    constexpr int NVL = int(KV::per_line * 64 / sizeof(V));
+    static_assert(CV % NVL == 0, "whole lines");
     V x[RB][CV];
     for (int i = 0; i < RB; ++i) {
         for (int c = 0; c < CV; ++c) {
@@ -524,12 +525,15 @@ QKV_INLINE void value_tile(T* __restrict acc, const T* __restrict w, const T* __
             x[i][c] *= alpha[i];
         }
     }
-    const E* vl = v + (c0 / PL) * EL;
+    const E* vl = v + (c0 / NVL) * EL;
     for (int64_t j = 0; j < n; ++j) {
         V y[CV];
-        for (int g = 0; g < CV / PL; ++g) KV::template line<V>(vl + j * v_rs + g * EL, y + g * PL);
+        if constexpr (KV::direct)
+            for (int c = 0; c < CV; ++c) y[c] = load<V>(vl + j * v_rs + c * W);
+        else
+            for (int g = 0; g < CV / NVL; ++g) KV::line(vl + j * v_rs + g * EL, y + g * NVL);
         for (int i = 0; i < RB; ++i) {
-            const V wij = splat<V, LANES>(w[i * DECODE_BK + j]);
+            const V wij = V{} + w[i * DECODE_BK + j];
             for (int c = 0; c < CV; ++c) x[i][c] += wij * y[c];
         }
     }
@@ -537,30 +541,46 @@ QKV_INLINE void value_tile(T* __restrict acc, const T* __restrict w, const T* __
         for (int c = 0; c < CV; ++c) std::memcpy(acc + i * DV + (c0 + c) * W, &x[i][c], sizeof(V));
 }
 
-// value_tile over all of a row group's vectors, CV at a time.
-template <typename T, typename E, typename V, int DV, int RB, int CV, int LANES>
+// value_tile over all of a row group's registers, CV at a time.
+template <typename T, typename E, typename V, int DV, int RB, int CV>
 QKV_INLINE void value_rows(T* acc, const T* w, const T* alpha, const E* v, int64_t v_rs,
                            int64_t n) {
-    constexpr int NV = int(DV / (64 / sizeof(T)));
+    constexpr int NV = int(DV * sizeof(T) / sizeof(V));
     static_assert(NV % CV == 0, "whole tiles");
-    for (int c0 = 0; c0 < NV; c0 += CV) value_tile<T, E, V, DV, RB, CV, LANES>(acc, w, alpha, v, v_rs, n, c0);
+    for (int c0 = 0; c0 < NV; c0 += CV) value_tile<T, E, V, DV, RB, CV>(acc, w, alpha, v, v_rs, n, c0);
 }
 
+// Tile sizes for a clone of LANES float lanes: AVX-512's 32 registers take four rows by four
+// keys (two for 8-bit lines, four registers each) and four rows by four registers of values;
+// narrower clones' 16 take two rows, and one where a line fills 8 registers or more. NVL:
+// registers per line; NV: per row of values.
+template <int LANES, int NVL, int NV>
+struct Tiles {
+    static constexpr bool wide = LANES >= 16;
+    static constexpr int score_rows = wide ? 4 : 2;
+    static constexpr int keys = wide ? (NVL >= 4 ? 2 : 4) : (NVL >= 8 ? 1 : 2);
+    static constexpr int value_rows = wide ? 4 : (NVL >= 8 ? 1 : 2);
+    // registers of values per tile for value_rows rows, and for fewer
+    static constexpr int many = wide ? (NV < 4 ? NV : 4) : (NVL > 4 ? NVL : (NV < 4 ? NV : 4));
+    static constexpr int few = wide ? (NV < 8 ? NV : 8) : many;
+};
+
 // The piece of decode_piece_body for head sizes D and DV known at compile time, multiples of
-// 64 bytes, written with vectors of 64 bytes (GCC/Clang vector extensions; each clone
-// splits them into its own registers). A block's scores are taken in tiles of up to four rows
-// by KB keys (score_tile), and its values added in tiles of rows by vectors of the
-// accumulators (value_tile), so that each key and value line is widened once per four rows and
-// the accumulators stay in registers. The same recurrence as decode_piece_body.
+// 64 bytes, written with vectors of the clone's register width (GCC/Clang vector
+// extensions). A block's scores are taken in tiles of rows by keys (score_tile), and its values
+// added in tiles of rows by registers of the accumulators (value_tile), so that each key and
+// value line is widened once per tile of rows and the accumulators stay in registers. The
+// same recurrence as decode_piece_body.
 template <typename T, typename E, int D, int DV, int LANES>
 QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h, int64_t j0,
                                  int64_t j1, T* __restrict scratch, T* __restrict m,
                                  T* __restrict l, T* __restrict acc) {
-    typedef T V __attribute__((vector_size(64), aligned(sizeof(T))));
+    constexpr int VB = LANES * 4 < 64 ? LANES * 4 : 64;  // bytes per register
+    typedef T V __attribute__((vector_size(VB), aligned(sizeof(T))));
     typedef Kv<T, E> KV;
-    constexpr int W = int(64 / sizeof(T)), PL = KV::per_line, NV = DV / W;
-    constexpr int KB = PL == 4 ? 2 : 4;  // keys per score tile: the widened lines fit registers
-    constexpr int CV4 = NV < 4 ? NV : 4, CV2 = NV < 8 ? NV : 8;  // vectors per value tile
+    constexpr int NVL = int(KV::per_line * 64 / VB), NV = int(DV * sizeof(T) / VB);
+    typedef Tiles<LANES, NVL, NV> TS;
+    constexpr int RS = TS::score_rows, KB = TS::keys, RV = TS::value_rows;
     const int64_t R = a.group * a.L;
     T* __restrict qs = scratch;
     T* __restrict s = qs + R * D;
@@ -585,15 +605,15 @@ QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h,
                 for (int c = 0; c < int(DV * sizeof(E)); c += 64) __builtin_prefetch(vn + c, 0, 1);
             }
             int64_t r = 0;
-            for (; r + 4 <= R; r += 4)
-                score_tile<T, E, V, D, 4, KB, LANES>(qs + r * D, K + j * a.k_rs, a.k_rs, s + r * DECODE_BK + j);
+            for (; r + RS <= R; r += RS)
+                score_tile<T, E, V, D, RS, KB, LANES>(qs + r * D, K + j * a.k_rs, a.k_rs, s + r * DECODE_BK + j);
             for (; r < R; ++r)
                 score_tile<T, E, V, D, 1, KB, LANES>(qs + r * D, K + j * a.k_rs, a.k_rs, s + r * DECODE_BK + j);
         }
         for (; j < n; ++j) {
             int64_t r = 0;
-            for (; r + 4 <= R; r += 4)
-                score_tile<T, E, V, D, 4, 1, LANES>(qs + r * D, K + j * a.k_rs, a.k_rs, s + r * DECODE_BK + j);
+            for (; r + RS <= R; r += RS)
+                score_tile<T, E, V, D, RS, 1, LANES>(qs + r * D, K + j * a.k_rs, a.k_rs, s + r * DECODE_BK + j);
             for (; r < R; ++r)
                 score_tile<T, E, V, D, 1, 1, LANES>(qs + r * D, K + j * a.k_rs, a.k_rs, s + r * DECODE_BK + j);
         }
@@ -612,13 +632,14 @@ QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h,
                 for (int64_t i = 0; i < n; ++i) s[r * DECODE_BK + i] *= vsc[i];
         }
         int64_t r = 0;
-        for (; r + 4 <= R; r += 4)
-            value_rows<T, E, V, DV, 4, CV4, LANES>(acc + r * DV, s + r * DECODE_BK, alpha + r, Vb, a.v_rs, n);
-        if (r + 2 <= R) {
-            value_rows<T, E, V, DV, 2, CV2, LANES>(acc + r * DV, s + r * DECODE_BK, alpha + r, Vb, a.v_rs, n);
+        for (; r + RV <= R; r += RV)
+            value_rows<T, E, V, DV, RV, TS::many>(acc + r * DV, s + r * DECODE_BK, alpha + r, Vb, a.v_rs, n);
+        if (RV > 2 && r + 2 <= R) {
+            value_rows<T, E, V, DV, 2, TS::few>(acc + r * DV, s + r * DECODE_BK, alpha + r, Vb, a.v_rs, n);
             r += 2;
         }
-        if (r < R) value_rows<T, E, V, DV, 1, CV2, LANES>(acc + r * DV, s + r * DECODE_BK, alpha + r, Vb, a.v_rs, n);
+        for (; r < R; ++r)
+            value_rows<T, E, V, DV, 1, TS::few>(acc + r * DV, s + r * DECODE_BK, alpha + r, Vb, a.v_rs, n);
     }
     if constexpr (KV::order > 1) strided_order(acc, R, DV, KV::order, false);
 }
