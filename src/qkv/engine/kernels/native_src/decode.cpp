@@ -465,6 +465,13 @@ QKV_INLINE V load(const E* p) {
     return x;
 }
 
+// Rows of KB and VB bytes at k and v asked for into L2, a line every STEP bytes.
+template <int STEP, int KB, int VB>
+QKV_INLINE void prefetch_l2(const void* k, const void* v) {
+    for (int c = 0; c < KB; c += STEP) __builtin_prefetch(static_cast<const char*>(k) + c, 0, 1);
+    for (int c = 0; c < VB; c += STEP) __builtin_prefetch(static_cast<const char*>(v) + c, 0, 1);
+}
+
 // The scores of RB query rows (q, rows D apart, in line()'s order) against KB keys (k, rows
 // k_rs apart) into s[i * DECODE_BK + kk]: each key line widened once for the RB rows, each
 // query vector loaded once for the KB keys, and the RB · KB lane sums added up together. V is
@@ -594,15 +601,21 @@ QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h,
         const E* K = at.k + b0 * a.k_rs;
         const E* Vb = at.v + b0 * a.v_rs;
         // the next block's rows are asked for while this one is computed, a few per tile, into
-        // L2 (into L1 they measured slower: the rows of this block compete with them there)
+        // L2 (into L1 they measured slower: the rows of this block compete with them there).
+        // Where a key brings 256 bytes or more per query row (little work per byte: float32,
+        // or one row), every other line: the CPU fetches its neighbour, and more requests
+        // measured slower there; else every line.
         const int64_t ahead = std::min<int64_t>(DECODE_BK, j1 - b0 - n);
+        const bool sparse = int64_t((D + DV) * sizeof(E)) >= 256 * R;
         int64_t j = 0;
         for (; j + KB <= n; j += KB) {
             for (int64_t i = j; i < std::min(j + KB, ahead); ++i) {
-                const char* kn = reinterpret_cast<const char*>(K + (DECODE_BK + i) * a.k_rs);
-                const char* vn = reinterpret_cast<const char*>(Vb + (DECODE_BK + i) * a.v_rs);
-                for (int c = 0; c < int(D * sizeof(E)); c += 64) __builtin_prefetch(kn + c, 0, 1);
-                for (int c = 0; c < int(DV * sizeof(E)); c += 64) __builtin_prefetch(vn + c, 0, 1);
+                const E* kn = K + (DECODE_BK + i) * a.k_rs;
+                const E* vn = Vb + (DECODE_BK + i) * a.v_rs;
+                if (sparse)
+                    prefetch_l2<128, int(D * sizeof(E)), int(DV * sizeof(E))>(kn, vn);
+                else
+                    prefetch_l2<64, int(D * sizeof(E)), int(DV * sizeof(E))>(kn, vn);
             }
             int64_t r = 0;
             for (; r + RS <= R; r += RS)
