@@ -122,10 +122,64 @@ def test_non_finite_inputs_follow_the_float32_rules():
     np.testing.assert_array_equal(np.isnan(out.astype(np.float32)), np.isnan(f32))
 
 
-def test_masks_and_variants_are_not_taken():
+@settings(max_examples=30, deadline=None)
+@given(
+    B=st.integers(1, 2),
+    group=st.integers(1, 2),
+    L=st.integers(1, 140),
+    S=st.integers(1, 200),
+    d=st.sampled_from([2, 64]),
+    dv=st.sampled_from([3, 64]),
+    kind=st.sampled_from(["mask", "bias", "bias with -inf"]),
+    shape=st.sampled_from(["full", "per row", "per key", "strided"]),
+    causal=st.booleans(),
+    window=st.sampled_from([None, (20, 0)]),
+    seed=st.integers(0, 2**16),
+)
+def test_masks_and_biases_equal_the_reference(
+    B, group, L, S, d, dv, kind, shape, causal, window, seed
+):
+    """A boolean mask or a float bias, broadcast in each way a caller may give one, with the
+    bounds: the bias adds to the scaled score, a hidden key is -inf whatever its bias (rows
+    that see no key give 0 and lse -inf, as the reference)."""
+    rng = np.random.default_rng(seed)
+    q, k, v = _inputs(rng, B, 2, group, L, S, d, dv, spread=2.0)
+    full = {"full": (B, 2 * group, L, S), "per row": (L, 1), "per key": (S,),
+            "strided": (B, 1, L, 2 * S)}[shape]  # fmt: skip
+    if kind == "mask":
+        m = rng.random(full) < 0.7
+    else:
+        m = rng.standard_normal(full) * 3
+        if kind == "bias with -inf":
+            m[rng.random(full) < 0.3] = -np.inf
+    if shape == "strided":
+        m = m[..., ::2]  # a key stride of 2
+    options = dict(mask=m, causal=causal, window=window)
+    plan = make_plan(q, k, v, keep_stored=True, **options)
+    assert native_bf16.supports(plan) and not native_bf16.supports_backward(plan)
+    out, lse = native_bf16.attend(plan, threads=2)
+    _check(out, lse, q, k, v, **options)
+
+
+def test_attention_takes_a_mask_on_the_tile_products(monkeypatch):
+    """qkv.attention with a padding mask on bfloat16 runs the bfloat16 kernel (no widening)
+    and equals the reference; its gradient takes the float32 backward."""
+    rng = np.random.default_rng(8)
+    q, k, v = _inputs(rng, 2, 2, 2, 200, 200, 64, 64)
+    keep = np.ones((2, 1, 1, 200), dtype=bool)
+    keep[0, ..., 150:] = False  # the first sequence is padded
+    calls = []
+    real = native_bf16.attend
+    monkeypatch.setattr(native_bf16, "attend", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    out = qkv.attention(q, k, v, mask=keep, causal=True)
+    assert calls and out.dtype == BF16
+    want = reference.attention(*(x.astype(np.float64) for x in (q, k, v)), mask=keep, causal=True)
+    np.testing.assert_allclose(out.astype(np.float64), want, atol=_bound(v, want))
+
+
+def test_variants_are_not_taken():
     q, k, v = _inputs(np.random.default_rng(4), 1, 1, 1, 64, 64, 16, 16)
-    keep = np.tril(np.ones((64, 64), dtype=bool))
-    for options in (dict(mask=keep), dict(softcap=5.0), dict(causal=True, alibi_slopes=[0.5])):
+    for options in (dict(softcap=5.0), dict(causal=True, alibi_slopes=[0.5])):
         assert not native_bf16.supports(make_plan(q, k, v, keep_stored=True, **options))
     assert not native_bf16.supports(make_plan(q, k, v.astype(np.float32), keep_stored=True))
     odd = make_plan(q[..., :15], k[..., :15], v, keep_stored=True)

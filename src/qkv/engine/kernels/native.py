@@ -57,11 +57,11 @@ from .native_lib import (
     PrefillArgs,
     VarlenArgs,
     backward_operands,
-    head_offsets,
     invoke,
     isa_cap,
     library,
     library_path,
+    mask_operand,
     prefill_operands,
     switched_off,
 )
@@ -212,33 +212,17 @@ def _fit_rows(block_q: int, tasks: Any, threads: int) -> int:
     return block_q
 
 
-def _masks(plan: Plan) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """The mask or bias broadcast to ``(*batch, L, S)`` (a view where its strides allow) and
-    the element offset of each query head's ``(L, S)`` slice; ``(None, None)`` without one."""
-    m = plan.mask if plan.mask is not None else plan.bias
-    if m is None:
-        return None, None
-    m = np.broadcast_to(m, plan.batch + (plan.L, plan.S))
-    if any(s < 0 or s % m.itemsize for s in m.strides):
-        m = np.ascontiguousarray(m)
-    return m, np.ascontiguousarray(head_offsets(m)).reshape(-1)
-
-
 def _mask_and_rule(
     plan: Plan, threads: int, isa: str | None, gemm: int, block_q: int, block_k: int
 ) -> tuple[dict[str, Any], tuple[Any, Any]]:
     """The fields the prefill and the backward share after their operands: the mask or bias
-    (:func:`_masks`), the scale and visibility rule, threads, clone, BLAS and tile sizes; and
-    the mask arrays, which the caller holds until the call returns (the fields point into
-    them)."""
-    m, m_off = _masks(plan)
+    (:func:`~qkv.engine.kernels.native_lib.mask_operand`), the scale and visibility rule,
+    threads, clone, BLAS and tile sizes; and the mask arrays, which the caller holds until the
+    call returns (the fields point into them)."""
+    masking, masks = mask_operand(plan.mask, plan.bias, plan.batch + (plan.L, plan.S))
     left, right = plan.window if plan.window is not None else (None, None)
-    fields = {
-        "mask": None if plan.mask is None or m is None else m.ctypes.data,
-        "bias": None if plan.bias is None or m is None else m.ctypes.data,
-        "m_off": None if m_off is None else m_off.ctypes.data,
-        "m_rs": 0 if m is None else m.strides[-2] // m.itemsize,
-        "m_cs": 0 if m is None else m.strides[-1] // m.itemsize,
+    fields: dict[str, Any] = {
+        **masking,
         "scale": plan.scale,
         "causal": int(plan.causal),
         "left": -1 if left is None else left,
@@ -249,7 +233,7 @@ def _mask_and_rule(
         "block_q": block_q,
         "block_k": block_k,
     }
-    return fields, (m, m_off)
+    return fields, masks
 
 
 def attend(

@@ -9,8 +9,9 @@ rounded to bfloat16 once, the gradients are float32.
 
 When it runs: a problem whose queries, keys and values are all bfloat16 (K and V read in
 place from :attr:`~qkv.validate.Plan.stored`, or the packed arrays as given), causal or
-windowed or neither, with grouped heads and sinks, no mask, bias or score variant, an even
-head size, on a CPU with AVX-512 and AVX512_BF16. ``QKV_NATIVE_ISA`` naming a clone
+windowed or neither, with grouped heads and sinks, a boolean mask or a float bias in the
+forward (not in the backward or the packed walk), no score variant, an even head size, on a
+CPU with AVX-512 and AVX512_BF16. ``QKV_NATIVE_ISA`` naming a clone
 (``avx512`` and narrower) forces the widening road instead: K and V widened to float32 for
 the float32 kernels, as on a CPU without the instruction. Threads: work items are (head, 64
 query rows), or (kv head, 64 keys) in the backward, on as many threads as
@@ -46,6 +47,7 @@ from .native_lib import (
     invoke,
     isa_cap,
     library,
+    mask_operand,
     prefill_operands,
     switched_off,
 )
@@ -92,8 +94,7 @@ def supports(plan: Plan) -> bool:
         stored is not None
         and stored[0].dtype.name == "bfloat16"
         and plan.out_dtype.name == "bfloat16"
-        and plan.mask is None
-        and plan.bias is None
+        and (plan.bias is None or plan.bias.dtype == np.float32)
         and not plan.modded
         and plan.d % 2 == 0
         and min(plan.L, plan.d, plan.dv) >= 1
@@ -122,19 +123,26 @@ def attend(plan: Plan, *, threads: int | None = None) -> tuple[np.ndarray, np.nd
     if nb == 0:
         return out, lse
     fields, arrays = prefill_operands(plan.q, *_stored(plan), plan.group)
+    masking, masks = mask_operand(plan.mask, plan.bias, batch + (L, plan.S))
     args = PrefillArgs(
         nb=nb, L=L, S=plan.S, d=plan.d, dv=dv, out=out.ctypes.data, lse=lse.ctypes.data,
-        **fields, **_rule(plan, threads),
+        **fields, **masking, **_rule(plan, threads),
     )  # fmt: skip
     status = invoke("qkv_prefill_bf16", args, "bfloat16 prefill", allowed=(3,))
-    del arrays  # what the call read
+    del arrays, masks  # what the call read
     return None if status == 3 else (out, lse)
 
 
 def supports_backward(plan: Plan) -> bool:
-    """Whether :func:`backward` runs ``plan``: what :func:`supports` takes, with an even
-    value size and at least one key."""
-    return supports(plan) and plan.dv % 2 == 0 and plan.S >= 1
+    """Whether :func:`backward` runs ``plan``: what :func:`supports` takes, with no mask or
+    bias, an even value size and at least one key."""
+    return (
+        supports(plan)
+        and plan.mask is None
+        and plan.bias is None
+        and plan.dv % 2 == 0
+        and plan.S >= 1
+    )
 
 
 def backward(

@@ -41,6 +41,7 @@ __all__ = [
     "isa_cap",
     "library",
     "library_path",
+    "mask_operand",
     "operands",
     "prefill_operands",
     "row_stride",
@@ -243,6 +244,30 @@ def head_offsets(a: np.ndarray) -> np.ndarray:
         shape[ax] = n
         off = off + (np.arange(n, dtype=np.int64) * (st // a.itemsize)).reshape(shape)
     return off
+
+
+def mask_operand(
+    mask: np.ndarray | None, bias: np.ndarray | None, rows: tuple[int, ...]
+) -> tuple[dict[str, int | None], tuple[np.ndarray | None, np.ndarray | None]]:
+    """The mask and bias fields of a prefill struct: the boolean ``mask`` or float ``bias``
+    (at most one) broadcast to ``rows = (*batch, L, S)`` (a view where its strides allow),
+    each query head's element offset, its row and key strides; and the arrays the fields
+    point into, which the caller holds until the call returns (``None, None`` without one)."""
+    m = mask if mask is not None else bias
+    if m is None:
+        return {"mask": None, "bias": None, "m_off": None, "m_rs": 0, "m_cs": 0}, (None, None)
+    m = np.broadcast_to(m, rows)
+    if any(s < 0 or s % m.itemsize for s in m.strides):
+        m = np.ascontiguousarray(m)
+    m_off = np.ascontiguousarray(head_offsets(m)).reshape(-1)
+    fields: dict[str, int | None] = {
+        "mask": m.ctypes.data if mask is not None else None,
+        "bias": m.ctypes.data if mask is None else None,
+        "m_off": m_off.ctypes.data,
+        "m_rs": m.strides[-2] // m.itemsize,
+        "m_cs": m.strides[-1] // m.itemsize,
+    }
+    return fields, (m, m_off)
 
 
 def row_stride(a: np.ndarray) -> int:

@@ -19,8 +19,11 @@
 //     accᵀ (dv x 64 rows) = accᵀ · exp(m − m') + Vᵀ · Pᵀ     6 columns x 4 vectors
 //
 // and out = acc / l, lse = m + log l (l = 0: out 0, lse −inf) at the end. Causal and windows
-// come as each row's bounds; boolean masks, biases and the score variants are not taken here
-// (the Python side sends those problems to the float32 kernels). d must be even.
+// come as each row's bounds; a boolean mask or a float32 bias is read per tile into the
+// scores' layout (keys by query lanes) and applied with the bounds, as forward.cpp's
+// bias_and_mask does: the bias added to the scaled score, a hidden key −inf whatever its bias.
+// The score variants are not taken here (the Python side sends those problems to the float32
+// kernels), nor masks in the packed varlen walk. d must be even.
 
 #include "bf16.h"
 
@@ -42,9 +45,12 @@ struct Tiles {
     float* acc;    // (dv, BQ)
     float *m, *l, *alpha;
     int32_t *lo, *hi;
+    float* bt;     // (BK, BQ) the tile's bias, or 0
+    uint8_t* mt;   // (BK, BQ) the tile's mask (1 = may attend), or 0
     bool make(int64_t d, int64_t dv, int64_t dvp) {
-        const int64_t words = d / 2 * BQ + BK * BQ + BK / 2 * BQ + BK / 2 * dvp + dv * BQ + 5 * BQ;
-        if (!arena.make(size_t(words + 10 * 16) * 4)) return false;
+        const int64_t words = d / 2 * BQ + BK * BQ + BK / 2 * BQ + BK / 2 * dvp + dv * BQ +
+                              5 * BQ + BK * BQ + BK * BQ / 4;
+        if (!arena.make(size_t(words + 12 * 16) * 4)) return false;
         qp = arena.take<uint32_t>(d / 2 * BQ);
         st = arena.take<float>(BK * BQ);
         pp = arena.take<uint32_t>(BK / 2 * BQ);
@@ -55,29 +61,38 @@ struct Tiles {
         alpha = arena.take<float>(BQ);
         lo = arena.take<int32_t>(BQ);
         hi = arena.take<int32_t>(BQ);
+        bt = arena.take<float>(BK * BQ);
+        mt = reinterpret_cast<uint8_t*>(arena.take<uint32_t>(BK * BQ / 4));
         return true;
     }
 };
 
 // The softmax step of one tile of n keys starting at key c0 (its scores in t.st), 16 rows at
 // a time: see the top of the file. Writes the weights' pair words to t.pp and each row's
-// factor to t.alpha. Keys every row of the item sees need no test.
-QKV_BF16 void softmax_step(Tiles& t, int64_t n, int64_t c0, float scale) {
+// factor to t.alpha. Keys every row of the item sees need no test. With `bias` the tile's
+// t.bt is added to the scaled scores; with `mask` t.mt hides keys too.
+QKV_BF16 void softmax_step(Tiles& t, int64_t n, int64_t c0, float scale, bool bias, bool mask) {
     const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     const __m512 sc = _mm512_set1_ps(scale);
     for (int r = 0; r < RV; ++r) {
         const __m512i lo = _mm512_load_si512(t.lo + 16 * r), hi = _mm512_load_si512(t.hi + 16 * r);
-        const bool all =
-            _mm512_reduce_max_epi32(lo) <= c0 && _mm512_reduce_min_epi32(hi) >= c0 + n;
+        const bool all = !mask && _mm512_reduce_max_epi32(lo) <= c0 &&
+                         _mm512_reduce_min_epi32(hi) >= c0 + n;
         const __m512 m_old = _mm512_load_ps(t.m + 16 * r);
         __m512 mx = m_old;
         float* s = t.st + 16 * r;
         for (int64_t j = 0; j < n; ++j) {
             __m512 x = _mm512_mul_ps(_mm512_load_ps(s + j * BQ), sc);
+            if (bias) x = _mm512_add_ps(x, _mm512_load_ps(t.bt + j * BQ + 16 * r));
             if (!all) {
                 const __m512i key = _mm512_set1_epi32(int32_t(c0 + j));
-                const __mmask16 seen =
+                __mmask16 seen =
                     _mm512_cmpge_epi32_mask(key, lo) & _mm512_cmplt_epi32_mask(key, hi);
+                if (mask) {
+                    const __m128i keep = _mm_load_si128(
+                        reinterpret_cast<const __m128i*>(t.mt + j * BQ + 16 * r));
+                    seen &= _mm_test_epi8_mask(keep, keep);
+                }
                 x = _mm512_mask_blend_ps(seen, ninf, x);
             }
             _mm512_store_ps(s + j * BQ, x);
@@ -119,7 +134,25 @@ struct Item {
     int64_t out_rs;
     float* lse;
     int64_t lse_s;
+    const uint8_t* mask = nullptr;  // entry (row r of the item, key j) at r * m_rs + j * m_cs
+    const float* bias = nullptr;
+    int64_t m_rs = 0, m_cs = 0;
 };
+
+// The mask and bias of keys [c0, c0 + n) for the item's rows into t.mt and t.bt, in the
+// scores' layout (key j, row r at j * BQ + r); rows past the item's are hidden.
+template <typename QT>
+void mask_tile(const Item<QT>& it, Tiles& t, int64_t c0, int64_t n) {
+    for (int64_t r = 0; r < BQ; ++r) {
+        const bool row = r < it.rows;
+        const uint8_t* m = it.mask ? it.mask + r * it.m_rs + c0 * it.m_cs : nullptr;
+        const float* b = it.bias ? it.bias + r * it.m_rs + c0 * it.m_cs : nullptr;
+        for (int64_t j = 0; j < n; ++j) {
+            if (it.mask) t.mt[j * BQ + r] = row && m[j * it.m_cs] ? 1 : 0;
+            if (it.bias) t.bt[j * BQ + r] = row ? b[j * it.m_cs] : 0.0f;
+        }
+    }
+}
 
 // The visibility rule of a call, for bounds() (S set per item).
 struct Rule {
@@ -159,7 +192,8 @@ QKV_BF16 bool forward_item(const Item<QT>& it, Rule rule, int64_t d, int64_t dv,
         const int64_t n = std::min(BK, khi - c0);
         // Sᵀ (n keys x BQ rows) = K_tile · Q_blkᵀ: each key's pair words broadcast from K
         dp_rows(n, t.qp, BQ, it.k + c0 * it.k_rs, it.k_rs, 2, pairs, t.st, BQ, FROM_ZERO, nullptr);
-        softmax_step(t, n, c0, scale);
+        if (it.mask || it.bias) mask_tile(it, t, c0, n);
+        softmax_step(t, n, c0, scale, it.bias != nullptr, it.mask != nullptr);
         pack_row_pairs(it.v + c0 * it.v_rs, it.v_rs, n, dv, dvp, t.vp);
         // accᵀ (dv x BQ) = accᵀ · alpha + Vᵀ · Pᵀ: each column's pair words broadcast from vp
         dp_rows(dv, t.pp, BQ, reinterpret_cast<const uint16_t*>(t.vp), 2, 2 * dvp, (n + 1) / 2,
@@ -214,6 +248,11 @@ int run_bf16(const qkv_prefill_args& a) {
         it.out_rs = a.dv;
         it.lse = static_cast<float*>(a.lse) + h * a.L + it.r0;
         it.lse_s = 1;
+        const int64_t moff = a.m_off ? a.m_off[h] + it.r0 * a.m_rs : 0;
+        it.mask = a.mask ? a.mask + moff : nullptr;
+        it.bias = a.bias ? static_cast<const float*>(a.bias) + moff : nullptr;
+        it.m_rs = a.m_rs;
+        it.m_cs = a.m_cs;
         if (!forward_item(it, rule_of(a), a.d, a.dv, float(a.scale), t, dvp))
             __atomic_store_n(&bad, 1, __ATOMIC_RELAXED);
     });
@@ -264,13 +303,13 @@ int qkv_bf16_products(void) {
     return QKV_ON_BF16(1) == 1;
 }
 
-// q float32 (bfloat16 values), k, v and out bfloat16 (uint16 bits), lse float32; the fields
-// as for qkv_prefill_f32 (offsets and strides in elements of each operand's own type; no mask
-// or bias; gemm and the block sizes unused). 0 done; 3 some output is not finite (the caller's
+// q float32 (bfloat16 values), k, v and out bfloat16 (uint16 bits), lse float32, a bias float32;
+// the fields as for qkv_prefill_f32 (offsets and strides in elements of each operand's own
+// type; gemm and the block sizes unused). 0 done; 3 some output is not finite (the caller's
 // general path applies its rules); 1 no memory; 2 bad arguments, or a CPU without AVX512_BF16.
 int qkv_prefill_bf16(const qkv_prefill_args* a) {
-    if (!a || a->L < 1 || a->S < 0 || a->d < 2 || a->d % 2 || a->dv < 1 || a->mask || a->bias ||
-        a->S >= (int64_t(1) << 31))
+    if (!a || a->L < 1 || a->S < 0 || a->d < 2 || a->d % 2 || a->dv < 1 ||
+        ((a->mask || a->bias) && !a->m_off) || (a->mask && a->bias) || a->S >= (int64_t(1) << 31))
         return 2;
     return QKV_ON_BF16(run_bf16(*a));
 }
