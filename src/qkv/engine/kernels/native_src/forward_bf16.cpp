@@ -143,6 +143,20 @@ struct Item {
 // scores' layout (key j, row r at j * BQ + r); rows past the item's are hidden.
 template <typename QT>
 void mask_tile(const Item<QT>& it, Tiles& t, int64_t c0, int64_t n) {
+    if (it.m_rs == 0) {  // one row for all (a padding mask, a per-key bias): a fill per key
+        for (int64_t j = 0; j < n; ++j) {
+            const int64_t at = (c0 + j) * it.m_cs;
+            if (it.mask) {
+                std::memset(t.mt + j * BQ, it.mask[at] ? 1 : 0, size_t(it.rows));
+                std::memset(t.mt + j * BQ + it.rows, 0, size_t(BQ - it.rows));
+            }
+            if (it.bias) {
+                float* b = t.bt + j * BQ;
+                for (int64_t r = 0; r < BQ; ++r) b[r] = r < it.rows ? it.bias[at] : 0.0f;
+            }
+        }
+        return;
+    }
     for (int64_t r = 0; r < BQ; ++r) {
         const bool row = r < it.rows;
         const uint8_t* m = it.mask ? it.mask + r * it.m_rs + c0 * it.m_cs : nullptr;
