@@ -92,3 +92,23 @@ def test_numpy_bfloat16_and_float16_arrays():
     # bfloat16 arrays everywhere else are read as float32
     w = qkv.attention_weights(q[0, 0].astype(ml_dtypes.bfloat16), k[0, 0, :3])
     assert w.dtype == np.float64 and np.allclose(w.sum(-1), 1)
+
+
+def test_a_bfloat16_additive_mask_is_a_bias():
+    """A bfloat16 model's additive mask (0 and -inf, or any bias, in bfloat16) is a float bias,
+    read as float32: the same result as the float32 mask, and the reference's."""
+    ml_dtypes = pytest.importorskip("ml_dtypes", reason="NumPy's bfloat16 comes from ml_dtypes")
+    rng = np.random.default_rng(5)
+    q, k, v = (torch.from_numpy(rng.standard_normal((2, 2, 90, 64))).bfloat16() for _ in range(3))
+    bias = torch.from_numpy(rng.standard_normal((2, 1, 90, 90)) * 2).bfloat16()
+    bias[0, ..., 70:] = float("-inf")  # padding
+    out = qkv.attention(q, k, v, mask=bias)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, qkv.attention(q, k, v, mask=bias.float()), rtol=0, atol=0)
+    want = reference.attention(*(x.double().numpy() for x in (q, k, v)), mask=bias.double().numpy())
+    np.testing.assert_allclose(out.double().numpy(), want, atol=2.0**-6)
+    as_numpy = bias.float().numpy().astype(ml_dtypes.bfloat16)
+    np.testing.assert_allclose(
+        qkv.attention(*(x.float().numpy() for x in (q, k, v)), mask=as_numpy),
+        qkv.attention(*(x.float().numpy() for x in (q, k, v)), mask=bias.float().numpy()),
+    )

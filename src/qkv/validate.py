@@ -590,6 +590,8 @@ def _read_mask(
         m = np.asarray(mask)
     except (ValueError, TypeError) as exc:
         raise InputError(f"mask: cannot be read as a rectangular array ({exc})") from None
+    if m.dtype.name == "bfloat16":  # ml_dtypes' (a bfloat16 model's additive mask): a float
+        m = m.astype(np.float32)
     if m.dtype != bool and not np.issubdtype(m.dtype, np.floating):
         raise InputTypeError(
             f"mask: expected bool (True = may attend) or float (added bias), got dtype "
