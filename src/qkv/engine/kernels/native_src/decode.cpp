@@ -332,7 +332,8 @@ QKV_INLINE void decode_piece_body(const qkv_decode_args& a, int64_t b, int64_t h
     }
 }
 
-// Sum of the lanes of a 64-byte vector: its halves added down to 16 bytes, then the lanes.
+// Sum of the lanes of a vector of 16 to 64 bytes: its halves added down to 16 bytes, then the
+// lanes.
 template <typename T, typename V>
 QKV_INLINE T lane_sum(V x) {
     typedef T V32 __attribute__((vector_size(32)));
