@@ -9,9 +9,9 @@ rounded to bfloat16 once, the gradients are float32.
 
 When it runs: a problem whose queries, keys and values are all bfloat16 (K and V read in
 place from :attr:`~qkv.validate.Plan.stored`, or the packed arrays as given), causal or
-windowed or neither, with grouped heads and sinks, a boolean mask or a float bias in the
-forward (not in the backward or the packed walk), no score variant, an even head size, on a
-CPU with AVX-512 and AVX512_BF16. ``QKV_NATIVE_ISA`` naming a clone
+windowed or neither, with grouped heads and sinks, a boolean mask or a float bias (not in
+the packed walk), no score variant, an even head size, on a CPU with AVX-512 and
+AVX512_BF16. ``QKV_NATIVE_ISA`` naming a clone
 (``avx512`` and narrower) forces the widening road instead: K and V widened to float32 for
 the float32 kernels, as on a CPU without the instruction. Threads: work items are (head, 64
 query rows), or (kv head, 64 keys) in the backward, on as many threads as
@@ -134,15 +134,9 @@ def attend(plan: Plan, *, threads: int | None = None) -> tuple[np.ndarray, np.nd
 
 
 def supports_backward(plan: Plan) -> bool:
-    """Whether :func:`backward` runs ``plan``: what :func:`supports` takes, with no mask or
-    bias, an even value size and at least one key."""
-    return (
-        supports(plan)
-        and plan.mask is None
-        and plan.bias is None
-        and plan.dv % 2 == 0
-        and plan.S >= 1
-    )
+    """Whether :func:`backward` runs ``plan``: what :func:`supports` takes, with an even
+    value size and at least one key."""
+    return supports(plan) and plan.dv % 2 == 0 and plan.S >= 1
 
 
 def backward(
@@ -173,12 +167,13 @@ def backward(
     fields, arrays = backward_operands(
         q, *_stored(plan), (d_out, *forward), bf16, f32, delta_from_out=out.dtype == bf16
     )
+    masking, masks = mask_operand(plan.mask, plan.bias, plan.batch + (plan.L, plan.S))
     args = BackwardArgs(
-        group=plan.group, L=plan.L, S=plan.S, d=plan.d, dv=plan.dv, **fields,
+        group=plan.group, L=plan.L, S=plan.S, d=plan.d, dv=plan.dv, **fields, **masking,
         dq=dq.ctypes.data, dk=dk.ctypes.data, dvo=dvv.ctypes.data, **_rule(plan, threads),
     )  # fmt: skip
     invoke("qkv_backward_bf16", args, "bfloat16 backward")
-    del arrays  # what the call read
+    del arrays, masks  # what the call read
     return dq, dk, dvv
 
 

@@ -11,7 +11,9 @@
 // are held as rows of 64 key lanes, dK and dV transposed, columns of 64 key lanes); it visits
 // the query blocks of the kv head's query heads that see its keys. The keys' pair words for
 // S and dP and for dQ are packed once per item; dQ rows are shared between items and added
-// under a lock per query block. d and dv must be even; no mask or bias.
+// under a lock per query block. A boolean mask or a float32 bias is read per row of a step,
+// as the forward applies it (the bias added to the scaled score before lse is taken off, a
+// hidden key's weight 0). d and dv must be even.
 
 #include <mutex>
 
@@ -88,14 +90,33 @@ QKV_BF16 void row_dots(const uint16_t* x, const uint16_t* y, int64_t nr, int64_t
     }
 }
 
+// Where a step's rows read their mask or bias: row r's entry for key k0 + j at
+// r * rs + j * cs (a mask, or a bias, or neither).
+struct MaskRows {
+    const uint8_t* mask;
+    const float* bias;
+    int64_t rs, cs;
+};
+
 // The elementwise steps for rows [0, nr) of a step (see the top of the file): P into b.s, dS
 // into b.dp; then both as pairs of rows (b.pp, b.dsp) and dS as pairs of keys (b.dsw). Rows
 // from nr to the next even count are 0.
 QKV_BF16 void weights_step(Bufs& b, int64_t nr, int64_t k0, int64_t k1, const float* lse,
-                           const float* delta, float scale) {
+                           const float* delta, float scale, const MaskRows& mr) {
     const __m512 sc = _mm512_set1_ps(scale);
+    alignas(64) float add[BKEYS];     // the row's bias by key lane
+    alignas(64) uint8_t keep[BKEYS];  // the row's mask by key lane
+    const int64_t nk = k1 - k0;
     for (int64_t r = 0; r < nr; ++r) {
         const __m512 l = _mm512_set1_ps(lse[r]), dl = _mm512_set1_ps(delta[r]);
+        if (mr.bias) {
+            const float* br = mr.bias + r * mr.rs;
+            for (int64_t j = 0; j < BKEYS; ++j) add[j] = j < nk ? br[j * mr.cs] : 0.0f;
+        }
+        if (mr.mask) {
+            const uint8_t* m = mr.mask + r * mr.rs;
+            for (int64_t j = 0; j < BKEYS; ++j) keep[j] = j < nk && m[j * mr.cs] ? 1 : 0;
+        }
         const __m512i lo = _mm512_set1_epi32(std::max<int32_t>(b.lo[r], int32_t(k0)));
         const __m512i hi = _mm512_set1_epi32(std::min<int32_t>(b.hi[r], int32_t(k1)));
         for (int v = 0; v < LV; ++v) {
@@ -104,10 +125,15 @@ QKV_BF16 void weights_step(Bufs& b, int64_t nr, int64_t k0, int64_t k1, const fl
             const __m512i key = _mm512_add_epi32(
                 _mm512_set1_epi32(int32_t(k0 + 16 * v)),
                 _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-            const __mmask16 seen =
-                _mm512_cmpge_epi32_mask(key, lo) & _mm512_cmplt_epi32_mask(key, hi);
+            __mmask16 seen = _mm512_cmpge_epi32_mask(key, lo) & _mm512_cmplt_epi32_mask(key, hi);
+            __m512 y = _mm512_mul_ps(_mm512_load_ps(s), sc);
+            if (mr.bias) y = _mm512_add_ps(y, _mm512_load_ps(add + 16 * v));
+            if (mr.mask) {
+                const __m128i kv = _mm_load_si128(reinterpret_cast<const __m128i*>(keep + 16 * v));
+                seen &= _mm_test_epi8_mask(kv, kv);
+            }
             // s − lse may be a little above 0 (lse rounded): exp_lanes is exact there too
-            const __m512 x = _mm512_sub_ps(_mm512_mul_ps(_mm512_load_ps(s), sc), l);
+            const __m512 x = _mm512_sub_ps(y, l);
             const __m512 p = _mm512_maskz_mov_ps(seen, exp_lanes(x));
             const __m512 ds = _mm512_mul_ps(_mm512_mul_ps(p, _mm512_sub_ps(_mm512_load_ps(dp), dl)), sc);
             _mm512_store_ps(s, p);
@@ -173,7 +199,13 @@ QKV_BF16 void backward_item(const qkv_backward_args& a, Bufs& b, int64_t kvh, in
             dp_rows(nr, b.vp, BKEYS, dout, dv, 2, dv / 2, b.dp, BKEYS, FROM_ZERO, nullptr);
             const float* delta = DELTA ? DELTA + r0 : b.delta;
             if (!DELTA) row_dots(dout, OUT + r0 * dv, nr, dv, b.delta);
-            weights_step(b, nr, k0, k1, LSE + r0, delta, float(a.scale));
+            MaskRows mr{nullptr, nullptr, a.m_rs, a.m_cs};
+            if (a.mask || a.bias) {
+                const int64_t at = a.m_off[h] + r0 * a.m_rs + k0 * a.m_cs;
+                mr.mask = a.mask ? a.mask + at : nullptr;
+                mr.bias = a.bias ? static_cast<const float*>(a.bias) + at : nullptr;
+            }
+            weights_step(b, nr, k0, k1, LSE + r0, delta, float(a.scale), mr);
             pack_row_pairs(dout, dv, nr, dv, dvp, b.dot);
             pack_row_pairs(q, a.q_rs, nr, d, dqp, b.qt);
             const int64_t rp = (nr + 1) / 2;
@@ -229,13 +261,13 @@ extern "C" {
 
 // q, k, v, dout bfloat16 (uint16 bits; dout contiguous), lse (+inf for rows with no key) and
 // delta float32 (or NULL: taken from out, bfloat16 and contiguous, as rowsum(dO ∘ O)), dq, dk,
-// dvo float32 zeroed by the caller; otherwise as qkv_backward_f32 (no
-// mask or bias; gemm and the block sizes unused). 0 done; 1 no memory; 2 bad arguments, or a
+// dvo float32 zeroed by the caller, a bias float32; otherwise as qkv_backward_f32 (gemm and the
+// block sizes unused). 0 done; 1 no memory; 2 bad arguments, or a
 // CPU without AVX512_BF16.
 int qkv_backward_bf16(const qkv_backward_args* a) {
     if (!a || a->L < 1 || a->S < 1 || a->d < 2 || a->d % 2 || a->dv < 2 || a->dv % 2 ||
-        a->mask || a->bias || a->S >= (int64_t(1) << 31) || a->nkv < 1 || a->group < 1 ||
-        (!a->delta && !a->out))
+        ((a->mask || a->bias) && !a->m_off) || (a->mask && a->bias) ||
+        a->S >= (int64_t(1) << 31) || a->nkv < 1 || a->group < 1 || (!a->delta && !a->out))
         return 2;
     return QKV_ON_BF16(run_backward_bf16(*a));
 }
