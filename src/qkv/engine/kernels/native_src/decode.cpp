@@ -124,6 +124,12 @@ typedef uint32_t U32x16 __attribute__((vector_size(64)));
 typedef int32_t I32x16 __attribute__((vector_size(64)));
 typedef float F32x16 __attribute__((vector_size(64)));
 
+// a where the lanes of `where` are all ones, else b: with masks, not ?: (which GCC takes a
+// lane at a time on clones narrower than the vector).
+QKV_INLINE U32x16 pick(U32x16 where, U32x16 a, U32x16 b) {
+    return (a & where) | (b & ~where);
+}
+
 // 16 stored 16-bit values from p as the zero-extended 32-bit lanes of a 64-byte vector.
 QKV_INLINE U32x16 halves(const void* p) {
     typedef uint16_t H __attribute__((vector_size(32)));
@@ -200,7 +206,7 @@ struct Kv<float, F16> {
         const V sub = __builtin_convertvector(I32x16(em), V) * 0x1p-24f;
         U subu;
         std::memcpy(&subu, &sub, sizeof(U));
-        const U bits = e == 0 ? (subu | sign) : (e == 31 ? special : normal);
+        const U bits = pick(U(e == 0), subu | sign, pick(U(e == 31), special, normal));
         V x;
         std::memcpy(&x, &bits, sizeof(V));
         return x;
@@ -268,7 +274,7 @@ struct Kv<float, E4m3> {
             const V sub = __builtin_convertvector(I32x16(mag), V) * 0x1p-9f;
             U subu;
             std::memcpy(&subu, &sub, sizeof(U));
-            const U bits = (mag >> 3) != 0 ? normal : (subu | sign);
+            const U bits = pick(U((mag >> 3) != 0), normal, subu | sign);
             std::memcpy(static_cast<char*>(out) + 64 * c, &bits, 64);
         }
     }
