@@ -125,7 +125,8 @@ typedef int32_t I32x16 __attribute__((vector_size(64)));
 typedef float F32x16 __attribute__((vector_size(64)));
 
 // a where the lanes of `where` are all ones, else b: with masks, not ?: (which GCC takes a
-// lane at a time on clones narrower than the vector).
+// lane at a time on clones narrower than the vector, as it does comparisons of 64-byte
+// vectors there: callers build `where` by arithmetic shifts instead).
 QKV_INLINE U32x16 pick(U32x16 where, U32x16 a, U32x16 b) {
     return (a & where) | (b & ~where);
 }
@@ -206,7 +207,9 @@ struct Kv<float, F16> {
         const V sub = __builtin_convertvector(I32x16(em), V) * 0x1p-24f;
         U subu;
         std::memcpy(&subu, &sub, sizeof(U));
-        const U bits = pick(U(e == 0), subu | sign, pick(U(e == 31), special, normal));
+        const I32x16 ei = I32x16(e);  // 0..31
+        const U zero = U((ei - 1) >> 31), top = U((30 - ei) >> 31);  // e == 0, e == 31
+        const U bits = pick(zero, subu | sign, pick(top, special, normal));
         V x;
         std::memcpy(&x, &bits, sizeof(V));
         return x;
@@ -274,7 +277,8 @@ struct Kv<float, E4m3> {
             const V sub = __builtin_convertvector(I32x16(mag), V) * 0x1p-9f;
             U subu;
             std::memcpy(&subu, &sub, sizeof(U));
-            const U bits = pick(U((mag >> 3) != 0), normal, subu | sign);
+            const U small = U((I32x16(mag >> 3) - 1) >> 31);  // exponent 0: subnormal
+            const U bits = pick(small, subu | sign, normal);
             std::memcpy(static_cast<char*>(out) + 64 * c, &bits, 64);
         }
     }
