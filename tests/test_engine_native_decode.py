@@ -6,6 +6,9 @@ steps to it."""
 from __future__ import annotations
 
 import ctypes
+import os
+import select
+import signal
 
 import numpy as np
 import pytest
@@ -201,6 +204,81 @@ def test_openmp_team_of_the_process_and_fallback_after_fork(monkeypatch):
     assert native_decode.openmp_parallel()[0] is None
     native_threads = native_decode.step(q, k, v, 0.2, threads=2)
     np.testing.assert_allclose(on_team[0], native_threads[0], rtol=1e-6, atol=1e-7)
+
+
+def _no_team(monkeypatch):
+    """As in a process with no OpenMP runtime loaded: the library's own threads run the work."""
+    monkeypatch.setattr(native_decode, "_PID", -1)
+    monkeypatch.setattr(native_decode, "_shared", [None, None, None])
+    assert native_decode.openmp_parallel()[0] is None
+
+
+def test_kept_threads_serve_call_after_call_of_any_team_size(monkeypatch):
+    """The library's kept threads (pool.h) grow to the largest team asked for and serve every
+    later call, smaller or larger, each result equal to the reference."""
+    _no_team(monkeypatch)
+    rng = np.random.default_rng(11)
+    q = rng.standard_normal((2, 8, 1, 32)).astype(np.float32)
+    k, v = (rng.standard_normal((2, 2, 3000, 32)).astype(np.float32) for _ in range(2))
+    for threads in (2, 1, 4, 3, 2, 4, 1):
+        for _ in range(3):  # back to back, while the kept threads still watch for work
+            out, lse = native_decode.step(q, k, v, 0.2, threads=threads)
+            _check(out, lse, q * 0.2 * np.sqrt(32), k, v, np.float32)
+
+
+def test_calls_from_several_python_threads_without_a_team(monkeypatch):
+    """Calls at once from several Python threads, with no OpenMP team: one takes the kept
+    threads, the others start their own; every result equals the reference."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    _no_team(monkeypatch)
+    rng = np.random.default_rng(12)
+    problems = []
+    for i in range(8):
+        q = rng.standard_normal((2, 8, 1, 32)).astype(np.float32)
+        k, v = (rng.standard_normal((2, 2, 2000 + 150 * i, 32)).astype(np.float32) for _ in "kv")
+        problems.append((q, k, v))
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda p: native_decode.step(*p, 0.3, threads=2), problems * 3))
+    for (q, k, v), (out, lse) in zip(problems * 3, results, strict=True):
+        _check(out, lse, q * 0.3 * np.sqrt(32), k, v, np.float32)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() here")
+def test_a_forked_child_gets_its_own_kept_threads(monkeypatch):
+    """A child forked after the parent's kept threads ran has none of them: its calls must
+    start fresh ones, not wait for threads that do not exist there (a hang, caught here by a
+    timeout), and give the parent's numbers."""
+    _no_team(monkeypatch)
+    rng = np.random.default_rng(13)
+    q = rng.standard_normal((1, 8, 1, 32)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 2, 4000, 32)).astype(np.float32) for _ in range(2))
+    want, _ = native_decode.step(q, k, v, 0.2, threads=2)  # the parent's pool is running
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: compute, send, leave without running the parent's atexit
+        code = 1
+        try:
+            out, _ = native_decode.step(q, k, v, 0.2, threads=2)
+            out, _ = native_decode.step(q, k, v, 0.2, threads=2)
+            os.write(write, np.ascontiguousarray(out, dtype=np.float32).tobytes())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    try:
+        ready, _, _ = select.select([read], [], [], 60)
+        if not ready:
+            os.kill(pid, signal.SIGKILL)
+            pytest.fail("the forked child's native call did not finish in 60 s")
+        got = b""
+        while chunk := os.read(read, 1 << 16):
+            got += chunk
+    finally:
+        os.close(read)
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    np.testing.assert_array_equal(np.frombuffer(got, dtype=np.float32).reshape(want.shape), want)
 
 
 def test_with_torch_imported_the_team_is_pytorchs():

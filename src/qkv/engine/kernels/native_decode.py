@@ -25,7 +25,9 @@ of PyTorch's own OpenMP runtime, whose threads have just finished PyTorch's oper
 it at once; a second team of threads would compete with them for the cores. The runtime's
 ``GOMP_parallel`` is found among the libraries the process has loaded (the one in PyTorch's
 package when PyTorch is imported). Without one, or in a forked child (an OpenMP team does not
-survive a fork), native threads are started for the call.
+survive a fork), the library's own kept threads run it (``native_src/pool.h``: started once,
+they watch for work for 300 µs after each call, then sleep); a call that finds them busy with
+another Python thread's call starts threads of its own.
 
 Examples
 --------

@@ -41,6 +41,7 @@
 #endif
 
 #include "abi.h"
+#include "pool.h"
 
 // Six functions name_<clone>_<f32|f64>(const Args&), one per clone and compute dtype, each
 // running body<float> or body<double> (pick_clone chooses among them at run time).
@@ -247,7 +248,8 @@ inline bool varlen_tasks(const qkv_varlen_args& a, int64_t bq, std::vector<Varle
 // Runs work(state, t) for tasks t in [0, ntasks), taken from a shared counter by `threads`
 // threads (the caller one of them), each with its own state made once by init(state) (false:
 // no memory). The threads are the team of a running OpenMP runtime when `parallel` is its
-// GOMP_parallel (see abi.h), else native threads started for the call. Returns 1 if a thread
+// GOMP_parallel (see abi.h), else the library's kept threads (pool.h), else (the pool busy
+// with another call) native threads started for the call. Returns 1 if a thread
 // could not make its state, else 0. Nothing here throws: it may run on the runtime's threads.
 template <typename State, typename Init, typename Work>
 int for_tasks(int64_t ntasks, int64_t threads, void* parallel, const Init& init,
@@ -272,11 +274,13 @@ int for_tasks(int64_t ntasks, int64_t threads, void* parallel, const Init& init,
         }
     };
     typedef decltype(worker) Worker;
+    void (*const trampoline)(void*) = [](void* p) { (*static_cast<Worker*>(p))(); };
     const int64_t n = std::max<int64_t>(1, std::min<int64_t>(threads, ntasks));
-    if (n > 1 && parallel) {
-        reinterpret_cast<gomp_parallel_t>(parallel)(
-            [](void* p) { (*static_cast<Worker*>(p))(); }, &worker, unsigned(n), 0);
-    } else {
+    if (n == 1) {
+        worker();
+    } else if (parallel) {
+        reinterpret_cast<gomp_parallel_t>(parallel)(trampoline, &worker, unsigned(n), 0);
+    } else if (!qkv_native::pool_run(trampoline, &worker, unsigned(n))) {
         std::vector<std::thread> pool;
         try {
             for (int64_t i = 1; i < n; ++i) pool.emplace_back(worker);
