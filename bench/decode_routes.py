@@ -8,7 +8,7 @@ its attention backend; every attention call of the decoding steps is timed, and 
 is reported for each route:
 
 - ``team``: the native decode step on PyTorch's own OpenMP team (the default);
-- ``native threads``: the native step on native threads started for the call;
+- ``kept threads``: the native step on the library's own kept threads (``native_src/pool.h``);
 - ``one thread``: the native step on the calling thread alone;
 - ``numba team``: no native library (``QKV_NATIVE=0``): ``qkv.attention``'s general path,
   its compiled decode on Numba's OpenMP team;
@@ -44,7 +44,7 @@ def _route(name: str) -> Iterator[str]:
     saved_env = {k: os.environ.get(k) for k in ("QKV_NATIVE", "QKV_JIT")}
     saved_team = native_decode.openmp_parallel
     try:
-        if name == "native threads":
+        if name == "kept threads":
             native_decode.openmp_parallel = lambda: (None, saved_team()[1])
         elif name == "one thread":
             native_decode.openmp_parallel = lambda: (None, 1)
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     _common.same_threads(args.threads)  # qkv's prefill and decode routes: the same threads
     qkv_hf.register()
-    routes = ["team", "native threads", "one thread", "numba team", "python workers", "sdpa"]
+    routes = ["team", "kept threads", "one thread", "numba team", "python workers", "sdpa"]
     if not native_decode.available():
         routes = [r for r in routes if r in ("numba team", "python workers", "sdpa")]
     prompts = [int(x) for x in args.prompts.split(",")]
