@@ -3,6 +3,7 @@ extreme and non-finite values, every vector clone; and it switches off as docume
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -125,6 +126,56 @@ def test_native_property(problem):
     assert out.dtype == plan.acc_dtype and out.shape == plan.batch + (plan.L, plan.dv)
     f64 = [x.astype(np.float64) for x in (q, k, v)]
     check(out, lse, *f64, dtype=q.dtype.type, **opts)
+
+
+@st.composite
+def stored_problems(draw):
+    """problems() with K/V stored as float16 or bfloat16 (rows strided in a wider buffer or
+    not, some float16 subnormals) and q in float32."""
+    q, k, v, opts, run = draw(problems())
+    form = draw(st.sampled_from(["float16", "bfloat16"]))
+    dt = np.dtype(np.float16) if form == "float16" else np.dtype(ml_dtypes.bfloat16)
+    if draw(st.booleans()):  # float16's subnormals (below 6.1e-5) and bfloat16's small values
+        k = k * 2.0**-18
+    if "mask" in opts and opts["mask"].dtype.kind == "f":
+        opts["mask"] = opts["mask"].astype(np.float32)
+    k, v = (x.astype(np.float64).astype(dt) for x in (k, v))
+    if draw(st.booleans()):  # rows of a wider buffer: the kernel reads their stride
+        k, v = (np.concatenate([x, x[..., :3]], axis=-1)[..., : x.shape[-1]] for x in (k, v))
+    return q.astype(np.float32), k, v, opts, run
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(stored_problems())
+def test_stored_half_kv_prefill_equals_reference(problem):
+    """float16/bfloat16 K/V read as stored (widened per work item, exactly): the same numbers
+    as the float32 kernel on the widened K/V, and the float64 reference's."""
+    q, k, v, opts, run = problem
+    plan = make_plan(q, k, v, keep_stored=True, **opts)
+    assert native.supports_stored(plan)
+    out, lse = native.attend(plan, **run)
+    wide_out, wide_lse = native.attend(plan.materialized(), **run)
+    np.testing.assert_allclose(out, wide_out, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(lse, wide_lse, rtol=1e-6, atol=1e-6)
+    f64 = [x.astype(np.float64) for x in (q, k, v)]
+    check(out, lse, *f64, dtype=np.float32, **opts)
+
+
+def test_float16_prefill_reads_kv_as_stored(monkeypatch):
+    """qkv.attention's float16 prefill runs the stored-K/V kernel (no whole-array widening of
+    K/V), in every clone, and equals the reference."""
+    rng = np.random.default_rng(21)
+    q, k = rand(rng, (1, 4, 300, 16), np.float16), rand(rng, (1, 2, 300, 16), np.float16)
+    v = rand(rng, (1, 2, 300, 8), np.float16)
+    ref = reference.attention(*(x.astype(np.float64) for x in (q, k, v)), causal=True)
+    calls = []
+    real = native.attend_stored
+    monkeypatch.setattr(native, "attend_stored", lambda p, **kw: calls.append(1) or real(p))
+    for n, isa in enumerate(ISAS, start=1):
+        monkeypatch.setenv("QKV_NATIVE_ISA", isa)
+        out = qkv.attention(q, k, v, causal=True)
+        assert len(calls) == n and out.dtype == np.float16
+        np.testing.assert_allclose(out, ref, atol=TOL[np.float16], rtol=TOL[np.float16])
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])

@@ -171,14 +171,15 @@ def attend(
     """
     if plan.stored is not None:  # float16/bfloat16 K/V as given: read in place where served
         decoding = plan.L <= DECODE_MAX_L and kernel in ("auto", "decode")
+        found = None
         if decoding and native_decode.supports(plan):
             found = native_decode.attend_stored(plan)
-            if found is not None:
-                return mods.with_sinks(plan, *found)
         elif _prefill(plan, kernel) and native_bf16.supports(plan):  # bfloat16 tile products
             found = native_bf16.attend(plan)
-            if found is not None:  # else (not finite) the float32 kernels apply their rules
-                return mods.with_sinks(plan, *found)
+        elif _prefill(plan, kernel) and scale_fits(plan) and native.supports_stored(plan):
+            found = native.attend_stored(plan)  # float32 products, K/V widened per work item
+        if found is not None:  # else (not finite) the float32 kernels apply their rules
+            return mods.with_sinks(plan, *found)
         plan, choice = plan.materialized(), None  # every other kernel reads widened K/V
     if choice is None:
         choice = choose(plan, kernel)

@@ -175,16 +175,20 @@ def info() -> dict[str, Any]:
                 "vdpbf16ps (AVX512_BF16): pairs of bfloat16 products summed into float32"
             )
             if bf16
-            else "K/V widened to float32, then the float32 kernel (no AVX512_BF16 here, or a "
-            "narrower clone forced)",
+            else "K/V read as stored and widened to float32 a work item's keys at a time, "
+            "then BLAS sgemm (no AVX512_BF16 here, or a narrower clone forced)",
+            "prefill, float16": "K/V read as stored and widened to float32 a work item's keys "
+            "at a time, then BLAS sgemm (no float16 products on x86 before AVX512_FP16)",
             "decode": "vector FMA in float32/float64; bfloat16, float16, int8 and float8 "
             "e4m3fn K/V widened to float32 in registers (the step is bound by the bytes read)",
         },
         "kernels": {
             "prefill forward (float32, float64; causal, window, bool mask, float bias, "
             "grouped heads, sinks)": ok,
-            "prefill forward and backward, bfloat16 tile products (causal, window, grouped "
-            "heads, sinks)": bf16,
+            "prefill forward and backward, bfloat16 tile products (causal, window, bool mask, "
+            "float bias, grouped heads, sinks)": bf16,
+            "prefill forward, float16 or bfloat16 K/V read as stored (the float32 kernel's "
+            "cases)": ok,
             "prefill backward (FlashAttention-2; the same cases)": ok,
             "packed varlen walk (float32, float64; causal, window, grouped heads)": ok,
             "decode step (float32, float64; K/V also stored as bfloat16, float16, int8, "
@@ -269,7 +273,13 @@ def attend(
     nb = int(np.prod(batch, dtype=np.int64))
     if nb == 0:
         return out, lse
-    fields, arrays = prefill_operands(plan.q, plan.k, plan.v, plan.group)
+    function = f"qkv_prefill_{_SUFFIX[dt]}"
+    k, v = plan.k, plan.v
+    if supports_stored(plan):  # K/V read as stored, widened a work item's keys at a time
+        assert plan.stored is not None
+        k, v = (np.broadcast_to(x, y.shape) for x, y in zip(plan.stored, (k, v), strict=True))
+        function = f"qkv_prefill_f32_{_STORED[k.dtype.name]}kv"
+    fields, arrays = prefill_operands(plan.q, k, v, plan.group)
     n = workers(threads, blas=True)  # BLAS tiles: one thread unless BLAS can be held
     block_q = _fit_rows(block_q, lambda bq: nb * -(-L // bq), n)
     rule, held = _mask_and_rule(plan, n, isa, gemm[dt], block_q, block_k)
@@ -278,9 +288,37 @@ def attend(
         **fields, **rule,
     )  # fmt: skip
     with single_threaded_blas():
-        invoke(f"qkv_prefill_{_SUFFIX[dt]}", args, "prefill")
+        invoke(function, args, "prefill")
     del held, arrays  # what the call read
     return out, lse
+
+
+_STORED = {"float16": "f16", "bfloat16": "bf16"}  # K/V forms the float32 prefill reads as stored
+
+
+def supports_stored(plan: Plan) -> bool:
+    """Whether :func:`attend` reads ``plan``'s stored float16 or bfloat16 K/V
+    (:attr:`~qkv.validate.Plan.stored`) in place, widening each work item's keys to float32
+    in its own buffers (exactly) for the float32 tile products, with no whole-array copy."""
+    stored = plan.stored
+    return (
+        stored is not None
+        and stored[0].dtype.name in _STORED
+        and stored[1].dtype == stored[0].dtype
+        and plan.acc_dtype == np.float32
+        and supports(plan)
+    )
+
+
+def attend_stored(
+    plan: Plan, *, threads: int | None = None, isa: str | None = None
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """:func:`attend` on a plan :func:`supports_stored` accepts: float32 output and lse;
+    ``None`` when some output is not finite (the caller's general path applies its rules, on
+    the widened K/V)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        out, lse = attend(plan, threads=threads, isa=isa)
+    return (out, lse) if np.isfinite(out).all() else None
 
 
 def backward(

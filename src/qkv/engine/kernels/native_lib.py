@@ -137,7 +137,17 @@ class DecodeArgs(ctypes.Structure):
 # Each kernel family: the struct its functions take, the function reporting its size, and the
 # functions (one per compute dtype).
 _FAMILIES: tuple[tuple[type[ctypes.Structure], str, tuple[str, ...]], ...] = (
-    (PrefillArgs, "qkv_args_size", ("qkv_prefill_f32", "qkv_prefill_f64", "qkv_prefill_bf16")),
+    (
+        PrefillArgs,
+        "qkv_args_size",
+        (
+            "qkv_prefill_f32",
+            "qkv_prefill_f64",
+            "qkv_prefill_bf16",
+            "qkv_prefill_f32_bf16kv",
+            "qkv_prefill_f32_f16kv",
+        ),
+    ),
     (
         BackwardArgs,
         "qkv_backward_args_size",

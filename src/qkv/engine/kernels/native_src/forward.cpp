@@ -17,7 +17,8 @@
 // each with the rows that see part of it, and each row only exponentiates its visible keys.
 //
 // The tile products go through the caller's BLAS and the softmax step runs in the vector clone
-// the CPU supports (common.h).
+// the CPU supports (common.h). K and V may also be stored as bfloat16 or float16 (float32
+// compute): each work item then widens the keys its rows see into its own buffers.
 
 #include "common.h"
 
@@ -97,6 +98,57 @@ step_t pick_step(int isa) {
 
 // Width of the key pieces across the rows' bounds (see forward_block).
 constexpr int64_t EDGE = 64;
+
+// K and V stored as 16-bit floats (native_lib.KV_FORMATS: 1 bfloat16, 2 float16), widened to
+// float32 a task's visible keys at a time into the worker's buffers, exactly (every 16-bit
+// value is a float32), for the float32 tile products. Integer operations only, so that each
+// clone vectorizes them (GCC converts _Float16 one value at a time): a float16 normal moves
+// its fields into float32's with the exponent bias raised by 112, a subnormal is its mantissa
+// times 2^-24, infinities and NaN keep their kind.
+template <int FORMAT>
+QKV_INLINE void widen_rows_body(const uint16_t* __restrict src, int64_t rs, int64_t rows,
+                                int64_t cols, float* __restrict dst) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint16_t* __restrict x = src + r * rs;
+        uint32_t* __restrict y = reinterpret_cast<uint32_t*>(dst + r * cols);
+#pragma omp simd
+        for (int64_t c = 0; c < cols; ++c) {
+            const uint32_t w = x[c];
+            if (FORMAT == 1) {
+                y[c] = w << 16;
+            } else {
+                const uint32_t sign = (w & 0x8000u) << 16, em = w & 0x7FFFu, e = em >> 10;
+                const uint32_t normal = sign | ((em << 13) + (112u << 23));
+                const uint32_t special = sign | 0x7F800000u | ((em & 0x3FFu) << 13);
+                const float sub = float(int32_t(em)) * 0x1p-24f;
+                uint32_t subu;
+                std::memcpy(&subu, &sub, 4);
+                y[c] = e == 0 ? (subu | sign) : e == 31 ? special : normal;
+            }
+        }
+    }
+}
+
+typedef void (*widen_t)(const uint16_t*, int64_t, int64_t, int64_t, float*);
+#define QKV_WIDEN(attr, clone)                                                                \
+    attr void widen_##clone##_bf16(const uint16_t* s, int64_t rs, int64_t n, int64_t c,       \
+                                   float* d) {                                                \
+        widen_rows_body<1>(s, rs, n, c, d);                                                   \
+    }                                                                                         \
+    attr void widen_##clone##_f16(const uint16_t* s, int64_t rs, int64_t n, int64_t c,        \
+                                  float* d) {                                                 \
+        widen_rows_body<2>(s, rs, n, c, d);                                                   \
+    }
+QKV_WIDEN(, base)
+#if QKV_X86
+QKV_WIDEN(QKV_AVX2, avx2)
+QKV_WIDEN(QKV_AVX512, avx512)
+#endif
+
+widen_t pick_widen(int isa, int format) {
+    if (format == 1) return pick_clone<widen_t>(isa, QKV_CLONES(widen, bf16));
+    return pick_clone<widen_t>(isa, QKV_CLONES(widen, f16));
+}
 
 // One forward work item: query rows [r0, r0 + rows) of one head of one sequence of L queries
 // and S keys, with where its operands are and where its results go. Pointers are at the
@@ -252,20 +304,24 @@ Shared<Gemm> shared_of(const Args& a, int64_t bk, step_t step) {
     return sh;
 }
 
+// kv_format: 0, K/V in T; else (T float) K/V stored as 16-bit floats of that format, each
+// task widening its visible keys into its worker's buffers (widen_rows_body).
 template <typename T, typename Gemm>
-int run(const qkv_prefill_args& a) {
+int run(const qkv_prefill_args& a, int kv_format = 0) {
     const int64_t bq = std::max<int64_t>(1, a.block_q), bk = std::max<int64_t>(1, a.block_k);
     const int64_t nqb = (a.L + bq - 1) / bq;
     const int64_t ntasks = a.nb * nqb;
     const int isa = chosen_isa(a.isa);
     const Shared<Gemm> sh = shared_of<Gemm>(a, bk, pick_step<T>(isa));
+    const widen_t widen = kv_format ? pick_widen(isa, kv_format) : nullptr;
     const T* Q = static_cast<const T*>(a.q);
     const T* K = static_cast<const T*>(a.k);
     const T* V = static_cast<const T*>(a.v);
     T* OUT = static_cast<T*>(a.out);
     T* LSE = static_cast<T*>(a.lse);
     const T* BIAS = static_cast<const T*>(a.bias);
-    return for_tasks<Buffers<T>>(
+    int no_memory = 0;  // a task could not widen its keys
+    const int status = for_tasks<Buffers<T>>(
         ntasks, a.threads, nullptr, [&](Buffers<T>& buf) { return buf.make(bq, bk, a.dv); },
         [&](Buffers<T>& buf, int64_t t) {
         // latest query blocks first: under causal they cost the most
@@ -283,6 +339,32 @@ int run(const qkv_prefill_args& a) {
         b.S = a.S;
         b.r0 = r0;
         b.rows = std::min(bq, a.L - r0);
+        if (widen) {  // the keys some row of the block sees, widened
+            Shared<Gemm> rule = sh;
+            rule.S = a.S;
+            int64_t klo, khi, unused;
+            bounds(rule, a.S - a.L + r0, &klo, &unused);
+            bounds(rule, a.S - a.L + r0 + b.rows - 1, &unused, &khi);
+            khi = std::max(khi, klo);
+            try {
+                buf.kc.resize(size_t(std::max<int64_t>(khi - klo, 1) * a.d));
+                buf.vc.resize(size_t(std::max<int64_t>(khi - klo, 1) * a.dv));
+            } catch (const std::bad_alloc&) {
+                __atomic_store_n(&no_memory, 1, __ATOMIC_RELAXED);
+                return;
+            }
+            const uint16_t* k16 = static_cast<const uint16_t*>(a.k) + a.k_off[h];
+            const uint16_t* v16 = static_cast<const uint16_t*>(a.v) + a.v_off[h];
+            float* kc = reinterpret_cast<float*>(buf.kc.data());
+            float* vc = reinterpret_cast<float*>(buf.vc.data());
+            widen(k16 + klo * a.k_rs, a.k_rs, khi - klo, a.d, kc);
+            widen(v16 + klo * a.v_rs, a.v_rs, khi - klo, a.dv, vc);
+            b.k = buf.kc.data();
+            b.k_rs = a.d;
+            b.v = buf.vc.data();
+            b.v_rs = a.dv;
+            b.k_first = klo;
+        }
         b.out = OUT + (h * a.L + r0) * a.dv;
         b.out_rs = a.dv;
         b.lse = LSE + h * a.L + r0;
@@ -295,6 +377,7 @@ int run(const qkv_prefill_args& a) {
         b.bad = nullptr;
         forward_block<T, Gemm>(b, sh, buf);
     });
+    return status ? status : (no_memory ? 1 : 0);
 }
 
 // The packed varlen walk: tasks are (sequence, kv head, query block) triples, costliest
@@ -399,6 +482,19 @@ extern "C" {
 int qkv_prefill_f32(const qkv_prefill_args* a) {
     if (!a || !a->gemm || a->L < 1 || a->S < 0 || a->d < 1 || a->dv < 0) return 2;
     return run<float, sgemm_t>(*a);
+}
+
+// The float32 prefill with K and V stored as bfloat16 or float16 (q, bias, out and lse float32;
+// K/V strides and offsets in their 16-bit elements): for float16, and bfloat16 where the
+// bfloat16 tile products do not run (no AVX512_BF16, a variant they do not take).
+int qkv_prefill_f32_bf16kv(const qkv_prefill_args* a) {
+    if (!a || !a->gemm || a->L < 1 || a->S < 0 || a->d < 1 || a->dv < 0) return 2;
+    return run<float, sgemm_t>(*a, 1);
+}
+
+int qkv_prefill_f32_f16kv(const qkv_prefill_args* a) {
+    if (!a || !a->gemm || a->L < 1 || a->S < 0 || a->d < 1 || a->dv < 0) return 2;
+    return run<float, sgemm_t>(*a, 2);
 }
 
 int qkv_prefill_f64(const qkv_prefill_args* a) {
