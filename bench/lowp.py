@@ -15,13 +15,22 @@ Tables (PyTorch and qkv at ``--threads``, default every core this process may us
 - a ragged cache (lengths 1024..8192, B8, kv 8, d 128) in float32 and bfloat16: one native
   call for every sequence; PyTorch gets the sequences padded to the longest with a key mask.
 - causal prefill B1 H8 N4096 d64 and B1 H16 N2048 d128 in bfloat16, forward and backward
-  (autograd): qkv (its bfloat16 tile products where the CPU has AVX512_BF16; the backward
-  widens to float32) and SDPA; each row's share of this machine's bfloat16 matrix-product rate.
+  (autograd): qkv (its bfloat16 tile products where the CPU has AVX512_BF16) and SDPA; each
+  row's share of this machine's bfloat16 matrix-product rate. The forward in float16 too (qkv:
+  the float32 kernel reading K/V as stored), against SDPA in float16.
+
+The decode and ragged rows are timed as a model calls attention: one call per layer over a few
+layers, each with K/V of its own (at least 96 MiB together, three times the last cache of the
+machine this was written on), so that every call reads its K/V from memory and finds the
+threads of the call before it still warm; the time is per call. (Timing one call after a pause,
+as the prefill rows do, charges a 1 ms decoding step with waking the cores and threads.)
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from typing import Any
 
 import _common
 import machine
@@ -50,29 +59,53 @@ def _cache(form: str, k: np.ndarray, v: np.ndarray, lengths: list[int]) -> qkv.K
     return cache
 
 
+def _layers(nbytes: int) -> int:
+    """Layers of K/V to decode over, so that together they are at least 96 MiB, three times
+    this machine's last cache: each call then reads its layer's K/V from memory, as a model's
+    consecutive layers do (at least two)."""
+    return max(2, -(-(96 << 20) // nbytes))
+
+
+def _per_layer(calls: list[Callable[[], Any]]) -> Callable[[], None]:
+    """One call per layer, in order, as one timed run (``race`` divides by nothing: the
+    caller divides by the number of layers)."""
+
+    def run() -> None:
+        for call in calls:
+            call()
+
+    return run
+
+
 def decode(b: int, repeat: int, read: float) -> None:
     h, hkv, s, d = 32, 8, 4096, 128
+    kv = 2 * b * hkv * s * d
+    layers = _layers(2 * kv)
     g = torch.Generator().manual_seed(0)
     q = torch.randn(b, h, 1, d, generator=g)
-    k, v = (torch.randn(b, hkv, s, d, generator=g) for _ in range(2))
-    qb, kb, vb = (x.bfloat16() for x in (q, k, v))
+    qb, qn = q.bfloat16(), q.numpy()
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    kn, vn = k.numpy(), v.numpy()
-    caches = {form: _cache(form, kn, vn, [s] * b) for form in ("bfloat16", "int8", "float8_e4m3fn")}
-    qn = q.numpy()
+    calls: dict[str, list[Callable[[], Any]]] = {}
+    for _ in range(layers):
+        k, v = (torch.randn(b, hkv, s, d, generator=g) for _ in range(2))
+        kb, vb = k.bfloat16(), v.bfloat16()
+        forms = ("bfloat16", "int8", "float8_e4m3fn")
+        caches = {f: _cache(f, k.numpy(), v.numpy(), [s] * b) for f in forms}
 
-    def peer() -> None:
-        with torch.no_grad():
-            sdpa(qb, kb, vb, enable_gqa=True)
+        def peer(kb=kb, vb=vb) -> None:
+            with torch.no_grad():
+                sdpa(qb, kb, vb, enable_gqa=True)
 
-    contenders = {
-        "torch sdpa bfloat16": peer,
-        "qkv bfloat16 tensors": lambda: qkv.attention(qb, kb, vb),
-        "qkv float32 tensors": lambda: qkv.attention(q, k, v),
-        **{f"qkv KVCache {f}": (lambda c=c: c.attend(qn)) for f, c in caches.items()},
-    }
-    best = _common.race(contenders, repeat=repeat)
-    kv = 2 * b * hkv * s * d
+        layer = {
+            "torch sdpa bfloat16": peer,
+            "qkv bfloat16 tensors": lambda kb=kb, vb=vb: qkv.attention(qb, kb, vb),
+            "qkv float32 tensors": lambda k=k, v=v: qkv.attention(q, k, v),
+            **{f"qkv KVCache {f}": (lambda c=c: c.attend(qn)) for f, c in caches.items()},
+        }
+        for name, call in layer.items():
+            calls.setdefault(name, []).append(call)
+    best = _common.race({n: _per_layer(c) for n, c in calls.items()}, repeat=repeat)
+    best = {n: t / layers for n, t in best.items()}
     nbytes = {
         "torch sdpa bfloat16": 2 * kv,
         "qkv bfloat16 tensors": 2 * kv,
@@ -82,7 +115,10 @@ def decode(b: int, repeat: int, read: float) -> None:
         "qkv KVCache float8_e4m3fn": kv + 2 * b * hkv * s * 4,
     }
     rows = [_row(n, t, best["torch sdpa bfloat16"], nbytes[n], read) for n, t in best.items()]
-    print(f"\ndecode B{b} H{h} (kv {hkv}) S{s} d{d}, one query each; {_common.threads_info()}")
+    print(
+        f"\ndecode B{b} H{h} (kv {hkv}) S{s} d{d}, one query each; per call, one call per "
+        f"layer over {layers} layers; {_common.threads_info()}"
+    )
     print(_common.table(rows, list(rows[0])))
 
 
@@ -91,37 +127,46 @@ def ragged(repeat: int, read: float) -> None:
     rng = np.random.default_rng(0)
     lengths = np.linspace(lo, hi, b).astype(int)
     rng.shuffle(lengths)
-    k, v = (rng.standard_normal((b, hkv, hi, d), dtype=np.float32) for _ in range(2))
-    q = rng.standard_normal((b, h, 1, d), dtype=np.float32)
-    caches = {form: _cache(form, k, v, lengths.tolist()) for form in ("float32", "bfloat16")}
-    keep = torch.from_numpy(np.arange(hi) < lengths[:, None])[:, None, None, :]
-    tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
-    bq, bk, bv = (x.bfloat16() for x in (tq, tk, tv))
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-
-    def peer(dtype: str):
-        a = (tq, tk, tv) if dtype == "float32" else (bq, bk, bv)
-
-        def run() -> None:
-            with torch.no_grad():
-                sdpa(*a, attn_mask=keep, enable_gqa=True)
-
-        return run
-
-    contenders = {
-        "torch sdpa float32 (padded, masked)": peer("float32"),
-        "torch sdpa bfloat16 (padded, masked)": peer("bfloat16"),
-        "qkv KVCache float32": lambda: caches["float32"].attend(q),
-        "qkv KVCache bfloat16": lambda: caches["bfloat16"].attend(q),
-    }
-    best = _common.race(contenders, repeat=repeat)
     total = int(lengths.sum()) * hkv * d * 2
+    layers = _layers(2 * total)
+    q = rng.standard_normal((b, h, 1, d), dtype=np.float32)
+    keep = torch.from_numpy(np.arange(hi) < lengths[:, None])[:, None, None, :]
+    tq = torch.from_numpy(q)
+    bq = tq.bfloat16()
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    calls: dict[str, list[Callable[[], Any]]] = {}
+    for _ in range(layers):
+        k, v = (rng.standard_normal((b, hkv, hi, d), dtype=np.float32) for _ in range(2))
+        caches = {form: _cache(form, k, v, lengths.tolist()) for form in ("float32", "bfloat16")}
+        tk, tv = torch.from_numpy(k), torch.from_numpy(v)
+        padded = {"float32": (tq, tk, tv), "bfloat16": (bq, tk.bfloat16(), tv.bfloat16())}
+
+        def peer(a) -> Callable[[], None]:
+            def run() -> None:
+                with torch.no_grad():
+                    sdpa(*a, attn_mask=keep, enable_gqa=True)
+
+            return run
+
+        layer = {
+            "torch sdpa float32 (padded, masked)": peer(padded["float32"]),
+            "torch sdpa bfloat16 (padded, masked)": peer(padded["bfloat16"]),
+            "qkv KVCache float32": lambda c=caches["float32"]: c.attend(q),
+            "qkv KVCache bfloat16": lambda c=caches["bfloat16"]: c.attend(q),
+        }
+        for name, call in layer.items():
+            calls.setdefault(name, []).append(call)
+    best = _common.race({n: _per_layer(c) for n, c in calls.items()}, repeat=repeat)
+    best = {n: t / layers for n, t in best.items()}
     rows = []
     for name, t in best.items():
         item = 4 if "float32" in name else 2
         peer_name = f"torch sdpa {'float32' if item == 4 else 'bfloat16'} (padded, masked)"
         rows.append(_row(name, t, best[peer_name], total * item, read))
-    print(f"\nragged cache B{b} H{h} (kv {hkv}) d{d}, lengths {lo}..{hi}; {_common.threads_info()}")
+    print(
+        f"\nragged cache B{b} H{h} (kv {hkv}) d{d}, lengths {lo}..{hi}; per call, one call "
+        f"per layer over {layers} layers; {_common.threads_info()}"
+    )
     print("(bytes: the real tokens' K/V; ratios against SDPA in the same dtype)")
     print(_common.table(rows, list(rows[0])))
 
@@ -146,9 +191,15 @@ def _prefill_shape(b: int, h: int, n: int, d: int, *, rate: float, repeat: int) 
     q, k, v, dout = (torch.randn(b, h, n, d, generator=g).bfloat16() for _ in range(4))
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
 
+    half = [x.half() for x in (q, k, v)]
+
     def peer() -> None:
         with torch.no_grad():
             sdpa(q, k, v, is_causal=True)
+
+    def peer_half() -> None:
+        with torch.no_grad():
+            sdpa(*half, is_causal=True)
 
     def backward(fn):
         out = fn(*leaves, is_causal=True) if fn is sdpa else fn(*leaves, causal=True)
@@ -160,13 +211,16 @@ def _prefill_shape(b: int, h: int, n: int, d: int, *, rate: float, repeat: int) 
             "qkv bfloat16": lambda: qkv.attention(q, k, v, causal=True),
             "torch sdpa bfloat16, backward": backward(sdpa),
             "qkv bfloat16, backward": backward(qkv.attention),
+            "torch sdpa float16": peer_half,
+            "qkv float16": lambda: qkv.attention(*half, causal=True),
         },
         repeat=repeat,
     )
     flops = 2 * 2 * b * h * n * n * d / 2  # two products, half the scores under causal
     rows = []
     for name, t in best.items():
-        peer_t = best["torch sdpa bfloat16" + (", backward" if "backward" in name else "")]
+        dtype = "bfloat16" if "bfloat16" in name else "float16"
+        peer_t = best[f"torch sdpa {dtype}" + (", backward" if "backward" in name else "")]
         work = flops * (2.5 if "backward" in name else 1)  # five products against two
         rows.append(
             {
@@ -174,11 +228,12 @@ def _prefill_shape(b: int, h: int, n: int, d: int, *, rate: float, repeat: int) 
                 "ms": f"{t * 1e3:.1f}",
                 "/ sdpa": f"{t / peer_t:.2f}x",
                 "GFLOP/s": f"{work / t / 1e9:.0f}",
-                "share of bf16 mm": f"{work / t / rate:.0%}",
+                # float16 runs on float32 products: the bfloat16 rate is not its limit
+                "share of bf16 mm": "-" if dtype == "float16" else f"{work / t / rate:.0%}",
             }
         )
     print(
-        f"\ncausal prefill bfloat16 B{b} H{h} N{n} d{d} (bfloat16 torch.mm 2048²: "
+        f"\ncausal prefill bfloat16 (and float16) B{b} H{h} N{n} d{d} (bfloat16 torch.mm 2048²: "
         f"{rate / 1e9:.0f} GFLOP/s); {_common.threads_info()}"
     )
     print(_common.table(rows, list(rows[0])))
