@@ -226,24 +226,6 @@ def test_kept_threads_serve_call_after_call_of_any_team_size(monkeypatch):
             _check(out, lse, q * 0.2 * np.sqrt(32), k, v, np.float32)
 
 
-def test_calls_from_several_python_threads_without_a_team(monkeypatch):
-    """Calls at once from several Python threads, with no OpenMP team: one takes the kept
-    threads, the others start their own; every result equals the reference."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    _no_team(monkeypatch)
-    rng = np.random.default_rng(12)
-    problems = []
-    for i in range(8):
-        q = rng.standard_normal((2, 8, 1, 32)).astype(np.float32)
-        k, v = (rng.standard_normal((2, 2, 2000 + 150 * i, 32)).astype(np.float32) for _ in "kv")
-        problems.append((q, k, v))
-    with ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(lambda p: native_decode.step(*p, 0.3, threads=2), problems * 3))
-    for (q, k, v), (out, lse) in zip(problems * 3, results, strict=True):
-        _check(out, lse, q * 0.3 * np.sqrt(32), k, v, np.float32)
-
-
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() here")
 def test_a_forked_child_gets_its_own_kept_threads(monkeypatch):
     """A child forked after the parent's kept threads ran has none of them: its calls must
@@ -296,11 +278,15 @@ def test_with_torch_imported_the_team_is_pytorchs():
         assert ctypes.cast(ctypes.CDLL(path).GOMP_parallel, ctypes.c_void_p).value == team
 
 
-def test_calls_from_several_python_threads_at_once():
-    """ctypes releases the GIL: each Python thread's call runs its own team at the same time,
-    and every result equals the reference."""
+@pytest.mark.parametrize("team", [True, False], ids=["openmp team", "kept threads"])
+def test_calls_from_several_python_threads_at_once(team, monkeypatch):
+    """ctypes releases the GIL: each Python thread's call runs a team at the same time (the
+    process's OpenMP team, or with none, the library's kept threads for one call and threads
+    of their own for the others), and every result equals the reference."""
     from concurrent.futures import ThreadPoolExecutor
 
+    if not team:
+        _no_team(monkeypatch)
     rng = np.random.default_rng(9)
     problems = []
     for i in range(6):
@@ -308,6 +294,6 @@ def test_calls_from_several_python_threads_at_once():
         k, v = (rng.standard_normal((2, 2, 3000 + 100 * i, 32)).astype(np.float32) for _ in "kv")
         problems.append((q, k, v))
     with ThreadPoolExecutor(3) as pool:
-        results = list(pool.map(lambda p: native_decode.step(*p, 0.3, threads=2), problems))
-    for (q, k, v), (out, lse) in zip(problems, results, strict=True):
+        results = list(pool.map(lambda p: native_decode.step(*p, 0.3, threads=2), problems * 3))
+    for (q, k, v), (out, lse) in zip(problems * 3, results, strict=True):
         _check(out, lse, q * 0.3 * np.sqrt(32), k, v, np.float32)
