@@ -148,15 +148,14 @@ def stored_problems(draw):
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(stored_problems())
 def test_stored_half_kv_prefill_equals_reference(problem):
-    """float16/bfloat16 K/V read as stored (widened per work item, exactly): the same numbers
-    as the float32 kernel on the widened K/V, and the float64 reference's."""
+    """float16/bfloat16 K/V read as stored (widened per work item, exactly): bit for bit the
+    float32 kernel's numbers on the widened K/V, and the float64 reference's."""
     q, k, v, opts, run = problem
     plan = make_plan(q, k, v, keep_stored=True, **opts)
-    assert native.supports_stored(plan)
     out, lse = native.attend(plan, **run)
     wide_out, wide_lse = native.attend(plan.materialized(), **run)
-    np.testing.assert_allclose(out, wide_out, rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(lse, wide_lse, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(out, wide_out)  # the same products of the same values
+    np.testing.assert_array_equal(lse, wide_lse)
     f64 = [x.astype(np.float64) for x in (q, k, v)]
     check(out, lse, *f64, dtype=np.float32, **opts)
 
@@ -168,6 +167,7 @@ def test_float16_prefill_reads_kv_as_stored(monkeypatch):
     q, k = rand(rng, (1, 4, 300, 16), np.float16), rand(rng, (1, 2, 300, 16), np.float16)
     v = rand(rng, (1, 2, 300, 8), np.float16)
     ref = reference.attention(*(x.astype(np.float64) for x in (q, k, v)), causal=True)
+    monkeypatch.delenv("QKV_NATIVE", raising=False)
     calls = []
     real = native.attend_stored
     monkeypatch.setattr(native, "attend_stored", lambda p, **kw: calls.append(1) or real(p))
@@ -492,6 +492,33 @@ def test_native_packed_property(problem):
     tol = TOL[q.dtype.type]
     np.testing.assert_allclose(out, ref_out, rtol=tol, atol=tol * 4)
     assert np.array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    fin = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse[fin], ref_lse[fin], rtol=tol, atol=tol)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(packed_problems(), st.sampled_from(["float16", "bfloat16"]), st.booleans())
+def test_native_packed_stored_half_kv(problem, form, strided):
+    """The packed walk reads float16/bfloat16 K/V as stored (widened per work item, exactly):
+    bit for bit the numbers of K/V widened first, and the float64 reference's at float32's
+    tolerance."""
+    q, k, v, cq, ck, opts, run = problem
+    dt = np.dtype(np.float16) if form == "float16" else np.dtype(ml_dtypes.bfloat16)
+    q = q.astype(np.float32)
+    k, v = (x.astype(np.float64).astype(dt) for x in (k, v))
+    if strided:  # rows of a wider buffer
+        k, v = (np.concatenate([x, x[..., :2]], axis=-1)[..., : x.shape[-1]] for x in (k, v))
+    out, lse = native.attend_packed(q, k, v, cq, ck, **opts, **run)
+    wide = native.attend_packed(
+        q, k.astype(np.float32), v.astype(np.float32), cq, ck, **opts, **run
+    )
+    np.testing.assert_array_equal(out, wide[0])  # the same products of the same values
+    np.testing.assert_array_equal(lse, wide[1])
+    ref_out, ref_lse = packed_reference(
+        q, k.astype(np.float64), v.astype(np.float64), cq, ck, **opts
+    )
+    tol = TOL[np.float32]
+    np.testing.assert_allclose(out, ref_out, rtol=tol, atol=tol * 4)
     fin = np.isfinite(ref_lse)
     np.testing.assert_allclose(lse[fin], ref_lse[fin], rtol=tol, atol=tol)
 

@@ -187,8 +187,8 @@ def info() -> dict[str, Any]:
             "grouped heads, sinks)": ok,
             "prefill forward and backward, bfloat16 tile products (causal, window, bool mask, "
             "float bias, grouped heads, sinks)": bf16,
-            "prefill forward, float16 or bfloat16 K/V read as stored (the float32 kernel's "
-            "cases)": ok,
+            "prefill forward and packed varlen walk, float16 or bfloat16 K/V read as stored "
+            "(the float32 kernels' cases)": ok,
             "prefill backward (FlashAttention-2; the same cases)": ok,
             "packed varlen walk (float32, float64; causal, window, grouped heads)": ok,
             "decode step (float32, float64; K/V also stored as bfloat16, float16, int8, "
@@ -273,10 +273,11 @@ def attend(
     nb = int(np.prod(batch, dtype=np.int64))
     if nb == 0:
         return out, lse
+    if not _reads_stored(plan):
+        plan = plan.materialized()  # (itself when nothing is stored)
     function = f"qkv_prefill_{_SUFFIX[dt]}"
     k, v = plan.k, plan.v
-    if supports_stored(plan):  # K/V read as stored, widened a work item's keys at a time
-        assert plan.stored is not None
+    if plan.stored is not None:  # K/V read as stored, widened a work item's keys at a time
         k, v = (np.broadcast_to(x, y.shape) for x, y in zip(plan.stored, (k, v), strict=True))
         function = f"qkv_prefill_f32_{_STORED[k.dtype.name]}kv"
     fields, arrays = prefill_operands(plan.q, k, v, plan.group)
@@ -296,18 +297,23 @@ def attend(
 _STORED = {"float16": "f16", "bfloat16": "bf16"}  # K/V forms the float32 prefill reads as stored
 
 
-def supports_stored(plan: Plan) -> bool:
-    """Whether :func:`attend` reads ``plan``'s stored float16 or bfloat16 K/V
-    (:attr:`~qkv.validate.Plan.stored`) in place, widening each work item's keys to float32
-    in its own buffers (exactly) for the float32 tile products, with no whole-array copy."""
+def _reads_stored(plan: Plan) -> bool:
+    """Whether the kernel reads ``plan``'s stored K/V as they are (else :func:`attend` widens
+    them first)."""
     stored = plan.stored
     return (
         stored is not None
         and stored[0].dtype.name in _STORED
         and stored[1].dtype == stored[0].dtype
         and plan.acc_dtype == np.float32
-        and supports(plan)
     )
+
+
+def supports_stored(plan: Plan) -> bool:
+    """Whether :func:`attend` runs ``plan`` reading its stored float16 or bfloat16 K/V
+    (:attr:`~qkv.validate.Plan.stored`) in place, widening each work item's keys to float32
+    in its own buffers (exactly) for the float32 tile products, with no whole-array copy."""
+    return _reads_stored(plan) and supports(plan)
 
 
 def attend_stored(
@@ -445,7 +451,13 @@ def attend_packed(
     chosen = np.ascontiguousarray(chosen, dtype=np.int64)
     if chosen.size == 0 or heads == 0 or dv == 0 or q.shape[0] == 0 or k.shape[0] == 0:
         return out, lse
-    q, k, v = (_packed_operand(x, x.dtype if bf16 else dt) for x in (q, k, v))
+    # float16 (or bfloat16 the tile products do not take) K/V computed in float32 are read as
+    # stored, each work item widening the keys it sees; q is widened here
+    stored = _STORED.get(k.dtype.name) if not bf16 and dt == np.float32 else None
+    if stored is not None and v.dtype != k.dtype:
+        stored = None
+    q = _packed_operand(q, q.dtype if bf16 else dt)
+    k, v = (_packed_operand(x, x.dtype if bf16 or stored else dt) for x in (k, v))
     left, right = window if window is not None else (None, None)
     n_workers = workers(threads, blas=True)
     lq = np.diff(cq)[chosen]
@@ -484,7 +496,8 @@ def attend_packed(
         block_k=block_k,
     )
     with single_threaded_blas():
-        invoke(f"qkv_varlen_{'bf16' if bf16 else _SUFFIX[dt]}", args, "varlen")
+        suffix = "bf16" if bf16 else f"f32_{stored}kv" if stored else _SUFFIX[dt]
+        invoke(f"qkv_varlen_{suffix}", args, "varlen")
     if bad is not None:
         bad.update(np.flatnonzero(flags).tolist())
     return out, lse

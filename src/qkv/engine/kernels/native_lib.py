@@ -153,7 +153,17 @@ _FAMILIES: tuple[tuple[type[ctypes.Structure], str, tuple[str, ...]], ...] = (
         "qkv_backward_args_size",
         ("qkv_backward_f32", "qkv_backward_f64", "qkv_backward_bf16"),
     ),
-    (VarlenArgs, "qkv_varlen_args_size", ("qkv_varlen_f32", "qkv_varlen_f64", "qkv_varlen_bf16")),
+    (
+        VarlenArgs,
+        "qkv_varlen_args_size",
+        (
+            "qkv_varlen_f32",
+            "qkv_varlen_f64",
+            "qkv_varlen_bf16",
+            "qkv_varlen_f32_bf16kv",
+            "qkv_varlen_f32_f16kv",
+        ),
+    ),
     (DecodeArgs, "qkv_decode_args_size", ("qkv_decode_f32", "qkv_decode_f64")),
 )
 

@@ -383,11 +383,13 @@ int run(const qkv_prefill_args& a, int kv_format = 0) {
 // The packed varlen walk: tasks are (sequence, kv head, query block) triples, costliest
 // first, each running the query heads that share the kv head, over the packed arrays (no
 // padding).
+// kv_format as run()'s: K/V stored as 16-bit floats, always widened into the task's buffers.
 template <typename T, typename Gemm>
-int run_varlen(const qkv_varlen_args& a) {
+int run_varlen(const qkv_varlen_args& a, int kv_format = 0) {
     const int64_t bq = std::max<int64_t>(1, a.block_q), bk = std::max<int64_t>(1, a.block_k);
     const int isa = chosen_isa(a.isa);
     const Shared<Gemm> sh = shared_of<Gemm>(a, bk, pick_step<T>(isa));
+    const widen_t widen = kv_format ? pick_widen(isa, kv_format) : nullptr;
     std::vector<VarlenTask> tasks;
     if (!varlen_tasks(a, bq, tasks)) return 1;
     const int64_t H = a.heads, nkv = H / a.group, ntasks = int64_t(tasks.size()) * nkv;
@@ -402,7 +404,8 @@ int run_varlen(const qkv_varlen_args& a) {
     // Each task copies its kv head's visible keys and values once, and each query head's rows,
     // into contiguous buffers (where memory allows; otherwise it reads them in place).
     const bool copy_q = a.q_ts != d, copy_kv = a.k_ts != d || a.v_ts != dv;
-    return for_tasks<Buffers<T>>(
+    int no_memory = 0;  // a task could not widen its keys
+    const int status = for_tasks<Buffers<T>>(
         ntasks, a.threads, nullptr, [&](Buffers<T>& buf) { return buf.make(bq, bk, dv); },
         [&](Buffers<T>& buf, int64_t t) {
         const VarlenTask& task = tasks[size_t(t / nkv)];
@@ -423,7 +426,26 @@ int run_varlen(const qkv_varlen_args& a) {
         b.v = V + k0 * a.v_ts + kvh * a.v_hs;
         b.v_rs = a.v_ts;
         b.k_first = 0;
-        if (copy_kv && khi > klo) {
+        if (widen && khi > klo) {
+            try {
+                buf.kc.resize(size_t((khi - klo) * d));
+                buf.vc.resize(size_t((khi - klo) * dv));
+            } catch (const std::bad_alloc&) {
+                __atomic_store_n(&no_memory, 1, __ATOMIC_RELAXED);
+                return;
+            }
+            const uint16_t* k16 = static_cast<const uint16_t*>(a.k) + k0 * a.k_ts + kvh * a.k_hs;
+            const uint16_t* v16 = static_cast<const uint16_t*>(a.v) + k0 * a.v_ts + kvh * a.v_hs;
+            float* kc = reinterpret_cast<float*>(buf.kc.data());
+            float* vc = reinterpret_cast<float*>(buf.vc.data());
+            widen(k16 + klo * a.k_ts, a.k_ts, khi - klo, d, kc);
+            widen(v16 + klo * a.v_ts, a.v_ts, khi - klo, dv, vc);
+            b.k = buf.kc.data();
+            b.k_rs = d;
+            b.v = buf.vc.data();
+            b.v_rs = dv;
+            b.k_first = klo;
+        } else if (copy_kv && khi > klo) {
             try {
                 buf.kc.resize(size_t((khi - klo) * d));
                 buf.vc.resize(size_t((khi - klo) * dv));
@@ -472,6 +494,7 @@ int run_varlen(const qkv_varlen_args& a) {
             forward_block<T, Gemm>(b, sh, buf);
         }
     });
+    return status ? status : (no_memory ? 1 : 0);
 }
 
 }  // namespace
@@ -506,6 +529,19 @@ int qkv_varlen_f32(const qkv_varlen_args* a) {
     if (!a || !a->gemm || a->nseq < 0 || a->heads < 1 || a->group < 1 || a->d < 1 || a->dv < 1)
         return 2;
     return run_varlen<float, sgemm_t>(*a);
+}
+
+// The packed walk with K and V stored as bfloat16 or float16 (as qkv_prefill_f32_f16kv).
+int qkv_varlen_f32_bf16kv(const qkv_varlen_args* a) {
+    if (!a || !a->gemm || a->nseq < 0 || a->heads < 1 || a->group < 1 || a->d < 1 || a->dv < 1)
+        return 2;
+    return run_varlen<float, sgemm_t>(*a, 1);
+}
+
+int qkv_varlen_f32_f16kv(const qkv_varlen_args* a) {
+    if (!a || !a->gemm || a->nseq < 0 || a->heads < 1 || a->group < 1 || a->d < 1 || a->dv < 1)
+        return 2;
+    return run_varlen<float, sgemm_t>(*a, 2);
 }
 
 int qkv_varlen_f64(const qkv_varlen_args* a) {
