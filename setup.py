@@ -70,7 +70,7 @@ def _native() -> list[Extension]:
                 f"{_SRC}/{name}.cpp"
                 for name in ("forward", "forward_bf16", "backward", "backward_bf16", "decode")
             ],
-            depends=[f"{_SRC}/{name}.h" for name in ("abi", "common", "bf16", "pool")],
+            depends=[f"{_SRC}/{name}.h" for name in ("abi", "common", "bf16", "pool", "widen")],
             language="c++",
             # No -march: the vector clones are chosen at run time (see common.h).
             extra_compile_args=[

@@ -382,6 +382,30 @@ def test_native_backward_property(problem, seed):
     check_grads((dq, dk, dv), *f64, dtype=q.dtype.type, **opts)
 
 
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(stored_problems(), st.integers(0, 2**16))
+def test_stored_half_kv_backward(problem, seed):
+    """The backward reads float16/bfloat16 K/V as stored (each task widening its key block):
+    on one thread bit for bit the gradients of K/V widened first (more threads add dQ's parts
+    in any order), and the float64 reference's at float32's tolerance."""
+    q, k, v, opts, run = problem
+    plan = make_plan(q, k, v, keep_stored=True, **opts)
+    d_out = np.random.default_rng(seed).standard_normal(plan.batch + (plan.L, plan.dv))
+    d_out = d_out.astype(np.float32)
+    out, lse = native.attend(plan)
+    one = dict(run, threads=1)
+    got = native.backward(plan, d_out, out, lse, **one)
+    wide = native.backward(plan.materialized(), d_out, out, lse, **one)
+    for g, w in zip(got, wide, strict=True):
+        np.testing.assert_array_equal(g, w)
+    dq, dk, dv = native.backward(plan, d_out, out, lse, **run)
+    k, v = (x.astype(np.float32) for x in (k, v))
+    if dk.shape != k.shape:  # one K/V broadcast to every head: its gradient sums over them
+        dk, dv = (g.reshape((-1,) + x.shape).sum(axis=0) for g, x in ((dk, k), (dv, v)))
+    f64 = [x.astype(np.float64) for x in (q, k, v, d_out)]
+    check_grads((dq, dk, dv), *f64, dtype=np.float32, **opts)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize(
     "kw",

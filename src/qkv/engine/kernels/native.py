@@ -177,8 +177,9 @@ def info() -> dict[str, Any]:
             if bf16
             else "K/V read as stored and widened to float32 a work item's keys at a time, "
             "then BLAS sgemm (no AVX512_BF16 here, or a narrower clone forced)",
-            "prefill, float16": "K/V read as stored and widened to float32 a work item's keys "
-            "at a time, then BLAS sgemm (no float16 products on x86 before AVX512_FP16)",
+            "prefill, its backward and varlen, float16": "K/V read as stored and widened to "
+            "float32 a work item's keys at a time, then BLAS sgemm (no float16 products on x86 "
+            "before AVX512_FP16)",
             "decode": "vector FMA in float32/float64; bfloat16, float16, int8 and float8 "
             "e4m3fn K/V widened to float32 in registers (the step is bound by the bytes read)",
         },
@@ -187,8 +188,8 @@ def info() -> dict[str, Any]:
             "grouped heads, sinks)": ok,
             "prefill forward and backward, bfloat16 tile products (causal, window, bool mask, "
             "float bias, grouped heads, sinks)": bf16,
-            "prefill forward and packed varlen walk, float16 or bfloat16 K/V read as stored "
-            "(the float32 kernels' cases)": ok,
+            "prefill forward and backward, packed varlen walk, float16 or bfloat16 K/V read "
+            "as stored (the float32 kernels' cases)": ok,
             "prefill backward (FlashAttention-2; the same cases)": ok,
             "packed varlen walk (float32, float64; causal, window, grouped heads)": ok,
             "decode step (float32, float64; K/V also stored as bfloat16, float16, int8, "
@@ -294,7 +295,7 @@ def attend(
     return out, lse
 
 
-_STORED = {"float16": "f16", "bfloat16": "bf16"}  # K/V forms the float32 prefill reads as stored
+_STORED = {"float16": "f16", "bfloat16": "bf16"}  # K/V forms the float32 kernels read as stored
 
 
 def _reads_stored(plan: Plan) -> bool:
@@ -348,6 +349,8 @@ def backward(
     """
     gemm = _blas()
     assert plan.v is not None  # supports() asks for values
+    if not _reads_stored(plan):
+        plan = plan.materialized()  # (itself when nothing is stored)
     dt = plan.acc_dtype
     batch, L, S, d, dv = plan.batch, plan.L, plan.S, plan.d, plan.dv
     dq = np.zeros(plan.q.shape, dtype=dt)
@@ -356,14 +359,18 @@ def backward(
     nq = int(np.prod(batch, dtype=np.int64))
     if nq == 0 or min(L, S, dv) == 0:
         return dq, dk, dvv
-    fields, arrays = backward_operands(plan.q, plan.k, plan.v, (d_out, out, lse), dt, dt)
+    function, k, v = f"qkv_backward_{_SUFFIX[dt]}", plan.k, plan.v
+    if plan.stored is not None:  # K/V read as stored, widened a key block at a time
+        k, v = (np.broadcast_to(x, y.shape) for x, y in zip(plan.stored, (k, v), strict=True))
+        function = f"qkv_backward_f32_{_STORED[k.dtype.name]}kv"
+    fields, arrays = backward_operands(plan.q, k, v, (d_out, out, lse), dt, dt)
     rule, held = _mask_and_rule(plan, workers(threads, blas=True), isa, gemm[dt], block_q, block_k)
     args = BackwardArgs(
         group=nq // int(np.prod(plan.k.shape[:-2])), L=L, S=S, d=d, dv=dv, **fields,
         dq=dq.ctypes.data, dk=dk.ctypes.data, dvo=dvv.ctypes.data, **rule,
     )  # fmt: skip
     with single_threaded_blas():
-        invoke(f"qkv_backward_{_SUFFIX[dt]}", args, "backward")
+        invoke(function, args, "backward")
     del held, arrays  # what the call read
     return dq, dk, dvv
 

@@ -151,7 +151,13 @@ _FAMILIES: tuple[tuple[type[ctypes.Structure], str, tuple[str, ...]], ...] = (
     (
         BackwardArgs,
         "qkv_backward_args_size",
-        ("qkv_backward_f32", "qkv_backward_f64", "qkv_backward_bf16"),
+        (
+            "qkv_backward_f32",
+            "qkv_backward_f64",
+            "qkv_backward_bf16",
+            "qkv_backward_f32_bf16kv",
+            "qkv_backward_f32_f16kv",
+        ),
     ),
     (
         VarlenArgs,

@@ -82,8 +82,10 @@ def backward(
     """
     if native_bf16.supports_backward(plan):  # bfloat16 tile products, K/V read in place
         return native_bf16.backward(plan, d_out, (out, lse))
-    plan = plan.materialized()
     d_out = d_out.astype(plan.acc_dtype, copy=False)  # grad keeps a bfloat16 dO for the above
+    if native.supports_stored(plan):  # float16 (or bfloat16) K/V widened a key block at a time
+        return native.backward(plan, d_out, out, lse)
+    plan = plan.materialized()
     if native.supports(plan):
         return native.backward(plan, d_out, out, lse)
     acc, g = plan.acc_dtype, plan.group

@@ -5,11 +5,13 @@
 //     dV += Pᵀ dO,  dP = dO Vᵀ,  dS = P ∘ (dP − delta) · scale,  dK += dSᵀ Q,  dQ += dS K
 //
 // with delta = rowsum(dO ∘ O). The products go through the caller's BLAS; the two elementwise
-// steps run in the vector clone the CPU supports (common.h).
+// steps run in the vector clone the CPU supports (common.h). K and V may also be stored as
+// bfloat16 or float16 (float32 compute): each task widens its key block's rows (widen.h).
 
 #include <mutex>
 
 #include "common.h"
+#include "widen.h"
 
 namespace {
 
@@ -73,13 +75,16 @@ BwdSteps pick_bwd(int isa) {
 // visits the kv head's query heads and their query blocks that see the key block. dQ rows are
 // shared between tasks of different key blocks: each query block's rows are added under a
 // lock.
+// kv_format: 0, K/V in T; else (T float) K/V stored as 16-bit floats of that format
+// (widen.h), each task widening its key block's rows into its buffers.
 template <typename T, typename Gemm>
-int run_backward(const qkv_backward_args& a) {
+int run_backward(const qkv_backward_args& a, int kv_format = 0) {
     const int64_t bq = std::max<int64_t>(1, a.block_q), bk = std::max<int64_t>(1, a.block_k);
     const int64_t nkb = (a.S + bk - 1) / bk, nqb = (a.L + bq - 1) / bq;
     const int64_t nq = a.nkv * a.group, ntasks = a.nkv * nkb;
     const int isa = chosen_isa(a.isa);
     const BwdSteps steps = pick_bwd<T>(isa);
+    const widen_t widen = kv_format ? pick_widen(isa, kv_format) : nullptr;
     const Gemm g = reinterpret_cast<Gemm>(a.gemm);
     const T* Q = static_cast<const T*>(a.q);
     const T* K = static_cast<const T*>(a.k);
@@ -99,11 +104,16 @@ int run_backward(const qkv_backward_args& a) {
     }
     struct Tiles {
         std::vector<T> s, dp;
+        std::vector<T> kc, vc;  // the key block's K/V rows, widened (stored K/V)
         std::vector<int64_t> lo, hi, jl, jh;
     };
     auto init = [&](Tiles& w) {
         w.s.resize(size_t(bq * bk));
         w.dp.resize(size_t(bq * bk));
+        if (widen) {
+            w.kc.resize(size_t(bk * a.d));
+            w.vc.resize(size_t(bk * a.dv));
+        }
         for (auto* x : {&w.lo, &w.hi, &w.jl, &w.jh}) x->resize(size_t(bq));
         return true;
     };
@@ -111,8 +121,23 @@ int run_backward(const qkv_backward_args& a) {
         std::vector<int64_t>&lo = w.lo, &hi = w.hi, &jl = w.jl, &jh = w.jh;
         const int64_t kvh = t % a.nkv, kb = t / a.nkv;  // early key blocks first (causal)
         const int64_t c0 = kb * bk, c1 = std::min(c0 + bk, a.S);
+        // K/V rows from `first` on: in place, or the block's rows widened into the buffers
         const T* k = K + a.k_off[kvh];
         const T* v = V + a.v_off[kvh];
+        int64_t k_rs = a.k_rs, v_rs = a.v_rs, first = 0;
+        if (widen) {
+            const uint16_t* k16 = static_cast<const uint16_t*>(a.k) + a.k_off[kvh];
+            const uint16_t* v16 = static_cast<const uint16_t*>(a.v) + a.v_off[kvh];
+            float* kc = reinterpret_cast<float*>(w.kc.data());
+            float* vc = reinterpret_cast<float*>(w.vc.data());
+            widen(k16 + c0 * a.k_rs, a.k_rs, c1 - c0, a.d, kc);
+            widen(v16 + c0 * a.v_rs, a.v_rs, c1 - c0, a.dv, vc);
+            k = w.kc.data();
+            v = w.vc.data();
+            k_rs = a.d;
+            v_rs = a.dv;
+            first = c0;
+        }
         T* dk = DK + (kvh * a.S) * a.d;
         T* dv = DV + (kvh * a.S) * a.dv;
         for (int64_t gi = 0; gi < a.group; ++gi) {
@@ -138,8 +163,8 @@ int run_backward(const qkv_backward_args& a) {
                 T* s = w.s.data();
                 T* dp = w.dp.data();
                 // S = scale · Q Kᵀ (nr x n)
-                gemm(g, "T", "N", int(n), int(nr), int(a.d), T(a.scale), k + e0 * a.k_rs,
-                     int(a.k_rs), q, int(a.q_rs), T(0), s, int(n));
+                gemm(g, "T", "N", int(n), int(nr), int(a.d), T(a.scale), k + (e0 - first) * k_rs,
+                     int(k_rs), q, int(a.q_rs), T(0), s, int(n));
                 BwdArgs ba;
                 ba.s = s;
                 ba.dp = dp;
@@ -162,16 +187,16 @@ int run_backward(const qkv_backward_args& a) {
                 gemm(g, "N", "T", int(a.dv), int(n), int(nr), T(1), dO, int(a.dv), s,
                      int(n), T(1), dv + e0 * a.dv, int(a.dv));
                 // dP = dO Vᵀ (nr x n)
-                gemm(g, "T", "N", int(n), int(nr), int(a.dv), T(1), v + e0 * a.v_rs,
-                     int(a.v_rs), dO, int(a.dv), T(0), dp, int(n));
+                gemm(g, "T", "N", int(n), int(nr), int(a.dv), T(1), v + (e0 - first) * v_rs,
+                     int(v_rs), dO, int(a.dv), T(0), dp, int(n));
                 steps.dscores(ba);  // dp = dS
                 // dK[e0:e1] += dSᵀ Q (column-major: dKᵀ += Qᵀ dS)
                 gemm(g, "N", "T", int(a.d), int(n), int(nr), T(1), q, int(a.q_rs), dp,
                      int(n), T(1), dk + e0 * a.d, int(a.d));
                 // dQ rows += dS K (column-major: dQᵀ += Kᵀ dSᵀ), under the block's lock
                 std::lock_guard<std::mutex> hold(locks[size_t(h * nqb + qb)]);
-                gemm(g, "N", "N", int(a.d), int(nr), int(n), T(1), k + e0 * a.k_rs,
-                     int(a.k_rs), dp, int(n), T(1), DQ + (h * a.L + r0 + ra) * a.d,
+                gemm(g, "N", "N", int(a.d), int(nr), int(n), T(1), k + (e0 - first) * k_rs,
+                     int(k_rs), dp, int(n), T(1), DQ + (h * a.L + r0 + ra) * a.d,
                      int(a.d));
             }
         }
@@ -185,6 +210,18 @@ extern "C" {
 int qkv_backward_f32(const qkv_backward_args* a) {
     if (!a || !a->gemm || a->L < 1 || a->S < 1 || a->d < 1 || a->dv < 1 || a->group < 1) return 2;
     return run_backward<float, sgemm_t>(*a);
+}
+
+// The float32 backward with K and V stored as bfloat16 or float16 (everything else float32;
+// K/V strides and offsets in their 16-bit elements).
+int qkv_backward_f32_bf16kv(const qkv_backward_args* a) {
+    if (!a || !a->gemm || a->L < 1 || a->S < 1 || a->d < 1 || a->dv < 1 || a->group < 1) return 2;
+    return run_backward<float, sgemm_t>(*a, 1);
+}
+
+int qkv_backward_f32_f16kv(const qkv_backward_args* a) {
+    if (!a || !a->gemm || a->L < 1 || a->S < 1 || a->d < 1 || a->dv < 1 || a->group < 1) return 2;
+    return run_backward<float, sgemm_t>(*a, 2);
 }
 
 int qkv_backward_f64(const qkv_backward_args* a) {
