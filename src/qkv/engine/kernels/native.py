@@ -276,6 +276,7 @@ def attend(
         return out, lse
     if not _reads_stored(plan):
         plan = plan.materialized()  # (itself when nothing is stored)
+    assert plan.v is not None  # materialized() keeps the values
     function = f"qkv_prefill_{_SUFFIX[dt]}"
     k, v = plan.k, plan.v
     if plan.stored is not None:  # K/V read as stored, widened a work item's keys at a time
@@ -348,9 +349,9 @@ def backward(
     pairs; a query head's ``dq`` rows are added under a lock per query block.
     """
     gemm = _blas()
-    assert plan.v is not None  # supports() asks for values
     if not _reads_stored(plan):
         plan = plan.materialized()  # (itself when nothing is stored)
+    assert plan.v is not None  # supports() asks for values
     dt = plan.acc_dtype
     batch, L, S, d, dv = plan.batch, plan.L, plan.S, plan.d, plan.dv
     dq = np.zeros(plan.q.shape, dtype=dt)
