@@ -157,6 +157,29 @@ struct Buffers {
     }
 };
 
+// Stored 16-bit K/V (widen.h): keys [klo, khi) of one kv head, rows k16 + j * k_rs and
+// v16 + j * v_rs, widened into buf's kc and vc, and b pointed at them. False without memory.
+template <typename T>
+bool widen_keys(widen_t widen, const uint16_t* k16, const uint16_t* v16, int64_t k_rs,
+                int64_t v_rs, int64_t klo, int64_t khi, int64_t d, int64_t dv, Buffers<T>& buf,
+                Block<T>& b) {
+    if (khi <= klo) return true;  // no key: nothing is read
+    try {
+        buf.kc.resize(size_t((khi - klo) * d));
+        buf.vc.resize(size_t((khi - klo) * dv));
+    } catch (const std::bad_alloc&) {
+        return false;
+    }
+    widen(k16 + klo * k_rs, k_rs, khi - klo, d, reinterpret_cast<float*>(buf.kc.data()));
+    widen(v16 + klo * v_rs, v_rs, khi - klo, dv, reinterpret_cast<float*>(buf.vc.data()));
+    b.k = buf.kc.data();
+    b.k_rs = d;
+    b.v = buf.vc.data();
+    b.v_rs = dv;
+    b.k_first = klo;
+    return true;
+}
+
 // The FlashAttention-2 recurrence over one block of query rows (see the top of the file).
 template <typename T, typename Gemm>
 void forward_block(const Block<T>& b, Shared<Gemm> sh, Buffers<T>& buf) {
@@ -295,25 +318,12 @@ int run(const qkv_prefill_args& a, int kv_format = 0) {
             int64_t klo, khi, unused;
             bounds(rule, a.S - a.L + r0, &klo, &unused);
             bounds(rule, a.S - a.L + r0 + b.rows - 1, &unused, &khi);
-            khi = std::max(khi, klo);
-            try {
-                buf.kc.resize(size_t(std::max<int64_t>(khi - klo, 1) * a.d));
-                buf.vc.resize(size_t(std::max<int64_t>(khi - klo, 1) * a.dv));
-            } catch (const std::bad_alloc&) {
+            const uint16_t* k16 = static_cast<const uint16_t*>(a.k) + a.k_off[h];
+            const uint16_t* v16 = static_cast<const uint16_t*>(a.v) + a.v_off[h];
+            if (!widen_keys(widen, k16, v16, a.k_rs, a.v_rs, klo, khi, a.d, a.dv, buf, b)) {
                 __atomic_store_n(&no_memory, 1, __ATOMIC_RELAXED);
                 return;
             }
-            const uint16_t* k16 = static_cast<const uint16_t*>(a.k) + a.k_off[h];
-            const uint16_t* v16 = static_cast<const uint16_t*>(a.v) + a.v_off[h];
-            float* kc = reinterpret_cast<float*>(buf.kc.data());
-            float* vc = reinterpret_cast<float*>(buf.vc.data());
-            widen(k16 + klo * a.k_rs, a.k_rs, khi - klo, a.d, kc);
-            widen(v16 + klo * a.v_rs, a.v_rs, khi - klo, a.dv, vc);
-            b.k = buf.kc.data();
-            b.k_rs = a.d;
-            b.v = buf.vc.data();
-            b.v_rs = a.dv;
-            b.k_first = klo;
         }
         b.out = OUT + (h * a.L + r0) * a.dv;
         b.out_rs = a.dv;
@@ -376,25 +386,13 @@ int run_varlen(const qkv_varlen_args& a, int kv_format = 0) {
         b.v = V + k0 * a.v_ts + kvh * a.v_hs;
         b.v_rs = a.v_ts;
         b.k_first = 0;
-        if (widen && khi > klo) {
-            try {
-                buf.kc.resize(size_t((khi - klo) * d));
-                buf.vc.resize(size_t((khi - klo) * dv));
-            } catch (const std::bad_alloc&) {
+        if (widen) {
+            const uint16_t* k16 = static_cast<const uint16_t*>(a.k) + k0 * a.k_ts + kvh * a.k_hs;
+            const uint16_t* v16 = static_cast<const uint16_t*>(a.v) + k0 * a.v_ts + kvh * a.v_hs;
+            if (!widen_keys(widen, k16, v16, a.k_ts, a.v_ts, klo, khi, d, dv, buf, b)) {
                 __atomic_store_n(&no_memory, 1, __ATOMIC_RELAXED);
                 return;
             }
-            const uint16_t* k16 = static_cast<const uint16_t*>(a.k) + k0 * a.k_ts + kvh * a.k_hs;
-            const uint16_t* v16 = static_cast<const uint16_t*>(a.v) + k0 * a.v_ts + kvh * a.v_hs;
-            float* kc = reinterpret_cast<float*>(buf.kc.data());
-            float* vc = reinterpret_cast<float*>(buf.vc.data());
-            widen(k16 + klo * a.k_ts, a.k_ts, khi - klo, d, kc);
-            widen(v16 + klo * a.v_ts, a.v_ts, khi - klo, dv, vc);
-            b.k = buf.kc.data();
-            b.k_rs = d;
-            b.v = buf.vc.data();
-            b.v_rs = dv;
-            b.k_first = klo;
         } else if (copy_kv && khi > klo) {
             try {
                 buf.kc.resize(size_t((khi - klo) * d));
