@@ -171,6 +171,29 @@ def test_native_step_reads_ml_dtypes_bfloat16_and_float16_arrays():
     assert native_decode.step(q, codes, codes, 0.1, kv_format="int8") is None
 
 
+@native
+@pytest.mark.parametrize("isa", ISAS)
+def test_native_step_widens_every_float16_code(isa):
+    """Every finite float16 code as a key, and every subnormal one as a value, through the
+    clone's own widening (F16C's conversion on AVX-512 and AVX2, integer operations on the
+    baseline): the reference's numbers on the same values."""
+    rng = np.random.default_rng(5)
+    codes = np.arange(2**16, dtype=np.uint16)
+    finite = rng.permutation(codes[(codes & 0x7C00) != 0x7C00])  # 63488 = 496 x 128 codes
+    k = finite.view(np.float16).reshape(1, 1, 496, 128)
+    sub = codes[((codes & 0x7C00) == 0) & ((codes & 0x3FF) != 0)]  # 2046 subnormal codes
+    q = (rng.standard_normal((1, 2, 1, 128)) * 1e-6).astype(np.float32)
+    for v in (rng.choice(sub, (1, 1, 496, 128)).view(np.float16), k[..., ::-1, :].copy()):
+        out, lse = native_decode.step(q, k, v, 1.0, isa=isa, threads=2)
+        want, want_lse = reference.attention(
+            q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), scale=1.0,
+            return_lse=True,
+        )  # fmt: skip
+        top = float(np.abs(v.astype(np.float64)).max())
+        np.testing.assert_allclose(out, want, rtol=F32, atol=F32 * top)
+        np.testing.assert_allclose(lse, want_lse, rtol=F32, atol=F32)
+
+
 # --- the KV cache in each form --------------------------------------------------------------
 
 

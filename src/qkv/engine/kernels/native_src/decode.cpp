@@ -14,6 +14,10 @@
 
 #include "common.h"
 
+#if QKV_X86
+#include <immintrin.h>
+#endif
+
 namespace {
 
 constexpr int64_t DECODE_BK = 64;  // keys per score block
@@ -182,9 +186,10 @@ QKV_INLINE void strided_order(float* x, int64_t rows, int64_t n, int P, bool to_
     }
 }
 
-// IEEE half precision, widened with integer operations (GCC converts vectors of _Float16 one
-// lane at a time): a normal value's fields move into a float32's with the exponent bias raised
-// by 112; a subnormal one is its mantissa times 2^-24; infinities and NaN keep their kind.
+// IEEE half precision, widened with integer operations in the baseline clone (the AVX-512 and
+// AVX2 clones use F16C's conversion: read_line below; GCC converts vectors of _Float16 one lane
+// at a time): a normal value's fields move into a float32's with the exponent bias raised by
+// 112; a subnormal one is its mantissa times 2^-24; infinities and NaN keep their kind.
 template <>
 struct Kv<float, F16> {
     static constexpr bool scaled = false;
@@ -219,6 +224,40 @@ struct Kv<float, F16> {
         std::memcpy(out, x, sizeof(x));
     }
 };
+
+// A float16 line by the CPU's own conversion (F16C's vcvtph2ps, exact for every value, NaN
+// kept NaN) in the clones that have it: about three times faster than the integer widening
+// above, which the baseline clone keeps. read_line() picks by the clone's lanes.
+#if QKV_X86
+QKV_AVX512 inline void f16_line_avx512(const F16* p, void* out) {
+    float* y = static_cast<float*>(out);
+    _mm512_storeu_ps(y, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+    _mm512_storeu_ps(y + 16,
+                     _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16))));
+}
+
+QKV_AVX2 inline void f16_line_avx2(const F16* p, void* out) {
+    float* y = static_cast<float*>(out);
+    for (int c = 0; c < 4; ++c)
+        _mm256_storeu_ps(y + 8 * c,
+                         _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8 * c))));
+}
+#endif
+
+// One line of stored K or V (64 bytes) widened into out, in the clone of `LANES` lanes.
+template <typename T, typename E, int LANES>
+QKV_INLINE void read_line(const E* p, void* out) {
+#if QKV_X86
+    if constexpr (std::is_same<E, F16>::value && LANES == 16) {
+        f16_line_avx512(p, out);
+        return;
+    } else if constexpr (std::is_same<E, F16>::value && LANES == 8) {
+        f16_line_avx2(p, out);
+        return;
+    }
+#endif
+    Kv<T, E>::line(p, out);
+}
 
 // An 8-bit format's line is read as 16 words of 4 codes, vector p holding each word's byte p
 // (values 4i + p, strided_order): shifts and masks within the lanes, no permutes. GCC widens
@@ -497,7 +536,7 @@ QKV_INLINE void score_tile(const T* __restrict q, const E* __restrict k, int64_t
     for (int l = 0; l < LK; ++l) {
         V kv[KB][NVL];
         if constexpr (!KV::direct)
-            for (int kk = 0; kk < KB; ++kk) KV::line(k + kk * k_rs + l * EL, kv[kk]);
+            for (int kk = 0; kk < KB; ++kk) read_line<T, E, LANES>(k + kk * k_rs + l * EL, kv[kk]);
         for (int p = 0; p < NVL; ++p) {
             for (int i = 0; i < RB; ++i) {
                 const V qv = load<V>(q + i * D + (l * NVL + p) * W);
@@ -549,7 +588,8 @@ QKV_INLINE void value_tile(T* __restrict acc, const T* __restrict w, const T* __
         if constexpr (KV::direct)
             for (int c = 0; c < CV; ++c) y[c] = load<V>(vl + j * v_rs + c * W);
         else
-            for (int g = 0; g < CV / NVL; ++g) KV::line(vl + j * v_rs + g * EL, y + g * NVL);
+            for (int g = 0; g < CV / NVL; ++g)
+                read_line<T, E, int(sizeof(V) / 4)>(vl + j * v_rs + g * EL, y + g * NVL);
         for (int i = 0; i < RB; ++i) {
             const V wij = V{} + w[i * DECODE_BK + j];
             for (int c = 0; c < CV; ++c) x[i][c] += wij * y[c];
