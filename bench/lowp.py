@@ -8,7 +8,8 @@ scaled_dot_product_attention in the same dtype, in one process.
 Tables (PyTorch and qkv at ``--threads``, default every core this process may use):
 
 - decode B8 and B1, H32 over 8 kv heads, S 4096, d 128, one query each: qkv.attention on
-  bfloat16 tensors (K/V read in place by the native decode step), on float32 tensors, and
+  bfloat16 and float16 tensors (K/V read in place by the native decode step; float16 rows
+  against SDPA in float16), on float32 tensors, and
   qkv.KVCache storing K/V as bfloat16, int8 and float8 e4m3fn; PyTorch's SDPA on the bfloat16
   tensors. Each row: time, ratio to SDPA, K/V bytes read per second and that rate's share of
   this machine's read rate (``bench/machine.py``'s, measured at the start).
@@ -19,10 +20,11 @@ Tables (PyTorch and qkv at ``--threads``, default every core this process may us
   row's share of this machine's bfloat16 matrix-product rate. The forward in float16 too (qkv:
   the float32 kernel reading K/V as stored), against SDPA in float16.
 
-The decode and ragged rows are timed as a model calls attention: one call per layer over a few
-layers, each with K/V of its own (at least 96 MiB together, three times the last cache of the
-machine this was written on), so that every call reads its K/V from memory and finds the
-threads of the call before it still warm; the time is per call. (Timing one call after a pause,
+The decode and ragged rows are timed as a model calls attention: a few decoding steps (16
+calls at least), one call per layer over a few layers, each with K/V of its own (at least 96 MiB
+together, three times the last cache of the machine this was written on), so that every call
+reads its K/V from memory and finds the threads of the call before it still warm; the time is
+per call. (Timing one call after a pause,
 as the prefill rows do, charges a 1 ms decoding step with waking the cores and threads.)
 """
 
@@ -66,15 +68,20 @@ def _layers(nbytes: int) -> int:
     return max(2, -(-(96 << 20) // nbytes))
 
 
-def _per_layer(calls: list[Callable[[], Any]]) -> Callable[[], None]:
-    """One call per layer, in order, as one timed run (``race`` divides by nothing: the
-    caller divides by the number of layers)."""
+STEPS_CALLS = 16  # calls per timed run at least: a few decoding steps of the model
+
+
+def _steps(calls: list[Callable[[], Any]]) -> tuple[Callable[[], None], int]:
+    """A timed run of whole decoding steps, one call per layer in order, at least
+    :data:`STEPS_CALLS` calls; and its number of calls (the caller divides by it)."""
+    steps = max(1, -(-STEPS_CALLS // len(calls)))
 
     def run() -> None:
-        for call in calls:
-            call()
+        for _ in range(steps):
+            for call in calls:
+                call()
 
-    return run
+    return run, steps * len(calls)
 
 
 def decode(b: int, repeat: int, read: float) -> None:
@@ -86,35 +93,44 @@ def decode(b: int, repeat: int, read: float) -> None:
     qb, qn = q.bfloat16(), q.numpy()
     sdpa = torch.nn.functional.scaled_dot_product_attention
     calls: dict[str, list[Callable[[], Any]]] = {}
+    qh = q.half()
     for _ in range(layers):
         k, v = (torch.randn(b, hkv, s, d, generator=g) for _ in range(2))
         kb, vb = k.bfloat16(), v.bfloat16()
+        kh, vh = k.half(), v.half()
         forms = ("bfloat16", "int8", "float8_e4m3fn")
         caches = {f: _cache(f, k.numpy(), v.numpy(), [s] * b) for f in forms}
 
-        def peer(kb=kb, vb=vb) -> None:
+        def peer(q=qb, k=kb, v=vb) -> None:
             with torch.no_grad():
-                sdpa(qb, kb, vb, enable_gqa=True)
+                sdpa(q, k, v, enable_gqa=True)
 
         layer = {
             "torch sdpa bfloat16": peer,
             "qkv bfloat16 tensors": lambda kb=kb, vb=vb: qkv.attention(qb, kb, vb),
+            "torch sdpa float16": lambda kh=kh, vh=vh: peer(qh, kh, vh),
+            "qkv float16 tensors": lambda kh=kh, vh=vh: qkv.attention(qh, kh, vh),
             "qkv float32 tensors": lambda k=k, v=v: qkv.attention(q, k, v),
             **{f"qkv KVCache {f}": (lambda c=c: c.attend(qn)) for f, c in caches.items()},
         }
         for name, call in layer.items():
             calls.setdefault(name, []).append(call)
-    best = _common.race({n: _per_layer(c) for n, c in calls.items()}, repeat=repeat)
-    best = {n: t / layers for n, t in best.items()}
+    runs = {n: _steps(c) for n, c in calls.items()}
+    best = _common.race({n: run for n, (run, _) in runs.items()}, repeat=repeat)
+    best = {n: t / runs[n][1] for n, t in best.items()}
     nbytes = {
         "torch sdpa bfloat16": 2 * kv,
         "qkv bfloat16 tensors": 2 * kv,
+        "torch sdpa float16": 2 * kv,
+        "qkv float16 tensors": 2 * kv,
         "qkv float32 tensors": 4 * kv,
         "qkv KVCache bfloat16": 2 * kv,
         "qkv KVCache int8": kv + 2 * b * hkv * s * 4,
         "qkv KVCache float8_e4m3fn": kv + 2 * b * hkv * s * 4,
     }
-    rows = [_row(n, t, best["torch sdpa bfloat16"], nbytes[n], read) for n, t in best.items()]
+    half = ("torch sdpa float16", "qkv float16 tensors")  # against SDPA in float16
+    peer_of = {n: best[half[0] if n in half else "torch sdpa bfloat16"] for n in best}
+    rows = [_row(n, t, peer_of[n], nbytes[n], read) for n, t in best.items()]
     print(
         f"\ndecode B{b} H{h} (kv {hkv}) S{s} d{d}, one query each; per call, one call per "
         f"layer over {layers} layers; {_common.threads_info()}"
@@ -156,8 +172,9 @@ def ragged(repeat: int, read: float) -> None:
         }
         for name, call in layer.items():
             calls.setdefault(name, []).append(call)
-    best = _common.race({n: _per_layer(c) for n, c in calls.items()}, repeat=repeat)
-    best = {n: t / layers for n, t in best.items()}
+    runs = {n: _steps(c) for n, c in calls.items()}
+    best = _common.race({n: run for n, (run, _) in runs.items()}, repeat=repeat)
+    best = {n: t / runs[n][1] for n, t in best.items()}
     rows = []
     for name, t in best.items():
         item = 4 if "float32" in name else 2
