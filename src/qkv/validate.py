@@ -236,6 +236,13 @@ class Plan:
             stored=None,
         )
 
+    def stored_kv(self) -> tuple[np.ndarray, np.ndarray]:
+        """The :attr:`stored` K and V as given, broadcast to the shapes of ``k`` and ``v``
+        (views: what a kernel that reads them in place takes)."""
+        assert self.stored is not None and self.v is not None  # stored plans carry values
+        k, v = self.stored
+        return np.broadcast_to(k, self.k.shape), np.broadcast_to(v, self.v.shape)
+
     @classmethod
     def trusted(cls, **fields: Any) -> Plan:
         """A plan from fields checked already, filled in one step: a frozen dataclass's

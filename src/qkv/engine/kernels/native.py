@@ -276,12 +276,7 @@ def attend(
         return out, lse
     if not _reads_stored(plan):
         plan = plan.materialized()  # (itself when nothing is stored)
-    assert plan.v is not None  # materialized() keeps the values
-    function = f"qkv_prefill_{_SUFFIX[dt]}"
-    k, v = plan.k, plan.v
-    if plan.stored is not None:  # K/V read as stored, widened a work item's keys at a time
-        k, v = (np.broadcast_to(x, y.shape) for x, y in zip(plan.stored, (k, v), strict=True))
-        function = f"qkv_prefill_f32_{_STORED[k.dtype.name]}kv"
+    function, k, v = _reading(plan, "prefill")
     fields, arrays = prefill_operands(plan.q, k, v, plan.group)
     n = workers(threads, blas=True)  # BLAS tiles: one thread unless BLAS can be held
     block_q = _fit_rows(block_q, lambda bq: nb * -(-L // bq), n)
@@ -309,6 +304,17 @@ def _reads_stored(plan: Plan) -> bool:
         and stored[1].dtype == stored[0].dtype
         and plan.acc_dtype == np.float32
     )
+
+
+def _reading(plan: Plan, family: str) -> tuple[str, np.ndarray, np.ndarray]:
+    """The library function of ``family`` (``"prefill"``, ``"backward"``) for ``plan`` and
+    the K and V it reads: stored float16/bfloat16 ones as given (each work item widens what it
+    reads), else the plan's own in the compute dtype."""
+    if plan.stored is None:
+        assert plan.v is not None  # supports() asks for values
+        return f"qkv_{family}_{_SUFFIX[plan.acc_dtype]}", plan.k, plan.v
+    k, v = plan.stored_kv()
+    return f"qkv_{family}_f32_{_STORED[k.dtype.name]}kv", k, v
 
 
 def supports_stored(plan: Plan) -> bool:
@@ -360,10 +366,7 @@ def backward(
     nq = int(np.prod(batch, dtype=np.int64))
     if nq == 0 or min(L, S, dv) == 0:
         return dq, dk, dvv
-    function, k, v = f"qkv_backward_{_SUFFIX[dt]}", plan.k, plan.v
-    if plan.stored is not None:  # K/V read as stored, widened a key block at a time
-        k, v = (np.broadcast_to(x, y.shape) for x, y in zip(plan.stored, (k, v), strict=True))
-        function = f"qkv_backward_f32_{_STORED[k.dtype.name]}kv"
+    function, k, v = _reading(plan, "backward")
     fields, arrays = backward_operands(plan.q, k, v, (d_out, out, lse), dt, dt)
     rule, held = _mask_and_rule(plan, workers(threads, blas=True), isa, gemm[dt], block_q, block_k)
     args = BackwardArgs(

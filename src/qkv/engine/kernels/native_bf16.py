@@ -122,7 +122,7 @@ def attend(plan: Plan, *, threads: int | None = None) -> tuple[np.ndarray, np.nd
     nb = int(np.prod(batch, dtype=np.int64))
     if nb == 0:
         return out, lse
-    fields, arrays = prefill_operands(plan.q, *_stored(plan), plan.group)
+    fields, arrays = prefill_operands(plan.q, *plan.stored_kv(), plan.group)
     masking, masks = mask_operand(plan.mask, plan.bias, batch + (L, plan.S))
     args = PrefillArgs(
         nb=nb, L=L, S=plan.S, d=plan.d, dv=dv, out=out.ctypes.data, lse=lse.ctypes.data,
@@ -165,7 +165,7 @@ def backward(
     q = plan.q.astype(bf16)  # exact: q holds bfloat16 values
     out = forward[0]
     fields, arrays = backward_operands(
-        q, *_stored(plan), (d_out, *forward), bf16, f32, delta_from_out=out.dtype == bf16
+        q, *plan.stored_kv(), (d_out, *forward), bf16, f32, delta_from_out=out.dtype == bf16
     )
     masking, masks = mask_operand(plan.mask, plan.bias, plan.batch + (plan.L, plan.S))
     args = BackwardArgs(
@@ -175,13 +175,6 @@ def backward(
     invoke("qkv_backward_bf16", args, "bfloat16 backward")
     del arrays, masks  # what the call read
     return dq, dk, dvv
-
-
-def _stored(plan: Plan) -> tuple[np.ndarray, np.ndarray]:
-    """The plan's stored K and V, broadcast to its kv heads' shapes (views)."""
-    assert plan.stored is not None and plan.v is not None  # supports() asks for them
-    k, v = plan.stored
-    return np.broadcast_to(k, plan.k.shape), np.broadcast_to(v, plan.v.shape)
 
 
 def _rule(plan: Plan, threads: int | None) -> dict[str, Any]:
