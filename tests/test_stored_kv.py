@@ -194,6 +194,29 @@ def test_native_step_widens_every_float16_code(isa):
         np.testing.assert_allclose(lse, want_lse, rtol=F32, atol=F32)
 
 
+@native
+@pytest.mark.parametrize("isa", ISAS)
+def test_native_step_widens_every_e4m3_code(isa):
+    """Every float8 e4m3fn code but NaN, subnormal ones included, as keys and as values (with
+    scales per token) through each clone: the reference on :func:`qkv.dequantize_kv`'s values."""
+    rng = np.random.default_rng(6)
+    codes = np.array([c for c in range(256) if c & 0x7F != 0x7F], dtype=np.uint8)  # 254
+    kc = rng.permutation(np.tile(codes, 64)).reshape(1, 1, 127, 128)
+    vc = rng.permutation(np.tile(codes, 64)).reshape(1, 1, 127, 128)
+    ks, vs = (rng.uniform(1e-4, 1e-2, (1, 1, 127)).astype(np.float32) for _ in "kv")
+    q = rng.standard_normal((1, 3, 1, 128)).astype(np.float32)
+    out, lse = native_decode.step(
+        q, kc, vc, 0.1, kv_format="float8_e4m3fn", k_scale=ks, v_scale=vs, isa=isa, threads=2
+    )
+    kd, vd = (
+        qkv.dequantize_kv(c, sc, "float8_e4m3fn").astype(np.float64)
+        for c, sc in ((kc, ks), (vc, vs))
+    )
+    want, want_lse = reference.attention(q.astype(np.float64), kd, vd, scale=0.1, return_lse=True)
+    np.testing.assert_allclose(out, want, rtol=F32, atol=F32 * float(np.abs(vd).max()))
+    np.testing.assert_allclose(lse, want_lse, rtol=F32, atol=F32)
+
+
 # --- the KV cache in each form --------------------------------------------------------------
 
 

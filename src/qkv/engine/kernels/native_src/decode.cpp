@@ -282,9 +282,10 @@ struct Kv<float, I8> {  // int8 codes
     }
 };
 
-// float8 e4m3fn codes: sign, 4 exponent bits (bias 7), 3 mantissa bits, no infinities. A
-// normal code's fields move into a float32's with the exponent bias raised by 120; a
-// subnormal one (exponent 0) is its mantissa times 2^-9.
+// float8 e4m3fn codes: sign, 4 exponent bits (bias 7), 3 mantissa bits, no infinities (the
+// NaN code, never stored by quantize_kv, reads as 480). get(): a normal code's fields move
+// into a float32's with the exponent bias raised by 120; a subnormal one (exponent 0) is its
+// mantissa times 2^-9.
 template <>
 struct Kv<float, E4m3> {
     static constexpr bool scaled = true;
@@ -304,21 +305,22 @@ struct Kv<float, E4m3> {
         }
         return f;
     }
+    // The code's magnitude bits go to float32's bits 20..26 (exponent 0..15, 3 mantissa bits)
+    // and its sign to bit 31: that float32 (a subnormal one for exponent 0) times 2^120 is the
+    // code's value, exactly, for normal and subnormal codes alike.
     static QKV_INLINE void line(const E4m3* p, void* out) {
         typedef U32x16 U;
         typedef F32x16 V;
         U ws;
         std::memcpy(&ws, p, 64);
+        const U mags[4] = {ws << 20, ws << 12, ws << 4, ws >> 4};
+        const U signs[4] = {ws << 24, ws << 16, ws << 8, ws};
         for (int c = 0; c < 4; ++c) {
-            const U w = (ws >> (8 * c)) & 0xFF;
-            const U mag = w & 0x7F, sign = (w & 0x80) << 24;
-            const U normal = sign | ((mag << 20) + (120u << 23));
-            const V sub = __builtin_convertvector(I32x16(mag), V) * 0x1p-9f;
-            U subu;
-            std::memcpy(&subu, &sub, sizeof(U));
-            const U small = U((I32x16(mag >> 3) - 1) >> 31);  // exponent 0: subnormal
-            const U bits = pick(small, subu | sign, normal);
-            std::memcpy(static_cast<char*>(out) + 64 * c, &bits, 64);
+            const U bits = (mags[c] & 0x07F00000u) | (signs[c] & 0x80000000u);
+            V x;
+            std::memcpy(&x, &bits, sizeof(V));
+            x *= 0x1p120f;
+            std::memcpy(static_cast<char*>(out) + 64 * c, &x, 64);
         }
     }
 };
