@@ -16,11 +16,14 @@ from hypothesis import strategies as st
 
 import qkv
 from qkv import reference
-from qkv.engine.kernels import native_decode
+from qkv.engine.kernels import native_bf16, native_decode
 from qkv.engine.quant import _e4m3_bits, _e4m3_values, storage_dtype
 
 FORMS = ["bfloat16", "float16", "int8", "float8_e4m3fn"]
 ISAS = [1, 2, 3]  # capped by the CPU: a clone it cannot run falls back to a narrower one
+# and AVX-512 with AVX512_BF16 (native_bf16.ISA): bfloat16 keys' scores on vdpbf16ps for query
+# rows of bfloat16 values (elsewhere the AVX-512 clone, or narrower)
+STEP_ISAS = [*ISAS, 4]
 F32 = 2e-5  # float32 compute against the float64 reference on the same stored values
 native = pytest.mark.skipif(
     not native_decode.available(), reason="native kernels not built (or QKV_NATIVE=0)"
@@ -29,6 +32,11 @@ native = pytest.mark.skipif(
 
 def _dequantized(x, form):
     return qkv.dequantize_kv(*qkv.quantize_kv(x, form), form).astype(np.float64)
+
+
+def _bf16_values(x):
+    """float32 ``x`` cut to bfloat16 values (the low 16 bits of each float32 cleared)."""
+    return (x.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
 
 
 # --- the forms' reference ------------------------------------------------------------------
@@ -123,16 +131,19 @@ def test_bad_forms_are_named(call, error, match):
     L=st.integers(1, 3),
     S=st.integers(1, 700),
     batch=st.integers(1, 3),
-    isa=st.sampled_from(ISAS),
+    isa=st.sampled_from(STEP_ISAS),
     threads=st.integers(1, 2),
     softcap=st.sampled_from([None, 20.0]),
+    q_bf16=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_native_step_equals_reference_on_stored_values(
-    form, d, kv_heads, group, L, S, batch, isa, threads, softcap, seed
+    form, d, kv_heads, group, L, S, batch, isa, threads, softcap, q_bf16, seed
 ):
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((batch, kv_heads * group, L, d)).astype(np.float32)
+    if q_bf16:  # a bfloat16 model's queries: bfloat16 values (vdpbf16ps's road, isa 4)
+        q = _bf16_values(q)
     k = (rng.standard_normal((batch, kv_heads, S, d)) * 2).astype(np.float32)
     v = rng.standard_normal((batch, kv_heads, S, d)).astype(np.float32)
     kc, ks = qkv.quantize_kv(k, form)
@@ -152,6 +163,88 @@ def test_native_step_equals_reference_on_stored_values(
             q[b].astype(np.float64), kd[b], vd[b], mask=keep, softcap=softcap
         )
         np.testing.assert_allclose(got[0][b], want, atol=F32, rtol=F32)
+
+
+@native
+@settings(max_examples=30, deadline=None)
+@given(
+    d=st.sampled_from([64, 128, 96]),
+    kv_heads=st.integers(1, 3),
+    group=st.integers(1, 6),
+    L=st.integers(1, 3),
+    S=st.integers(1, 600),
+    batch=st.integers(1, 2),
+    threads=st.integers(1, 2),
+    softcap=st.sampled_from([None, 20.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_bfloat16_queries_on_bfloat16_keys_equal_reference(
+    d, kv_heads, group, L, S, batch, threads, softcap, seed
+):
+    """The road of a bfloat16 model's step: bfloat16 query values against bfloat16 K/V (on
+    vdpbf16ps where the CPU has AVX512_BF16, for head sizes 64 and 128; rows of any size and
+    count, ragged runs of keys), the reference's numbers on the same values."""
+    rng = np.random.default_rng(seed)
+    q = _bf16_values(rng.standard_normal((batch, kv_heads * group, L, d)).astype(np.float32))
+    k, v = (
+        qkv.quantize_kv((rng.standard_normal((batch, kv_heads, S, d)) * 2).astype(np.float32),
+                        "bfloat16")[0]
+        for _ in range(2)
+    )  # fmt: skip
+    lo = rng.integers(0, S, batch).astype(np.int64)
+    hi = (lo + rng.integers(1, S - lo + 1)).astype(np.int64)
+    out, lse = native_decode.step(
+        q, k, v, d**-0.5, lo, hi, kv_format="bfloat16", threads=threads, softcap=softcap
+    )
+    kd, vd = (qkv.dequantize_kv(c, None, "bfloat16").astype(np.float64) for c in (k, v))
+    for b in range(batch):
+        keep = np.zeros(S, bool)
+        keep[lo[b] : hi[b]] = True
+        want, want_lse = reference.attention(
+            q[b].astype(np.float64), kd[b], vd[b], mask=keep, softcap=softcap, return_lse=True
+        )
+        np.testing.assert_allclose(out[b], want, atol=F32, rtol=F32)
+        np.testing.assert_allclose(lse[b], want_lse, atol=F32, rtol=F32)
+
+
+@native
+@pytest.mark.parametrize("isa", STEP_ISAS)
+def test_bfloat16_scores_keep_subnormal_queries_against_large_keys(isa):
+    """A subnormal query value against keys near bfloat16's top makes a score of order one.
+    vdpbf16ps reads subnormal operands as 0, so rows holding one take the widening road: the
+    reference's numbers, not a uniform softmax."""
+    rng = np.random.default_rng(11)
+    d, S = 128, 200
+    q = np.full((1, 4, 1, d), 2.0**-130, np.float32)  # bfloat16 values, all subnormal
+    q[0, 1] *= -1.0
+    k = rng.choice([-1.0, 1.0], (1, 1, S, d)) * rng.integers(1, 9, (1, 1, S, d)) * 2.0**123
+    v = rng.standard_normal((1, 1, S, d))
+    kc, _ = qkv.quantize_kv(k.astype(np.float32), "bfloat16")
+    vc, _ = qkv.quantize_kv(v.astype(np.float32), "bfloat16")
+    out, _ = native_decode.step(q, kc, vc, d**-0.5, kv_format="bfloat16", isa=isa, threads=2)
+    kd, vd = (qkv.dequantize_kv(c, None, "bfloat16").astype(np.float64) for c in (kc, vc))
+    want = reference.attention(q.astype(np.float64), kd, vd)
+    assert np.ptp(want[0, 0, 0]) > 0.1  # the scores are far from equal
+    np.testing.assert_allclose(out, want, atol=F32, rtol=F32)
+
+
+@native
+@pytest.mark.skipif(not native_bf16.available(), reason="needs AVX512_BF16 (vdpbf16ps) on this CPU")
+def test_bfloat16_queries_take_the_dot_product_road():
+    """With AVX512_BF16, bfloat16 query rows against bfloat16 keys are scored by vdpbf16ps
+    (isa 4, the default), float32 ones by the widening FMAs: both the reference's numbers, and
+    the two roads' sums (in different orders) not the same bits."""
+    rng = np.random.default_rng(12)
+    q = _bf16_values(rng.standard_normal((2, 8, 1, 128)).astype(np.float32))
+    k, v = (qkv.quantize_kv(x, "bfloat16")[0] for x in rng.standard_normal((2, 2, 2, 500, 128)))
+    kd, vd = (qkv.dequantize_kv(c, None, "bfloat16").astype(np.float64) for c in (k, v))
+    want = reference.attention(q.astype(np.float64), kd, vd)
+    outs = {}
+    for isa in (0, 3, 4):
+        outs[isa], _ = native_decode.step(q, k, v, 128**-0.5, kv_format="bfloat16", isa=isa)
+        np.testing.assert_allclose(outs[isa], want, atol=F32, rtol=F32)
+    np.testing.assert_array_equal(outs[0], outs[4])  # the default is the dot-product road
+    assert not np.array_equal(outs[3], outs[4])
 
 
 @native

@@ -181,7 +181,13 @@ def info() -> dict[str, Any]:
             "float32 a work item's keys at a time, then BLAS sgemm (no float16 products on x86 "
             "before AVX512_FP16)",
             "decode": "vector FMA in float32/float64; bfloat16, float16, int8 and float8 "
-            "e4m3fn K/V widened to float32 in registers (the step is bound by the bytes read)",
+            "e4m3fn K/V widened to float32 in registers (the step is bound by the bytes read)"
+            + (
+                "; bfloat16 keys against queries of bfloat16 values (head size 64 or 128) "
+                "scored by vdpbf16ps (AVX512_BF16), keys read as stored"
+                if bf16
+                else ""
+            ),
         },
         "kernels": {
             "prefill forward (float32, float64; causal, window, bool mask, float bias, "

@@ -20,21 +20,11 @@
 #if QKV_X86
 #include <immintrin.h>
 
-#define QKV_BF16                                                                      \
-    __attribute__((target("avx512f,avx512vl,avx512dq,avx512bw,avx512bf16,fma," \
-                          "prefer-vector-width=512")))
-
 namespace {
 
 constexpr int64_t LANES = 64;  // the output lanes of one tile step: 4 vectors of 16
 constexpr int LV = 4;
 constexpr int NI_MAX = 6;  // output rows per tile step
-
-// Whether this CPU runs the bfloat16 kernels: AVX-512 with AVX512_BF16.
-inline bool cpu_has_bf16() {
-    __builtin_cpu_init();
-    return best_isa() == 3 && __builtin_cpu_supports("avx512bf16");
-}
 
 // float32 -> bfloat16 bits, rounding to nearest even (NaN stays NaN).
 QKV_INLINE uint32_t bf16_bits(float x) {

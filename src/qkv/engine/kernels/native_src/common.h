@@ -28,6 +28,11 @@
 #define QKV_AVX512 \
     __attribute__((target("avx512f,avx512vl,avx512dq,avx512bw,fma,prefer-vector-width=512")))
 #define QKV_AVX2 __attribute__((target("avx2,fma,f16c")))
+// AVX-512 with AVX512_BF16's vdpbf16ps: the bfloat16 prefill and backward (bf16.h) and the
+// decode step's bfloat16 scores (decode.cpp); cpu_has_bf16() says whether this CPU runs it.
+#define QKV_BF16                                                                      \
+    __attribute__((target("avx512f,avx512vl,avx512dq,avx512bw,avx512bf16,fma," \
+                          "prefer-vector-width=512")))
 #else
 #define QKV_X86 0
 #endif
@@ -80,6 +85,14 @@ inline int best_isa() {
 #endif
     return 1;
 }
+
+#if QKV_X86
+// Whether this CPU runs the QKV_BF16 code: AVX-512 with AVX512_BF16.
+inline bool cpu_has_bf16() {
+    __builtin_cpu_init();
+    return best_isa() == 3 && __builtin_cpu_supports("avx512bf16");
+}
+#endif
 
 // The clone a call asked for (0: the widest), capped at what the CPU runs.
 QKV_INLINE int chosen_isa(int64_t asked) {

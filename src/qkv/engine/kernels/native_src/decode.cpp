@@ -568,6 +568,43 @@ QKV_INLINE void score_tile(const T* __restrict q, const E* __restrict k, int64_t
         for (int kk = 0; kk < KB; ++kk) s[i * DECODE_BK + kk] = out[i * KB + kk];
 }
 
+#if QKV_X86
+// score_tile for bfloat16 keys and query rows whose values are bfloat16 (q, the rows' bits,
+// unscaled, rows D apart): vdpbf16ps takes a key line's 32 values as stored, with no widening,
+// and its products are exact, summed in float32 as the FMAs of score_tile sum them; the scale
+// multiplies each sum. It reads a subnormal bfloat16 as 0 and flushes a subnormal sum to 0:
+// the rows it is given have none (rows_are_bf16), and with theirs below 2^64 the keys' and the
+// sums' change a score by less than d · 2^-62, far below float32's rounding of the weights.
+template <int D, int RB, int KB>
+QKV_BF16 inline void score_tile_dp(const uint16_t* __restrict q, const Bf16* __restrict k,
+                                 int64_t k_rs, float scale, float* __restrict s) {
+    __m512 x[RB][KB];
+    for (int i = 0; i < RB; ++i)
+        for (int kk = 0; kk < KB; ++kk) x[i][kk] = _mm512_setzero_ps();
+    for (int l = 0; l < D / 32; ++l) {
+        __m512bh kv[KB];
+        for (int kk = 0; kk < KB; ++kk) kv[kk] = (__m512bh)_mm512_loadu_si512(k + kk * k_rs + l * 32);
+        for (int i = 0; i < RB; ++i) {
+            const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + i * D + l * 32);
+            for (int kk = 0; kk < KB; ++kk) x[i][kk] = _mm512_dpbf16_ps(x[i][kk], qv, kv[kk]);
+        }
+    }
+    constexpr int NX = RB * KB;
+    F32x16 flat[NX];
+    std::memcpy(flat, x, sizeof(flat));
+    float out[NX];
+    if constexpr (NX == 16) {
+        lane_sums16(flat, out);
+    } else if constexpr (NX % 4 == 0) {
+        for (int f = 0; f < NX; f += 4) lane_sums4(flat + f, out + f);
+    } else {
+        for (int f = 0; f < NX; ++f) out[f] = lane_sum<float>(flat[f]);
+    }
+    for (int i = 0; i < RB; ++i)
+        for (int kk = 0; kk < KB; ++kk) s[i * DECODE_BK + kk] = out[i * KB + kk] * scale;
+}
+#endif
+
 // RB rows' accumulators' registers [c0, c0 + CV) (acc, rows DV apart, in line()'s order)
 // scaled by alpha[i], plus the n weighted value rows w[i * DECODE_BK + j] · v[j]: held in
 // registers over the block, each value line widened once for the RB rows.
@@ -594,7 +631,8 @@ QKV_INLINE void value_tile(T* __restrict acc, const T* __restrict w, const T* __
             for (int g = 0; g < CV / NVL; ++g)
                 read_line<T, E, int(sizeof(V) / 4)>(vl + j * v_rs + g * EL, y + g * NVL);
         for (int i = 0; i < RB; ++i) {
-            const V wij = V{} + w[i * DECODE_BK + j];
+            // the weight as a scalar operand: one broadcast (V{} + w cost an add before it)
+            const T wij = w[i * DECODE_BK + j];
             for (int c = 0; c < CV; ++c) x[i][c] += wij * y[c];
         }
     }
@@ -632,7 +670,7 @@ struct Tiles {
 // added in tiles of rows by registers of the accumulators (value_tile), so that each key and
 // value line is widened once per tile of rows and the accumulators stay in registers. The
 // same recurrence as decode_piece_body.
-template <typename T, typename E, int D, int DV, int LANES>
+template <typename T, typename E, int D, int DV, int LANES, bool DP = false>
 QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h, int64_t j0,
                                  int64_t j1, T* __restrict scratch, T* __restrict m,
                                  T* __restrict l, T* __restrict acc) {
@@ -648,8 +686,37 @@ QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h,
     T* __restrict alpha = s + R * DECODE_BK;
     T* __restrict vsc = alpha + R;  // a block's value scales (scaled formats)
     decode_start(a, b, h, D, DV, qs, m, l, acc);
-    if constexpr (KV::order > 1) strided_order(qs, R, D, KV::order, true);
+    if constexpr (DP) {  // the rows' bfloat16 bits, unscaled, over qs
+        uint16_t* qb = reinterpret_cast<uint16_t*>(qs);
+        const float* Q = static_cast<const float*>(a.q) + b * a.q_bs + h * a.group * a.q_hs;
+        for (int64_t r = 0; r < R; ++r) {
+            const float* qr = Q + (r / a.L) * a.q_hs + (r % a.L) * a.q_ls;
+            for (int t = 0; t < D; ++t) {
+                uint32_t u;
+                std::memcpy(&u, qr + t, 4);
+                qb[r * D + t] = uint16_t(u >> 16);
+            }
+        }
+    } else if constexpr (KV::order > 1) {
+        strided_order(qs, R, D, KV::order, true);
+    }
     const Rows<E> at(a, b, h);
+    // score_tile, or score_tile_dp on the rows' bits, for RB rows from r by KB keys from j
+    auto scores = [&](auto rb, auto kb, int64_t r, const E* K, int64_t j) {
+        constexpr int RB = decltype(rb)::value, KBt = decltype(kb)::value;
+        T* out = s + r * DECODE_BK + j;
+#if QKV_X86
+        if constexpr (DP) {
+            score_tile_dp<D, RB, KBt>(reinterpret_cast<const uint16_t*>(qs) + r * D, K + j * a.k_rs,
+                                      a.k_rs, float(a.scale), out);
+            return;
+        }
+#endif
+        score_tile<T, E, V, D, RB, KBt, LANES>(qs + r * D, K + j * a.k_rs, a.k_rs, out);
+    };
+    typedef std::integral_constant<int, 1> One;
+    typedef std::integral_constant<int, RS> Rows_;
+    typedef std::integral_constant<int, KB> Keys_;
     for (int64_t b0 = j0; b0 < j1; b0 += DECODE_BK) {
         const int64_t n = std::min<int64_t>(DECODE_BK, j1 - b0);
         const E* K = at.k + b0 * a.k_rs;
@@ -672,17 +739,13 @@ QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h,
                     prefetch_l2<64, int(D * sizeof(E)), int(DV * sizeof(E))>(kn, vn);
             }
             int64_t r = 0;
-            for (; r + RS <= R; r += RS)
-                score_tile<T, E, V, D, RS, KB, LANES>(qs + r * D, K + j * a.k_rs, a.k_rs, s + r * DECODE_BK + j);
-            for (; r < R; ++r)
-                score_tile<T, E, V, D, 1, KB, LANES>(qs + r * D, K + j * a.k_rs, a.k_rs, s + r * DECODE_BK + j);
+            for (; r + RS <= R; r += RS) scores(Rows_{}, Keys_{}, r, K, j);
+            for (; r < R; ++r) scores(One{}, Keys_{}, r, K, j);
         }
         for (; j < n; ++j) {
             int64_t r = 0;
-            for (; r + RS <= R; r += RS)
-                score_tile<T, E, V, D, RS, 1, LANES>(qs + r * D, K + j * a.k_rs, a.k_rs, s + r * DECODE_BK + j);
-            for (; r < R; ++r)
-                score_tile<T, E, V, D, 1, 1, LANES>(qs + r * D, K + j * a.k_rs, a.k_rs, s + r * DECODE_BK + j);
+            for (; r + RS <= R; r += RS) scores(Rows_{}, One{}, r, K, j);
+            for (; r < R; ++r) scores(One{}, One{}, r, K, j);
         }
         if constexpr (KV::scaled) {
             for (int64_t i = 0; i < n; ++i) vsc[i] = T(at.ks[(b0 + i) * a.ks_rs]) * KV::unit;
@@ -749,11 +812,57 @@ QKV_PIECES(QKV_AVX512, avx512, 16)
 #undef QKV_PIECES
 #undef QKV_PIECE
 
-// The piece for compute type T (float or double) and K/V storage `format` in the clone isa;
-// NULL for a format T does not read (every stored form but its own is computed in float).
+#if QKV_X86
+// Whether the R query rows of kv head h of sequence b hold bfloat16 values (a model's
+// bfloat16 queries, widened to float32 by the caller: their low 16 bits 0) that
+// score_tile_dp takes as they are: none subnormal (vdpbf16ps would read it as 0, however
+// large the key it multiplies) and all below 2^64 in magnitude, so that the subnormal keys
+// it reads as 0 change a score by less than d · 2^-62 (and infinities and NaN go the other
+// way).
+inline bool rows_are_bf16(const qkv_decode_args& a, int64_t b, int64_t h) {
+    const float* Q = static_cast<const float*>(a.q) + b * a.q_bs + h * a.group * a.q_hs;
+    bool ok = true;
+    for (int64_t r = 0; r < a.group * a.L; ++r) {
+        const float* qr = Q + (r / a.L) * a.q_hs + (r % a.L) * a.q_ls;
+        for (int64_t t = 0; t < a.d; ++t) {
+            uint32_t u;
+            std::memcpy(&u, qr + t, 4);
+            const uint32_t e = (u >> 23) & 0xFF;
+            ok &= (u & 0xFFFFu) == 0 && (e == 0 ? (u & 0x7FFFFFu) == 0 : e < 127 + 64);
+        }
+    }
+    return ok;
+}
+
+// bfloat16 K/V where the CPU has AVX512_BF16: the scores on vdpbf16ps for rows of bfloat16
+// values and head sizes 64 and 128, the values' products widened in registers (the weights
+// are not bfloat16); other rows and sizes go to the AVX-512 piece.
+QKV_BF16 void piece_avx512bf16_bf16(const qkv_decode_args& a, int64_t b, int64_t h, int64_t j0,
+                                    int64_t j1, void* sc, void* m, void* l, void* acc) {
+    float* S = static_cast<float*>(sc);
+    float* M = static_cast<float*>(m);
+    float* L = static_cast<float*>(l);
+    float* A = static_cast<float*>(acc);
+    if (a.d == 64 && a.dv == 64 && rows_are_bf16(a, b, h))
+        decode_piece_vec<float, Bf16, 64, 64, 16, true>(a, b, h, j0, j1, S, M, L, A);
+    else if (a.d == 128 && a.dv == 128 && rows_are_bf16(a, b, h))
+        decode_piece_vec<float, Bf16, 128, 128, 16, true>(a, b, h, j0, j1, S, M, L, A);
+    else
+        piece_avx512_bf16(a, b, h, j0, j1, sc, m, l, acc);
+}
+#endif
+
+// The piece for compute type T (float or double) and K/V storage `format` in the clone the
+// call asked for (0 the widest, 4 AVX-512 with AVX512_BF16, as the prefill's codes); NULL for a
+// format T does not read (every stored form but its own is computed in float).
 template <typename T>
-piece_t pick_piece(int isa, int64_t format) {
+piece_t pick_piece(int64_t asked, int64_t format) {
+    const int isa = chosen_isa(asked);
     if (sizeof(T) == 8) return format == KV_SAME ? pick_clone<piece_t>(isa, QKV_CLONES(piece, f64)) : nullptr;
+#if QKV_X86
+    if (format == KV_BF16 && (asked == 0 || asked >= 4) && cpu_has_bf16())
+        return piece_avx512bf16_bf16;
+#endif
     switch (format) {
         case KV_SAME:
             return pick_clone<piece_t>(isa, QKV_CLONES(piece, f32));
@@ -821,7 +930,7 @@ int run_decode(const qkv_decode_args& given) {
     } catch (...) {
         return 1;
     }
-    const piece_t piece = pick_piece<T>(chosen_isa(a.isa), a.kv_format);
+    const piece_t piece = pick_piece<T>(a.isa, a.kv_format);
     if (!piece) return 2;
     if ((a.kv_format == KV_INT8 || a.kv_format == KV_E4M3) && !(a.k_scale && a.v_scale)) return 2;
     T* PM = parts.data();  // per item: R maxima, then R sums, then R x dv accumulators
