@@ -1,13 +1,18 @@
 """The routes a model's decoding step can take through qkv, timed inside the model.
 
     python bench/decode_routes.py [--prompts 1024,8192] [--new-tokens 12] [--rounds 2]
+                                  [--dtype bfloat16]
 
 The Llama-style model of ``bench/generate.py`` (hidden 1024, 4 layers, 16 query heads over 4
-kv heads, head dim 64, random weights, float32, ``DynamicCache``) decodes greedily with qkv as
+kv heads, head dim 64, random weights, float32 or ``--dtype``, ``DynamicCache``) decodes
+greedily with qkv as
 its attention backend; every attention call of the decoding steps is timed, and the median call
 is reported for each route:
 
-- ``team``: the native decode step on PyTorch's own OpenMP team (the default);
+- ``team``: the native decode step on PyTorch's own OpenMP team (the default; a bfloat16
+  model's scores on ``vdpbf16ps`` where the CPU has AVX512_BF16);
+- ``team, keys widened``: (bfloat16, with AVX512_BF16) the same with the AVX-512 clone forced
+  (``QKV_NATIVE_ISA=avx512``), whose scores widen each key to float32 for FMAs;
 - ``kept threads``: the native step on the library's own kept threads (``native_src/pool.h``);
 - ``one thread``: the native step on the calling thread alone;
 - ``numba team``: no native library (``QKV_NATIVE=0``): ``qkv.attention``'s general path,
@@ -35,17 +40,19 @@ import _common
 import generate
 
 import qkv.integrations.transformers as qkv_hf
-from qkv.engine.kernels import native_decode
+from qkv.engine.kernels import native_bf16, native_decode
 
 
 @contextmanager
 def _route(name: str) -> Iterator[str]:
     """Inside the block, qkv decodes by route ``name``; yields the backend to use."""
-    saved_env = {k: os.environ.get(k) for k in ("QKV_NATIVE", "QKV_JIT")}
+    saved_env = {k: os.environ.get(k) for k in ("QKV_NATIVE", "QKV_JIT", "QKV_NATIVE_ISA")}
     saved_team = native_decode.openmp_parallel
     try:
         if name == "kept threads":
             native_decode.openmp_parallel = lambda: (None, saved_team()[1])
+        elif name == "team, keys widened":
+            os.environ["QKV_NATIVE_ISA"] = "avx512"
         elif name == "one thread":
             native_decode.openmp_parallel = lambda: (None, 1)
         elif name in ("numba team", "python workers"):
@@ -79,6 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--new-tokens", type=int, default=12)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     args = p.parse_args(argv)
 
     import torch
@@ -90,6 +98,8 @@ def main(argv: list[str] | None = None) -> None:
     _common.same_threads(args.threads)  # qkv's prefill and decode routes: the same threads
     qkv_hf.register()
     routes = ["team", "kept threads", "one thread", "numba team", "python workers", "sdpa"]
+    if args.dtype == "bfloat16" and native_bf16.available():
+        routes.insert(1, "team, keys widened")
     if not native_decode.available():
         routes = [r for r in routes if r in ("numba team", "python workers", "sdpa")]
     prompts = [int(x) for x in args.prompts.split(",")]
@@ -99,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg, cls = generate._config("llama", gen_args, max(prompts) + args.new_tokens + 8)
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
-    model = cls(cfg).eval()
+    model = cls(cfg).eval().to(getattr(torch, args.dtype))
     calls: dict[str, list[float]] = {}
     for backend in ("qkv", "sdpa"):
         name = f"routes_{backend}"
@@ -107,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
             name, _timed(AttentionInterface()[backend], calls.setdefault(backend, []))
         )
         AttentionMaskInterface.register(name, AttentionMaskInterface()[backend])
-    print(f"threads: torch {torch.get_num_threads()}; float32; new tokens {args.new_tokens}")
+    print(f"threads: torch {torch.get_num_threads()}; {args.dtype}; new tokens {args.new_tokens}")
     for length in prompts:
         ids, mask = generate._prompts(1, length, gen_args.vocab)
         medians: dict[str, list[float]] = {r: [] for r in routes}

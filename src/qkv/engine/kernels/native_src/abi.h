@@ -127,7 +127,7 @@ struct qkv_decode_args {
     void* lse;  // (nseq, kv_heads * group, L) contiguous, or NULL
     double scale;
     int64_t threads;
-    int64_t isa;
+    int64_t isa;  // as the prefill's, and 4: AVX-512 with AVX512_BF16 (vdpbf16ps scores)
     void* parallel;   // GOMP_parallel of a running OpenMP runtime, or NULL
     double softcap;    // > 0: scores become softcap * tanh(score / softcap) (Gemma 2); else 0
     // A boolean mask (1 = may attend) of one row per sequence, read instead of lo/hi: each

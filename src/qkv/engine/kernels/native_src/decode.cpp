@@ -48,17 +48,23 @@ QKV_INLINE void softcap_block(T* __restrict s, int64_t R, int64_t n, T c) {
     }
 }
 
+// Query row r (< group · L) of kv head h of sequence b: row r % L of its head r / L.
+template <typename T>
+QKV_INLINE const T* query_row(const qkv_decode_args& a, int64_t b, int64_t h, int64_t r) {
+    return static_cast<const T*>(a.q) + b * a.q_bs + (h * a.group + r / a.L) * a.q_hs +
+           (r % a.L) * a.q_ls;
+}
+
 // A piece's start: the scaled query rows of kv head h of sequence b into qs (R x d), the rows'
 // running max -inf, sum 0 and accumulators (R x dv) 0.
 template <typename T>
 QKV_INLINE void decode_start(const qkv_decode_args& a, int64_t b, int64_t h, int64_t d,
                              int64_t dv, T* __restrict qs, T* __restrict m, T* __restrict l,
                              T* __restrict acc) {
-    const int64_t R = a.group * a.L, L = a.L;
+    const int64_t R = a.group * a.L;
     const T sc = T(a.scale);
-    const T* Q = static_cast<const T*>(a.q) + b * a.q_bs + h * a.group * a.q_hs;
     for (int64_t r = 0; r < R; ++r) {
-        const T* qr = Q + (r / L) * a.q_hs + (r % L) * a.q_ls;
+        const T* qr = query_row<T>(a, b, h, r);
 #pragma omp simd
         for (int64_t t = 0; t < d; ++t) qs[r * d + t] = qr[t] * sc;
         m[r] = -std::numeric_limits<T>::infinity();
@@ -688,9 +694,8 @@ QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h,
     decode_start(a, b, h, D, DV, qs, m, l, acc);
     if constexpr (DP) {  // the rows' bfloat16 bits, unscaled, over qs
         uint16_t* qb = reinterpret_cast<uint16_t*>(qs);
-        const float* Q = static_cast<const float*>(a.q) + b * a.q_bs + h * a.group * a.q_hs;
         for (int64_t r = 0; r < R; ++r) {
-            const float* qr = Q + (r / a.L) * a.q_hs + (r % a.L) * a.q_ls;
+            const float* qr = query_row<float>(a, b, h, r);
             for (int t = 0; t < D; ++t) {
                 uint32_t u;
                 std::memcpy(&u, qr + t, 4);
@@ -820,10 +825,9 @@ QKV_PIECES(QKV_AVX512, avx512, 16)
 // it reads as 0 change a score by less than d · 2^-62 (and infinities and NaN go the other
 // way).
 inline bool rows_are_bf16(const qkv_decode_args& a, int64_t b, int64_t h) {
-    const float* Q = static_cast<const float*>(a.q) + b * a.q_bs + h * a.group * a.q_hs;
     bool ok = true;
     for (int64_t r = 0; r < a.group * a.L; ++r) {
-        const float* qr = Q + (r / a.L) * a.q_hs + (r % a.L) * a.q_ls;
+        const float* qr = query_row<float>(a, b, h, r);
         for (int64_t t = 0; t < a.d; ++t) {
             uint32_t u;
             std::memcpy(&u, qr + t, 4);
