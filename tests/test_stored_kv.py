@@ -144,25 +144,7 @@ def test_native_step_equals_reference_on_stored_values(
     q = rng.standard_normal((batch, kv_heads * group, L, d)).astype(np.float32)
     if q_bf16:  # a bfloat16 model's queries: bfloat16 values (vdpbf16ps's road, isa 4)
         q = _bf16_values(q)
-    k = (rng.standard_normal((batch, kv_heads, S, d)) * 2).astype(np.float32)
-    v = rng.standard_normal((batch, kv_heads, S, d)).astype(np.float32)
-    kc, ks = qkv.quantize_kv(k, form)
-    vc, vs = qkv.quantize_kv(v, form)
-    lo = rng.integers(0, S, batch).astype(np.int64)
-    hi = (lo + rng.integers(1, S - lo + 1)).astype(np.int64)
-    got = native_decode.step(
-        q, kc, vc, d**-0.5, lo, hi, kv_format=form, k_scale=ks, v_scale=vs, isa=isa,
-        threads=threads, softcap=softcap,
-    )  # fmt: skip
-    assert got is not None
-    kd, vd = (qkv.dequantize_kv(c, s, form).astype(np.float64) for c, s in ((kc, ks), (vc, vs)))
-    for b in range(batch):
-        keep = np.zeros(S, bool)
-        keep[lo[b] : hi[b]] = True
-        want = reference.attention(
-            q[b].astype(np.float64), kd[b], vd[b], mask=keep, softcap=softcap
-        )
-        np.testing.assert_allclose(got[0][b], want, atol=F32, rtol=F32)
+    _step_equals_reference(rng, q, kv_heads, S, form, isa=isa, threads=threads, softcap=softcap)
 
 
 @native
@@ -186,25 +168,33 @@ def test_bfloat16_queries_on_bfloat16_keys_equal_reference(
     count, ragged runs of keys), the reference's numbers on the same values."""
     rng = np.random.default_rng(seed)
     q = _bf16_values(rng.standard_normal((batch, kv_heads * group, L, d)).astype(np.float32))
-    k, v = (
-        qkv.quantize_kv((rng.standard_normal((batch, kv_heads, S, d)) * 2).astype(np.float32),
-                        "bfloat16")[0]
-        for _ in range(2)
-    )  # fmt: skip
+    _step_equals_reference(rng, q, kv_heads, S, "bfloat16", threads=threads, softcap=softcap)
+
+
+def _step_equals_reference(rng, q, kv_heads, S, form, **step):
+    """Random K/V (``kv_heads`` heads of S keys) stored in ``form`` for queries ``q (batch,
+    heads, L, d)``, each sequence a random run of keys: the native step's ``out`` and ``lse``
+    equal the float64 reference's on the stored values to float32 rounding."""
+    batch, _, _, d = q.shape
+    k = (rng.standard_normal((batch, kv_heads, S, d)) * 2).astype(np.float32)
+    v = rng.standard_normal((batch, kv_heads, S, d)).astype(np.float32)
+    (kc, ks), (vc, vs) = qkv.quantize_kv(k, form), qkv.quantize_kv(v, form)
     lo = rng.integers(0, S, batch).astype(np.int64)
     hi = (lo + rng.integers(1, S - lo + 1)).astype(np.int64)
-    out, lse = native_decode.step(
-        q, k, v, d**-0.5, lo, hi, kv_format="bfloat16", threads=threads, softcap=softcap
+    got = native_decode.step(
+        q, kc, vc, d**-0.5, lo, hi, kv_format=form, k_scale=ks, v_scale=vs, **step
     )
-    kd, vd = (qkv.dequantize_kv(c, None, "bfloat16").astype(np.float64) for c in (k, v))
+    assert got is not None
+    kd, vd = (qkv.dequantize_kv(c, s, form).astype(np.float64) for c, s in ((kc, ks), (vc, vs)))
     for b in range(batch):
         keep = np.zeros(S, bool)
         keep[lo[b] : hi[b]] = True
         want, want_lse = reference.attention(
-            q[b].astype(np.float64), kd[b], vd[b], mask=keep, softcap=softcap, return_lse=True
-        )
-        np.testing.assert_allclose(out[b], want, atol=F32, rtol=F32)
-        np.testing.assert_allclose(lse[b], want_lse, atol=F32, rtol=F32)
+            q[b].astype(np.float64), kd[b], vd[b], mask=keep, softcap=step.get("softcap"),
+            return_lse=True,
+        )  # fmt: skip
+        np.testing.assert_allclose(got[0][b], want, atol=F32, rtol=F32)
+        np.testing.assert_allclose(got[1][b], want_lse, atol=F32, rtol=F32)
 
 
 @native
