@@ -524,21 +524,26 @@ QKV_INLINE V load(const E* p) {
     return x;
 }
 
-// The next block's rows of K or of V, asked for into L2 one row at a time while this block is
-// computed: the keys' rows by the scores, the values' by the values' products, so that the
-// requests are spread over the whole block. Both asked for during the scores measured 7-20%
-// slower on bfloat16 and float16 steps (B1 and B8 H32 kv8 S4096 d128), the same on steps bound
-// by their arithmetic (int8, float32). A line every `step` bytes of each row's `bytes`.
-template <typename E>
+// The next block's rows of K or of V, asked for into L2 while this block is computed: the
+// keys' rows by the scores, a key tile's rows at a time, and the values' by the values'
+// products, each value tile the lines it reads itself, so that the requests are spread over
+// the whole block. Both asked for during the scores measured 7-20% slower on bfloat16 and
+// float16 steps (B1 and B8 H32 kv8 S4096 d128), the same on steps bound by their arithmetic
+// (int8, float32). A line every 128 bytes (`sparse`) or every 64.
+template <typename E, int BYTES>
 struct Ahead {
     const E* rows = nullptr;
     int64_t rs = 0, n = 0;  // rows rs elements apart; rows [0, n) are asked for
-    int bytes = 0, step = 64;
-    QKV_INLINE void row(int64_t j) const {
+    bool sparse = false;
+    // bytes [from, from + SPAN) of row j
+    template <int SPAN>
+    QKV_INLINE void part(int64_t j, int from) const {
         if (j >= n) return;
         const char* p = reinterpret_cast<const char*>(rows + j * rs);
-        for (int c = 0; c < bytes; c += step) __builtin_prefetch(p + c, 0, 1);
+        for (int c = from; c < from + SPAN; c += 64)
+            if (!sparse || !(c & 64)) __builtin_prefetch(p + c, 0, 1);
     }
+    QKV_INLINE void row(int64_t j) const { part<BYTES>(j, 0); }
 };
 
 // The scores of RB query rows (q, rows D apart, in line()'s order) against KB keys (k, rows
@@ -627,7 +632,7 @@ QKV_BF16 inline void score_tile_dp(const uint16_t* __restrict q, const Bf16* __r
 template <typename T, typename E, typename V, int DV, int RB, int CV>
 QKV_INLINE void value_tile(T* __restrict acc, const T* __restrict w, const T* __restrict alpha,
                            const E* __restrict v, int64_t v_rs, int64_t n, int c0,
-                           const Ahead<E>& next) {
+                           const Ahead<E, int(DV * sizeof(E))>& next) {
     typedef Kv<T, E> KV;
     constexpr int W = int(sizeof(V) / sizeof(T)), EL = int(64 / sizeof(E));
     constexpr int NVL = int(KV::per_line * 64 / sizeof(V));
@@ -640,8 +645,11 @@ QKV_INLINE void value_tile(T* __restrict acc, const T* __restrict w, const T* __
         }
     }
     const E* vl = v + (c0 / NVL) * EL;
+    // the bytes of a value row this tile reads
+    constexpr int SPAN = KV::direct ? CV * int(sizeof(V)) : CV / NVL * 64;
+    const int from = KV::direct ? c0 * int(sizeof(V)) : c0 / NVL * 64;
     for (int64_t j = 0; j < n; ++j) {
-        next.row(j);
+        next.template part<SPAN>(j, from);
         V y[CV];
         if constexpr (KV::direct)
             for (int c = 0; c < CV; ++c) y[c] = load<V>(vl + j * v_rs + c * W);
@@ -658,16 +666,14 @@ QKV_INLINE void value_tile(T* __restrict acc, const T* __restrict w, const T* __
         for (int c = 0; c < CV; ++c) std::memcpy(acc + i * DV + (c0 + c) * W, &x[i][c], sizeof(V));
 }
 
-// value_tile over all of a row group's registers, CV at a time; the first tile asks for the
-// rows `next`.
+// value_tile over all of a row group's registers, CV at a time, each asking for its part of
+// the rows `next`.
 template <typename T, typename E, typename V, int DV, int RB, int CV>
 QKV_INLINE void value_rows(T* acc, const T* w, const T* alpha, const E* v, int64_t v_rs,
-                           int64_t n, const Ahead<E>& next) {
+                           int64_t n, const Ahead<E, int(DV * sizeof(E))>& next) {
     constexpr int NV = int(DV * sizeof(T) / sizeof(V));
     static_assert(NV % CV == 0, "whole tiles");
-    const Ahead<E> none;
-    for (int c0 = 0; c0 < NV; c0 += CV)
-        value_tile<T, E, V, DV, RB, CV>(acc, w, alpha, v, v_rs, n, c0, c0 == 0 ? next : none);
+    for (int c0 = 0; c0 < NV; c0 += CV) value_tile<T, E, V, DV, RB, CV>(acc, w, alpha, v, v_rs, n, c0, next);
 }
 
 // Tile sizes for a clone of LANES float lanes: AVX-512's 32 registers take four rows by four
@@ -747,9 +753,9 @@ QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h,
         // or one row), every other line: the CPU fetches its neighbour, and more requests
         // measured slower there; else every line.
         const int64_t ahead = std::min<int64_t>(DECODE_BK, j1 - b0 - n);
-        const int step = int64_t((D + DV) * sizeof(E)) >= 256 * R ? 128 : 64;
-        const Ahead<E> knext{K + DECODE_BK * a.k_rs, a.k_rs, ahead, int(D * sizeof(E)), step};
-        Ahead<E> vnext{Vb + DECODE_BK * a.v_rs, a.v_rs, ahead, int(DV * sizeof(E)), step};
+        const bool sparse = int64_t((D + DV) * sizeof(E)) >= 256 * R;
+        const Ahead<E, int(D * sizeof(E))> knext{K + DECODE_BK * a.k_rs, a.k_rs, ahead, sparse};
+        Ahead<E, int(DV * sizeof(E))> vnext{Vb + DECODE_BK * a.v_rs, a.v_rs, ahead, sparse};
         int64_t j = 0;
         for (; j + KB <= n; j += KB) {
             for (int64_t i = j; i < j + KB; ++i) knext.row(i);
