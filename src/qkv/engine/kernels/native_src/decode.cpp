@@ -529,19 +529,19 @@ QKV_INLINE V load(const E* p) {
 // products, each value tile the lines it reads itself, so that the requests are spread over
 // the whole block. Both asked for during the scores measured 7-20% slower on bfloat16 and
 // float16 steps (B1 and B8 H32 kv8 S4096 d128), the same on steps bound by their arithmetic
-// (int8, float32). A line every 128 bytes (`sparse`) or every 64.
+// (int8). Every line is asked for: with the requests spread, asking for every other line (the
+// CPU fetching its neighbour), as the step did where a key brings 256 bytes or more per query
+// row, measured 20-25% slower (float32 B8 and B1, bfloat16 with one query row per kv head).
 template <typename E, int BYTES>
 struct Ahead {
     const E* rows = nullptr;
     int64_t rs = 0, n = 0;  // rows rs elements apart; rows [0, n) are asked for
-    bool sparse = false;
     // bytes [from, from + SPAN) of row j
     template <int SPAN>
     QKV_INLINE void part(int64_t j, int from) const {
         if (j >= n) return;
         const char* p = reinterpret_cast<const char*>(rows + j * rs);
-        for (int c = from; c < from + SPAN; c += 64)
-            if (!sparse || !(c & 64)) __builtin_prefetch(p + c, 0, 1);
+        for (int c = from; c < from + SPAN; c += 64) __builtin_prefetch(p + c, 0, 1);
     }
     QKV_INLINE void row(int64_t j) const { part<BYTES>(j, 0); }
 };
@@ -748,14 +748,10 @@ QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h,
         const E* K = at.k + b0 * a.k_rs;
         const E* Vb = at.v + b0 * a.v_rs;
         // the next block's rows are asked for while this one is computed (Ahead), into L2
-        // (into L1 they measured slower: the rows of this block compete with them there).
-        // Where a key brings 256 bytes or more per query row (little work per byte: float32,
-        // or one row), every other line: the CPU fetches its neighbour, and more requests
-        // measured slower there; else every line.
+        // (into L1 they measured slower: the rows of this block compete with them there)
         const int64_t ahead = std::min<int64_t>(DECODE_BK, j1 - b0 - n);
-        const bool sparse = int64_t((D + DV) * sizeof(E)) >= 256 * R;
-        const Ahead<E, int(D * sizeof(E))> knext{K + DECODE_BK * a.k_rs, a.k_rs, ahead, sparse};
-        Ahead<E, int(DV * sizeof(E))> vnext{Vb + DECODE_BK * a.v_rs, a.v_rs, ahead, sparse};
+        const Ahead<E, int(D * sizeof(E))> knext{K + DECODE_BK * a.k_rs, a.k_rs, ahead};
+        Ahead<E, int(DV * sizeof(E))> vnext{Vb + DECODE_BK * a.v_rs, a.v_rs, ahead};
         int64_t j = 0;
         for (; j + KB <= n; j += KB) {
             for (int64_t i = j; i < j + KB; ++i) knext.row(i);
