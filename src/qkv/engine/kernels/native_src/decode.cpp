@@ -516,6 +516,21 @@ QKV_INLINE void lane_sums_narrow(const V* x, float* out) {
     }
 }
 
+// The lane sums of NX vectors of T (LANES float lanes a register), out[f] that of x[f], by the
+// cheapest tree the count allows.
+template <typename T, int LANES, int NX, typename V>
+QKV_INLINE void lane_sums(const V* x, T* out) {
+    if constexpr (sizeof(T) == 4 && LANES < 16 && NX % LANES == 0) {
+        lane_sums_narrow<LANES, NX>(x, out);
+    } else if constexpr (sizeof(T) == 4 && LANES == 16 && NX == 16) {
+        lane_sums16(x, out);
+    } else if constexpr (sizeof(T) == 4 && LANES == 16 && NX % 4 == 0) {
+        for (int f = 0; f < NX; f += 4) lane_sums4(x + f, out + f);
+    } else {
+        for (int f = 0; f < NX; ++f) out[f] = lane_sum<T>(x[f]);
+    }
+}
+
 // The register V at p.
 template <typename V, typename E>
 QKV_INLINE V load(const E* p) {
@@ -575,16 +590,7 @@ QKV_INLINE void score_tile(const T* __restrict q, const E* __restrict k, int64_t
     }
     constexpr int NX = RB * KB;
     T out[NX];
-    const V* flat = &x[0][0];
-    if constexpr (sizeof(T) == 4 && LANES < 16 && NX % LANES == 0) {
-        lane_sums_narrow<LANES, NX>(flat, out);
-    } else if constexpr (sizeof(T) == 4 && LANES == 16 && NX == 16) {
-        lane_sums16(flat, out);
-    } else if constexpr (sizeof(T) == 4 && LANES == 16 && NX % 4 == 0) {
-        for (int f = 0; f < NX; f += 4) lane_sums4(flat + f, out + f);
-    } else {
-        for (int f = 0; f < NX; ++f) out[f] = lane_sum<T>(flat[f]);
-    }
+    lane_sums<T, LANES, NX>(&x[0][0], out);
     for (int i = 0; i < RB; ++i)
         for (int kk = 0; kk < KB; ++kk) s[i * DECODE_BK + kk] = out[i * KB + kk];
 }
@@ -614,13 +620,7 @@ QKV_BF16 inline void score_tile_dp(const uint16_t* __restrict q, const Bf16* __r
     F32x16 flat[NX];
     std::memcpy(flat, x, sizeof(flat));
     float out[NX];
-    if constexpr (NX == 16) {
-        lane_sums16(flat, out);
-    } else if constexpr (NX % 4 == 0) {
-        for (int f = 0; f < NX; f += 4) lane_sums4(flat + f, out + f);
-    } else {
-        for (int f = 0; f < NX; ++f) out[f] = lane_sum<float>(flat[f]);
-    }
+    lane_sums<float, 16, NX>(flat, out);
     for (int i = 0; i < RB; ++i)
         for (int kk = 0; kk < KB; ++kk) s[i * DECODE_BK + kk] = out[i * KB + kk] * scale;
 }
