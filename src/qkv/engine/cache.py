@@ -32,6 +32,7 @@ from ..validate import (
     check_flag,
     check_variants,
     make_plan,
+    stand_in,
 )
 from .kernels import dispatch, mods, native_decode
 from .quant import FORMATS, SCALED, check_format, dequantize_kv, quantize_kv, storage_dtype
@@ -110,6 +111,18 @@ class KVCache:
         self._vs: np.ndarray | None = np.empty((self.batch, self.kv_heads, 0), np.float32)
         if not scaled:
             self._ks = self._vs = None
+        self._first = np.zeros(self.batch, dtype=np.int64)  # each sequence's first key seen
+        # The last native step a checked call took, with what that call's checks and plan
+        # depended on: a call that differs only in q's values and the cache's lengths runs
+        # it again (see attend). Dropped when the buffers move.
+        self._planned: tuple[tuple[Any, ...], native_decode.Prepared, np.dtype] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a copy (copy, deepcopy, pickle) plans its own step: the kept one addresses these
+        # buffers and lengths
+        state = self.__dict__.copy()
+        state["_planned"] = None
+        return state
 
     @property
     def lengths(self) -> np.ndarray:
@@ -155,6 +168,7 @@ class KVCache:
         k, v, self._ks, self._vs = grown
         assert k is not None and v is not None
         self._k, self._v = k, v
+        self._planned = None  # its operands address the old buffers
 
     def _write(self, where: tuple[Any, ...], k: np.ndarray, v: np.ndarray) -> None:
         """Store ``k`` and ``v`` at ``where`` (an index of the buffers' first three axes), in
@@ -278,6 +292,13 @@ class KVCache:
             Equal to ``qkv.attention(q[b], cache.keys(b), cache.values(b), causal=causal, ...)``
             for every sequence ``b``; a sequence with no cached keys gives zeros.
         """
+        planned = self._planned
+        if planned is not None and not variants and window is None:
+            if _call_key(q, scale, causal, return_lse, kernel) == planned[0]:
+                res = planned[1].run(q) if native_decode.available() else None
+                if res is not None:  # else the checked road below decides, as on every call
+                    out = res[0].astype(planned[2], copy=False)
+                    return (out, res[1]) if return_lse else out
         kernel = dispatch.check_kernel(kernel)
         check_flag(return_lse, "return_lse")
         check_variants("KVCache.attend", variants)
@@ -297,7 +318,10 @@ class KVCache:
         lengths = self._lengths.tolist()
         longest = max(lengths)
         if kernel in ("auto", "decode"):
-            found = self._attend_native(qa, longest, options)
+            again = None
+            if not variants and window is None and longest > 0 and qa is q:
+                again = _call_key(q, scale, causal, return_lse, kernel)
+            found = self._attend_native(qa, longest, options, again)
             if found is not None:
                 out, lse = found
                 return (out, lse) if return_lse else out
@@ -321,24 +345,27 @@ class KVCache:
         return (out, lse) if return_lse else out
 
     def _attend_native(
-        self, qa: np.ndarray, longest: int, options: Options
+        self, qa: np.ndarray, longest: int, options: Options, again: tuple[Any, ...] | None
     ) -> tuple[np.ndarray, np.ndarray] | None:
         """Every sequence in one native decode call on the stored buffers, each sequence its
         own run of keys: ``(out, lse)``, or None where the kernel does not serve the call.
 
         The call is checked as the general road checks it (:func:`make_plan`), against
-        zero-stride stand-ins of the buffers' shapes (nothing is read or copied).
+        zero-stride stand-ins of the buffers' shapes (nothing is read or copied). The step
+        reads the cache's lengths when it runs, so with ``again`` (the call's
+        :func:`_call_key`) it is kept for the calls that differ from this one only in
+        ``q``'s values and the lengths (:meth:`attend`).
         """
         if not native_decode.available():
             return None
         value_dtype = np.dtype(np.float32) if self._form not in (None, "float16") else self.dtype
         out_dtype = np.result_type(qa.dtype, value_dtype)
         # stand-ins in the compute dtype (float16's is float32), so that none is widened
-        stand = np.zeros((), dtype=np.float32 if out_dtype.itemsize < 4 else out_dtype)
+        stand = np.float32 if out_dtype.itemsize < 4 else out_dtype
         plan = make_plan(
             qa,
-            np.broadcast_to(stand, (self.batch, self.kv_heads, longest, self.head_dim)),
-            np.broadcast_to(stand, (self.batch, self.kv_heads, longest, self.value_dim)),
+            stand_in(stand, (self.batch, self.kv_heads, longest, self.head_dim)),
+            stand_in(stand, (self.batch, self.kv_heads, longest, self.value_dim)),
             options,
         )
         Lq = plan.L
@@ -351,19 +378,20 @@ class KVCache:
         narrow = self._form is not None or self.dtype == np.float16
         if narrow and plan.acc_dtype != np.float32:
             return None  # the stored forms are computed in float32
-        hi = self._lengths.copy()
-        lo = np.zeros_like(hi)
+        hi, lo = self._lengths, self._first  # read by the kernel as it runs
         if plan.window is not None and plan.window[0] is not None:
             lo = np.maximum(hi - 1 - plan.window[0], 0)  # the one query sits at length - 1
-        sl = np.s_[:, :, :longest]
-        res = native_decode.step(
-            np.ascontiguousarray(plan.q), self._k[sl], self._v[sl], plan.scale, lo, hi,
-            softcap=plan.softcap, kv_format=self._form if self._form != "float16" else None,
-            k_scale=None if self._ks is None else self._ks[sl],
-            v_scale=None if self._vs is None else self._vs[sl],
+        q = np.ascontiguousarray(plan.q)
+        step = native_decode.prepare(
+            q, self._k, self._v, plan.scale, lo, hi, softcap=plan.softcap,
+            kv_format=self._form if self._form != "float16" else None,
+            k_scale=self._ks, v_scale=self._vs,
         )  # fmt: skip
+        res = None if step is None else step.run(q)
         if res is None:
             return None
+        if again is not None and step is not None and q.dtype == qa.dtype:
+            self._planned = (again, step, out_dtype)  # q is the caller's array (no copy)
         out, lse = mods.with_sinks(plan, *res)
         return out.astype(out_dtype, copy=False), lse
 
@@ -383,6 +411,23 @@ class KVCache:
                 )
             out[name] = a
         return out
+
+
+def _call_key(q: Any, scale: Any, causal: Any, return_lse: Any, kernel: Any) -> Any:
+    """What :meth:`KVCache.attend`'s checks and its native step's plan depend on, for a call
+    with no window and no variants: ``q``'s type, shape, dtype and layout and the options'
+    values. None for a call that is not of that plain kind (it always takes the checked
+    road). Two calls with equal keys get the same verdicts: the checks read no value of
+    ``q``, and the lengths enter the step only as the keys each sequence sees, read when it
+    runs (causal decoding with one query row per sequence sees all of them).
+    """
+    if type(q) is not np.ndarray or not q.flags.c_contiguous:
+        return None
+    if scale is not None and type(scale) is not float:
+        return None
+    if type(causal) is not bool or type(return_lse) is not bool or type(kernel) is not str:
+        return None
+    return (q.shape, q.strides, q.dtype, scale, causal, kernel)
 
 
 _WANTED = f"dtype: expected a float dtype (float16, float32, float64) or a stored form {FORMATS}"

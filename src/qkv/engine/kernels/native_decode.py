@@ -56,7 +56,7 @@ from typing import Any
 
 import numpy as np
 
-from ...validate import Plan
+from ...validate import Plan, view_as
 from ..quant import SCALED, storage_dtype
 from .decode import KeyRuns, plan_runs
 from .native_lib import KV_FORMATS, DecodeArgs, invoke, isa_cap, library, switched_off
@@ -65,12 +65,14 @@ from .threads import workers
 __all__ = [
     "DecodePlan",
     "Operand",
+    "Prepared",
     "attend",
     "attend_stored",
     "available",
     "launch",
     "layout",
     "openmp_parallel",
+    "prepare",
     "step",
     "supports",
 ]
@@ -279,8 +281,8 @@ def _attend(
             return None
         lo, hi = runs
     outer, kvh = plan.batch[:-1], plan.k.shape[-3]
-    k = np.broadcast_to(k, (*outer, kvh, plan.S, plan.d))
-    v = np.broadcast_to(v, (*outer, kvh, plan.S, plan.dv))
+    k = view_as(k, (*outer, kvh, plan.S, plan.d))
+    v = view_as(v, (*outer, kvh, plan.S, plan.dv))
     return step(plan.q, k, v, plan.scale, lo, hi, threads=threads, softcap=plan.softcap)
 
 
@@ -423,6 +425,109 @@ def _scale_rows(s: np.ndarray | None, outer: tuple[int, ...], kvh: int, S: int) 
     return None if found is None else (s.ctypes.data, found)
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """A decoding step on fixed K/V memory, planned by :func:`prepare` and run for each new
+    ``q`` by :meth:`run`: nothing is derived again but the address of ``q``.
+
+    Attributes
+    ----------
+    plan : DecodePlan
+        The kernel's constants (sizes, scale, soft-cap, stored form, each sequence's run).
+    q_shape, q_layout
+        The shape and ``(sequence, head, row)`` strides (elements) of the ``q`` it was
+        planned for, in the compute dtype :attr:`dtype`.
+    k, v, scales
+        The operands as :meth:`DecodePlan.run` takes them.
+    keep : tuple
+        The arrays those operands and runs address, kept alive with the step.
+    """
+
+    plan: DecodePlan
+    dtype: np.dtype
+    q_shape: tuple[int, ...]
+    q_layout: tuple[int, int, int]
+    k: Operand
+    v: Operand
+    scales: tuple[Operand, Operand] | None
+    keep: tuple[Any, ...]
+
+    def run(self, q: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """``(out, lse)`` of ``q`` (of the shape, dtype and strides :func:`prepare` saw: the
+        caller guarantees it); None when a result is not finite (see :func:`step`)."""
+        *outer, hq, L, _ = self.q_shape
+        out = np.empty((*outer, hq, L, self.plan.sizes[5]), dtype=self.dtype)
+        lse = np.empty((*outer, hq, L), dtype=self.dtype)
+        status = self.plan.run(
+            (q.ctypes.data, self.q_layout), self.k, self.v, out.ctypes.data, lse.ctypes.data,
+            self.scales,
+        )  # fmt: skip
+        return None if status else (out, lse)
+
+
+def _operand(a: np.ndarray, outer: int) -> tuple[int, int, int] | None:
+    """:func:`layout` of array ``a`` (strides in bytes, each a whole number of elements)."""
+    item = a.dtype.itemsize
+    strides = a.strides
+    for st in strides:
+        if st % item:
+            return None
+    return layout(a.shape, [st // item for st in strides], outer)
+
+
+def prepare(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    scale: float,
+    lo: np.ndarray | None = None,
+    hi: np.ndarray | None = None,
+    *,
+    threads: int | None = None,
+    isa: int = 0,
+    softcap: float | None = None,
+    kv_format: str | None = None,
+    k_scale: np.ndarray | None = None,
+    v_scale: np.ndarray | None = None,
+) -> Prepared | None:
+    """:func:`step` planned, not run: the :class:`Prepared` step, or None where the kernel
+    does not take these arrays. ``lo`` and ``hi`` are read when the step runs (a caller may
+    update them in place between runs, as a cache does its lengths)."""
+    dt = q.dtype
+    if q.ndim < 3 or k.ndim != q.ndim or v.ndim != q.ndim or dt not in _DTYPES:
+        return None
+    form = _stored_form(dt, k, v, kv_format)
+    if form is None:
+        return None
+    *outer, hq, L, d = q.shape
+    kvh, S = k.shape[-3], k.shape[-2]
+    dv = v.shape[-1]
+    if k.shape[-1] != d or v.shape[-2] != S:
+        return None
+    if tuple(k.shape[:-3]) != tuple(outer) or tuple(v.shape[:-3]) != tuple(outer):
+        return None
+    plan = DecodePlan.plan(
+        (math.prod(outer), hq, kvh, L, d, dv, S), f64=dt == _F64, scale=scale, softcap=softcap,
+        kv_format=form or None, runs=None if lo is None or hi is None else KeyRuns(lo, hi),
+        threads=threads, isa=isa,
+    )  # fmt: skip
+    if plan is None:
+        return None
+    scales = None
+    if form in SCALED:
+        ks, vs = (_scale_rows(x, tuple(outer), kvh, S) for x in (k_scale, v_scale))
+        if ks is None or vs is None:
+            return None
+        scales = (ks, vs)
+    ql, kl, vl = (_operand(a, len(outer)) for a in (q, k, v))
+    if ql is None or kl is None or vl is None:
+        return None
+    return Prepared(
+        plan, dt, q.shape, ql, (k.ctypes.data, kl), (v.ctypes.data, vl), scales,
+        (k, v, k_scale, v_scale),
+    )  # fmt: skip
+
+
 def step(
     q: np.ndarray,
     k: np.ndarray,
@@ -455,45 +560,8 @@ def step(
     result is not finite (infinite or NaN inputs, an overflow): the caller then takes the
     general path, which applies qkv's rules for those.
     """
-    dt = q.dtype
-    if q.ndim < 3 or k.ndim != q.ndim or v.ndim != q.ndim or dt not in _DTYPES:
-        return None
-    form = _stored_form(dt, k, v, kv_format)
-    if form is None:
-        return None
-    *outer, hq, L, d = q.shape
-    kvh, S = k.shape[-3], k.shape[-2]
-    dv = v.shape[-1]
-    if k.shape[-1] != d or v.shape[-2] != S:
-        return None
-    if tuple(k.shape[:-3]) != tuple(outer) or tuple(v.shape[:-3]) != tuple(outer):
-        return None
-    plan = DecodePlan.plan(
-        (math.prod(outer), hq, kvh, L, d, dv, S), f64=dt == _F64, scale=scale, softcap=softcap,
-        kv_format=form or None, runs=None if lo is None or hi is None else KeyRuns(lo, hi),
-        threads=threads, isa=isa,
+    found = prepare(
+        q, k, v, scale, lo, hi, threads=threads, isa=isa, softcap=softcap, kv_format=kv_format,
+        k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
-    if plan is None:
-        return None
-    scales = None
-    if form in SCALED:
-        ks, vs = (_scale_rows(x, tuple(outer), kvh, S) for x in (k_scale, v_scale))
-        if ks is None or vs is None:
-            return None
-        scales = (ks, vs)
-    found = []
-    for a in (q, k, v):
-        item = a.dtype.itemsize
-        if any(st % item for st in a.strides):
-            return None
-        found.append(layout(a.shape, [st // item for st in a.strides], len(outer)))
-    ql, kl, vl = found
-    if ql is None or kl is None or vl is None:
-        return None
-    out = np.empty((*outer, hq, L, dv), dtype=dt)
-    lse = np.empty((*outer, hq, L), dtype=dt)
-    status = plan.run(
-        (q.ctypes.data, ql), (k.ctypes.data, kl), (v.ctypes.data, vl),
-        out.ctypes.data, lse.ctypes.data, scales,
-    )  # fmt: skip
-    return None if status else (out, lse)
+    return None if found is None else found.run(q)
