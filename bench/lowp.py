@@ -12,7 +12,9 @@ Tables (PyTorch and qkv at ``--threads``, default every core this process may us
   against SDPA in float16), on float32 tensors, and
   qkv.KVCache storing K/V as bfloat16, int8 and float8 e4m3fn; PyTorch's SDPA on the bfloat16
   tensors. Each row: time, ratio to SDPA, K/V bytes read per second and that rate's share of
-  this machine's read rate (``bench/machine.py``'s, measured at the start).
+  this machine's read rate (``bench/machine.py``'s, measured at the start), and the rate of
+  the step's products (``2·B·H·S·(d + dv)`` FLOP) against the machine's float32 GEMM rate
+  (measured there too): the limit of a step bound by its arithmetic, as the 8-bit forms are.
 - a ragged cache (lengths 1024..8192, B8, kv 8, d 128) in float32 and bfloat16: one native
   call for every sequence; PyTorch gets the sequences padded to the longest with a key mask.
 - causal prefill B1 H8 N4096 d64 and B1 H16 N2048 d128 in bfloat16, forward and backward
@@ -42,15 +44,20 @@ import torch
 import qkv
 
 
-def _row(name: str, t: float, peer: float, nbytes: int, read: float) -> dict:
+def _row(
+    name: str, t: float, peer: float, nbytes: int, read: float, flops: float = 0, gemm: float = 0
+) -> dict:
     rate = nbytes / t / 1e9
-    return {
+    row = {
         "contender": name,
         "ms": f"{t * 1e3:.2f}",
         "/ sdpa": f"{t / peer:.2f}x",
         "GB/s read": f"{rate:.1f}",
         "of read rate": f"{rate / read:.0%}",
     }
+    if flops:  # the float32 products' rate against the machine's float32 GEMM
+        row["products, of GEMM"] = f"{flops / t / 1e9:.0f} GFLOP/s, {flops / t / 1e9 / gemm:.0%}"
+    return row
 
 
 def _cache(form: str, k: np.ndarray, v: np.ndarray, lengths: list[int]) -> qkv.KVCache:
@@ -84,7 +91,7 @@ def _steps(calls: list[Callable[[], Any]]) -> tuple[Callable[[], None], int]:
     return run, steps * len(calls)
 
 
-def decode(b: int, repeat: int, read: float) -> None:
+def decode(b: int, repeat: int, read: float, gemm: float) -> None:
     h, hkv, s, d = 32, 8, 4096, 128
     kv = 2 * b * hkv * s * d
     layers = _layers(2 * kv)
@@ -130,7 +137,8 @@ def decode(b: int, repeat: int, read: float) -> None:
     }
     half = ("torch sdpa float16", "qkv float16 tensors")  # against SDPA in float16
     peer_of = {n: best[half[0] if n in half else "torch sdpa bfloat16"] for n in best}
-    rows = [_row(n, t, peer_of[n], nbytes[n], read) for n, t in best.items()]
+    flops = 2 * b * h * s * (d + d)  # scores and values: one multiply-add per pair
+    rows = [_row(n, t, peer_of[n], nbytes[n], read, flops, gemm) for n, t in best.items()]
     print(
         f"\ndecode B{b} H{h} (kv {hkv}) S{s} d{d}, one query each; per call, one call per "
         f"layer over {layers} layers; {_common.threads_info()}"
@@ -267,8 +275,10 @@ def main() -> None:
     read = machine.read_gbps()
     print(f"machine read rate {read:.1f} GB/s (bench/machine.py)")
     if args.only in (None, "decode"):
+        gemm = machine.gemm_gflops()
+        print(f"machine float32 GEMM {gemm:.0f} GFLOP/s (bench/machine.py)")
         for b in (8, 1):
-            decode(b, args.repeat, read)
+            decode(b, args.repeat, read, gemm)
     if args.only in (None, "ragged"):
         ragged(args.repeat, read)
     if args.only in (None, "prefill"):
