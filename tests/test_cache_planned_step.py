@@ -39,6 +39,14 @@ def _checked(cache, q, **kw):
     return copy.deepcopy(cache).attend(q, **kw)
 
 
+def _filled(rng, batch, kv_heads, d, n, form="float32"):
+    """A cache of ``n`` random tokens per sequence."""
+    cache = qkv.KVCache(batch, kv_heads, d, dtype=form)
+    k = rng.standard_normal((batch, kv_heads, n, d)).astype(np.float32)
+    cache.append(k, k)
+    return cache, k
+
+
 def _count_checks(monkeypatch):
     calls = []
     make_plan = cache_module.make_plan
@@ -85,9 +93,7 @@ def test_planned_step_follows_appends_and_growth(form, group, appends, seed):
 @native
 def test_repeated_calls_skip_the_checks_and_changed_calls_take_them(monkeypatch):
     rng = np.random.default_rng(0)
-    cache = qkv.KVCache(2, 2, 32, dtype="bfloat16")
-    k = rng.standard_normal((2, 2, 50, 32)).astype(np.float32)
-    cache.append(k, k)
+    cache, k = _filled(rng, 2, 2, 32, 50, "bfloat16")
     cache.append(k[:, :, :1], k[:, :, :1])  # the buffers grow to 100 tokens
     q = rng.standard_normal((2, 4, 1, 32)).astype(np.float32)
     checks = _count_checks(monkeypatch)
@@ -121,9 +127,7 @@ def test_repeated_calls_skip_the_checks_and_changed_calls_take_them(monkeypatch)
 @native
 def test_a_planned_cache_still_refuses_bad_calls_by_name():
     rng = np.random.default_rng(1)
-    cache = qkv.KVCache(1, 2, 8)
-    k = rng.standard_normal((1, 2, 20, 8)).astype(np.float32)
-    cache.append(k, k)
+    cache, _ = _filled(rng, 1, 2, 8, 20)
     q = rng.standard_normal((1, 2, 1, 8)).astype(np.float32)
     cache.attend(q, scale=0.25)
     with pytest.raises(qkv.InputError, match="scale"):
@@ -139,9 +143,7 @@ def test_a_planned_cache_still_refuses_bad_calls_by_name():
 @native
 def test_non_finite_queries_after_planning_follow_the_checked_road():
     rng = np.random.default_rng(2)
-    cache = qkv.KVCache(2, 1, 8)
-    k = rng.standard_normal((2, 1, 12, 8)).astype(np.float32)
-    cache.append(k, k)
+    cache, _ = _filled(rng, 2, 1, 8, 12)
     q = rng.standard_normal((2, 1, 1, 8)).astype(np.float32)
     cache.attend(q)
     q[1, 0, 0, 3] = np.nan
@@ -153,9 +155,7 @@ def test_non_finite_queries_after_planning_follow_the_checked_road():
 @native
 def test_switching_native_off_after_planning_is_obeyed(monkeypatch):
     rng = np.random.default_rng(3)
-    cache = qkv.KVCache(1, 2, 16)
-    k = rng.standard_normal((1, 2, 30, 16)).astype(np.float32)
-    cache.append(k, k)
+    cache, _ = _filled(rng, 1, 2, 16, 30)
     q = rng.standard_normal((1, 2, 1, 16)).astype(np.float32)
     cache.attend(q)
     launches = []
@@ -172,9 +172,7 @@ def test_switching_native_off_after_planning_is_obeyed(monkeypatch):
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
 def test_a_copy_of_a_planned_cache_reads_its_own_buffers(how):
     rng = np.random.default_rng(4)
-    cache = qkv.KVCache(2, 2, 16, dtype="int8")
-    k = rng.standard_normal((2, 2, 40, 16)).astype(np.float32)
-    cache.append(k, k)
+    cache, k = _filled(rng, 2, 2, 16, 40, "int8")
     q = rng.standard_normal((2, 2, 1, 16)).astype(np.float32)
     want = cache.attend(q)
     twin = copy.deepcopy(cache) if how == "deepcopy" else pickle.loads(pickle.dumps(cache))

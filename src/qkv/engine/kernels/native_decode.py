@@ -490,9 +490,22 @@ def prepare(
     k_scale: np.ndarray | None = None,
     v_scale: np.ndarray | None = None,
 ) -> Prepared | None:
-    """:func:`step` planned, not run: the :class:`Prepared` step, or None where the kernel
-    does not take these arrays. ``lo`` and ``hi`` are read when the step runs (a caller may
-    update them in place between runs, as a cache does its lengths)."""
+    """One decoding step planned, not run: the :class:`Prepared` step, or None where the
+    kernel does not take these arrays.
+
+    ``q (*outer, heads, L, d)``, ``k (*outer, kv_heads, S, d)``, ``v (*outer, kv_heads, S,
+    dv)``, ``q`` float32 or float64 (the compute dtype), ``heads`` a multiple of ``kv_heads``,
+    each with a contiguous last axis and outer axes that collapse to one; every row of
+    sequence ``b`` sees keys ``lo[b]:hi[b]`` (int64, one per sequence), or all of them. ``k``
+    and ``v`` are in the compute dtype, or (float32 compute) stored in a form of
+    :mod:`qkv.engine.quant` and read in place: ``float16`` and ml_dtypes' ``bfloat16`` arrays
+    are recognised by their dtype; codes (``uint16`` bfloat16 bits, ``int8``, ``uint8``
+    e4m3fn bits) are named by ``kv_format``, the 8-bit ones with their float32 ``k_scale``
+    and ``v_scale`` of shape ``(*outer, kv_heads, S)``. The step is a :class:`DecodePlan` of
+    these sizes; nothing else is checked: callers pass checked arrays. ``lo`` and ``hi``
+    are read when the step runs (a caller may update them in place between runs, as a
+    cache does its lengths).
+    """
     dt = q.dtype
     if q.ndim < 3 or k.ndim != q.ndim or v.ndim != q.ndim or dt not in _DTYPES:
         return None
@@ -528,40 +541,12 @@ def prepare(
     )  # fmt: skip
 
 
-def step(
-    q: np.ndarray,
-    k: np.ndarray,
-    v: np.ndarray,
-    scale: float,
-    lo: np.ndarray | None = None,
-    hi: np.ndarray | None = None,
-    *,
-    threads: int | None = None,
-    isa: int = 0,
-    softcap: float | None = None,
-    kv_format: str | None = None,
-    k_scale: np.ndarray | None = None,
-    v_scale: np.ndarray | None = None,
-) -> tuple[np.ndarray, np.ndarray] | None:
-    """One decoding step in one native call: ``(out, lse)``, or None where it does not apply.
-
-    ``q (*outer, heads, L, d)``, ``k (*outer, kv_heads, S, d)``, ``v (*outer, kv_heads, S,
-    dv)``, ``q`` float32 or float64 (the compute dtype), ``heads`` a multiple of ``kv_heads``,
-    each with a contiguous last axis and outer axes that collapse to one; every row of
-    sequence ``b`` sees keys ``lo[b]:hi[b]`` (int64, one per sequence), or all of them. ``k``
-    and ``v`` are in the compute dtype, or (float32 compute) stored in a form of
-    :mod:`qkv.engine.quant` and read in place: ``float16`` and ml_dtypes' ``bfloat16`` arrays
-    are recognised by their dtype; codes (``uint16`` bfloat16 bits, ``int8``, ``uint8``
-    e4m3fn bits) are named by ``kv_format``, the 8-bit ones with their float32 ``k_scale``
-    and ``v_scale`` of shape ``(*outer, kv_heads, S)``. The step is a :class:`DecodePlan` of
-    these sizes run once; nothing else is checked: callers pass checked arrays.
-    ``out (*outer, heads, L, dv)`` and ``lse (*outer, heads, L)`` are new arrays in the
-    compute dtype. None when the inputs do not have that form, and when a
-    result is not finite (infinite or NaN inputs, an overflow): the caller then takes the
-    general path, which applies qkv's rules for those.
+def step(q: np.ndarray, *args: Any, **kwargs: Any) -> tuple[np.ndarray, np.ndarray] | None:
+    """One decoding step in one native call: :func:`prepare`'s step (same arguments) run on
+    ``q``. ``out (*outer, heads, L, dv)`` and ``lse (*outer, heads, L)`` are new arrays in the
+    compute dtype; None when the inputs do not have :func:`prepare`'s form, and when a result
+    is not finite (infinite or NaN inputs, an overflow): the caller then takes the general
+    path, which applies qkv's rules for those.
     """
-    found = prepare(
-        q, k, v, scale, lo, hi, threads=threads, isa=isa, softcap=softcap, kv_format=kv_format,
-        k_scale=k_scale, v_scale=v_scale,
-    )  # fmt: skip
+    found = prepare(q, *args, **kwargs)
     return None if found is None else found.run(q)
