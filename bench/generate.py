@@ -3,7 +3,7 @@
     python bench/generate.py [--models llama,gemma2] [--prompts 512,2048,8192] [--batches 1,4]
                              [--caches dynamic,static] [--new-tokens 16] [--repeat 3] [--threads 2]
                              [--hidden 1024 --layers 4 --heads 16 --kv-heads 4]
-                             [--dtype bfloat16] [--kv-dtype int8]
+                             [--dtype bfloat16] [--kv-dtype int8] [--float64-tokens] [--seed 0]
     python bench/generate.py --prompts 512 --layers 2 --repeat 1   # a quick run
 
 Models are built from configs with random weights (no download), float32 (``--dtype
@@ -24,7 +24,11 @@ padded to the longest), per backend:
 - **attn GB/s**: during one decode run the attention function of every layer is timed; the K/V
   bytes it reads per call over that time, also as a fraction of the machine's read rate
   (``bench/machine.py``);
-- the greedy tokens are compared with those of the first backend (``--backends`` order).
+- the greedy tokens are compared with those of the first backend (``--backends`` order);
+  with ``--float64-tokens``, also with the greedy tokens of the same weights run in float64
+  (``sdpa``, or ``eager`` for Gemma 2): the leading tokens each backend keeps (the fewest over
+  the batch's prompts). In bfloat16 two backends that sum in different orders part where two
+  logits nearly tie; this says whether either parts from the float64 run sooner.
 
 The backends take turns round by round (the order rotating), so that the drifting load of a
 shared machine meets them alike. Ratios ("x peer") are against ``sdpa``, or ``eager`` for
@@ -222,6 +226,29 @@ def measure(
     return results
 
 
+def _float64_tokens(model: Any, peer: str, ids: Any, mask: Any, new: int) -> list:
+    """The greedy tokens of ``model``'s weights run in float64 under ``peer``."""
+    import copy
+
+    import torch
+
+    wide = copy.deepcopy(model).to(torch.float64)
+    wide.set_attn_implementation(peer)
+    with torch.no_grad():
+        return _decode(wide, ids, mask, new)[2]
+
+
+def _kept(tokens: list, reference: list) -> int:
+    """Leading tokens equal to ``reference``'s, the fewest over the batch's prompts."""
+    kept = []
+    for got, want in zip(tokens, reference, strict=True):
+        n = 0
+        while n < len(want) and got[n] == want[n]:
+            n += 1
+        kept.append(n)
+    return min(kept)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="llama,gemma2")
@@ -239,7 +266,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--window", type=int, default=4096, help="Gemma 2's sliding window")
     p.add_argument("--eager-max", type=int, default=2048)
+    p.add_argument("--seed", type=int, default=0, help="of the random weights and prompts")
     p.add_argument("--no-machine", action="store_true", help="skip measuring the read rate")
+    p.add_argument(
+        "--float64-tokens",
+        action="store_true",
+        help="also compare each backend's greedy tokens with the same weights' in float64",
+    )
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     p.add_argument(
         "--kv-dtype",
@@ -265,12 +298,12 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.models.split(","):
         cfg, cls = _config(name, args, max(prompts) + args.new_tokens + 8)
         cfg._attn_implementation = "eager"
-        torch.manual_seed(0)
+        torch.manual_seed(args.seed)
         model = cls(cfg).eval().to(getattr(torch, args.dtype))
         for length, batch, kind in itertools.product(prompts, batches, args.caches.split(",")):
             if kind not in ("dynamic", "static"):
                 raise SystemExit(f"--caches: unknown cache {kind!r} (dynamic, static)")
-            ids, mask = _prompts(batch, length, args.vocab)
+            ids, mask = _prompts(batch, length, args.vocab, args.seed)
             here = [
                 b
                 for b in backends
@@ -280,6 +313,10 @@ def main(argv: list[str] | None = None) -> None:
             res = measure(model, here, ids, mask, args, kind)
             first = res[here[0]]["tokens"]
             base = res.get("sdpa") or res.get("eager")
+            wide = None
+            if args.float64_tokens:
+                peer = "eager" if name == "gemma2" else "sdpa"
+                wide = _float64_tokens(model, peer, ids, mask, args.new_tokens)
             for backend, r in res.items():
                 lo = r["decode range"][0]
                 rows.append(
@@ -299,6 +336,9 @@ def main(argv: list[str] | None = None) -> None:
                         "same tokens": "yes" if r["tokens"] == first else "NO",
                     }
                 )
+                if wide is not None:
+                    kept = _kept(r["tokens"], wide)
+                    rows[-1]["tokens kept of float64's"] = f"{kept}/{args.new_tokens}"
             print(_common.table(rows[-len(res) :], list(rows[-1])), flush=True)
     print()
     print(_common.table(rows, list(rows[0])))
