@@ -181,3 +181,21 @@ def test_a_copy_of_a_planned_cache_reads_its_own_buffers(how):
     np.testing.assert_array_equal(twin.attend(q), want)
     twin.append(k[:, :, :3], k[:, :, :3])
     np.testing.assert_allclose(twin.attend(q), _reference(twin, q), atol=2e-5)
+
+
+@native
+def test_torch_queries_run_the_planned_step_and_come_back_as_tensors(monkeypatch):
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(5)
+    cache, _ = _filled(rng, 2, 2, 16, 30, "bfloat16")
+    q = torch.from_numpy(rng.standard_normal((2, 4, 1, 16)).astype(np.float32))
+    checks = _count_checks(monkeypatch)
+    first = cache.attend(q)
+    out, lse = cache.attend(q, return_lse=True)
+    assert len(checks) == 1  # the second call ran the planned step
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.float32
+    assert isinstance(lse, torch.Tensor)
+    assert torch.equal(out, first)
+    np.testing.assert_allclose(out.numpy(), _reference(cache, q.numpy()), atol=2e-5)
+    with pytest.raises(qkv.InputError, match="q"):
+        cache.attend(q.requires_grad_())

@@ -28,7 +28,7 @@ from .engine import merge as merging
 from .engine import run as core
 from .errors import InputError
 from .keywords import near_keywords
-from .tensors import give, give_pair, one_device, refuse_grad, want_of, wants_grad
+from .tensors import give, give_pair, one_device, read, refuse_grad, want_of, wants_grad
 from .validate import VARIANTS
 
 __all__ = [
@@ -297,7 +297,9 @@ class KVCache(cache.KVCache):
     @near_keywords(VARIANTS, like=cache.KVCache.attend)
     def attend(self, q: Any, **options: Any) -> Any:
         refuse_grad("KVCache.attend", q=q)
-        return _give(super().attend(q, **options), want_of(q))
+        # a CPU tensor as its NumPy view, so that a decoding loop's calls run the cache's
+        # planned step again as NumPy ones do (the checks read it the same way)
+        return _give(super().attend(read(q, "q"), **options), want_of(q))
 
     attend.__doc__ = cache.KVCache.attend.__doc__
 
