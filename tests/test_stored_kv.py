@@ -158,17 +158,19 @@ def test_native_step_equals_reference_on_stored_values(
     batch=st.integers(1, 2),
     threads=st.integers(1, 2),
     softcap=st.sampled_from([None, 20.0]),
+    form=st.sampled_from(["bfloat16", "int8", "float8_e4m3fn"]),
     seed=st.integers(0, 2**16),
 )
-def test_bfloat16_queries_on_bfloat16_keys_equal_reference(
-    d, kv_heads, group, L, S, batch, threads, softcap, seed
+def test_bfloat16_queries_on_bfloat16_and_8_bit_keys_equal_reference(
+    d, kv_heads, group, L, S, batch, threads, softcap, form, seed
 ):
-    """The road of a bfloat16 model's step: bfloat16 query values against bfloat16 K/V (on
-    vdpbf16ps where the CPU has AVX512_BF16, for head sizes 64 and 128; rows of any size and
-    count, ragged runs of keys), the reference's numbers on the same values."""
+    """The road of a bfloat16 model's step: bfloat16 query values against bfloat16 K/V, or an
+    8-bit cache's codes (on vdpbf16ps where the CPU has AVX512_BF16, for head sizes 64 and 128;
+    rows of any size and count, ragged runs of keys), the reference's numbers on the same
+    values."""
     rng = np.random.default_rng(seed)
     q = _bf16_values(rng.standard_normal((batch, kv_heads * group, L, d)).astype(np.float32))
-    _step_equals_reference(rng, q, kv_heads, S, "bfloat16", threads=threads, softcap=softcap)
+    _step_equals_reference(rng, q, kv_heads, S, form, threads=threads, softcap=softcap)
 
 
 def _step_equals_reference(rng, q, kv_heads, S, form, **step):
@@ -220,18 +222,21 @@ def test_bfloat16_scores_keep_subnormal_queries_against_large_keys(isa):
 
 @native
 @pytest.mark.skipif(not native_bf16.available(), reason="needs AVX512_BF16 (vdpbf16ps) on this CPU")
-def test_bfloat16_queries_take_the_dot_product_road():
-    """With AVX512_BF16, bfloat16 query rows against bfloat16 keys are scored by vdpbf16ps
-    (isa 4, the default), float32 ones by the widening FMAs: both the reference's numbers, and
-    the two roads' sums (in different orders) not the same bits."""
+@pytest.mark.parametrize("form", ["bfloat16", "int8", "float8_e4m3fn"])
+def test_bfloat16_queries_take_the_dot_product_road(form):
+    """With AVX512_BF16, bfloat16 query rows against bfloat16 keys or 8-bit codes are scored by
+    vdpbf16ps (isa 4, the default), float32 ones by the widening FMAs: both the reference's
+    numbers, and the two roads' sums (in different orders) not the same bits."""
     rng = np.random.default_rng(12)
     q = _bf16_values(rng.standard_normal((2, 8, 1, 128)).astype(np.float32))
-    k, v = (qkv.quantize_kv(x, "bfloat16")[0] for x in rng.standard_normal((2, 2, 2, 500, 128)))
-    kd, vd = (qkv.dequantize_kv(c, None, "bfloat16").astype(np.float64) for c in (k, v))
+    (k, ks), (v, vs) = (qkv.quantize_kv(x, form) for x in rng.standard_normal((2, 2, 2, 500, 128)))
+    kd, vd = (qkv.dequantize_kv(c, sc, form).astype(np.float64) for c, sc in ((k, ks), (v, vs)))
     want = reference.attention(q.astype(np.float64), kd, vd)
     outs = {}
     for isa in (0, 3, 4):
-        outs[isa], _ = native_decode.step(q, k, v, 128**-0.5, kv_format="bfloat16", isa=isa)
+        outs[isa], _ = native_decode.step(
+            q, k, v, 128**-0.5, kv_format=form, k_scale=ks, v_scale=vs, isa=isa
+        )
         np.testing.assert_allclose(outs[isa], want, atol=F32, rtol=F32)
     np.testing.assert_array_equal(outs[0], outs[4])  # the default is the dot-product road
     assert not np.array_equal(outs[3], outs[4])

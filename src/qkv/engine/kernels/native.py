@@ -183,8 +183,9 @@ def info() -> dict[str, Any]:
             "decode": "vector FMA in float32/float64; bfloat16, float16, int8 and float8 "
             "e4m3fn K/V widened to float32 in registers (the step is bound by the bytes read)"
             + (
-                "; bfloat16 keys against queries of bfloat16 values (head size 64 or 128) "
-                "scored by vdpbf16ps (AVX512_BF16), keys read as stored"
+                "; bfloat16 keys, and int8 and float8 e4m3fn codes (converted to bfloat16 "
+                "exactly), against queries of bfloat16 values (head size 64 or 128) scored by "
+                "vdpbf16ps (AVX512_BF16), bfloat16 keys read as stored"
                 if bf16
                 else ""
             ),

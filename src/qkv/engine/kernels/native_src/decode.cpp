@@ -602,15 +602,43 @@ QKV_INLINE void score_tile(const T* __restrict q, const E* __restrict k, int64_t
 // multiplies each sum. It reads a subnormal bfloat16 as 0 and flushes a subnormal sum to 0:
 // the rows it is given have none (rows_are_bf16), and with theirs below 2^64 the keys' and the
 // sums' change a score by less than d · 2^-62, far below float32's rounding of the weights.
-template <int D, int RB, int KB>
-QKV_BF16 inline void score_tile_dp(const uint16_t* __restrict q, const Bf16* __restrict k,
+//
+// 8-bit keys take the same road: an int8 code is an integer of at most 8 bits, a float8 e4m3fn
+// code a value of 4 significant bits between 2^-9 and 448, each a bfloat16 value exactly (and
+// none subnormal there), converted in registers (dp_keys, 32 codes in order, as a bfloat16
+// line's); their row's scale then multiplies the score, as on the widening road.
+QKV_BF16 inline __m512bh dp_keys(const Bf16* k) { return (__m512bh)_mm512_loadu_si512(k); }
+
+QKV_BF16 inline __m512 dp_int8(__m128i c) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)); }
+
+// as Kv<float, E4m3>::line(): the magnitude bits to float32's bits 20..26, the sign to bit 31,
+// times 2^120
+QKV_BF16 inline __m512 dp_e4m3(__m128i c) {
+    const __m512i w = _mm512_cvtepu8_epi32(c);
+    const __m512i mag = _mm512_and_si512(_mm512_slli_epi32(w, 20), _mm512_set1_epi32(0x07F00000));
+    const __m512i sign = _mm512_and_si512(_mm512_slli_epi32(w, 24), _mm512_set1_epi32(INT32_MIN));
+    return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(mag, sign)), _mm512_set1_ps(0x1p120f));
+}
+
+template <typename E>
+QKV_BF16 inline __m512bh dp_keys(const E* k) {
+    const __m128i* p = reinterpret_cast<const __m128i*>(k);
+    const __m128i lo = _mm_loadu_si128(p), hi = _mm_loadu_si128(p + 1);
+    if constexpr (std::is_same<E, I8>::value)
+        return _mm512_cvtne2ps_pbh(dp_int8(hi), dp_int8(lo));
+    else
+        return _mm512_cvtne2ps_pbh(dp_e4m3(hi), dp_e4m3(lo));
+}
+
+template <int D, int RB, int KB, typename E>
+QKV_BF16 inline void score_tile_dp(const uint16_t* __restrict q, const E* __restrict k,
                                  int64_t k_rs, float scale, float* __restrict s) {
     __m512 x[RB][KB];
     for (int i = 0; i < RB; ++i)
         for (int kk = 0; kk < KB; ++kk) x[i][kk] = _mm512_setzero_ps();
     for (int l = 0; l < D / 32; ++l) {
         __m512bh kv[KB];
-        for (int kk = 0; kk < KB; ++kk) kv[kk] = (__m512bh)_mm512_loadu_si512(k + kk * k_rs + l * 32);
+        for (int kk = 0; kk < KB; ++kk) kv[kk] = dp_keys(k + kk * k_rs + l * 32);
         for (int i = 0; i < RB; ++i) {
             const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + i * D + l * 32);
             for (int kk = 0; kk < KB; ++kk) x[i][kk] = _mm512_dpbf16_ps(x[i][kk], qv, kv[kk]);
@@ -733,8 +761,8 @@ QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h,
         T* out = s + r * DECODE_BK + j;
 #if QKV_X86
         if constexpr (DP) {
-            score_tile_dp<D, RB, KBt>(reinterpret_cast<const uint16_t*>(qs) + r * D, K + j * a.k_rs,
-                                      a.k_rs, float(a.scale), out);
+            score_tile_dp<D, RB, KBt, E>(reinterpret_cast<const uint16_t*>(qs) + r * D,
+                                         K + j * a.k_rs, a.k_rs, float(a.scale), out);
             return;
         }
 #endif
@@ -764,8 +792,9 @@ QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h,
             for (; r + RS <= R; r += RS) scores(Rows_{}, One{}, r, K, j);
             for (; r < R; ++r) scores(One{}, One{}, r, K, j);
         }
-        if constexpr (KV::scaled) {
-            for (int64_t i = 0; i < n; ++i) vsc[i] = T(at.ks[(b0 + i) * a.ks_rs]) * KV::unit;
+        if constexpr (KV::scaled) {  // (score_tile_dp's codes are read as they are: unit 1)
+            constexpr T kunit = DP ? T(1) : KV::unit;
+            for (int64_t i = 0; i < n; ++i) vsc[i] = T(at.ks[(b0 + i) * a.ks_rs]) * kunit;
             for (int64_t r = 0; r < R; ++r)
 #pragma omp simd
                 for (int64_t i = 0; i < n; ++i) s[r * DECODE_BK + i] *= vsc[i];
@@ -851,21 +880,37 @@ inline bool rows_are_bf16(const qkv_decode_args& a, int64_t b, int64_t h) {
     return ok;
 }
 
-// bfloat16 K/V where the CPU has AVX512_BF16: the scores on vdpbf16ps for rows of bfloat16
-// values and head sizes 64 and 128, the values' products widened in registers (the weights
-// are not bfloat16); other rows and sizes go to the AVX-512 piece.
-QKV_BF16 void piece_avx512bf16_bf16(const qkv_decode_args& a, int64_t b, int64_t h, int64_t j0,
-                                    int64_t j1, void* sc, void* m, void* l, void* acc) {
+// bfloat16 or int8 K/V where the CPU has AVX512_BF16: the scores on vdpbf16ps for rows of
+// bfloat16 values and head sizes 64 and 128, the values' products widened in registers (the
+// weights are not bfloat16); other rows and sizes go to the AVX-512 piece.
+template <typename E>
+QKV_BF16 void piece_avx512bf16(const qkv_decode_args& a, int64_t b, int64_t h, int64_t j0,
+                               int64_t j1, void* sc, void* m, void* l, void* acc, piece_t other) {
     float* S = static_cast<float*>(sc);
     float* M = static_cast<float*>(m);
     float* L = static_cast<float*>(l);
     float* A = static_cast<float*>(acc);
     if (a.d == 64 && a.dv == 64 && rows_are_bf16(a, b, h))
-        decode_piece_vec<float, Bf16, 64, 64, 16, true>(a, b, h, j0, j1, S, M, L, A);
+        decode_piece_vec<float, E, 64, 64, 16, true>(a, b, h, j0, j1, S, M, L, A);
     else if (a.d == 128 && a.dv == 128 && rows_are_bf16(a, b, h))
-        decode_piece_vec<float, Bf16, 128, 128, 16, true>(a, b, h, j0, j1, S, M, L, A);
+        decode_piece_vec<float, E, 128, 128, 16, true>(a, b, h, j0, j1, S, M, L, A);
     else
-        piece_avx512_bf16(a, b, h, j0, j1, sc, m, l, acc);
+        other(a, b, h, j0, j1, sc, m, l, acc);
+}
+
+QKV_BF16 void piece_avx512bf16_bf16(const qkv_decode_args& a, int64_t b, int64_t h, int64_t j0,
+                                    int64_t j1, void* sc, void* m, void* l, void* acc) {
+    piece_avx512bf16<Bf16>(a, b, h, j0, j1, sc, m, l, acc, piece_avx512_bf16);
+}
+
+QKV_BF16 void piece_avx512bf16_i8(const qkv_decode_args& a, int64_t b, int64_t h, int64_t j0,
+                                  int64_t j1, void* sc, void* m, void* l, void* acc) {
+    piece_avx512bf16<I8>(a, b, h, j0, j1, sc, m, l, acc, piece_avx512_i8);
+}
+
+QKV_BF16 void piece_avx512bf16_e4m3(const qkv_decode_args& a, int64_t b, int64_t h, int64_t j0,
+                                    int64_t j1, void* sc, void* m, void* l, void* acc) {
+    piece_avx512bf16<E4m3>(a, b, h, j0, j1, sc, m, l, acc, piece_avx512_e4m3);
 }
 #endif
 
@@ -877,8 +922,11 @@ piece_t pick_piece(int64_t asked, int64_t format) {
     const int isa = chosen_isa(asked);
     if (sizeof(T) == 8) return format == KV_SAME ? pick_clone<piece_t>(isa, QKV_CLONES(piece, f64)) : nullptr;
 #if QKV_X86
-    if (format == KV_BF16 && (asked == 0 || asked >= 4) && cpu_has_bf16())
-        return piece_avx512bf16_bf16;
+    if ((asked == 0 || asked >= 4) && cpu_has_bf16()) {  // vdpbf16ps for the keys' scores
+        if (format == KV_BF16) return piece_avx512bf16_bf16;
+        if (format == KV_INT8) return piece_avx512bf16_i8;
+        if (format == KV_E4M3) return piece_avx512bf16_e4m3;
+    }
 #endif
     switch (format) {
         case KV_SAME:
