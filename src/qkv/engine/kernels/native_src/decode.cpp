@@ -314,19 +314,22 @@ struct Kv<float, E4m3> {
     }
     // The code's magnitude bits go to float32's bits 20..26 (exponent 0..15, 3 mantissa bits)
     // and its sign to bit 31: that float32 (a subnormal one for exponent 0) times 2^120 is the
-    // code's value, exactly, for normal and subnormal codes alike.
+    // code's value, exactly, for normal and subnormal codes alike. `mags` holds each code's
+    // magnitude bits at 20..26 and `signs` its sign bit at 31 (other bits are masked off).
+    static QKV_INLINE F32x16 value(U32x16 mags, U32x16 signs) {
+        const U32x16 bits = (mags & 0x07F00000u) | (signs & 0x80000000u);
+        F32x16 x;
+        std::memcpy(&x, &bits, sizeof(x));
+        return x * 0x1p120f;
+    }
     static QKV_INLINE void line(const E4m3* p, void* out) {
         typedef U32x16 U;
-        typedef F32x16 V;
         U ws;
         std::memcpy(&ws, p, 64);
         const U mags[4] = {ws << 20, ws << 12, ws << 4, ws >> 4};
         const U signs[4] = {ws << 24, ws << 16, ws << 8, ws};
         for (int c = 0; c < 4; ++c) {
-            const U bits = (mags[c] & 0x07F00000u) | (signs[c] & 0x80000000u);
-            V x;
-            std::memcpy(&x, &bits, sizeof(V));
-            x *= 0x1p120f;
+            const F32x16 x = value(mags[c], signs[c]);
             std::memcpy(static_cast<char*>(out) + 64 * c, &x, 64);
         }
     }
@@ -611,13 +614,10 @@ QKV_BF16 inline __m512bh dp_keys(const Bf16* k) { return (__m512bh)_mm512_loadu_
 
 QKV_BF16 inline __m512 dp_int8(__m128i c) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)); }
 
-// as Kv<float, E4m3>::line(): the magnitude bits to float32's bits 20..26, the sign to bit 31,
-// times 2^120
+// 16 codes, one per 32-bit lane, as Kv<float, E4m3>::value() places them
 QKV_BF16 inline __m512 dp_e4m3(__m128i c) {
-    const __m512i w = _mm512_cvtepu8_epi32(c);
-    const __m512i mag = _mm512_and_si512(_mm512_slli_epi32(w, 20), _mm512_set1_epi32(0x07F00000));
-    const __m512i sign = _mm512_and_si512(_mm512_slli_epi32(w, 24), _mm512_set1_epi32(INT32_MIN));
-    return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(mag, sign)), _mm512_set1_ps(0x1p120f));
+    const U32x16 w = (U32x16)_mm512_cvtepu8_epi32(c);
+    return (__m512)Kv<float, E4m3>::value(w << 20, w << 24);
 }
 
 template <typename E>
@@ -880,9 +880,9 @@ inline bool rows_are_bf16(const qkv_decode_args& a, int64_t b, int64_t h) {
     return ok;
 }
 
-// bfloat16 or int8 K/V where the CPU has AVX512_BF16: the scores on vdpbf16ps for rows of
-// bfloat16 values and head sizes 64 and 128, the values' products widened in registers (the
-// weights are not bfloat16); other rows and sizes go to the AVX-512 piece.
+// bfloat16, int8 or float8 e4m3fn K/V where the CPU has AVX512_BF16: the scores on vdpbf16ps
+// for rows of bfloat16 values and head sizes 64 and 128, the values' products widened in
+// registers (the weights are not bfloat16); other rows and sizes go to the AVX-512 piece.
 template <typename E>
 QKV_BF16 void piece_avx512bf16(const qkv_decode_args& a, int64_t b, int64_t h, int64_t j0,
                                int64_t j1, void* sc, void* m, void* l, void* acc, piece_t other) {
