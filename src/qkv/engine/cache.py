@@ -118,11 +118,22 @@ class KVCache:
         self._planned: tuple[tuple[Any, ...], native_decode.Prepared, np.dtype] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        # a copy (copy, deepcopy, pickle) plans its own step: the kept one addresses these
-        # buffers and lengths
+        # a copy (deepcopy, pickle) plans its own step: the kept one addresses these buffers
+        # and lengths
         state = self.__dict__.copy()
         state["_planned"] = None
         return state
+
+    def __copy__(self) -> KVCache:
+        """An independent cache: ``copy.copy`` copies the buffers and lengths too, as
+        ``deepcopy`` does. A cache that shared them with its original would append into the
+        original's rows, and grow its lengths past the original's buffers."""
+        twin = object.__new__(type(self))
+        state = self.__getstate__()
+        twin.__dict__.update(
+            {n: a.copy() if isinstance(a, np.ndarray) else a for n, a in state.items()}
+        )
+        return twin
 
     @property
     def lengths(self) -> np.ndarray:
@@ -160,9 +171,11 @@ class KVCache:
             if old is None:
                 grown.append(None)
                 continue
-            # scales zeroed: the general road widens whole buffers, unused rows included
-            make = np.zeros if old.ndim == 3 else np.empty
-            buf = make(old.shape[:2] + (new,) + old.shape[3:], dtype=old.dtype)
+            # zeroed, not empty: the general road reads every sequence up to the longest one,
+            # so a shorter sequence's rows past its length must hold numbers (an uninitialised
+            # signalling NaN warns when a float64 call widens it), and calloc's pages cost
+            # nothing until written
+            buf = np.zeros(old.shape[:2] + (new,) + old.shape[3:], dtype=old.dtype)
             buf[:, :, :used] = old[:, :, :used]
             grown.append(buf)
         k, v, self._ks, self._vs = grown
@@ -288,9 +301,11 @@ class KVCache:
 
         Returns
         -------
-        ndarray, shape ``(batch, heads, Lq, value_dim)``
+        array of ``q``'s type, shape ``(batch, heads, Lq, value_dim)``
+            An ndarray for array input, a tensor for a CPU tensor ``q`` (``qkv.KVCache``).
             Equal to ``qkv.attention(q[b], cache.keys(b), cache.values(b), causal=causal, ...)``
-            for every sequence ``b``; a sequence with no cached keys gives zeros.
+            for every sequence ``b``; a sequence with no cached keys gives zeros. With
+            ``return_lse``, the pair ``(out, lse)``.
         """
         planned = self._planned
         if planned is not None and not variants and window is None:

@@ -200,7 +200,8 @@ def launch(
 
     Returns the kernel's status: 0; 3 when an output is not finite, 4 when a mask row is not
     one run of keys (then take the general path). The caller guarantees the memory matches;
-    nothing is checked here.
+    nothing is checked here but the runs of keys, which the kernel refuses (an
+    :class:`~qkv.errors.InputError`, nothing read) where one reaches outside ``[0, S)``.
     """
     team, n = openmp_parallel()
     if threads is not None:

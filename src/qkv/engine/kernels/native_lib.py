@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from ...errors import InputError
+
 __all__ = [
     "ENV",
     "ISAS",
@@ -245,6 +247,11 @@ def invoke(
         return status
     if status == 1:
         raise MemoryError(f"qkv native {what}: not enough memory for its work")
+    if status == 5:
+        raise InputError(
+            f"lengths: qkv native {what}: a sequence's keys [lo, hi) reach outside its K/V "
+            f"buffers of {getattr(args, 'S', '?')} rows; nothing was read or written"
+        )
     raise RuntimeError(f"qkv native {what}: bad arguments (status {status})")
 
 

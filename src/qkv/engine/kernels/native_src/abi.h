@@ -2,7 +2,8 @@
 // (qkv/engine/kernels/native_lib.py mirrors each one field for field, all 8-byte fields) and
 // the function pointers it hands in. Every exported function takes one struct and returns a
 // status: 0 done; 1 no memory; 2 bad arguments; 3 an output is not finite (decode; the caller's
-// general path applies its rules); 4 a mask row is not one run of keys (decode; nothing done).
+// general path applies its rules); 4 a mask row is not one run of keys (decode; nothing done);
+// 5 a sequence's keys [lo, hi) do not lie within [0, S) (decode; nothing read or written).
 
 #pragma once
 

@@ -978,6 +978,12 @@ int run_decode(const qkv_decode_args& given) {
         a.lo = mlo.data();
         a.hi = mhi.data();
     }
+    // Every sequence's run of keys lies in the buffers, whatever the caller's lengths say
+    // (a cache whose lengths outgrew its buffers is refused, never read past its end).
+    for (int64_t b = 0; b < a.nseq; ++b) {
+        const int64_t lo = a.lo ? a.lo[b] : 0, hi = a.hi ? a.hi[b] : a.S;
+        if (lo < 0 || hi > a.S || lo > hi) return 5;
+    }
     const int64_t R = a.group * a.L, units = a.nseq * a.kv_heads;
     if (units == 0) return 0;  // no sequence: nothing to write
     const int64_t threads = std::max<int64_t>(1, a.threads);
