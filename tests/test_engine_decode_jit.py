@@ -12,7 +12,7 @@ from tests.conftest import bound
 
 import qkv
 from qkv import reference
-from qkv.engine.kernels import decode
+from qkv.engine.kernels import decode, router
 from qkv.validate import make_plan
 
 TOL = bound("decode step")
@@ -45,7 +45,7 @@ def test_decode_equals_reference(jit, group, L, causal, window):
     q, k, v = _data(rng, 2, 8, 8 // group, L, 1037, 24, 7)  # 1037 keys: no whole blocks
     plan = make_plan(q, k, v, causal=causal, window=window)
     # one query row per kv head stays on BLAS's matrix-vector product
-    assert decode.use_jit(plan) is (jit and plan.group * L >= 2)
+    assert router.compiled_decode(plan) is (jit and plan.group * L >= 2)
     got, lse = decode.attend(plan)
     want, want_lse = reference.attention(q, k, v, causal=causal, window=window, return_lse=True)
     np.testing.assert_allclose(got, want, atol=1e-12)
@@ -88,7 +88,7 @@ def test_masks_and_variants_fall_back_and_stay_exact(jit):
     mask = rng.random((2, 8, 2, 999)) > 0.3
     for kwargs in ({"mask": mask}, {"mask": mask.astype(float) - 1.0}, {"softcap": 5.0}):
         plan = make_plan(q, k, v, **kwargs)
-        assert not decode.use_jit(plan)
+        assert not router.compiled_decode(plan)
         got = qkv.attention(q, k, v, kernel="decode", **kwargs)
         np.testing.assert_allclose(got, reference.attention(q, k, v, **kwargs), atol=1e-12)
 
@@ -98,7 +98,7 @@ def test_sinks_are_added_after_the_compiled_kernel(jit):
     q, k, v = _data(rng, 2, 8, 2, 1, 700, 16, 16)
     sinks = rng.standard_normal(8)
     plan = make_plan(q, k, v, sinks=sinks)
-    assert decode.use_jit(plan) is jit
+    assert router.compiled_decode(plan) is jit
     got = qkv.attention(q, k, v, kernel="decode", sinks=sinks)
     np.testing.assert_allclose(got, reference.attention(q, k, v, sinks=sinks), atol=1e-12)
 

@@ -70,7 +70,7 @@ def test_attend_many_equals_one_call_per_plan():
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
 def test_ragged_cache_attend_equals_reference_per_sequence(group, dtype, monkeypatch):
-    monkeypatch.setattr(dispatch, "DECODE_MIN_BYTES", 1)  # auto picks decode for the batch
+    monkeypatch.setattr(dispatch.router, "DECODE_MIN_BYTES", 1)  # auto picks decode for the batch
     rng = np.random.default_rng(group)
     lengths = [0, 1, 517, 2, 1300, 517, 64]
     H, d = 8, 16
@@ -95,7 +95,7 @@ def test_dispatch_many_picks_decode_for_many_small_caches_together(monkeypatch):
     monkeypatch.setattr(
         decode, "attend_many", lambda plans: calls.append(len(plans)) or real(plans)
     )
-    monkeypatch.setattr(dispatch, "DECODE_MIN_BYTES", 5000)  # 2560 + 4608 bytes
+    monkeypatch.setattr(dispatch.router, "DECODE_MIN_BYTES", 5000)  # 2560 + 4608 bytes
     plans = [make_plan(np.ones((4, 1, 8)), np.ones((4, n, 8)), np.ones((4, n, 8))) for n in (5, 9)]
     assert dispatch.choose(plans[0]).name == "dense"  # alone, each would be dense
     dispatch.attend_many(plans)

@@ -13,7 +13,7 @@ from tests.conftest import bound
 import qkv
 from qkv import reference
 from qkv.engine.grad import reference_attention_vjp
-from qkv.engine.kernels import dispatch, native, native_lib
+from qkv.engine.kernels import dispatch, native, native_lib, router
 from qkv.validate import make_plan
 
 _lib, _why = native_lib.library()
@@ -307,7 +307,7 @@ def test_sinks_are_added_after_the_native_kernel(spy):
 def test_score_variants_run_on_the_numpy_kernels(variant, spy):
     rng = np.random.default_rng(14)
     q, k, v = rand(rng, (1, 4, 200, 8)), rand(rng, (1, 4, 200, 8)), rand(rng, (1, 4, 200, 4))
-    assert not native.supports(make_plan(q, k, v, **variant))
+    assert not router.holds(router.PREFILL, make_plan(q, k, v, **variant))
     out = qkv.attention(q, k, v, causal=True, **variant)
     np.testing.assert_allclose(
         out, reference.attention(q, k, v, causal=True, **variant), atol=1e-10
@@ -331,7 +331,7 @@ def test_switched_off_by_environment(monkeypatch):
     q, k, v = (rand(rng, (2, 300, 8), np.float32) for _ in range(3))
     plan = make_plan(q, k, v, causal=True)
     monkeypatch.setenv("QKV_NATIVE", "0")
-    assert not native.supports(plan)
+    assert not router.holds(router.PREFILL, plan)
     assert native.info()["active"] is False and "QKV_NATIVE=0" in native.info()["reason"]
     called = []
     monkeypatch.setattr(native, "attend", lambda *a, **kw: called.append(1))
@@ -339,7 +339,7 @@ def test_switched_off_by_environment(monkeypatch):
     assert not called
     np.testing.assert_allclose(out, reference.attention(q, k, v, causal=True), atol=2e-5)
     monkeypatch.delenv("QKV_NATIVE")
-    assert native.supports(plan) and native.info()["active"] is True
+    assert router.holds(router.PREFILL, plan) and native.info()["active"] is True
 
 
 def test_info_names_the_clone_and_the_kernels(monkeypatch):
@@ -453,7 +453,7 @@ def test_without_scipy_the_native_kernels_say_why(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "scipy.linalg", None)  # import fails as if not installed
     monkeypatch.setitem(sys.modules, "scipy.linalg.cython_blas", None)
-    gemm, why = native._gemm.__wrapped__()
+    gemm, why = native_lib.gemm.__wrapped__()
     assert gemm is None and "SciPy" in why
 
 
@@ -631,7 +631,8 @@ def test_info_says_the_varlen_walk_is_active(monkeypatch):
     assert [on for name, on in kernels.items() if name.startswith("packed varlen walk")] == [True]
     monkeypatch.setenv("QKV_NATIVE", "0")
     assert not any(native.info()["kernels"].values())
-    assert not native.supports_packed(np.float32)
+    q32 = np.ones((3, 2, 4), np.float32)
+    assert router.packed(q32, q32, q32, np.dtype(np.float32)).name == "packed walk"
 
 
 @pytest.mark.parametrize(

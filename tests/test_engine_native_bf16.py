@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import qkv
 from qkv import reference
 from qkv.engine.grad import reference_attention_vjp
-from qkv.engine.kernels import native_bf16
+from qkv.engine.kernels import native_bf16, router
 from qkv.validate import make_plan
 
 BF16 = ml_dtypes.bfloat16
@@ -85,7 +85,7 @@ def test_equals_the_reference(B, kv_heads, group, L, S, d, dv, causal, window, t
     q, k, v = _inputs(np.random.default_rng(seed), B, kv_heads, group, L, S, d, dv, spread=2.0)
     options = dict(causal=causal, window=window)
     plan = make_plan(q, k, v, keep_stored=True, **options)
-    assert native_bf16.supports(plan)
+    assert router.holds(router.BF16, plan)
     out, lse = native_bf16.attend(plan, threads=threads)
     _check(out, lse, q, k, v, **options)
 
@@ -96,7 +96,7 @@ def test_strided_and_broadcast_kv():
     kv = rng.standard_normal((1, 2, 200, 2, 64)).astype(BF16)  # k and v interleaved
     k, v = kv[..., 0, :], kv[..., 1, :]  # row stride 256 elements, batch broadcast
     plan = make_plan(q, k, v, causal=True, keep_stored=True)
-    assert native_bf16.supports(plan)
+    assert router.holds(router.BF16, plan)
     out, lse = native_bf16.attend(plan)
     _check(out, lse, q, np.broadcast_to(k, (3, 2, 200, 64)), np.broadcast_to(v, (3, 2, 200, 64)),
            causal=True)  # fmt: skip
@@ -164,7 +164,7 @@ def test_masks_and_biases_equal_the_reference(
     q, k, v = _inputs(rng, B, 2, group, L, S, d, dv, spread=2.0)
     options = dict(mask=_mask(rng, kind, shape, (B, 2 * group, L, S)), causal=causal, window=window)
     plan = make_plan(q, k, v, keep_stored=True, **options)
-    assert native_bf16.supports(plan)
+    assert router.holds(router.BF16, plan)
     out, lse = native_bf16.attend(plan, threads=2)
     _check(out, lse, q, k, v, **options)
 
@@ -188,10 +188,10 @@ def test_attention_takes_a_mask_on_the_tile_products(monkeypatch):
 def test_variants_are_not_taken():
     q, k, v = _inputs(np.random.default_rng(4), 1, 1, 1, 64, 64, 16, 16)
     for options in (dict(softcap=5.0), dict(causal=True, alibi_slopes=[0.5])):
-        assert not native_bf16.supports(make_plan(q, k, v, keep_stored=True, **options))
-    assert not native_bf16.supports(make_plan(q, k, v.astype(np.float32), keep_stored=True))
+        assert not router.holds(router.BF16, make_plan(q, k, v, keep_stored=True, **options))
+    assert not router.holds(router.BF16, make_plan(q, k, v.astype(np.float32), keep_stored=True))
     odd = make_plan(q[..., :15], k[..., :15], v, keep_stored=True)
-    assert not native_bf16.supports(odd)  # an odd head size
+    assert not router.holds(router.BF16, odd)  # an odd head size
 
 
 def test_training_forward_runs_it_and_the_gradients_hold(monkeypatch):
@@ -246,7 +246,7 @@ def test_backward_equals_the_reference(
     mask = _mask(rng, masking, shape, (1, kv_heads * group, L, S))
     options = dict(causal=causal, window=window, mask=mask)
     plan = make_plan(q, k, v, keep_stored=True, **options)
-    assert native_bf16.supports_backward(plan)
+    assert router.backward(plan).name == "native bfloat16 backward"
     wide = [x.astype(np.float64) for x in (q, k, v, dout)]
     # the exact forward, in float32: the backward alone is judged (the bfloat16 output's own
     # rounding reaches the gradients through delta; the test against PyTorch above covers it)
@@ -297,7 +297,7 @@ def test_packed_varlen_equals_the_reference(lengths, kv_heads, group, d, dv, cau
     q = rng.standard_normal((cq[-1], kv_heads * group, d)).astype(BF16)
     k = (rng.standard_normal((ck[-1], kv_heads, d)) * 2).astype(BF16)
     v = rng.standard_normal((ck[-1], kv_heads, dv)).astype(BF16)
-    assert native_bf16.packs(q, k, v)
+    assert router.packed(q, k, v, np.dtype(np.float32)).name == "native bfloat16 packed walk"
     options = dict(causal=causal, window=window)
     out, lse = qkv.attention_varlen(q, k, v, cq, ck, return_lse=True, **options)
     assert out.dtype == BF16 and lse.dtype == np.float32

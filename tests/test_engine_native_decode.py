@@ -18,7 +18,7 @@ from tests.conftest import bound
 
 import qkv
 from qkv import reference
-from qkv.engine.kernels import decode, dispatch, native, native_decode
+from qkv.engine.kernels import decode, dispatch, native, native_decode, router
 from qkv.validate import make_plan
 
 pytestmark = pytest.mark.skipif(
@@ -169,7 +169,7 @@ def test_auto_sends_a_decoding_step_here(monkeypatch):
     q = rng.standard_normal((1, 8, 1, 64)).astype(np.float32)
     k, v = (rng.standard_normal((1, 2, 40_000, 64)).astype(np.float32) for _ in range(2))
     plan = make_plan(q, k, v, causal=True)  # one causal query sees every key
-    assert dispatch.choose(plan).name == "decode" and native_decode.supports(plan)
+    assert dispatch.choose(plan).kernel == "native decode"
     out = qkv.attention(q, k, v, causal=True)
     assert len(calls) == 1
     np.testing.assert_allclose(out, reference.attention(q, k, v, causal=True), rtol=2e-5, atol=2e-6)
@@ -181,7 +181,7 @@ def test_a_mask_of_runs_is_read_as_runs_and_any_other_mask_is_not():
     k, v = (rng.standard_normal((2, 2, 64, 16)) for _ in range(2))
     runs = _runs_mask(2, 64, [3, 0], [64, 40])
     plan = make_plan(q, k, v, mask=runs)
-    assert native_decode.supports(plan) and decode.mask_runs(plan) == [(3, 64), (0, 40)]
+    assert router.holds(router.DECODE_STEP, plan) and decode.mask_runs(plan) == [(3, 64), (0, 40)]
     out, lse = native_decode.attend(plan)
     _check(out, lse, q, k, v, np.float64, runs)
     gaps = runs.copy()

@@ -90,9 +90,9 @@ def test_choose_returns_the_runner_and_the_sizes_it_chose_by():
 
 def test_native_decode_support_is_asked_once_per_call(monkeypatch):
     calls = []
-    real = dispatch.native_decode.supports
+    real = dispatch.router.first
     monkeypatch.setattr(
-        dispatch.native_decode, "supports", lambda plan: calls.append(1) or real(plan)
+        dispatch.router, "first", lambda table, ask: calls.append(1) or real(table, ask)
     )
     q, kv = np.ones((2, 1, 8)), np.ones((2, 100_000, 8))
     out = dispatch.attend(make_plan(q, kv, kv))
@@ -107,7 +107,7 @@ def test_attend_many_runs_each_plans_own_choice(monkeypatch):
     ran = []
     real = packed.attend_plan
     monkeypatch.setattr(packed, "attend_plan", lambda plan: ran.append(1) or real(plan))
-    monkeypatch.setattr(dispatch.native, "supports", lambda plan: False)
+    monkeypatch.setenv("QKV_NATIVE", "0")  # the router then refuses the native prefill
     plans = [make_plan(q, k, v) for k, v in kvs]
     outs = dispatch.attend_many(plans)
     assert len(ran) == 2  # the packed walk choose() picked, not the general tiled kernel

@@ -34,7 +34,7 @@ from ..validate import (
     make_plan,
     stand_in,
 )
-from .kernels import dispatch, mods, native_decode
+from .kernels import dispatch, mods, native_decode, router
 from .quant import FORMATS, SCALED, check_format, dequantize_kv, quantize_kv, storage_dtype
 
 __all__ = ["KVCache"]
@@ -371,8 +371,6 @@ class KVCache:
         :func:`_call_key`) it is kept for the calls that differ from this one only in
         ``q``'s values and the lengths (:meth:`attend`).
         """
-        if not native_decode.available():
-            return None
         value_dtype = np.dtype(np.float32) if self._form not in (None, "float16") else self.dtype
         out_dtype = np.result_type(qa.dtype, value_dtype)
         # stand-ins in the compute dtype (float16's is float32), so that none is widened
@@ -383,16 +381,9 @@ class KVCache:
             stand_in(stand, (self.batch, self.kv_heads, longest, self.value_dim)),
             options,
         )
-        Lq = plan.L
-        if plan.alibi is not None or plan.score_mod is not None or plan.mask_mod is not None:
-            return None
-        if (plan.causal and Lq != 1) or (plan.window is not None and Lq != 1):
-            return None  # rows of one sequence would see different keys
-        if not dispatch.scale_fits(plan):
-            return None
         narrow = self._form is not None or self.dtype == np.float16
-        if narrow and plan.acc_dtype != np.float32:
-            return None  # the stored forms are computed in float32
+        if router.cache_step(plan, narrow) is not None:  # why the native step does not serve it
+            return None
         hi, lo = self._lengths, self._first  # read by the kernel as it runs
         if plan.window is not None and plan.window[0] is not None:
             lo = np.maximum(hi - 1 - plan.window[0], 0)  # the one query sits at length - 1

@@ -49,7 +49,7 @@ from ..errors import InputError
 from ..keywords import near_keywords
 from ..options import Options
 from ..validate import VARIANTS, Plan, as_array, broadcasts_to, check_variants, make_plan
-from .kernels import dense, dispatch, mods, tiled, tiled_backward
+from .kernels import dense, dispatch, mods, tiled
 from .kernels.blocks import heads_by_kv
 
 __all__ = [
@@ -357,7 +357,7 @@ def _tiled(plan: Plan, grad_out: Any, out: Any, lse: Any, block: Any) -> tuple[n
         else:
             blocks = {"block_q": int(block), "block_k": int(block)}
             o_, m_ = mods.with_sinks(p, *tiled.attend(p.materialized(), **blocks))
-        return (*tiled_backward.backward(p, g, o_, m_, int(block)), o_, m_)
+        return (*dispatch.backward(p, g, o_, m_, int(block)), o_, m_)
 
     dq, dk, dv, o_used, m_used = _guarded(plan, d_out, run)
     grads = _finish((dq, dk, dv), plan)

@@ -40,7 +40,7 @@ from ..errors import InputError, InputTypeError
 from ..keywords import near_keywords
 from ..masks import Window
 from ..validate import as_array, block_plan, check_scale, check_window, from_foreign
-from .kernels import dispatch, native, native_bf16, packed
+from .kernels import dispatch, native, packed, router
 
 __all__ = ["CALL_FLOPS", "PAD_FRACTION", "WALK_FLOPS", "attention_varlen", "check_offsets"]
 
@@ -204,35 +204,32 @@ def attention_varlen(
         raise InputError(
             f"cu_seqlens_q, cu_seqlens_k: batch sizes differ: shapes {cq.shape} and {ck.shape}"
         )
-    if not native_bf16.packs(qa, ka, va):  # bfloat16 is read in place by that kernel only
+    out_dt = np.result_type(qa, ka, va)
+    acc_dt = np.dtype(np.float32) if out_dt.itemsize < 4 else out_dt  # float16, bfloat16
+    walker = router.packed(qa, ka, va, acc_dt)
+    bf16 = walker.stored  # bfloat16 is read in place by that kernel only
+    if not bf16:
         qa, ka, va = (_widened(x) for x in (qa, ka, va))
     fscale = check_scale(scale, qa.shape[2])
     window = check_window(window)
 
-    out_dt = np.result_type(qa, ka, va)
-    acc_dt = np.dtype(np.float32) if out_dt.itemsize < 4 else out_dt  # float16, bfloat16
     lq, lk = np.diff(cq), np.diff(ck)
     unit = heads * 2 * (qa.shape[2] + va.shape[2])  # flops per score
     live = (lq > 0) & (lk > 0)  # the others give zeros and -inf
-    fused = native.supports_packed(acc_dt)  # its work items cost microseconds: all go there
+    fused = walker.name != "packed walk"  # its work items cost microseconds: all go there
     walk = live if fused else live & (lq * lk * (unit // kv_heads) >= WALK_FLOPS)
     if not dispatch.scale_in_range(fscale, acc_dt):
         walk = np.zeros_like(live)  # the scale needs float64 (dispatch.attend, per sequence)
     redo: set[int] = set()  # an overflow on the way, or NaN/inf inputs
     with np.errstate(over="ignore", invalid="ignore"):
-        o, lse = (native.attend_packed if fused else packed.attend)(
-            qa,
-            ka,
-            va,
-            cq,
-            ck,
-            scale=fscale,
-            causal=causal,
-            window=window,
-            dtype=acc_dt,
-            seqs=np.flatnonzero(walk),
-            bad=redo,
-        )
+        rule = dict(scale=fscale, causal=causal, window=window, dtype=acc_dt)
+        seqs = np.flatnonzero(walk)
+        if fused:
+            o, lse = native.attend_packed(
+                qa, ka, va, cq, ck, seqs=seqs, bad=redo, bf16=bf16, **rule
+            )
+        else:
+            o, lse = packed.attend(qa, ka, va, cq, ck, seqs=seqs, bad=redo, **rule)
     out = o if o.dtype == out_dt else o.astype(out_dt)
     batch = _Batch(qa, ka, va, cq, ck, out, lse, fscale, causal, window)
     for b in sorted(redo):

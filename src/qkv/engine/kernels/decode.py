@@ -29,7 +29,7 @@ from ...masks import allowed, key_bounds, key_range, query_positions
 from ...validate import Plan
 from . import mods
 from .blocks import finish, merge_arrays
-from .jit import enabled as jit_enabled
+from .router import compiled_decode, compiled_team
 from .threads import parallel_map, team_preferred, workers
 
 __all__ = [
@@ -41,7 +41,6 @@ __all__ = [
     "key_runs",
     "mask_runs",
     "plan_runs",
-    "use_jit",
 ]
 
 ITEM_BYTES = 32 << 20  # K/V bytes per work item: large enough to hide Python's overhead
@@ -86,7 +85,7 @@ class _Problem:
         )
         if not plan.structured:
             self.inner_lo, self.inner_hi = self.lo, self.hi
-        self.jit = use_jit(plan)
+        self.jit = compiled_decode(plan)  # the router decides
         # Each query row's own key range (the compiled kernel masks by it, row by row).
         self.row_lo, self.row_hi = key_bounds(
             query_positions(plan.L, plan.S), plan.S, plan.causal, plan.window
@@ -183,27 +182,6 @@ class _Problem:
         lse_all = _heads(self.lse, len(self.plan.batch))[outer]
         out[h0 * g : h1 * g] = o.reshape((h1 - h0) * g, L, -1)
         lse_all[h0 * g : h1 * g] = lse.reshape((h1 - h0) * g, L)
-
-
-def use_jit(plan: Plan) -> bool:
-    """Whether :func:`attend` runs ``plan`` with the compiled kernel.
-
-    Numba installed and not switched off (:func:`qkv.engine.kernels.jit.enabled`), float32 or
-    float64 compute, and nothing but causal and a window restricting the keys: masks, biases
-    and the score-changing variants run the NumPy kernel (sinks are added afterwards either
-    way). One query row per kv head stays on BLAS's matrix-vector product, which reads K
-    and V faster than the compiled kernel does (29 against 22 GB/s, B8 H32 S4096 d128).
-    """
-    return (
-        plan.group * plan.L >= 2
-        and plan.mask is None
-        and plan.bias is None
-        and not plan.modded
-        and plan.acc_dtype in (np.float32, np.float64)
-        and plan.d > 0
-        and plan.dv > 0
-        and jit_enabled()
-    )
 
 
 def attend(
@@ -408,19 +386,13 @@ def _team_single(
     sequence one run of keys (a padded batch's real tokens) is served as that run per
     sequence: the ragged batch's keys, read without the mask (``found``: as :func:`attend`).
     """
-    if plan.structured or not plan.batch or not plan.L or not plan.S:
+    if not compiled_team(plan):  # the router's conditions on the plan
         return None
     runs = None
     if plan.mask is not None:
         (runs,) = found or (plan_runs(plan),)
         if runs is None:
             return None
-    if not (plan.group * plan.L >= 2 and plan.bias is None and not plan.modded):
-        return None
-    if plan.acc_dtype not in (np.float32, np.float64) or not plan.d or not plan.dv:
-        return None
-    if not jit_enabled():
-        return None
     assert plan.v is not None  # decode computes outputs
     outer, kv_heads = plan.batch[:-1], plan.k.shape[-3]
     if plan.k.shape[:-2] != (*outer, kv_heads) or plan.v.shape[:-2] != plan.k.shape[:-2]:

@@ -1,22 +1,18 @@
-"""Pick the kernel for a checked plan by its shape, or run the one the caller forces.
+"""Run the kernel the router picks for a checked plan, or the one the caller forces.
+
+Which kernel runs is decided in one place, :mod:`qkv.engine.kernels.router` (one ordered
+table of kernels with their conditions); this module runs its choice, with the overflow
+retries every kernel shares. The kernel families ``kernel=`` names:
 
 - ``"dense"``: the whole score matrix at once; fastest while ``L · S`` is small, and for a
   few queries against a K/V small enough to sit in the caches.
-- ``"decode"``: few queries (``L <= DECODE_MAX_L``) against a large K/V (at least
-  ``DECODE_MIN_BYTES``); memory-bound, streams K and V once, splits the keys over the cores
-  when batch × heads are too few.
-- ``"tiled"``: online-softmax prefill over tiles; ``O(tile · S)`` extra memory. Under
-  ``"auto"``, plain problems (no mask, bias or score variant) run on the packed walk
-  (:mod:`qkv.engine.kernels.packed`, the kernel of ``attention_varlen``: grouped heads stacked
-  against their kv head, measured 4-20% faster); forcing ``"tiled"`` runs the general one.
-  Where the optional native library is built, ``"auto"`` runs float32/float64 problems
-  without score variants on its fused kernel instead (:mod:`qkv.engine.kernels.native`).
+- ``"decode"``: few queries against a large K/V; memory-bound, streams K and V once, splits
+  the keys over the cores when batch × heads are too few.
+- ``"tiled"``: online-softmax prefill over tiles; ``O(tile · S)`` extra memory.
 
-The thresholds were measured on a 2-core machine (see ``bench/``); they only pick the faster
-path, never change a result.
-
-``"auto"`` (the default) chooses among them; the others force one, for tests and benchmarks.
-Every kernel returns ``(out, lse)`` in the plan's compute dtype and equals the reference.
+``"auto"`` (the default) lets the router choose among them and their native versions; the
+others force the family's NumPy kernel, for tests and benchmarks. Every kernel returns
+``(out, lse)`` in the plan's compute dtype and equals the reference.
 """
 
 from __future__ import annotations
@@ -31,16 +27,37 @@ import numpy as np
 
 from ...errors import InputError, InputTypeError
 from ...validate import Plan
-from . import decode, dense, mods, native, native_bf16, native_decode, packed, tiled
-from .threads import team_preferred
+from . import (
+    decode,
+    dense,
+    mods,
+    native,
+    native_bf16,
+    native_decode,
+    packed,
+    router,
+    tiled,
+    tiled_backward,
+)
+from .router import (
+    DECODE_MAX_L,
+    DECODE_MIN_BYTES,
+    DENSE_MAX_SCORES,
+    KERNELS,
+    TEAM_DECODE_MIN_BYTES,
+    kv_bytes,
+    scale_in_range,
+)
 
 __all__ = [
     "DECODE_MAX_L",
     "DECODE_MIN_BYTES",
     "DENSE_MAX_SCORES",
     "KERNELS",
+    "TEAM_DECODE_MIN_BYTES",
     "attend",
     "attend_many",
+    "backward",
     "check_kernel",
     "Choice",
     "check_overflow",
@@ -53,17 +70,6 @@ __all__ = [
     "widened",
 ]
 
-KERNELS = ("auto", "dense", "tiled", "decode")
-DENSE_MAX_SCORES = 1 << 14  # L · S per head below which materialising the scores is fastest
-DECODE_MAX_L = 8  # queries per head up to which the scores are small enough to keep whole
-DECODE_MIN_BYTES = 16 << 20  # K/V bytes from which streaming them (decode) beats BLAS (dense)
-# ... and where decode is compiled C++ (native_decode: measured on 2 cores, float32, grouped
-# heads, it already beat BLAS at 0.5 MiB, 0.050 against 0.087 ms, and 3.6x at 2 MiB), or
-# inside threads.compiled_team (between PyTorch's operations), where the compiled Numba decode
-# starts its threads in C and BLAS finds the K/V out of cache: measured in a Llama-style
-# model, 1 MiB of K/V per layer (prompt 1024) already ran faster streamed.
-TEAM_DECODE_MIN_BYTES = 1 << 20
-
 
 def check_kernel(kernel: Any) -> str:
     """Validate a ``kernel=`` argument (one of :data:`KERNELS`)."""
@@ -74,6 +80,9 @@ def check_kernel(kernel: Any) -> str:
     return kernel
 
 
+Runner = Callable[[Plan], Any]
+
+
 class Choice(NamedTuple):
     """The kernel a plan runs on, and the sizes it was chosen by (:func:`choose`).
 
@@ -82,8 +91,8 @@ class Choice(NamedTuple):
     name : str
         ``"dense"``, ``"tiled"`` or ``"decode"`` (the family, as ``kernel=`` names it).
     run : callable
-        Computes ``(out, lse)`` of the plan: the family's NumPy kernel, or under ``"auto"``
-        the packed walk or a native kernel where one serves the plan.
+        Computes ``(out, lse)`` of the plan (a row of the router's table that reads stored
+        K/V gives None where its result is not finite: the general road then runs).
     kv_bytes : int
         The bytes of K and V in the compute dtype (:func:`kv_bytes`).
     scores : int
@@ -91,34 +100,44 @@ class Choice(NamedTuple):
     plain : bool
         A dense problem whose rows all see every key, with no variant:
         :func:`dense.attend_plain` serves it first.
+    kernel : str
+        The router's name of the kernel (a row of :data:`~qkv.engine.kernels.router.FORWARD`).
+    stored : bool
+        Whether it reads the plan's stored K/V in place.
     """
 
     name: str
-    run: Callable[[Plan], tuple[np.ndarray, np.ndarray]]
+    run: Runner
     kv_bytes: int
     scores: int
     plain: bool = False
+    kernel: str = ""
+    stored: bool = False
 
 
 _new = tuple.__new__  # builds a Choice without the named tuple's keyword handling (small calls)
 
-_FORCED: dict[str, Callable[[Plan], tuple[np.ndarray, np.ndarray]]] = {
-    "dense": dense.attend,
-    "tiled": tiled.attend,
-    "decode": decode.attend,
+# Each row of the router's forward table, by name: the module and function that run it
+# (looked up on each call, so that a test may stand in for a kernel).
+RUNNERS: dict[str, tuple[Any, str]] = {
+    "native decode, stored K/V": (native_decode, "attend_stored"),
+    "native bfloat16 prefill": (native_bf16, "attend"),
+    "native prefill, stored K/V": (native, "attend_stored"),
+    "dense (forced)": (dense, "attend"),
+    "tiled (forced)": (tiled, "attend"),
+    "decode (forced)": (decode, "attend"),
+    "native decode": (native_decode, "attend"),
+    "decode": (decode, "attend"),
+    "dense": (dense, "attend"),
+    "native prefill": (native, "attend"),
+    "packed walk": (packed, "attend_plan"),
+    "tiled": (tiled, "attend"),
 }
 
 
-def kv_bytes(plan: Plan) -> int:
-    """The bytes of ``plan``'s K and V in its compute dtype (the decode thresholds' measure)."""
-    d = plan.q.shape[-1]
-    dv = 0 if plan.v is None else plan.v.shape[-1]
-    return plan.k.size * (d + dv) // max(d, 1) * plan.acc_dtype.itemsize
-
-
 def choose(plan: Plan, kernel: str = "auto") -> Choice:
-    """The kernel ``plan`` runs on: the one ``"auto"`` picks by shape, or the one ``kernel``
-    forces (the family's NumPy kernel).
+    """The kernel ``plan`` runs on: the router's choice (:func:`router.forward`), with the
+    function that runs it.
 
     Examples
     --------
@@ -135,30 +154,14 @@ def choose(plan: Plan, kernel: str = "auto") -> Choice:
     >>> choose(make_plan(np.ones((4, 8)), np.ones((4, 8)), np.ones((4, 8))), "tiled").name
     'tiled'
     """
-    size = kv_bytes(plan)
-    L, S = plan.q.shape[-2], plan.k.shape[-2]
     if kernel != "auto":
-        name = check_kernel(kernel)
-        return _new(Choice, (name, _FORCED[name], size, L * S, False))
-    if L <= DECODE_MAX_L:
-        if size >= TEAM_DECODE_MIN_BYTES or size >= DECODE_MIN_BYTES:  # decode may win
-            if native_decode.supports(plan):  # the C++ decode step, when built
-                least = TEAM_DECODE_MIN_BYTES
-                fn = native_decode.attend
-            else:
-                compiled = decode.use_jit(plan) or (plan.mask is not None and L == 1)
-                least = TEAM_DECODE_MIN_BYTES if compiled and team_preferred() else DECODE_MIN_BYTES
-                fn = decode.attend
-            if size >= least:
-                return _new(Choice, ("decode", fn, size, L * S, False))
-        return _new(Choice, ("dense", dense.attend, size, L * S, _plain(plan)))
-    if L * S <= DENSE_MAX_SCORES:
-        return _new(Choice, ("dense", dense.attend, size, L * S, _plain(plan)))
-    if native.supports(plan):  # the fused C++ kernel, when built (kernels/native.py)
-        return _new(Choice, ("tiled", native.attend, size, L * S, False))
-    if packed.supports(plan):  # plain problems: the packed walk
-        return _new(Choice, ("tiled", packed.attend_plan, size, L * S, False))
-    return _new(Choice, ("tiled", tiled.attend, size, L * S, False))
+        check_kernel(kernel)
+    ask = router.Ask(plan, kernel)
+    row = router.first(router.FORWARD, ask)
+    plain = row.name == "dense" and _plain(plan)
+    module, function = RUNNERS[row.name]
+    values = (row.family, getattr(module, function), ask.size, plan.L * plan.S, plain, row.name)
+    return _new(Choice, (*values, row.stored))
 
 
 def attend(
@@ -169,20 +172,16 @@ def attend(
 
     Sinks are added once, to the kernel's finished result (:func:`mods.with_sinks`).
     """
-    if plan.stored is not None:  # float16/bfloat16 K/V as given: read in place where served
-        decoding = plan.L <= DECODE_MAX_L and kernel in ("auto", "decode")
-        found = None
-        if decoding and native_decode.supports(plan):
-            found = native_decode.attend_stored(plan)
-        elif _prefill(plan, kernel) and native_bf16.supports(plan):  # bfloat16 tile products
-            found = native_bf16.attend(plan)
-        elif _prefill(plan, kernel) and scale_fits(plan) and native.supports_stored(plan):
-            found = native.attend_stored(plan)  # float32 products, K/V widened per work item
-        if found is not None:  # else (not finite) the float32 kernels apply their rules
-            return mods.with_sinks(plan, *found)
-        plan, choice = plan.materialized(), None  # every other kernel reads widened K/V
     if choice is None:
         choice = choose(plan, kernel)
+    if plan.stored is not None:  # float16/bfloat16 K/V as given: read in place where served
+        if choice.stored:
+            found = choice.run(plan)
+            if found is not None:  # else (not finite) the float32 kernels apply their rules
+                return mods.with_sinks(plan, *found)
+        plan = plan.materialized()  # every other kernel reads widened K/V
+        if choice.stored:
+            choice = choose(plan, kernel)
     if choice.plain:
         with np.errstate(over="ignore", invalid="ignore"):
             out, lse = dense.attend_plain(plan)
@@ -204,13 +203,6 @@ def attend(
     if not np.isfinite(out).all():
         check_overflow(plan)
     return mods.with_sinks(plan, out, lse)
-
-
-def _prefill(plan: Plan, kernel: str) -> bool:
-    """Whether :func:`choose` sends ``plan`` to a prefill (``"tiled"``) kernel."""
-    if kernel != "auto":
-        return kernel == "tiled"
-    return plan.L > DECODE_MAX_L and plan.L * plan.S > DENSE_MAX_SCORES
 
 
 def _plain(plan: Plan) -> bool:
@@ -334,12 +326,6 @@ def scale_fits(plan: Plan) -> bool:
     return scale_in_range(plan.scale, plan.acc_dtype)
 
 
-def scale_in_range(scale: float, dtype: np.dtype) -> bool:
-    """Whether ``scale`` is a normal number of ``dtype`` (neither subnormal nor overflowing)."""
-    tiny, top = _normal_range(np.dtype(dtype))
-    return tiny <= scale <= top
-
-
 @cache
 def _normal_range(dtype: np.dtype) -> tuple[float, float]:
     info = np.finfo(dtype)  # looked up once per dtype: small calls pay for every microsecond
@@ -349,14 +335,15 @@ def _normal_range(dtype: np.dtype) -> tuple[float, float]:
 def attend_many(plans: list[Plan], kernel: str = "auto") -> list[tuple[np.ndarray, np.ndarray]]:
     """:func:`attend` on each of ``plans``; the decode ones run in one parallel pass.
 
-    ``"auto"`` picks decode for every plan when all have few queries and their K/V together
-    are large enough (:data:`DECODE_MIN_BYTES`) — a batch of short caches is one large
-    memory-bound job, not many small ones — and otherwise chooses for each plan alone.
+    ``"auto"`` picks decode for every plan where the router says so
+    (:func:`router.decode_together`), and otherwise chooses for each plan alone.
     """
     choices = [choose(p, kernel) for p in plans]
-    if kernel == "auto" and all(p.L <= DECODE_MAX_L for p in plans):
-        if sum(c.kv_bytes for c in choices) >= DECODE_MIN_BYTES:
-            choices = [c._replace(name="decode", run=decode.attend, plain=False) for c in choices]
+    if router.decode_together(plans, kernel, [c.kv_bytes for c in choices]):
+        choices = [
+            c._replace(name="decode", run=decode.attend, plain=False, kernel="decode")
+            for c in choices
+        ]
     at = [i for i, c in enumerate(choices) if c.name == "decode"]
     results: list[Any] = [None] * len(plans)
     if at:
@@ -393,3 +380,25 @@ def _rescaled(fn: Any, plan: Plan, out: np.ndarray, lse: np.ndarray) -> tuple[np
     f = plan.acc_dtype.type(2.0**e)
     out2, lse2 = fn(replace(plan, v=plan.v / f))
     return out2 * f, lse2
+
+
+def backward(
+    plan: Plan, d_out: np.ndarray, out: np.ndarray, lse: np.ndarray, block: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(dq, dk, dv)`` of ``plan`` on the kernel the router picks (:func:`router.backward`):
+    the native backward where it serves the plan, else the NumPy one
+    (:func:`tiled_backward.backward`, ``block`` its tile size).
+
+    ``d_out`` and ``out`` are ``(*batch, L, dv)``, ``lse`` is ``(*batch, L)``; ``out`` and
+    ``lse`` in the accumulation dtype (or ``out`` as the bfloat16 forward gave it).
+    """
+    name = router.backward(plan).name
+    if name == "native bfloat16 backward":  # takes dO as given: a bfloat16 model's is rounded
+        return native_bf16.backward(plan, d_out, (out, lse))
+    d_out = d_out.astype(plan.acc_dtype, copy=False)
+    if name == "native backward, stored K/V":  # K/V widened a key block at a time
+        return native.backward(plan, d_out, out, lse)
+    plan = plan.materialized()
+    if name == "native backward":
+        return native.backward(plan, d_out, out, lse)
+    return tiled_backward.backward(plan, d_out, out, lse, block)

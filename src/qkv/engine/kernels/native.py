@@ -31,7 +31,7 @@ Examples
 >>> import numpy as np
 >>> from qkv.validate import make_plan
 >>> plan = make_plan(np.eye(4), np.eye(4), np.arange(8.0).reshape(4, 2), causal=True)
->>> if supports(plan):
+>>> if available()[0]:
 ...     out, lse = attend(plan)
 ... else:  # not built here: the NumPy kernel gives the same numbers
 ...     from qkv.engine.kernels import tiled
@@ -42,7 +42,6 @@ Examples
 
 from __future__ import annotations
 
-import ctypes
 import functools
 from typing import Any
 
@@ -57,6 +56,9 @@ from .native_lib import (
     PrefillArgs,
     VarlenArgs,
     backward_operands,
+    bf16_products,
+    blas_available,
+    gemm,
     invoke,
     isa_cap,
     library,
@@ -76,8 +78,6 @@ __all__ = [
     "available",
     "backward",
     "info",
-    "supports",
-    "supports_packed",
 ]
 
 # Query rows per work item and keys per score tile. Measured on 2 cores (AVX-512, OpenBLAS),
@@ -91,39 +91,19 @@ BWD_BLOCK_K = 128
 _ISA_NAMES = {v: k for k, v in ISAS.items()}
 
 
-def _capsule_pointer(capsule: Any) -> int:
-    """The pointer a ``PyCapsule`` holds (how Cython exports C functions)."""
-    api = ctypes.pythonapi
-    api.PyCapsule_GetName.restype = ctypes.c_char_p
-    api.PyCapsule_GetName.argtypes = [ctypes.py_object]
-    api.PyCapsule_GetPointer.restype = ctypes.c_void_p
-    api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
-    return int(api.PyCapsule_GetPointer(capsule, api.PyCapsule_GetName(capsule)))
-
-
 @functools.cache
 def _gemm() -> tuple[dict[np.dtype, int] | None, str]:
-    """``({float32: sgemm, float64: dgemm}, "")`` from SciPy, or ``(None, why not)``."""
-    try:
-        from scipy.linalg import cython_blas  # type: ignore[import-untyped]  # no stubs
-    except ImportError:
-        return None, "SciPy is not installed (its BLAS runs the tile products)"
-    try:
-        capi = cython_blas.__pyx_capi__
-        found: dict[np.dtype, int] = {
-            np.dtype(np.float32): _capsule_pointer(capi["sgemm"]),
-            np.dtype(np.float64): _capsule_pointer(capi["dgemm"]),
-        }
-    except (AttributeError, KeyError, ValueError, TypeError) as exc:
-        return None, f"SciPy's BLAS functions were not found ({exc!r})"
-    # SciPy may bring its own BLAS library: have the BLAS thread limit cover it too.
-    rescan_blas()
-    return found, ""
+    """:func:`~qkv.engine.kernels.native_lib.gemm`, and once found, the BLAS thread limit
+    made to cover SciPy's own BLAS library too."""
+    found = gemm()
+    if found[0] is not None:
+        rescan_blas()
+    return found
 
 
 def _blas() -> dict[np.dtype, int]:
-    """The gemm pointers, raising when the native kernels cannot run (callers checked
-    :func:`supports`)."""
+    """The gemm pointers, raising when the native kernels cannot run (the router checked
+    :func:`~qkv.engine.kernels.native_lib.blas_available`)."""
     gemm, why = _gemm()
     if gemm is None or library()[0] is None:
         raise RuntimeError(f"qkv native kernels unavailable: {why or library()[1]}")
@@ -135,15 +115,7 @@ _SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}
 
 def available() -> tuple[bool, str]:
     """``(True, "")`` when the native kernels run, else ``(False, why not)``."""
-    if switched_off():
-        return False, f"switched off ({ENV}=0)"
-    lib, why = library()
-    if lib is None:
-        return False, why
-    gemm, why = _gemm()
-    if gemm is None:
-        return False, why
-    return True, ""
+    return blas_available()
 
 
 def info() -> dict[str, Any]:
@@ -158,7 +130,7 @@ def info() -> dict[str, Any]:
     lib, _ = library()
     path = library_path()
     decode_ok = lib is not None and not switched_off()
-    bf16 = native_bf16.available()
+    bf16 = bf16_products()[0]
     isa = None
     if lib is not None:
         cap = isa_cap()
@@ -203,17 +175,6 @@ def info() -> dict[str, Any]:
             "float8 e4m3fn; grouped heads, a run of keys per sequence; no BLAS needed)": decode_ok,
         },
     }
-
-
-def supports(plan: Plan) -> bool:
-    """Whether :func:`attend` runs ``plan`` (and the native kernels are available)."""
-    return (
-        plan.acc_dtype in (np.float32, np.float64)
-        and not plan.modded
-        and plan.v is not None
-        and min(plan.L, plan.S, plan.dv) >= 1
-        and available()[0]
-    )
 
 
 def _fit_rows(block_q: int, tasks: Any, threads: int) -> int:
@@ -263,7 +224,9 @@ def attend(
     Parameters
     ----------
     plan : Plan
-        A checked problem that :func:`supports` accepts.
+        A checked problem the router sends here (:data:`~qkv.engine.kernels.router.FORWARD`:
+        "native prefill", or "native prefill, stored K/V" with its float16 or bfloat16 K/V
+        read as stored).
     threads : int, optional
         Native worker threads (default: :func:`~qkv.engine.kernels.threads.default_threads`).
     isa : {"baseline", "avx2", "avx512"}, optional
@@ -273,7 +236,7 @@ def attend(
         Query rows per work item and keys per score tile.
     """
     gemm = _blas()
-    assert plan.v is not None  # supports() asks for values
+    assert plan.v is not None  # the router asks for values
     dt = plan.acc_dtype
     batch, L, dv = plan.batch, plan.L, plan.dv
     out = np.empty(batch + (L, dv), dtype=dt)
@@ -281,8 +244,6 @@ def attend(
     nb = int(np.prod(batch, dtype=np.int64))
     if nb == 0:
         return out, lse
-    if not _reads_stored(plan):
-        plan = plan.materialized()  # (itself when nothing is stored)
     function, k, v = _reading(plan, "prefill")
     fields, arrays = prefill_operands(plan.q, k, v, plan.group)
     n = workers(threads, blas=True)  # BLAS tiles: one thread unless BLAS can be held
@@ -301,40 +262,22 @@ def attend(
 _STORED = {"float16": "f16", "bfloat16": "bf16"}  # K/V forms the float32 kernels read as stored
 
 
-def _reads_stored(plan: Plan) -> bool:
-    """Whether the kernel reads ``plan``'s stored K/V as they are (else :func:`attend` widens
-    them first)."""
-    stored = plan.stored
-    return (
-        stored is not None
-        and stored[0].dtype.name in _STORED
-        and stored[1].dtype == stored[0].dtype
-        and plan.acc_dtype == np.float32
-    )
-
-
 def _reading(plan: Plan, family: str) -> tuple[str, np.ndarray, np.ndarray]:
     """The library function of ``family`` (``"prefill"``, ``"backward"``) for ``plan`` and
     the K and V it reads: stored float16/bfloat16 ones as given (each work item widens what it
     reads), else the plan's own in the compute dtype."""
     if plan.stored is None:
-        assert plan.v is not None  # supports() asks for values
+        assert plan.v is not None  # the router asks for values
         return f"qkv_{family}_{_SUFFIX[plan.acc_dtype]}", plan.k, plan.v
     k, v = plan.stored_kv()
     return f"qkv_{family}_f32_{_STORED[k.dtype.name]}kv", k, v
 
 
-def supports_stored(plan: Plan) -> bool:
-    """Whether :func:`attend` runs ``plan`` reading its stored float16 or bfloat16 K/V
-    (:attr:`~qkv.validate.Plan.stored`) in place, widening each work item's keys to float32
-    in its own buffers (exactly) for the float32 tile products, with no whole-array copy."""
-    return _reads_stored(plan) and supports(plan)
-
-
 def attend_stored(
     plan: Plan, *, threads: int | None = None, isa: str | None = None
 ) -> tuple[np.ndarray, np.ndarray] | None:
-    """:func:`attend` on a plan :func:`supports_stored` accepts: float32 output and lse;
+    """:func:`attend` on a plan whose float16 or bfloat16 K/V are read as stored (the router's
+    "native prefill, stored K/V"): float32 output and lse;
     ``None`` when some output is not finite (the caller's general path applies its rules, on
     the widened K/V)."""
     with np.errstate(over="ignore", invalid="ignore"):
@@ -362,9 +305,7 @@ def backward(
     pairs; a query head's ``dq`` rows are added under a lock per query block.
     """
     gemm = _blas()
-    if not _reads_stored(plan):
-        plan = plan.materialized()  # (itself when nothing is stored)
-    assert plan.v is not None  # supports() asks for values
+    assert plan.v is not None  # the router asks for values
     dt = plan.acc_dtype
     batch, L, S, d, dv = plan.batch, plan.L, plan.S, plan.d, plan.dv
     dq = np.zeros(plan.q.shape, dtype=dt)
@@ -384,12 +325,6 @@ def backward(
         invoke(function, args, "backward")
     del held, arrays  # what the call read
     return dq, dk, dvv
-
-
-def supports_packed(dtype: Any) -> bool:
-    """Whether :func:`attend_packed` runs a packed batch computed in ``dtype`` (and the native
-    kernels are available)."""
-    return np.dtype(dtype) in (np.float32, np.float64) and available()[0]
 
 
 def _packed_operand(a: np.ndarray, dt: np.dtype) -> np.ndarray:
@@ -428,17 +363,19 @@ def attend_packed(
     isa: str | None = None,
     block_q: int = BLOCK_Q,
     block_k: int = BLOCK_K,
+    bf16: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The packed varlen walk in C++: :func:`qkv.engine.kernels.packed.attend`'s contract.
 
     Output ``(total_q, heads, dv)`` and lse ``(total_q, heads)`` in ``dtype`` (float32 or
-    float64, :func:`supports_packed`; default that of the inputs, float16 computed in
+    float64, the router's "native packed walk"; default that of the inputs, float16 computed in
     float32); each sequence equals :func:`qkv.reference.attention` on it alone. Work items
     are (sequence, query head, block of ``block_q`` queries), costliest first, on native
     threads, each the fused prefill's recurrence read straight from the packed arrays. No
     argument checks (as the NumPy walk). ``seqs``: the sequences to compute (default all;
     the rows of the others stay 0 and ``-inf``); ``bad``, if given, receives the sequences
-    with a non-finite output, for the caller to redo.
+    with a non-finite output, for the caller to redo. ``bf16``: bfloat16 ``q``, ``k``, ``v``
+    read in place by the bfloat16 tile products (the router's "native bfloat16 packed walk").
 
     Examples
     --------
@@ -447,7 +384,7 @@ def attend_packed(
     >>> rng = np.random.default_rng(0)
     >>> q, k, v = rng.standard_normal((3, 7, 2, 4))       # 7 tokens, 2 heads, d = 4
     >>> cu = np.array([0, 3, 7])
-    >>> if supports_packed(np.float64):
+    >>> if available()[0]:
     ...     out, lse = attend_packed(q, k, v, cu, cu, scale=0.5, causal=True)
     ... else:  # not built here: the NumPy walk gives the same numbers
     ...     from qkv.engine.kernels import packed
@@ -457,7 +394,6 @@ def attend_packed(
     True
     """
     gemm = _blas()
-    bf16 = native_bf16.packs(q, k, v)  # the bfloat16 tile products, operands read in place
     dt = np.dtype(np.result_type(np.float32, q, k, v) if dtype is None else dtype)
     dt = np.dtype(np.float32) if bf16 else dt
     heads, kv_heads, dv = q.shape[1], k.shape[1], v.shape[2]

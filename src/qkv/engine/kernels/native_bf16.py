@@ -7,10 +7,11 @@ the products that take them, as FlashAttention and PyTorch's own bfloat16 kernel
 Scores, the running max and sum, the accumulators and ``lse`` are float32; ``out`` is
 rounded to bfloat16 once, the gradients are float32.
 
-When it runs: a problem whose queries, keys and values are all bfloat16 (K and V read in
-place from :attr:`~qkv.validate.Plan.stored`, or the packed arrays as given), causal or
-windowed or neither, with grouped heads and sinks, a boolean mask or a float bias (not in
-the packed walk), no score variant, an even head size, on a CPU with AVX-512 and
+When it runs (the router's conditions, :mod:`qkv.engine.kernels.router`): a problem whose
+queries, keys and values are all bfloat16 (K and V read in place from
+:attr:`~qkv.validate.Plan.stored`, or the packed arrays as given), causal or windowed or
+neither, with grouped heads and sinks, a boolean mask or a float bias (not in the packed
+walk), no score variant, an even head size, on a CPU with AVX-512 and
 AVX512_BF16. ``QKV_NATIVE_ISA`` naming a clone
 (``avx512`` and narrower) forces the widening road instead: K and V widened to float32 for
 the float32 kernels, as on a CPU without the instruction. Threads: work items are (head, 64
@@ -23,7 +24,7 @@ Examples
 >>> from qkv.validate import make_plan
 >>> x = np.arange(8.0).reshape(4, 2).astype(ml_dtypes.bfloat16)
 >>> plan = make_plan(x, x, x, causal=True, keep_stored=True)
->>> if supports(plan):
+>>> if available():
 ...     out, lse = attend(plan)
 ... else:  # no AVX512_BF16 here: the float32 kernels give the same numbers
 ...     from qkv.engine.kernels import tiled
@@ -44,12 +45,10 @@ from .native_lib import (
     BackwardArgs,
     PrefillArgs,
     backward_operands,
+    bf16_products,
     invoke,
-    isa_cap,
-    library,
     mask_operand,
     prefill_operands,
-    switched_off,
 )
 from .threads import workers
 
@@ -58,9 +57,6 @@ __all__ = [
     "attend",
     "available",
     "backward",
-    "packs",
-    "supports",
-    "supports_backward",
 ]
 
 ISA = max(ISAS.values()) + 1  # the clone code above AVX-512: AVX-512 with AVX512_BF16
@@ -68,44 +64,13 @@ ISA = max(ISAS.values()) + 1  # the clone code above AVX-512: AVX-512 with AVX51
 
 def available() -> bool:
     """Whether the library is built and on, this CPU has AVX512_BF16 and no narrower clone
-    is forced (``QKV_NATIVE_ISA``)."""
-    if switched_off():
-        return False
-    lib = library()[0]
-    return lib is not None and isa_cap() in (0, ISA) and bool(lib.qkv_bf16_products())
-
-
-def packs(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> bool:
-    """Whether :func:`qkv.engine.kernels.native.attend_packed` runs packed ``q, k, v`` on the
-    bfloat16 tile products: all three bfloat16, an even head size, and :func:`available`."""
-    return (
-        all(x.dtype.name == "bfloat16" for x in (q, k, v))
-        and q.shape[-1] % 2 == 0
-        and q.shape[-1] >= 2
-        and max(q.shape[0], k.shape[0]) < 2**31
-        and available()
-    )
-
-
-def supports(plan: Plan) -> bool:
-    """Whether :func:`attend` runs ``plan`` (see the module's docstring)."""
-    stored = plan.stored
-    return (
-        stored is not None
-        and stored[0].dtype.name == "bfloat16"
-        and plan.out_dtype.name == "bfloat16"
-        and (plan.bias is None or plan.bias.dtype == np.float32)
-        and not plan.modded
-        and plan.d % 2 == 0
-        and min(plan.L, plan.d, plan.dv) >= 1
-        and plan.S < 2**31
-        and available()
-    )
+    is forced (``QKV_NATIVE_ISA``): :func:`~qkv.engine.kernels.native_lib.bf16_products`."""
+    return bf16_products()[0]
 
 
 def attend(plan: Plan, *, threads: int | None = None) -> tuple[np.ndarray, np.ndarray] | None:
     """Output ``(*batch, L, dv)`` in bfloat16 and lse ``(*batch, L)`` in float32, for a plan
-    that :func:`supports` accepts; ``None`` when some output is not finite (infinite or NaN
+    that the router sends here; ``None`` when some output is not finite (infinite or NaN
     inputs: the caller's general path applies its rules to those).
 
     Parameters
@@ -115,7 +80,7 @@ def attend(plan: Plan, *, threads: int | None = None) -> tuple[np.ndarray, np.nd
     threads : int, optional
         Worker threads (default: :func:`~qkv.engine.kernels.threads.workers`).
     """
-    assert plan.stored is not None and plan.v is not None  # supports() asks for them
+    assert plan.stored is not None and plan.v is not None  # the router asks for them
     batch, L, dv = plan.batch, plan.L, plan.dv
     out = np.empty(batch + (L, dv), dtype=plan.stored[1].dtype)
     lse = np.empty(batch + (L,), dtype=np.float32)
@@ -133,12 +98,6 @@ def attend(plan: Plan, *, threads: int | None = None) -> tuple[np.ndarray, np.nd
     return None if status == 3 else (out, lse)
 
 
-def supports_backward(plan: Plan) -> bool:
-    """Whether :func:`backward` runs ``plan``: what :func:`supports` takes, with an even
-    value size and at least one key."""
-    return supports(plan) and plan.dv % 2 == 0 and plan.S >= 1
-
-
 def backward(
     plan: Plan,
     d_out: np.ndarray,
@@ -147,7 +106,7 @@ def backward(
     threads: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The FlashAttention-2 backward with bfloat16 tile products: ``(dq, dk, dv)`` in float32,
-    in the plan's shapes of q, k and v, for a plan that :func:`supports_backward` accepts.
+    in the plan's shapes of q, k and v, for a plan the router sends here.
 
     ``d_out`` is ``(*batch, L, dv)`` and ``forward`` the forward's ``(out, lse)``: ``out``
     bfloat16 (the kernel then takes ``rowsum(dO ∘ O)`` from it) or float32, ``lse`` float32.
@@ -155,7 +114,7 @@ def backward(
     their gradients are rounded for the last three products, as in PyTorch's bfloat16
     backward.
     """
-    assert plan.stored is not None and plan.v is not None  # supports() asks for them
+    assert plan.stored is not None and plan.v is not None  # the router asks for them
     f32, bf16 = np.dtype(np.float32), plan.stored[0].dtype
     dq = np.zeros(plan.q.shape, dtype=f32)
     dk = np.zeros(plan.k.shape, dtype=f32)

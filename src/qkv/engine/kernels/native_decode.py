@@ -38,7 +38,7 @@ Examples
 >>> q = rng.standard_normal((2, 8, 1, 16))         # batch 2, 8 query heads, one token
 >>> k, v = rng.standard_normal((2, 2, 2, 300, 16))  # 2 kv heads, 300 cached tokens
 >>> plan = make_plan(q, k, v)
->>> if supports(plan):
+>>> if available():
 ...     out, lse = attend(plan)
 ...     assert np.allclose(out, reference.attention(q, k, v))
 """
@@ -74,7 +74,6 @@ __all__ = [
     "openmp_parallel",
     "prepare",
     "step",
-    "supports",
 ]
 
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
@@ -217,25 +216,9 @@ def launch(
     return invoke("qkv_decode_f64" if f64 else "qkv_decode_f32", args, "decode", allowed=(3, 4))
 
 
-def supports(plan: Plan) -> bool:
-    """Whether :func:`attend` runs ``plan`` (and the kernel is built)."""
-    if plan.v is None or plan.bias is not None or plan.window is not None:
-        return False
-    if plan.alibi is not None or plan.score_mod is not None or plan.mask_mod is not None:
-        return False  # soft-capping is the one score variant the kernel applies
-    if plan.causal and plan.L != 1:
-        return False
-    if plan.mask is not None and plan.L != 1:
-        return False
-    if plan.acc_dtype not in (np.float32, np.float64) or plan.q.ndim < 3:
-        return False
-    if min(plan.L, plan.d, plan.dv) < 1:
-        return False
-    return available()
-
-
 def attend(plan: Plan, *, threads: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Decode attention on ``plan`` (see :func:`supports`): ``(out, lse)``, compute dtype.
+    """Decode attention on ``plan`` (the router's "native decode"): ``(out, lse)``, compute
+    dtype.
 
     A plan this kernel cannot read as it is (a mask of another shape than one run per
     sequence, strides over the batch that do not collapse) runs on
@@ -244,7 +227,7 @@ def attend(plan: Plan, *, threads: int | None = None) -> tuple[np.ndarray, np.nd
     """
     from . import decode
 
-    assert plan.v is not None  # supports() checked it
+    assert plan.v is not None  # the router checked it
     found: tuple[KeyRuns | None, ...] = ()
     if plan.mask is not None:
         found = (plan_runs(plan),)  # read once, for this kernel and the fallback

@@ -36,6 +36,9 @@ __all__ = [
     "DecodeArgs",
     "PrefillArgs",
     "VarlenArgs",
+    "bf16_products",
+    "blas_available",
+    "gemm",
     "backward_operands",
     "blas_rows",
     "head_offsets",
@@ -192,6 +195,64 @@ def isa_cap(asked: str | int | None = None) -> int:
 def switched_off() -> bool:
     """Whether ``QKV_NATIVE=0`` switches the native kernels off (read on every call)."""
     return os.environ.get(ENV, "").strip() == "0"
+
+
+def _capsule_pointer(capsule: Any) -> int:
+    """The pointer a ``PyCapsule`` holds (how Cython exports C functions)."""
+    api = ctypes.pythonapi
+    api.PyCapsule_GetName.restype = ctypes.c_char_p
+    api.PyCapsule_GetName.argtypes = [ctypes.py_object]
+    api.PyCapsule_GetPointer.restype = ctypes.c_void_p
+    api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    return int(api.PyCapsule_GetPointer(capsule, api.PyCapsule_GetName(capsule)))
+
+
+@functools.cache
+def gemm() -> tuple[dict[np.dtype, int] | None, str]:
+    """``({float32: sgemm, float64: dgemm}, "")`` from SciPy, or ``(None, why not)``: the
+    BLAS the prefill, varlen and backward kernels call for their tile products."""
+    try:
+        from scipy.linalg import cython_blas  # type: ignore[import-untyped]  # no stubs
+    except ImportError:
+        return None, "SciPy is not installed (its BLAS runs the tile products)"
+    try:
+        capi = cython_blas.__pyx_capi__
+        found: dict[np.dtype, int] = {
+            np.dtype(np.float32): _capsule_pointer(capi["sgemm"]),
+            np.dtype(np.float64): _capsule_pointer(capi["dgemm"]),
+        }
+    except (AttributeError, KeyError, ValueError, TypeError) as exc:
+        return None, f"SciPy's BLAS functions were not found ({exc!r})"
+    return found, ""
+
+
+def blas_available() -> tuple[bool, str]:
+    """``(True, "")`` when the BLAS-based native kernels run (the library built and on, SciPy's
+    BLAS found), else ``(False, why not)``."""
+    if switched_off():
+        return False, f"switched off ({ENV}=0)"
+    lib, why = library()
+    if lib is None:
+        return False, why
+    found, why = gemm()
+    return found is not None, why
+
+
+def bf16_products() -> tuple[bool, str]:
+    """``(True, "")`` when the bfloat16 tile products (``vdpbf16ps``) run: the library built
+    and on, this CPU with AVX512_BF16 and no narrower clone forced; else ``(False, why not)``."""
+    if switched_off():
+        return False, f"switched off ({ENV}=0)"
+    lib, why = library()
+    if lib is None:
+        return False, why
+    cap = isa_cap()
+    if cap not in (0, max(ISAS.values()) + 1):
+        name = {v: k for k, v in ISAS.items()}.get(cap, cap)
+        return False, f"a narrower clone is forced ({ISA_ENV}={name})"
+    if not lib.qkv_bf16_products():
+        return False, "this CPU has no AVX512_BF16"
+    return True, ""
 
 
 def library_path() -> Path | None:

@@ -41,7 +41,7 @@ from ...validate import Plan
 from .blocks import finish, key_pieces
 from .threads import parallel_map, workers
 
-__all__ = ["BLOCK_K", "BLOCK_ROWS", "TAU", "attend", "attend_plan", "supports"]
+__all__ = ["BLOCK_K", "BLOCK_ROWS", "TAU", "attend", "attend_plan"]
 
 BLOCK_ROWS = 512  # stacked rows (queries × heads of a group) per tile
 BLOCK_K = 512  # keys per block
@@ -276,18 +276,6 @@ def attend(
     return out, lse
 
 
-def supports(plan: Plan) -> bool:
-    """Whether :func:`attend_plan` serves ``plan``: plain attention (no mask, bias or score
-    variant) with heads on axis -3."""
-    return (
-        plan.mask is None
-        and plan.bias is None
-        and not plan.modded
-        and plan.v is not None
-        and len(plan.batch) >= 1
-    )
-
-
 def attend_plan(
     plan: Plan,
     *,
@@ -295,7 +283,8 @@ def attend_plan(
     block_k: int = BLOCK_K,
     threads: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """The walk on a checked plan (:func:`supports`): each batch index is one sequence, read
+    """The walk on a checked plan (the router's "packed walk": no mask, bias or score variant,
+    heads on axis -3): each batch index is one sequence, read
     through views. Output ``(*batch, L, dv)`` and lse ``(*batch, L)`` in the compute dtype.
 
     Examples

@@ -21,9 +21,8 @@ gradient is taken from ``δ`` by :func:`qkv.attention_vjp`.
 Tiles that causal or a window rule out entirely are skipped. Grouped query heads are served by
 viewing ``(Hq, rows)`` as ``(Hkv, group · rows)``, so k and v are never repeated. When the
 forward pass's output and lse are not supplied, the tiled forward kernel
-(:mod:`qkv.engine.kernels.tiled`) recomputes them. Where the native library is built (and
-``QKV_NATIVE`` is not ``0``), the same loop runs in C++ (:func:`qkv.engine.kernels.native.backward`)
-for the plans it covers.
+(:mod:`qkv.engine.kernels.tiled`) recomputes them. Where the router picks it, the same loop
+runs in C++ instead (:func:`qkv.engine.kernels.native.backward`).
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ import numpy as np
 
 from ...masks import allowed, query_positions
 from ...validate import Plan
-from . import mods, native, native_bf16
+from . import mods
 from .blocks import grouped_matmul, grouped_matmul_t
 
 __all__ = ["backward"]
@@ -77,17 +76,11 @@ def backward(
     """``(dq, dk, dv)`` in the plan's broadcast shapes, from ``dO``, ``O`` and ``lse``.
 
     ``d_out`` and ``out`` are ``(*batch, L, dv)``, ``lse`` is ``(*batch, L)``; all in the
-    accumulation dtype. Where the optional native library is built and covers the plan, its
-    fused version of this loop runs instead (:func:`qkv.engine.kernels.native.backward`).
+    accumulation dtype. :func:`qkv.engine.kernels.dispatch.backward` runs this or, where the
+    router picks it, the native library's fused version of this loop.
     """
-    if native_bf16.supports_backward(plan):  # bfloat16 tile products, K/V read in place
-        return native_bf16.backward(plan, d_out, (out, lse))
-    d_out = d_out.astype(plan.acc_dtype, copy=False)  # grad keeps a bfloat16 dO for the above
-    if native.supports_stored(plan):  # float16 (or bfloat16) K/V widened a key block at a time
-        return native.backward(plan, d_out, out, lse)
     plan = plan.materialized()
-    if native.supports(plan):
-        return native.backward(plan, d_out, out, lse)
+    d_out = d_out.astype(plan.acc_dtype, copy=False)
     acc, g = plan.acc_dtype, plan.group
     scale = acc.type(plan.scale)
     delta = np.sum(d_out * out, axis=-1, keepdims=True)  # (*batch, L, 1)

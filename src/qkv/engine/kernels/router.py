@@ -1,0 +1,566 @@
+"""Which kernel runs a checked plan: one ordered table per kind of work, each kernel with its
+conditions as data, and one walk over them.
+
+Every decision of which kernel computes a call is taken here, and only here (the kernels are
+algorithms that no longer choose among themselves): :func:`forward` for the attention of a
+:class:`~qkv.validate.Plan`, :func:`backward` for its gradients, :func:`packed` for a packed
+varlen batch, :func:`cache_step` for a :class:`~qkv.KVCache`'s decoding step on its own
+buffers, :func:`compiled_decode` for the decode kernel's compiled loop and
+:func:`decode_together` for a batch of short caches. A table lists its kernels fastest first,
+the general NumPy kernel last (it takes everything); the first whose conditions all hold runs.
+:func:`explain` walks the same table and says, for each faster kernel, the condition that
+refused it -- what :func:`qkv.route` and ``qkv info --route`` show. PyTorch's
+``select_sdp_backend`` is the model: one list of back ends, each with its list of conditions.
+
+The thresholds were measured on a 2-core machine (see ``bench/``); they only pick the faster
+path, never change a result: every kernel equals :func:`qkv.reference.attention`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ...validate import Plan
+from .jit import enabled as jit_enabled
+from .native_lib import bf16_products, blas_available, library, switched_off
+from .threads import team_preferred
+
+__all__ = [
+    "BACKWARD",
+    "BF16",
+    "DECODE_STEP",
+    "PREFILL",
+    "CACHE_STEP",
+    "COMPILED_DECODE",
+    "COMPILED_TEAM",
+    "DECODE_MAX_L",
+    "DECODE_MIN_BYTES",
+    "DENSE_MAX_SCORES",
+    "FORWARD",
+    "KERNELS",
+    "PACKED",
+    "TEAM_DECODE_MIN_BYTES",
+    "Condition",
+    "Kernel",
+    "backward",
+    "cache_step",
+    "compiled_decode",
+    "compiled_team",
+    "decode_together",
+    "explain",
+    "first",
+    "forward",
+    "holds",
+    "kv_bytes",
+    "packed",
+]
+
+KERNELS = ("auto", "dense", "tiled", "decode")  # what ``kernel=`` may name
+DENSE_MAX_SCORES = 1 << 14  # L · S per head below which materialising the scores is fastest
+DECODE_MAX_L = 8  # queries per head up to which the scores are small enough to keep whole
+DECODE_MIN_BYTES = 16 << 20  # K/V bytes from which streaming them (decode) beats BLAS (dense)
+# ... and where decode is compiled C++ (native_decode: measured on 2 cores, float32, grouped
+# heads, it already beat BLAS at 0.5 MiB, 0.050 against 0.087 ms, and 3.6x at 2 MiB), or
+# inside threads.compiled_team (between PyTorch's operations), where the compiled Numba decode
+# starts its threads in C and BLAS finds the K/V out of cache: measured in a Llama-style
+# model, 1 MiB of K/V per layer (prompt 1024) already ran faster streamed.
+TEAM_DECODE_MIN_BYTES = 1 << 20
+_F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
+_STORED = ("float16", "bfloat16")  # K/V dtypes the float32 prefill reads as stored
+
+
+def kv_bytes(plan: Plan) -> int:
+    """The bytes of ``plan``'s K and V in its compute dtype (the decode thresholds' measure)."""
+    d = plan.q.shape[-1]
+    dv = 0 if plan.v is None else plan.v.shape[-1]
+    return plan.k.size * (d + dv) // max(d, 1) * plan.acc_dtype.itemsize
+
+
+class Ask:
+    """What the conditions of a table read: the plan (or the packed arrays), the ``kernel=``
+    the caller asked for, and the sizes, each computed once and only when a condition reads
+    it."""
+
+    __slots__ = ("_size", "kernel", "narrow", "plan")
+
+    def __init__(self, plan: Any, kernel: str = "auto", narrow: bool = False) -> None:
+        self.plan, self.kernel, self.narrow = plan, kernel, narrow
+        self._size = -1
+
+    @property
+    def size(self) -> int:
+        """:func:`kv_bytes` of the plan."""
+        if self._size < 0:
+            self._size = kv_bytes(self.plan)
+        return self._size
+
+    @property
+    def mib(self) -> str:
+        return f"{self.size / 2**20:.3g} MiB"
+
+
+class Condition(NamedTuple):
+    """One condition of a kernel: ``test(ask)`` holds, else ``why`` (a text, or a function of
+    the ask giving one) says what refused the kernel."""
+
+    test: Callable[[Ask], bool]
+    why: str | Callable[[Ask], str]
+
+    def refusal(self, ask: Ask) -> str:
+        return self.why if isinstance(self.why, str) else self.why(ask)
+
+
+class Kernel(NamedTuple):
+    """A row of a table: the kernel's name, the family ``kernel=`` names it by (``"dense"``,
+    ``"tiled"``, ``"decode"``; the backward's and the packed walk's are their own), its
+    conditions in the order they are tried, and whether it reads a plan's stored K/V in place
+    (:attr:`Plan.stored`; the others run on :meth:`Plan.materialized`)."""
+
+    name: str
+    family: str
+    conditions: tuple[Condition, ...]
+    stored: bool = False
+
+
+def _c(test: Callable[[Ask], bool], why: str | Callable[[Ask], str]) -> Condition:
+    return Condition(test, why)
+
+
+def _library_why(ask: Ask) -> str:
+    if switched_off():
+        return "switched off (QKV_NATIVE=0)"
+    return library()[1] or "the native library is not built"
+
+
+def _native_on(ask: Ask) -> bool:
+    return not switched_off() and library()[0] is not None
+
+
+def _blas_why(ask: Ask) -> str:
+    return _library_why(ask) if not _native_on(ask) else blas_available()[1]
+
+
+def _bf16_why(ask: Ask) -> str:
+    return _library_why(ask) if not _native_on(ask) else bf16_products()[1]
+
+
+# Conditions shared by several kernels, each written once.
+_AUTO = _c(lambda a: a.kernel == "auto", lambda a: f"kernel={a.kernel!r} asked for")
+_FEW_ROWS = _c(
+    lambda a: a.plan.L <= DECODE_MAX_L,
+    lambda a: f"{a.plan.L} query rows per head, more than {DECODE_MAX_L}",
+)
+_NATIVE = _c(_native_on, _library_why)
+_NATIVE_BLAS = _c(lambda a: _native_on(a) and blas_available()[0], _blas_why)
+_NATIVE_BF16 = _c(lambda a: _native_on(a) and bf16_products()[0], _bf16_why)
+_F32_OR_F64 = _c(
+    lambda a: a.plan.acc_dtype in (_F32, _F64),
+    lambda a: f"computed in {a.plan.acc_dtype}, not float32 or float64",
+)
+_NOT_MODDED = _c(
+    lambda a: not a.plan.modded, "a score variant (soft-capping, ALiBi, score_mod or mask_mod)"
+)
+_NO_TILE_VARIANT = _c(
+    lambda a: a.plan.alibi is None and a.plan.score_mod is None and a.plan.mask_mod is None,
+    "ALiBi, score_mod or mask_mod given (soft-capping is the one score variant it applies)",
+)
+_STORED_KV = _c(lambda a: a.plan.stored is not None, "K/V not stored in 16 bits")
+_PREFILL_SHAPE = _c(
+    lambda a: (
+        a.kernel == "tiled"
+        if a.kernel != "auto"
+        else a.plan.L > DECODE_MAX_L and a.plan.L * a.plan.S > DENSE_MAX_SCORES
+    ),
+    lambda a: (
+        f"kernel={a.kernel!r} asked for"
+        if a.kernel != "auto"
+        else f"not a prefill: {a.plan.L} x {a.plan.S} scores per head"
+    ),
+)
+_NONEMPTY = _c(
+    lambda a: min(a.plan.L, a.plan.d, a.plan.dv) >= 1, "no query, an empty head or empty values"
+)
+
+# The native decode step on a plan (qkv.engine.kernels.native_decode.attend): every sequence's
+# keys, or the one run of them a boolean mask row leaves, streamed once in C++.
+DECODE_STEP = (
+    _c(lambda a: a.plan.bias is None, "a float mask (bias) given"),
+    _c(lambda a: a.plan.window is None, "a window given (it reads a mask's runs of keys only)"),
+    _NO_TILE_VARIANT,
+    _c(lambda a: not (a.plan.causal and a.plan.L != 1), "causal with more than one query row"),
+    _c(lambda a: a.plan.mask is None or a.plan.L == 1, "a mask with more than one query row"),
+    _F32_OR_F64,
+    _c(lambda a: a.plan.q.ndim >= 3, "no heads axis (q of rank 2)"),
+    _NONEMPTY,
+    _NATIVE,
+)
+# The fused C++ prefill (qkv.engine.kernels.native.attend): BLAS tile products.
+PREFILL = (
+    _F32_OR_F64,
+    _NOT_MODDED,
+    _c(lambda a: min(a.plan.L, a.plan.S, a.plan.dv) >= 1, "no query, key or value column"),
+    _NATIVE_BLAS,
+)
+_READS_STORED = _c(
+    lambda a: (
+        a.plan.stored[0].dtype.name in _STORED
+        and a.plan.stored[1].dtype == a.plan.stored[0].dtype
+        and a.plan.acc_dtype == _F32
+    ),
+    "K/V not float16 or bfloat16 of one dtype computed in float32",
+)
+# bfloat16 tile products on vdpbf16ps (qkv.engine.kernels.native_bf16).
+BF16 = (
+    _STORED_KV,
+    _c(lambda a: a.plan.stored[0].dtype.name == "bfloat16", "K/V not bfloat16"),
+    _c(lambda a: a.plan.out_dtype.name == "bfloat16", "q is not bfloat16"),
+    _c(
+        lambda a: a.plan.bias is None or a.plan.bias.dtype == _F32,
+        "a float mask (bias) that is not float32",
+    ),
+    _NOT_MODDED,
+    _c(lambda a: a.plan.d % 2 == 0, lambda a: f"an odd head size d={a.plan.d}"),
+    _NONEMPTY,
+    _c(lambda a: a.plan.S < 2**31, "2**31 keys or more"),
+    _NATIVE_BF16,
+)
+_SCALE_FITS = _c(
+    lambda a: scale_in_range(a.plan.scale, a.plan.acc_dtype),
+    lambda a: f"scale {a.plan.scale:.3g} is not a normal {a.plan.acc_dtype} number",
+)
+
+
+_STREAMS = _c(
+    lambda a: a.size >= TEAM_DECODE_MIN_BYTES,
+    lambda a: f"K/V of {a.mib}, below the {TEAM_DECODE_MIN_BYTES >> 20} MiB it wins from",
+)
+
+
+def _least_decode_bytes(a: Ask) -> int:
+    """The K/V bytes from which the NumPy or compiled decode kernel beats the dense one."""
+    fast = compiled_decode(a.plan) or (a.plan.mask is not None and a.plan.L == 1)
+    return TEAM_DECODE_MIN_BYTES if fast and team_preferred() else DECODE_MIN_BYTES
+
+
+# The attention of a plan, fastest first; the last row takes everything.
+FORWARD: tuple[Kernel, ...] = (
+    Kernel(
+        "native decode, stored K/V",
+        "decode",
+        (
+            _STORED_KV,
+            _c(lambda a: a.kernel in ("auto", "decode"), lambda a: f"kernel={a.kernel!r}"),
+            _FEW_ROWS,
+            *DECODE_STEP,
+        ),
+        stored=True,
+    ),
+    Kernel("native bfloat16 prefill", "tiled", (_PREFILL_SHAPE, *BF16), stored=True),
+    Kernel(
+        "native prefill, stored K/V",
+        "tiled",
+        (_STORED_KV, _PREFILL_SHAPE, _SCALE_FITS, _READS_STORED, *PREFILL),
+        stored=True,
+    ),
+    Kernel("dense (forced)", "dense", (_c(lambda a: a.kernel == "dense", "not forced"),)),
+    Kernel("tiled (forced)", "tiled", (_c(lambda a: a.kernel == "tiled", "not forced"),)),
+    Kernel("decode (forced)", "decode", (_c(lambda a: a.kernel == "decode", "not forced"),)),
+    Kernel(
+        "native decode",
+        "decode",
+        (
+            _AUTO,
+            _FEW_ROWS,
+            _STREAMS,
+            *DECODE_STEP,
+        ),
+    ),
+    Kernel(
+        "decode",
+        "decode",
+        (
+            _AUTO,
+            _FEW_ROWS,
+            _STREAMS,
+            _c(
+                lambda a: a.size >= _least_decode_bytes(a),
+                lambda a: (
+                    f"K/V of {a.mib}, below the {_least_decode_bytes(a) >> 20} MiB it wins from"
+                ),
+            ),
+        ),
+    ),
+    Kernel(
+        "dense",
+        "dense",
+        (
+            _AUTO,
+            _c(
+                lambda a: a.plan.L <= DECODE_MAX_L or a.plan.L * a.plan.S <= DENSE_MAX_SCORES,
+                lambda a: f"{a.plan.L} x {a.plan.S} scores per head, more than {DENSE_MAX_SCORES}",
+            ),
+        ),
+    ),
+    Kernel("native prefill", "tiled", (_AUTO, *PREFILL)),
+    Kernel(
+        "packed walk",
+        "tiled",
+        (
+            _AUTO,
+            _c(lambda a: a.plan.mask is None, "a boolean mask given"),
+            _c(lambda a: a.plan.bias is None, "a float mask (bias) given"),
+            _NOT_MODDED,
+            _c(lambda a: len(a.plan.batch) >= 1, "no heads axis (q of rank 2)"),
+        ),
+    ),
+    Kernel("tiled", "tiled", ()),
+)
+
+# The gradients of a plan (qkv.attention_vjp, autograd), fastest first.
+BACKWARD: tuple[Kernel, ...] = (
+    Kernel(
+        "native bfloat16 backward",
+        "tiled",
+        (
+            *BF16,
+            _c(lambda a: a.plan.dv % 2 == 0, lambda a: f"an odd value size dv={a.plan.dv}"),
+            _c(lambda a: a.plan.S >= 1, "no key"),
+        ),
+        stored=True,
+    ),
+    Kernel(
+        "native backward, stored K/V", "tiled", (_STORED_KV, _READS_STORED, *PREFILL), stored=True
+    ),
+    Kernel("native backward", "tiled", PREFILL),
+    Kernel("tiled backward", "tiled", ()),
+)
+
+# A packed varlen batch (qkv.attention_varlen); its ask's plan is ``(q, k, v, compute dtype)``.
+PACKED: tuple[Kernel, ...] = (
+    Kernel(
+        "native bfloat16 packed walk",
+        "tiled",
+        (
+            _c(
+                lambda a: all(x.dtype.name == "bfloat16" for x in a.plan[:3]),
+                "q, k and v not all bfloat16",
+            ),
+            _c(
+                lambda a: a.plan[0].shape[-1] % 2 == 0 and a.plan[0].shape[-1] >= 2,
+                "an odd head size",
+            ),
+            _c(lambda a: max(a.plan[0].shape[0], a.plan[1].shape[0]) < 2**31, "2**31 tokens"),
+            _NATIVE_BF16,
+        ),
+        stored=True,
+    ),
+    Kernel(
+        "native packed walk",
+        "tiled",
+        (
+            _c(
+                lambda a: a.plan[3] in (_F32, _F64),
+                lambda a: f"computed in {a.plan[3]}, not float32 or float64",
+            ),
+            _NATIVE_BLAS,
+        ),
+    ),
+    Kernel("packed walk", "tiled", ()),
+)
+
+# A KVCache's decoding step on its own buffers (native_decode.prepare): each sequence its own
+# run of keys, a window worked out per sequence by the cache; ``narrow``: K/V stored in
+# fewer than 32 bits, computed in float32.
+CACHE_STEP: tuple[Kernel, ...] = (
+    Kernel(
+        "native decode on the cache",
+        "decode",
+        (
+            _NO_TILE_VARIANT,
+            _c(lambda a: not (a.plan.causal and a.plan.L != 1), "causal with more than one row"),
+            _c(
+                lambda a: a.plan.window is None or a.plan.L == 1,
+                "a window with more than one query row",
+            ),
+            _SCALE_FITS,
+            _c(
+                lambda a: not a.narrow or a.plan.acc_dtype == _F32,
+                lambda a: f"16- or 8-bit K/V computed in {a.plan.acc_dtype}, not float32",
+            ),
+            _NATIVE,
+        ),
+    ),
+    Kernel("general road", "decode", ()),
+)
+
+# The decode kernel's compiled loop (Numba) against its NumPy products.
+COMPILED_DECODE: tuple[Kernel, ...] = (
+    Kernel(
+        "compiled decode",
+        "decode",
+        (
+            _c(
+                lambda a: a.plan.group * a.plan.L >= 2,
+                "one query row per kv head (BLAS's matrix-vector product reads K/V faster)",
+            ),
+            _c(lambda a: a.plan.mask is None and a.plan.bias is None, "a mask given"),
+            _NOT_MODDED,
+            _F32_OR_F64,
+            _c(lambda a: a.plan.d > 0 and a.plan.dv > 0, "an empty head"),
+            _c(lambda a: jit_enabled(), "Numba not installed, or QKV_JIT=0"),
+        ),
+    ),
+    Kernel("NumPy decode", "decode", ()),
+)
+
+
+# One decoding step on the compiled kernel's own OpenMP team, between PyTorch's operations
+# (decode._team_single); a boolean mask may give each sequence one run of keys.
+COMPILED_TEAM: tuple[Kernel, ...] = (
+    Kernel(
+        "compiled decode on a team",
+        "decode",
+        (
+            _c(lambda a: not a.plan.structured, "causal or a window given"),
+            _c(
+                lambda a: bool(a.plan.batch) and a.plan.L > 0 and a.plan.S > 0,
+                "no heads axis, no query or no key",
+            ),
+            _c(
+                lambda a: a.plan.group * a.plan.L >= 2,
+                "one query row per kv head (BLAS's matrix-vector product reads K/V faster)",
+            ),
+            _c(lambda a: a.plan.bias is None, "a float mask (bias) given"),
+            _NOT_MODDED,
+            _F32_OR_F64,
+            _c(lambda a: a.plan.d > 0 and a.plan.dv > 0, "an empty head"),
+            _c(lambda a: jit_enabled(), "Numba not installed, or QKV_JIT=0"),
+        ),
+    ),
+    Kernel("decode's own threads", "decode", ()),
+)
+
+
+def first(table: Sequence[Kernel], ask: Ask) -> Kernel:
+    """The first row of ``table`` whose conditions all hold for ``ask``."""
+    for row in table:
+        for cond in row.conditions:
+            if not cond.test(ask):
+                break
+        else:
+            return row
+    raise AssertionError("a table's last row takes everything")
+
+
+def holds(conditions: Sequence[Condition], plan: Any, kernel: str = "auto") -> bool:
+    """Whether every one of ``conditions`` (a kernel's, or a group of them such as
+    :data:`DECODE_STEP`) holds for ``plan``."""
+    ask = Ask(plan, kernel)
+    return all(cond.test(ask) for cond in conditions)
+
+
+def forward(plan: Plan, kernel: str = "auto") -> Kernel:
+    """The kernel that computes ``plan``'s attention (a row of :data:`FORWARD`).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from qkv.validate import make_plan
+    >>> forward(make_plan(np.ones((4, 8)), np.ones((4, 8)), np.ones((4, 8)))).name
+    'dense'
+    >>> forward(make_plan(np.ones((500, 8)), np.ones((500, 8)), np.ones((500, 8))), "dense").name
+    'dense (forced)'
+    """
+    return first(FORWARD, Ask(plan, kernel))
+
+
+def backward(plan: Plan) -> Kernel:
+    """The kernel that computes ``plan``'s gradients (a row of :data:`BACKWARD`)."""
+    return first(BACKWARD, Ask(plan))
+
+
+def packed(q: np.ndarray, k: np.ndarray, v: np.ndarray, dtype: np.dtype) -> Kernel:
+    """The kernel that walks a packed batch computed in ``dtype`` (a row of :data:`PACKED`)."""
+    return first(PACKED, Ask((q, k, v, np.dtype(dtype))))
+
+
+def cache_step(plan: Plan, narrow: bool) -> str | None:
+    """Why a cache's native decoding step does not serve ``plan`` (checked against stand-ins
+    of the cache's shapes), or None where it does (:data:`CACHE_STEP`)."""
+    return _refusal(CACHE_STEP[0], Ask(plan, narrow=narrow))
+
+
+def compiled_decode(plan: Plan) -> bool:
+    """Whether the decode kernel runs ``plan`` on its compiled loop (:data:`COMPILED_DECODE`)."""
+    return first(COMPILED_DECODE, Ask(plan)) is COMPILED_DECODE[0]
+
+
+def compiled_team(plan: Plan) -> bool:
+    """Whether one decoding step may run on the compiled kernel's OpenMP team
+    (:data:`COMPILED_TEAM`; the kernel still declines operands it cannot read in place)."""
+    return first(COMPILED_TEAM, Ask(plan)) is COMPILED_TEAM[0]
+
+
+def decode_together(plans: Sequence[Plan], kernel: str, sizes: Sequence[int]) -> bool:
+    """Whether a batch of plans (a cache's runs of sequences of equal length) all run on the
+    decode kernel in one parallel pass: under ``"auto"``, when every plan has few queries
+    and their K/V together (``sizes``, :func:`kv_bytes`) are large enough -- a batch of
+    short caches is one large memory-bound job, not many small ones."""
+    return (
+        kernel == "auto"
+        and all(p.L <= DECODE_MAX_L for p in plans)
+        and sum(sizes) >= DECODE_MIN_BYTES
+    )
+
+
+def _refusal(row: Kernel, ask: Ask) -> str | None:
+    for cond in row.conditions:
+        if not cond.test(ask):
+            return cond.refusal(ask)
+    return None
+
+
+def explain(plan: Plan, kernel: str = "auto", table: str = "forward") -> list[tuple[str, str]]:
+    """The walk of a table for ``plan``: ``(kernel, why refused)`` for each row tried before
+    the chosen one, then ``(chosen kernel, "")``. Rows of another ``kernel=`` family than the
+    one forced, and rows for stored K/V when none are stored, are left out: they were never
+    candidates.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from qkv.validate import make_plan
+    >>> plan = make_plan(np.ones((1, 8)), np.ones((5000, 8)), np.ones((5000, 8)), window=(2, 0))
+    >>> explain(plan)[-1]
+    ('dense', '')
+    """
+    rows = {"forward": FORWARD, "backward": BACKWARD}[table]
+    ask = Ask(plan, kernel)
+    said: list[tuple[str, str]] = []
+    for row in rows:
+        if row.stored and plan.stored is None:
+            continue
+        if row.name.endswith("(forced)") and kernel != row.family:
+            continue
+        why = _refusal(row, ask)
+        if why is None:
+            said.append((row.name, ""))
+            return said
+        if not (kernel != "auto" and why.startswith("kernel=")):
+            said.append((row.name, why))
+    raise AssertionError("a table's last row takes everything")
+
+
+def scale_in_range(scale: float, dtype: np.dtype) -> bool:
+    """Whether ``scale`` is a normal number of ``dtype`` (neither subnormal nor overflowing)."""
+    info = _RANGES.get(dtype)
+    if info is None:
+        fi = np.finfo(dtype)
+        info = _RANGES[np.dtype(dtype)] = (float(fi.tiny), float(fi.max))
+    return info[0] <= scale <= info[1]
+
+
+_RANGES: dict[Any, tuple[float, float]] = {}
