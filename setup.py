@@ -101,23 +101,34 @@ def source_files(ext: Extension, root: str = ".") -> list[str]:
     return sorted(files)
 
 
+class NoCompiler(Exception):
+    """The C++ compiler does not run (none installed, or ``CXX`` points nowhere)."""
+
+
 def compiler_identity(
     commands: dict[str, Any], run: Callable[..., Any] = subprocess.run
-) -> list[str] | None:
+) -> list[str]:
     """``commands`` (the compiler object's command lines: name -> argument list) and what each
-    program they start says to ``--version``; None where one does not answer (no compiler,
-    or ``CXX=false``): then nothing is cached."""
+    program they start says to ``--version`` (or that it did not run)."""
     said = [f"{name}={value!r}" for name, value in sorted(commands.items())]
     programs = sorted({v[0] for v in commands.values() if isinstance(v, list) and v})
     for program in programs:
         try:
-            done = run([program, "--version"], capture_output=True, text=True, timeout=60)
-        except (OSError, subprocess.SubprocessError):
-            return None
-        if done.returncode != 0:
-            return None
-        said.append(f"{program} --version: {done.stdout.strip()}")
+            said.append(f"{program} --version: {version(program, run)}")
+        except NoCompiler as exc:  # the C compiler, say, where only the C++ one is used
+            said.append(f"{program}: {exc}")
     return said
+
+
+def version(program: str, run: Callable[..., Any] = subprocess.run) -> str:
+    """What ``program --version`` says; :class:`NoCompiler` when it does not run or fails."""
+    try:
+        done = run([program, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise NoCompiler(f"no C++ compiler: {program} did not run ({exc})") from exc
+    if done.returncode != 0:
+        raise NoCompiler(f"no C++ compiler: {program} --version exited with {done.returncode}")
+    return str(done.stdout).strip()
 
 
 def cache_key(
@@ -168,6 +179,10 @@ def parallel_compile(
             wait(futures.values(), return_when=FIRST_EXCEPTION)
             for f in futures.values():
                 f.cancel()  # those not started; the running ones finish
+            failed = [f.exception() for f in futures.values() if not f.cancelled()]
+            for exc in failed:
+                if exc is not None:
+                    raise exc
             return [obj for s in sources for obj in futures[s].result()]
 
     return compile
@@ -199,8 +214,10 @@ class OptionalBuildExt(build_ext):
     def build_extension(self, ext: Extension) -> None:
         try:
             self._build(ext)
+        except NoCompiler as exc:
+            self._give_up(ext, str(exc))
         except Exception as exc:
-            self._give_up(ext, f"the build failed: {exc}")
+            self._give_up(ext, f"the build failed: {exc or type(exc).__name__}")
 
     def copy_extensions_to_source(self) -> None:
         # setuptools' step for editable installs: only the libraries that were built
@@ -251,15 +268,17 @@ class OptionalBuildExt(build_ext):
             self._store(target, cached)
 
     def _cache_entry(self, ext: Extension) -> Path | None:
-        """Where the cache holds this library (None: no cache, or no compiler to name)."""
+        """Where the cache holds this library (None: no cache); :class:`NoCompiler` where the
+        C++ compiler does not run."""
+        names = ("compiler_so", "compiler_so_cxx", "compiler_cxx", "linker_so", "linker_so_cxx")
+        commands = {n: getattr(self.compiler, n) for n in names if hasattr(self.compiler, n)}
+        cxx = commands.get("compiler_so_cxx") or commands.get("compiler_so") or []
+        if cxx:
+            version(cxx[0])  # no compiler: say so before anything is compiled
         folder = cache_dir()
         if folder is None:
             return None
-        names = ("compiler_so", "compiler_so_cxx", "compiler_cxx", "linker_so", "linker_so_cxx")
-        commands = {n: getattr(self.compiler, n) for n in names if hasattr(self.compiler, n)}
         identity = compiler_identity(commands)
-        if identity is None:
-            return None
         # Python's own include folders are left out: no source includes Python.h (a ctypes
         # library), and a build in a fresh virtual environment (python -m build) would
         # otherwise never find its library.

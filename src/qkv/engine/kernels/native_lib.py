@@ -208,11 +208,12 @@ def library_path() -> Path | None:
     return None
 
 
-def build_note() -> str:
-    """Why the install built no library, as its build left it next to where the library would
-    be (``QKV_NATIVE_BUILD=0``, or the build's failure); a general reason without one."""
+def build_note(folder: Path | None = None) -> str:
+    """Why the install built no library, as its build left it in ``folder`` (next to where the
+    library would be: this module's folder): ``QKV_NATIVE_BUILD=0``, or the build's failure;
+    a general reason without one."""
     try:
-        text = (Path(__file__).parent / BUILD_NOTE).read_text(encoding="utf-8")
+        text = ((folder or Path(__file__).parent) / BUILD_NOTE).read_text(encoding="utf-8")
     except (OSError, UnicodeError):
         text = ""
     first = text.strip().splitlines()[0][:300] if text.strip() else ""
