@@ -239,7 +239,7 @@ class OptionalBuildExt(build_ext):
         if cached is not None and cached.is_file():
             os.makedirs(os.path.dirname(target), exist_ok=True)
             shutil.copyfile(cached, target)
-            os.utime(cached)  # recently used: kept by the pruning
+            os.utime(cached.parent)  # recently used: kept by the pruning (by folder times)
             self._built(ext)
             _say(
                 f"the native kernels were compiled before from these sources with this "

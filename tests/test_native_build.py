@@ -267,3 +267,23 @@ def test_a_missing_compiler_is_named_and_nothing_is_compiled(tree, tmp_path):
     assert note.startswith(f"no C++ compiler: {missing} did not run"), note
     assert "compiling" not in run.stderr
     assert native_lib.build_note(tree / KERNELS) == note.strip()
+
+
+def test_the_readme_and_the_install_page_name_the_switches_setup_py_reads():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    page = (ROOT / "docs" / "getting-started.md").read_text(encoding="utf-8")
+    assert f"{setup_py.BUILD_ENV}=0" in readme and f"{setup_py.BUILD_ENV}=0" in page
+    assert f"{setup_py.CACHE_ENV}=0" in page and "~/.cache/qkv/native" in page
+    assert "the four libraries used last" in page and setup_py.CACHE_KEEP == 4
+
+
+def test_the_cache_folder(monkeypatch, tmp_path):
+    monkeypatch.delenv(setup_py.CACHE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert setup_py.cache_dir() == tmp_path / "qkv" / "native"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert setup_py.cache_dir() == Path.home() / ".cache" / "qkv" / "native"
+    monkeypatch.setenv(setup_py.CACHE_ENV, str(tmp_path / "here"))
+    assert setup_py.cache_dir() == tmp_path / "here"
+    monkeypatch.setenv(setup_py.CACHE_ENV, "0")
+    assert setup_py.cache_dir() is None
