@@ -208,7 +208,7 @@ def test_a_reinstall_copies_the_library_and_any_change_compiles_anew(tree, tmp_p
     first = build(tree, env)
     compiled = [c for c in calls(log) if c.startswith("compile")]
     assert len(compiled) == len(setup_py.UNITS) and sum(c.startswith("link") for c in calls(log))
-    assert "compiling the optional native kernels: 8 C++ units" in first.stderr
+    assert f"compiling the optional native kernels: {len(setup_py.UNITS)} C++ units" in first.stderr
     (library,) = libraries(tree)
     assert library.read_text() == "built\n" and len(list(cache.glob("*/_native*"))) == 1
 

@@ -887,7 +887,7 @@ QKV_PIECES(QKV_AVX512, avx512, 16)
 #undef QKV_PIECE
 #undef QKV_PIECE_HEAD
 
-#if QKV_X86 && QKV_DECODE_UNIT == 4
+#if QKV_X86 && QKV_DECODE_UNIT == 3  // with the AVX-512 pieces, which they fall back to
 // Whether the R query rows of kv head h of sequence b hold bfloat16 values (a model's
 // bfloat16 queries, widened to float32 by the caller: their low 16 bits 0) that
 // score_tile_dp takes as they are: none subnormal (vdpbf16ps would read it as 0, however

@@ -1,4 +1,0 @@
-// The decode step's pieces of one vector clone, in a unit of their own so that the clones
-// compile in parallel (see decode.cpp, which this unit compiles with QKV_DECODE_UNIT set).
-#define QKV_DECODE_UNIT 4
-#include "decode.cpp"
