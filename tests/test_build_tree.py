@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -35,5 +36,11 @@ def test_building_a_wheel_leaves_no_build_folder(tmp_path):
         timeout=300,
     )
     assert run.returncode == 0, run.stderr[-2000:]
-    assert list((tmp_path / "dist").glob("qkv-*.whl"))
+    (wheel,) = (tmp_path / "dist").glob("qkv-*.whl")
+    # no library in the wheel, and the reason the runtime gives (issue 44)
+    names = zipfile.ZipFile(wheel).namelist()
+    assert not [n for n in names if "/_native." in n], names
+    if sys.platform != "win32":  # (no native library there at all)
+        note = zipfile.ZipFile(wheel).read("qkv/engine/kernels/_native_build.txt").decode()
+        assert note.startswith("no C++ compiler: false"), note
     assert not (tree / "build").exists(), sorted(p.name for p in tree.iterdir())

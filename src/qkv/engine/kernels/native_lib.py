@@ -28,6 +28,7 @@ import numpy as np
 from ...errors import InputError
 
 __all__ = [
+    "BUILD_NOTE",
     "ENV",
     "ISAS",
     "ISA_ENV",
@@ -41,6 +42,7 @@ __all__ = [
     "gemm",
     "backward_operands",
     "blas_rows",
+    "build_note",
     "head_offsets",
     "invoke",
     "isa_cap",
@@ -54,6 +56,8 @@ __all__ = [
 ]
 
 ENV = "QKV_NATIVE"  # "0" switches the native kernels off (read on every call)
+# Why the install built no library (setup.py writes it there: QKV_NATIVE_BUILD=0, the failure)
+BUILD_NOTE = "_native_build.txt"
 ISA_ENV = "QKV_NATIVE_ISA"  # "baseline", "avx2" or "avx512": the widest clone a call may run
 ISAS = {"baseline": 1, "avx2": 2, "avx512": 3}  # the vector clones, narrowest first
 # How the decode step finds K and V stored (qkv_decode_args.kv_format; qkv.engine.quant):
@@ -265,6 +269,18 @@ def library_path() -> Path | None:
     return None
 
 
+def build_note(folder: Path | None = None) -> str:
+    """Why the install built no library, as its build left it in ``folder`` (next to where the
+    library would be: this module's folder): ``QKV_NATIVE_BUILD=0``, or the build's failure;
+    a general reason without one."""
+    try:
+        text = ((folder or Path(__file__).parent) / BUILD_NOTE).read_text(encoding="utf-8")
+    except (OSError, UnicodeError):
+        text = ""
+    first = text.strip().splitlines()[0][:300] if text.strip() else ""
+    return first or "no C++ compiler when qkv was installed, or the build failed"
+
+
 @functools.cache
 def library() -> tuple[Any, str]:
     """``(library, "")`` with every function's argument types set, or ``(None, why not)``;
@@ -272,7 +288,7 @@ def library() -> tuple[Any, str]:
     is refused whole."""
     path = library_path()
     if path is None:
-        return None, "not built (no C++ compiler when qkv was installed, or the build failed)"
+        return None, f"not built ({build_note()})"
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as exc:

@@ -836,13 +836,21 @@ QKV_INLINE void decode_piece_any(const qkv_decode_args& a, int64_t b, int64_t h,
 typedef void (*piece_t)(const qkv_decode_args&, int64_t, int64_t, int64_t, int64_t, void*,
                         void*, void*, void*);
 
-#define QKV_PIECE(ATTR, NAME, T, E, LANES)                                                  \
+}  // namespace
+
+// The pieces, one function per clone and K/V form. Each clone's are compiled in a unit of their
+// own (decode_<clone>.cpp: this file with QKV_DECODE_UNIT set to the clone's code), so that
+// the build compiles the clones in parallel; this file itself (QKV_DECODE_UNIT 0) compiles the
+// baseline pieces, run_decode and the C ABI. Every unit declares them all. Hidden (pool.h's
+// namespace): no part of the library's C ABI.
+#ifndef QKV_DECODE_UNIT
+#define QKV_DECODE_UNIT 0
+#endif
+namespace qkv_native __attribute__((visibility("hidden"))) {
+
+#define QKV_PIECE_HEAD(ATTR, NAME)                                                        \
     ATTR void NAME(const qkv_decode_args& a, int64_t b, int64_t h, int64_t j0, int64_t j1, \
-                   void* sc, void* m, void* l, void* acc) {                                 \
-        decode_piece_any<T, E, LANES>(a, b, h, j0, j1, static_cast<T*>(sc),                \
-                                      static_cast<T*>(m), static_cast<T*>(l),              \
-                                      static_cast<T*>(acc));                                \
-    }
+                   void* sc, void* m, void* l, void* acc)
 // LANES: the float lanes of the clone's registers
 #define QKV_PIECES(ATTR, ISA, LANES)                                \
     QKV_PIECE(ATTR, piece_##ISA##_f32, float, float, LANES)         \
@@ -851,15 +859,35 @@ typedef void (*piece_t)(const qkv_decode_args&, int64_t, int64_t, int64_t, int64
     QKV_PIECE(ATTR, piece_##ISA##_f16, float, F16, LANES)           \
     QKV_PIECE(ATTR, piece_##ISA##_i8, float, I8, LANES)             \
     QKV_PIECE(ATTR, piece_##ISA##_e4m3, float, E4m3, LANES)
+#define QKV_PIECE(ATTR, NAME, T, E, LANES) QKV_PIECE_HEAD(ATTR, NAME);
 QKV_PIECES(, base, 4)
 #if QKV_X86
 QKV_PIECES(QKV_AVX2, avx2, 8)
 QKV_PIECES(QKV_AVX512, avx512, 16)
+QKV_PIECE(QKV_BF16, piece_avx512bf16_bf16, , , )
+QKV_PIECE(QKV_BF16, piece_avx512bf16_i8, , , )
+QKV_PIECE(QKV_BF16, piece_avx512bf16_e4m3, , , )
+#endif
+#undef QKV_PIECE
+
+#define QKV_PIECE(ATTR, NAME, T, E, LANES)                                   \
+    QKV_PIECE_HEAD(ATTR, NAME) {                                              \
+        decode_piece_any<T, E, LANES>(a, b, h, j0, j1, static_cast<T*>(sc),  \
+                                      static_cast<T*>(m), static_cast<T*>(l), \
+                                      static_cast<T*>(acc));                  \
+    }
+#if QKV_DECODE_UNIT == 0
+QKV_PIECES(, base, 4)
+#elif QKV_X86 && QKV_DECODE_UNIT == 2
+QKV_PIECES(QKV_AVX2, avx2, 8)
+#elif QKV_X86 && QKV_DECODE_UNIT == 3
+QKV_PIECES(QKV_AVX512, avx512, 16)
 #endif
 #undef QKV_PIECES
 #undef QKV_PIECE
+#undef QKV_PIECE_HEAD
 
-#if QKV_X86
+#if QKV_X86 && QKV_DECODE_UNIT == 3  // with the AVX-512 pieces, which they fall back to
 // Whether the R query rows of kv head h of sequence b hold bfloat16 values (a model's
 // bfloat16 queries, widened to float32 by the caller: their low 16 bits 0) that
 // score_tile_dp takes as they are: none subnormal (vdpbf16ps would read it as 0, however
@@ -913,6 +941,13 @@ QKV_BF16 void piece_avx512bf16_e4m3(const qkv_decode_args& a, int64_t b, int64_t
     piece_avx512bf16<E4m3>(a, b, h, j0, j1, sc, m, l, acc, piece_avx512_e4m3);
 }
 #endif
+
+}  // namespace qkv_native
+
+#if QKV_DECODE_UNIT == 0
+namespace {
+
+using namespace qkv_native;
 
 // The piece for compute type T (float or double) and K/V storage `format` in the clone the
 // call asked for (0 the widest, 4 AVX-512 with AVX512_BF16, as the prefill's codes); NULL for a
@@ -1085,4 +1120,5 @@ int64_t qkv_decode_args_size(void) { return int64_t(sizeof(qkv_decode_args)); }
 int qkv_best_isa(void) { return best_isa(); }
 
 }  // extern "C"
+#endif  // QKV_DECODE_UNIT == 0
 
