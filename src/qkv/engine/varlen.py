@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import numerics
 from ..errors import InputError, InputTypeError
 from ..keywords import near_keywords
 from ..masks import Window
@@ -210,7 +211,7 @@ def attention_varlen(
     window = check_window(window)
 
     out_dt = np.result_type(qa, ka, va)
-    acc_dt = np.dtype(np.float32) if out_dt.itemsize < 4 else out_dt  # float16, bfloat16
+    acc_dt = numerics.acc_dtype(out_dt)  # float16, bfloat16: float32
     lq, lk = np.diff(cq), np.diff(ck)
     unit = heads * 2 * (qa.shape[2] + va.shape[2])  # flops per score
     live = (lq > 0) & (lk > 0)  # the others give zeros and -inf
