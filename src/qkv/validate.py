@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import difflib
 import inspect
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
+from . import numerics
 from .checks import check_int, check_real
 from .errors import InputError, InputTypeError
 from .masks import Window
@@ -137,7 +137,7 @@ def check_flag(x: Any, name: str) -> bool:
 def check_scale(scale: Any, d: int) -> float:
     """The scale to multiply scores by: ``1/sqrt(d)`` when ``scale`` is ``None``."""
     if scale is None:
-        return 1.0 / math.sqrt(d)
+        return numerics.default_scale(d)
     if isinstance(scale, str):
         raise InputTypeError(
             f"scale: expected a real number or None, got the text {scale[:40]!r}; the scale "
@@ -408,8 +408,7 @@ def make_plan(
     given = tuple((a.dtype, a.shape) for a in (qa, ka, va) if a is not None)
     out_dtype = np.result_type(*(a for a in (qa, ka, va) if a is not None))
     out_dtype = out_dtype if dtype is None else np.dtype(dtype)
-    # float16 and bfloat16 are computed in float32
-    acc_dtype = np.dtype(np.float32) if out_dtype.itemsize < 4 else out_dtype
+    acc_dtype = numerics.acc_dtype(out_dtype)  # float16 and bfloat16 are computed in float32
     batch, kv_batch, group = _heads(qa, ka, va)
     L, S, d = qa.shape[-2], ka.shape[-2], qa.shape[-1]
     qa = view_as(qa.astype(acc_dtype, copy=False), batch + (L, d))
@@ -480,7 +479,7 @@ def _plain_plan(q: Any, k: Any, v: Any, scale: Any, causal: bool) -> Plan | None
         if hq < 1 or hkv < 1 or hq % hkv:
             return None
         group = hq // hkv
-    fscale = 1.0 / math.sqrt(qs[-1]) if scale is None else check_scale(scale, qs[-1])
+    fscale = numerics.default_scale(qs[-1]) if scale is None else check_scale(scale, qs[-1])
     return Plan.trusted(
         q=q, k=k, v=v, scale=fscale, causal=causal, window=None, mask=None, bias=None,
         group=group, out_dtype=dt, acc_dtype=dt, squeeze=False,
@@ -504,7 +503,7 @@ def block_plan(
     (axis -3), a checked ``scale`` and ``window``, a boolean ``mask`` with as many dims as
     ``q``. Nothing is checked again.
     """
-    acc = np.dtype(np.float32) if np.dtype(out_dtype).itemsize < 4 else np.dtype(out_dtype)
+    acc = numerics.acc_dtype(out_dtype)
     L, S = q.shape[-2], k.shape[-2]
     group = q.shape[-3] // k.shape[-3] if q.ndim > 2 and k.shape[-3] else 1
     return Plan(

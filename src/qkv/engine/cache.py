@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import numerics
 from ..checks import check_int
 from ..errors import InputError, InputTypeError
 from ..keywords import near_keywords
@@ -374,7 +375,7 @@ class KVCache:
         value_dtype = np.dtype(np.float32) if self._form not in (None, "float16") else self.dtype
         out_dtype = np.result_type(qa.dtype, value_dtype)
         # stand-ins in the compute dtype (float16's is float32), so that none is widened
-        stand = np.float32 if out_dtype.itemsize < 4 else out_dtype
+        stand = numerics.acc_dtype(out_dtype)
         plan = make_plan(
             qa,
             stand_in(stand, (self.batch, self.kv_heads, longest, self.head_dim)),

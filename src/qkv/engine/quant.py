@@ -44,18 +44,14 @@ import numpy as np
 
 from ..errors import InputError, InputTypeError
 from ..keywords import near_keywords
+from ..numerics import STORED_FORMS
 from ..validate import as_array
 
 __all__ = ["FORMATS", "SCALED", "check_format", "dequantize_kv", "quantize_kv", "storage_dtype"]
 
-FORMATS = ("bfloat16", "float16", "int8", "float8_e4m3fn")
-SCALED = ("int8", "float8_e4m3fn")  # forms with a float32 scale per row
-_STORAGE: dict[str, np.dtype] = {
-    "bfloat16": np.dtype(np.uint16),
-    "float16": np.dtype(np.float16),
-    "int8": np.dtype(np.int8),
-    "float8_e4m3fn": np.dtype(np.uint8),
-}
+FORMATS = tuple(f.name for f in STORED_FORMS)
+SCALED = tuple(f.name for f in STORED_FORMS if f.scaled)  # forms with a float32 scale per row
+_STORAGE: dict[str, np.dtype] = {f.name: f.storage for f in STORED_FORMS}
 _E4M3_MAX = 448.0
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import numerics
 from ..checks import check_int
 from ..errors import InputError
 from ..validate import Plan, as_array
@@ -31,7 +32,7 @@ def softmax(x: Any, axis: int = -1) -> np.ndarray:
         raise InputError(f"x: expected at least 1 dimension, got shape {a.shape}")
     if not -a.ndim <= axis < a.ndim:
         raise InputError(f"axis: {axis} is out of range for x with shape {a.shape}")
-    acc = np.float32 if a.dtype == np.float16 else a.dtype
+    acc = numerics.acc_dtype(a.dtype)
     z = np.moveaxis(a.astype(acc, copy=True), axis, -1)
     w, _ = dense.softmax_rows(z)
     return np.moveaxis(w, -1, axis).astype(a.dtype, copy=False)

@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import numerics
 from ..errors import InputError, InputTypeError
 from ..keywords import near_keywords
 from ..masks import Window
@@ -205,7 +206,7 @@ def attention_varlen(
             f"cu_seqlens_q, cu_seqlens_k: batch sizes differ: shapes {cq.shape} and {ck.shape}"
         )
     out_dt = np.result_type(qa, ka, va)
-    acc_dt = np.dtype(np.float32) if out_dt.itemsize < 4 else out_dt  # float16, bfloat16
+    acc_dt = numerics.acc_dtype(out_dt)  # float16, bfloat16: float32
     walker = router.packed(qa, ka, va, acc_dt)
     bf16 = walker.stored  # bfloat16 is read in place by that kernel only
     if not bf16:

@@ -56,6 +56,7 @@ from typing import Any
 
 import numpy as np
 
+from ... import numerics
 from ...validate import Plan, view_as
 from ..quant import SCALED, storage_dtype
 from .decode import KeyRuns, plan_runs
@@ -211,7 +212,7 @@ def launch(
         *sizes, q[0], *q[1], k[0], *k[1], v[0], *v[1], lo, hi, out, lse, scale, n,
         isa or isa_cap(),
         team, softcap or 0.0, *(mask or (None, 0, 0)),
-        KV_FORMATS[kv_format] if kv_format else 0, ks, *kss, vs, *vss,
+        KV_FORMATS[kv_format] if kv_format else numerics.SAME_CODE, ks, *kss, vs, *vss,
     )  # fmt: skip
     return invoke("qkv_decode_f64" if f64 else "qkv_decode_f32", args, "decode", allowed=(3, 4))
 
@@ -357,7 +358,7 @@ class DecodePlan:
         at = None if runs is None else (runs.lo.ctypes.data, runs.hi.ctypes.data)
         return cls(
             (n, kvh, heads // kvh, L, d, dv, S), f64,
-            1.0 / math.sqrt(d) if scale is None else float(scale),
+            numerics.default_scale(d) if scale is None else float(scale),
             None if softcap is None else float(softcap), kv_format, runs, mask, threads, isa, at,
         )  # fmt: skip
 

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import InputError
+from ...numerics import STORED_FORMS
 
 __all__ = [
     "BUILD_NOTE",
@@ -61,8 +62,9 @@ BUILD_NOTE = "_native_build.txt"
 ISA_ENV = "QKV_NATIVE_ISA"  # "baseline", "avx2" or "avx512": the widest clone a call may run
 ISAS = {"baseline": 1, "avx2": 2, "avx512": 3}  # the vector clones, narrowest first
 # How the decode step finds K and V stored (qkv_decode_args.kv_format; qkv.engine.quant):
-# the compute dtype itself, or these forms, read in place and widened to float32 in registers
-KV_FORMATS = {"bfloat16": 1, "float16": 2, "int8": 3, "float8_e4m3fn": 4}
+# the compute dtype itself (numerics.SAME_CODE), or these forms, read in place and widened to
+# float32 in registers; the codes are numerics.STORED_FORMS', checked against abi.h on load
+KV_FORMATS = {f.name: f.code for f in STORED_FORMS}
 
 _i64, _ptr, _f64 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double
 
@@ -284,8 +286,8 @@ def build_note(folder: Path | None = None) -> str:
 @functools.cache
 def library() -> tuple[Any, str]:
     """``(library, "")`` with every function's argument types set, or ``(None, why not)``;
-    loaded once. A library whose structs differ in size from these (another version of qkv)
-    is refused whole."""
+    loaded once. A library whose structs differ in size from these, or whose K/V format codes
+    differ from :data:`KV_FORMATS` (another version of qkv), is refused whole."""
     path = library_path()
     if path is None:
         return None, f"not built ({build_note()})"
@@ -303,8 +305,12 @@ def library() -> tuple[Any, str]:
                 getattr(lib, name).restype = ctypes.c_int
         lib.qkv_best_isa.restype = ctypes.c_int
         lib.qkv_bf16_products.restype = ctypes.c_int
+        lib.qkv_kv_format_code.argtypes = [ctypes.c_char_p]
+        lib.qkv_kv_format_code.restype = _i64
     except AttributeError:
         return None, "the library is from another version of qkv (argument layout differs)"
+    if any(lib.qkv_kv_format_code(name.encode()) != code for name, code in KV_FORMATS.items()):
+        return None, "the library is from another version of qkv (K/V format codes differ)"
     return lib, ""
 
 

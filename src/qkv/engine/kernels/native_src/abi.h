@@ -147,6 +147,15 @@ struct qkv_decode_args {
     int64_t vs_bs, vs_hs, vs_rs;
 };
 
+// The codes of qkv_decode_args::kv_format, and the 16-bit forms the float32 prefill, varlen
+// walk and backward widen (their _bf16kv and _f16kv functions). Their source is the Python list
+// qkv.numerics.STORED_FORMS: the loader compares each of its codes with qkv_kv_format_code's
+// and refuses a library that disagrees.
+enum qkv_kv_format : int64_t { KV_SAME = 0, KV_BF16 = 1, KV_F16 = 2, KV_INT8 = 3, KV_E4M3 = 4 };
+// The code of the stored form named name ("bfloat16", "float16", "int8", "float8_e4m3fn"), or
+// -1 for any other name.
+int64_t qkv_kv_format_code(const char* name);
+
 // The sizes of the structs, so the loader can check it agrees on their layout.
 int64_t qkv_args_size(void);
 int64_t qkv_varlen_args_size(void);

@@ -216,12 +216,12 @@ int qkv_backward_f32(const qkv_backward_args* a) {
 // K/V strides and offsets in their 16-bit elements).
 int qkv_backward_f32_bf16kv(const qkv_backward_args* a) {
     if (!a || !a->gemm || a->L < 1 || a->S < 1 || a->d < 1 || a->dv < 1 || a->group < 1) return 2;
-    return run_backward<float, sgemm_t>(*a, 1);
+    return run_backward<float, sgemm_t>(*a, KV_BF16);
 }
 
 int qkv_backward_f32_f16kv(const qkv_backward_args* a) {
     if (!a || !a->gemm || a->L < 1 || a->S < 1 || a->d < 1 || a->dv < 1 || a->group < 1) return 2;
-    return run_backward<float, sgemm_t>(*a, 2);
+    return run_backward<float, sgemm_t>(*a, KV_F16);
 }
 
 int qkv_backward_f64(const qkv_backward_args* a) {

@@ -100,9 +100,6 @@ QKV_INLINE T decode_row_step(T* __restrict sr, int64_t n, T* __restrict m, T* __
     return alpha;
 }
 
-// How K and V are stored (qkv_decode_args::kv_format; see abi.h).
-enum : int64_t { KV_SAME = 0, KV_BF16 = 1, KV_F16 = 2, KV_INT8 = 3, KV_E4M3 = 4 };
-
 struct Bf16 {
     uint16_t bits;
 };
@@ -1115,6 +1112,15 @@ int qkv_decode_f64(const qkv_decode_args* a) {
 }
 
 int64_t qkv_decode_args_size(void) { return int64_t(sizeof(qkv_decode_args)); }
+
+int64_t qkv_kv_format_code(const char* name) {
+    if (!name) return -1;
+    if (!std::strcmp(name, "bfloat16")) return KV_BF16;
+    if (!std::strcmp(name, "float16")) return KV_F16;
+    if (!std::strcmp(name, "int8")) return KV_INT8;
+    if (!std::strcmp(name, "float8_e4m3fn")) return KV_E4M3;
+    return -1;
+}
 
 // The widest vector clone this CPU runs: 1 baseline, 2 AVX2, 3 AVX-512.
 int qkv_best_isa(void) { return best_isa(); }

@@ -460,12 +460,12 @@ int qkv_prefill_f32(const qkv_prefill_args* a) {
 // bfloat16 tile products do not run (no AVX512_BF16, a variant they do not take).
 int qkv_prefill_f32_bf16kv(const qkv_prefill_args* a) {
     if (!a || !a->gemm || a->L < 1 || a->S < 0 || a->d < 1 || a->dv < 0) return 2;
-    return run<float, sgemm_t>(*a, 1);
+    return run<float, sgemm_t>(*a, KV_BF16);
 }
 
 int qkv_prefill_f32_f16kv(const qkv_prefill_args* a) {
     if (!a || !a->gemm || a->L < 1 || a->S < 0 || a->d < 1 || a->dv < 0) return 2;
-    return run<float, sgemm_t>(*a, 2);
+    return run<float, sgemm_t>(*a, KV_F16);
 }
 
 int qkv_prefill_f64(const qkv_prefill_args* a) {
@@ -483,13 +483,13 @@ int qkv_varlen_f32(const qkv_varlen_args* a) {
 int qkv_varlen_f32_bf16kv(const qkv_varlen_args* a) {
     if (!a || !a->gemm || a->nseq < 0 || a->heads < 1 || a->group < 1 || a->d < 1 || a->dv < 1)
         return 2;
-    return run_varlen<float, sgemm_t>(*a, 1);
+    return run_varlen<float, sgemm_t>(*a, KV_BF16);
 }
 
 int qkv_varlen_f32_f16kv(const qkv_varlen_args* a) {
     if (!a || !a->gemm || a->nseq < 0 || a->heads < 1 || a->group < 1 || a->d < 1 || a->dv < 1)
         return 2;
-    return run_varlen<float, sgemm_t>(*a, 2);
+    return run_varlen<float, sgemm_t>(*a, KV_F16);
 }
 
 int qkv_varlen_f64(const qkv_varlen_args* a) {
