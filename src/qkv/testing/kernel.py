@@ -170,7 +170,10 @@ class Kernel:
     def from_arrays(self, out: Any) -> np.ndarray:
         """The function's output as float64 NumPy in ``bhld``."""
         if self.arrays == "torch" or hasattr(out, "detach"):
-            out = out.detach().float().cpu().numpy()
+            out = out.detach().cpu()
+            # float64 holds every float dtype exactly (NumPy has no bfloat16; float32 would
+            # round a float64 output)
+            out = (out.double() if out.is_floating_point() else out).numpy()
         a = np.asarray(out, dtype=np.float64)
         if self.layout == "blhd" and a.ndim == 4:
             a = np.swapaxes(a, 1, 2)
