@@ -160,7 +160,7 @@ def test_a_wrong_gradient_is_caught():
         return F.scaled_dot_product_attention(q, k, v.detach())
 
     report = check_attention(
-        no_dv, arrays="torch", examples=4, features=["plain", "grad"], supports={"grad"}
+        no_dv, arrays="torch", examples=4, features=["plain", "grad"], supports={"plain", "grad"}
     )
     assert report.result("plain").status == "pass"
     assert report.result("grad").status == "fail"

@@ -27,11 +27,14 @@ EPILOG = """examples:
 
 TARGET is module:function (the module importable from here, as python -m sees it); the function
 is called as qkv.attention is, fn(q, k, v, causal=..., mask=..., scale=...), with only the
-keywords of the features it supports (read from its signature unless --supports is given).
-A qkv.testing.Kernel brings its own conventions. Exit status: 0 all pass, 1 a failure.
+keywords of the features it supports. Unless --supports lists them (then exactly those are
+checked), they are read from its signature: the keywords it names; grouped heads and empty
+inputs, reported as not supported if it raises on them; with **kwargs, each other keyword,
+supported when it changes the output. A qkv.testing.Kernel brings its own conventions.
+Exit status: 0 all pass, 1 a failure.
 
 features: plain, scale, causal, mask, float_mask, window, gqa, dv, empty, single, long,
-extreme, masked_rows, decode, softcap, sinks, alibi, varlen, grad."""
+extreme, masked_rows, decode, softcap, sinks, alibi, lse, varlen, grad."""
 
 _CHOICES = {
     "layout": ("bhld", "blhd"),
@@ -100,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
     supports = _list(args.supports)
     if supports is not None:
         given["supports"] = supports
+        given["probe"] = ()  # declared: exactly these, none tried first
     if isinstance(fn, testing.Kernel):
         kernel = dataclasses.replace(fn, **given) if given else fn
     elif callable(fn):

@@ -2,12 +2,13 @@
 
 :func:`check_attention` runs a kernel on every feature it supports (plain attention, causal in
 its declared alignment, boolean and float masks, windows, grouped heads, ``dv != d``, empty and
-single rows, long rows, extreme magnitudes, rows with no key, soft-capping, sinks, ALiBi,
-gradients) against the float64 reference :mod:`qkv.reference`, under the tolerance rule of
-:mod:`qkv.testing.tolerance` (relative to the error a same-precision reference makes, plus a
-floor). Its :class:`Report` is truthy when everything supported passes; ``str(report)`` is the
-report card, with the smallest failing input hypothesis found for each failure, the expected
-and obtained numbers, and the slip they point to (:mod:`qkv.testing.diagnose`).
+single rows, long rows, extreme magnitudes, rows with no key, soft-capping, sinks, ALiBi, the
+log-sum-exp, gradients) against the float64 reference :mod:`qkv.reference`, under the
+tolerance rule of :mod:`qkv.testing.tolerance` (relative to the error a same-precision
+reference makes, plus a floor). Its :class:`Report` is truthy when everything supported
+passes; ``str(report)`` is the report card, with the smallest failing input hypothesis found
+for each failure, the expected and obtained numbers, and the slip they point to
+(:mod:`qkv.testing.diagnose`).
 
 The kit needs hypothesis, which the ``testing`` extra brings (``python -m pip install
 ".[testing]"`` in qkv's source folder); ``import qkv`` never imports it.

@@ -53,7 +53,18 @@ __all__ = [
 
 #: What every foreign kernel here supports; each adds its own features to these.
 _FOREIGN = frozenset(
-    ("scale", "mask", "float_mask", "gqa", "dv", "single", "extreme", "masked_rows", "decode")
+    (
+        "plain",
+        "scale",
+        "mask",
+        "float_mask",
+        "gqa",
+        "dv",
+        "single",
+        "extreme",
+        "masked_rows",
+        "decode",
+    )
 )
 
 

@@ -2,17 +2,16 @@
 
 For each feature and dtype, hypothesis draws cases (:mod:`qkv.testing.features`) until one
 fails or ``examples`` have passed; a failure is shrunk to the smallest failing case hypothesis
-finds, and the slip behind it named (:mod:`qkv.testing.diagnose`). The verdict on one case:
-the output's shape must be the reference's; rows that may attend no key must hold the declared
-value (0 by default); every other entry must be within the tolerance of
-:mod:`qkv.testing.tolerance`.
+finds, and the slip behind it named (:mod:`qkv.testing.diagnose`). The verdict on one case is
+:mod:`qkv.testing.judge`'s. The features checked are those the kernel supports; the ones it
+was only probed for (:mod:`qkv.testing.probe`) are first tried, and reported as not supported
+when it refuses or ignores them.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -21,12 +20,14 @@ from hypothesis.errors import Unsatisfiable
 from ..checks import check_int
 from ..errors import InputError
 from ..extras import require
-from .diagnose import diagnose
-from .features import Case, case_strategy
+from .diagnose import diagnose, diagnose_lse
+from .features import Case, case_strategy, unaskable
+from .judge import Verdict, expected_lse, judge, judge_lse, with_dtype
 from .kernel import FEATURES, Kernel
+from .probe import refusal
 from .report import Failure, FeatureResult, Report
 from .search import Search
-from .tolerance import DTYPES, allowed
+from .tolerance import DTYPES
 
 __all__ = ["assert_attention", "check_attention"]
 
@@ -34,79 +35,60 @@ __all__ = ["assert_attention", "check_attention"]
 _FEWER = {"long": 4, "empty": 8, "grad": 8, "varlen": 10}
 
 
-@dataclass
-class _Verdict:
-    """One case's verdict: ``ok``, the largest error and what was allowed, or what went wrong."""
-
-    ok: bool
-    error: float
-    tol: float
-    obtained: Any = None
-    message: str = ""
-
-
-def judge(kernel: Kernel, case: Case, dtype: str) -> _Verdict:
-    """Run ``kernel`` on ``case`` in ``dtype`` and judge the output."""
-    expected = case.expected()
-    tol = allowed(case.q, case.k, case.v, case.ref_options, dtype, expected)
-    try:
-        with np.errstate(all="ignore"):
-            got = kernel.call(case.q, case.k, case.v, case.options, dtype)
-    except Exception as exc:  # any error of the kernel is a failure to report
-        return _Verdict(False, np.inf, tol, None, f"raised {type(exc).__name__}: {exc}")
-    if got.shape != expected.shape:
-        return _Verdict(
-            False, np.inf, tol, got, f"output shape {got.shape}, expected {expected.shape}"
-        )
-    rows = case.no_key_rows()
-    if rows.any() and kernel.masked_rows != "any":
-        want = np.isnan(got[rows]) if kernel.masked_rows == "nan" else got[rows] == 0
-        if not np.all(want):
-            return _Verdict(False, np.inf, tol, got)
-    seen = got[~rows] if rows.any() else got
-    with np.errstate(invalid="ignore"):
-        diff = np.abs(seen - (expected[~rows] if rows.any() else expected))
-    if diff.size and not np.all(np.isfinite(diff)):
-        return _Verdict(False, np.inf, tol, got)
-    err = float(diff.max()) if diff.size else 0.0
-    return _Verdict(err <= tol, err, tol, got)
-
-
 def _inputs(case: Case) -> dict[str, Any]:
     out: dict[str, Any] = {"q": case.q, "k": case.k, "v": case.v}
     out.update(case.options)
+    if case.feature == "lse":
+        out["return_lse"] = True
     return out
 
 
+def _smallest_failure(search: Search, strategy: Any, judged: Any) -> Case | None:
+    try:
+        found: Case | None = search.smallest_failure(strategy, judged)
+    except Unsatisfiable:
+        return None
+    return found
+
+
 def _check_feature(
-    kernel: Kernel, feature: str, dtype: str, examples: int, seed: int
+    kernel: Kernel, feature: str, dtype: str, examples: int, seed: int, supports: frozenset[str]
 ) -> FeatureResult:
     strategy = case_strategy(
-        feature,
-        alignment=kernel.causal_alignment,
-        supports=frozenset(kernel.supports or ()),
-        dtype=dtype,
+        feature, alignment=kernel.causal_alignment, supports=supports, dtype=dtype
     )
     n = min(examples, _FEWER.get(feature, examples))
-    search = Search(n, f"{seed}:{feature}:{dtype}")
+    lse = feature == "lse"
+    judge_case = judge_lse if lse else judge
+    dtype_slipped = False  # numbers right in another dtype than the inputs'
 
     def judged(case: Case) -> tuple[bool, float, float]:
-        v = judge(kernel, case, dtype)
+        nonlocal dtype_slipped
+        v = judge_case(kernel, case, dtype)
+        dtype_slipped = dtype_slipped or (v.ok and not with_dtype(v, dtype).ok)
         return v.ok, v.error, v.tol
 
-    try:
-        case = search.smallest_failure(strategy, judged)
-    except Unsatisfiable:
-        case = None
+    search = Search(n, f"{seed}:{feature}:{dtype}")
+    case = _smallest_failure(search, strategy, judged)
+    if case is None and dtype_slipped:
+        # the numbers pass: the dtype is the slip, shown on its own smallest case (searched
+        # second, so that a wrong number is never hidden behind it)
+        def judge_case(kernel: Kernel, case: Case, dtype: str) -> Verdict:
+            return with_dtype(judge(kernel, case, dtype), dtype)
+
+        search = Search(n, f"{seed}:{feature}:{dtype}:dtype")
+        case = _smallest_failure(search, strategy, judged)
     if case is None:
         if not search.count:
             return FeatureResult(feature, dtype, "skipped", note="no case could be drawn")
         return FeatureResult(
             feature, dtype, "pass", min(search.count, n), search.worst, search.allowed
         )
-    v = judge(kernel, case, dtype)
-    expected = case.expected()
-    slip = diagnose(case, v.obtained, v.tol) if v.obtained is not None else None
+    v = judge_case(kernel, case, dtype)
+    expected = expected_lse(case) if lse else case.expected()
+    slip = v.slip
+    if slip is None and v.obtained is not None and not v.message:
+        slip = (diagnose_lse if lse else diagnose)(case, v.obtained, v.tol)
     failure = Failure(
         shape=case.shape.describe(),
         inputs=_inputs(case),
@@ -144,14 +126,19 @@ def check_attention(
         Called as :func:`qkv.attention` is: ``fn(q, k, v, **keywords)`` with ``(batch, heads,
         L, d)`` arrays (see ``layout``) and only the keywords of the feature being checked
         (``causal``, ``mask`` — boolean, True = may attend, or float — ``scale``, ``window``,
-        ``softcap``, ``sinks``, ``alibi_slopes``). A :class:`~qkv.testing.Kernel` (such as the
+        ``softcap``, ``sinks``, ``alibi_slopes``, ``return_lse`` for the ``lse`` feature, whose
+        answer is ``(out, lse)`` with ``lse`` of shape ``(batch, heads, L)``). A
+        :class:`~qkv.testing.Kernel` (such as the
         adapters in :mod:`qkv.testing.adapters`) brings its own conventions, and the keywords
         below are then ignored.
     layout : {"bhld", "blhd"}
         The axes of ``q``, ``k``, ``v`` and the output.
     supports : iterable of str, optional
-        The features the kernel supports (keys of :data:`~qkv.testing.FEATURES`); the others
-        are reported as not supported. Default: read from the signature.
+        The features the kernel supports (keys of :data:`~qkv.testing.FEATURES`): exactly
+        these are checked, the others reported as not supported. Default: read from the
+        signature, the kernel then asked only the keywords it names, and probed
+        (:mod:`qkv.testing.probe`) for grouped heads, empty inputs and, with ``**kwargs``,
+        the keyword features it does not name.
     dtypes : iterable of str
         Input dtypes to check, among ``float64``, ``float32``, ``float16``, ``bfloat16``
         (NumPy bfloat16 needs ml_dtypes). Each is judged by the tolerance rule of
@@ -231,13 +218,22 @@ def check_attention(
     sup = set(kernel.supports or ())
     for dtype in dtypes:
         usable = _dtype_usable(kernel, dtype)
+        refused = {} if usable else _refusals(kernel, dtype)
+        taken = frozenset(sup - set(refused))
         for feature in wanted:
+            why = unaskable(feature, taken, kernel.causal_alignment)
             if feature not in sup:
                 report.results.append(
                     FeatureResult(feature, dtype, "unsupported", note="not supported")
                 )
             elif usable:
                 report.results.append(FeatureResult(feature, dtype, "skipped", note=usable))
+            elif feature in refused:
+                report.results.append(
+                    FeatureResult(feature, dtype, "unsupported", note=refused[feature])
+                )
+            elif why:
+                report.results.append(FeatureResult(feature, dtype, "skipped", note=why))
             elif feature == "grad":
                 report.results.append(_check_grad(kernel, dtype, examples, seed))
             elif feature == "varlen":
@@ -246,8 +242,19 @@ def check_attention(
                 n = min(examples, _FEWER["varlen"])
                 report.results.append(check_varlen(kernel, dtype, n, seed))
             else:
-                report.results.append(_check_feature(kernel, feature, dtype, examples, seed))
+                result = _check_feature(kernel, feature, dtype, examples, seed, taken)
+                report.results.append(result)
     return report
+
+
+def _refusals(kernel: Kernel, dtype: str) -> dict[str, str]:
+    """The probed features ``kernel`` refuses in ``dtype``, each with the card's note."""
+    out = {}
+    for feature in sorted(kernel.probe or ()):
+        why = refusal(kernel, feature, dtype)
+        if why:
+            out[feature] = why
+    return out
 
 
 def _dtype_usable(kernel: Kernel, dtype: str) -> str:

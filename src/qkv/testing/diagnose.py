@@ -11,6 +11,12 @@ over the queries instead of the keys; grouped heads paired in the wrong order (q
 reading kv head ``h % Hkv``, a tiling, instead of ``h // group``, a repeat); NaN instead of 0
 for a row with no key, or a finite fill (the values' mean) there; a keyword ignored.
 
+Three more are named from what the kernel gave rather than from its numbers: an error raised
+on a feature (:func:`diagnose_error` names the feature and what was asked), an output in
+another dtype than the inputs' (:func:`wrong_dtype`), and, for a log-sum-exp
+(``return_lse=True``, :func:`diagnose_lse`), one off by a constant, without the row's max
+added back, in base 2, over the unscaled scores, or kept in a 16-bit float.
+
 Examples
 --------
 >>> import numpy as np
@@ -35,8 +41,9 @@ from .. import reference
 from ..explanation.practice import SLIPS
 from ..validate import make_plan
 from .features import Case, top_left
+from .kernel import FEATURES
 
-__all__ = ["EXPLAIN", "diagnose"]
+__all__ = ["EXPLAIN", "diagnose", "diagnose_error", "diagnose_lse", "wrong_dtype"]
 
 _FORGOT, _TIMES_SQRT_D = SLIPS[0], SLIPS[1]
 _WRONG_AXIS = SLIPS[4]
@@ -69,7 +76,66 @@ EXPLAIN: dict[str, str] = {
     "softcap ignored": "softcap had no effect",
     "sinks ignored": "the sinks had no effect",
     "alibi ignored": "the ALiBi slopes had no effect",
+    "log-sum-exp off by a constant": "every row's log-sum-exp is off by the same amount; it is "
+    "log Σ exp of the scaled, biased, masked scores (natural log), nothing added",
+    "log-sum-exp without the max": "the row's max, subtracted before exp, is not added back: "
+    "lse = m + log Σ exp(s - m)",
+    "log-sum-exp in base 2": "the log-sum-exp is in base 2 (as kernels working with exp2 keep "
+    "it); the convention is the natural log: multiply by ln 2",
+    "log-sum-exp of unscaled scores": "the log-sum-exp is taken over q·kᵀ before the scale; it "
+    "is over the scaled scores the softmax sees",
+    "log-sum-exp in low precision": "the log-sum-exp is kept in a 16-bit float; keep it in "
+    "float32 or wider (it is what a later merge or backward pass adds to)",
 }
+
+#: What a feature's case asks that a simple kernel may not do, and how to do it, for a kernel
+#: that raised on it.
+_RAISED = {
+    "gqa": (
+        "raised on grouped heads",
+        "repeat each kv head over its group of query heads (np.repeat(k, Hq // Hkv, axis=-3)), "
+        "or declare the features it supports (supports=) without gqa",
+    ),
+    "empty": (
+        "raised on an empty input",
+        "a softmax over no keys has no max: give the empty output for L = 0 and zeros for "
+        "S = 0 before reducing, or declare the features it supports (supports=) without empty",
+    ),
+}
+
+
+def _asked(case: Case) -> str:
+    """What ``case`` asks of the kernel, in words."""
+    s = case.shape
+    if case.feature == "gqa":
+        what = (
+            f"{s.Hq} query heads over {s.Hkv} kv heads (query head h reads kv head "
+            f"h // {s.Hq // max(s.Hkv, 1)})"
+        )
+    elif case.feature == "empty":
+        what = "L = 0 (no queries)" if s.L == 0 else "S = 0 (no keys: every row gives 0)"
+    else:
+        what = f"{FEATURES[case.feature]} ({s.describe()})"
+    keys = [f"{k}=" for k in case.options]
+    return what + (f", with {', '.join(keys)}" if keys else "")
+
+
+def diagnose_error(case: Case, exc: BaseException) -> tuple[str, str]:
+    """The slip behind an error the kernel raised on ``case``: the feature and what was asked."""
+    how = "leave it out of the features it declares (supports=) if it does not support it"
+    name, how = _RAISED.get(case.feature, (f"raised on {case.feature}", how))
+    text = f"asked for {_asked(case)}, it raised {type(exc).__name__}"
+    return name, text if case.feature == "plain" else f"{text}; {how}"
+
+
+def wrong_dtype(dtype: str, got: str) -> tuple[str, str]:
+    """The slip of an output in ``got`` for ``dtype`` inputs."""
+    work = "float64" if dtype == "float64" else "float32"
+    return "wrong output dtype", (
+        f"{dtype} inputs gave a {got} output; the output keeps the inputs' dtype (compute in "
+        f"{work} or wider, then cast the output back to {dtype}; a NumPy float64 scalar such "
+        f"as np.sqrt(d) turns float32 arrays into float64)"
+    )
 
 
 def _ref(case: Case, **change: Any) -> np.ndarray:
@@ -167,4 +233,45 @@ def diagnose(case: Case, obtained: np.ndarray, tol: float) -> tuple[str, str] | 
             continue
         if not _close(slip, expected, tol) and _close(obtained, slip, tol, lenient=True):
             return name, EXPLAIN[name]
+    return None
+
+
+def _lse(case: Case, **change: Any) -> np.ndarray:
+    opts = {k: v for k, v in {**case.ref_options, **change}.items() if v is not None}
+    return np.asarray(reference.attention(case.q, case.k, case.v, return_lse=True, **opts)[1])
+
+
+def _row_max(case: Case) -> np.ndarray:
+    plan = make_plan(case.q, case.k, case.v, dtype=np.float64, **case.ref_options)
+    m = np.max(reference._logits(plan), axis=-1, initial=-np.inf)
+    if plan.sinks is not None:
+        m = np.maximum(m, plan.sinks[..., None])
+    return np.broadcast_to(m, (case.shape.B, case.shape.Hq, case.shape.L))
+
+
+def diagnose_lse(case: Case, obtained: np.ndarray, tol: float) -> tuple[str, str] | None:
+    """The slip whose log-sum-exp ``obtained`` matches (name and explanation), or ``None``."""
+    expected = _lse(case)
+    if obtained.shape != expected.shape:
+        return None
+    candidates: list[tuple[str, Callable[[], np.ndarray]]] = [
+        ("log-sum-exp without the max", lambda: expected - _row_max(case)),
+        ("log-sum-exp in base 2", lambda: expected / np.log(2.0)),
+        ("log-sum-exp of unscaled scores", lambda: _lse(case, scale=1.0)),
+    ]
+    for name, make in candidates:
+        try:
+            slip = make()
+        except Exception:  # a slip that cannot be computed on this case is not it
+            continue
+        if not _close(slip, expected, tol) and _close(obtained, slip, tol):
+            return name, EXPLAIN[name]
+    # last, as one row is always "off by a constant"
+    finite = np.isfinite(expected)
+    with np.errstate(invalid="ignore"):
+        shift = (obtained - expected)[finite]
+    d = float(np.median(shift)) if shift.size else 0.0
+    if abs(d) > tol and np.all(np.abs(shift - d) <= tol):
+        name = "log-sum-exp off by a constant"
+        return name, f"{EXPLAIN[name]} (here {d:+.3g})"
     return None

@@ -3,7 +3,9 @@
 A :class:`Case` holds float64 inputs in the ``(batch, heads, L, d)`` layout, the keywords the
 kernel is called with, and the keywords the float64 reference gets for the same meaning (they
 differ for a kernel whose ``causal`` is top-left aligned: the reference then gets the top-left
-triangle as a mask).
+triangle as a mask). A case passes a keyword only when the kernel supports its feature:
+rows with no key come from a mask, bottom-right causal or a window, whichever it takes
+(:func:`unaskable` says why none can be drawn).
 """
 
 from __future__ import annotations
@@ -12,12 +14,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from hypothesis import reject
 from hypothesis import strategies as st
 
 from .. import reference
 from . import strategies as qs
 
-__all__ = ["Case", "case_strategy", "top_left"]
+__all__ = ["Case", "case_strategy", "top_left", "unaskable"]
 
 
 @dataclass
@@ -48,6 +51,20 @@ class Case:
 def top_left(L: int, S: int) -> np.ndarray:
     """The top-left causal mask: query ``i`` sees keys ``j <= i`` (PyTorch's ``is_causal``)."""
     return np.tril(np.ones((L, S), dtype=bool))
+
+
+def unaskable(feature: str, supports: frozenset[str] | set[str], alignment: str) -> str:
+    """Why no case of ``feature`` can be drawn for a kernel supporting ``supports`` ('' when
+    one can)."""
+    if feature == "masked_rows" and not {"mask", "window"} & set(supports):
+        if "causal" not in supports:
+            return "a row with no key needs a mask, a window or causal, none of which it takes"
+        if alignment == "top-left":
+            return (
+                "top-left causal leaves every query its first key, and it takes no mask or "
+                "window to empty a row"
+            )
+    return ""
 
 
 def _and_mask(opts: dict[str, Any], m: np.ndarray) -> dict[str, Any]:
@@ -138,12 +155,30 @@ def case_strategy(
             m[..., rows, :] = False  # at least one row sees nothing
             opts["mask"] = m
         elif "causal" in supports and alignment == "bottom-right":
+            # S >= 2: with one key, top-left and bottom-right give the same rows that see it
+            # and the top-left row that should see none equals the values' mean, so the two
+            # slips could not be told apart
+            s = s._replace(S=max(s.S, 2))
             s = s._replace(L=s.S + draw(st.integers(1, 3)))
             opts["causal"] = True
-        else:
+        elif "window" in supports:
             s = s._replace(L=max(s.L, 2))
             opts["window"] = (0, 0)
             s = s._replace(S=max(1, s.L - 1 - draw(st.integers(0, 2))) if s.L > 1 else 1)
+        else:  # the check reports why (unaskable) and draws none
+            reject()
+    elif feature == "lse":
+        # one of the keywords the kernel takes, or none; every row sees a key (a row with
+        # none is masked_rows' business)
+        which = draw(st.sampled_from(["none"] + [w for w in ("causal", "mask") if w in supports]))
+        if which == "causal":
+            opts["causal"] = True
+            if alignment == "bottom-right":
+                s = s._replace(L=min(s.L, s.S))
+        elif which == "mask":
+            opts["mask"] = draw(qs.bool_masks(s.B, s.Hq, s.L, s.S))
+        if "scale" in supports and draw(st.booleans()):
+            opts["scale"] = draw(st.sampled_from([0.125, 0.5, 2.0]))
     elif feature in ("softcap", "sinks", "alibi"):
         opts.update(draw(qs.variants(s.Hq, which=(feature,))))
         if feature == "softcap":

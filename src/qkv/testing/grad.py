@@ -39,9 +39,8 @@ def _run(
             n: kernel.mask_arrays(x, dtype) if n == "mask" else x for n, x in case.options.items()
         }
         out = kernel.fn(*args, **kw)
-        (
-            out.float() * kernel.to_arrays(g, "float32" if dtype != "float64" else dtype)
-        ).sum().backward()
+        weight = kernel.to_arrays(g, "float32" if dtype != "float64" else dtype)
+        (out.to(weight.dtype) * weight).sum().backward()  # float64 stays float64
         # an input the output does not depend on (through autograd) has gradient 0
         got = [
             np.zeros_like(w) if a.grad is None else kernel.from_arrays(a.grad)
