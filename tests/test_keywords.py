@@ -145,6 +145,43 @@ def test_a_head_dimension_names_the_keyword_where_there_is_one(call, meant):
         call()
 
 
+@pytest.mark.parametrize(
+    "given, meant",
+    [
+        ("bf16", "bfloat16"),
+        ("BF16", "bfloat16"),
+        ("fp8", "float8_e4m3fn"),
+        ("e4m3", "float8_e4m3fn"),
+        ("fp8_e4m3", "float8_e4m3fn"),
+        ("float8", "float8_e4m3fn"),
+        ("fp16", "float16"),
+        ("f16", "float16"),  # NumPy reads it as float128
+        ("fp32", "float32"),
+        ("bfloat", "bfloat16"),
+    ],
+)
+def test_a_cache_dtype_in_another_librarys_spelling_is_named(given, meant):
+    with pytest.raises(qkv.InputTypeError, match=f"^dtype: .*; did you mean {meant!r}\\?$"):
+        qkv.KVCache(1, 1, 4, dtype=given)
+    cache = qkv.KVCache(1, 1, 4, dtype=meant)  # the name suggested is one the cache takes
+    cache.append(np.ones((1, 1, 2, 4)), np.ones((1, 1, 2, 4)))
+    np.testing.assert_array_equal(cache.keys(0), np.ones((1, 2, 4)))
+
+
+@pytest.mark.parametrize("given", ["int4", "float8_e5m2", "float128", np.int32])
+def test_no_dtype_is_suggested_for_what_qkv_does_not_store(given):
+    with pytest.raises(qkv.InputTypeError) as err:
+        qkv.KVCache(1, 1, 4, dtype=given)
+    assert "did you mean" not in str(err.value)
+
+
+def test_quantize_kv_names_the_form_meant():
+    with pytest.raises(qkv.InputTypeError, match=r"got 'bf16'; did you mean 'bfloat16'\?$"):
+        qkv.quantize_kv(np.ones((1, 4)), "bf16")
+    with pytest.raises(qkv.InputTypeError, match=r"got 'e4m3'; did you mean 'float8_e4m3fn'\?"):
+        qkv.quantize_kv(np.ones((1, 4)), "e4m3")
+
+
 def test_nearest_finds_nothing_for_nonsense():
     assert nearest("frobnicate", ("q", "k", "causal")) is None
 

@@ -38,6 +38,8 @@ Examples
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -46,7 +48,16 @@ from ..errors import InputError, InputTypeError
 from ..keywords import near_keywords
 from ..validate import as_array
 
-__all__ = ["FORMATS", "SCALED", "check_format", "dequantize_kv", "quantize_kv", "storage_dtype"]
+__all__ = [
+    "FORMATS",
+    "SCALED",
+    "SPELLINGS",
+    "check_format",
+    "dequantize_kv",
+    "meant",
+    "quantize_kv",
+    "storage_dtype",
+]
 
 FORMATS = ("bfloat16", "float16", "int8", "float8_e4m3fn")
 SCALED = ("int8", "float8_e4m3fn")  # forms with a float32 scale per row
@@ -57,6 +68,52 @@ _STORAGE: dict[str, np.dtype] = {
     "float8_e4m3fn": np.dtype(np.uint8),
 }
 _E4M3_MAX = 448.0
+
+#: Other names for the stored forms and float dtypes (PyTorch's, JAX's, the papers'), each
+#: with the name qkv takes: the hint of a refused ``dtype``.
+SPELLINGS = {
+    "bf16": "bfloat16",
+    "brain_float16": "bfloat16",
+    "fp16": "float16",
+    "f16": "float16",
+    "half": "float16",
+    "fp8": "float8_e4m3fn",
+    "f8": "float8_e4m3fn",
+    "float8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+    "fp8_e4m3fn": "float8_e4m3fn",
+    "float8_e4m3": "float8_e4m3fn",
+    "e4m3": "float8_e4m3fn",
+    "e4m3fn": "float8_e4m3fn",
+    "i8": "int8",
+    "q8": "int8",
+    "q8_0": "int8",
+    "qint8": "int8",
+    "fp32": "float32",
+    "f32": "float32",
+    "single": "float32",
+    "fp64": "float64",
+    "f64": "float64",
+    "double": "float64",
+}
+
+
+def meant(dtype: Any, names: Sequence[str] = FORMATS) -> str | None:
+    """The name in ``names`` that a refused ``dtype`` most likely means, or ``None``.
+
+    Another library's spelling (:data:`SPELLINGS`: ``"bf16"``, ``"fp8"``, ``torch.float16``)
+    or a close one (``"bfloat"``).
+
+    >>> meant("bf16"), meant("fp8"), meant("E4M3"), meant("fp32"), meant("fp32", ("float32",))
+    ('bfloat16', 'float8_e4m3fn', 'float8_e4m3fn', None, 'float32')
+    """
+    text = dtype if isinstance(dtype, str) else getattr(dtype, "__name__", None) or str(dtype)
+    key = text.strip().lower().rsplit(".", 1)[-1].replace("-", "_")
+    name = SPELLINGS.get(key, key)
+    if name in names:
+        return name
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.85)
+    return close[0] if close else None
 
 
 def check_format(dtype: Any, name: str = "dtype") -> str:
@@ -69,7 +126,9 @@ def check_format(dtype: Any, name: str = "dtype") -> str:
         except TypeError:
             text = repr(dtype)
     if text not in FORMATS:
-        raise InputTypeError(f"{name}: expected one of {FORMATS}, got {dtype!r}")
+        near = meant(dtype)
+        hint = f"; did you mean {near!r}?" if near else ""
+        raise InputTypeError(f"{name}: expected one of {FORMATS}, got {dtype!r}{hint}")
     return text
 
 
