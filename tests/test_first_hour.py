@@ -1,7 +1,10 @@
-"""Issue 21, items 11 and 12: what a newcomer reads and sees in the first hour.
+"""Issue 21, items 11 and 12, and issue 44: what a newcomer reads and sees in the first hour.
 
 Install commands that work for a source install, the ring demo's help and its report without a
-backward pass, "wrote FILE" after every --output, and tables on an ASCII terminal.
+backward pass, "wrote FILE" after every --output, and tables on an ASCII terminal; the README's
+account of skipped tests and of ``qkv conform``'s extra, one message for ragged rows in the
+library and the command line, an exercise's tasks and its practice steps agreeing, and the
+``kv_cache`` example on transformers' current API.
 """
 
 from __future__ import annotations
@@ -136,3 +139,40 @@ def test_docs_state_the_explain_model_token_limit():
     for path in (ROOT / "docs" / "explain.md", ROOT / "docs" / "tutorial.md"):  # README links there
         text = " ".join(path.read_text(encoding="utf-8").split())
         assert "at most 64 tokens" in text, path.name
+
+
+# ----- issue 44 -----
+
+
+RAGGED = "rows have different lengths (2, 1); a matrix must be rectangular"
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: qkv.explain([2, 1], [[1, 0], [3]]),
+        lambda: qkv.explain([2, 1], [[1, 0], [3]], [[1, 2], [3, 4]], d=4),
+        lambda: qkv.attention([[2, 1]], [[1, 0], [3]], [[1, 2], [3, 4]]),
+    ],
+)
+def test_ragged_rows_get_the_command_lines_message_in_the_library(call):
+    with pytest.raises(qkv.InputError) as err:
+        call()
+    assert str(err.value) == f"k: {RAGGED}"
+    assert "inhomogeneous" not in str(err.value)
+
+
+@pytest.mark.parametrize("k", ["1,0;3", "[[1,0],[3]]"])
+def test_the_command_line_says_the_same_for_inline_and_json_rows(k, capsys):
+    assert main(["explain", "--q", "2,1", "--k", k]) == 2
+    assert capsys.readouterr().err.endswith(f"--k: {RAGGED}\n")
+
+
+def test_a_ragged_mask_and_deeper_lists_are_named_too():
+    one = [[1.0, 0.0]]
+    with pytest.raises(qkv.InputError, match=r"^mask: rows have different lengths \(2, 1\)"):
+        qkv.attention(one, one, one, mask=[[True, False], [True]])
+    with pytest.raises(qkv.InputError, match=r"^q: the lists at depth 1 have different lengths"):
+        qkv.attention([[[1, 0]], [[1, 0], [0, 1]]], one, one)
+    with pytest.raises(qkv.InputError, match=r"^q: mixes rows and numbers at depth 1"):
+        qkv.attention([[1, 0], 2], one, one)
