@@ -21,6 +21,8 @@ import pytest
 import qkv
 from qkv.cli import main
 from qkv.distributed import demo
+from qkv.explanation.exercise import make_exercise
+from qkv.explanation.practice import Practice
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED = ["--q", "2,1", "--k", "1,0;3,2", "--v", "1,2;3,4", "--d", "4"]
@@ -176,3 +178,30 @@ def test_a_ragged_mask_and_deeper_lists_are_named_too():
         qkv.attention([[[1, 0]], [[1, 0], [0, 1]]], one, one)
     with pytest.raises(qkv.InputError, match=r"^q: mixes rows and numbers at depth 1"):
         qkv.attention([[1, 0], 2], one, one)
+
+
+def _numbered(tasks: list[str]) -> list[int]:
+    return [int(m.group(1)) for t in tasks if (m := re.match(r"(\d+)\. ", t))]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("queries", [1, 2])
+def test_an_exercise_lists_the_steps_its_practice_asks_for(causal, queries, capsys):
+    """``qkv exercise`` listed 4 tasks while ``--practice`` asked "Step 1 of 5"."""
+    ex = make_exercise(7, queries=queries, causal=causal)
+    steps = Practice(ex).steps
+    assert _numbered(ex.tasks()) == list(range(1, len(steps) + 1))
+    argv = ["exercise", "--seed", "7", "--queries", str(queries)] + ["--causal"] * causal
+    assert main(argv) == 0
+    listed = capsys.readouterr().out
+    assert _numbered(listed.splitlines()) == list(range(1, len(steps) + 1))
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    run = subprocess.run(
+        [sys.executable, "-m", "qkv", *argv, "--practice"],
+        input="",
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert f"Step 1 of {len(steps)}:" in run.stdout, run.stdout + run.stderr
