@@ -9,11 +9,13 @@ library and the command line, an exercise's tasks and its practice steps agreein
 
 from __future__ import annotations
 
+import doctest
 import json
 import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -205,3 +207,14 @@ def test_an_exercise_lists_the_steps_its_practice_asks_for(causal, queries, caps
         timeout=120,
     )
     assert f"Step 1 of {len(steps)}:" in run.stdout, run.stdout + run.stderr
+
+
+def test_the_quantized_cache_example_uses_the_current_transformers_api():
+    """Its doctest passed ``past_key_values=``, the suite's one FutureWarning."""
+    pytest.importorskip("transformers")
+    from qkv.integrations import kv_cache
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        result = doctest.testmod(kv_cache, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0 and result.failed == 0

@@ -23,7 +23,7 @@ compute NaN, never a silent wrong number. Use it with ``attn_implementation="qkv
 >>> model.set_attn_implementation(register())
 >>> cache = QuantizedKVCache(cfg, dtype="int8")
 >>> with torch.no_grad():
-...     out = model(torch.tensor([[1, 5, 7, 9]]), past_key_values=cache, use_cache=True)
+...     out = model(torch.tensor([[1, 5, 7, 9]]), cache=cache, use_cache=True)
 >>> cache.get_seq_length(), cache.layers[0].codes_k.dtype
 (4, torch.int8)
 
