@@ -52,7 +52,11 @@ def _quantize(x: torch.Tensor, form: str) -> tuple[torch.Tensor, torch.Tensor]:
     if not bool(torch.isfinite(a).all()):
         raise ValueError(f"key_states/value_states: {form} stores finite values only")
     limit = _LIMIT[form]
-    scales = a.abs().amax(dim=-1) / limit
+    top = a.abs().amax(dim=-1)
+    scales = top / limit
+    if bool((scales < 2.0**-126).any()):  # subnormal or 0: rounded up to a multiple of 2^-149
+        up = torch.ceil(top.double() / limit / 2.0**-149) * 2.0**-149
+        scales = torch.where((top > 0) & (scales < 2.0**-126), up.float(), scales)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     y = (a / safe[..., None]).clamp(-limit, limit)
     if form == "int8":
