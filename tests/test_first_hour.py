@@ -148,6 +148,48 @@ def test_docs_state_the_explain_model_token_limit():
 # ----- issue 44 -----
 
 
+def _readme_skip_note() -> str:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    start = text.index("A test that lacks what it needs skips")
+    return " ".join(text[start : text.index("\n\n", start)].split())
+
+
+def _skip_reasons() -> str:
+    """Every skip reason the suite states, as one text."""
+    return " ".join(p.read_text(encoding="utf-8") for p in sorted((ROOT / "tests").glob("*.py")))
+
+
+@pytest.mark.parametrize(
+    ("in_readme", "in_tests"),
+    [
+        ("apt-get install chromium", "Chromium is not installed"),
+        ("a TeX engine", "no TeX engine on the PATH"),
+        ("AVX512_BF16", "needs AVX512_BF16"),
+        ("the built docs site", "the documentation site is not built"),
+        ("`widget`", "qkv.widget needs the widget extra"),
+        ("`gpu` for Triton", "the gpu extra (triton) is not installed"),
+        ("`jax`", "jax is not installed (not in the test extra)"),
+        ("a development checkout's seed cases", "only a development checkout has (shared/cases/)"),
+    ],
+)
+def test_the_readme_names_each_group_of_skipped_tests(in_readme, in_tests):
+    """The README once named only Chromium and TeX; the suite skips for eight reasons."""
+    assert in_readme in _readme_skip_note()
+    assert in_tests in _skip_reasons()  # the group is real: a test skips saying so
+
+
+def test_the_readme_says_qkv_conform_needs_the_testing_extra():
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    line = next(x for x in text.splitlines() if x.startswith("qkv conform "))
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"][
+        "optional-dependencies"
+    ]
+    assert any(d.startswith("hypothesis") for d in extras["testing"])  # what the kit imports
+    assert '".[testing]"' in line
+    assert "python -m pip install . &&" in text  # the run install: NumPy only, no hypothesis
+
+
 RAGGED = "rows have different lengths (2, 1); a matrix must be rectangular"
 
 
