@@ -1,16 +1,21 @@
-"""Issue 21, items 11 and 12: what a newcomer reads and sees in the first hour.
+"""Issue 21, items 11 and 12, and issue 44: what a newcomer reads and sees in the first hour.
 
 Install commands that work for a source install, the ring demo's help and its report without a
-backward pass, "wrote FILE" after every --output, and tables on an ASCII terminal.
+backward pass, "wrote FILE" after every --output, and tables on an ASCII terminal; the README's
+account of skipped tests and of ``qkv conform``'s extra, one message for ragged rows in the
+library and the command line, an exercise's tasks and its practice steps agreeing, and the
+``kv_cache`` example on transformers' current API.
 """
 
 from __future__ import annotations
 
+import doctest
 import json
 import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -18,6 +23,8 @@ import pytest
 import qkv
 from qkv.cli import main
 from qkv.distributed import demo
+from qkv.explanation.exercise import make_exercise
+from qkv.explanation.practice import Practice
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED = ["--q", "2,1", "--k", "1,0;3,2", "--v", "1,2;3,4", "--d", "4"]
@@ -136,3 +143,120 @@ def test_docs_state_the_explain_model_token_limit():
     for path in (ROOT / "docs" / "explain.md", ROOT / "docs" / "tutorial.md"):  # README links there
         text = " ".join(path.read_text(encoding="utf-8").split())
         assert "at most 64 tokens" in text, path.name
+
+
+# ----- issue 44 -----
+
+
+def _readme_skip_note() -> str:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    start = text.index("A test that lacks what it needs skips")
+    return " ".join(text[start : text.index("\n\n", start)].split())
+
+
+def _skip_reasons() -> str:
+    """Every skip reason the suite states, as one text."""
+    return " ".join(p.read_text(encoding="utf-8") for p in sorted((ROOT / "tests").glob("*.py")))
+
+
+@pytest.mark.parametrize(
+    ("in_readme", "in_tests"),
+    [
+        ("apt-get install chromium", "Chromium is not installed"),
+        ("a TeX engine", "no TeX engine on the PATH"),
+        ("AVX512_BF16", "needs AVX512_BF16"),
+        ("the built docs site", "the documentation site is not built"),
+        ("`widget`", "qkv.widget needs the widget extra"),
+        ("`gpu` for Triton", "the gpu extra (triton) is not installed"),
+        ("`jax`", "jax is not installed (not in the test extra)"),
+        ("a development checkout's seed cases", "only a development checkout has (shared/cases/)"),
+    ],
+)
+def test_the_readme_names_each_group_of_skipped_tests(in_readme, in_tests):
+    """The README once named only Chromium and TeX; the suite skips for eight reasons."""
+    assert in_readme in _readme_skip_note()
+    assert in_tests in _skip_reasons()  # the group is real: a test skips saying so
+
+
+def test_the_readme_says_qkv_conform_needs_the_testing_extra():
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    line = next(x for x in text.splitlines() if x.startswith("qkv conform "))
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"][
+        "optional-dependencies"
+    ]
+    assert any(d.startswith("hypothesis") for d in extras["testing"])  # what the kit imports
+    assert '".[testing]"' in line
+    assert "python -m pip install . &&" in text  # the run install: NumPy only, no hypothesis
+
+
+RAGGED = "rows have different lengths (2, 1); a matrix must be rectangular"
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: qkv.explain([2, 1], [[1, 0], [3]]),
+        lambda: qkv.explain([2, 1], [[1, 0], [3]], [[1, 2], [3, 4]], d=4),
+        lambda: qkv.attention([[2, 1]], [[1, 0], [3]], [[1, 2], [3, 4]]),
+    ],
+)
+def test_ragged_rows_get_the_command_lines_message_in_the_library(call):
+    with pytest.raises(qkv.InputError) as err:
+        call()
+    assert str(err.value) == f"k: {RAGGED}"
+    assert "inhomogeneous" not in str(err.value)
+
+
+@pytest.mark.parametrize("k", ["1,0;3", "[[1,0],[3]]"])
+def test_the_command_line_says_the_same_for_inline_and_json_rows(k, capsys):
+    assert main(["explain", "--q", "2,1", "--k", k]) == 2
+    assert capsys.readouterr().err.endswith(f"--k: {RAGGED}\n")
+
+
+def test_a_ragged_mask_and_deeper_lists_are_named_too():
+    one = [[1.0, 0.0]]
+    with pytest.raises(qkv.InputError, match=r"^mask: rows have different lengths \(2, 1\)"):
+        qkv.attention(one, one, one, mask=[[True, False], [True]])
+    with pytest.raises(qkv.InputError, match=r"^q: the lists at depth 1 have different lengths"):
+        qkv.attention([[[1, 0]], [[1, 0], [0, 1]]], one, one)
+    with pytest.raises(qkv.InputError, match=r"^q: mixes rows and numbers at depth 1"):
+        qkv.attention([[1, 0], 2], one, one)
+
+
+def _numbered(tasks: list[str]) -> list[int]:
+    return [int(m.group(1)) for t in tasks if (m := re.match(r"(\d+)\. ", t))]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("queries", [1, 2])
+def test_an_exercise_lists_the_steps_its_practice_asks_for(causal, queries, capsys):
+    """``qkv exercise`` listed 4 tasks while ``--practice`` asked "Step 1 of 5"."""
+    ex = make_exercise(7, queries=queries, causal=causal)
+    steps = Practice(ex).steps
+    assert _numbered(ex.tasks()) == list(range(1, len(steps) + 1))
+    argv = ["exercise", "--seed", "7", "--queries", str(queries)] + ["--causal"] * causal
+    assert main(argv) == 0
+    listed = capsys.readouterr().out
+    assert _numbered(listed.splitlines()) == list(range(1, len(steps) + 1))
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    run = subprocess.run(
+        [sys.executable, "-m", "qkv", *argv, "--practice"],
+        input="",
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert f"Step 1 of {len(steps)}:" in run.stdout, run.stdout + run.stderr
+
+
+def test_the_quantized_cache_example_uses_the_current_transformers_api():
+    """Its doctest passed ``past_key_values=``, the suite's one FutureWarning."""
+    pytest.importorskip("transformers")
+    from qkv.integrations import kv_cache
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        result = doctest.testmod(kv_cache, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0 and result.failed == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import math
 
 import numpy as np
 import pytest
@@ -93,6 +94,92 @@ def test_an_unknown_keyword_is_reported_before_other_problems():
 def test_a_valid_variant_with_another_error_keeps_that_error():
     with pytest.raises(qkv.InputError, match="softcap"):
         qkv.attention(np.ones((2, 2)), np.ones((2, 2)), np.ones((2, 2)), softcap=-1.0)
+
+
+HEAD_DIM_NAMES = ["d", "d_k", "dk", "head_dim", "d_head", "headdim"]
+
+
+def scale_takers():
+    """The public functions and methods that take ``scale`` and no ``d``: they read ``d`` from
+    their arrays."""
+    for label, fn in public_functions().items():
+        params = inspect.signature(fn).parameters
+        if "scale" in params and "d" not in params and "head_dim" not in params:
+            yield pytest.param(fn, id=label)
+    yield pytest.param(qkv.KVCache(1, 1, 2).attend, id="qkv.KVCache.attend")  # **options
+
+
+@pytest.mark.parametrize("name", HEAD_DIM_NAMES)
+@pytest.mark.parametrize("fn", list(scale_takers()))
+def test_a_head_dimension_points_at_the_scale_not_at_k(fn, name):
+    """``attention(..., d_k=64)`` suggested 'k'; ``d=4`` and ``head_dim=`` got no hint."""
+    with pytest.raises(qkv.InputTypeError) as err:
+        call_with(fn, **{name: 4})
+    message = str(err.value)
+    assert message.startswith(f"{name}: ") and "did you mean" not in message
+    assert "takes no head dimension" in message and "scale=1/math.sqrt(d)" in message
+    assert "qkv.explain and the command line take d" in message
+
+
+def test_the_scale_the_hint_gives_is_explains_d():
+    """The advice is right: ``scale=1/math.sqrt(d)`` is what ``qkv.explain(d=...)`` uses."""
+    q, k, v = [[2.0, 1.0]], [[1.0, 0.0], [3.0, 2.0]], [[1.0, 2.0], [3.0, 4.0]]
+    with pytest.raises(qkv.InputTypeError, match=r"scale=1/math\.sqrt\(d\)"):
+        qkv.attention(q, k, v, d=4)
+    np.testing.assert_allclose(
+        qkv.attention(q, k, v, scale=1 / math.sqrt(4)), qkv.explain(q, k, v, d=4).output
+    )
+
+
+@pytest.mark.parametrize(
+    "call, meant",
+    [
+        (lambda: qkv.explain([2, 1], [[1, 0]], head_dim=4), "d"),
+        (lambda: qkv.explain([2, 1], [[1, 0]], d_k=4), "d"),
+        (lambda: qkv.KVCache(1, 1, d=4), "head_dim"),
+        (lambda: qkv.KVCache(1, 1, d_k=4), "head_dim"),
+    ],
+)
+def test_a_head_dimension_names_the_keyword_where_there_is_one(call, meant):
+    with pytest.raises(qkv.InputTypeError, match=f"did you mean {meant!r}"):
+        call()
+
+
+@pytest.mark.parametrize(
+    "given, meant",
+    [
+        ("bf16", "bfloat16"),
+        ("BF16", "bfloat16"),
+        ("fp8", "float8_e4m3fn"),
+        ("e4m3", "float8_e4m3fn"),
+        ("fp8_e4m3", "float8_e4m3fn"),
+        ("float8", "float8_e4m3fn"),
+        ("fp16", "float16"),
+        ("f16", "float16"),  # NumPy reads it as float128
+        ("fp32", "float32"),
+        ("bfloat", "bfloat16"),
+    ],
+)
+def test_a_cache_dtype_in_another_librarys_spelling_is_named(given, meant):
+    with pytest.raises(qkv.InputTypeError, match=f"^dtype: .*; did you mean {meant!r}\\?$"):
+        qkv.KVCache(1, 1, 4, dtype=given)
+    cache = qkv.KVCache(1, 1, 4, dtype=meant)  # the name suggested is one the cache takes
+    cache.append(np.ones((1, 1, 2, 4)), np.ones((1, 1, 2, 4)))
+    np.testing.assert_array_equal(cache.keys(0), np.ones((1, 2, 4)))
+
+
+@pytest.mark.parametrize("given", ["int4", "float8_e5m2", "float128", np.int32])
+def test_no_dtype_is_suggested_for_what_qkv_does_not_store(given):
+    with pytest.raises(qkv.InputTypeError) as err:
+        qkv.KVCache(1, 1, 4, dtype=given)
+    assert "did you mean" not in str(err.value)
+
+
+def test_quantize_kv_names_the_form_meant():
+    with pytest.raises(qkv.InputTypeError, match=r"got 'bf16'; did you mean 'bfloat16'\?$"):
+        qkv.quantize_kv(np.ones((1, 4)), "bf16")
+    with pytest.raises(qkv.InputTypeError, match=r"got 'e4m3'; did you mean 'float8_e4m3fn'\?"):
+        qkv.quantize_kv(np.ones((1, 4)), "e4m3")
 
 
 def test_nearest_finds_nothing_for_nonsense():

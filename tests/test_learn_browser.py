@@ -145,11 +145,25 @@ def test_typing_rows_and_toggles_show_explains_numbers(live):
     assert [p for p in page.problems if BAD_REQUEST not in p] == []
 
 
+def stale(page, prefix="") -> list[bool]:
+    """Whether each results block (scale, note, heat map, steps) is marked stale."""
+    return page.evaluate(
+        f"""["scale", "note", "heat", "steps"].map(
+              (id) => document.getElementById("{prefix}" + id).classList.contains("stale"))"""
+    )
+
+
 def test_bad_input_shows_the_librarys_message_beside_the_field(live):
     page = live
+    assert stale(page) == [False] * 4
     drawn_after(page, lambda: page.fill("#f-k", "1,0;3"))
     assert page.text_content("#err-k") == "k: rows have different lengths"
     assert "bad" in page.get_attribute("#f-k", "class")
+    # the seed's numbers are still on the page: dimmed, and said not to be this input's
+    assert stale(page) == [True] * 4
+    assert page.get_attribute("#steps", "aria-hidden") == "true"
+    assert page.text_content("#status").startswith("not redrawn: the input above has an error")
+    assert page.evaluate("getComputedStyle(document.getElementById('heat')).opacity") == "0.3"
     drawn_after(page, lambda: page.fill("#f-k", "1,0;3,2"))
     drawn_after(page, lambda: page.fill("#f-v", "1,2;3,4;5,6"))
     with pytest.raises(qkv.InputError) as exc:
@@ -157,9 +171,12 @@ def test_bad_input_shows_the_librarys_message_beside_the_field(live):
     assert page.text_content("#err-k") == str(exc.value)
     assert "bad" in page.get_attribute("#f-v", "class")
     assert "Traceback" not in page.content()
+    assert stale(page) == [True] * 4
     drawn_after(page, lambda: page.fill("#f-v", "1,2;3,4"))
     assert page.text_content("#err-k") == "" and page.text_content("#err-v") == ""
     check_against(page, qkv.explain([2, 1], [[1, 0], [3, 2]], [[1, 2], [3, 4]], d=4))
+    assert stale(page) == [False] * 4 and page.get_attribute("#steps", "aria-hidden") is None
+    assert page.text_content("#status").startswith("redrawn in")
     assert [p for p in page.problems if BAD_REQUEST not in p] == []
 
 
@@ -291,6 +308,7 @@ def test_widget_front_end_draws_the_python_state(chromium, tmp_path):
         "const model = { get: (k) => state[k], set: (k, v) => { state[k] = v; },"
         " save_changes: () => window.sent.push(state.fields),"
         " on: (e, f) => { handlers[e] = f; } };"
+        "window.setError = (e) => { state.error = e; handlers['change:error'](); };"
         "widget.render({ model, el: document.getElementById('host') });"
         "document.body.dataset.ready = '1';</script></body></html>",
         encoding="utf-8",
@@ -304,6 +322,13 @@ def test_widget_front_end_draws_the_python_state(chromium, tmp_path):
         page.click("button[data-reading=multiply]")
         sent = page.evaluate("window.sent")
         assert sent[-1]["reading"] == "multiply" and sent[-1]["q"] == "2, 1"
+        # Python refuses the next edit: the view it kept is dimmed until an edit is valid
+        views = "Array.from(document.querySelectorAll('.view > div')).map((e) => e.className)"
+        assert page.evaluate(views) == [""] * 4
+        page.evaluate("window.setError({ field: 'k', message: 'k: rows have different lengths' })")
+        assert page.evaluate(views) == ["stale"] * 4
+        page.evaluate("window.setError({})")
+        assert page.evaluate(views) == [""] * 4
         assert page.problems == []
     finally:
         page.close()

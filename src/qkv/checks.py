@@ -31,9 +31,11 @@ import numbers
 import re
 from typing import Any
 
+import numpy as np
+
 from .errors import InputError, InputTypeError
 
-__all__ = ["check_int", "check_real", "parse_int", "parse_real", "parse_window"]
+__all__ = ["check_int", "check_real", "not_rectangular", "parse_int", "parse_real", "parse_window"]
 
 _INT_TEXT = re.compile(r"[+-]?\d{1,4000}")  # Python converts at most 4300 digits from text
 
@@ -205,3 +207,51 @@ def parse_window(text: str, name: str) -> tuple[int | None, int | None]:
                 f"{name}: {side} must be an integer >= 0 or empty, got {p!r}"
             ) from None
     return sides[0], sides[1]
+
+
+def _is_list(x: Any) -> bool:
+    return isinstance(x, (list, tuple)) or (isinstance(x, np.ndarray) and x.ndim > 0)
+
+
+def not_rectangular(x: Any, name: str) -> InputError | None:
+    """The error for nested lists that are not a rectangular array, or ``None`` when they are.
+
+    One message for the library (:func:`qkv.validate.as_array`) and the command line: the
+    rows' lengths are named, as a learner typing a matrix needs them.
+
+    Examples
+    --------
+    >>> str(not_rectangular([[1, 0], [3]], "k"))
+    'k: rows have different lengths (2, 1); a matrix must be rectangular'
+    >>> str(not_rectangular([[1, 2], 3], "q"))
+    'q: mixes rows and numbers at depth 1 ([1, 2] and 3); a matrix must be rectangular'
+    >>> not_rectangular([[1, 0], [3, 2]], "k") is None
+    True
+    """
+    level, depth = [x], 0
+    while True:
+        lists = [_is_list(e) for e in level]
+        if not any(lists):
+            return None
+        if not all(lists):
+            row = next(e for e in level if _is_list(e))
+            number = next(e for e in level if not _is_list(e))
+            return InputError(
+                f"{name}: mixes rows and numbers at depth {depth} ({_brief(row)} and "
+                f"{_brief(number)}); a matrix must be rectangular"
+            )
+        lengths = [len(e) for e in level]
+        if len(set(lengths)) > 1:
+            sizes = ", ".join(str(n) for n in lengths[:8]) + (", …" if len(lengths) > 8 else "")
+            innermost = not any(_is_list(c) for e in level for c in e)
+            what = "rows" if innermost else f"the lists at depth {depth}"
+            return InputError(
+                f"{name}: {what} have different lengths ({sizes}); "
+                f"{'a matrix' if innermost else 'an array'} must be rectangular"
+            )
+        level, depth = [c for e in level for c in e], depth + 1
+
+
+def _brief(x: Any) -> str:
+    text = repr(x.tolist() if isinstance(x, np.ndarray) else x)
+    return text if len(text) <= 20 else text[:19] + "…"

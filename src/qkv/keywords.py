@@ -6,6 +6,10 @@ keyword meant. :func:`near_keywords` wraps a public function so that such a call
 the function takes (its parameters and, for a function with ``**variants``, the variants it
 names). The search runs only when the call fails: a call that succeeds pays one frame.
 
+A name for the head dimension (``d_k``, ``head_dim``, ``d`` ...) given to a function that reads
+``d`` from its arrays is not a typo of ``k``: the message says how to set the scale instead
+(``scale=1/math.sqrt(d)``), and that :func:`qkv.explain` and the command line take ``d``.
+
 Examples
 --------
 >>> @near_keywords()
@@ -17,6 +21,13 @@ Traceback (most recent call last):
 qkv.errors.InputTypeError: casual: ... did you mean 'causal'? (it takes: q, causal, scale)
 >>> nearest("is_causal", ("q", "causal", "mask"))
 'causal'
+>>> @near_keywords()
+... def g(q, k, *, scale=None):
+...     return q
+>>> g(1, 2, d_k=64)  # doctest: +ELLIPSIS
+Traceback (most recent call last):
+...
+qkv.errors.InputTypeError: d_k: ... 'd_k'; g() takes no head dimension: ... scale=1/math.sqrt(d) ...
 """
 
 from __future__ import annotations
@@ -29,7 +40,7 @@ from typing import Any, TypeVar
 
 from .errors import InputTypeError
 
-__all__ = ["near_keywords", "nearest"]
+__all__ = ["HEAD_DIM", "hint", "near_keywords", "nearest"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -55,6 +66,12 @@ ALIASES = {
     "dout": "grad_out",
 }
 
+#: Names for the head dimension ``d`` (of ``1/√d``). They point at ``d`` or ``head_dim``
+#: where a function takes one, and at nothing else: ``d_k`` is not a slip for ``k``.
+HEAD_DIM = frozenset(
+    {"d", "dk", "d_k", "d_q", "d_qk", "d_head", "head_dim", "headdim", "head_size", "dim_head"}
+)
+
 
 def nearest(name: str, keywords: Iterable[str]) -> str | None:
     """The keyword in ``keywords`` that ``name`` most likely meant, or ``None``.
@@ -64,6 +81,8 @@ def nearest(name: str, keywords: Iterable[str]) -> str | None:
     one ``_``-separated part of ``name`` (``attn_mask`` → ``mask``).
     """
     keys = list(dict.fromkeys(keywords))
+    if name.lower() in HEAD_DIM:
+        return next((k for k in ("d", "head_dim") if k in keys and k != name), None)
     alias = ALIASES.get(name.lower())
     if alias in keys:
         return alias
@@ -78,6 +97,29 @@ def nearest(name: str, keywords: Iterable[str]) -> str | None:
         if part in lower and len(parts) > 1:
             return lower[part]
     return None
+
+
+def hint(name: str, keywords: Iterable[str], where: str) -> str:
+    """What follows "unexpected keyword argument" for ``name`` given to ``where`` (a function
+    that takes ``keywords``): ``"; did you mean 'causal'?"``, for a head-dimension name given
+    to a function with a ``scale`` how to set ``1/√d``, or ``""``.
+
+    >>> hint("casual", ("q", "causal"), "attention")
+    "; did you mean 'causal'?"
+    >>> print(hint("head_dim", ("q", "scale"), "attention"))  # doctest: +NORMALIZE_WHITESPACE
+    ; attention() takes no head dimension: it scales by 1/√d with d = q.shape[-1]; for
+    another d pass scale=1/math.sqrt(d) (qkv.explain and the command line take d)
+    """
+    keys = tuple(keywords)
+    near = nearest(name, keys)
+    if near is not None:
+        return f"; did you mean {near!r}?"
+    if name.lower() in HEAD_DIM and "scale" in keys:
+        return (
+            f"; {where}() takes no head dimension: it scales by 1/√d with d = q.shape[-1]; "
+            "for another d pass scale=1/math.sqrt(d) (qkv.explain and the command line take d)"
+        )
+    return ""
 
 
 def near_keywords(
@@ -113,10 +155,9 @@ def near_keywords(
                 if not unknown:
                     raise
                 name = unknown[0]
-                near = nearest(name, takes)
-                hint = f"; did you mean {near!r}?" if near else ""
                 raise InputTypeError(
-                    f"{name}: {where}() got an unexpected keyword argument {name!r}{hint} "
+                    f"{name}: {where}() got an unexpected keyword argument {name!r}"
+                    f"{hint(name, takes, where)} "
                     f"(it takes: {', '.join(takes)})"
                 ) from None
 

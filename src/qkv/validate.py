@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from . import numerics
-from .checks import check_int, check_real
+from .checks import check_int, check_real, not_rectangular
 from .errors import InputError, InputTypeError
 from .masks import Window
 from .options import VARIANTS, Options
@@ -80,7 +80,9 @@ def as_array(x: Any, name: str, *, narrow: bool = False) -> np.ndarray:
     try:
         a = np.asarray(x)
     except (ValueError, TypeError) as exc:  # ragged lists and the like
-        raise InputError(f"{name}: cannot be read as a rectangular array ({exc})") from None
+        raise not_rectangular(x, name) or InputError(
+            f"{name}: cannot be read as a rectangular array ({exc})"
+        ) from None
     if a.dtype.name == "bfloat16":  # ml_dtypes' type (not a NumPy floating subtype)
         return a if narrow else a.astype(np.float32)
     if a.dtype.kind not in "iuf":  # not bool, complex, datetime64/timedelta64, objects...
@@ -627,7 +629,9 @@ def _read_mask(
     try:
         m = np.asarray(mask)
     except (ValueError, TypeError) as exc:
-        raise InputError(f"mask: cannot be read as a rectangular array ({exc})") from None
+        raise not_rectangular(mask, "mask") or InputError(
+            f"mask: cannot be read as a rectangular array ({exc})"
+        ) from None
     if m.dtype.name == "bfloat16":  # ml_dtypes' (a bfloat16 model's additive mask): a float
         m = m.astype(np.float32)
     if m.dtype != bool and not np.issubdtype(m.dtype, np.floating):

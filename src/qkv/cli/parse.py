@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from ..checks import parse_int, parse_window
+from ..checks import not_rectangular, parse_int, parse_window
 from ..errors import InputError
 from ..explanation.scale import ScaleExpr, parse_scale
 
@@ -82,12 +82,9 @@ def _rows_text(text: str, name: str, row_sep: str) -> np.ndarray:
         rows.append([_number(t, name, f"row {n}, entry {e}") for e, t in enumerate(toks, 1)])
     if not rows:
         raise InputError(f"{name}: no numbers given")
-    widths = {len(r) for r in rows}
-    if len(widths) > 1:
-        sizes = ", ".join(str(len(r)) for r in rows)
-        raise InputError(
-            f"{name}: rows have different lengths ({sizes}); a matrix must be rectangular"
-        )
+    ragged = not_rectangular(rows, name)
+    if ragged is not None:
+        raise ragged
     a = np.array(rows, dtype=np.float64)
     return a[0] if len(rows) == 1 and row_sep == ";" and ";" not in text else a
 
@@ -114,8 +111,8 @@ def _from_json(data: Any, name: str) -> np.ndarray:
     try:
         a = np.array(data, dtype=np.float64)
     except ValueError:
-        raise InputError(
-            f"{name}: rows have different lengths; a matrix must be rectangular"
+        raise not_rectangular(data, name) or InputError(
+            f"{name}: cannot be read as a rectangular array"
         ) from None
     if a.ndim == 0:
         a = a.reshape(1)

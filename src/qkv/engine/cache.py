@@ -36,7 +36,7 @@ from ..validate import (
     stand_in,
 )
 from .kernels import dispatch, mods, native_decode, router
-from .quant import FORMATS, SCALED, check_format, dequantize_kv, quantize_kv, storage_dtype
+from .quant import FORMATS, SCALED, check_format, dequantize_kv, meant, quantize_kv, storage_dtype
 
 __all__ = ["KVCache"]
 
@@ -442,7 +442,8 @@ _WANTED = f"dtype: expected a float dtype (float16, float32, float64) or a store
 
 def _storage(dtype: Any) -> tuple[np.dtype | str, str | None]:
     """``(dtype, form)`` of a cache's ``dtype`` argument: a float dtype and None (or
-    ``"float16"``, a form read in place), or a stored form's name twice."""
+    ``"float16"``, a form read in place), or a stored form's name twice; a refused one's
+    message names the form or dtype it likely means (``"bf16"``: ``'bfloat16'``)."""
     try:
         form = check_format(dtype)
     except InputTypeError:
@@ -454,10 +455,15 @@ def _storage(dtype: Any) -> tuple[np.dtype | str, str | None]:
             raise TypeError
         dt = np.dtype(dtype)
     except TypeError:
-        raise InputTypeError(f"{_WANTED}, got {dtype!r}") from None
+        raise InputTypeError(f"{_WANTED}, got {dtype!r}{_hint(dtype)}") from None
     if dt not in (np.float16, np.float32, np.float64):
-        raise InputTypeError(f"{_WANTED}, got {dt}")
+        raise InputTypeError(f"{_WANTED}, got {dt}{_hint(dtype)}")
     return dt, "float16" if dt == np.float16 else None
+
+
+def _hint(dtype: Any) -> str:
+    near = meant(dtype, (*FORMATS, "float32", "float64"))
+    return f"; did you mean {near!r}?" if near else ""
 
 
 def _offset_batch(plan: Plan, first: int) -> dict[str, Any]:

@@ -18,6 +18,15 @@ Forms (``dtype``):
   / 448`` per row (448 is the largest e4m3fn value); codes are ``uint8`` bits (sign, 4
   exponent bits of bias 7, 3 mantissa bits), rounded to nearest even.
 
+A row so small that ``max|x| / 127`` (or ``/ 448``) falls below float32's smallest normal value
+2^-126 (``max|x|`` below about 1.5e-36 for int8, 5.3e-36 for e4m3fn) takes that quotient rounded
+*up* to a multiple of 2^-149, the spacing of float32's subnormals, and at least 2^-149: such a
+row is never stored as zeros (rounded to nearest it would be 0 below about 9e-44 for int8, 3e-43
+for e4m3fn) and no code is clipped. Its step is then coarser than ``max|x| / 127`` by up to
+2^-149, and each value is within half a step (int8) or 2^-4 of itself plus ``scale · 2^-10``
+(e4m3fn, and the float32 product's own rounding, at most 2^-150), as in every row. An int8 row
+whose values are all below ``127 · 2^-149`` (about 1.8e-43) is stored exactly.
+
 Why a scale per token and head (as llama.cpp's q8_0 takes one per 32 values, and vLLM one per
 tensor): an appended token is quantized once and never again, whatever comes after it; the
 kernel reads one scale per key row and applies it once to that key's dot product and once to
@@ -38,6 +47,8 @@ Examples
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -47,12 +58,69 @@ from ..keywords import near_keywords
 from ..numerics import STORED_FORMS
 from ..validate import as_array
 
-__all__ = ["FORMATS", "SCALED", "check_format", "dequantize_kv", "quantize_kv", "storage_dtype"]
+__all__ = [
+    "FORMATS",
+    "SCALED",
+    "SPELLINGS",
+    "check_format",
+    "dequantize_kv",
+    "meant",
+    "quantize_kv",
+    "storage_dtype",
+]
 
 FORMATS = tuple(f.name for f in STORED_FORMS)
 SCALED = tuple(f.name for f in STORED_FORMS if f.scaled)  # forms with a float32 scale per row
 _STORAGE: dict[str, np.dtype] = {f.name: f.storage for f in STORED_FORMS}
 _E4M3_MAX = 448.0
+_NORMAL = np.float32(2.0**-126)  # float32's smallest normal value
+_SUBNORMAL = 2.0**-149  # and its smallest positive one, the subnormals' spacing
+
+#: Other names for the stored forms and float dtypes (PyTorch's, JAX's, the papers'), each
+#: with the name qkv takes: the hint of a refused ``dtype``.
+SPELLINGS = {
+    "bf16": "bfloat16",
+    "brain_float16": "bfloat16",
+    "fp16": "float16",
+    "f16": "float16",
+    "half": "float16",
+    "fp8": "float8_e4m3fn",
+    "f8": "float8_e4m3fn",
+    "float8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+    "fp8_e4m3fn": "float8_e4m3fn",
+    "float8_e4m3": "float8_e4m3fn",
+    "e4m3": "float8_e4m3fn",
+    "e4m3fn": "float8_e4m3fn",
+    "i8": "int8",
+    "q8": "int8",
+    "q8_0": "int8",
+    "qint8": "int8",
+    "fp32": "float32",
+    "f32": "float32",
+    "single": "float32",
+    "fp64": "float64",
+    "f64": "float64",
+    "double": "float64",
+}
+
+
+def meant(dtype: Any, names: Sequence[str] = FORMATS) -> str | None:
+    """The name in ``names`` that a refused ``dtype`` most likely means, or ``None``.
+
+    Another library's spelling (:data:`SPELLINGS`: ``"bf16"``, ``"fp8"``, ``torch.float16``)
+    or a close one (``"bfloat"``).
+
+    >>> meant("bf16"), meant("fp8"), meant("E4M3"), meant("fp32"), meant("fp32", ("float32",))
+    ('bfloat16', 'float8_e4m3fn', 'float8_e4m3fn', None, 'float32')
+    """
+    text = dtype if isinstance(dtype, str) else getattr(dtype, "__name__", None) or str(dtype)
+    key = text.strip().lower().rsplit(".", 1)[-1].replace("-", "_")
+    name = SPELLINGS.get(key, key)
+    if name in names:
+        return name
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.85)
+    return close[0] if close else None
 
 
 def check_format(dtype: Any, name: str = "dtype") -> str:
@@ -65,7 +133,9 @@ def check_format(dtype: Any, name: str = "dtype") -> str:
         except TypeError:
             text = repr(dtype)
     if text not in FORMATS:
-        raise InputTypeError(f"{name}: expected one of {FORMATS}, got {dtype!r}")
+        near = meant(dtype)
+        hint = f"; did you mean {near!r}?" if near else ""
+        raise InputTypeError(f"{name}: expected one of {FORMATS}, got {dtype!r}{hint}")
     return text
 
 
@@ -109,6 +179,18 @@ def _e4m3_values(bits: np.ndarray) -> np.ndarray:
     return np.where(b & 0x80, -mag, mag).astype(np.float32)
 
 
+def _scales(top: np.ndarray, limit: float) -> np.ndarray:
+    """``top / limit`` in float32; below float32's smallest normal (2^-126) the nearest float32
+    may lie far below it (the subnormals are multiples of 2^-149) or be 0, so there it is
+    rounded up to the next multiple of 2^-149: no code is clipped and no row stored as 0."""
+    scales = (top / np.float32(limit)).astype(np.float32)
+    tiny = (top > 0) & (scales < _NORMAL)
+    if tiny.any():
+        steps = np.ceil(top[tiny].astype(np.float64) / limit / _SUBNORMAL)
+        scales[tiny] = (steps * _SUBNORMAL).astype(np.float32)  # exact: below 2^-126
+    return scales
+
+
 @near_keywords()
 def quantize_kv(x: Any, dtype: Any) -> tuple[np.ndarray, np.ndarray | None]:
     """Keys or values in a stored form: ``(codes, scales)``.
@@ -126,7 +208,21 @@ def quantize_kv(x: Any, dtype: Any) -> tuple[np.ndarray, np.ndarray | None]:
         ``uint16`` bits (bfloat16), ``float16``, ``int8`` codes or ``uint8`` e4m3fn bits: NumPy
         arrays whatever ``x`` was (a CPU tensor is read in place), as the cache stores them.
     scales : ndarray of float32, shape ``(...)``, or None
-        One scale per row of ``d`` values for ``"int8"`` and ``"float8_e4m3fn"``; None else.
+        One scale per row of ``d`` values for ``"int8"`` and ``"float8_e4m3fn"``; None else:
+        ``max|x| / 127`` or ``/ 448`` in float32. Below float32's smallest normal value
+        (2^-126) it is rounded up to a multiple of 2^-149, and a nonzero row's is at least
+        2^-149, so rows of tiny subnormals keep their values rather than a zero scale; each
+        value stays within half a step (``scale / 2``, int8) or 2^-4 of itself plus
+        ``scale · 2^-10`` and 2^-150 (e4m3fn), and an int8 row below ``127 · 2^-149`` is
+        kept exactly.
+
+    Examples
+    --------
+    Subnormal values, in units of 2^-149 (float32's smallest positive value):
+
+    >>> codes, scales = quantize_kv([[3e-45, -1e-45, 0.0]], "int8")
+    >>> codes.tolist(), (dequantize_kv(codes, scales, "int8") / np.float32(2.0**-149)).tolist()
+    ([[2, -1, 0]], [[2.0, -1.0, 0.0]])
     """
     form = check_format(dtype)
     a = as_array(x, "x")  # NumPy arrays, lists, CPU tensors (bfloat16 ones too)
@@ -144,7 +240,7 @@ def quantize_kv(x: Any, dtype: Any) -> tuple[np.ndarray, np.ndarray | None]:
         )
     top = np.abs(a).max(axis=-1) if a.shape[-1] else np.zeros(a.shape[:-1], np.float32)
     limit = 127.0 if form == "int8" else _E4M3_MAX
-    scales = (top / np.float32(limit)).astype(np.float32)
+    scales = _scales(top, limit)
     safe = np.where(scales > 0, scales, np.float32(1))[..., None]
     y = np.clip(a / safe, -limit, limit)
     if form == "int8":

@@ -22,9 +22,13 @@ from ..checks import check_int
 from .formats import renderer
 from .trace import Trace, explain
 
-__all__ = ["Exercise", "make_exercise"]
+__all__ = ["STEPS", "Exercise", "make_exercise"]
 
 LIMIT = 12  # largest queries / keys / dim an exercise may have
+
+#: The steps an exercise asks for, in order: its numbered tasks, and the answers a practice
+#: session (:class:`qkv.explanation.practice.Practice`) checks.
+STEPS = ("raw", "scaled", "exps", "weights", "output")
 
 
 @dataclass(frozen=True, eq=False)
@@ -71,27 +75,28 @@ class Exercise:
         )
 
     def tasks(self) -> list[str]:
-        """What the learner is asked to compute."""
+        """What the learner is asked to compute: a note on ``d`` (and on causal attention),
+        then one numbered task per step of :data:`STEPS`, the steps a practice session asks
+        for (``qkv exercise --practice``: "Step 1 of 5")."""
         L = self.q.shape[0]
         who = "the query q" if L == 1 else f"each of the {L} query rows"
         dim = self.q.shape[1]
         given = f"d is given: it is not len(q) = {dim}" if dim != self.d else "here d = len(q)"
-        out = [
-            f"Use d = {self.d} in the scale 1/√d ({given}).",
-            f"1. For {who}, compute the raw dot products q·k with every key.",
-            "2. Scale them by 1/√d to get the pre-softmax scores.",
-        ]
+        out = [f"Use d = {self.d} in the scale 1/√d ({given})."]
         if self.causal:
             out.append(
-                "3. Causal attention (bottom-right aligned): query row i sits at position "
-                "S − L + i and sees only keys j ≤ its position; exclude the others."
+                "Causal attention (bottom-right aligned): query row i sits at position "
+                "S − L + i and sees only keys j ≤ its position; the others are excluded."
             )
-        n = len(out)
-        out += [
-            f"{n}. Subtract the row maximum, exponentiate, and divide by the sum: the weights.",
-            f"{n + 1}. Multiply each value row by its weight and add them up: the output.",
-        ]
-        return out
+        excluded = " (0 for an excluded key)" if self.causal else ""
+        tasks = {
+            "raw": f"For {who}, compute the raw dot products q·k with every key.",
+            "scaled": "Scale them by 1/√d to get the pre-softmax scores.",
+            "exps": f"Subtract the row maximum and exponentiate: exp(s − max){excluded}.",
+            "weights": "Divide each exponential by the sum of its row: the weights.",
+            "output": "Multiply each value row by its weight and add them up: the output.",
+        }
+        return out + [f"{n}. {tasks[key]}" for n, key in enumerate(STEPS, start=1)]
 
     def command(self) -> str:
         """The ``qkv exercise`` command line that gives this problem again."""

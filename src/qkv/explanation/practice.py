@@ -36,7 +36,7 @@ import numpy as np
 
 from ..errors import InputError
 from .display import fmt
-from .exercise import Exercise
+from .exercise import STEPS, Exercise
 from .scale import read_number
 from .trace import Trace, explain
 
@@ -274,6 +274,8 @@ class Practice:
                 {**slips("output"), "summed the wrong axis": wrong_axis @ ex.v},
             ),
         ]
+
+        assert tuple(s.key for s in self.steps) == STEPS  # the exercise's numbered tasks
 
     def step(self, key: str) -> Step:
         """The step named ``key`` (one of ``raw, scaled, exps, weights, output``)."""

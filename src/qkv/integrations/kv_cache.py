@@ -23,7 +23,7 @@ compute NaN, never a silent wrong number. Use it with ``attn_implementation="qkv
 >>> model.set_attn_implementation(register())
 >>> cache = QuantizedKVCache(cfg, dtype="int8")
 >>> with torch.no_grad():
-...     out = model(torch.tensor([[1, 5, 7, 9]]), past_key_values=cache, use_cache=True)
+...     out = model(torch.tensor([[1, 5, 7, 9]]), cache=cache, use_cache=True)
 >>> cache.get_seq_length(), cache.layers[0].codes_k.dtype
 (4, torch.int8)
 
@@ -52,7 +52,11 @@ def _quantize(x: torch.Tensor, form: str) -> tuple[torch.Tensor, torch.Tensor]:
     if not bool(torch.isfinite(a).all()):
         raise ValueError(f"key_states/value_states: {form} stores finite values only")
     limit = _LIMIT[form]
-    scales = a.abs().amax(dim=-1) / limit
+    top = a.abs().amax(dim=-1)
+    scales = top / limit
+    if bool((scales < 2.0**-126).any()):  # subnormal or 0: rounded up to a multiple of 2^-149
+        up = torch.ceil(top.double() / limit / 2.0**-149) * 2.0**-149
+        scales = torch.where((top > 0) & (scales < 2.0**-126), up.float(), scales)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     y = (a / safe[..., None]).clamp(-limit, limit)
     if form == "int8":

@@ -2,7 +2,8 @@
 
 The page loads nothing from the network. Its script sends the form to the local server on each
 edit and draws the numbers that come back (already formatted by the library); it does no
-arithmetic itself. A field the library refuses shows the library's message next to it.
+arithmetic itself. A field the library refuses shows the library's message next to it, and
+the results still on the page (the last input's) are dimmed until the input is valid again.
 
 Examples
 --------
@@ -78,6 +79,8 @@ section.practice { margin-top: 1.5em; }
 .fb.right { color: #1b5e20; font-weight: 600; }
 .fb.wrong { color: #b71c1c; }
 pre.worked { background: #f6f8fa; padding: 4px 8px; font-size: 0.85em; white-space: pre-wrap; }
+.stale { opacity: 0.3; filter: grayscale(1); }
+#status.stale-note, #m-status.stale-note { color: #b71c1c; }
 """
 )
 
@@ -101,6 +104,19 @@ function table(cls, head, rows, cell) {
     t.appendChild(row);
   });
   return t;
+}
+
+/* The results drawn last, dimmed (and hidden from screen readers) while the input they came
+   from has been replaced by input the library refuses: they are not its results. */
+const RESULTS = ["title", "scale", "note", "heat", "steps"];
+function stale(on, p, root) {
+  for (const id of RESULTS) {
+    const e = (root || document).querySelector("#" + p + id);
+    if (!e) continue;
+    e.classList.toggle("stale", on);
+    if (on) e.setAttribute("aria-hidden", "true");
+    else e.removeAttribute("aria-hidden");
+  }
 }
 
 function draw(b, p, root) {
@@ -179,6 +195,15 @@ function showError(field, fields, message) {
   }
 }
 
+const STALE = "not redrawn: the input above has an error; the dimmed numbers are for the " +
+              "last input qkv could compute";
+
+function notCurrent(status, p, message) {
+  stale(true, p);
+  $(status).textContent = message;
+  $(status).classList.add("stale-note");
+}
+
 async function redraw() {
   const mine = ++seq;
   const t0 = performance.now();
@@ -188,18 +213,21 @@ async function redraw() {
                                       headers: { "Content-Type": "application/json" } });
     body = await r.json();
   } catch (e) {
-    if (mine === seq) $("status").textContent = "the qkv server is not answering";
+    if (mine === seq) notCurrent("status", "", "the qkv server is not answering");
     return;
   }
   if (mine !== seq) return;  // a later edit is already on its way
   clearErrors();
   if (!r.ok) {
     showError(body.field, body.fields, body.error);
+    notCurrent("status", "", STALE);
     document.body.dataset.state = "error";
     document.body.dataset.drawn = String(mine);
     return;
   }
   draw(body, "");
+  stale(false, "");
+  $("status").classList.remove("stale-note");
   const ms = performance.now() - t0;
   $("status").textContent = "redrawn in " + ms.toFixed(0) + " ms";
   document.body.dataset.ms = ms.toFixed(2);
@@ -233,7 +261,7 @@ async function runModel() {
                                     headers: { "Content-Type": "application/json" } });
     body = await r.json();
   } catch (e) {
-    if (mine === mseq) $("m-status").textContent = "the qkv server is not answering";
+    if (mine === mseq) notCurrent("m-status", "m-", "the qkv server is not answering");
     return;
   }
   if (mine !== mseq) return;
@@ -247,12 +275,14 @@ async function runModel() {
     const target = $("err-m-" + body.field) ? body.field : "text";
     $("err-m-" + target).textContent = body.error;
     if ($("f-m-" + target)) $("f-m-" + target).classList.add("bad");
-    $("m-status").textContent = "";
+    notCurrent("m-status", "m-", STALE);
     document.body.dataset.mstate = "error";
     document.body.dataset.mdrawn = String(mine);
     return;
   }
   draw(body, "m-");
+  stale(false, "m-");
+  $("m-status").classList.remove("stale-note");
   $("m-title").textContent = body.title + " (" + body.layers + " layers, " + body.heads +
                              " heads; query token " + body.query + ")";
   const ms = performance.now() - t0;

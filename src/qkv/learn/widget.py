@@ -6,7 +6,8 @@ The widget's state is two dictionaries synchronised with the notebook front end:
 ``mask``, ``window``, ``exact``, as on the page) and ``view`` (every step, computed in Python
 by :func:`qkv.learn.api.explain_fields` — the page's own function — whenever ``fields``
 changes). Input the library refuses leaves ``view`` as it was and sets ``error`` to
-``{"field": ..., "message": ...}`` with the library's message. The front end only draws.
+``{"field": ..., "message": ...}`` with the library's message; the front end then shows that
+view dimmed, as not the fields' own. The front end only draws.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ function render({ model, el: host }) {
     }
     const b = model.get("view");
     if (b && b.shown) draw(b, p, root);
+    stale(!!(error && error.field), p, root);  // the view drawn is not for these fields
   }
   model.on("change:view", show);
   model.on("change:error", show);
