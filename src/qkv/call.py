@@ -23,7 +23,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .engine.kernels.dispatch import check_kernel
 from .errors import InputError
 from .options import Options
 from .tensors import Want, is_tensor, read_cpu, read_shadow, survey
@@ -119,7 +118,9 @@ def build(
     naming the argument for anything the call cannot run.
     """
     check_flag(return_lse, "return_lse")
-    if kernel != "auto":
+    if kernel != "auto":  # the kernels load on the first call that runs, not at import
+        from .engine.kernels.dispatch import check_kernel
+
         kernel = check_kernel(kernel)
     if options is None:
         if len(keywords) > 4 or not _BASIC.issuperset(keywords):

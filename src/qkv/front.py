@@ -8,48 +8,61 @@ without checking again:
 - CPU tensors that require grad → the torch bridge's autograd (:func:`qkv.torch_bridge.run`);
 - tensors on a GPU → the Triton kernels (:func:`qkv.gpu.api.run`, the ``gpu`` extra).
 
-:func:`softmax`, :func:`merge`, :func:`attention_vjp`, :func:`attention_varlen` and
-:class:`KVCache` are the NumPy engine's functions under the same tensor policy
-(:mod:`qkv.tensors`): tensors in, tensors out (dtype and device of the caller), autograd where
-qkv has a gradient and a refusal by name where it has none. The core never imports a bridge:
-the bridges import the core.
+:func:`softmax` is the NumPy engine's under the same tensor policy (:mod:`qkv.tensors`):
+tensors in, tensors out (dtype and device of the caller), autograd where qkv has a gradient and
+a refusal by name where it has none; :mod:`qkv.wrapped` holds the engine's other public
+functions (:func:`qkv.merge`, :func:`qkv.attention_vjp`, :func:`qkv.attention_varlen`,
+:class:`qkv.KVCache`) under the same policy. The core never imports a bridge: the bridges
+import the core.
+
+Importing this module loads no kernel and no bridge: the NumPy engine
+(:mod:`qkv.engine.run`, and the kernels under it) is imported by the first call that runs on
+it, the torch bridge by the first call that wants a gradient (:func:`_engine`, :func:`_bridge`),
+so that ``import qkv`` stays light.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from functools import wraps
+from functools import cache
+from types import ModuleType
 from typing import Any
 
-from . import torch_bridge
 from .call import Call, build
-from .engine import cache, grad, varlen
-from .engine import merge as merging
-from .engine import run as core
 from .errors import InputError
 from .keywords import near_keywords
-from .tensors import give, give_pair, one_device, read, refuse_grad, want_of, wants_grad
+from .tensors import give, give_pair, one_device, want_of, wants_grad
 from .validate import VARIANTS
 
 __all__ = [
-    "KVCache",
     "attention",
-    "attention_varlen",
-    "attention_vjp",
     "attention_weights",
-    "merge",
     "scores",
     "softmax",
 ]
 
 
+@cache
+def _engine() -> ModuleType:
+    """The NumPy engine's entry (:mod:`qkv.engine.run`), imported by the first call."""
+    from .engine import run
+
+    return run
+
+
+def _bridge() -> ModuleType:
+    """The torch bridge (:mod:`qkv.torch_bridge`), imported by the first call with gradients."""
+    from . import torch_bridge
+
+    return torch_bridge
+
+
 def _run(call: Call) -> Any:
     """The back end for a checked call (see the module docstring)."""
     if call.route == "numpy":
-        res = core.run(call.fn, call.plan, call.kernel, call.return_lse)
+        res = _engine().run(call.fn, call.plan, call.kernel, call.return_lse)
         return give_pair(res[0], res[1], call.want) if call.return_lse else give(res, call.want)
     if call.route == "autograd":
-        return torch_bridge.run(call)
+        return _bridge().run(call)
     one_device(call.given)  # another device is refused by name, with Triton or without
     return _gpu_run()(call)
 
@@ -83,8 +96,8 @@ def softmax(x: Any, axis: int = -1) -> Any:
     [0.0, 0.0]
     """
     if wants_grad(x):
-        return torch_bridge.softmax(x, axis)
-    return give(core.softmax(x, axis=axis), want_of(x))
+        return _bridge().softmax(x, axis)
+    return give(_engine().softmax(x, axis=axis), want_of(x))
 
 
 @near_keywords()
@@ -245,68 +258,6 @@ def attention(
         return_lse=return_lse, check_finite=check_finite, kernel=kernel, **variants,
     )  # fmt: skip
     return _run(call)
-
-
-# The functions below are the NumPy engine's, under the tensor policy; their signatures and
-# documentation are the engine's own (functools.wraps), written once there.
-
-
-@near_keywords(VARIANTS)
-@wraps(grad.attention_vjp)
-def attention_vjp(q: Any, k: Any, v: Any, grad_out: Any, **options: Any) -> Any:
-    # Tensors in give tensors out (each input's dtype). No autograd graph: qkv has no second
-    # derivative, so a tensor that requires grad is refused by name.
-    refuse_grad("attention_vjp", q=q, k=k, v=v, grad_out=grad_out)
-    return give(grad.attention_vjp(q, k, v, grad_out, **options), want_of(q, k, v))
-
-
-@near_keywords()
-@wraps(merging.merge)
-def merge(parts: Sequence[tuple[Any, Any]], *, sinks: Any = None) -> Any:
-    # Tensors in give tensors out, with gradients for every part that requires grad.
-    pairs = parts if isinstance(parts, (list, tuple)) else []
-    flat = [x for part in pairs if isinstance(part, (list, tuple)) for x in part]
-    refuse_grad("merge", sinks=sinks)
-    # out follows the parts' outputs (bfloat16 in, bfloat16 out); the lse keeps its dtype
-    want = want_of(*flat[::2]) or want_of(*flat, sinks)
-    if any(wants_grad(x) for x in flat):
-        return torch_bridge.merge_parts(parts, sinks, want)
-    out, lse = merging.merge(parts, sinks=sinks)
-    return give_pair(out, lse, want)
-
-
-@near_keywords()
-@wraps(varlen.attention_varlen)
-def attention_varlen(q: Any, k: Any, v: Any, *args: Any, **options: Any) -> Any:
-    # Tensors in give tensors out; qkv has no varlen gradient, so tensors that require grad
-    # are refused by name (attention per sequence has one).
-    refuse_grad("attention_varlen", q=q, k=k, v=v)
-    return _give(varlen.attention_varlen(q, k, v, *args, **options), want_of(q, k, v))
-
-
-class KVCache(cache.KVCache):
-    __doc__ = cache.KVCache.__doc__
-
-    @near_keywords()
-    def append(self, k: Any, v: Any, seq: int | None = None) -> None:
-        refuse_grad("KVCache.append", k=k, v=v)
-        super().append(k, v, seq)
-
-    append.__doc__ = cache.KVCache.append.__doc__
-
-    @near_keywords(VARIANTS, like=cache.KVCache.attend)
-    def attend(self, q: Any, **options: Any) -> Any:
-        refuse_grad("KVCache.attend", q=q)
-        # a CPU tensor as its NumPy view, so that a decoding loop's calls run the cache's
-        # planned step again as NumPy ones do (the checks read it the same way)
-        return _give(super().attend(read(q, "q"), **options), want_of(q))
-
-    attend.__doc__ = cache.KVCache.attend.__doc__
-
-
-def _give(res: Any, want: Any) -> Any:
-    """An output, or an ``(out, lse)`` pair with the lse in its accumulation dtype."""
-    return give_pair(res[0], res[1], want) if isinstance(res, tuple) else give(res, want)
 
 
 def _gpu_run() -> Any:

@@ -130,7 +130,13 @@ def read(x: Any, name: str) -> Any:
 
 @functools.cache
 def _bfloat16() -> Any:
-    """ml_dtypes' NumPy bfloat16 type, or None where ml_dtypes is not installed."""
+    """ml_dtypes' NumPy bfloat16 type, or None where ml_dtypes is not installed.
+
+    The one place the library imports ml_dtypes (about a second, once): the first call given a
+    bfloat16 CPU tensor, which is read in place as ml_dtypes' bfloat16. ``import qkv`` and calls
+    on other dtypes never import it; a NumPy bfloat16 array is recognised by its dtype's name,
+    without the import (its caller has imported ml_dtypes already).
+    """
     try:
         import ml_dtypes
     except ImportError:

@@ -4,8 +4,8 @@
 display for Jupyter), ``json`` (the trace's own dict, see ``docs/trace-schema.md``) and
 ``html`` (a self-contained page with a heatmap of the weights). All but JSON draw the same
 blocks from :mod:`qkv.render.blocks`. Importing this package registers every format in
-:mod:`qkv.explanation.formats`, where :meth:`qkv.Trace.render` finds them (``import qkv`` does
-it).
+:mod:`qkv.explanation.formats`, where :meth:`qkv.Trace.render` finds them (the first lookup
+of a format imports it, through the loader ``import qkv`` gives the registry).
 
 Examples
 --------

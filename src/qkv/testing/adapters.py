@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import front
+from .. import front, wrapped
 from ..options import Options
 from .kernel import FEATURES, Kernel
 
@@ -256,7 +256,7 @@ def _forced(kernel: str) -> Any:
 
 
 QKV_ATTENTION = Kernel(
-    front.attention, name="qkv.attention", supports=_ALL, varlen=front.attention_varlen
+    front.attention, name="qkv.attention", supports=_ALL, varlen=wrapped.attention_varlen
 )
 QKV_TORCH = Kernel(
     front.attention,
