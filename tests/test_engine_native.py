@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tests.conftest import bound
+from tests.conftest import bound, tol
 
 import qkv
 from qkv import reference
@@ -288,7 +288,7 @@ def test_float32_scale_beyond_its_range_runs_in_float64(spy):
         ref = reference.attention(
             *(x.astype(np.float64) for x in (q, k, v)), causal=True, scale=scale
         )
-        np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(out, ref, rtol=TOL[np.float32], atol=TOL[np.float32])
     assert spy and all(p.acc_dtype == np.float64 for p in spy)
 
 
@@ -298,8 +298,8 @@ def test_sinks_are_added_after_the_native_kernel(spy):
     sinks = np.array([0.5, -1.0, 2.0, 0.0])
     out, lse = qkv.attention(q, k, v, causal=True, sinks=sinks, return_lse=True)
     ref_out, ref_lse = reference.attention(q, k, v, causal=True, sinks=sinks, return_lse=True)
-    np.testing.assert_allclose(out, ref_out, atol=1e-10)
-    np.testing.assert_allclose(lse, ref_lse, atol=1e-10)
+    np.testing.assert_allclose(out, ref_out, atol=TOL[np.float64])
+    np.testing.assert_allclose(lse, ref_lse, atol=TOL[np.float64])
     assert spy
 
 
@@ -310,7 +310,7 @@ def test_score_variants_run_on_the_numpy_kernels(variant, spy):
     assert not native.supports(make_plan(q, k, v, **variant))
     out = qkv.attention(q, k, v, causal=True, **variant)
     np.testing.assert_allclose(
-        out, reference.attention(q, k, v, causal=True, **variant), atol=1e-10
+        out, reference.attention(q, k, v, causal=True, **variant), atol=TOL[np.float64]
     )
     assert not spy
 
@@ -323,7 +323,7 @@ def test_threads_and_clones_agree():
     for isa in ISAS:
         for threads in (1, 2, 5):
             out, _ = native.attend(plan, threads=threads, isa=isa, block_q=32, block_k=64)
-            np.testing.assert_allclose(out, first, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(out, first, **tol("threads and clones", np.float32))
 
 
 def test_switched_off_by_environment(monkeypatch):
@@ -337,7 +337,7 @@ def test_switched_off_by_environment(monkeypatch):
     monkeypatch.setattr(native, "attend", lambda *a, **kw: called.append(1))
     out, _ = dispatch.attend(plan)
     assert not called
-    np.testing.assert_allclose(out, reference.attention(q, k, v, causal=True), atol=2e-5)
+    np.testing.assert_allclose(out, reference.attention(q, k, v, causal=True), atol=TOL[np.float32])
     monkeypatch.delenv("QKV_NATIVE")
     assert native.supports(plan) and native.info()["active"] is True
 
@@ -563,11 +563,13 @@ def test_native_packed_at_tile_edges_with_strided_inputs(kw, isa):
         q, k, v, cq, ck, scale=0.4, seqs=seqs, isa=isa, block_q=4, block_k=7, **kw
     )
     ref_out, ref_lse = packed_reference(q, k, v, cq, ck, scale=0.4, **kw)
-    np.testing.assert_allclose(out, ref_out, rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(out, ref_out, rtol=TOL[np.float64], atol=TOL[np.float64])
     assert np.array_equal(np.isneginf(lse), np.isneginf(ref_lse))
     only = native.attend_packed(q, k, v, cq, ck, scale=0.4, seqs=[4], **kw)[0]
     rows = slice(cq[4], cq[5])
-    np.testing.assert_allclose(only[rows], ref_out[rows], rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(
+        only[rows], ref_out[rows], rtol=TOL[np.float64], atol=TOL[np.float64]
+    )
     assert not only[: cq[4]].any() and not only[cq[5] :].any()  # the others left 0
 
 
@@ -600,15 +602,17 @@ def test_attention_varlen_runs_the_native_walk(monkeypatch):
     want, _ = packed_reference(q, k, v, cu, cu, causal=True, scale=0.25)
     got = qkv.attention_varlen(q, k, v, cu, cu, causal=True)
     assert calls == [[0, 1, 2, 3, 5]]
-    np.testing.assert_allclose(got, want, atol=2e-5)
+    np.testing.assert_allclose(got, want, atol=TOL[np.float32])
     monkeypatch.setenv("QKV_NATIVE", "0")
-    np.testing.assert_allclose(qkv.attention_varlen(q, k, v, cu, cu, causal=True), want, atol=2e-5)
+    np.testing.assert_allclose(
+        qkv.attention_varlen(q, k, v, cu, cu, causal=True), want, atol=TOL[np.float32]
+    )
     assert len(calls) == 1
     monkeypatch.delenv("QKV_NATIVE")
     big = qkv.attention_varlen(q * np.float32(1e20), k * np.float32(1e20), v, cu, cu, scale=1.0)
     want_big, _ = packed_reference(q * 1e20, k * 1e20, v, cu, cu, scale=1.0)
     assert np.isfinite(big).all()
-    np.testing.assert_allclose(big, want_big, atol=2e-5)
+    np.testing.assert_allclose(big, want_big, atol=TOL[np.float32])
 
 
 def test_native_packed_threads_and_clones_agree():
@@ -622,7 +626,7 @@ def test_native_packed_threads_and_clones_agree():
             out, _ = native.attend_packed(
                 q, k, v, cu, cu, scale=0.25, causal=True, threads=threads, isa=isa, block_q=32
             )
-            np.testing.assert_allclose(out, first, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(out, first, **tol("threads and clones", np.float32))
 
 
 def test_info_says_the_varlen_walk_is_active(monkeypatch):
