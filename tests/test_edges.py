@@ -78,8 +78,8 @@ def test_cache_with_an_empty_sequence_and_alibi():
 # ----- 2. softcap beyond the compute dtype -----
 
 # Each dtype its own bound (issue 33, item 15): float32 the rule's floor; float16 about two of
-# its rounding units (2⁻¹¹ relative) on values of order one; the table's "softcap beyond the
-# dtype" rows.
+# its rounding units (2⁻¹¹ relative) on values of order one; the table's "beyond the dtype"
+# rows.
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
@@ -89,7 +89,7 @@ def test_softcap_beyond_the_dtype_is_the_uncapped_answer(dtype, kernel):
     out = qkv.attention(q, k, v, softcap=1e39, kernel=kernel)
     assert out.dtype == dtype and np.isfinite(out).all()
     ref = reference.attention(q, k, v)  # the cap of 1e39 changes no score of these inputs
-    limit = bound("softcap beyond the dtype", dtype)
+    limit = bound("beyond the dtype", dtype)
     np.testing.assert_allclose(out, ref, rtol=limit, atol=limit)
     np.testing.assert_allclose(out, reference.attention(q, k, v, softcap=1e39), atol=limit)
     w = qkv.attention_weights(q, k, softcap=1e39)
@@ -105,7 +105,7 @@ def test_softcap_beyond_the_dtype_in_the_gradients(dtype):
         got = qkv.attention_vjp(q, k, v, g, softcap=1e39, **extra)
         for a, b in zip(got, want, strict=True):
             assert a.dtype == dtype and np.isfinite(a).all()
-            np.testing.assert_allclose(a, b, **tol("softcap beyond the dtype, backward", dtype))
+            np.testing.assert_allclose(a, b, **tol("beyond the dtype, backward", dtype))
 
 
 def test_tiny_softcap_in_float32_caps_every_score_to_nearly_zero():
