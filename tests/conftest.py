@@ -94,6 +94,8 @@ TOLERANCES: dict[str, dict[str, tuple[float, float]]] = {
     "few roundings": _in_ulps(float64=(4, 4)),
     # the causal seed cases' printed values (1e-13 relative, 1e-15 absolute)
     "seed cases": _in_ulps(float64=(450, 4)),
+    # numbers written to five decimals: half a unit of the last
+    "five decimals": {"float64": (5e-6, 5e-6)},
     # analytic gradients against central finite differences (their truncation error)
     "finite differences": {"float64": (1e-6, 1e-8)},
     # one float32 kernel against itself on another team of threads, same vector clone
