@@ -14,6 +14,7 @@ import qkv
 from qkv import reference
 from qkv.engine.grad import reference_attention_vjp
 from qkv.engine.kernels import dispatch, native, native_lib
+from qkv.testing import strategies as qs
 from qkv.validate import make_plan
 
 _lib, _why = native_lib.library()
@@ -77,41 +78,48 @@ def test_native_equals_reference_at_tile_edges(L, S, kw, isa):
 
 @st.composite
 def problems(draw):
-    """Shapes, grouped or broadcast heads, dtype, scale, causal, window, mask, tiles, clone."""
-    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    dtype = draw(st.sampled_from([np.float64, np.float32, np.float16]))
-    d, dv = draw(st.integers(1, 9)), draw(st.integers(1, 7))
-    L, S = draw(st.integers(1, 20)), draw(st.integers(1, 20))
+    """Shapes, grouped or broadcast heads, dtype, scale, causal, window, mask, tiles, clone.
+
+    Shapes, values (exact in every dtype), windows and masks come from
+    :mod:`qkv.testing.strategies`; the plain ``(L, d)`` layout, K/V broadcast over batch and
+    heads, and the kernel's own tiles, clone and threads are drawn here.
+    """
     kind = draw(st.sampled_from(["2d", "heads", "gqa", "batch-broadcast"]))
+    s = draw(
+        qs.shapes(
+            batch=(1, 3),
+            heads=(1, 3),
+            L=(1, 20),
+            S=(1, 20),
+            d=(1, 9),
+            grouped=kind == "gqa",
+            dv_differs=draw(st.booleans()),
+        )
+    )
+    q, k, v = draw(qs.inputs(st.just(s)))
     if kind == "2d":
-        qs, ks = (L, d), (S, d)
-    elif kind == "heads":
-        h = draw(st.integers(1, 3))
-        qs, ks = (2, h, L, d), (2, h, S, d)
-    elif kind == "gqa":
-        hkv, g = draw(st.integers(1, 3)), draw(st.integers(2, 3))
-        qs, ks = (2, hkv * g, L, d), (2, hkv, S, d)
-    else:
-        qs, ks = (3, 2, L, d), (S, d)  # k/v broadcast over batch and heads
-    q, k = rand(rng, qs, dtype), rand(rng, ks, dtype)
-    v = rand(rng, ks[:-1] + (dv,), dtype)
+        q, k, v = q[0, 0], k[0, 0], v[0, 0]
+    elif kind == "batch-broadcast":
+        k, v = k[0, 0], v[0, 0]  # k/v broadcast over batch and heads
+    dtype = draw(st.sampled_from([np.float64, np.float32, np.float16]))
+    q, k, v = (x.astype(dtype) for x in (q, k, v))
+    L, S = s.L, s.S
     opts = {"causal": draw(st.booleans())}
     if draw(st.booleans()):
         opts["scale"] = draw(st.floats(0.05, 4.0))
     if draw(st.booleans()):
-        side = st.one_of(st.none(), st.integers(0, 6))
-        opts["window"] = (draw(side), draw(side))
+        opts["window"] = draw(qs.windows(max_side=6))
     mask_kind = draw(st.sampled_from([None, "bool", "float", "bool-row", "bool-heads"]))
     if mask_kind == "bool":
-        opts["mask"] = rng.random((L, S)) < 0.7
-    elif mask_kind == "bool-row":
-        opts["mask"] = rng.random((S,)) < 0.5  # broadcast over rows
-    elif mask_kind == "bool-heads" and len(qs) == 4:
-        opts["mask"] = rng.random((qs[1], 1, S)) < 0.6  # per head, broadcast over rows
+        opts["mask"] = draw(qs.bool_masks(1, 1, L, S, every_row_sees=False))[0, 0]
+    elif mask_kind == "bool-row":  # broadcast over rows
+        opts["mask"] = draw(qs.bool_masks(1, 1, 1, S, every_row_sees=False))[0, 0, 0]
+    elif mask_kind == "bool-heads" and q.ndim == 4:  # per head, broadcast over rows
+        opts["mask"] = draw(qs.bool_masks(1, q.shape[1], 1, S, every_row_sees=False))[0]
     elif mask_kind == "float":
-        bias = rng.standard_normal((L, S))
-        bias[rng.random((L, S)) < 0.2] = -np.inf
-        opts["mask"] = bias.astype(dtype)
+        bias = draw(qs.float_masks(1, 1, L, S))[0, 0]
+        keep = draw(qs.bool_masks(1, 1, L, S, every_row_sees=False))[0, 0]
+        opts["mask"] = np.where(keep, bias, -np.inf).astype(dtype)
     tiles = dict(block_q=draw(st.integers(1, 8)), block_k=draw(st.integers(1, 8)))
     run = dict(tiles, isa=draw(st.sampled_from(ISAS)), threads=draw(st.integers(1, 3)))
     return q, k, v, opts, run
@@ -465,12 +473,12 @@ def packed_reference(q, k, v, cq, ck, **kw):
     out = np.zeros((q.shape[0], q.shape[1], v.shape[2]))
     lse = np.full(q.shape[:2], -np.inf)
     for b in range(len(cq) - 1):
-        qs, ks, vs = (
+        qb, kb, vb = (
             x[c[b] : c[b + 1]].astype(np.float64).transpose(1, 0, 2)
             for x, c in ((q, cq), (k, ck), (v, ck))
         )
         with np.errstate(invalid="ignore"):
-            o, s = reference.attention(qs, ks, vs, return_lse=True, **kw)
+            o, s = reference.attention(qb, kb, vb, return_lse=True, **kw)
         out[cq[b] : cq[b + 1]] = o.transpose(1, 0, 2)
         lse[cq[b] : cq[b + 1]] = s.T
     return out, lse
@@ -478,24 +486,23 @@ def packed_reference(q, k, v, cq, ck, **kw):
 
 @st.composite
 def packed_problems(draw):
-    """Packed batches: lengths with 0 and 1, grouped heads, dtype, causal, window, tiles."""
-    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    n = draw(st.integers(1, 5))
-    length = st.sampled_from([0, 1, 1, 2, 3, 5, 8, 13, 21])
-    lq = [draw(length) for _ in range(n)]
+    """Packed batches: lengths with 0 and 1, grouped heads, dtype, causal, window, tiles.
+
+    Offsets, values and windows come from :mod:`qkv.testing.strategies`."""
+    cq = draw(qs.cu_seqlens(batch=(1, 5), length=(0, 21)))
+    n = len(cq) - 1
     same = draw(st.booleans())  # prompts (L == S) or any lengths
-    lk = list(lq) if same else [draw(length) for _ in range(n)]
-    cq, ck = (np.concatenate([[0], np.cumsum(x, dtype=np.int64)]) for x in (lq, lk))
+    ck = cq if same else draw(qs.cu_seqlens(batch=(n, n), length=(0, 21)))
     dtype = draw(st.sampled_from([np.float64, np.float32, np.float16]))
     kv, g = draw(st.integers(1, 3)), draw(st.integers(1, 3))
     d, dv = draw(st.integers(1, 9)), draw(st.integers(1, 7))
-    q = rand(rng, (cq[-1], kv * g, d), dtype)
-    k = rand(rng, (ck[-1], kv, d), dtype)
-    v = rand(rng, (ck[-1], kv, dv), dtype)
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    q = qs.values(rng, (cq[-1], kv * g, d)).astype(dtype)
+    k = qs.values(rng, (ck[-1], kv, d)).astype(dtype)
+    v = qs.values(rng, (ck[-1], kv, dv)).astype(dtype)
     opts = {"causal": draw(st.booleans()), "scale": draw(st.floats(0.05, 2.0))}
     if draw(st.booleans()):
-        side = st.one_of(st.none(), st.integers(0, 6))
-        opts["window"] = (draw(side), draw(side))
+        opts["window"] = draw(qs.windows(max_side=6))
     run = dict(
         block_q=draw(st.integers(1, 8)),
         block_k=draw(st.integers(1, 8)),

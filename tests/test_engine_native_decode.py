@@ -46,6 +46,8 @@ def _runs_mask(B, S, lo, hi):
     return mask
 
 
+# Not qkv.testing.strategies: the decode step's own sizes (up to 700 keys, the head sizes of
+# real models, a buffer larger than the keys, per-sequence runs of keys) are the point here.
 @st.composite
 def problems(draw):
     B = draw(st.integers(1, 3))
