@@ -63,26 +63,29 @@ def test_importing_qkv_imports_neither_torch_nor_other_optional_packages():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64, torch.bfloat16])
 def test_tensors_in_tensors_out_same_dtype(dtype):
     q, k, v = rand(2, 3, 4, dtype=dtype), rand(2, 5, 4, dtype=dtype), rand(2, 5, 6, dtype=dtype)
-    tol = {torch.float16: 3e-3, torch.bfloat16: 2e-2, torch.float32: 1e-6, torch.float64: 1e-12}
-    tol = tol[dtype]
+    limit = bound("tensor dtypes", dtype)
     args = (np64(q), np64(k))
 
     out = qkv.attention(q, k, v, causal=True)
     assert isinstance(out, torch.Tensor) and out.dtype == dtype and out.shape == (2, 3, 6)
     expect = reference.attention(*args, np64(v), causal=True)
-    np.testing.assert_allclose(np64(out), expect, atol=tol, rtol=tol)
+    np.testing.assert_allclose(np64(out), expect, atol=limit, rtol=limit)
 
     w = qkv.attention_weights(q, k, window=(1, 1))
     assert isinstance(w, torch.Tensor) and w.dtype == dtype
-    np.testing.assert_allclose(np64(w), reference.attention_weights(*args, window=(1, 1)), atol=tol)
+    np.testing.assert_allclose(
+        np64(w), reference.attention_weights(*args, window=(1, 1)), atol=limit
+    )
 
     s = qkv.scores(q, k, scale=0.5)
     assert isinstance(s, torch.Tensor) and s.dtype == dtype
-    np.testing.assert_allclose(np64(s), reference.scores(*args, scale=0.5), atol=tol * 10, rtol=tol)
+    np.testing.assert_allclose(
+        np64(s), reference.scores(*args, scale=0.5), atol=limit * 10, rtol=limit
+    )
 
     p = qkv.softmax(s)
     assert isinstance(p, torch.Tensor) and p.dtype == dtype
-    np.testing.assert_allclose(np64(p), reference.softmax(np64(s)), atol=tol)
+    np.testing.assert_allclose(np64(p), reference.softmax(np64(s)), atol=limit)
 
 
 def test_seed_case_as_tensors():
