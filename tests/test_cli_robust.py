@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from tests.conftest import bound
 
 import qkv.explanation.trace as trace_module
 from qkv.cli import main
@@ -228,12 +229,12 @@ def test_weighted_values_are_computed_only_when_read(monkeypatch):
     w0, w1 = t.weights[0]
     expected = np.array([[1 * w0, 2 * w0], [3 * w1, 4 * w1]])
     assert "weighted" not in vars(t)  # a property, not a stored (L, S, dv) array
-    np.testing.assert_allclose(t.weighted[0], expected, rtol=1e-15)
-    np.testing.assert_allclose(t.weighted_row(0), expected, rtol=1e-15)
+    np.testing.assert_allclose(t.weighted[0], expected, rtol=bound("few roundings", np.float64))
+    np.testing.assert_allclose(t.weighted_row(0), expected, rtol=bound("few roundings", np.float64))
     monkeypatch.setattr(trace_module, "MAX_WEIGHTED", 3)
     with pytest.raises(InputError, match=r"L·S·dv = 1·2·2 = 4 numbers is more than 3"):
         t.weighted  # noqa: B018
-    np.testing.assert_allclose(t.weighted_row(0), expected, rtol=1e-15)
+    np.testing.assert_allclose(t.weighted_row(0), expected, rtol=bound("few roundings", np.float64))
     text = t.to_text()  # the renderers need no (L, S, dv) array
     assert "[2.90515, 3.90515]" in text and f"[{fmt(w1 * 3)}, {fmt(w1 * 4)}]" in text
 
@@ -318,7 +319,9 @@ def test_matrices_starting_with_a_minus_sign_just_work():
     import qkv
 
     want = qkv.reference.attention([-1, 2], [[-1, 0], [3, 2]], [[-1, 2], [3, -4]])
-    np.testing.assert_allclose(doc["output"]["output"][0], want, rtol=1e-12)
+    np.testing.assert_allclose(
+        doc["output"]["output"][0], want, rtol=bound("float64 path", np.float64)
+    )
     r = _entry_point("explain", "--q", "-1,2", "--k", "1,0;3,2", "--window", "-1,0")
     err = r.stderr.decode()
     assert r.returncode == 2 and err.count("\n") == 1, err

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.conftest import bound
 
 import qkv
 from qkv import reference
@@ -26,17 +27,17 @@ def test_prefill_row_equals_single_query_on_prefix(seed, N, hkv, group, left, dt
     v = rng.standard_normal((2, hkv, N, 6)).astype(dtype)
     window = None if left is None else (left, 0)
     full = qkv.attention(q, k, v, causal=True, window=window)
-    tol = 1e-12 if dtype == np.float64 else 2e-5
+    limit = bound("decoding", dtype)
     for i in range(N):
         # one query at the end of the prefix: bottom-right causal lets it see all i + 1 keys
         step = qkv.attention(
             q[..., i : i + 1, :], k[..., : i + 1, :], v[..., : i + 1, :], causal=True, window=window
         )
-        np.testing.assert_allclose(step[..., 0, :], full[..., i, :], rtol=tol, atol=tol)
+        np.testing.assert_allclose(step[..., 0, :], full[..., i, :], rtol=limit, atol=limit)
         # the same without the causal flag: a single query sees everything it is given
         if window is None:
             nc = qkv.attention(q[..., i, :][..., None, :], k[..., : i + 1, :], v[..., : i + 1, :])
-            np.testing.assert_allclose(nc[..., 0, :], full[..., i, :], rtol=tol, atol=tol)
+            np.testing.assert_allclose(nc[..., 0, :], full[..., i, :], rtol=limit, atol=limit)
     np.testing.assert_allclose(
-        full, reference.attention(q, k, v, causal=True, window=window), rtol=tol, atol=tol
+        full, reference.attention(q, k, v, causal=True, window=window), rtol=limit, atol=limit
     )

@@ -8,12 +8,13 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tests.conftest import bound
+from tests.conftest import bound, tol
 
 import qkv
 from qkv import reference
 from qkv.engine.grad import reference_attention_vjp
 from qkv.engine.kernels import dispatch, native, native_lib, router
+from qkv.testing import strategies as qs
 from qkv.validate import make_plan
 
 _lib, _why = native_lib.library()
@@ -77,41 +78,48 @@ def test_native_equals_reference_at_tile_edges(L, S, kw, isa):
 
 @st.composite
 def problems(draw):
-    """Shapes, grouped or broadcast heads, dtype, scale, causal, window, mask, tiles, clone."""
-    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    dtype = draw(st.sampled_from([np.float64, np.float32, np.float16]))
-    d, dv = draw(st.integers(1, 9)), draw(st.integers(1, 7))
-    L, S = draw(st.integers(1, 20)), draw(st.integers(1, 20))
+    """Shapes, grouped or broadcast heads, dtype, scale, causal, window, mask, tiles, clone.
+
+    Shapes, values (exact in every dtype), windows and masks come from
+    :mod:`qkv.testing.strategies`; the plain ``(L, d)`` layout, K/V broadcast over batch and
+    heads, and the kernel's own tiles, clone and threads are drawn here.
+    """
     kind = draw(st.sampled_from(["2d", "heads", "gqa", "batch-broadcast"]))
+    s = draw(
+        qs.shapes(
+            batch=(1, 3),
+            heads=(1, 3),
+            L=(1, 20),
+            S=(1, 20),
+            d=(1, 9),
+            grouped=kind == "gqa",
+            dv_differs=draw(st.booleans()),
+        )
+    )
+    q, k, v = draw(qs.inputs(st.just(s)))
     if kind == "2d":
-        qs, ks = (L, d), (S, d)
-    elif kind == "heads":
-        h = draw(st.integers(1, 3))
-        qs, ks = (2, h, L, d), (2, h, S, d)
-    elif kind == "gqa":
-        hkv, g = draw(st.integers(1, 3)), draw(st.integers(2, 3))
-        qs, ks = (2, hkv * g, L, d), (2, hkv, S, d)
-    else:
-        qs, ks = (3, 2, L, d), (S, d)  # k/v broadcast over batch and heads
-    q, k = rand(rng, qs, dtype), rand(rng, ks, dtype)
-    v = rand(rng, ks[:-1] + (dv,), dtype)
+        q, k, v = q[0, 0], k[0, 0], v[0, 0]
+    elif kind == "batch-broadcast":
+        k, v = k[0, 0], v[0, 0]  # k/v broadcast over batch and heads
+    dtype = draw(st.sampled_from([np.float64, np.float32, np.float16]))
+    q, k, v = (x.astype(dtype) for x in (q, k, v))
+    L, S = s.L, s.S
     opts = {"causal": draw(st.booleans())}
     if draw(st.booleans()):
         opts["scale"] = draw(st.floats(0.05, 4.0))
     if draw(st.booleans()):
-        side = st.one_of(st.none(), st.integers(0, 6))
-        opts["window"] = (draw(side), draw(side))
+        opts["window"] = draw(qs.windows(max_side=6))
     mask_kind = draw(st.sampled_from([None, "bool", "float", "bool-row", "bool-heads"]))
     if mask_kind == "bool":
-        opts["mask"] = rng.random((L, S)) < 0.7
-    elif mask_kind == "bool-row":
-        opts["mask"] = rng.random((S,)) < 0.5  # broadcast over rows
-    elif mask_kind == "bool-heads" and len(qs) == 4:
-        opts["mask"] = rng.random((qs[1], 1, S)) < 0.6  # per head, broadcast over rows
+        opts["mask"] = draw(qs.bool_masks(1, 1, L, S, every_row_sees=False))[0, 0]
+    elif mask_kind == "bool-row":  # broadcast over rows
+        opts["mask"] = draw(qs.bool_masks(1, 1, 1, S, every_row_sees=False))[0, 0, 0]
+    elif mask_kind == "bool-heads" and q.ndim == 4:  # per head, broadcast over rows
+        opts["mask"] = draw(qs.bool_masks(1, q.shape[1], 1, S, every_row_sees=False))[0]
     elif mask_kind == "float":
-        bias = rng.standard_normal((L, S))
-        bias[rng.random((L, S)) < 0.2] = -np.inf
-        opts["mask"] = bias.astype(dtype)
+        bias = draw(qs.float_masks(1, 1, L, S))[0, 0]
+        keep = draw(qs.bool_masks(1, 1, L, S, every_row_sees=False))[0, 0]
+        opts["mask"] = np.where(keep, bias, -np.inf).astype(dtype)
     tiles = dict(block_q=draw(st.integers(1, 8)), block_k=draw(st.integers(1, 8)))
     run = dict(tiles, isa=draw(st.sampled_from(ISAS)), threads=draw(st.integers(1, 3)))
     return q, k, v, opts, run
@@ -288,7 +296,7 @@ def test_float32_scale_beyond_its_range_runs_in_float64(spy):
         ref = reference.attention(
             *(x.astype(np.float64) for x in (q, k, v)), causal=True, scale=scale
         )
-        np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(out, ref, rtol=TOL[np.float32], atol=TOL[np.float32])
     assert spy and all(p.acc_dtype == np.float64 for p in spy)
 
 
@@ -298,8 +306,8 @@ def test_sinks_are_added_after_the_native_kernel(spy):
     sinks = np.array([0.5, -1.0, 2.0, 0.0])
     out, lse = qkv.attention(q, k, v, causal=True, sinks=sinks, return_lse=True)
     ref_out, ref_lse = reference.attention(q, k, v, causal=True, sinks=sinks, return_lse=True)
-    np.testing.assert_allclose(out, ref_out, atol=1e-10)
-    np.testing.assert_allclose(lse, ref_lse, atol=1e-10)
+    np.testing.assert_allclose(out, ref_out, atol=TOL[np.float64])
+    np.testing.assert_allclose(lse, ref_lse, atol=TOL[np.float64])
     assert spy
 
 
@@ -310,7 +318,7 @@ def test_score_variants_run_on_the_numpy_kernels(variant, spy):
     assert not router.holds(router.PREFILL, make_plan(q, k, v, **variant))
     out = qkv.attention(q, k, v, causal=True, **variant)
     np.testing.assert_allclose(
-        out, reference.attention(q, k, v, causal=True, **variant), atol=1e-10
+        out, reference.attention(q, k, v, causal=True, **variant), atol=TOL[np.float64]
     )
     assert not spy
 
@@ -323,7 +331,7 @@ def test_threads_and_clones_agree():
     for isa in ISAS:
         for threads in (1, 2, 5):
             out, _ = native.attend(plan, threads=threads, isa=isa, block_q=32, block_k=64)
-            np.testing.assert_allclose(out, first, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(out, first, **tol("threads and clones", np.float32))
 
 
 def test_switched_off_by_environment(monkeypatch):
@@ -337,7 +345,7 @@ def test_switched_off_by_environment(monkeypatch):
     monkeypatch.setattr(native, "attend", lambda *a, **kw: called.append(1))
     out, _ = dispatch.attend(plan)
     assert not called
-    np.testing.assert_allclose(out, reference.attention(q, k, v, causal=True), atol=2e-5)
+    np.testing.assert_allclose(out, reference.attention(q, k, v, causal=True), atol=TOL[np.float32])
     monkeypatch.delenv("QKV_NATIVE")
     assert router.holds(router.PREFILL, plan) and native.info()["active"] is True
 
@@ -465,12 +473,12 @@ def packed_reference(q, k, v, cq, ck, **kw):
     out = np.zeros((q.shape[0], q.shape[1], v.shape[2]))
     lse = np.full(q.shape[:2], -np.inf)
     for b in range(len(cq) - 1):
-        qs, ks, vs = (
+        qb, kb, vb = (
             x[c[b] : c[b + 1]].astype(np.float64).transpose(1, 0, 2)
             for x, c in ((q, cq), (k, ck), (v, ck))
         )
         with np.errstate(invalid="ignore"):
-            o, s = reference.attention(qs, ks, vs, return_lse=True, **kw)
+            o, s = reference.attention(qb, kb, vb, return_lse=True, **kw)
         out[cq[b] : cq[b + 1]] = o.transpose(1, 0, 2)
         lse[cq[b] : cq[b + 1]] = s.T
     return out, lse
@@ -478,24 +486,23 @@ def packed_reference(q, k, v, cq, ck, **kw):
 
 @st.composite
 def packed_problems(draw):
-    """Packed batches: lengths with 0 and 1, grouped heads, dtype, causal, window, tiles."""
-    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    n = draw(st.integers(1, 5))
-    length = st.sampled_from([0, 1, 1, 2, 3, 5, 8, 13, 21])
-    lq = [draw(length) for _ in range(n)]
+    """Packed batches: lengths with 0 and 1, grouped heads, dtype, causal, window, tiles.
+
+    Offsets, values and windows come from :mod:`qkv.testing.strategies`."""
+    cq = draw(qs.cu_seqlens(batch=(1, 5), length=(0, 21)))
+    n = len(cq) - 1
     same = draw(st.booleans())  # prompts (L == S) or any lengths
-    lk = list(lq) if same else [draw(length) for _ in range(n)]
-    cq, ck = (np.concatenate([[0], np.cumsum(x, dtype=np.int64)]) for x in (lq, lk))
+    ck = cq if same else draw(qs.cu_seqlens(batch=(n, n), length=(0, 21)))
     dtype = draw(st.sampled_from([np.float64, np.float32, np.float16]))
     kv, g = draw(st.integers(1, 3)), draw(st.integers(1, 3))
     d, dv = draw(st.integers(1, 9)), draw(st.integers(1, 7))
-    q = rand(rng, (cq[-1], kv * g, d), dtype)
-    k = rand(rng, (ck[-1], kv, d), dtype)
-    v = rand(rng, (ck[-1], kv, dv), dtype)
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    q = qs.values(rng, (cq[-1], kv * g, d)).astype(dtype)
+    k = qs.values(rng, (ck[-1], kv, d)).astype(dtype)
+    v = qs.values(rng, (ck[-1], kv, dv)).astype(dtype)
     opts = {"causal": draw(st.booleans()), "scale": draw(st.floats(0.05, 2.0))}
     if draw(st.booleans()):
-        side = st.one_of(st.none(), st.integers(0, 6))
-        opts["window"] = (draw(side), draw(side))
+        opts["window"] = draw(qs.windows(max_side=6))
     run = dict(
         block_q=draw(st.integers(1, 8)),
         block_k=draw(st.integers(1, 8)),
@@ -563,11 +570,13 @@ def test_native_packed_at_tile_edges_with_strided_inputs(kw, isa):
         q, k, v, cq, ck, scale=0.4, seqs=seqs, isa=isa, block_q=4, block_k=7, **kw
     )
     ref_out, ref_lse = packed_reference(q, k, v, cq, ck, scale=0.4, **kw)
-    np.testing.assert_allclose(out, ref_out, rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(out, ref_out, rtol=TOL[np.float64], atol=TOL[np.float64])
     assert np.array_equal(np.isneginf(lse), np.isneginf(ref_lse))
     only = native.attend_packed(q, k, v, cq, ck, scale=0.4, seqs=[4], **kw)[0]
     rows = slice(cq[4], cq[5])
-    np.testing.assert_allclose(only[rows], ref_out[rows], rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(
+        only[rows], ref_out[rows], rtol=TOL[np.float64], atol=TOL[np.float64]
+    )
     assert not only[: cq[4]].any() and not only[cq[5] :].any()  # the others left 0
 
 
@@ -600,15 +609,17 @@ def test_attention_varlen_runs_the_native_walk(monkeypatch):
     want, _ = packed_reference(q, k, v, cu, cu, causal=True, scale=0.25)
     got = qkv.attention_varlen(q, k, v, cu, cu, causal=True)
     assert calls == [[0, 1, 2, 3, 5]]
-    np.testing.assert_allclose(got, want, atol=2e-5)
+    np.testing.assert_allclose(got, want, atol=TOL[np.float32])
     monkeypatch.setenv("QKV_NATIVE", "0")
-    np.testing.assert_allclose(qkv.attention_varlen(q, k, v, cu, cu, causal=True), want, atol=2e-5)
+    np.testing.assert_allclose(
+        qkv.attention_varlen(q, k, v, cu, cu, causal=True), want, atol=TOL[np.float32]
+    )
     assert len(calls) == 1
     monkeypatch.delenv("QKV_NATIVE")
     big = qkv.attention_varlen(q * np.float32(1e20), k * np.float32(1e20), v, cu, cu, scale=1.0)
     want_big, _ = packed_reference(q * 1e20, k * 1e20, v, cu, cu, scale=1.0)
     assert np.isfinite(big).all()
-    np.testing.assert_allclose(big, want_big, atol=2e-5)
+    np.testing.assert_allclose(big, want_big, atol=TOL[np.float32])
 
 
 def test_native_packed_threads_and_clones_agree():
@@ -622,7 +633,7 @@ def test_native_packed_threads_and_clones_agree():
             out, _ = native.attend_packed(
                 q, k, v, cu, cu, scale=0.25, causal=True, threads=threads, isa=isa, block_q=32
             )
-            np.testing.assert_allclose(out, first, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(out, first, **tol("threads and clones", np.float32))
 
 
 def test_info_says_the_varlen_walk_is_active(monkeypatch):

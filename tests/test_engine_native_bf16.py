@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.conftest import tol
 
 import qkv
 from qkv import reference
@@ -64,7 +65,7 @@ def _check(out, lse, q, k, v, **options):
     np.testing.assert_allclose(out.astype(np.float64), want, rtol=0, atol=_bound(v, want))
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
     seen = np.isfinite(want_lse)
-    np.testing.assert_allclose(lse[seen], want_lse[seen], rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(lse[seen], want_lse[seen], **tol("fast path", np.float32))
 
 
 @settings(max_examples=40, deadline=None)
@@ -114,7 +115,12 @@ def test_attention_runs_it_and_keeps_the_dtype(monkeypatch):
 
 
 def _bound(v, want):
-    """The kernel's bound plus the output's rounding to bfloat16 (half a unit, 2**-8)."""
+    """The kernel's bound plus the output's rounding to bfloat16 (half a unit, 2**-8).
+
+    The module's own rule (its docstring), not a row of the tests' table: it scales with this
+    input's max |v| and |out|, and it is tighter for bfloat16 than the library's rule
+    (:func:`qkv.testing.tolerance.allowed` allows FLOOR_ULPS = 8 units, 2**-4 of max |v|).
+    """
     big = np.abs(v.astype(np.float64)).max(initial=0.0) + np.abs(want).max(initial=0.0)
     return 2.0**-8 * big + 1e-5
 

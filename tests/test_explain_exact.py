@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from tests.conftest import bound
 
 import qkv
 
@@ -29,8 +30,12 @@ def test_seed_closed_forms():
     o0, o1 = ex.output[0]
     assert _eq(o0, (1 + 3 * E3) / (1 + E3)) and _eq(o1, (2 + 4 * E3) / (1 + E3))
     # each exact value agrees with the numeric trace
-    np.testing.assert_allclose([ex.value(w) for w in ex.weights[0]], t.weights[0], rtol=1e-14)
-    np.testing.assert_allclose([ex.value(o) for o in ex.output[0]], t.output[0], rtol=1e-14)
+    np.testing.assert_allclose(
+        [ex.value(w) for w in ex.weights[0]], t.weights[0], rtol=bound("closed form", np.float64)
+    )
+    np.testing.assert_allclose(
+        [ex.value(o) for o in ex.output[0]], t.output[0], rtol=bound("closed form", np.float64)
+    )
     text = t.to_text()
     assert "1/(1 + exp(3)) ≈ 0.04743" in text and "exp(3)/(1 + exp(3)) ≈ 0.95257" in text
     assert "(1 + 3*exp(3))/(1 + exp(3)) ≈ 2.90515" in text
@@ -59,7 +64,7 @@ def test_times_sqrt_d_scale_and_causal_exact():
     )
     assert c.exact.logits[0][1] == -sympy.oo and c.exact.weights[0] == [1, 0, 0]
     got = np.array([[c.exact.value(x) for x in row] for row in c.exact.output])
-    np.testing.assert_allclose(got, c.output, rtol=1e-14)
+    np.testing.assert_allclose(got, c.output, rtol=bound("closed form", np.float64))
 
 
 def test_exact_refuses_huge_inputs():

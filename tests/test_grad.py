@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.conftest import bound, tol
 
 import qkv
 from qkv import reference
@@ -67,7 +68,7 @@ def test_matches_finite_differences(name):
         got = fn(q, k, v, g, **c["kw"])
         for a, x, w in zip((q, k, v), got, want, strict=True):
             assert x.shape == a.shape and x.dtype == np.float64
-            np.testing.assert_allclose(x, w, rtol=1e-6, atol=1e-8)
+            np.testing.assert_allclose(x, w, **tol("finite differences", np.float64))
 
 
 def test_masks_bool_and_float():
@@ -82,7 +83,7 @@ def test_masks_bool_and_float():
         want = fd_grads(q, k, v, g, mask=mask)
         got = qkv.attention_vjp(q, k, v, g, mask=mask)
         for x, w in zip(got, want, strict=True):
-            np.testing.assert_allclose(x, w, rtol=1e-6, atol=1e-8)
+            np.testing.assert_allclose(x, w, **tol("finite differences", np.float64))
     # masked keys get no gradient: key 4 is never allowed
     bmask = np.ones((3, 5), dtype=bool)
     bmask[:, 4] = False
@@ -111,10 +112,9 @@ def test_dtypes_follow_inputs(dtype):
     g = rand(rng, 2, 3, 4)
     want = reference_attention_vjp(q, k, v, g, causal=True)
     got = qkv.attention_vjp(*(a.astype(dtype) for a in (q, k, v, g)), causal=True)
-    tol = {np.float16: 2e-2, np.float32: 1e-5, np.float64: 1e-12}[dtype]
     for x, w in zip(got, want, strict=True):
         assert x.dtype == dtype
-        np.testing.assert_allclose(x, w, rtol=tol, atol=tol)
+        np.testing.assert_allclose(x, w, **tol("backward", dtype))
 
 
 def test_int_and_list_inputs_give_float64():
@@ -123,9 +123,9 @@ def test_int_and_list_inputs_give_float64():
     # hand-derived: p = softmax([1, 4]), dz = p (v - p·v) / 2
     p = reference.softmax([1.0, 4.0])
     dz = p * (np.array([1.0, 3.0]) - p @ [1.0, 3.0]) * 0.5
-    np.testing.assert_allclose(dq, dz @ [[1, 0], [3, 2]], rtol=1e-12)
-    np.testing.assert_allclose(dk, np.outer(dz, [2, 1]), rtol=1e-12)
-    np.testing.assert_allclose(dv[:, 0], p, rtol=1e-12)
+    np.testing.assert_allclose(dq, dz @ [[1, 0], [3, 2]], rtol=bound("closed form", np.float64))
+    np.testing.assert_allclose(dk, np.outer(dz, [2, 1]), rtol=bound("closed form", np.float64))
+    np.testing.assert_allclose(dv[:, 0], p, rtol=bound("closed form", np.float64))
 
 
 def test_grad_out_broadcasts_and_bad_shape_raises():
@@ -165,7 +165,7 @@ def test_fast_equals_reference_property(L, S, d, dv, hkv, group, causal, left, r
     got = qkv.attention_vjp(q, k, v, g, **kw)
     want = reference_attention_vjp(q, k, v, g, **kw)
     for x, w in zip(got, want, strict=True):
-        np.testing.assert_allclose(x, w, rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(x, w, **tol("backward", np.float64))
     # the gradient of the sum of outputs w.r.t. v is the column sums of the weights
     w8 = reference.attention_weights(q, np.repeat(k, group, 0), **kw)
     col = w8.sum(axis=-2).reshape(hkv, group, S).sum(axis=1)
@@ -205,13 +205,13 @@ def test_matches_torch_autograd(shapes, causal, scale, gqa):
     want = torch_grads(q, k, v, g, causal=causal, scale=scale, gqa=gqa)
     got = qkv.attention_vjp(q, k, v, g, causal=causal, scale=scale)
     for x, w in zip(got, want, strict=True):
-        np.testing.assert_allclose(x, w, rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(x, w, **tol("backward", np.float64))
     got32 = qkv.attention_vjp(
         *(a.astype(np.float32) for a in (q, k, v, g)), causal=causal, scale=scale
     )
     for x, w in zip(got32, want, strict=True):
         assert x.dtype == np.float32
-        np.testing.assert_allclose(x, w, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(x, w, **tol("backward", np.float32))
 
 
 # --- the tiled (FlashAttention-2 style) backward -------------------------------------------
@@ -247,7 +247,7 @@ def test_tiled_equals_reference_property(
     got = qkv.attention_vjp(q, k, v, g, block=block, **extra, **kw)
     want = reference_attention_vjp(q, k, v, g, **kw)
     for x, w in zip(got, want, strict=True):
-        np.testing.assert_allclose(x, w, rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(x, w, **tol("backward", np.float64))
 
 
 def test_tiled_matches_finite_differences_and_1d_q():
@@ -261,7 +261,7 @@ def test_tiled_matches_finite_differences_and_1d_q():
         got = qkv.attention_vjp(q, k, v, g, out=out, lse=lse, block=2, **c["kw"])
         for a, x, w in zip((q, k, v), got, want, strict=True):
             assert x.shape == a.shape
-            np.testing.assert_allclose(x, w, rtol=1e-6, atol=1e-8)
+            np.testing.assert_allclose(x, w, **tol("finite differences", np.float64))
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
@@ -272,14 +272,13 @@ def test_tiled_dtypes(dtype):
     want = reference_attention_vjp(q, k, v, g, causal=True)
     args = [a.astype(dtype) for a in (q, k, v, g)]
     out, lse = qkv.attention(*args[:3], causal=True, return_lse=True)
-    tol = {np.float16: 2e-2, np.float32: 1e-5}[dtype]
     for got in (
         qkv.attention_vjp(*args, causal=True, block=7),
         qkv.attention_vjp(*args, causal=True, out=out, lse=lse),
     ):
         for x, w in zip(got, want, strict=True):
             assert x.dtype == dtype
-            np.testing.assert_allclose(x, w, rtol=tol, atol=tol)
+            np.testing.assert_allclose(x, w, **tol("backward", dtype))
 
 
 def test_tiled_never_holds_the_score_matrix():
@@ -298,7 +297,7 @@ def test_tiled_never_holds_the_score_matrix():
     assert peak < n * n * 8 / 8  # an eighth of one float64 L x S matrix
     want = qkv.attention_vjp(q, k, v, g, causal=True)  # the dense path
     for x, w in zip(got, want, strict=True):
-        np.testing.assert_allclose(x, w, rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(x, w, **tol("backward", np.float64))
 
 
 def test_tiled_bad_arguments():

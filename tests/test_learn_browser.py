@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tests.conftest import tol
 
 import qkv
 from qkv.explanation.display import fmt
@@ -246,15 +247,17 @@ def test_model_pane_shows_the_heads_numbers(live):
     m = explain_model("The cat sat on the mat", layer=2, head=3, query="cat")
     t, i = m.trace, m.query
     # shown to 5 decimals (5 digits below 0.01): float32 numbers, one row against all rows
-    np.testing.assert_allclose(numbers(page, "weights"), t.weights[i], rtol=1e-4, atol=6e-6)
-    np.testing.assert_allclose(numbers(page, "raw"), t.raw[i], rtol=1e-4, atol=6e-6)
-    np.testing.assert_allclose(numbers(page, "output"), t.output[i], rtol=1e-4, atol=6e-6)
+    np.testing.assert_allclose(numbers(page, "weights"), t.weights[i], **tol("printed", np.float32))
+    np.testing.assert_allclose(numbers(page, "raw"), t.raw[i], **tol("printed", np.float32))
+    np.testing.assert_allclose(numbers(page, "output"), t.output[i], **tol("printed", np.float32))
     heads = page.locator("#m-heat tr:first-child th").all_text_contents()
     assert heads[1:] == m.labels
 
     model_drawn_after(page, lambda: page.click("button[data-reading=multiply]"))
     slip = qkv.explain(t.q[i], t.k, t.v, d=32, scale="sqrt(d)")
-    np.testing.assert_allclose(numbers(page, "weights"), slip.weights[0], rtol=1e-4, atol=6e-6)
+    np.testing.assert_allclose(
+        numbers(page, "weights"), slip.weights[0], **tol("printed", np.float32)
+    )
     assert page.text_content("#m-scale") == slip.scale.describe()
 
     model_drawn_after(page, lambda: page.fill("#f-m-layer", "9") or page.press("#f-m-layer", "Tab"))

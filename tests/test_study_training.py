@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from tests.conftest import tol
 
 import qkv
 from qkv.study import training_study
@@ -51,7 +52,7 @@ def test_gradient_matches_finite_differences():
             fd[idx] = (_loss_and_grad(wp, x, k, scale)[0] - _loss_and_grad(wm, x, k, scale)[0]) / (
                 2 * eps
             )
-        np.testing.assert_allclose(grad, fd, rtol=1e-5, atol=1e-9)
+        np.testing.assert_allclose(grad, fd, **tol("finite differences", np.float64))
         p = qkv.reference.attention_weights(x @ w.T, k, scale=scale)
         assert loss == pytest.approx(0.5 * np.sum((p - np.eye(n)) ** 2) / n)
 

