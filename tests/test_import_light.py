@@ -49,6 +49,7 @@ HOMES = {
     "dequantize_kv": "qkv.engine.quant",
     "explain": "qkv.explanation.trace",
     "info": "qkv.about",
+    "route": "qkv.about",
     "merge": "qkv.wrapped",
     "quantize_kv": "qkv.engine.quant",
     "reference": "qkv.reference",

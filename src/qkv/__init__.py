@@ -27,7 +27,7 @@ from .front import attention, attention_weights, scores, softmax
 
 if TYPE_CHECKING:  # for type checkers; at run time these come from _LAZY on first use
     from . import reference
-    from .about import info
+    from .about import info, route
     from .engine.quant import dequantize_kv, quantize_kv
     from .explanation.trace import Trace, explain
     from .learn.widget import widget
@@ -49,6 +49,7 @@ __all__ = [
     "merge",
     "quantize_kv",
     "reference",
+    "route",
     "scores",
     "softmax",
     "widget",
@@ -63,6 +64,7 @@ _LAZY = {
     "Trace": "qkv.explanation.trace",
     "explain": "qkv.explanation.trace",
     "info": "qkv.about",
+    "route": "qkv.about",
     "dequantize_kv": "qkv.engine.quant",
     "quantize_kv": "qkv.engine.quant",
     "reference": "qkv.reference",

@@ -20,7 +20,7 @@ import importlib.metadata
 import importlib.util
 import os
 import platform
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -28,7 +28,7 @@ from ._version import __version__
 from .engine.kernels import jit, native
 from .engine.kernels.threads import thread_rule, workers
 
-__all__ = ["OPTIONAL", "format_info", "info"]
+__all__ = ["OPTIONAL", "Route", "format_info", "info", "route"]
 
 #: Optional libraries whose presence changes what qkv can do.
 OPTIONAL = ("scipy", "threadpoolctl", "numba", "torch", "triton", "transformers")
@@ -136,3 +136,52 @@ def format_info(report: dict[str, Any] | None = None) -> str:
         return out
 
     return "\n".join(lines(info() if report is None else report, "", "-"))
+
+
+class Route(NamedTuple):
+    """Which kernel a call would run (:func:`route`).
+
+    Attributes
+    ----------
+    kernel : str
+        The kernel's name in the router's table (``"native decode"``, ``"dense"``, ...).
+    family : str
+        ``"dense"``, ``"tiled"`` or ``"decode"``: the family ``kernel=`` names it by.
+    refused : list of (str, str)
+        Each faster kernel tried first, with the condition that refused it.
+    """
+
+    kernel: str
+    family: str
+    refused: list[tuple[str, str]]
+
+    def __str__(self) -> str:
+        lines = [f"runs: {self.kernel} ({self.family})"]
+        lines += [f"  not {name}: {why}" for name, why in self.refused]
+        return "\n".join(lines)
+
+
+def route(q: Any, k: Any, v: Any, kernel: str = "auto", **options: Any) -> Route:
+    """Which kernel :func:`qkv.attention` would run for these arguments, and why not each
+    faster one: the router's walk (:mod:`qkv.engine.kernels.router`) over the checked call.
+    Nothing is computed; the arguments are checked as :func:`qkv.attention` checks them.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import qkv
+    >>> r = qkv.route(np.ones((4, 8)), np.ones((4, 8)), np.ones((4, 8)))
+    >>> r.kernel, r.family
+    ('dense', 'dense')
+    """
+    from .engine.kernels import dispatch, router
+    from .tensors import read
+    from .validate import make_plan
+
+    dispatch.check_kernel(kernel)
+    arrays = [read(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v"))]
+    plan = make_plan(*arrays, keep_stored=True, **options)
+    walk = router.explain(plan, kernel)
+    name = walk[-1][0]
+    family = next(row.family for row in router.FORWARD if row.name == name)
+    return Route(name, family, walk[:-1])

@@ -217,7 +217,7 @@ def attention(
         the rows they touch (the default, as in every framework).
     kernel : {"auto", "dense", "tiled", "decode"}, optional
         Which kernel computes the result; all give the same numbers (up to rounding).
-        ``"auto"`` picks by shape (:func:`qkv.engine.kernels.dispatch.choose`): ``"dense"`` for tiny
+        ``"auto"`` picks by shape (:mod:`qkv.engine.kernels.router`): ``"dense"`` for tiny
         problems, ``"decode"`` for a few queries per head against many keys, ``"tiled"``
         (online softmax, ``O(tile · S)`` extra memory) otherwise. Forcing one is for tests
         and benchmarks.
