@@ -88,16 +88,16 @@ def test_failed_cache_growth_leaves_cache_unchanged(monkeypatch):
     cache = qkv.KVCache(1, 2, 4, value_dim=4)
     cache.append(k[:, :, :16], v[:, :, :16])  # exactly the first capacity (16)
     before = (cache.lengths, cache.capacity, cache.keys(0).copy(), cache.values(0).copy())
-    real_empty = np.empty
+    real_zeros = np.zeros  # the buffers grow zeroed
     calls = []
 
-    def failing_empty(shape, *args, **kwargs):
+    def failing_zeros(shape, *args, **kwargs):
         calls.append(shape)
         if len(calls) == 2:  # the second buffer of the growth (k grew already, before the fix)
             raise MemoryError("simulated")
-        return real_empty(shape, *args, **kwargs)
+        return real_zeros(shape, *args, **kwargs)
 
-    monkeypatch.setattr(np, "empty", failing_empty)
+    monkeypatch.setattr(np, "zeros", failing_zeros)
     with pytest.raises(MemoryError):
         cache.append(k[:, :, 16:], v[:, :, 16:])
     monkeypatch.undo()

@@ -27,6 +27,9 @@ import numpy as np
 from ._version import __version__
 from .engine.kernels import jit, native
 from .engine.kernels.threads import thread_rule, workers
+from .keywords import near_keywords
+from .options import Options
+from .validate import VARIANTS
 
 __all__ = ["OPTIONAL", "Route", "format_info", "info", "route"]
 
@@ -161,7 +164,19 @@ class Route(NamedTuple):
         return "\n".join(lines)
 
 
-def route(q: Any, k: Any, v: Any, kernel: str = "auto", **options: Any) -> Route:
+@near_keywords(VARIANTS)
+def route(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    scale: Any = None,
+    causal: bool = False,
+    mask: Any = None,
+    window: Any = None,
+    kernel: str = "auto",
+    **variants: Any,
+) -> Route:
     """Which kernel :func:`qkv.attention` would run for these arguments, and why not each
     faster one: the router's walk (:mod:`qkv.engine.kernels.router`) over the checked call.
     Nothing is computed; the arguments are checked as :func:`qkv.attention` checks them.
@@ -176,11 +191,13 @@ def route(q: Any, k: Any, v: Any, kernel: str = "auto", **options: Any) -> Route
     """
     from .engine.kernels import dispatch, router
     from .tensors import read
-    from .validate import make_plan
+    from .validate import check_variants, make_plan
 
     dispatch.check_kernel(kernel)
-    arrays = [read(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v"))]
-    plan = make_plan(*arrays, keep_stored=True, **options)
+    check_variants("route", variants)
+    qa, ka, va = (read(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+    options = Options(scale, causal, mask, window, **variants)
+    plan = make_plan(qa, ka, va, options, keep_stored=True)
     walk = router.explain(plan, kernel)
     name = walk[-1][0]
     family = next(row.family for row in router.FORWARD if row.name == name)
