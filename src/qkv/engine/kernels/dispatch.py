@@ -157,7 +157,7 @@ def choose(plan: Plan, kernel: str = "auto") -> Choice:
     if kernel != "auto":
         check_kernel(kernel)
     ask = router.Ask(plan, kernel)
-    row = router.first(router.FORWARD, ask)
+    row = router.first(router.rows(plan, kernel), ask)
     plain = row.name == "dense" and _plain(plan)
     module, function = RUNNERS[row.name]
     values = (row.family, getattr(module, function), ask.size, plan.L * plan.S, plain, row.name)

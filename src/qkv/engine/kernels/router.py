@@ -56,6 +56,7 @@ __all__ = [
     "holds",
     "kv_bytes",
     "packed",
+    "rows",
 ]
 
 KERNELS = ("auto", "dense", "tiled", "decode")  # what ``kernel=`` may name
@@ -444,6 +445,11 @@ COMPILED_TEAM: tuple[Kernel, ...] = (
 )
 
 
+# FORWARD less the rows whose first condition refuses a plan with no stored K/V under
+# "auto" (the stored and the forced rows): where the commonest calls start their walk.
+_AUTO_ROWS = tuple(r for r in FORWARD if not r.stored and not r.name.endswith("(forced)"))
+
+
 def first(table: Sequence[Kernel], ask: Ask) -> Kernel:
     """The first row of ``table`` whose conditions all hold for ``ask``."""
     for row in table:
@@ -474,7 +480,14 @@ def forward(plan: Plan, kernel: str = "auto") -> Kernel:
     >>> forward(make_plan(np.ones((500, 8)), np.ones((500, 8)), np.ones((500, 8))), "dense").name
     'dense (forced)'
     """
-    return first(FORWARD, Ask(plan, kernel))
+    return first(rows(plan, kernel), Ask(plan, kernel))
+
+
+def rows(plan: Plan, kernel: str) -> tuple[Kernel, ...]:
+    """The rows of :data:`FORWARD` a plan's walk needs to try: all of them, or, for a plan
+    with no stored K/V under ``"auto"``, those that are neither for stored K/V nor forced
+    (each of those is refused by its first condition)."""
+    return _AUTO_ROWS if kernel == "auto" and plan.stored is None else FORWARD
 
 
 def backward(plan: Plan) -> Kernel:
