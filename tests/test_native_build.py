@@ -246,7 +246,7 @@ def test_qkv_native_build_0_builds_no_library_and_the_runtime_says_why(tree, tmp
     assert "QKV_NATIVE_BUILD=0" in run.stderr
     why = subprocess.run(
         [sys.executable, "-c", "from qkv.engine.kernels import native; print(native.info())"],
-        env={**os.environ, "PYTHONPATH": str(tree / "src")},
+        env={**os.environ, "PYTHONPATH": str(tree / "src"), "QKV_NATIVE": ""},  # not off
         capture_output=True,
         text=True,
         timeout=120,
