@@ -372,6 +372,8 @@ class KVCache:
         :func:`_call_key`) it is kept for the calls that differ from this one only in
         ``q``'s values and the lengths (:meth:`attend`).
         """
+        if not native_decode.available():  # no stand-in plan to make: the general road checks
+            return None
         value_dtype = np.dtype(np.float32) if self._form not in (None, "float16") else self.dtype
         out_dtype = np.result_type(qa.dtype, value_dtype)
         # stand-ins in the compute dtype (float16's is float32), so that none is widened
