@@ -397,21 +397,27 @@ CACHE_STEP: tuple[Kernel, ...] = (
     Kernel("general road", "decode", ()),
 )
 
+# What the decode kernel's compiled loop (Numba) asks of a plan, in both tables below.
+_ROWS_PER_HEAD = _c(
+    lambda a: a.plan.group * a.plan.L >= 2,
+    "one query row per kv head (BLAS's matrix-vector product reads K/V faster)",
+)
+_COMPILED = (
+    _NOT_MODDED,
+    _F32_OR_F64,
+    _c(lambda a: a.plan.d > 0 and a.plan.dv > 0, "an empty head"),
+    _c(lambda a: jit_enabled(), "Numba not installed, or QKV_JIT=0"),
+)
+
 # The decode kernel's compiled loop (Numba) against its NumPy products.
 COMPILED_DECODE: tuple[Kernel, ...] = (
     Kernel(
         "compiled decode",
         "decode",
         (
-            _c(
-                lambda a: a.plan.group * a.plan.L >= 2,
-                "one query row per kv head (BLAS's matrix-vector product reads K/V faster)",
-            ),
+            _ROWS_PER_HEAD,
             _c(lambda a: a.plan.mask is None and a.plan.bias is None, "a mask given"),
-            _NOT_MODDED,
-            _F32_OR_F64,
-            _c(lambda a: a.plan.d > 0 and a.plan.dv > 0, "an empty head"),
-            _c(lambda a: jit_enabled(), "Numba not installed, or QKV_JIT=0"),
+            *_COMPILED,
         ),
     ),
     Kernel("NumPy decode", "decode", ()),
@@ -430,15 +436,9 @@ COMPILED_TEAM: tuple[Kernel, ...] = (
                 lambda a: bool(a.plan.batch) and a.plan.L > 0 and a.plan.S > 0,
                 "no heads axis, no query or no key",
             ),
-            _c(
-                lambda a: a.plan.group * a.plan.L >= 2,
-                "one query row per kv head (BLAS's matrix-vector product reads K/V faster)",
-            ),
+            _ROWS_PER_HEAD,
             _c(lambda a: a.plan.bias is None, "a float mask (bias) given"),
-            _NOT_MODDED,
-            _F32_OR_F64,
-            _c(lambda a: a.plan.d > 0 and a.plan.dv > 0, "an empty head"),
-            _c(lambda a: jit_enabled(), "Numba not installed, or QKV_JIT=0"),
+            *_COMPILED,
         ),
     ),
     Kernel("decode's own threads", "decode", ()),
