@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import replace
-from functools import cache
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -46,6 +45,7 @@ from .router import (
     KERNELS,
     TEAM_DECODE_MIN_BYTES,
     kv_bytes,
+    normal_range,
     scale_in_range,
 )
 
@@ -223,7 +223,7 @@ def _plain(plan: Plan) -> bool:
     q = plan.q
     if plan.k.shape[-2] == 0 or q.shape[-1] == 0 or (plan.causal and q.shape[-2] != 1):
         return False
-    tiny, top = _normal_range(plan.acc_dtype)  # scale_fits, written out
+    tiny, top = normal_range(plan.acc_dtype)  # scale_fits, written out
     return tiny <= plan.scale <= top
 
 
@@ -324,12 +324,6 @@ def scale_fits(plan: Plan) -> bool:
     """Whether the scale is a normal number of the compute dtype (the kernels fold it into
     ``q`` there); a scale like ``1e-50`` or ``1e39`` needs float64 for float32 inputs."""
     return scale_in_range(plan.scale, plan.acc_dtype)
-
-
-@cache
-def _normal_range(dtype: np.dtype) -> tuple[float, float]:
-    info = np.finfo(dtype)  # looked up once per dtype: small calls pay for every microsecond
-    return float(info.tiny), float(info.max)
 
 
 def attend_many(plans: list[Plan], kernel: str = "auto") -> list[tuple[np.ndarray, np.ndarray]]:

@@ -41,7 +41,7 @@ import numpy as np
 
 from ...validate import Plan
 from .native_lib import (
-    ISAS,
+    BF16_ISA,
     BackwardArgs,
     PrefillArgs,
     backward_operands,
@@ -59,7 +59,7 @@ __all__ = [
     "backward",
 ]
 
-ISA = max(ISAS.values()) + 1  # the clone code above AVX-512: AVX-512 with AVX512_BF16
+ISA = BF16_ISA  # the clone code above AVX-512: AVX-512 with AVX512_BF16
 
 
 def available() -> bool:

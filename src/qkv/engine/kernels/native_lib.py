@@ -61,6 +61,7 @@ ENV = "QKV_NATIVE"  # "0" switches the native kernels off (read on every call)
 BUILD_NOTE = "_native_build.txt"
 ISA_ENV = "QKV_NATIVE_ISA"  # "baseline", "avx2" or "avx512": the widest clone a call may run
 ISAS = {"baseline": 1, "avx2": 2, "avx512": 3}  # the vector clones, narrowest first
+BF16_ISA = max(ISAS.values()) + 1  # the code above AVX-512: AVX-512 with AVX512_BF16
 # How the decode step finds K and V stored (qkv_decode_args.kv_format; qkv.engine.quant):
 # the compute dtype itself (numerics.SAME_CODE), or these forms, read in place and widened to
 # float32 in registers; the codes are numerics.STORED_FORMS', checked against abi.h on load
@@ -253,7 +254,7 @@ def bf16_products() -> tuple[bool, str]:
     if lib is None:
         return False, why
     cap = isa_cap()
-    if cap not in (0, max(ISAS.values()) + 1):
+    if cap not in (0, BF16_ISA):
         name = {v: k for k, v in ISAS.items()}.get(cap, cap)
         return False, f"a narrower clone is forced ({ISA_ENV}={name})"
     if not lib.qkv_bf16_products():

@@ -18,6 +18,7 @@ path, never change a result: every kernel equals :func:`qkv.reference.attention`
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -55,6 +56,7 @@ __all__ = [
     "forward",
     "holds",
     "kv_bytes",
+    "normal_range",
     "packed",
     "rows",
 ]
@@ -569,11 +571,13 @@ def explain(plan: Plan, kernel: str = "auto", table: str = "forward") -> list[tu
 
 def scale_in_range(scale: float, dtype: np.dtype) -> bool:
     """Whether ``scale`` is a normal number of ``dtype`` (neither subnormal nor overflowing)."""
-    info = _RANGES.get(dtype)
-    if info is None:
-        fi = np.finfo(dtype)
-        info = _RANGES[np.dtype(dtype)] = (float(fi.tiny), float(fi.max))
-    return info[0] <= scale <= info[1]
+    tiny, top = normal_range(np.dtype(dtype))
+    return tiny <= scale <= top
 
 
-_RANGES: dict[Any, tuple[float, float]] = {}
+@functools.cache
+def normal_range(dtype: np.dtype) -> tuple[float, float]:
+    """The smallest normal and the largest finite ``dtype`` number (looked up once per dtype:
+    small calls pay for every microsecond)."""
+    info = np.finfo(dtype)
+    return float(info.tiny), float(info.max)
