@@ -50,6 +50,7 @@ HOMES = {
     "explain": "qkv.explanation.trace",
     "info": "qkv.about",
     "route": "qkv.about",
+    "Route": "qkv.about",
     "merge": "qkv.wrapped",
     "quantize_kv": "qkv.engine.quant",
     "reference": "qkv.reference",

@@ -27,7 +27,7 @@ from .front import attention, attention_weights, scores, softmax
 
 if TYPE_CHECKING:  # for type checkers; at run time these come from _LAZY on first use
     from . import reference
-    from .about import info, route
+    from .about import Route, info, route
     from .engine.quant import dequantize_kv, quantize_kv
     from .explanation.trace import Trace, explain
     from .learn.widget import widget
@@ -37,6 +37,7 @@ __all__ = [
     "InputError",
     "InputTypeError",
     "KVCache",
+    "Route",
     "Trace",
     "__version__",
     "attention",
@@ -63,6 +64,7 @@ _LAZY = {
     "merge": "qkv.wrapped",
     "Trace": "qkv.explanation.trace",
     "explain": "qkv.explanation.trace",
+    "Route": "qkv.about",
     "info": "qkv.about",
     "route": "qkv.about",
     "dequantize_kv": "qkv.engine.quant",
