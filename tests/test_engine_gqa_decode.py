@@ -99,6 +99,7 @@ def test_dispatch_many_picks_decode_for_many_small_caches_together(monkeypatch):
     )
     monkeypatch.setattr(dispatch.router, "DECODE_MIN_BYTES", 5000)  # 2560 + 4608 bytes
     plans = [make_plan(np.ones((4, 1, 8)), np.ones((4, n, 8)), np.ones((4, n, 8))) for n in (5, 9)]
-    assert dispatch.choose(plans[0]).name == "dense"  # alone, each would be dense
+    # alone, each would be dense (or the native step): not the NumPy decode kernel
+    assert dispatch.choose(plans[0]).kernel in ("dense", "native decode")
     dispatch.attend_many(plans)
     assert calls == [2]

@@ -163,10 +163,13 @@ def test_infinite_nan_and_overflowing_inputs_follow_qkvs_rules(bad):
 
 def test_auto_sends_a_decoding_step_here(monkeypatch):
     calls = []
-    real = native_decode.attend
-    monkeypatch.setattr(
-        native_decode, "attend", lambda plan, **kw: calls.append(plan) or real(plan, **kw)
-    )
+    for name in ("attend", "attend_finite"):  # the step, and its short road for a plan with no mask
+        real = getattr(native_decode, name)
+        monkeypatch.setattr(
+            native_decode,
+            name,
+            lambda plan, real=real, **kw: calls.append(plan) or real(plan, **kw),
+        )
     rng = np.random.default_rng(5)
     q = rng.standard_normal((1, 8, 1, 64)).astype(np.float32)
     k, v = (rng.standard_normal((1, 2, 40_000, 64)).astype(np.float32) for _ in range(2))
@@ -301,3 +304,60 @@ def test_calls_from_several_python_threads_at_once(team, monkeypatch):
         results = list(pool.map(lambda p: native_decode.step(*p, 0.3, threads=2), problems * 3))
     for (q, k, v), (out, lse) in zip(problems * 3, results, strict=True):
         _check(out, lse, q * 0.3 * np.sqrt(32), k, v, np.float32)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    B=st.integers(1, 3),
+    kvh=st.integers(1, 3),
+    group=st.integers(1, 4),
+    L=st.integers(1, 8),
+    S=st.integers(1, 70),
+    d=st.sampled_from([1, 3, 8, 64]),
+    dv=st.sampled_from([1, 5, 64]),
+    dtype=st.sampled_from([np.float32, np.float64]),
+    form=st.sampled_from(["contiguous", "q heads-last", "k broadcast", "k reversed", "sliced"]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_small_call_road_reads_every_layout_or_steps_aside(
+    B, kvh, group, L, S, d, dv, dtype, form, seed
+):
+    """The short road of an unmasked step (its constants kept per shape and strides) gives
+    the reference's numbers for views of every kind: transposed, broadcast over the batch,
+    a reversed axis (which it cannot read: the general step runs) and slices of a larger
+    buffer, each shape run twice so that the kept constants are used."""
+    rng = np.random.default_rng(seed)
+    H = kvh * group
+    q = rng.standard_normal((B, H, L, d)).astype(dtype)
+    k = rng.standard_normal((B, kvh, S, d)).astype(dtype)
+    v = rng.standard_normal((B, kvh, S, dv)).astype(dtype)
+    if form == "q heads-last":
+        q = np.ascontiguousarray(q.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    elif form == "k broadcast":
+        k, v = k[:1], v[:1]
+    elif form == "k reversed":
+        k = k[:, :, ::-1]
+    elif form == "sliced":
+        big = rng.standard_normal((B, kvh, S + 7, d + 2)).astype(dtype)
+        k = big[:, :, 3 : 3 + S, 1 : 1 + d]
+    plan = make_plan(q, k, v)
+    assert dispatch.choose(plan).kernel == "native decode"
+    kb, vb = np.broadcast_to(k, (B, kvh, S, d)), np.broadcast_to(v, (B, kvh, S, dv))
+    for _ in range(2):
+        out, lse = qkv.attention(q, k, v, return_lse=True)
+        _check(out, lse, q, kb, vb, np.dtype(dtype))
+
+
+def test_the_small_call_road_hands_a_result_that_is_not_finite_to_the_general_rules():
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((1, 4, 1, 16)).astype(np.float32) for _ in range(3))
+    q[0, 1, 0, 2] = np.inf  # head 1's scores are not finite; the others are
+    out = qkv.attention(q, k, v)
+    want = qkv.attention(q, k, v, kernel="dense")
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(want))
+    fin = ~np.isnan(want)
+    np.testing.assert_allclose(out[fin], want[fin], **tol("fast path", np.float32))
+    big = (rng.standard_normal((1, 4, 1, 16)) * 1e19).astype(np.float32)  # scores overflow
+    out = qkv.attention(big, big, v)
+    ref = reference.attention(*(x.astype(np.float64) for x in (big, big, v)))
+    np.testing.assert_allclose(out, ref, **tol("fast path", np.float32))

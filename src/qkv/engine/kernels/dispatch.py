@@ -97,9 +97,11 @@ class Choice(NamedTuple):
         The bytes of K and V in the compute dtype (:func:`kv_bytes`).
     scores : int
         ``L · S``, the scores per head.
-    plain : bool
-        A dense problem whose rows all see every key, with no variant:
-        :func:`dense.attend_plain` serves it first.
+    first : callable or None
+        A shorter road tried before ``run``: it gives a finite ``(out, lse)`` or None (then
+        ``run`` and the overflow retries follow). The dense kernel's for a problem whose rows
+        all see every key, with no variant (:func:`dense.attend_plain`); the native decode
+        step's for a plan with no mask (it checks its own result).
     kernel : str
         The router's name of the kernel (a row of :data:`~qkv.engine.kernels.router.FORWARD`).
     stored : bool
@@ -110,7 +112,7 @@ class Choice(NamedTuple):
     run: Runner
     kv_bytes: int
     scores: int
-    plain: bool = False
+    first: Runner | None = None
     kernel: str = ""
     stored: bool = False
 
@@ -158,10 +160,22 @@ def choose(plan: Plan, kernel: str = "auto") -> Choice:
         check_kernel(kernel)
     ask = router.Ask(plan, kernel)
     row = router.first(router.rows(plan, kernel), ask)
-    plain = row.name == "dense" and _plain(plan)
-    module, function = RUNNERS[row.name]
-    values = (row.family, getattr(module, function), ask.size, plan.L * plan.S, plain, row.name)
+    name = row.name
+    first = None
+    if name == "dense":
+        first = _dense_plain if _plain(plan) else None
+    elif name == "native decode" and plan.mask is None:
+        first = native_decode.attend_finite
+    module, function = RUNNERS[name]
+    values = (row.family, getattr(module, function), ask.size, plan.L * plan.S, first, name)
     return _new(Choice, (*values, row.stored))
+
+
+def _dense_plain(plan: Plan) -> tuple[np.ndarray, np.ndarray] | None:
+    """:func:`dense.attend_plain`'s result when it is finite, else None."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        out, lse = dense.attend_plain(plan)
+    return (out, lse) if np.isfinite(out).all() else None
 
 
 def attend(
@@ -182,11 +196,10 @@ def attend(
         plan = plan.materialized()  # every other kernel reads widened K/V
         if choice.stored:
             choice = choose(plan, kernel)
-    if choice.plain:
-        with np.errstate(over="ignore", invalid="ignore"):
-            out, lse = dense.attend_plain(plan)
-        if np.isfinite(out).all():
-            return out, lse
+    if choice.first is not None:
+        found = choice.first(plan)
+        if found is not None:
+            return mods.with_sinks(plan, *found)
     fn = choice.run
     # An intermediate may overflow on the way to a finite answer (the retries below repair it),
     # and NaN or inf inputs propagate by policy: neither is worth a NumPy warning.
@@ -335,10 +348,10 @@ def attend_many(plans: list[Plan], kernel: str = "auto") -> list[tuple[np.ndarra
     choices = [choose(p, kernel) for p in plans]
     if router.decode_together(plans, kernel, [c.kv_bytes for c in choices]):
         choices = [
-            c._replace(name="decode", run=decode.attend, plain=False, kernel="decode")
+            c._replace(name="decode", run=decode.attend, first=None, kernel="decode")
             for c in choices
         ]
-    at = [i for i, c in enumerate(choices) if c.name == "decode"]
+    at = [i for i, c in enumerate(choices) if c.run is decode.attend]  # NumPy decode, together
     results: list[Any] = [None] * len(plans)
     if at:
         with np.errstate(over="ignore", invalid="ignore"):

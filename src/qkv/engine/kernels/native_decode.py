@@ -60,7 +60,7 @@ from ... import numerics
 from ...validate import Plan, view_as
 from ..quant import SCALED, storage_dtype
 from .decode import KeyRuns, plan_runs
-from .native_lib import KV_FORMATS, DecodeArgs, invoke, isa_cap, library, switched_off
+from .native_lib import KV_FORMATS, DecodeArgs, checked, invoke, isa_cap, library, switched_off
 from .threads import workers
 
 __all__ = [
@@ -68,6 +68,7 @@ __all__ = [
     "Operand",
     "Prepared",
     "attend",
+    "attend_finite",
     "attend_stored",
     "available",
     "launch",
@@ -226,14 +227,126 @@ def attend(plan: Plan, *, threads: int | None = None) -> tuple[np.ndarray, np.nd
     :func:`qkv.engine.kernels.decode.attend` instead; so does one whose result is not finite,
     which the dispatcher then repairs or explains as for every kernel.
     """
+    assert plan.v is not None  # the router checked it
+    if plan.mask is None:
+        plain = _attend_plain(plan, threads)
+        if plain is not _UNSERVED and plain is not None:
+            return plain
     from . import decode
 
-    assert plan.v is not None  # the router checked it
+    if plan.mask is None and plain is None:  # not finite: the NumPy kernel's rules
+        return decode.attend(plan, threads=threads)
     found: tuple[KeyRuns | None, ...] = ()
     if plan.mask is not None:
         found = (plan_runs(plan),)  # read once, for this kernel and the fallback
     res = _attend(plan, plan.k, plan.v, threads, found)
     return decode.attend(plan, threads=threads, found=found) if res is None else res
+
+
+_UNSERVED: Any = ()  # what _attend_plain gives for a plan it does not read as it is
+
+
+def attend_finite(
+    plan: Plan, *, threads: int | None = None
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """:func:`attend` for a plan with no mask, when the kernel reads it as it is and its
+    result is finite (the kernel checks); else None, and the caller runs :func:`attend` with
+    the overflow retries every kernel shares."""
+    found = _attend_plain(plan, threads)
+    return None if found is _UNSERVED else found
+
+
+#: K/V bytes below which one thread runs a step: waking a second costs more than it saves.
+ONE_THREAD_BYTES = 256 << 10
+
+
+def _attend_plain(plan: Plan, threads: int | None) -> Any:
+    """A plan with no mask in one native call: ``(out, lse)``; None when a result is not
+    finite; :data:`_UNSERVED` when the kernel cannot read the operands as they are.
+
+    The small call's road: everything the kernel takes but the five addresses (``q``, ``k``,
+    ``v`` and the two results) and the threads follows from the shapes, strides, dtype,
+    scale, soft-cap and clone, so it is worked out once per such key (:func:`_constants`)
+    and copied per call.
+    """
+    q, k, v = plan.q, plan.k, plan.v
+    assert v is not None
+    found = _constants(
+        q.dtype, q.shape, q.strides, k.shape, k.strides, v.shape, v.strides, plan.scale,
+        plan.softcap, isa_cap(),
+    )  # fmt: skip
+    if found is None:
+        return _UNSERVED
+    template, function, out_shape, lse_shape, small = found
+    out = np.empty(out_shape, dtype=q.dtype)
+    lse = np.empty(lse_shape, dtype=q.dtype)
+    args = DecodeArgs.from_buffer_copy(template)  # one per call: a call may run in any thread
+    args.q, args.k, args.v = q.ctypes.data, k.ctypes.data, v.ctypes.data
+    args.out, args.lse = out.ctypes.data, lse.ctypes.data
+    if not small or threads is not None:  # (a small step runs on the calling thread alone)
+        team, n = openmp_parallel()
+        args.threads, args.parallel = n if threads is None else workers(threads), team
+    status = checked(function(ctypes.byref(args)), args, "decode", (3,))
+    return None if status else (out, lse)
+
+
+def _broadcast(shape: tuple[int, ...], strides: tuple[int, ...], want: tuple[int, ...]) -> Any:
+    """The strides (in bytes) of an array of ``shape`` and ``strides`` broadcast to ``want``
+    (as ``np.broadcast_to`` gives them; the plan checked that it broadcasts).
+
+    >>> _broadcast((1, 4, 8), (128, 32, 4), (3, 2, 4, 8))
+    (0, 0, 32, 4)
+    """
+    lead = len(want) - len(shape)
+    return tuple(
+        0 if i < lead or (shape[i - lead] == 1 and n != 1) else strides[i - lead]
+        for i, n in enumerate(want)
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _constants(
+    dt: np.dtype,
+    qs: tuple[int, ...],
+    qst: tuple[int, ...],
+    ks: tuple[int, ...],
+    kst: tuple[int, ...],
+    vs: tuple[int, ...],
+    vst: tuple[int, ...],
+    scale: float,
+    softcap: float | None,
+    isa: int,
+) -> tuple[bytes, Any, tuple[int, ...], tuple[int, ...], bool] | None:
+    """The decode step's arguments for operands of these shapes and byte strides (addresses
+    left 0, one thread), the library's function to call, the shapes of ``out`` and ``lse``
+    and whether the step is small (below :data:`ONE_THREAD_BYTES`: one thread runs it);
+    None where the kernel cannot read the operands (:func:`layout`)."""
+    if dt not in _DTYPES or len(qs) < 3:
+        return None
+    *outer, hq, L, d = qs
+    kvh, S, dv = ks[-3], ks[-2], vs[-1]
+    item = dt.itemsize
+    found = []
+    for shape, strides, want in (
+        (qs, qst, qs), (ks, kst, (*outer, kvh, S, d)), (vs, vst, (*outer, kvh, S, dv))
+    ):  # fmt: skip
+        if any(st % item for st in strides):
+            return None
+        b = _broadcast(shape, strides, want)
+        found.append(layout(want, [st // item for st in b], len(outer)))
+    ql, kl, vl = found
+    n = math.prod(outer)
+    plan = DecodePlan.plan((n, hq, kvh, L, d, dv, S), f64=dt == _F64, scale=scale, softcap=softcap)
+    lib = library()[0]
+    if ql is None or kl is None or vl is None or plan is None or lib is None:
+        return None
+    args = DecodeArgs(
+        *plan.sizes, None, *ql, None, *kl, None, *vl, None, None, None, None, plan.scale,
+        1, isa, None, plan.softcap or 0.0, None, 0, 0, numerics.SAME_CODE,
+    )  # fmt: skip
+    function = lib.qkv_decode_f64 if plan.f64 else lib.qkv_decode_f32
+    small = n * kvh * S * (d + dv) * item < ONE_THREAD_BYTES
+    return bytes(args), function, (*outer, hq, L, dv), (*outer, hq, L), small
 
 
 def attend_stored(

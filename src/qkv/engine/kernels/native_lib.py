@@ -326,7 +326,12 @@ def invoke(
     lib, why = library()
     if lib is None:
         raise RuntimeError(f"qkv native kernels unavailable: {why}")
-    status = int(getattr(lib, function)(ctypes.byref(args)))
+    return checked(int(getattr(lib, function)(ctypes.byref(args))), args, what, allowed)
+
+
+def checked(status: int, args: ctypes.Structure, what: str, allowed: tuple[int, ...] = ()) -> int:
+    """A kernel's ``status`` as :func:`invoke` returns it (or raises), for a caller that
+    called the library's function itself (a small call's road, which holds the function)."""
     if status == 0 or status in allowed:
         return status
     if status == 1:

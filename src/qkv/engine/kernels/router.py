@@ -277,7 +277,13 @@ FORWARD: tuple[Kernel, ...] = (
         (
             _AUTO,
             _FEW_ROWS,
-            _STREAMS,
+            _c(
+                lambda a: a.plan.mask is None or a.size >= TEAM_DECODE_MIN_BYTES,
+                lambda a: (
+                    f"a boolean mask over K/V of {a.mib}, below the "
+                    f"{TEAM_DECODE_MIN_BYTES >> 20} MiB from which reading its runs pays"
+                ),
+            ),
             *DECODE_STEP,
         ),
     ),
