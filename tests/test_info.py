@@ -107,3 +107,41 @@ def test_cli_report_with_native_off_in_a_real_process():
 def test_format_info_reads_missing_libraries_and_flags():
     text = format_info({"native": {"active": True, "isa": None}, "optional": {"torch": None}})
     assert text == "native:\n  active: yes\n  isa: -\noptional:\n  torch: not installed"
+
+
+def test_info_route_says_what_qkv_route_says(capsys):
+    import ml_dtypes  # noqa: F401  (the bfloat16 case below)
+
+    cases = [
+        (["1,8,1,16,64"], {}),
+        (["1,8,1,4096,64", "--kv-heads", "2", "--window", "128,0"], {"window": (128, 0)}),
+        (["1,8,512,512,64", "--causal", "--dtype", "bfloat16"], {"causal": True}),
+        (["2,4,300,300,32", "--softcap", "5"], {"softcap": 5.0}),
+    ]
+    for argv, kw in cases:
+        sizes = [int(x) for x in argv[0].split(",")]
+        B, H, L, S, D = sizes
+        kvh = int(argv[argv.index("--kv-heads") + 1]) if "--kv-heads" in argv else H
+        dt = np.dtype(ml_dtypes.bfloat16) if "bfloat16" in argv else np.dtype(np.float32)
+        q, k = np.zeros((B, H, L, D), dt), np.zeros((B, kvh, S, D), dt)
+        want = qkv.route(q, k, k, **kw)
+        assert main(["info", "--route", *argv]) == 0
+        out = capsys.readouterr().out
+        assert f"runs: {want.kernel} ({want.family})" in out
+        assert all(f"not {name}: {why}" in out for name, why in want.refused)
+        assert main(["info", "--json", "--route", *argv]) == 0
+        said = json.loads(capsys.readouterr().out)
+        assert (said["kernel"], said["refused"]) == (want.kernel, dict(want.refused))
+
+
+def test_info_route_refuses_bad_sizes_in_one_line(capsys):
+    for argv, said in [
+        (["--route", "1,8,1"], "--route: expected B,H,L,S,D"),
+        (["--route", "1,8,x,16,64"], "--route"),
+        (["--route", "1,8,1,16,64", "--kv-heads", "3"], "8 query heads cannot share 3 kv heads"),
+        (["--route", "1,8,1,16,64", "--window", "a,b"], "--window"),
+        (["--window", "3,0"], "--window: only with --route"),
+    ]:
+        assert main(["info", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert said in err and "\n" not in err and "Traceback" not in err
