@@ -254,28 +254,18 @@ def vjp(
 
 
 def _guarded(plan: Plan, d_out: np.ndarray, run: Any) -> tuple[Any, ...]:
-    """``run(plan, d_out)`` (its first three results the gradients) with the forward pass's
-    care for overflow (:func:`qkv.engine.kernels.dispatch.attend`): in float64 when the scale is not
-    a normal number of the compute dtype or the scores overflowed it; refused when they
+    """``run(plan, d_out)`` (its first three results the gradients) on the forward pass's
+    overflow ladder (:func:`qkv.engine.kernels.dispatch.ladder`): in float64 when the scale is
+    not a normal number of the compute dtype or the scores overflowed it; refused when they
     overflow float64 too. NaN and infinity in the inputs propagate by policy."""
-
-    def in_float64() -> tuple[Any, ...]:
-        res = run(dispatch.widened(plan), d_out.astype(np.float64))
-        return tuple(None if x is None else x.astype(plan.acc_dtype) for x in res)
 
     def finite(res: tuple[Any, ...]) -> bool:
         return all(np.isfinite(x).all() for x in res[:3])
 
-    with np.errstate(over="ignore", invalid="ignore"):
-        if not dispatch.scale_fits(plan):
-            res = in_float64()
-        else:
-            res = run(plan, d_out)
-            if not finite(res) and plan.acc_dtype != np.float64 and dispatch.may_overflow(plan):
-                res = in_float64()
-    if not finite(res):
-        dispatch.check_overflow(plan)
-    return res
+    def run_on(p: Plan) -> tuple[Any, ...]:  # d_out in the plan's compute dtype
+        return run(p, d_out if p is plan else d_out.astype(p.acc_dtype))
+
+    return dispatch.ladder(plan, run_on, finite)
 
 
 def _dense(

@@ -63,6 +63,7 @@ __all__ = [
     "check_overflow",
     "choose",
     "kv_bytes",
+    "ladder",
     "may_overflow",
     "scale_fits",
     "scale_in_range",
@@ -201,21 +202,53 @@ def attend(
         if found is not None:
             return mods.with_sinks(plan, *found)
     fn = choice.run
-    # An intermediate may overflow on the way to a finite answer (the retries below repair it),
-    # and NaN or inf inputs propagate by policy: neither is worth a NumPy warning.
+    assert plan.v is not None  # outputs: the plan carries values
+    out, lse = ladder(
+        plan, lambda p: fn(p), lambda res: bool(np.isfinite(res[0]).all()),
+        repair=(lambda res: _rescaled(fn, plan, *res)) if plan.v.size else None,
+    )  # fmt: skip
+    return mods.with_sinks(plan, out, lse)
+
+
+def ladder(
+    plan: Plan,
+    run: Callable[[Plan], Any],
+    finite: Callable[[Any], bool],
+    *,
+    repair: Callable[[Any], Any] | None = None,
+    narrow: Callable[[Any], Any] | None = None,
+) -> Any:
+    """``run(plan)`` with qkv's rules for results that are not finite, written once for the
+    attention, its weights and its gradients.
+
+    The rungs: a scale that is not a normal number of the compute dtype runs in float64 at
+    once; else ``run(plan)``, then (where not ``finite``) ``repair`` (the attention's rescaled
+    values), then float64 where the finite inputs can overflow the compute dtype
+    (:func:`may_overflow`); a result still not finite from finite inputs whose scores pass
+    float64's range is refused (:func:`check_overflow`), while NaN and infinity in the inputs
+    propagate by policy. A float64 run's result is brought back by ``narrow`` (default: each
+    array to the compute dtype). No NumPy warning is raised on the way: an intermediate may
+    overflow on the way to a finite answer.
+    """
+
+    def in_float64() -> Any:
+        res = run(widened(plan))
+        if narrow is not None:
+            return narrow(res)
+        return tuple(None if x is None else x.astype(plan.acc_dtype) for x in res)
+
     with np.errstate(over="ignore", invalid="ignore"):
         if not scale_fits(plan):
-            out, lse = _in_float64(fn, plan)
+            res = in_float64()
         else:
-            out, lse = fn(plan)
-            assert plan.v is not None  # outputs: the plan carries values
-            if not np.isfinite(out).all() and plan.v.size:
-                out, lse = _rescaled(fn, plan, out, lse)
-            if not np.isfinite(out).all() and plan.acc_dtype != np.float64 and may_overflow(plan):
-                out, lse = _in_float64(fn, plan)
-    if not np.isfinite(out).all():
+            res = run(plan)
+            if repair is not None and not finite(res):
+                res = repair(res)
+            if not finite(res) and plan.acc_dtype != np.float64 and may_overflow(plan):
+                res = in_float64()
+    if not finite(res):
         check_overflow(plan)
-    return mods.with_sinks(plan, out, lse)
+    return res
 
 
 def _plain(plan: Plan) -> bool:
@@ -246,14 +279,12 @@ def weights(plan: Plan) -> np.ndarray:
     As in :func:`attend`, finite inputs whose scores overflow the compute dtype are redone in
     float64, without NumPy warnings on the way.
     """
-    with np.errstate(over="ignore", invalid="ignore"):
-        w, _ = dense.softmax_rows(dense.logits(plan if scale_fits(plan) else widened(plan)))
-        if not np.isfinite(w).all() and plan.acc_dtype != np.float64 and may_overflow(plan):
-            w, _ = dense.softmax_rows(dense.logits(widened(plan)))
-            w = w.astype(plan.acc_dtype)
-    if not np.isfinite(w).all():
-        check_overflow(plan)
-    return w
+    return ladder(
+        plan,
+        lambda p: dense.softmax_rows(dense.logits(p))[0],
+        lambda w: bool(np.isfinite(w).all()),
+        narrow=lambda w: w.astype(plan.acc_dtype),
+    )
 
 
 def check_overflow(plan: Plan) -> None:
@@ -306,17 +337,6 @@ def _score_bound(plan: Plan) -> float:
     if plan.bias is not None:
         bound += finite_max(plan.bias)
     return bound
-
-
-def _in_float64(fn: Any, plan: Plan) -> tuple[np.ndarray, np.ndarray]:
-    """Rerun in float64 when the scores may have overflowed the compute dtype on the way.
-
-    ``q · kᵀ · scale`` can exceed float32's range (a large ``scale``, large entries) where
-    the weights and the output — a weighted mean of the values — are perfectly finite. Only
-    runs when the output is not finite and the finite inputs are that large.
-    """
-    out, lse = fn(widened(plan))
-    return out.astype(plan.acc_dtype), lse.astype(plan.acc_dtype)
 
 
 def widened(plan: Plan) -> Plan:
