@@ -17,6 +17,7 @@ others force the family's NumPy kernel, for tests and benchmarks. Every kernel r
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import replace
@@ -29,6 +30,7 @@ from ...validate import Plan
 from . import (
     decode,
     dense,
+    key_counts,
     mods,
     native,
     native_bf16,
@@ -173,6 +175,10 @@ def attend(
     Sinks are added once, to the kernel's finished result (:func:`mods.with_sinks`).
     """
     if choice is None:
+        if plan.key_counts is not None and kernel == "auto" and key_counts.applies(plan):
+            found = _on_key_counts(plan)
+            if found is not None:
+                return found
         choice = choose(plan, kernel)
     if plan.stored is not None:  # float16/bfloat16 K/V as given: read in place where served
         if choice.stored:
@@ -203,6 +209,23 @@ def attend(
     if not np.isfinite(out).all():
         check_overflow(plan)
     return mods.with_sinks(plan, out, lse)
+
+
+def _on_key_counts(plan: Plan) -> tuple[np.ndarray, np.ndarray] | None:
+    """A plan whose padding mask was read as key counts, run without it
+    (:mod:`~qkv.engine.kernels.key_counts`): on the count-aware dense kernel where the router
+    sends the unmasked problem to the dense one, else each count's batch rows on their keys
+    when there are few counts (:data:`~qkv.engine.kernels.key_counts.MAX_GROUPS`); None
+    otherwise (the other kernels then read the mask: about as fast as one call per count)."""
+    base = key_counts.bare(plan)
+    choice = choose(base)
+    counts = key_counts.per_row(plan)
+    if choice.name == "dense":
+        run = functools.partial(key_counts.attend_dense, counts=counts)
+        return attend(base, choice=choice._replace(run=run, plain=False))
+    if key_counts.groups(counts) > key_counts.MAX_GROUPS:
+        return None
+    return key_counts.attend_grouped(plan, attend)
 
 
 def _plain(plan: Plan) -> bool:
