@@ -158,7 +158,8 @@ def test_padding_masks_equal_the_reference(monkeypatch, road, which, problem):
         (1, 8, 2, 512, 512, 32, [300]),  # one sentence: its keys alone, no mask (grouped)
         (4, 8, 8, 256, 256, 64, [256, 100, 100, 0]),  # two counts and an empty row
         (3, 12, 3, 200, 260, 32, [260, 7, 131]),  # three counts: the kernel reads the mask
-        (32, 12, 12, 53, 53, 32, None),  # the MiniLM batch: the count-aware dense kernel
+        (8, 12, 12, 16, 16, 64, [16, 9, 3, 16, 0, 9, 12, 16]),  # the count-aware dense kernel
+        (32, 12, 12, 53, 53, 32, None),  # the MiniLM batch: the native prefill reads the mask
     ],
 )
 @pytest.mark.parametrize("causal", [False, True])
