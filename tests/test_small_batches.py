@@ -11,6 +11,7 @@ import qkv
 from qkv import reference
 from qkv.engine.kernels import native, router
 from qkv.testing.strategies import values
+from qkv.validate import make_plan
 
 
 @pytest.mark.parametrize(
@@ -34,3 +35,29 @@ def test_batches_of_short_sequences(monkeypatch, B, H, kv, L, d, causal, off):
     want = reference.attention(*(x.astype(np.float64) for x in (q, k, v)), causal=causal)
     got = qkv.attention(q, k, v, causal=causal)
     np.testing.assert_allclose(got, want, **tol("fast path", np.float32))
+
+
+@pytest.mark.skipif(not native.available()[0], reason="the native prefill is not built here")
+@pytest.mark.parametrize("sinks", [False, True])
+def test_grouped_heads_share_their_key_tiles(monkeypatch, sinks):
+    """Without causal, window or mask, the query heads of a kv head run as one block of
+    rows in the native prefill (one product per key tile for the group)."""
+    from qkv.engine.kernels import stacked
+
+    monkeypatch.delenv("QKV_NATIVE", raising=False)
+    rng = np.random.default_rng(7)
+    B, H, kv, L, d = 32, 8, 2, 53, 32
+    q = values(rng, (B, H, L, d)).astype(np.float32)
+    k, v = (values(rng, (B, kv, L, d)).astype(np.float32) for _ in range(2))
+    extra = {"sinks": values(rng, (H,))} if sinks else {}
+    seen: list[tuple[int, ...]] = []
+    real = native.attend
+    monkeypatch.setattr(native, "attend", lambda p, **kw: seen.append(p.q.shape) or real(p))
+    got = qkv.attention(q, k, v, **extra)
+    assert seen == [(B, kv, H // kv * L, d)]
+    want = reference.attention(*(x.astype(np.float64) for x in (q, k, v)), **extra)
+    np.testing.assert_allclose(got, want, **tol("fast path", np.float32))
+    seen.clear()
+    qkv.attention(q, k, v, causal=True)  # causal: each head's rows on their own
+    assert seen == [(B, H, L, d)]
+    assert not stacked.stacks(make_plan(q, k, v, causal=True))

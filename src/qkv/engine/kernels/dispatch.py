@@ -37,6 +37,7 @@ from . import (
     native_decode,
     packed,
     router,
+    stacked,
     tiled,
     tiled_backward,
 )
@@ -131,7 +132,7 @@ RUNNERS: dict[str, tuple[Any, str]] = {
     "native decode": (native_decode, "attend"),
     "decode": (decode, "attend"),
     "dense": (dense, "attend"),
-    "native prefill": (native, "attend"),
+    "native prefill": (stacked, "attend"),
     "packed walk": (packed, "attend_plan"),
     "tiled": (tiled, "attend"),
 }
