@@ -12,13 +12,14 @@ from tests.conftest import tol
 import qkv
 from qkv import reference
 from qkv.engine.kernels import dispatch, native
+from qkv.engine.kernels import key_counts as kc
 from qkv.masks import tail_counts
 from qkv.testing.strategies import values
 from qkv.validate import make_plan
 
 ISAS = list(native.ISAS)
 ROADS = [("native", None), *(("native", isa) for isa in ISAS), ("numpy", None)]
-SIZES = [1, 2, 15, 16, 17, 37, 53, 120]  # the grid's short lengths and odd ones
+SIZES = [1, 2, 15, 16, 17, 37, 53, 120, 150]  # the grid's short lengths, odd ones, a prefill
 
 
 def padding(counts: np.ndarray, S: int) -> np.ndarray:
@@ -157,9 +158,9 @@ def test_padding_masks_equal_the_reference(monkeypatch, road, which, problem):
     [
         (1, 8, 2, 512, 512, 32, [300]),  # one sentence: its keys alone, no mask (grouped)
         (4, 8, 8, 256, 256, 64, [256, 100, 100, 0]),  # two counts and an empty row
-        (3, 12, 3, 200, 260, 32, [260, 7, 131]),  # three counts: the kernel reads the mask
+        (3, 12, 3, 200, 260, 32, [260, 7, 131]),  # three counts: the native prefill clips keys
         (8, 12, 12, 16, 16, 64, [16, 9, 3, 16, 0, 9, 12, 16]),  # the count-aware dense kernel
-        (32, 12, 12, 53, 53, 32, None),  # the MiniLM batch: the native prefill reads the mask
+        (32, 12, 12, 53, 53, 32, None),  # the MiniLM batch: the native prefill clips keys
     ],
 )
 @pytest.mark.parametrize("causal", [False, True])
@@ -244,3 +245,48 @@ def test_padded_encoder_batch_through_transformers(road):
         got[real].numpy(), want[real].numpy(), **tol("model states", np.float32)
     )
     assert len(road) == cfg.num_hidden_layers
+
+
+@pytest.mark.skipif(not native.available()[0], reason="the native prefill is not built here")
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("window", [None, (40, 0), (3, 17)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
+def test_native_prefill_clips_each_rows_keys(monkeypatch, isa, window, causal, dtype):
+    """The native prefill takes the key counts itself (no mask read): K/V in the compute dtype
+    or stored in 16 bits, causal and windows aligned to all the keys, rows that see none."""
+    import ml_dtypes
+
+    monkeypatch.delenv("QKV_NATIVE", raising=False)
+    monkeypatch.setenv("QKV_NATIVE_ISA", isa)
+    seen: list = []
+    real = native.attend
+    monkeypatch.setattr(
+        native, "attend", lambda p, **kw: seen.append(kw.get("counts")) or real(p, **kw)
+    )
+    rng = np.random.default_rng(11)
+    B, H, kv, L, S, d = 5, 4, 2, 150, 170, 16
+    dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+    q = values(rng, (B, H, L, d)).astype(dt)
+    k, v = (values(rng, (B, kv, S, d)).astype(dt) for _ in range(2))
+    counts = np.array([170, 0, 90, 169, 3])
+    keep = padding(counts, S)
+    want = reference.attention(
+        *(x.astype(np.float64) for x in (q, k, v)), mask=keep, causal=causal, window=window
+    )
+    outs = [
+        qkv.attention(q, k, v, mask=m, causal=causal, window=window)
+        for m in forms(keep, L).values()
+    ]
+    name = "float32" if dtype == "bfloat16" else dtype  # computed in float32
+    for out in outs:
+        got = out.astype(np.float64)
+        if dtype == "bfloat16":
+            np.testing.assert_allclose(got, want, **tol("tensor dtypes", "bfloat16"))
+        else:
+            np.testing.assert_allclose(got, want, **tol("fast path", name))
+    assert np.array_equal(outs[0], outs[1]) and np.array_equal(outs[0], outs[2])
+    if qkv.route(q, k, v, causal=causal, window=window).kernel in kc.READ_BY:
+        assert len(seen) == 3
+        assert all(c is not None and c.tolist() == counts.tolist() for c in seen)
+    # (else the bfloat16 tile products, which read the mask: AVX512_BF16 machines)

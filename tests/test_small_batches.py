@@ -52,7 +52,7 @@ def test_grouped_heads_share_their_key_tiles(monkeypatch, sinks):
     extra = {"sinks": values(rng, (H,))} if sinks else {}
     seen: list[tuple[int, ...]] = []
     real = native.attend
-    monkeypatch.setattr(native, "attend", lambda p, **kw: seen.append(p.q.shape) or real(p))
+    monkeypatch.setattr(native, "attend", lambda p, **kw: seen.append(p.q.shape) or real(p, **kw))
     got = qkv.attention(q, k, v, **extra)
     assert seen == [(B, kv, H // kv * L, d)]
     want = reference.attention(*(x.astype(np.float64) for x in (q, k, v)), **extra)

@@ -215,15 +215,23 @@ def attend(
 def _on_key_counts(plan: Plan) -> tuple[np.ndarray, np.ndarray] | None:
     """A plan whose padding mask was read as key counts, run without it
     (:mod:`~qkv.engine.kernels.key_counts`): on the count-aware dense kernel where the router
-    sends the unmasked problem to the dense one, else each count's batch rows on their keys
-    when there are few counts (:data:`~qkv.engine.kernels.key_counts.MAX_GROUPS`); None
-    otherwise (the other kernels then read the mask: about as fast as one call per count)."""
+    sends the unmasked problem to the dense one, on the native prefill with its key counts
+    where it goes there, else each count's batch rows on their keys when there are few counts
+    (:data:`~qkv.engine.kernels.key_counts.MAX_GROUPS`); None otherwise (the other kernels then
+    read the mask: about as fast as one call per count)."""
     base = key_counts.bare(plan)
     choice = choose(base)
     counts = key_counts.per_row(plan)
     if choice.name == "dense":
         run = functools.partial(key_counts.attend_dense, counts=counts)
         return attend(base, choice=choice._replace(run=run, plain=False))
+    if choice.kernel in key_counts.READ_BY:  # the native prefill reads the counts itself
+        counted: Any = choice.run  # (a runner that takes counts=: key_counts.READ_BY)
+        run = functools.partial(counted, counts=counts)
+        if choice.stored:  # None (not finite): the caller's general road, on the mask
+            found = run(base)
+            return None if found is None else mods.with_sinks(base, *found)
+        return attend(base, choice=choice._replace(run=run))
     if key_counts.groups(counts) > key_counts.MAX_GROUPS:
         return None
     return key_counts.attend_grouped(plan, attend)

@@ -8,6 +8,9 @@ read once by the validation layer as a key count per batch row (:attr:`Plan.key_
   :func:`attend_dense`: the scores of every key, the hidden tail of each batch row set to
   ``-inf`` by one slice per row (the mask is never broadcast to the scores nor read
   elementwise), then the softmax and the values' product as usual;
+- where it sends it to the native prefill (float32/float64, K/V in their dtype or stored in
+  16 bits), one call that clips each batch row's keys to its count
+  (:func:`qkv.engine.kernels.native.attend`'s ``counts``): the padding's tiles are skipped;
 - otherwise, where the rows have at most :data:`MAX_GROUPS` distinct counts (one sentence,
   or a batch of full rows and one length), the batch rows of each count run together on keys
   ``[:count]`` with no mask at all, on the kernel the router picks for them
@@ -38,6 +41,7 @@ from .dense import logits, softmax_rows
 
 __all__ = [
     "MAX_GROUPS",
+    "READ_BY",
     "applies",
     "attend_dense",
     "attend_grouped",
@@ -51,6 +55,10 @@ Result = tuple[np.ndarray, np.ndarray]
 
 #: Distinct non-zero key counts up to which the rows of each run as one call on their keys.
 MAX_GROUPS = 2
+
+#: The router's kernels that take the key counts themselves (``counts=``): the native
+#: prefill's work items clip their rows' keys to their batch row's count.
+READ_BY = ("native prefill", "native prefill, stored K/V")
 
 
 def applies(plan: Plan) -> bool:

@@ -39,13 +39,13 @@ def stacks(plan: Plan) -> bool:
     )
 
 
-def attend(plan: Plan) -> tuple[np.ndarray, np.ndarray]:
-    """The native prefill (:func:`qkv.engine.kernels.native.attend`) on ``plan``, its grouped
-    heads stacked per kv head where :func:`stacks` says so."""
+def attend(plan: Plan, counts: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The native prefill (:func:`qkv.engine.kernels.native.attend`, with its key ``counts``)
+    on ``plan``, its grouped heads stacked per kv head where :func:`stacks` says so."""
     if not stacks(plan):
-        return native.attend(plan)
+        return native.attend(plan, counts=counts)
     *rest, H, L, d = plan.q.shape
     g = plan.group
     q = plan.q.reshape(*rest, H // g, g * L, d)
-    out, lse = native.attend(replace(plan, q=q, group=1, sinks=None))
+    out, lse = native.attend(replace(plan, q=q, group=1, sinks=None), counts=counts)
     return out.reshape(*rest, H, L, out.shape[-1]), lse.reshape(*rest, H, L)
