@@ -78,6 +78,7 @@ def test_tail_counts_reads_only_a_tail_per_batch_row():
     assert tail_counts(rows, 2) is None
     assert tail_counts(padding([4], S)[0], 1).tolist() == [4]  # (1, 1, S): one count
     assert tail_counts(np.broadcast_to(keep[:, :, 0], (3, 2, S)), 1) is None  # per head
+    assert tail_counts(np.ones((3, 1, 1, 0), bool), 2) is None  # no key: nothing to read
 
 
 def test_plan_carries_counts_and_drops_a_mask_that_hides_nothing():

@@ -155,8 +155,8 @@ def tail_counts(keep: np.ndarray, nbatch: int) -> np.ndarray | None:
     >>> tail_counts(~keep, 2) is None  # a head of keys hidden: not a padding mask
     True
     """
-    if keep.ndim != nbatch + 2 or keep.dtype != bool:
-        return None
+    if keep.ndim != nbatch + 2 or keep.dtype != bool or keep.size == 0:
+        return None  # (an empty mask hides nothing there is to read)
     shape = keep.shape
     if any(n != 1 for n in shape[1 if nbatch >= 2 else 0 : nbatch]):
         return None  # varies along the heads (or another axis than the first)
