@@ -5,6 +5,7 @@
                              [--hidden 1024 --layers 4 --heads 16 --kv-heads 4]
                              [--dtype bfloat16] [--kv-dtype int8] [--float64-tokens] [--seed 0]
     python bench/generate.py --prompts 512 --layers 2 --repeat 1   # a quick run
+    python bench/generate.py --small [--repeat 5]   # issue 42's two rows of short shapes
 
 Models are built from configs with random weights (no download), float32 (``--dtype
 bfloat16`` or ``float16``: the weights and the cache in that dtype), in eval mode: a
@@ -29,6 +30,17 @@ padded to the longest), per backend:
   (``sdpa``, or ``eager`` for Gemma 2): the leading tokens each backend keeps (the fewest over
   the batch's prompts). In bfloat16 two backends that sum in different orders part where two
   logits nearly tie; this says whether either parts from the float64 run sooner.
+
+With ``--small``, two rows of the short shapes CPU users run most instead (issue 42), qkv
+against ``sdpa``, the median of ``--repeat`` rounds taken in turns:
+
+- **encoder batch**: a BERT model with all-MiniLM-L6-v2's sizes (6 layers, hidden 384, 12
+  heads of size 32; random weights), one forward pass over 32 sentences padded to 53 tokens
+  (the attention mask hides each sentence's padding; some are full); the outputs at the real
+  tokens are compared;
+- **small-Llama generate**: hidden 256, 2 layers, 8 query heads over 2 kv heads of size 32,
+  ``generate`` of 16 greedy tokens for 8 prompts of 33 to 512 tokens (left padded), end to
+  end; the tokens must be identical.
 
 The backends take turns round by round (the order rotating), so that the drifting load of a
 shared machine meets them alike. Ratios ("x peer") are against ``sdpa``, or ``eager`` for
@@ -249,6 +261,84 @@ def _kept(tokens: list, reference: list) -> int:
     return min(kept)
 
 
+def _small_rows(args: argparse.Namespace) -> list[dict[str, str]]:
+    """Issue 42's two rows: the MiniLM-shaped encoder batch and the small-Llama ``generate``."""
+    import statistics
+
+    import torch
+    import transformers
+
+    backends = ["qkv", "sdpa"]
+    g = torch.Generator().manual_seed(args.seed)
+    # the encoder batch: all-MiniLM-L6-v2's sizes, random weights
+    bert_cfg = transformers.BertConfig(
+        vocab_size=30522, hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
+        intermediate_size=1536, max_position_embeddings=512, attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(args.seed)
+    bert = transformers.BertModel(bert_cfg, add_pooling_layer=False).eval()
+    B, N = 32, 53
+    lengths = torch.randint(12, N + 1, (B,), generator=g)
+    lengths[:4] = N  # some sentences fill the batch's length
+    enc_ids = torch.randint(1000, 30522, (B, N), generator=g)
+    enc_mask = (torch.arange(N)[None, :] < lengths[:, None]).long()
+    enc_ids[enc_mask == 0] = 0
+    # the small Llama: 8 prompts of 33..512 tokens, left padded
+    llama_cfg = transformers.LlamaConfig(
+        vocab_size=4096, hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(args.seed)
+    llama = transformers.LlamaForCausalLM(llama_cfg).eval()
+    P = 512
+    plens = torch.linspace(33, P, 8).round().long()
+    gen_ids = torch.randint(3, 4096, (8, P), generator=g)
+    gen_mask = (torch.arange(P)[None, :] >= (P - plens)[:, None]).long()
+    gen_ids[gen_mask == 0] = 0
+
+    def encode() -> Any:
+        return bert(input_ids=enc_ids, attention_mask=enc_mask).last_hidden_state
+
+    def generate() -> Any:
+        return llama.generate(
+            gen_ids, attention_mask=gen_mask, max_new_tokens=16, min_new_tokens=16,
+            do_sample=False, pad_token_id=0,
+        )  # fmt: skip
+
+    times: dict[str, dict[str, list[float]]] = {b: {"enc": [], "gen": []} for b in backends}
+    outs: dict[str, dict[str, Any]] = {b: {} for b in backends}
+    with torch.no_grad():
+        for r in range(args.repeat + 1):  # the first round warms up
+            for b in backends[r % 2 :] + backends[: r % 2]:
+                for model, key, fn in ((bert, "enc", encode), (llama, "gen", generate)):
+                    model.set_attn_implementation(b)
+                    time.sleep(0.1)
+                    t0 = time.perf_counter()
+                    outs[b][key] = fn()
+                    if r:
+                        times[b][key].append(time.perf_counter() - t0)
+    real = enc_mask.bool()
+    diff = (outs["qkv"]["enc"] - outs["sdpa"]["enc"])[real].abs().max().item()
+    same = torch.equal(outs["qkv"]["gen"], outs["sdpa"]["gen"])
+    rows = []
+    for key, what, check in (
+        ("enc", f"encoder batch B{B} H12 L{N} d32, padding (BERT, 6 layers)", f"{diff:.1e}"),
+        ("gen", "small-Llama generate, 8 prompts 33-512, 16 tokens", "yes" if same else "NO"),
+    ):
+        med = {b: statistics.median(times[b][key]) for b in backends}
+        rows.append(
+            {
+                "row": what,
+                "qkv ms": f"{1e3 * med['qkv']:.1f}",
+                "sdpa ms": f"{1e3 * med['sdpa']:.1f}",
+                "x sdpa": f"{med['qkv'] / med['sdpa']:.2f}",
+                "check (max diff / same tokens)": check,
+            }
+        )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="llama,gemma2")
@@ -273,6 +363,7 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="also compare each backend's greedy tokens with the same weights' in float64",
     )
+    p.add_argument("--small", action="store_true", help="issue 42's encoder and generate rows")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     p.add_argument(
         "--kv-dtype",
@@ -288,6 +379,11 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     _common.same_threads(args.threads)  # qkv's prefill and decode routes: the same threads
     qkv_hf.register()
+    if args.small:
+        print(f"threads: torch {torch.get_num_threads()}, {_common.threads_info()}; float32")
+        rows = _small_rows(args)
+        print(_common.table(rows, list(rows[0])))
+        return
     prompts = [int(x) for x in args.prompts.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
     backends = args.backends.split(",")

@@ -20,6 +20,7 @@ __all__ = [
     "key_bounds",
     "key_range",
     "query_positions",
+    "tail_counts",
 ]
 
 Window = tuple[int | None, int | None]
@@ -131,3 +132,42 @@ def allowed(
     lo, hi = key_bounds(query_positions(L, S, rows), S, causal, window)
     j = np.arange(cols.start, cols.stop, dtype=np.int64)[None, :]
     return (j >= lo[:, None]) & (j < hi[:, None])
+
+
+def tail_counts(keep: np.ndarray, nbatch: int) -> np.ndarray | None:
+    """Key counts per batch row when a boolean mask only hides a tail of keys: what a
+    tokenizer's padding mask does.
+
+    ``keep`` has ``nbatch + 2`` dimensions (``True`` = may attend), broadcastable to the scores
+    ``(*batch, L, S)``. It is a padding mask when it varies along the first batch axis at most
+    (not along the heads or any other axis; with one batch axis, the heads, not at all), every
+    query row of a batch row hides the same keys, and those are a tail: row ``b`` may attend
+    keys ``[0, count[b])`` and no other. Then the counts, ``int64`` of shape ``(n,)`` with
+    ``n`` the mask's length on the first batch axis (1 with no batch axis); None for any other
+    mask (a middle run hidden, a head-dependent or causal-looking mask), which is then applied
+    as it is. Reads the mask once or twice and builds nothing of the scores' size.
+
+    Examples
+    --------
+    >>> keep = np.arange(5)[None, None, None, :] < np.array([5, 3, 0])[:, None, None, None]
+    >>> tail_counts(keep, 2).tolist()
+    [5, 3, 0]
+    >>> tail_counts(~keep, 2) is None  # a head of keys hidden: not a padding mask
+    True
+    """
+    if keep.ndim != nbatch + 2 or keep.dtype != bool or keep.size == 0:
+        return None  # (an empty mask hides nothing there is to read)
+    shape = keep.shape
+    if any(n != 1 for n in shape[1 if nbatch >= 2 else 0 : nbatch]):
+        return None  # varies along the heads (or another axis than the first)
+    S = shape[-1]
+    rows = keep[..., 0, :]
+    if shape[-2] > 1:
+        last = keep[..., -1, :]
+        if not np.array_equal(last, rows) or not (keep == rows[..., None, :]).all():
+            return None  # query rows that differ: causal-looking, or another structure
+    rows = rows.reshape(-1, S)
+    counts = np.count_nonzero(rows, axis=-1)
+    if not np.array_equal(rows, np.arange(S)[None, :] < counts[:, None]):
+        return None  # not a tail hidden
+    return counts.astype(np.int64, copy=False)

@@ -21,7 +21,7 @@ import numpy as np
 from . import numerics
 from .checks import check_int, check_real, not_rectangular
 from .errors import InputError, InputTypeError
-from .masks import Window
+from .masks import Window, tail_counts
 from .options import VARIANTS, Options
 
 __all__ = [
@@ -234,6 +234,14 @@ class Plan:
         ``mask_mod``; :mod:`qkv.engine.kernels.mods`): ``(0, 0)`` for a whole call. A block of a
         longer sequence (a ring step) sets them so that its variants see global positions;
         causal and the window stay in the block's own bottom-right positions.
+    key_counts : ndarray or None
+        When the mask (or 0/-inf bias) only hides a tail of keys per batch row, as a padding
+        mask does (:func:`qkv.masks.tail_counts`): the keys each row may attend, ``int64`` of
+        shape ``(n,)`` along the first batch axis (``n`` is 1 or ``batch[0]``; 1 with no batch
+        axis). Row ``b`` then sees keys ``[0, key_counts[b])``, causal and the window still
+        aligned to all ``S`` keys. ``mask``/``bias`` stay set (a kernel that does not read the
+        counts applies them); the engine runs such a plan on its key counts, without the mask
+        (:mod:`qkv.engine.kernels.key_counts`). A mask that hides nothing is dropped instead.
     """
 
     q: np.ndarray
@@ -256,6 +264,7 @@ class Plan:
     given: tuple[tuple[np.dtype, tuple[int, ...]], ...] = ()
     offsets: tuple[int, int] = (0, 0)
     stored: tuple[np.ndarray, np.ndarray] | None = None
+    key_counts: np.ndarray | None = None
 
     def materialized(self) -> Plan:
         """This plan with :attr:`stored` K/V widened into ``k`` and ``v`` (itself without)."""
@@ -423,6 +432,11 @@ def make_plan(
     if va is not None:
         va = view_as(va.astype(acc_dtype, copy=False), kv_batch + (S, va.shape[-1]))
     bool_mask, bias = _read_mask(mask, batch + (L, S), acc_dtype)
+    key_counts = None
+    if bool_mask is not None or bias is not None:
+        key_counts = _padding(bool_mask, bias, len(batch))
+        if key_counts is not None and bool((key_counts == S).all()):
+            bool_mask = bias = key_counts = None  # hides nothing: no mask at all
     if sinks is not None:  # the sinks' gradient has the shape they were given in
         sinks = as_array(sinks, "sinks")
         given += ((sinks.dtype, sinks.shape),)
@@ -447,7 +461,21 @@ def make_plan(
         mask_mod=_callable(mask_mod, "mask_mod"),
         given=given,
         stored=stored,
+        key_counts=key_counts,
     )
+
+
+def _padding(mask: np.ndarray | None, bias: np.ndarray | None, nbatch: int) -> np.ndarray | None:
+    """The key counts of a mask that only hides a tail of keys per batch row
+    (:func:`qkv.masks.tail_counts`): a boolean one, or a float one of only ``0`` and
+    ``-inf``; None for any other."""
+    if mask is not None:
+        return tail_counts(mask, nbatch)
+    assert bias is not None
+    keep = bias == 0
+    if not (keep | (bias == -np.inf)).all():
+        return None  # a true bias
+    return tail_counts(keep, nbatch)
 
 
 def _narrow(k: np.ndarray, v: np.ndarray) -> bool:

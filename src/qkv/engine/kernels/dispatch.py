@@ -17,6 +17,7 @@ others force the family's NumPy kernel, for tests and benchmarks. Every kernel r
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import replace
@@ -29,12 +30,14 @@ from ...validate import Plan
 from . import (
     decode,
     dense,
+    key_counts,
     mods,
     native,
     native_bf16,
     native_decode,
     packed,
     router,
+    stacked,
     tiled,
     tiled_backward,
 )
@@ -132,7 +135,7 @@ RUNNERS: dict[str, tuple[Any, str]] = {
     "native decode": (native_decode, "attend"),
     "decode": (decode, "attend"),
     "dense": (dense, "attend"),
-    "native prefill": (native, "attend"),
+    "native prefill": (stacked, "attend"),
     "packed walk": (packed, "attend_plan"),
     "tiled": (tiled, "attend"),
 }
@@ -188,6 +191,10 @@ def attend(
     Sinks are added once, to the kernel's finished result (:func:`mods.with_sinks`).
     """
     if choice is None:
+        if plan.key_counts is not None and kernel == "auto" and key_counts.applies(plan):
+            found = _on_key_counts(plan)
+            if found is not None:
+                return found
         choice = choose(plan, kernel)
     if plan.stored is not None:  # float16/bfloat16 K/V as given: read in place where served
         if choice.stored:
@@ -249,6 +256,31 @@ def ladder(
     if not finite(res):
         check_overflow(plan)
     return res
+
+
+def _on_key_counts(plan: Plan) -> tuple[np.ndarray, np.ndarray] | None:
+    """A plan whose padding mask was read as key counts, run without it
+    (:mod:`~qkv.engine.kernels.key_counts`): on the count-aware dense kernel where the router
+    sends the unmasked problem to the dense one, on the native prefill with its key counts
+    where it goes there, else each count's batch rows on their keys when there are few counts
+    (:data:`~qkv.engine.kernels.key_counts.MAX_GROUPS`); None otherwise (the other kernels then
+    read the mask: about as fast as one call per count)."""
+    base = key_counts.bare(plan)
+    choice = choose(base)
+    counts = key_counts.per_row(plan)
+    if choice.name == "dense":
+        run = functools.partial(key_counts.attend_dense, counts=counts)
+        return attend(base, choice=choice._replace(run=run, plain=False))
+    if choice.kernel in key_counts.READ_BY:  # the native prefill reads the counts itself
+        counted: Any = choice.run  # (a runner that takes counts=: key_counts.READ_BY)
+        run = functools.partial(counted, counts=counts)
+        if choice.stored:  # None (not finite): the caller's general road, on the mask
+            found = run(base)
+            return None if found is None else mods.with_sinks(base, *found)
+        return attend(base, choice=choice._replace(run=run))
+    if key_counts.groups(counts) > key_counts.MAX_GROUPS:
+        return None
+    return key_counts.attend_grouped(plan, attend)
 
 
 def _plain(plan: Plan) -> bool:

@@ -216,6 +216,7 @@ def attend(
     isa: str | None = None,
     block_q: int = BLOCK_Q,
     block_k: int = BLOCK_K,
+    counts: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Fused prefill: output ``(*batch, L, dv)`` and lse ``(*batch, L)``, compute dtype.
 
@@ -234,6 +235,11 @@ def attend(
         else the widest.
     block_q, block_k : int, optional
         Query rows per work item and keys per score tile.
+    counts : ndarray, optional
+        Keys per index of the first batch axis (a padding mask read as key counts,
+        :mod:`~qkv.engine.kernels.key_counts`): row ``b`` attends keys ``[0, counts[b])``
+        only, causal and the window still aligned to all ``S`` keys; the plan's mask is not
+        read then (the caller passes the plan without it).
     """
     gemm = _blas()
     assert plan.v is not None  # the router asks for values
@@ -249,13 +255,17 @@ def attend(
     n = workers(threads, blas=True)  # BLAS tiles: one thread unless BLAS can be held
     block_q = _fit_rows(block_q, lambda bq: nb * -(-L // bq), n)
     rule, held = _mask_and_rule(plan, n, isa, gemm[dt], block_q, block_k)
+    per_head = None
+    if counts is not None:  # one per head: each batch row's count over its other batch axes
+        per_head = np.ascontiguousarray(np.repeat(counts, nb // counts.size), dtype=np.int64)
+        rule["counts"] = per_head.ctypes.data
     args = PrefillArgs(
         nb=nb, L=L, S=plan.S, d=plan.d, dv=dv, out=out.ctypes.data, lse=lse.ctypes.data,
         **fields, **rule,
     )  # fmt: skip
     with single_threaded_blas():
         invoke(function, args, "prefill")
-    del held, arrays  # what the call read
+    del held, arrays, per_head  # what the call read
     return out, lse
 
 
@@ -274,14 +284,18 @@ def _reading(plan: Plan, family: str) -> tuple[str, np.ndarray, np.ndarray]:
 
 
 def attend_stored(
-    plan: Plan, *, threads: int | None = None, isa: str | None = None
+    plan: Plan,
+    *,
+    threads: int | None = None,
+    isa: str | None = None,
+    counts: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """:func:`attend` on a plan whose float16 or bfloat16 K/V are read as stored (the router's
     "native prefill, stored K/V"): float32 output and lse;
     ``None`` when some output is not finite (the caller's general path applies its rules, on
-    the widened K/V)."""
+    the widened K/V). ``counts`` as for :func:`attend`."""
     with np.errstate(over="ignore", invalid="ignore"):
-        out, lse = attend(plan, threads=threads, isa=isa)
+        out, lse = attend(plan, threads=threads, isa=isa, counts=counts)
     return (out, lse) if np.isfinite(out).all() else None
 
 

@@ -95,6 +95,7 @@ class PrefillArgs(ctypes.Structure):
         ("out", _ptr), ("lse", _ptr),
         ("mask", _ptr), ("bias", _ptr), ("m_off", _ptr), *_ints("m_rs", "m_cs"),
         *_RULE,
+        ("counts", _ptr),
     ]  # fmt: skip
 
 

@@ -40,6 +40,7 @@ __all__ = [
     "DECODE_MAX_L",
     "DECODE_MIN_BYTES",
     "DENSE_MAX_SCORES",
+    "DENSE_MAX_WORK",
     "FORWARD",
     "KERNELS",
     "PACKED",
@@ -63,6 +64,10 @@ __all__ = [
 
 KERNELS = ("auto", "dense", "tiled", "decode")  # what ``kernel=`` may name
 DENSE_MAX_SCORES = 1 << 14  # L · S per head below which materialising the scores is fastest
+# ... unless the batch is large: from batch · heads · L · S · (d + dv) of this much work
+# (about 2 ms), the native prefill's (head, query block) tasks on its threads beat the dense
+# kernel's one NumPy thread (measured on 2 cores: B8 and B32, H8 and H12, L = S = 37..120).
+DENSE_MAX_WORK = 1 << 25
 DECODE_MAX_L = 8  # queries per head up to which the scores are small enough to keep whole
 DECODE_MIN_BYTES = 16 << 20  # K/V bytes from which streaming them (decode) beats BLAS (dense)
 # ... and where decode is compiled C++ (native_decode: measured on 2 cores, float32, grouped
@@ -171,16 +176,26 @@ _NO_TILE_VARIANT = _c(
     "ALiBi, score_mod or mask_mod given (soft-capping is the one score variant it applies)",
 )
 _STORED_KV = _c(lambda a: a.plan.stored is not None, "K/V not stored in 16 bits")
+
+
+def _batch_work(a: Ask) -> int:
+    """``batch · heads · L · S · (d + dv)``: the work of a plan's two products."""
+    p = a.plan
+    return p.q.size // max(p.d, 1) * p.S * (p.d + p.dv)
+
+
+def _prefill_sized(a: Ask) -> bool:
+    """More query rows than a decoding step, and long rows or a large batch of short ones."""
+    p = a.plan
+    return p.L > DECODE_MAX_L and (p.L * p.S > DENSE_MAX_SCORES or _batch_work(a) >= DENSE_MAX_WORK)
+
+
 _PREFILL_SHAPE = _c(
-    lambda a: (
-        a.kernel == "tiled"
-        if a.kernel != "auto"
-        else a.plan.L > DECODE_MAX_L and a.plan.L * a.plan.S > DENSE_MAX_SCORES
-    ),
+    lambda a: a.kernel == "tiled" if a.kernel != "auto" else _prefill_sized(a),
     lambda a: (
         f"kernel={a.kernel!r} asked for"
         if a.kernel != "auto"
-        else f"not a prefill: {a.plan.L} x {a.plan.S} scores per head"
+        else f"not a prefill: {a.plan.L} x {a.plan.S} scores per head, a small batch"
     ),
 )
 _NONEMPTY = _c(
@@ -310,6 +325,13 @@ FORWARD: tuple[Kernel, ...] = (
             _c(
                 lambda a: a.plan.L <= DECODE_MAX_L or a.plan.L * a.plan.S <= DENSE_MAX_SCORES,
                 lambda a: f"{a.plan.L} x {a.plan.S} scores per head, more than {DENSE_MAX_SCORES}",
+            ),
+            _c(
+                lambda a: not (_prefill_sized(a) and all(c.test(a) for c in PREFILL)),
+                lambda a: (
+                    f"a batch of {_batch_work(a):.3g} multiply-adds, from {DENSE_MAX_WORK:.3g} "
+                    "the native prefill's threads run it"
+                ),
             ),
         ),
     ),

@@ -56,6 +56,11 @@ struct qkv_prefill_args {
     const int64_t* m_off;
     int64_t m_rs, m_cs;
     QKV_RULE_FIELDS
+    // Keys per head (nb of them): head h attends keys [0, counts[h]) only, causal and the window
+    // still aligned to all S keys (a padding mask read as key counts); NULL: all S. The float32
+    // and float64 prefill read it (with K/V in their dtype or stored in 16 bits), the bfloat16
+    // tile products do not (pass NULL there).
+    const int64_t* counts;
 };
 
 // The packed varlen walk (qkv.engine.kernels.packed's layout): q (total_q, heads, d), k and

@@ -121,6 +121,7 @@ struct Block {
     const T* bias;
     int64_t m_rs, m_cs;
     uint8_t* bad;  // set to 1 when an output is not finite (NULL: not asked)
+    int64_t kmax;  // keys [0, kmax) only (a padding mask's key count); S: all
 };
 
 // What every work item of one call shares: sizes, visibility rule, the BLAS and softmax step.
@@ -189,6 +190,12 @@ void forward_block(const Block<T>& b, Shared<Gemm> sh, Buffers<T>& buf) {
     int64_t* lo = buf.lo.data();
     int64_t* hi = buf.hi.data();
     for (int64_t i = 0; i < rows; ++i) bounds(sh, b.S - b.L + b.r0 + i, &lo[i], &hi[i]);
+    if (b.kmax < b.S) {  // a key count: the positions stay those of all S keys
+        for (int64_t i = 0; i < rows; ++i) {
+            hi[i] = std::min(hi[i], b.kmax);
+            lo[i] = std::min(lo[i], hi[i]);
+        }
+    }
     std::fill(buf.m.begin(), buf.m.begin() + rows, ninf);
     std::fill(buf.l.begin(), buf.l.begin() + rows, T(0));
     std::fill(buf.acc.begin(), buf.acc.begin() + rows * dv, T(0));
@@ -310,6 +317,7 @@ int run(const qkv_prefill_args& a, int kv_format = 0) {
         b.k_first = 0;
         b.L = a.L;
         b.S = a.S;
+        b.kmax = a.counts ? std::max<int64_t>(0, std::min(a.counts[h], a.S)) : a.S;
         b.r0 = r0;
         b.rows = std::min(bq, a.L - r0);
         if (widen) {  // the keys some row of the block sees, widened
@@ -318,6 +326,8 @@ int run(const qkv_prefill_args& a, int kv_format = 0) {
             int64_t klo, khi, unused;
             bounds(rule, a.S - a.L + r0, &klo, &unused);
             bounds(rule, a.S - a.L + r0 + b.rows - 1, &unused, &khi);
+            khi = std::min(khi, b.kmax);
+            klo = std::min(klo, khi);
             const uint16_t* k16 = static_cast<const uint16_t*>(a.k) + a.k_off[h];
             const uint16_t* v16 = static_cast<const uint16_t*>(a.v) + a.v_off[h];
             if (!widen_keys(widen, k16, v16, a.k_rs, a.v_rs, klo, khi, a.d, a.dv, buf, b)) {
@@ -374,6 +384,7 @@ int run_varlen(const qkv_varlen_args& a, int kv_format = 0) {
         Block<T> b;
         b.L = a.cq[task.b + 1] - q0;
         b.S = a.ck[task.b + 1] - k0;
+        b.kmax = b.S;
         b.r0 = task.r0;
         b.rows = std::min(bq, b.L - task.r0);
         Shared<Gemm> rule = sh;

@@ -1,0 +1,51 @@
+"""Grouped heads sharing their K/V tiles in the native prefill: a short, unmasked problem's
+query heads of one kv head run as one block of rows.
+
+With ``g`` query heads per kv head and no causal rule, window or mask, every query row sees
+every key, so the rows of the ``g`` heads can be stacked into one ``(g · L, d)`` block against
+their kv head's keys: each key tile is then multiplied by ``g · L`` rows in one product instead
+of ``g`` products of ``L`` rows (the per-product cost dominates short rows). Measured on 2 cores
+against the heads run one by one: B8 H8 kv2 L = S = 16 d64 0.38 against 0.46 ms, B8 H12 kv3
+L = S = 37 d32 0.92 against 1.10 ms (one thread each). Longer rows gain nothing
+(:data:`MAX_ROWS`). Must equal :func:`qkv.reference.attention`, as the native prefill it calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from ...validate import Plan
+from . import native
+
+__all__ = ["MAX_ROWS", "attend", "stacks"]
+
+#: Stacked rows (``group · L``) up to which the heads of a kv head run as one block.
+MAX_ROWS = 512
+
+
+def stacks(plan: Plan) -> bool:
+    """Whether ``plan``'s query heads are stacked per kv head (see the module's text)."""
+    return (
+        plan.group > 1
+        and plan.group * plan.L <= MAX_ROWS
+        and not plan.causal
+        and plan.window is None
+        and plan.mask is None
+        and plan.bias is None
+        and plan.stored is None
+        and len(plan.batch) >= 1
+    )
+
+
+def attend(plan: Plan, counts: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The native prefill (:func:`qkv.engine.kernels.native.attend`, with its key ``counts``)
+    on ``plan``, its grouped heads stacked per kv head where :func:`stacks` says so."""
+    if not stacks(plan):
+        return native.attend(plan, counts=counts)
+    *rest, H, L, d = plan.q.shape
+    g = plan.group
+    q = plan.q.reshape(*rest, H // g, g * L, d)
+    out, lse = native.attend(replace(plan, q=q, group=1, sinks=None), counts=counts)
+    return out.reshape(*rest, H, L, out.shape[-1]), lse.reshape(*rest, H, L)
