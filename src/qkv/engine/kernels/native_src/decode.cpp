@@ -346,9 +346,106 @@ struct Rows {
           vs(a.v_scale ? a.v_scale + b * a.vs_bs + h * a.vs_hs : nullptr) {}
 };
 
+// A block's rows of K, V or scales: row j at p + j * rs (a run of rows) ...
+template <typename E>
+struct Strided {
+    const E* p = nullptr;
+    int64_t rs = 0;
+    QKV_INLINE const E* operator[](int64_t j) const { return p + j * rs; }
+    QKV_INLINE Strided from(int64_t j) const { return {p + j * rs, rs}; }  // rows from j on
+};
+
+// ... or at p[j] (rows listed one by one: pages through a block table).
+template <typename E>
+struct Listed {
+    const E* const* p = nullptr;
+    QKV_INLINE const E* operator[](int64_t j) const { return p[j]; }
+    QKV_INLINE Listed from(int64_t j) const { return {p + j}; }
+};
+
+// Where a piece finds the rows of a block of keys [b0, b0 + n) of kv head h of sequence b: the
+// pieces ask list(b0, n, slot) for a block (before its rows are read; a no-op here), then
+// k(b0, slot), v, ks, vs for its rows. Flat: the sequence's rows are one run (a cache's
+// buffers, any strides), so a block is a Strided run, as it always was.
+template <typename E>
+struct Flat {
+    typedef Strided<E> Kv_;
+    typedef Strided<float> Sc_;
+    const Rows<E> at;
+    const int64_t k_rs, v_rs, ks_rs, vs_rs;
+    Flat(const qkv_decode_args& a, int64_t b, int64_t h)
+        : at(a, b, h), k_rs(a.k_rs), v_rs(a.v_rs), ks_rs(a.ks_rs), vs_rs(a.vs_rs) {}
+    QKV_INLINE void list(int64_t, int64_t, int) {}
+    QKV_INLINE Kv_ k(int64_t b0, int) const { return {at.k + b0 * k_rs, k_rs}; }
+    QKV_INLINE Kv_ v(int64_t b0, int) const { return {at.v + b0 * v_rs, v_rs}; }
+    // (scaled formats only: the scales are there)
+    QKV_INLINE Sc_ ks(int64_t b0, int) const { return {at.ks + b0 * ks_rs, ks_rs}; }
+    QKV_INLINE Sc_ vs(int64_t b0, int) const { return {at.vs + b0 * vs_rs, vs_rs}; }
+};
+
+// Paged: key position p lies in page block_table[p / page_size] at row p % page_size. A
+// block's rows are listed when it is asked for (one division per block, the pages' runs of
+// rows walked with additions), in two slots: the block being computed and the next one,
+// whose rows are asked for into L2 meanwhile. The inner loops read the listed rows as they
+// read a Strided run, one pointer per row more.
+template <typename E>
+struct Paged {
+    typedef Listed<E> Kv_;
+    typedef Listed<float> Sc_;
+    const E* kh;  // kv head h's rows in page 0
+    const E* vh;
+    const float* ksh;  // (scaled formats; else NULL)
+    const float* vsh;
+    const int32_t* table;  // sequence b's row of the block table
+    const int64_t ps, k_ps, k_rs, v_ps, v_rs, ks_ps, ks_rs, vs_ps, vs_rs;
+    const E* kl[2][DECODE_BK];
+    const E* vl[2][DECODE_BK];
+    const float* ksl[2][DECODE_BK];
+    const float* vsl[2][DECODE_BK];
+    Paged(const qkv_decode_args& a, int64_t b, int64_t h)
+        : kh(static_cast<const E*>(a.k) + h * a.k_hs),
+          vh(static_cast<const E*>(a.v) + h * a.v_hs),
+          ksh(a.k_scale ? a.k_scale + h * a.ks_hs : nullptr),
+          vsh(a.v_scale ? a.v_scale + h * a.vs_hs : nullptr),
+          table(a.block_table + b * a.bt_rs),
+          ps(a.page_size), k_ps(a.k_bs), k_rs(a.k_rs), v_ps(a.v_bs), v_rs(a.v_rs),
+          ks_ps(a.ks_bs), ks_rs(a.ks_rs), vs_ps(a.vs_bs), vs_rs(a.vs_rs) {}
+    // The rows of keys [b0, b0 + n) (n <= DECODE_BK) into the lists of `slot`.
+    QKV_INLINE void list(int64_t b0, int64_t n, int slot) {
+        if (n <= 0) return;
+        int64_t page = b0 / ps, off = b0 - page * ps, j = 0;
+        const E** K = kl[slot];
+        const E** V = vl[slot];
+        while (j < n) {
+            const int64_t id = table[page], take = std::min(ps - off, n - j);
+            const E* kp = kh + id * k_ps + off * k_rs;
+            const E* vp = vh + id * v_ps + off * v_rs;
+            for (int64_t i = 0; i < take; ++i) {
+                K[j + i] = kp + i * k_rs;
+                V[j + i] = vp + i * v_rs;
+            }
+            if (ksh) {
+                const float* kq = ksh + id * ks_ps + off * ks_rs;
+                const float* vq = vsh + id * vs_ps + off * vs_rs;
+                for (int64_t i = 0; i < take; ++i) {
+                    ksl[slot][j + i] = kq + i * ks_rs;
+                    vsl[slot][j + i] = vq + i * vs_rs;
+                }
+            }
+            j += take;
+            off = 0;
+            ++page;
+        }
+    }
+    QKV_INLINE Kv_ k(int64_t, int slot) const { return {kl[slot]}; }
+    QKV_INLINE Kv_ v(int64_t, int slot) const { return {vl[slot]}; }
+    QKV_INLINE Sc_ ks(int64_t, int slot) const { return {ksl[slot]}; }
+    QKV_INLINE Sc_ vs(int64_t, int slot) const { return {vsl[slot]}; }
+};
+
 // One piece: rows' m, l, acc over keys [j0, j1) of kv head h of sequence b, for any head
 // sizes. scratch holds the scaled rows (R x d) and the block's scores (R x DECODE_BK).
-template <typename T, typename E>
+template <typename T, typename E, typename Src>
 QKV_INLINE void decode_piece_body(const qkv_decode_args& a, int64_t b, int64_t h, int64_t j0,
                                   int64_t j1, T* __restrict scratch, T* __restrict m,
                                   T* __restrict l, T* __restrict acc) {
@@ -357,12 +454,15 @@ QKV_INLINE void decode_piece_body(const qkv_decode_args& a, int64_t b, int64_t h
     T* __restrict qs = scratch;
     T* __restrict s = scratch + R * d;
     decode_start(a, b, h, d, dv, qs, m, l, acc);
-    const Rows<E> at(a, b, h);
+    Src src(a, b, h);
     for (int64_t b0 = j0; b0 < j1; b0 += DECODE_BK) {
         const int64_t n = std::min<int64_t>(DECODE_BK, j1 - b0);
+        src.list(b0, n, 0);
+        const auto K = src.k(b0, 0);
+        const auto Vr = src.v(b0, 0);
         for (int64_t j = 0; j < n; ++j) {
-            const E* __restrict kr = at.k + (b0 + j) * a.k_rs;
-            const T ks = KV::scaled ? T(at.ks[(b0 + j) * a.ks_rs]) : T(1);
+            const E* __restrict kr = K[j];
+            const T ks = KV::scaled ? T(*src.ks(b0, 0)[j]) : T(1);
             for (int64_t r = 0; r < R; ++r) {
                 const T* __restrict qr = qs + r * d;
                 T dot = 0;
@@ -381,8 +481,8 @@ QKV_INLINE void decode_piece_body(const qkv_decode_args& a, int64_t b, int64_t h
                 for (int64_t c = 0; c < dv; ++c) ar[c] *= alpha;
             }
             for (int64_t j = 0; j < n; ++j) {
-                const T p = KV::scaled ? sr[j] * T(at.vs[(b0 + j) * a.vs_rs]) : sr[j];
-                const E* __restrict vr = at.v + (b0 + j) * a.v_rs;
+                const T p = KV::scaled ? sr[j] * T(*src.vs(b0, 0)[j]) : sr[j];
+                const E* __restrict vr = Vr[j];
 #pragma omp simd
                 for (int64_t c = 0; c < dv; ++c) ar[c] += p * KV::get(vr + c);
             }
@@ -547,27 +647,26 @@ QKV_INLINE V load(const E* p) {
 // (int8). Every line is asked for: with the requests spread, asking for every other line (the
 // CPU fetching its neighbour), as the step did where a key brings 256 bytes or more per query
 // row, measured 20-25% slower (float32 B8 and B1, bfloat16 with one query row per kv head).
-template <typename E, int BYTES>
+template <typename E, int BYTES, typename A>
 struct Ahead {
-    const E* rows = nullptr;
-    int64_t rs = 0, n = 0;  // rows rs elements apart; rows [0, n) are asked for
+    A rows{};  // Strided or Listed
+    int64_t n = 0;  // rows [0, n) are asked for
     // bytes [from, from + SPAN) of row j
     template <int SPAN>
     QKV_INLINE void part(int64_t j, int from) const {
         if (j >= n) return;
-        const char* p = reinterpret_cast<const char*>(rows + j * rs);
+        const char* p = reinterpret_cast<const char*>(rows[j]);
         for (int c = from; c < from + SPAN; c += 64) __builtin_prefetch(p + c, 0, 1);
     }
     QKV_INLINE void row(int64_t j) const { part<BYTES>(j, 0); }
 };
 
-// The scores of RB query rows (q, rows D apart, in line()'s order) against KB keys (k, rows
-// k_rs apart) into s[i * DECODE_BK + kk]: each key line widened once for the RB rows, each
+// The scores of RB query rows (q, rows D apart, in line()'s order) against KB keys (key kk's
+// row at k[kk]: Strided or Listed) into s[i * DECODE_BK + kk]: each key line widened once for the RB rows, each
 // query vector loaded once for the KB keys, and the RB · KB lane sums added up together. V is
 // the clone's register of T (LANES float lanes), NVL of them per line of storage.
-template <typename T, typename E, typename V, int D, int RB, int KB, int LANES>
-QKV_INLINE void score_tile(const T* __restrict q, const E* __restrict k, int64_t k_rs,
-                           T* __restrict s) {
+template <typename T, typename E, typename V, int D, int RB, int KB, int LANES, typename A>
+QKV_INLINE void score_tile(const T* __restrict q, const A& k, T* __restrict s) {
     typedef Kv<T, E> KV;
     constexpr int W = int(sizeof(V) / sizeof(T)), EL = int(64 / sizeof(E));
     constexpr int NVL = int(KV::per_line * 64 / sizeof(V)), LK = int(D * sizeof(E) / 64);
@@ -575,13 +674,13 @@ QKV_INLINE void score_tile(const T* __restrict q, const E* __restrict k, int64_t
     for (int l = 0; l < LK; ++l) {
         V kv[KB][NVL];
         if constexpr (!KV::direct)
-            for (int kk = 0; kk < KB; ++kk) read_line<T, E, LANES>(k + kk * k_rs + l * EL, kv[kk]);
+            for (int kk = 0; kk < KB; ++kk) read_line<T, E, LANES>(k[kk] + l * EL, kv[kk]);
         for (int p = 0; p < NVL; ++p) {
             for (int i = 0; i < RB; ++i) {
                 const V qv = load<V>(q + i * D + (l * NVL + p) * W);
                 for (int kk = 0; kk < KB; ++kk) {
                     if constexpr (KV::direct)  // as an operand (a copy to the stack stalls)
-                        x[i][kk] += qv * load<V>(k + kk * k_rs + l * EL + p * W);
+                        x[i][kk] += qv * load<V>(k[kk] + l * EL + p * W);
                     else
                         x[i][kk] += qv * kv[kk][p];
                 }
@@ -627,15 +726,15 @@ QKV_BF16 inline __m512bh dp_keys(const E* k) {
         return _mm512_cvtne2ps_pbh(dp_e4m3(hi), dp_e4m3(lo));
 }
 
-template <int D, int RB, int KB, typename E>
-QKV_BF16 inline void score_tile_dp(const uint16_t* __restrict q, const E* __restrict k,
-                                 int64_t k_rs, float scale, float* __restrict s) {
+template <int D, int RB, int KB, typename E, typename A>
+QKV_BF16 inline void score_tile_dp(const uint16_t* __restrict q, const A& k, float scale,
+                                 float* __restrict s) {
     __m512 x[RB][KB];
     for (int i = 0; i < RB; ++i)
         for (int kk = 0; kk < KB; ++kk) x[i][kk] = _mm512_setzero_ps();
     for (int l = 0; l < D / 32; ++l) {
         __m512bh kv[KB];
-        for (int kk = 0; kk < KB; ++kk) kv[kk] = dp_keys(k + kk * k_rs + l * 32);
+        for (int kk = 0; kk < KB; ++kk) kv[kk] = dp_keys(k[kk] + l * 32);
         for (int i = 0; i < RB; ++i) {
             const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + i * D + l * 32);
             for (int kk = 0; kk < KB; ++kk) x[i][kk] = _mm512_dpbf16_ps(x[i][kk], qv, kv[kk]);
@@ -652,12 +751,13 @@ QKV_BF16 inline void score_tile_dp(const uint16_t* __restrict q, const E* __rest
 #endif
 
 // RB rows' accumulators' registers [c0, c0 + CV) (acc, rows DV apart, in line()'s order)
-// scaled by alpha[i], plus the n weighted value rows w[i * DECODE_BK + j] · v[j]: held in
+// scaled by alpha[i], plus the n weighted value rows w[i * DECODE_BK + j] · v[j] (row j at
+// v[j]: Strided or Listed): held in
 // registers over the block, each value line widened once for the RB rows.
-template <typename T, typename E, typename V, int DV, int RB, int CV>
+template <typename T, typename E, typename V, int DV, int RB, int CV, typename A>
 QKV_INLINE void value_tile(T* __restrict acc, const T* __restrict w, const T* __restrict alpha,
-                           const E* __restrict v, int64_t v_rs, int64_t n, int c0,
-                           const Ahead<E, int(DV * sizeof(E))>& next) {
+                           const A& v, int64_t n, int c0,
+                           const Ahead<E, int(DV * sizeof(E)), A>& next) {
     typedef Kv<T, E> KV;
     constexpr int W = int(sizeof(V) / sizeof(T)), EL = int(64 / sizeof(E));
     constexpr int NVL = int(KV::per_line * 64 / sizeof(V));
@@ -669,7 +769,7 @@ QKV_INLINE void value_tile(T* __restrict acc, const T* __restrict w, const T* __
             x[i][c] *= alpha[i];
         }
     }
-    const E* vl = v + (c0 / NVL) * EL;
+    const int64_t at = (c0 / NVL) * EL;  // the tile's first value in a row
     // the bytes of a value row this tile reads
     constexpr int SPAN = KV::direct ? CV * int(sizeof(V)) : CV / NVL * 64;
     const int from = KV::direct ? c0 * int(sizeof(V)) : c0 / NVL * 64;
@@ -677,10 +777,10 @@ QKV_INLINE void value_tile(T* __restrict acc, const T* __restrict w, const T* __
         next.template part<SPAN>(j, from);
         V y[CV];
         if constexpr (KV::direct)
-            for (int c = 0; c < CV; ++c) y[c] = load<V>(vl + j * v_rs + c * W);
+            for (int c = 0; c < CV; ++c) y[c] = load<V>(v[j] + at + c * W);
         else
             for (int g = 0; g < CV / NVL; ++g)
-                read_line<T, E, int(sizeof(V) / 4)>(vl + j * v_rs + g * EL, y + g * NVL);
+                read_line<T, E, int(sizeof(V) / 4)>(v[j] + at + g * EL, y + g * NVL);
         for (int i = 0; i < RB; ++i) {
             // the weight as a scalar operand: one broadcast (V{} + w cost an add before it)
             const T wij = w[i * DECODE_BK + j];
@@ -693,12 +793,12 @@ QKV_INLINE void value_tile(T* __restrict acc, const T* __restrict w, const T* __
 
 // value_tile over all of a row group's registers, CV at a time, each asking for its part of
 // the rows `next`.
-template <typename T, typename E, typename V, int DV, int RB, int CV>
-QKV_INLINE void value_rows(T* acc, const T* w, const T* alpha, const E* v, int64_t v_rs,
-                           int64_t n, const Ahead<E, int(DV * sizeof(E))>& next) {
+template <typename T, typename E, typename V, int DV, int RB, int CV, typename A>
+QKV_INLINE void value_rows(T* acc, const T* w, const T* alpha, const A& v, int64_t n,
+                           const Ahead<E, int(DV * sizeof(E)), A>& next) {
     constexpr int NV = int(DV * sizeof(T) / sizeof(V));
     static_assert(NV % CV == 0, "whole tiles");
-    for (int c0 = 0; c0 < NV; c0 += CV) value_tile<T, E, V, DV, RB, CV>(acc, w, alpha, v, v_rs, n, c0, next);
+    for (int c0 = 0; c0 < NV; c0 += CV) value_tile<T, E, V, DV, RB, CV>(acc, w, alpha, v, n, c0, next);
 }
 
 // Tile sizes for a clone of LANES float lanes: AVX-512's 32 registers take four rows by four
@@ -722,7 +822,7 @@ struct Tiles {
 // added in tiles of rows by registers of the accumulators (value_tile), so that each key and
 // value line is widened once per tile of rows and the accumulators stay in registers. The
 // same recurrence as decode_piece_body.
-template <typename T, typename E, int D, int DV, int LANES, bool DP = false>
+template <typename T, typename E, int D, int DV, int LANES, bool DP = false, typename Src = Flat<E>>
 QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h, int64_t j0,
                                  int64_t j1, T* __restrict scratch, T* __restrict m,
                                  T* __restrict l, T* __restrict acc) {
@@ -751,32 +851,36 @@ QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h,
     } else if constexpr (KV::order > 1) {
         strided_order(qs, R, D, KV::order, true);
     }
-    const Rows<E> at(a, b, h);
+    Src src(a, b, h);
+    typedef typename Src::Kv_ A;
     // score_tile, or score_tile_dp on the rows' bits, for RB rows from r by KB keys from j
-    auto scores = [&](auto rb, auto kb, int64_t r, const E* K, int64_t j) {
+    auto scores = [&](auto rb, auto kb, int64_t r, const A& K, int64_t j) {
         constexpr int RB = decltype(rb)::value, KBt = decltype(kb)::value;
         T* out = s + r * DECODE_BK + j;
 #if QKV_X86
         if constexpr (DP) {
             score_tile_dp<D, RB, KBt, E>(reinterpret_cast<const uint16_t*>(qs) + r * D,
-                                         K + j * a.k_rs, a.k_rs, float(a.scale), out);
+                                         K.from(j), float(a.scale), out);
             return;
         }
 #endif
-        score_tile<T, E, V, D, RB, KBt, LANES>(qs + r * D, K + j * a.k_rs, a.k_rs, out);
+        score_tile<T, E, V, D, RB, KBt, LANES>(qs + r * D, K.from(j), out);
     };
     typedef std::integral_constant<int, 1> One;
     typedef std::integral_constant<int, RS> Rows_;
     typedef std::integral_constant<int, KB> Keys_;
-    for (int64_t b0 = j0; b0 < j1; b0 += DECODE_BK) {
+    int slot = 0;  // the source's lists of this block's rows (Paged); the next block's: slot ^ 1
+    src.list(j0, std::min<int64_t>(DECODE_BK, j1 - j0), slot);
+    for (int64_t b0 = j0; b0 < j1; b0 += DECODE_BK, slot ^= 1) {
         const int64_t n = std::min<int64_t>(DECODE_BK, j1 - b0);
-        const E* K = at.k + b0 * a.k_rs;
-        const E* Vb = at.v + b0 * a.v_rs;
+        const A K = src.k(b0, slot);
+        const A Vb = src.v(b0, slot);
         // the next block's rows are asked for while this one is computed (Ahead), into L2
         // (into L1 they measured slower: the rows of this block compete with them there)
         const int64_t ahead = std::min<int64_t>(DECODE_BK, j1 - b0 - n);
-        const Ahead<E, int(D * sizeof(E))> knext{K + DECODE_BK * a.k_rs, a.k_rs, ahead};
-        Ahead<E, int(DV * sizeof(E))> vnext{Vb + DECODE_BK * a.v_rs, a.v_rs, ahead};
+        src.list(b0 + DECODE_BK, ahead, slot ^ 1);
+        const Ahead<E, int(D * sizeof(E)), A> knext{src.k(b0 + DECODE_BK, slot ^ 1), ahead};
+        Ahead<E, int(DV * sizeof(E)), A> vnext{src.v(b0 + DECODE_BK, slot ^ 1), ahead};
         int64_t j = 0;
         for (; j + KB <= n; j += KB) {
             for (int64_t i = j; i < j + KB; ++i) knext.row(i);
@@ -791,7 +895,8 @@ QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h,
         }
         if constexpr (KV::scaled) {  // (score_tile_dp's codes are read as they are: unit 1)
             constexpr T kunit = DP ? T(1) : KV::unit;
-            for (int64_t i = 0; i < n; ++i) vsc[i] = T(at.ks[(b0 + i) * a.ks_rs]) * kunit;
+            const auto KS = src.ks(b0, slot);
+            for (int64_t i = 0; i < n; ++i) vsc[i] = T(*KS[i]) * kunit;
             for (int64_t r = 0; r < R; ++r)
 #pragma omp simd
                 for (int64_t i = 0; i < n; ++i) s[r * DECODE_BK + i] *= vsc[i];
@@ -799,35 +904,46 @@ QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h,
         if (a.softcap > 0) softcap_block(s, R, n, T(a.softcap));
         for (int64_t r = 0; r < R; ++r) alpha[r] = decode_row_step(s + r * DECODE_BK, n, m + r, l + r);
         if constexpr (KV::scaled) {  // the weights times each value row's scale
-            for (int64_t i = 0; i < n; ++i) vsc[i] = T(at.vs[(b0 + i) * a.vs_rs]) * KV::unit;
+            const auto VS = src.vs(b0, slot);
+            for (int64_t i = 0; i < n; ++i) vsc[i] = T(*VS[i]) * KV::unit;
             for (int64_t r = 0; r < R; ++r)
 #pragma omp simd
                 for (int64_t i = 0; i < n; ++i) s[r * DECODE_BK + i] *= vsc[i];
         }
         int64_t r = 0;  // the first row group's tiles ask for the next block's values
         for (; r + RV <= R; r += RV, vnext.n = 0)
-            value_rows<T, E, V, DV, RV, TS::many>(acc + r * DV, s + r * DECODE_BK, alpha + r, Vb, a.v_rs, n, vnext);
+            value_rows<T, E, V, DV, RV, TS::many>(acc + r * DV, s + r * DECODE_BK, alpha + r, Vb, n, vnext);
         if (RV > 2 && r + 2 <= R) {
-            value_rows<T, E, V, DV, 2, TS::few>(acc + r * DV, s + r * DECODE_BK, alpha + r, Vb, a.v_rs, n, vnext);
+            value_rows<T, E, V, DV, 2, TS::few>(acc + r * DV, s + r * DECODE_BK, alpha + r, Vb, n, vnext);
             r += 2;
             vnext.n = 0;
         }
         for (; r < R; ++r, vnext.n = 0)
-            value_rows<T, E, V, DV, 1, TS::few>(acc + r * DV, s + r * DECODE_BK, alpha + r, Vb, a.v_rs, n, vnext);
+            value_rows<T, E, V, DV, 1, TS::few>(acc + r * DV, s + r * DECODE_BK, alpha + r, Vb, n, vnext);
     }
     if constexpr (KV::order > 1) strided_order(acc, R, DV, KV::order, false);
 }
 
-// The piece for the head sizes of the arguments: unrolled for 64 and 128, else general.
+// The piece for the head sizes of the arguments (unrolled for 64 and 128, else general) and
+// where the rows lie (one run per sequence, or pages through a block table).
+template <typename T, typename E, int LANES, typename Src>
+QKV_INLINE void decode_piece_sized(const qkv_decode_args& a, int64_t b, int64_t h, int64_t j0,
+                                   int64_t j1, T* sc, T* m, T* l, T* acc) {
+    if (a.d == 64 && a.dv == 64)
+        decode_piece_vec<T, E, 64, 64, LANES, false, Src>(a, b, h, j0, j1, sc, m, l, acc);
+    else if (a.d == 128 && a.dv == 128)
+        decode_piece_vec<T, E, 128, 128, LANES, false, Src>(a, b, h, j0, j1, sc, m, l, acc);
+    else
+        decode_piece_body<T, E, Src>(a, b, h, j0, j1, sc, m, l, acc);
+}
+
 template <typename T, typename E, int LANES>
 QKV_INLINE void decode_piece_any(const qkv_decode_args& a, int64_t b, int64_t h, int64_t j0,
                                  int64_t j1, T* sc, T* m, T* l, T* acc) {
-    if (a.d == 64 && a.dv == 64)
-        decode_piece_vec<T, E, 64, 64, LANES>(a, b, h, j0, j1, sc, m, l, acc);
-    else if (a.d == 128 && a.dv == 128)
-        decode_piece_vec<T, E, 128, 128, LANES>(a, b, h, j0, j1, sc, m, l, acc);
+    if (a.block_table)
+        decode_piece_sized<T, E, LANES, Paged<E>>(a, b, h, j0, j1, sc, m, l, acc);
     else
-        decode_piece_body<T, E>(a, b, h, j0, j1, sc, m, l, acc);
+        decode_piece_sized<T, E, LANES, Flat<E>>(a, b, h, j0, j1, sc, m, l, acc);
 }
 
 typedef void (*piece_t)(const qkv_decode_args&, int64_t, int64_t, int64_t, int64_t, void*,
@@ -915,11 +1031,18 @@ QKV_BF16 void piece_avx512bf16(const qkv_decode_args& a, int64_t b, int64_t h, i
     float* M = static_cast<float*>(m);
     float* L = static_cast<float*>(l);
     float* A = static_cast<float*>(acc);
-    if (a.d == 64 && a.dv == 64 && rows_are_bf16(a, b, h))
-        decode_piece_vec<float, E, 64, 64, 16, true>(a, b, h, j0, j1, S, M, L, A);
-    else if (a.d == 128 && a.dv == 128 && rows_are_bf16(a, b, h))
-        decode_piece_vec<float, E, 128, 128, 16, true>(a, b, h, j0, j1, S, M, L, A);
-    else
+    const bool paged = a.block_table != nullptr;
+    if (a.d == 64 && a.dv == 64 && rows_are_bf16(a, b, h)) {
+        if (paged)
+            decode_piece_vec<float, E, 64, 64, 16, true, Paged<E>>(a, b, h, j0, j1, S, M, L, A);
+        else
+            decode_piece_vec<float, E, 64, 64, 16, true>(a, b, h, j0, j1, S, M, L, A);
+    } else if (a.d == 128 && a.dv == 128 && rows_are_bf16(a, b, h)) {
+        if (paged)
+            decode_piece_vec<float, E, 128, 128, 16, true, Paged<E>>(a, b, h, j0, j1, S, M, L, A);
+        else
+            decode_piece_vec<float, E, 128, 128, 16, true>(a, b, h, j0, j1, S, M, L, A);
+    } else
         other(a, b, h, j0, j1, sc, m, l, acc);
 }
 
@@ -1015,6 +1138,17 @@ int run_decode(const qkv_decode_args& given) {
     for (int64_t b = 0; b < a.nseq; ++b) {
         const int64_t lo = a.lo ? a.lo[b] : 0, hi = a.hi ? a.hi[b] : a.S;
         if (lo < 0 || hi > a.S || lo > hi) return 5;
+    }
+    // Paged: every page those keys lie in is one of the pool's (else nothing is read).
+    if (a.block_table) {
+        if (a.page_size < 1 || a.num_blocks < 0 || a.bt_rs < 0) return 2;
+        for (int64_t b = 0; b < a.nseq; ++b) {
+            const int64_t lo = a.lo ? a.lo[b] : 0, hi = a.hi ? a.hi[b] : a.S;
+            if (lo == hi) continue;
+            const int32_t* row = a.block_table + b * a.bt_rs;
+            for (int64_t p = lo / a.page_size; p <= (hi - 1) / a.page_size; ++p)
+                if (row[p] < 0 || row[p] >= a.num_blocks) return 6;
+        }
     }
     const int64_t R = a.group * a.L, units = a.nseq * a.kv_heads;
     if (units == 0) return 0;  // no sequence: nothing to write
