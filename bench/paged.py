@@ -88,9 +88,7 @@ def main() -> None:
         kp, vp = _paged(k, table, blocks, P), _paged(v, table, blocks, P)
         ksp = None if ks is None else _paged(ks, table, blocks, P)
         vsp = None if vs is None else _paged(vs, table, blocks, P)
-        step = native_decode.prepare(
-            q, k, v, scale, lo, hi, kv_format=fmt, k_scale=ks, v_scale=vs
-        )
+        step = native_decode.prepare(q, k, v, scale, lo, hi, kv_format=fmt, k_scale=ks, v_scale=vs)
         if step is None:
             raise SystemExit("the native decode step is not available here")
 

@@ -2,10 +2,10 @@
 
 :func:`merge`, :func:`attention_vjp`, :func:`attention_varlen`, :class:`KVCache` and
 :class:`PagedKVCache` are the engine's own (:mod:`qkv.engine.merge`, :mod:`~qkv.engine.grad`,
-:mod:`~qkv.engine.varlen`, :mod:`~qkv.engine.cache`, :mod:`~qkv.engine.paged`) under the same tensor policy (:mod:`qkv.tensors`): tensors in,
-tensors out (dtype and device of the caller), autograd where qkv has a gradient and a refusal
-by name where it has none. Their signatures and documentation are the engine's, written once
-there (:func:`functools.wraps`).
+:mod:`~qkv.engine.varlen`, :mod:`~qkv.engine.cache`, :mod:`~qkv.engine.paged`) under the
+same tensor policy (:mod:`qkv.tensors`): tensors in, tensors out (dtype and device of the
+caller), autograd where qkv has a gradient and a refusal by name where it has none. Their
+signatures and documentation are the engine's, written once there (:func:`functools.wraps`).
 
 They live apart from :mod:`qkv.front` because wrapping them imports the engine and its kernels:
 ``import qkv`` imports this module on the first use of one of them (``qkv.KVCache``...), not

@@ -22,7 +22,7 @@ import numpy as np
 
 from .. import numerics
 from ..checks import check_int
-from ..errors import InputError, InputTypeError
+from ..errors import InputError
 from ..keywords import near_keywords
 from ..options import Options
 from ..validate import (

@@ -52,8 +52,7 @@ def _pool(k_pages: Any, v_pages: Any, form: str | None) -> tuple[np.ndarray, np.
     for name, a in (("k_pages", kp), ("v_pages", vp)):
         if a.ndim != 4:
             raise InputError(
-                f"{name}: expected shape (num_blocks, page_size, kv_heads, head_dim), got "
-                f"{a.shape}"
+                f"{name}: expected shape (num_blocks, page_size, kv_heads, head_dim), got {a.shape}"
             )
     if kp.shape[:3] != vp.shape[:3]:
         raise InputError(
@@ -90,9 +89,7 @@ def _table(
     if bt.dtype.kind not in "iu":
         raise InputTypeError(f"block_table: expected integers (block ids), got {bt.dtype}")
     if bt.ndim != 2 or bt.shape[0] != batch:
-        raise InputError(
-            f"block_table: expected shape (batch={batch}, max_blocks), got {bt.shape}"
-        )
+        raise InputError(f"block_table: expected shape (batch={batch}, max_blocks), got {bt.shape}")
     n = np.asarray(seqlens)
     if n.dtype.kind not in "iu" and n.size:
         raise InputTypeError(f"seqlens: expected integers (keys per sequence), got {n.dtype}")
