@@ -900,9 +900,15 @@ QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h,
         const A Vb = src.v(b0, slot, i);
         // the next block's rows are asked for while this one is computed (Ahead), into L2
         // (into L1 they measured slower: the rows of this block compete with them there)
-        const int64_t ahead = std::min<int64_t>(DECODE_BK, j1 - b0 - n);
-        const Ahead<E, int(D * sizeof(E)), A> knext{src.k(b0 + DECODE_BK, slot ^ 1, i), ahead};
-        Ahead<E, int(DV * sizeof(E)), A> vnext{src.v(b0 + DECODE_BK, slot ^ 1, i), ahead};
+        // (all_heads: the rows read next are the next head's in this block, else the first
+        // head's in the next: asked for a block earlier, they would be evicted by the other
+        // heads' rows before their turn)
+        const bool same = Src::all_heads && i + 1 < NH;
+        const int64_t ahead = same ? n : std::min<int64_t>(DECODE_BK, j1 - b0 - n);
+        const int64_t nb0 = same ? b0 : b0 + DECODE_BK, ni = same ? i + 1 : 0;
+        const int nslot = same ? slot : slot ^ 1;
+        const Ahead<E, int(D * sizeof(E)), A> knext{src.k(nb0, nslot, ni), ahead};
+        Ahead<E, int(DV * sizeof(E)), A> vnext{src.v(nb0, nslot, ni), ahead};
         int64_t j = 0;
         for (; j + KB <= n; j += KB) {
             for (int64_t t = j; t < j + KB; ++t) knext.row(t);
