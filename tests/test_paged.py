@@ -423,3 +423,13 @@ def test_tensors_in_tensors_out():
     assert isinstance(out, torch.Tensor) and out.shape == (1, 4, 1, 16)
     want = qkv.attention(q[0], k.repeat_interleave(2, 0), v.repeat_interleave(2, 0))
     torch.testing.assert_close(out[0], want, **TOL32)
+
+
+def test_ml_dtypes_bfloat16_pages_on_both_roads(monkeypatch):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    q, k, v, fmt, ks, vs, kd, vd, table, seqlens = _case("float32", 16, d=64)
+    kb, vb = k.astype(ml_dtypes.bfloat16), v.astype(ml_dtypes.bfloat16)  # values: exact
+    want = _expected(q, kd, vd, table, seqlens)
+    _check(attend_pages(q, kb, vb, table, seqlens, return_lse=True), want, np.float32)
+    monkeypatch.setenv("QKV_NATIVE", "0")
+    _check(attend_pages(q, kb, vb, table, seqlens, return_lse=True), want, np.float32)
