@@ -40,6 +40,7 @@ HOMES = {
     "InputError": "qkv.errors",
     "InputTypeError": "qkv.errors",
     "KVCache": "qkv.wrapped",
+    "PagedKVCache": "qkv.wrapped",
     "Trace": "qkv.explanation.trace",
     "__version__": "qkv._version",
     "attention": "qkv.front",

@@ -31,12 +31,13 @@ if TYPE_CHECKING:  # for type checkers; at run time these come from _LAZY on fir
     from .engine.quant import dequantize_kv, quantize_kv
     from .explanation.trace import Trace, explain
     from .learn.widget import widget
-    from .wrapped import KVCache, attention_varlen, attention_vjp, merge
+    from .wrapped import KVCache, PagedKVCache, attention_varlen, attention_vjp, merge
 
 __all__ = [
     "InputError",
     "InputTypeError",
     "KVCache",
+    "PagedKVCache",
     "Route",
     "Trace",
     "__version__",
@@ -59,6 +60,7 @@ __all__ = [
 #: The public names imported on first use -> their home module (the name itself: a module).
 _LAZY = {
     "KVCache": "qkv.wrapped",
+    "PagedKVCache": "qkv.wrapped",
     "attention_varlen": "qkv.wrapped",
     "attention_vjp": "qkv.wrapped",
     "merge": "qkv.wrapped",

@@ -1,11 +1,11 @@
 """The NumPy engine's other public functions, under the tensor policy of :mod:`qkv.front`.
 
-:func:`merge`, :func:`attention_vjp`, :func:`attention_varlen` and :class:`KVCache` are the
-engine's own (:mod:`qkv.engine.merge`, :mod:`~qkv.engine.grad`, :mod:`~qkv.engine.varlen`,
-:mod:`~qkv.engine.cache`) under the same tensor policy (:mod:`qkv.tensors`): tensors in,
-tensors out (dtype and device of the caller), autograd where qkv has a gradient and a refusal
-by name where it has none. Their signatures and documentation are the engine's, written once
-there (:func:`functools.wraps`).
+:func:`merge`, :func:`attention_vjp`, :func:`attention_varlen`, :class:`KVCache` and
+:class:`PagedKVCache` are the engine's own (:mod:`qkv.engine.merge`, :mod:`~qkv.engine.grad`,
+:mod:`~qkv.engine.varlen`, :mod:`~qkv.engine.cache`, :mod:`~qkv.engine.paged`) under the
+same tensor policy (:mod:`qkv.tensors`): tensors in, tensors out (dtype and device of the
+caller), autograd where qkv has a gradient and a refusal by name where it has none. Their
+signatures and documentation are the engine's, written once there (:func:`functools.wraps`).
 
 They live apart from :mod:`qkv.front` because wrapping them imports the engine and its kernels:
 ``import qkv`` imports this module on the first use of one of them (``qkv.KVCache``...), not
@@ -28,13 +28,13 @@ from functools import wraps
 from typing import Any
 
 from . import torch_bridge
-from .engine import cache, grad, varlen
+from .engine import cache, grad, paged, varlen
 from .engine import merge as merging
 from .keywords import near_keywords
 from .tensors import give, give_pair, read, refuse_grad, want_of, wants_grad
 from .validate import VARIANTS
 
-__all__ = ["KVCache", "attention_varlen", "attention_vjp", "merge"]
+__all__ = ["KVCache", "PagedKVCache", "attention_varlen", "attention_vjp", "merge"]
 
 
 @near_keywords(VARIANTS)
@@ -88,6 +88,24 @@ class KVCache(cache.KVCache):
         return _give(super().attend(read(q, "q"), **options), want_of(q))
 
     attend.__doc__ = cache.KVCache.attend.__doc__
+
+
+class PagedKVCache(paged.PagedKVCache):
+    __doc__ = paged.PagedKVCache.__doc__
+
+    @near_keywords()
+    def append(self, seq: int, k: Any, v: Any) -> None:
+        refuse_grad("PagedKVCache.append", k=k, v=v)
+        super().append(seq, read(k, "k"), read(v, "v"))
+
+    append.__doc__ = paged.PagedKVCache.append.__doc__
+
+    @near_keywords(like=paged.PagedKVCache.attend)
+    def attend(self, q: Any, **options: Any) -> Any:
+        refuse_grad("PagedKVCache.attend", q=q)
+        return _give(super().attend(read(q, "q"), **options), want_of(q))
+
+    attend.__doc__ = paged.PagedKVCache.attend.__doc__
 
 
 def _give(res: Any, want: Any) -> Any:

@@ -22,7 +22,7 @@ import numpy as np
 
 from .. import numerics
 from ..checks import check_int
-from ..errors import InputError, InputTypeError
+from ..errors import InputError
 from ..keywords import near_keywords
 from ..options import Options
 from ..validate import (
@@ -36,7 +36,8 @@ from ..validate import (
     stand_in,
 )
 from .kernels import dispatch, mods, native_decode, router
-from .quant import FORMATS, SCALED, check_format, dequantize_kv, meant, quantize_kv, storage_dtype
+from .quant import SCALED, dequantize_kv, quantize_kv, storage_dtype
+from .quant import storage_of as _storage
 
 __all__ = ["KVCache"]
 
@@ -437,35 +438,6 @@ def _call_key(q: Any, scale: Any, causal: Any, return_lse: Any, kernel: Any) -> 
     if type(causal) is not bool or type(return_lse) is not bool or type(kernel) is not str:
         return None
     return (q.shape, q.strides, q.dtype, scale, causal, kernel)
-
-
-_WANTED = f"dtype: expected a float dtype (float16, float32, float64) or a stored form {FORMATS}"
-
-
-def _storage(dtype: Any) -> tuple[np.dtype | str, str | None]:
-    """``(dtype, form)`` of a cache's ``dtype`` argument: a float dtype and None (or
-    ``"float16"``, a form read in place), or a stored form's name twice; a refused one's
-    message names the form or dtype it likely means (``"bf16"``: ``'bfloat16'``)."""
-    try:
-        form = check_format(dtype)
-    except InputTypeError:
-        form = None  # a float dtype, or nothing qkv stores
-    if form is not None and form != "float16":
-        return form, form
-    try:
-        if dtype is None:  # np.dtype(None) would silently be float64
-            raise TypeError
-        dt = np.dtype(dtype)
-    except TypeError:
-        raise InputTypeError(f"{_WANTED}, got {dtype!r}{_hint(dtype)}") from None
-    if dt not in (np.float16, np.float32, np.float64):
-        raise InputTypeError(f"{_WANTED}, got {dt}{_hint(dtype)}")
-    return dt, "float16" if dt == np.float16 else None
-
-
-def _hint(dtype: Any) -> str:
-    near = meant(dtype, (*FORMATS, "float32", "float64"))
-    return f"; did you mean {near!r}?" if near else ""
 
 
 def _offset_batch(plan: Plan, first: int) -> dict[str, Any]:

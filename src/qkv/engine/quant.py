@@ -67,6 +67,7 @@ __all__ = [
     "meant",
     "quantize_kv",
     "storage_dtype",
+    "storage_of",
 ]
 
 FORMATS = tuple(f.name for f in STORED_FORMS)
@@ -279,3 +280,37 @@ def dequantize_kv(codes: Any, scales: Any, dtype: Any) -> np.ndarray:
         )
     vals = c.astype(np.float32) if form == "int8" else _e4m3_values(c)
     return vals * s[..., None]
+
+
+_WANTED = f"dtype: expected a float dtype (float16, float32, float64) or a stored form {FORMATS}"
+
+
+def storage_of(dtype: Any) -> tuple[np.dtype | str, str | None]:
+    """``(dtype, form)`` of a cache's ``dtype`` argument (:class:`qkv.KVCache`,
+    :class:`qkv.PagedKVCache`): a float dtype and None (or ``"float16"``, a form read in
+    place), or a stored form's name twice; a refused one's message names the form or dtype it
+    likely means (``"bf16"``: ``'bfloat16'``).
+
+    >>> storage_of("int8"), storage_of(np.float16)
+    (('int8', 'int8'), (dtype('float16'), 'float16'))
+    """
+    try:
+        form = check_format(dtype)
+    except InputTypeError:
+        form = None  # a float dtype, or nothing qkv stores
+    if form is not None and form != "float16":
+        return form, form
+    try:
+        if dtype is None:  # np.dtype(None) would silently be float64
+            raise TypeError
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise InputTypeError(f"{_WANTED}, got {dtype!r}{_hint(dtype)}") from None
+    if dt not in (np.float16, np.float32, np.float64):
+        raise InputTypeError(f"{_WANTED}, got {dt}{_hint(dtype)}")
+    return dt, "float16" if dt == np.float16 else None
+
+
+def _hint(dtype: Any) -> str:
+    near = meant(dtype, (*FORMATS, "float32", "float64"))
+    return f"; did you mean {near!r}?" if near else ""

@@ -74,6 +74,7 @@ __all__ = [
     "launch",
     "layout",
     "openmp_parallel",
+    "paged_step",
     "prepare",
     "step",
 ]
@@ -184,6 +185,7 @@ def launch(
     mask: tuple[int, int, int] | None = None,
     kv_format: str | None = None,
     scales: tuple[tuple[int, tuple[int, int, int]], tuple[int, tuple[int, int, int]]] | None = None,
+    pages: tuple[int, int, int, int] | None = None,
 ) -> int:
     """Run the kernel on raw memory: ``sizes = (sequences, kv_heads, group, L, d, dv, S)``;
     ``q``, ``k``, ``v`` each ``(address, (sequence, head, row) strides in elements)``; ``runs``
@@ -197,12 +199,16 @@ def launch(
     ``kv_format`` names how K and V are stored when not in the compute dtype (a form of
     :mod:`qkv.engine.quant`, computed in float32; their strides in elements of that form), and
     ``scales`` is then, for the 8-bit forms, the ``(address, (sequence, head, row) strides)``
-    of the float32 scales of K and of V.
+    of the float32 scales of K and of V; ``pages`` reads K/V (and the scales) as pages through
+    a block table: ``(address of the int32 table, its row stride, page_size, num_blocks)``,
+    ``k``/``v``/``scales`` then given with ``(page, head, row)`` strides and ``S`` the table's
+    capacity (its columns times ``page_size``).
 
     Returns the kernel's status: 0; 3 when an output is not finite, 4 when a mask row is not
     one run of keys (then take the general path). The caller guarantees the memory matches;
     nothing is checked here but the runs of keys, which the kernel refuses (an
-    :class:`~qkv.errors.InputError`, nothing read) where one reaches outside ``[0, S)``.
+    :class:`~qkv.errors.InputError`, nothing read) where one reaches outside ``[0, S)``, and
+    the block table's entries those keys need, refused likewise outside the pool.
     """
     team, n = openmp_parallel()
     if threads is not None:
@@ -214,6 +220,7 @@ def launch(
         isa or isa_cap(),
         team, softcap or 0.0, *(mask or (None, 0, 0)),
         KV_FORMATS[kv_format] if kv_format else numerics.SAME_CODE, ks, *kss, vs, *vss,
+        *(pages or (None, 0, 0, 0)),
     )  # fmt: skip
     return invoke("qkv_decode_f64" if f64 else "qkv_decode_f32", args, "decode", allowed=(3, 4))
 
@@ -648,3 +655,96 @@ def step(q: np.ndarray, *args: Any, **kwargs: Any) -> tuple[np.ndarray, np.ndarr
     """
     found = prepare(q, *args, **kwargs)
     return None if found is None else found.run(q)
+
+
+def _pages(a: np.ndarray) -> tuple[int, int, int] | None:
+    """``(page, head, row)`` strides in elements of pages ``(num_blocks, page_size, kv_heads,
+    last)`` (scales: no last axis) whose last axis is contiguous; None otherwise."""
+    item = a.dtype.itemsize
+    if any(st % item or st < 0 for st in a.strides):
+        return None
+    st = [x // item for x in a.strides]
+    if a.ndim == 4 and (st[3] != 1 and a.shape[3] > 1):
+        return None
+    return st[0], st[2], st[1]
+
+
+def paged_step(
+    q: np.ndarray,
+    k_pages: np.ndarray,
+    v_pages: np.ndarray,
+    block_table: np.ndarray,
+    lo: np.ndarray,
+    hi: np.ndarray,
+    scale: float,
+    *,
+    threads: int | None = None,
+    isa: int = 0,
+    softcap: float | None = None,
+    kv_format: str | None = None,
+    k_scale: np.ndarray | None = None,
+    v_scale: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """One decoding step reading K/V pages in place through a block table: ``(out, lse)``
+    in the compute dtype, or None where the kernel does not take these arrays (or a result is
+    not finite: the caller then takes the general road).
+
+    ``q (sequences, heads, L, d)`` float32 or float64 (the compute dtype); pages ``k_pages
+    (num_blocks, page_size, kv_heads, d)`` and ``v_pages (..., dv)`` (FlashAttention's NHD
+    layout, any strides with a contiguous last axis), stored as :func:`prepare` takes K/V
+    (the 8-bit forms' scales ``(num_blocks, page_size, kv_heads)``); ``block_table
+    (sequences, max_blocks)`` int32 with a contiguous last axis; every row of sequence ``b``
+    sees key positions ``lo[b]:hi[b]`` (int64), position ``p`` in page
+    ``block_table[b, p // page_size]`` at row ``p % page_size``. Callers pass checked arrays:
+    the kernel itself refuses (:class:`~qkv.errors.InputError`, nothing read) a run past the
+    table's capacity or a needed entry outside ``[0, num_blocks)``.
+    """
+    dt = q.dtype
+    if q.ndim != 4 or k_pages.ndim != 4 or v_pages.ndim != 4 or dt not in _DTYPES:
+        return None
+    form = _stored_form(dt, k_pages, v_pages, kv_format)
+    if form is None or block_table.dtype != np.int32 or block_table.ndim != 2:
+        return None
+    n, hq, L, d = q.shape
+    nb, ps, kvh, dv = v_pages.shape
+    if k_pages.shape[:3] != (nb, ps, kvh) or k_pages.shape[3] != d or ps < 1:
+        return None
+    if block_table.shape[0] != n or (block_table.shape[1] > 1 and block_table.strides[1] != 4):
+        return None
+    S = block_table.shape[1] * ps
+    plan = DecodePlan.plan(
+        (n, hq, kvh, L, d, dv, S), f64=dt == _F64, scale=scale, softcap=softcap,
+        kv_format=form or None, threads=threads, isa=isa,
+    )  # fmt: skip
+    if plan is None:
+        return None
+    scales = None
+    if form in SCALED:
+        if k_scale is None or v_scale is None:
+            return None
+        found = []
+        for x in (k_scale, v_scale):
+            if x.dtype != _F32 or x.shape != (nb, ps, kvh):
+                return None
+            st = _pages(x)
+            if st is None:
+                return None
+            found.append((x.ctypes.data, st))
+        scales = (found[0], found[1])
+    ql = _operand(q, 1)
+    kl, vl = _pages(k_pages), _pages(v_pages)
+    if ql is None or kl is None or vl is None:
+        return None
+    lo = np.ascontiguousarray(lo, dtype=np.int64)
+    hi = np.ascontiguousarray(hi, dtype=np.int64)
+    bt_rs = block_table.strides[0] // 4 if block_table.shape[0] > 1 else block_table.shape[1]
+    out = np.empty((n, hq, L, dv), dtype=dt)
+    lse = np.empty((n, hq, L), dtype=dt)
+    status = launch(
+        plan.f64, plan.sizes, (q.ctypes.data, ql), (k_pages.ctypes.data, kl),
+        (v_pages.ctypes.data, vl), (lo.ctypes.data, hi.ctypes.data), out.ctypes.data,
+        lse.ctypes.data, plan.scale, threads=threads, isa=isa, softcap=plan.softcap,
+        kv_format=plan.kv_format, scales=scales,
+        pages=(block_table.ctypes.data, bt_rs, ps, nb),
+    )  # fmt: skip
+    return None if status else (out, lse)

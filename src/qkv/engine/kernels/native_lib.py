@@ -144,6 +144,7 @@ class DecodeArgs(ctypes.Structure):
         ("kv_format", _i64),
         ("k_scale", _ptr), *_ints("ks_bs", "ks_hs", "ks_rs"),
         ("v_scale", _ptr), *_ints("vs_bs", "vs_hs", "vs_rs"),
+        ("block_table", _ptr), *_ints("bt_rs", "page_size", "num_blocks"),
     ]  # fmt: skip
 
 
@@ -322,7 +323,9 @@ def invoke(
     """Call the library's ``function`` on ``args`` and return its status.
 
     Status 0 and those in ``allowed`` are returned (the caller acts on them); 1 (no memory)
-    raises :class:`MemoryError`, any other :class:`RuntimeError`, both naming ``what``.
+    raises :class:`MemoryError`, 5 (keys outside the buffers) and 6 (a block table entry
+    outside the pool of pages) :class:`~qkv.errors.InputError`, any other
+    :class:`RuntimeError`, all naming ``what``.
     """
     lib, why = library()
     if lib is None:
@@ -341,6 +344,12 @@ def checked(status: int, args: ctypes.Structure, what: str, allowed: tuple[int, 
         raise InputError(
             f"lengths: qkv native {what}: a sequence's keys [lo, hi) reach outside its K/V "
             f"buffers of {getattr(args, 'S', '?')} rows; nothing was read or written"
+        )
+    if status == 6:
+        raise InputError(
+            f"block_table: qkv native {what}: an entry a sequence's keys need is not a page "
+            f"of the pool of {getattr(args, 'num_blocks', '?')} blocks; nothing was read or "
+            "written"
         )
     raise RuntimeError(f"qkv native {what}: bad arguments (status {status})")
 

@@ -3,7 +3,9 @@
 // the function pointers it hands in. Every exported function takes one struct and returns a
 // status: 0 done; 1 no memory; 2 bad arguments; 3 an output is not finite (decode; the caller's
 // general path applies its rules); 4 a mask row is not one run of keys (decode; nothing done);
-// 5 a sequence's keys [lo, hi) do not lie within [0, S) (decode; nothing read or written).
+// 5 a sequence's keys [lo, hi) do not lie within [0, S) (decode; nothing read or written);
+// 6 a block table entry a sequence's keys need is not a page of the pool (decode; nothing read
+// or written).
 
 #pragma once
 
@@ -118,7 +120,8 @@ typedef void (*gomp_parallel_t)(void (*)(void*), void*, unsigned, unsigned);
 // q + b * q_bs + (h * group + g) * q_hs + i * q_ls.
 // Status 0, or 3 when an output is not finite (infinite or NaN inputs, an overflow: the
 // caller's general path applies its rules to those), or 4 when a mask row is not one run of
-// keys (nothing is computed); 1 without memory, 2 for bad arguments.
+// keys (nothing is computed); 1 without memory, 2 for bad arguments; 5 and 6 (above) for keys
+// outside the buffers or the pool.
 struct qkv_decode_args {
     int64_t nseq, kv_heads, group, L, d, dv, S;
     const void* q;
@@ -150,6 +153,15 @@ struct qkv_decode_args {
     int64_t ks_bs, ks_hs, ks_rs;
     const float* v_scale;
     int64_t vs_bs, vs_hs, vs_rs;
+    // Paged K/V (FlashAttention's NHD pages, vLLM's and FlashInfer's block tables), or NULL:
+    // k, v (and the scales) then hold num_blocks pages of page_size rows, and key position p
+    // of sequence b is row p % page_size of page block_table[b * bt_rs + p / page_size]. The
+    // *_bs strides are then those between pages, *_rs between the rows of a page, *_hs
+    // between heads; S is the table's capacity (its columns times page_size). Every entry a
+    // sequence's keys [lo, hi) need is checked to lie in [0, num_blocks) before anything is
+    // read (else status 6).
+    const int32_t* block_table;
+    int64_t bt_rs, page_size, num_blocks;
 };
 
 // The codes of qkv_decode_args::kv_format, and the 16-bit forms the float32 prefill, varlen

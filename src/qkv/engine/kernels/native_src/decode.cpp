@@ -22,6 +22,8 @@ namespace {
 
 constexpr int64_t DECODE_BK = 64;  // keys per score block
 
+#define QKV_LAMBDA_INLINE __attribute__((always_inline))
+
 // tanh(x) for the soft-capped scores, vectorisable: (1 - e)/(1 + e) with e = exp(-2|x|) from
 // exp_neg, and for |x| < 1/16 (where 1 - e would lose digits) its Taylor series to x^9
 // (the next term is below 1e-14 of x there). NaN stays NaN; tanh(±inf) = ±1.
@@ -346,9 +348,111 @@ struct Rows {
           vs(a.v_scale ? a.v_scale + b * a.vs_bs + h * a.vs_hs : nullptr) {}
 };
 
+// A block's rows of K, V or scales: row j at p + j * rs (a run of rows) ...
+template <typename E>
+struct Strided {
+    const E* p = nullptr;
+    int64_t rs = 0;
+    QKV_INLINE const E* operator[](int64_t j) const { return p + j * rs; }
+    QKV_INLINE Strided from(int64_t j) const { return {p + j * rs, rs}; }  // rows from j on
+};
+
+// ... or at p[j] (rows listed one by one: pages through a block table).
+template <typename E>
+struct Listed {
+    const E* const* p = nullptr;
+    int64_t off = 0;  // added to every listed row (another head's part of it)
+    QKV_INLINE const E* operator[](int64_t j) const { return p[j] + off; }
+    QKV_INLINE Listed from(int64_t j) const { return {p + j, off}; }
+};
+
+// Where a piece finds the rows of a block of keys [b0, b0 + n) of kv head h of sequence b: the
+// pieces ask list(b0, n, slot) for a block (before its rows are read; a no-op here), then
+// k(b0, slot), v, ks, vs for its rows. Flat: the sequence's rows are one run (a cache's
+// buffers, any strides), so a block is a Strided run, as it always was.
+template <typename E>
+struct Flat {
+    typedef Strided<E> Kv_;
+    typedef Strided<float> Sc_;
+    const Rows<E> at;
+    const int64_t k_rs, v_rs, ks_rs, vs_rs;
+    Flat(const qkv_decode_args& a, int64_t b, int64_t h)
+        : at(a, b, h), k_rs(a.k_rs), v_rs(a.v_rs), ks_rs(a.ks_rs), vs_rs(a.vs_rs) {}
+    static constexpr bool all_heads = false;  // a piece reads one kv head
+    QKV_INLINE void list(int64_t, int64_t, int) {}
+    QKV_INLINE Kv_ k(int64_t b0, int, int64_t = 0) const { return {at.k + b0 * k_rs, k_rs}; }
+    QKV_INLINE Kv_ v(int64_t b0, int, int64_t = 0) const { return {at.v + b0 * v_rs, v_rs}; }
+    // (scaled formats only: the scales are there)
+    QKV_INLINE Sc_ ks(int64_t b0, int, int64_t = 0) const { return {at.ks + b0 * ks_rs, ks_rs}; }
+    QKV_INLINE Sc_ vs(int64_t b0, int, int64_t = 0) const { return {at.vs + b0 * vs_rs, vs_rs}; }
+};
+
+// Paged: key position p lies in page block_table[p / page_size] at row p % page_size. A
+// block's rows are listed when it is asked for (one division per block, the pages' runs of
+// rows walked with additions), in two slots: the block being computed and the next one,
+// whose rows are asked for into L2 meanwhile. The inner loops read the listed rows as they
+// read a Strided run, one pointer per row more.
+template <typename E>
+struct Paged {
+    typedef Listed<E> Kv_;
+    typedef Listed<float> Sc_;
+    const E* kh;  // kv head h's rows in page 0
+    const E* vh;
+    const float* ksh;  // (scaled formats; else NULL)
+    const float* vsh;
+    const int32_t* table;  // sequence b's row of the block table
+    const int64_t ps, k_ps, k_rs, v_ps, v_rs, ks_ps, ks_rs, vs_ps, vs_rs, k_hs, v_hs, ks_hs, vs_hs;
+    static constexpr bool all_heads = true;
+    const E* kl[2][DECODE_BK];
+    const E* vl[2][DECODE_BK];
+    const float* ksl[2][DECODE_BK];
+    const float* vsl[2][DECODE_BK];
+    Paged(const qkv_decode_args& a, int64_t b, int64_t h)
+        : kh(static_cast<const E*>(a.k) + h * a.k_hs),
+          vh(static_cast<const E*>(a.v) + h * a.v_hs),
+          ksh(a.k_scale ? a.k_scale + h * a.ks_hs : nullptr),
+          vsh(a.v_scale ? a.v_scale + h * a.vs_hs : nullptr),
+          table(a.block_table + b * a.bt_rs),
+          ps(a.page_size), k_ps(a.k_bs), k_rs(a.k_rs), v_ps(a.v_bs), v_rs(a.v_rs),
+          ks_ps(a.ks_bs), ks_rs(a.ks_rs), vs_ps(a.vs_bs), vs_rs(a.vs_rs), k_hs(a.k_hs),
+          v_hs(a.v_hs), ks_hs(a.ks_hs), vs_hs(a.vs_hs) {}
+    // The rows of keys [b0, b0 + n) (n <= DECODE_BK) into the lists of `slot`.
+    QKV_INLINE void list(int64_t b0, int64_t n, int slot) {
+        if (n <= 0) return;
+        int64_t page = b0 / ps, off = b0 - page * ps, j = 0;
+        const E** K = kl[slot];
+        const E** V = vl[slot];
+        while (j < n) {
+            const int64_t id = table[page], take = std::min(ps - off, n - j);
+            const E* kp = kh + id * k_ps + off * k_rs;
+            const E* vp = vh + id * v_ps + off * v_rs;
+            for (int64_t i = 0; i < take; ++i) {
+                K[j + i] = kp + i * k_rs;
+                V[j + i] = vp + i * v_rs;
+            }
+            if (ksh) {
+                const float* kq = ksh + id * ks_ps + off * ks_rs;
+                const float* vq = vsh + id * vs_ps + off * vs_rs;
+                for (int64_t i = 0; i < take; ++i) {
+                    ksl[slot][j + i] = kq + i * ks_rs;
+                    vsl[slot][j + i] = vq + i * vs_rs;
+                }
+            }
+            j += take;
+            off = 0;
+            ++page;
+        }
+    }
+    // head h + i's rows (decode_piece_vec's pieces read every head: all_heads)
+    QKV_INLINE Kv_ k(int64_t, int slot, int64_t i = 0) const { return {kl[slot], i * k_hs}; }
+    QKV_INLINE Kv_ v(int64_t, int slot, int64_t i = 0) const { return {vl[slot], i * v_hs}; }
+    QKV_INLINE Sc_ ks(int64_t, int slot, int64_t i = 0) const { return {ksl[slot], i * ks_hs}; }
+    QKV_INLINE Sc_ vs(int64_t, int slot, int64_t i = 0) const { return {vsl[slot], i * vs_hs}; }
+};
+
 // One piece: rows' m, l, acc over keys [j0, j1) of kv head h of sequence b, for any head
 // sizes. scratch holds the scaled rows (R x d) and the block's scores (R x DECODE_BK).
-template <typename T, typename E>
+template <typename T, typename E, typename Src>
 QKV_INLINE void decode_piece_body(const qkv_decode_args& a, int64_t b, int64_t h, int64_t j0,
                                   int64_t j1, T* __restrict scratch, T* __restrict m,
                                   T* __restrict l, T* __restrict acc) {
@@ -357,12 +461,15 @@ QKV_INLINE void decode_piece_body(const qkv_decode_args& a, int64_t b, int64_t h
     T* __restrict qs = scratch;
     T* __restrict s = scratch + R * d;
     decode_start(a, b, h, d, dv, qs, m, l, acc);
-    const Rows<E> at(a, b, h);
+    Src src(a, b, h);
     for (int64_t b0 = j0; b0 < j1; b0 += DECODE_BK) {
         const int64_t n = std::min<int64_t>(DECODE_BK, j1 - b0);
+        src.list(b0, n, 0);
+        const auto K = src.k(b0, 0);
+        const auto Vr = src.v(b0, 0);
         for (int64_t j = 0; j < n; ++j) {
-            const E* __restrict kr = at.k + (b0 + j) * a.k_rs;
-            const T ks = KV::scaled ? T(at.ks[(b0 + j) * a.ks_rs]) : T(1);
+            const E* __restrict kr = K[j];
+            const T ks = KV::scaled ? T(*src.ks(b0, 0)[j]) : T(1);
             for (int64_t r = 0; r < R; ++r) {
                 const T* __restrict qr = qs + r * d;
                 T dot = 0;
@@ -381,8 +488,8 @@ QKV_INLINE void decode_piece_body(const qkv_decode_args& a, int64_t b, int64_t h
                 for (int64_t c = 0; c < dv; ++c) ar[c] *= alpha;
             }
             for (int64_t j = 0; j < n; ++j) {
-                const T p = KV::scaled ? sr[j] * T(at.vs[(b0 + j) * a.vs_rs]) : sr[j];
-                const E* __restrict vr = at.v + (b0 + j) * a.v_rs;
+                const T p = KV::scaled ? sr[j] * T(*src.vs(b0, 0)[j]) : sr[j];
+                const E* __restrict vr = Vr[j];
 #pragma omp simd
                 for (int64_t c = 0; c < dv; ++c) ar[c] += p * KV::get(vr + c);
             }
@@ -547,27 +654,26 @@ QKV_INLINE V load(const E* p) {
 // (int8). Every line is asked for: with the requests spread, asking for every other line (the
 // CPU fetching its neighbour), as the step did where a key brings 256 bytes or more per query
 // row, measured 20-25% slower (float32 B8 and B1, bfloat16 with one query row per kv head).
-template <typename E, int BYTES>
+template <typename E, int BYTES, typename A>
 struct Ahead {
-    const E* rows = nullptr;
-    int64_t rs = 0, n = 0;  // rows rs elements apart; rows [0, n) are asked for
+    A rows{};  // Strided or Listed
+    int64_t n = 0;  // rows [0, n) are asked for
     // bytes [from, from + SPAN) of row j
     template <int SPAN>
     QKV_INLINE void part(int64_t j, int from) const {
         if (j >= n) return;
-        const char* p = reinterpret_cast<const char*>(rows + j * rs);
+        const char* p = reinterpret_cast<const char*>(rows[j]);
         for (int c = from; c < from + SPAN; c += 64) __builtin_prefetch(p + c, 0, 1);
     }
     QKV_INLINE void row(int64_t j) const { part<BYTES>(j, 0); }
 };
 
-// The scores of RB query rows (q, rows D apart, in line()'s order) against KB keys (k, rows
-// k_rs apart) into s[i * DECODE_BK + kk]: each key line widened once for the RB rows, each
+// The scores of RB query rows (q, rows D apart, in line()'s order) against KB keys (key kk's
+// row at k[kk]: Strided or Listed) into s[i * DECODE_BK + kk]: each key line widened once for the RB rows, each
 // query vector loaded once for the KB keys, and the RB · KB lane sums added up together. V is
 // the clone's register of T (LANES float lanes), NVL of them per line of storage.
-template <typename T, typename E, typename V, int D, int RB, int KB, int LANES>
-QKV_INLINE void score_tile(const T* __restrict q, const E* __restrict k, int64_t k_rs,
-                           T* __restrict s) {
+template <typename T, typename E, typename V, int D, int RB, int KB, int LANES, typename A>
+QKV_INLINE void score_tile(const T* __restrict q, const A& k, T* __restrict s) {
     typedef Kv<T, E> KV;
     constexpr int W = int(sizeof(V) / sizeof(T)), EL = int(64 / sizeof(E));
     constexpr int NVL = int(KV::per_line * 64 / sizeof(V)), LK = int(D * sizeof(E) / 64);
@@ -575,13 +681,13 @@ QKV_INLINE void score_tile(const T* __restrict q, const E* __restrict k, int64_t
     for (int l = 0; l < LK; ++l) {
         V kv[KB][NVL];
         if constexpr (!KV::direct)
-            for (int kk = 0; kk < KB; ++kk) read_line<T, E, LANES>(k + kk * k_rs + l * EL, kv[kk]);
+            for (int kk = 0; kk < KB; ++kk) read_line<T, E, LANES>(k[kk] + l * EL, kv[kk]);
         for (int p = 0; p < NVL; ++p) {
             for (int i = 0; i < RB; ++i) {
                 const V qv = load<V>(q + i * D + (l * NVL + p) * W);
                 for (int kk = 0; kk < KB; ++kk) {
                     if constexpr (KV::direct)  // as an operand (a copy to the stack stalls)
-                        x[i][kk] += qv * load<V>(k + kk * k_rs + l * EL + p * W);
+                        x[i][kk] += qv * load<V>(k[kk] + l * EL + p * W);
                     else
                         x[i][kk] += qv * kv[kk][p];
                 }
@@ -627,15 +733,15 @@ QKV_BF16 inline __m512bh dp_keys(const E* k) {
         return _mm512_cvtne2ps_pbh(dp_e4m3(hi), dp_e4m3(lo));
 }
 
-template <int D, int RB, int KB, typename E>
-QKV_BF16 inline void score_tile_dp(const uint16_t* __restrict q, const E* __restrict k,
-                                 int64_t k_rs, float scale, float* __restrict s) {
+template <int D, int RB, int KB, typename E, typename A>
+QKV_BF16 inline void score_tile_dp(const uint16_t* __restrict q, const A& k, float scale,
+                                 float* __restrict s) {
     __m512 x[RB][KB];
     for (int i = 0; i < RB; ++i)
         for (int kk = 0; kk < KB; ++kk) x[i][kk] = _mm512_setzero_ps();
     for (int l = 0; l < D / 32; ++l) {
         __m512bh kv[KB];
-        for (int kk = 0; kk < KB; ++kk) kv[kk] = dp_keys(k + kk * k_rs + l * 32);
+        for (int kk = 0; kk < KB; ++kk) kv[kk] = dp_keys(k[kk] + l * 32);
         for (int i = 0; i < RB; ++i) {
             const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + i * D + l * 32);
             for (int kk = 0; kk < KB; ++kk) x[i][kk] = _mm512_dpbf16_ps(x[i][kk], qv, kv[kk]);
@@ -652,12 +758,13 @@ QKV_BF16 inline void score_tile_dp(const uint16_t* __restrict q, const E* __rest
 #endif
 
 // RB rows' accumulators' registers [c0, c0 + CV) (acc, rows DV apart, in line()'s order)
-// scaled by alpha[i], plus the n weighted value rows w[i * DECODE_BK + j] · v[j]: held in
+// scaled by alpha[i], plus the n weighted value rows w[i * DECODE_BK + j] · v[j] (row j at
+// v[j]: Strided or Listed): held in
 // registers over the block, each value line widened once for the RB rows.
-template <typename T, typename E, typename V, int DV, int RB, int CV>
+template <typename T, typename E, typename V, int DV, int RB, int CV, typename A, typename N>
 QKV_INLINE void value_tile(T* __restrict acc, const T* __restrict w, const T* __restrict alpha,
-                           const E* __restrict v, int64_t v_rs, int64_t n, int c0,
-                           const Ahead<E, int(DV * sizeof(E))>& next) {
+                           const A& v, int64_t n, int c0,
+                           const Ahead<E, int(DV * sizeof(E)), N>& next) {
     typedef Kv<T, E> KV;
     constexpr int W = int(sizeof(V) / sizeof(T)), EL = int(64 / sizeof(E));
     constexpr int NVL = int(KV::per_line * 64 / sizeof(V));
@@ -669,7 +776,7 @@ QKV_INLINE void value_tile(T* __restrict acc, const T* __restrict w, const T* __
             x[i][c] *= alpha[i];
         }
     }
-    const E* vl = v + (c0 / NVL) * EL;
+    const int64_t at = (c0 / NVL) * EL;  // the tile's first value in a row
     // the bytes of a value row this tile reads
     constexpr int SPAN = KV::direct ? CV * int(sizeof(V)) : CV / NVL * 64;
     const int from = KV::direct ? c0 * int(sizeof(V)) : c0 / NVL * 64;
@@ -677,10 +784,10 @@ QKV_INLINE void value_tile(T* __restrict acc, const T* __restrict w, const T* __
         next.template part<SPAN>(j, from);
         V y[CV];
         if constexpr (KV::direct)
-            for (int c = 0; c < CV; ++c) y[c] = load<V>(vl + j * v_rs + c * W);
+            for (int c = 0; c < CV; ++c) y[c] = load<V>(v[j] + at + c * W);
         else
             for (int g = 0; g < CV / NVL; ++g)
-                read_line<T, E, int(sizeof(V) / 4)>(vl + j * v_rs + g * EL, y + g * NVL);
+                read_line<T, E, int(sizeof(V) / 4)>(v[j] + at + g * EL, y + g * NVL);
         for (int i = 0; i < RB; ++i) {
             // the weight as a scalar operand: one broadcast (V{} + w cost an add before it)
             const T wij = w[i * DECODE_BK + j];
@@ -693,12 +800,12 @@ QKV_INLINE void value_tile(T* __restrict acc, const T* __restrict w, const T* __
 
 // value_tile over all of a row group's registers, CV at a time, each asking for its part of
 // the rows `next`.
-template <typename T, typename E, typename V, int DV, int RB, int CV>
-QKV_INLINE void value_rows(T* acc, const T* w, const T* alpha, const E* v, int64_t v_rs,
-                           int64_t n, const Ahead<E, int(DV * sizeof(E))>& next) {
+template <typename T, typename E, typename V, int DV, int RB, int CV, typename A, typename N>
+QKV_INLINE void value_rows(T* acc, const T* w, const T* alpha, const A& v, int64_t n,
+                           const Ahead<E, int(DV * sizeof(E)), N>& next) {
     constexpr int NV = int(DV * sizeof(T) / sizeof(V));
     static_assert(NV % CV == 0, "whole tiles");
-    for (int c0 = 0; c0 < NV; c0 += CV) value_tile<T, E, V, DV, RB, CV>(acc, w, alpha, v, v_rs, n, c0, next);
+    for (int c0 = 0; c0 < NV; c0 += CV) value_tile<T, E, V, DV, RB, CV>(acc, w, alpha, v, n, c0, next);
 }
 
 // Tile sizes for a clone of LANES float lanes: AVX-512's 32 registers take four rows by four
@@ -722,7 +829,14 @@ struct Tiles {
 // added in tiles of rows by registers of the accumulators (value_tile), so that each key and
 // value line is widened once per tile of rows and the accumulators stay in registers. The
 // same recurrence as decode_piece_body.
-template <typename T, typename E, int D, int DV, int LANES, bool DP = false>
+//
+// Src::all_heads (pages): the piece takes every kv head of sequence b (h is ignored), head i's
+// m, l and acc at m + i * R, l + i * R, acc + i * R * DV, and walks the heads within each
+// block: a page row holds every head's keys side by side (NHD), so one head's rows lie a
+// whole page row apart (4 KiB for 8 float32 heads of 128), each in a page of memory of its
+// own; walked head after head within a block, a page's memory is read whole while its
+// translation and neighbouring lines are at hand.
+template <typename T, typename E, int D, int DV, int LANES, bool DP = false, typename Src = Flat<E>>
 QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h, int64_t j0,
                                  int64_t j1, T* __restrict scratch, T* __restrict m,
                                  T* __restrict l, T* __restrict acc) {
@@ -733,53 +847,71 @@ QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h,
     typedef Tiles<LANES, NVL, NV> TS;
     constexpr int RS = TS::score_rows, KB = TS::keys, RV = TS::value_rows;
     const int64_t R = a.group * a.L;
-    T* __restrict qs = scratch;
-    T* __restrict s = qs + R * D;
+    const int64_t NH = Src::all_heads ? a.kv_heads : 1;  // heads of this piece
+    const int64_t h0 = Src::all_heads ? 0 : h;
+    T* __restrict qall = scratch;  // each head's scaled rows
+    T* __restrict s = qall + NH * R * D;
     T* __restrict alpha = s + R * DECODE_BK;
     T* __restrict vsc = alpha + R;  // a block's value scales (scaled formats)
-    decode_start(a, b, h, D, DV, qs, m, l, acc);
-    if constexpr (DP) {  // the rows' bfloat16 bits, unscaled, over qs
-        uint16_t* qb = reinterpret_cast<uint16_t*>(qs);
-        for (int64_t r = 0; r < R; ++r) {
-            const float* qr = query_row<float>(a, b, h, r);
-            for (int t = 0; t < D; ++t) {
-                uint32_t u;
-                std::memcpy(&u, qr + t, 4);
-                qb[r * D + t] = uint16_t(u >> 16);
+    for (int64_t i = 0; i < NH; ++i) {
+        T* qs = qall + i * R * D;
+        decode_start(a, b, h0 + i, D, DV, qs, m + i * R, l + i * R, acc + i * R * DV);
+        if constexpr (DP) {  // the rows' bfloat16 bits, unscaled, over qs
+            uint16_t* qb = reinterpret_cast<uint16_t*>(qs);
+            for (int64_t r = 0; r < R; ++r) {
+                const float* qr = query_row<float>(a, b, h0 + i, r);
+                for (int t = 0; t < D; ++t) {
+                    uint32_t u;
+                    std::memcpy(&u, qr + t, 4);
+                    qb[r * D + t] = uint16_t(u >> 16);
+                }
             }
+        } else if constexpr (KV::order > 1) {
+            strided_order(qs, R, D, KV::order, true);
         }
-    } else if constexpr (KV::order > 1) {
-        strided_order(qs, R, D, KV::order, true);
     }
-    const Rows<E> at(a, b, h);
-    // score_tile, or score_tile_dp on the rows' bits, for RB rows from r by KB keys from j
-    auto scores = [&](auto rb, auto kb, int64_t r, const E* K, int64_t j) {
-        constexpr int RB = decltype(rb)::value, KBt = decltype(kb)::value;
-        T* out = s + r * DECODE_BK + j;
-#if QKV_X86
-        if constexpr (DP) {
-            score_tile_dp<D, RB, KBt, E>(reinterpret_cast<const uint16_t*>(qs) + r * D,
-                                         K + j * a.k_rs, a.k_rs, float(a.scale), out);
-            return;
-        }
-#endif
-        score_tile<T, E, V, D, RB, KBt, LANES>(qs + r * D, K + j * a.k_rs, a.k_rs, out);
-    };
+    Src src(a, b, h0);
+    typedef typename Src::Kv_ A;
     typedef std::integral_constant<int, 1> One;
     typedef std::integral_constant<int, RS> Rows_;
     typedef std::integral_constant<int, KB> Keys_;
-    for (int64_t b0 = j0; b0 < j1; b0 += DECODE_BK) {
-        const int64_t n = std::min<int64_t>(DECODE_BK, j1 - b0);
-        const E* K = at.k + b0 * a.k_rs;
-        const E* Vb = at.v + b0 * a.v_rs;
+    // head i's block of n keys from b0 (its rows listed in `slot`; the next block's in slot ^ 1)
+    // (lambdas inlined by force: one left a function of its own would be compiled without
+    // the clone's target, its vectors taken a half or a quarter at a time)
+    auto block = [&](int64_t i, int64_t b0, int64_t n, int slot) QKV_LAMBDA_INLINE {
+        const T* qs = qall + i * R * D;
+        T* mi = m + i * R;
+        T* li = l + i * R;
+        T* acci = acc + i * R * DV;
+        // score_tile, or score_tile_dp on the rows' bits, for RB rows from r by KB keys from j
+        auto scores = [&](auto rb, auto kb, int64_t r, const A& K, int64_t j) QKV_LAMBDA_INLINE {
+            constexpr int RB = decltype(rb)::value, KBt = decltype(kb)::value;
+            T* out = s + r * DECODE_BK + j;
+#if QKV_X86
+            if constexpr (DP) {
+                score_tile_dp<D, RB, KBt, E>(reinterpret_cast<const uint16_t*>(qs) + r * D,
+                                             K.from(j), float(a.scale), out);
+                return;
+            }
+#endif
+            score_tile<T, E, V, D, RB, KBt, LANES>(qs + r * D, K.from(j), out);
+        };
+        const A K = src.k(b0, slot, i);
+        const A Vb = src.v(b0, slot, i);
         // the next block's rows are asked for while this one is computed (Ahead), into L2
         // (into L1 they measured slower: the rows of this block compete with them there)
-        const int64_t ahead = std::min<int64_t>(DECODE_BK, j1 - b0 - n);
-        const Ahead<E, int(D * sizeof(E))> knext{K + DECODE_BK * a.k_rs, a.k_rs, ahead};
-        Ahead<E, int(DV * sizeof(E))> vnext{Vb + DECODE_BK * a.v_rs, a.v_rs, ahead};
+        // (all_heads: the rows read next are the next head's in this block, else the first
+        // head's in the next: asked for a block earlier, they would be evicted by the other
+        // heads' rows before their turn)
+        const bool same = Src::all_heads && i + 1 < NH;
+        const int64_t ahead = same ? n : std::min<int64_t>(DECODE_BK, j1 - b0 - n);
+        const int64_t nb0 = same ? b0 : b0 + DECODE_BK, ni = same ? i + 1 : 0;
+        const int nslot = same ? slot : slot ^ 1;
+        const Ahead<E, int(D * sizeof(E)), A> knext{src.k(nb0, nslot, ni), ahead};
+        Ahead<E, int(DV * sizeof(E)), A> vnext{src.v(nb0, nslot, ni), ahead};
         int64_t j = 0;
         for (; j + KB <= n; j += KB) {
-            for (int64_t i = j; i < j + KB; ++i) knext.row(i);
+            for (int64_t t = j; t < j + KB; ++t) knext.row(t);
             int64_t r = 0;
             for (; r + RS <= R; r += RS) scores(Rows_{}, Keys_{}, r, K, j);
             for (; r < R; ++r) scores(One{}, Keys_{}, r, K, j);
@@ -791,45 +923,80 @@ QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h,
         }
         if constexpr (KV::scaled) {  // (score_tile_dp's codes are read as they are: unit 1)
             constexpr T kunit = DP ? T(1) : KV::unit;
-            for (int64_t i = 0; i < n; ++i) vsc[i] = T(at.ks[(b0 + i) * a.ks_rs]) * kunit;
+            const auto KS = src.ks(b0, slot, i);
+            for (int64_t t = 0; t < n; ++t) vsc[t] = T(*KS[t]) * kunit;
             for (int64_t r = 0; r < R; ++r)
 #pragma omp simd
-                for (int64_t i = 0; i < n; ++i) s[r * DECODE_BK + i] *= vsc[i];
+                for (int64_t t = 0; t < n; ++t) s[r * DECODE_BK + t] *= vsc[t];
         }
         if (a.softcap > 0) softcap_block(s, R, n, T(a.softcap));
-        for (int64_t r = 0; r < R; ++r) alpha[r] = decode_row_step(s + r * DECODE_BK, n, m + r, l + r);
+        for (int64_t r = 0; r < R; ++r) alpha[r] = decode_row_step(s + r * DECODE_BK, n, mi + r, li + r);
         if constexpr (KV::scaled) {  // the weights times each value row's scale
-            for (int64_t i = 0; i < n; ++i) vsc[i] = T(at.vs[(b0 + i) * a.vs_rs]) * KV::unit;
+            const auto VS = src.vs(b0, slot, i);
+            for (int64_t t = 0; t < n; ++t) vsc[t] = T(*VS[t]) * KV::unit;
             for (int64_t r = 0; r < R; ++r)
 #pragma omp simd
-                for (int64_t i = 0; i < n; ++i) s[r * DECODE_BK + i] *= vsc[i];
+                for (int64_t t = 0; t < n; ++t) s[r * DECODE_BK + t] *= vsc[t];
         }
-        int64_t r = 0;  // the first row group's tiles ask for the next block's values
-        for (; r + RV <= R; r += RV, vnext.n = 0)
-            value_rows<T, E, V, DV, RV, TS::many>(acc + r * DV, s + r * DECODE_BK, alpha + r, Vb, a.v_rs, n, vnext);
-        if (RV > 2 && r + 2 <= R) {
-            value_rows<T, E, V, DV, 2, TS::few>(acc + r * DV, s + r * DECODE_BK, alpha + r, Vb, a.v_rs, n, vnext);
-            r += 2;
-            vnext.n = 0;
+        // the values' tiles, from rows `at` (each row group's tiles read the block again)
+        auto values = [&](const A& at) QKV_LAMBDA_INLINE {
+            int64_t r = 0;  // the first row group's tiles ask for the next block's values
+            for (; r + RV <= R; r += RV, vnext.n = 0)
+                value_rows<T, E, V, DV, RV, TS::many>(acci + r * DV, s + r * DECODE_BK, alpha + r, at, n, vnext);
+            if (RV > 2 && r + 2 <= R) {
+                value_rows<T, E, V, DV, 2, TS::few>(acci + r * DV, s + r * DECODE_BK, alpha + r, at, n, vnext);
+                r += 2;
+                vnext.n = 0;
+            }
+            for (; r < R; ++r, vnext.n = 0)
+                value_rows<T, E, V, DV, 1, TS::few>(acci + r * DV, s + r * DECODE_BK, alpha + r, at, n, vnext);
+        };
+        values(Vb);
+    };
+    int slot = 0;
+    src.list(j0, std::min<int64_t>(DECODE_BK, j1 - j0), slot);
+    for (int64_t b0 = j0; b0 < j1; b0 += DECODE_BK, slot ^= 1) {
+        const int64_t n = std::min<int64_t>(DECODE_BK, j1 - b0);
+        src.list(b0 + DECODE_BK, std::min<int64_t>(DECODE_BK, j1 - b0 - n), slot ^ 1);
+        if constexpr (Src::all_heads) {
+            for (int64_t i = 0; i < NH; ++i) block(i, b0, n, slot);
+        } else {
+            block(0, b0, n, slot);
         }
-        for (; r < R; ++r, vnext.n = 0)
-            value_rows<T, E, V, DV, 1, TS::few>(acc + r * DV, s + r * DECODE_BK, alpha + r, Vb, a.v_rs, n, vnext);
     }
-    if constexpr (KV::order > 1) strided_order(acc, R, DV, KV::order, false);
+    if constexpr (KV::order > 1)
+        for (int64_t i = 0; i < NH; ++i) strided_order(acc + i * R * DV, R, DV, KV::order, false);
 }
 
-// The piece for the head sizes of the arguments: unrolled for 64 and 128, else general.
+// The piece for the head sizes of the arguments (unrolled for 64 and 128, else general) and
+// where the rows lie (one run per sequence, or pages through a block table).
+template <typename T, typename E, int LANES, typename Src>
+QKV_INLINE void decode_piece_sized(const qkv_decode_args& a, int64_t b, int64_t h, int64_t j0,
+                                   int64_t j1, T* sc, T* m, T* l, T* acc) {
+    if (a.d == 64 && a.dv == 64)
+        decode_piece_vec<T, E, 64, 64, LANES, false, Src>(a, b, h, j0, j1, sc, m, l, acc);
+    else if (a.d == 128 && a.dv == 128)
+        decode_piece_vec<T, E, 128, 128, LANES, false, Src>(a, b, h, j0, j1, sc, m, l, acc);
+    else if constexpr (Src::all_heads) {  // every head, one after another
+        const int64_t R = a.group * a.L;
+        for (int64_t i = 0; i < a.kv_heads; ++i)
+            decode_piece_body<T, E, Src>(a, b, i, j0, j1, sc, m + i * R, l + i * R, acc + i * R * a.dv);
+    } else {
+        decode_piece_body<T, E, Src>(a, b, h, j0, j1, sc, m, l, acc);
+    }
+}
+
 template <typename T, typename E, int LANES>
 QKV_INLINE void decode_piece_any(const qkv_decode_args& a, int64_t b, int64_t h, int64_t j0,
                                  int64_t j1, T* sc, T* m, T* l, T* acc) {
-    if (a.d == 64 && a.dv == 64)
-        decode_piece_vec<T, E, 64, 64, LANES>(a, b, h, j0, j1, sc, m, l, acc);
-    else if (a.d == 128 && a.dv == 128)
-        decode_piece_vec<T, E, 128, 128, LANES>(a, b, h, j0, j1, sc, m, l, acc);
+    if (a.block_table)
+        decode_piece_sized<T, E, LANES, Paged<E>>(a, b, h, j0, j1, sc, m, l, acc);
     else
-        decode_piece_body<T, E>(a, b, h, j0, j1, sc, m, l, acc);
+        decode_piece_sized<T, E, LANES, Flat<E>>(a, b, h, j0, j1, sc, m, l, acc);
 }
 
+// A piece: keys [j0, j1) of kv head h of sequence b (with a block table: of every kv head,
+// h ignored, each head's m, l and acc after the previous head's), scratch, m, l, acc.
 typedef void (*piece_t)(const qkv_decode_args&, int64_t, int64_t, int64_t, int64_t, void*,
                         void*, void*, void*);
 
@@ -915,11 +1082,20 @@ QKV_BF16 void piece_avx512bf16(const qkv_decode_args& a, int64_t b, int64_t h, i
     float* M = static_cast<float*>(m);
     float* L = static_cast<float*>(l);
     float* A = static_cast<float*>(acc);
-    if (a.d == 64 && a.dv == 64 && rows_are_bf16(a, b, h))
-        decode_piece_vec<float, E, 64, 64, 16, true>(a, b, h, j0, j1, S, M, L, A);
-    else if (a.d == 128 && a.dv == 128 && rows_are_bf16(a, b, h))
-        decode_piece_vec<float, E, 128, 128, 16, true>(a, b, h, j0, j1, S, M, L, A);
-    else
+    const bool paged = a.block_table != nullptr;  // (a piece of every head: decode_piece_vec)
+    bool bf16 = true;
+    for (int64_t i = paged ? 0 : h; i < (paged ? a.kv_heads : h + 1); ++i) bf16 &= rows_are_bf16(a, b, i);
+    if (a.d == 64 && a.dv == 64 && bf16) {
+        if (paged)
+            decode_piece_vec<float, E, 64, 64, 16, true, Paged<E>>(a, b, h, j0, j1, S, M, L, A);
+        else
+            decode_piece_vec<float, E, 64, 64, 16, true>(a, b, h, j0, j1, S, M, L, A);
+    } else if (a.d == 128 && a.dv == 128 && bf16) {
+        if (paged)
+            decode_piece_vec<float, E, 128, 128, 16, true, Paged<E>>(a, b, h, j0, j1, S, M, L, A);
+        else
+            decode_piece_vec<float, E, 128, 128, 16, true>(a, b, h, j0, j1, S, M, L, A);
+    } else
         other(a, b, h, j0, j1, sc, m, l, acc);
 }
 
@@ -1016,6 +1192,17 @@ int run_decode(const qkv_decode_args& given) {
         const int64_t lo = a.lo ? a.lo[b] : 0, hi = a.hi ? a.hi[b] : a.S;
         if (lo < 0 || hi > a.S || lo > hi) return 5;
     }
+    // Paged: every page those keys lie in is one of the pool's (else nothing is read).
+    if (a.block_table) {
+        if (a.page_size < 1 || a.num_blocks < 0 || a.bt_rs < 0) return 2;
+        for (int64_t b = 0; b < a.nseq; ++b) {
+            const int64_t lo = a.lo ? a.lo[b] : 0, hi = a.hi ? a.hi[b] : a.S;
+            if (lo == hi) continue;
+            const int32_t* row = a.block_table + b * a.bt_rs;
+            for (int64_t p = lo / a.page_size; p <= (hi - 1) / a.page_size; ++p)
+                if (row[p] < 0 || row[p] >= a.num_blocks) return 6;
+        }
+    }
     const int64_t R = a.group * a.L, units = a.nseq * a.kv_heads;
     if (units == 0) return 0;  // no sequence: nothing to write
     const int64_t threads = std::max<int64_t>(1, a.threads);
@@ -1023,13 +1210,21 @@ int run_decode(const qkv_decode_args& given) {
     int64_t longest = 0;
     for (int64_t b = 0; b < a.nseq; ++b)
         longest = std::max(longest, (a.hi ? a.hi[b] : a.S) - (a.lo ? a.lo[b] : 0));
+    // Pages: a piece takes every kv head of its sequence (decode_piece_vec), so a split has
+    // one item per sequence; else one per sequence and head.
+    const bool paged = a.block_table != nullptr;
+    const int64_t items = paged ? a.nseq : units;
     // a few items per thread, so that none waits long for the last; pieces of >= least keys
-    const int64_t want = (4 * threads + units - 1) / units;
+    const int64_t want = (4 * threads + items - 1) / items;
     const int64_t splits = std::max<int64_t>(1, std::min(want, longest / least));
-    const int64_t ntasks = units * splits;
+    const int64_t ntasks = items * splits, nparts = units * splits;
+    // the part of head h of sequence b over its piece c: a paged piece's heads side by side
+    auto part = [&](int64_t b, int64_t h, int64_t c) {
+        return paged ? (b * splits + c) * a.kv_heads + h : (b * a.kv_heads + h) * splits + c;
+    };
     std::vector<T> parts;
     try {
-        parts.resize(size_t(ntasks * R * (2 + a.dv)));
+        parts.resize(size_t(nparts * R * (2 + a.dv)));
     } catch (...) {
         return 1;
     }
@@ -1037,20 +1232,22 @@ int run_decode(const qkv_decode_args& given) {
     if (!piece) return 2;
     if ((a.kv_format == KV_INT8 || a.kv_format == KV_E4M3) && !(a.k_scale && a.v_scale)) return 2;
     T* PM = parts.data();  // per item: R maxima, then R sums, then R x dv accumulators
-    T* PL = PM + ntasks * R;
-    T* PA = PL + ntasks * R;
-    const int64_t scratch = R * (a.d + DECODE_BK + 1) + DECODE_BK;  // see decode_piece_vec
+    T* PL = PM + nparts * R;
+    T* PA = PL + nparts * R;
+    // see decode_piece_vec (a paged piece holds every head's scaled rows)
+    const int64_t scratch = R * ((paged ? a.kv_heads : 1) * a.d + DECODE_BK + 1) + DECODE_BK;
     auto init = [&](std::vector<T>& sc) {
         sc.resize(size_t(scratch));
         return true;
     };
     auto work = [&](std::vector<T>& sc, int64_t t) {
-        const int64_t c = t % splits, h = (t / splits) % a.kv_heads;
-        const int64_t b = t / (splits * a.kv_heads);
+        const int64_t c = t % splits, h = paged ? 0 : (t / splits) % a.kv_heads;
+        const int64_t b = t / (splits * (paged ? 1 : a.kv_heads));
         const int64_t lo = a.lo ? a.lo[b] : 0, hi = a.hi ? a.hi[b] : a.S;
         const int64_t width = (hi - lo + splits - 1) / splits;
         const int64_t j0 = std::min(lo + c * width, hi), j1 = std::min(j0 + width, hi);
-        piece(a, b, h, j0, j1, sc.data(), PM + t * R, PL + t * R, PA + t * R * a.dv);
+        const int64_t p = part(b, h, c);
+        piece(a, b, h, j0, j1, sc.data(), PM + p * R, PL + p * R, PA + p * R * a.dv);
     };
     if (for_tasks<std::vector<T>>(ntasks, threads, a.parallel, init, work)) return 1;
     // merge each head's pieces into its rows of out and lse
@@ -1059,14 +1256,15 @@ int run_decode(const qkv_decode_args& given) {
     T* LSE = static_cast<T*>(a.lse);
     T bad = 0;  // becomes NaN if an output is not finite
     for (int64_t u = 0; u < units; ++u) {
+        const int64_t ub = u / a.kv_heads, uh = u % a.kv_heads;
         for (int64_t r = 0; r < R; ++r) {
             T M = ninf;
-            for (int64_t c = 0; c < splits; ++c) M = std::max(M, PM[(u * splits + c) * R + r]);
+            for (int64_t c = 0; c < splits; ++c) M = std::max(M, PM[part(ub, uh, c) * R + r]);
             T* o = OUT + (u * R + r) * a.dv;
             T lsum = 0;
             for (int64_t c = 0; c < a.dv; ++c) o[c] = 0;
             for (int64_t c = 0; c < splits; ++c) {
-                const int64_t t = u * splits + c;
+                const int64_t t = part(ub, uh, c);
                 const T mi = PM[t * R + r], li = PL[t * R + r];
                 if (li != li) {  // NaN carried from a piece
                     lsum = li;
