@@ -395,16 +395,17 @@ KV_CASES = [
 ]
 
 
-@pytest.mark.parametrize("shape", KV_CASES)
+# the rotary embedding applies with new k/v only
+KV_ROTARY = [(s, r) for s in KV_CASES for r in (None, "interleaved", "halves") if s[1] or not r]
+
+
+@pytest.mark.parametrize("shape, rotary", KV_ROTARY)
 @pytest.mark.parametrize("mha", ["mha", "gqa"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("local", [False, True])
 @pytest.mark.parametrize("alibi", [False, True])
-@pytest.mark.parametrize("rotary", [None, "interleaved", "halves"])
-def test_kvcache_matrix(shape, mha, causal, local, alibi, rotary):
+def test_kvcache_matrix(shape, rotary, mha, causal, local, alibi):
     Lq, Lnew, page, has_leftpad, has_batch_idx = shape
-    if rotary and not Lnew:
-        pytest.skip("rotary applies with new k/v only")
     B, H, d, S_cap = 3, 6, 16, 40
     Hkv = MHA[mha]
     seqlens = RNG.integers(0, S_cap - Lnew + 1, size=B)
@@ -472,33 +473,37 @@ def test_kvcache_matrix(shape, mha, causal, local, alibi, rotary):
 
 @pytest.mark.parametrize("page", [1, 2, 5, 16, 64, 256])
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_kvcache_paged_decode_steps_in_every_dtype_and_page_size(page, dtype):
-    # decoding: one token per step appended and attended, page sizes 1..256, tensors
+@pytest.mark.parametrize("kind", ["torch", "numpy"])
+def test_kvcache_paged_decode_steps_in_every_dtype_and_page_size(page, dtype, kind):
+    # decoding: one token per step appended and attended, page sizes 1..256
     B, H, Hkv, d, steps = 2, 4, 2, 8, 3
     prompt = [5, 300 if page >= 64 else 30]
     width = -(-(max(prompt) + steps) // page)
     num = B * width
-    kp = torch.zeros((num, page, Hkv, d), dtype=DTYPES[dtype][1])
-    vp = torch.zeros_like(kp)
-    table = torch.from_numpy(RNG.permutation(num).reshape(B, width).astype(np.int32))
+    kp = as_kind(np.zeros((num, page, Hkv, d), DTYPES[dtype][0]), kind)
+    vp = as_kind(np.zeros((num, page, Hkv, d), DTYPES[dtype][0]), kind)
+    table = as_kind(RNG.permutation(num).reshape(B, width).astype(np.int32), kind)
     keys = [rounded((n, Hkv, d), dtype) for n in prompt]
     vals = [rounded((n, Hkv, d), dtype) for n in prompt]
     # the prompt goes in through the call itself: one sequence at a time, a 1-query chunk
     for b in range(B):
         flash_attn_with_kvcache(
-            as_kind(rounded((1, 1, H, d), dtype), "torch"), kp, vp,
-            as_kind(keys[b][None], "torch"), as_kind(vals[b][None], "torch"),
+            as_kind(rounded((1, 1, H, d), dtype), kind), kp, vp,
+            as_kind(keys[b][None], kind), as_kind(vals[b][None], kind),
             cache_seqlens=0, block_table=table[b : b + 1],
         )  # fmt: skip
-    seqlens = torch.tensor(prompt, dtype=torch.int32)
+    seqlens = np.array(prompt, dtype=np.int32)
     for _ in range(steps):
         q = rounded((B, 1, H, d), dtype)
         kn, vn = rounded((B, 1, Hkv, d), dtype), rounded((B, 1, Hkv, d), dtype)
         out = flash_attn_with_kvcache(
-            as_kind(q, "torch"), kp, vp, as_kind(kn, "torch"), as_kind(vn, "torch"),
-            cache_seqlens=seqlens, block_table=table, causal=True,
+            as_kind(q, kind), kp, vp, as_kind(kn, kind), as_kind(vn, kind),
+            cache_seqlens=as_kind(seqlens, kind), block_table=table, causal=True,
         )  # fmt: skip
-        assert isinstance(out, torch.Tensor) and out.dtype == DTYPES[dtype][1]
+        if kind == "torch":
+            assert isinstance(out, torch.Tensor) and out.dtype == DTYPES[dtype][1]
+        else:
+            assert isinstance(out, np.ndarray) and out.dtype == np.dtype(DTYPES[dtype][0])
         for b in range(B):
             keys[b] = np.concatenate([keys[b], kn[b]], 0)
             vals[b] = np.concatenate([vals[b], vn[b]], 0)

@@ -340,9 +340,9 @@ def flash_attn_varlen_func(
     ----------
     q : array_like or Tensor, shape ``(total_q, heads, d)``
         The queries of every sequence, one after another.
-    k, v : array_like or Tensor, shapes ``(total_k, kv_heads, d)`` and ``(total_k, kv_heads,
-        dv)``
-        Keys and values, packed the same way; or, with ``block_table``, pages ``(num_blocks,
+    k, v : array_like or Tensor
+        Keys ``(total_k, kv_heads, d)`` and values ``(total_k, kv_heads, dv)``, packed the
+        same way as ``q``; or, with ``block_table``, pages ``(num_blocks,
         page_size, kv_heads, d)`` and ``(num_blocks, page_size, kv_heads, dv)``.
     cu_seqlens_q, cu_seqlens_k : array_like of int, shape ``(batch + 1,)``
         Cumulative offsets: sequence ``b`` is ``q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]]``, and
@@ -534,8 +534,12 @@ def _attend_pages(
     for b in range(B):
         S = int(seqlens[b])
         pages = block_table[b, : -(-S // P) if P else 0]
-        kb = k_pages[pages].reshape(-1, Hkv, d)[:S].transpose(1, 0, 2)
-        vb = v_pages[pages].reshape(-1, Hkv, dv)[:S].transpose(1, 0, 2)
+        if pages.size == 1:  # one page (a contiguous cache's row): a view, no copy
+            kb, vb = k_pages[pages[0], :S], v_pages[pages[0], :S]
+        else:
+            kb = k_pages[pages].reshape(-1, Hkv, d)[:S]
+            vb = v_pages[pages].reshape(-1, Hkv, dv)[:S]
+        kb, vb = kb.transpose(1, 0, 2), vb.transpose(1, 0, 2)
         plan = block_plan(
             q[b], _wide(kb), _wide(vb), scale=fscale, causal=causal, window=window,
             out_dtype=out_dt,
