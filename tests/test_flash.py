@@ -291,6 +291,10 @@ def test_varlen_tensors_in_tensors_out():
     assert isinstance(lse, torch.Tensor) and lse.shape == (2, 7)
     want = flash_attn_varlen_func(q, q, q, cu, cu, 4, 4, causal=True)
     np.testing.assert_allclose(out.numpy(), want, **tol("rule floor", np.float32))
+    # the longest lengths as 0-d integer tensors (cu_seqlens.diff().max()) are read too
+    n = torch.from_numpy(np.diff(cu)).max()
+    again = flash_attn_varlen_func(t, t, t, torch.from_numpy(cu), torch.from_numpy(cu), n, n)
+    assert again.shape == (7, 2, 8)
 
 
 @pytest.mark.parametrize("page", [1, 3, 16])

@@ -305,6 +305,8 @@ def _offsets(cu: Any, name: str, total: int | None, total_name: str) -> np.ndarr
 def _longest(n: Any, name: str, lengths: np.ndarray, what: str) -> None:
     """``max_seqlen_q``/``max_seqlen_k`` at least the longest sequence (flash-attn sizes its
     grid by it and would leave the rest of a longer sequence unwritten)."""
+    if getattr(n, "ndim", None) == 0 and not isinstance(n, np.generic):  # a 0-d tensor/array
+        n = n.item() if str(n.dtype).replace("torch.", "").startswith(("int", "uint")) else n
     m = check_int(n, name, minimum=0)
     longest = int(lengths.max(initial=0))
     if m < longest:
