@@ -20,6 +20,7 @@ from tests.conftest import tol
 
 import qkv
 from qkv.flash import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+from qkv.testing import strategies
 
 torch = pytest.importorskip("torch")
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -189,6 +190,29 @@ def test_func_rows_that_see_nothing_give_zero_and_minus_inf():
     out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
     assert np.all(out[0, :3] == 0) and np.all(np.isneginf(lse[0, :, :3]))
     want, want_lse = ref_batch(q, k, v, causal=True)
+    judge(out, want, np.float64)
+    judge(lse, want_lse, np.float64, "lse")
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    qkv_inputs=strategies.inputs(strategies.shapes(grouped=True, L=(1, 9), S=(1, 9))),
+    causal=st.booleans(),
+    window=st.tuples(st.integers(-1, 5), st.integers(-1, 5)),
+    softcap=st.sampled_from([0.0, 1.0, 20.0]),
+    alibi=st.booleans(),
+)
+def test_func_property_equals_the_reference(qkv_inputs, causal, window, softcap, alibi):
+    # qkv's generators draw (batch, heads, L, d): flash-attn's layout is their transpose
+    q, k, v = (x.transpose(0, 2, 1, 3) for x in qkv_inputs)
+    slopes = 2.0 ** -np.arange(1, q.shape[2] + 1) if alibi else None
+    out, lse, _ = flash_attn_func(
+        q, k, v, causal=causal, window_size=window, softcap=softcap, alibi_slopes=slopes,
+        return_attn_probs=True,
+    )  # fmt: skip
+    want, want_lse = ref_batch(
+        q, k, v, causal=causal, window=window, softcap=softcap, slopes=slopes
+    )
     judge(out, want, np.float64)
     judge(lse, want_lse, np.float64, "lse")
 
