@@ -232,7 +232,8 @@ def _from_blhd(q: Any, k: Any, v: Any) -> tuple[Any, Any, Any]:
                 f"{tuple(qa.shape)} ({hq} heads) and k has shape {tuple(ka.shape)} ({hkv} kv "
                 f"heads), which do not group{hint}"
             )
-    return tuple(None if x is None else swap_axes(x, -3, -2) for x in arrays)  # type: ignore[return-value]
+    qs, ks, vs = (None if x is None else swap_axes(x, -3, -2) for x in arrays)
+    return qs, ks, vs
 
 
 def _check_differentiable(fn: str, plan: Plan, given: dict[str, Any], grad: tuple) -> None:

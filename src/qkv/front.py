@@ -277,7 +277,7 @@ def attention(
         return_lse=return_lse, check_finite=check_finite, kernel=kernel, layout=layout,
         **variants,
     )  # fmt: skip
-    if layout == "bhld":
+    if call.layout == "bhld":
         return _run(call)
     res = _run(call)  # (..., heads, L, dv): back to the caller's layout
     if return_lse:
