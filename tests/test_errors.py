@@ -192,7 +192,7 @@ def test_a_scale_given_as_text_is_answered_with_the_standard_scale(fn):
     assert "(e.g. math.sqrt(d))" not in text
 
 
-def test_arrays_laid_out_batch_length_heads_get_the_transpose():
+def test_arrays_laid_out_batch_length_heads_get_the_layout_keyword():
     # (batch, L, heads, d) with 6 query heads and 2 kv heads, L = 4 and S = 6: read as qkv's
     # (batch, heads, L, d) they are 4 query heads against 6 kv heads
     rng = np.random.default_rng(0)
@@ -201,11 +201,13 @@ def test_arrays_laid_out_batch_length_heads_get_the_transpose():
         qkv.attention(q, k, v)
     text = str(info.value)
     assert "4 query heads cannot share 6 kv heads" in text
-    assert "(batch, L, heads, d)" in text and "swapaxes(-3, -2)" in text
-    # the transpose it shows is the one that works: equal to the reference
-    out = qkv.attention(q.swapaxes(-3, -2), k.swapaxes(-3, -2), v.swapaxes(-3, -2))
+    # the hint names the other reading as a possibility, it does not assert it
+    assert "if these arrays are laid out (batch, L, heads, d)" in text
+    assert "layout='blhd'" in text and "these shapes fit" not in text
+    # the keyword it names is the one that works: equal to the reference
+    out = qkv.attention(q, k, v, layout="blhd")
     want = qkv.reference.attention(q.swapaxes(-3, -2), k.swapaxes(-3, -2), v.swapaxes(-3, -2))
-    np.testing.assert_allclose(out, want, **tol("float64 path", np.float64))
+    np.testing.assert_allclose(out, want.swapaxes(-3, -2), **tol("float64 path", np.float64))
 
 
 def test_no_layout_hint_when_the_other_layout_does_not_fit_either():

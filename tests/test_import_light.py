@@ -33,6 +33,7 @@ HEAVY = (
     "qkv.render", "qkv.learn", "qkv.explanation.trace", "qkv.explanation.exact",
     "qkv.integrations", "qkv.study", "qkv.plot", "qkv.distributed", "qkv.testing", "qkv.gpu",
     "qkv.cli", "qkv.engine", "qkv.torch_bridge", "qkv.about", "qkv.reference", "qkv.wrapped",
+    "qkv.flash",
 )  # fmt: skip
 
 #: Where each public name is defined (a module's name for a module).

@@ -18,6 +18,7 @@ log = logging.getLogger(__name__)
 
 MODULES = [
     "qkv",
+    "qkv.flash",
     "qkv.reference",
     "qkv.variants",
     "qkv.study",

@@ -23,12 +23,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import InputError
-from .options import Options
-from .tensors import Want, is_tensor, read_cpu, read_shadow, survey
-from .validate import Plan, check_flag, check_variants, make_plan
+import numpy as np
 
-__all__ = ["Call", "build"]
+from .errors import InputError, InputTypeError
+from .options import Options
+from .tensors import Want, is_tensor, read_cpu, read_shadow, survey, swap_axes
+from .validate import Plan, check_flag, check_variants, from_foreign, make_plan
+
+__all__ = ["LAYOUTS", "Call", "build", "check_layout"]
+
+#: The layouts :func:`qkv.attention` reads ``q``, ``k``, ``v`` in: qkv's (and PyTorch SDPA's)
+#: ``(..., heads, L, d)``, and FlashAttention's and transformers' ``(..., L, heads, d)``.
+LAYOUTS = ("bhld", "blhd")
 
 _PLAIN = Options()  # the options of a call that gives none
 
@@ -62,6 +68,10 @@ class Call:
     options : Options
         The call's options as given (:class:`qkv.options.Options`), for a back end that
         calls again with them (the GPU's CPU fallback).
+    layout : str
+        The layout the caller's ``q``, ``k``, ``v`` came in (:data:`LAYOUTS`); the plan and
+        :attr:`given` hold them as ``(..., heads, L, d)`` already, and the front turns the
+        results back (:func:`qkv.front.attention`).
     """
 
     fn: str
@@ -73,6 +83,7 @@ class Call:
     return_lse: bool = False
     check_finite: bool = False
     options: Options = _PLAIN
+    layout: str = "bhld"
 
     def __init__(
         self,
@@ -85,11 +96,12 @@ class Call:
         return_lse: bool = False,
         check_finite: bool = False,
         options: Options = _PLAIN,
+        layout: str = "bhld",
     ) -> None:
-        # One dict update, not nine object.__setattr__ calls: every public call builds one.
+        # One dict update, not ten object.__setattr__ calls: every public call builds one.
         self.__dict__.update(
             fn=fn, plan=plan, route=route, given=given, want=want, kernel=kernel,
-            return_lse=return_lse, check_finite=check_finite, options=options,
+            return_lse=return_lse, check_finite=check_finite, options=options, layout=layout,
         )  # fmt: skip
 
 
@@ -106,6 +118,7 @@ def build(
     return_lse: bool = False,
     check_finite: bool = False,
     kernel: str = "auto",
+    layout: str = "bhld",
     **keywords: Any,
 ) -> Call:
     """Check a public call once and return it as a :class:`Call`.
@@ -114,10 +127,15 @@ def build(
     stop before the values. The call's options come as the public function's keywords
     (``scale=``, ``causal=``, ``mask=``, ``window=`` and the variants), read once into one
     :class:`qkv.options.Options`, or as that value itself (keywords given beside it replace
-    its fields). Raises :class:`qkv.InputError`
-    naming the argument for anything the call cannot run.
+    its fields). ``layout="blhd"`` reads ``q``, ``k``, ``v`` as ``(..., L, heads, d)``: they
+    are swapped to qkv's ``(..., heads, L, d)`` here (views, tensors too), and the front swaps
+    the results back. Raises :class:`qkv.InputError` naming the argument for anything the call
+    cannot run.
     """
     check_flag(return_lse, "return_lse")
+    if layout != "bhld":
+        check_layout(layout)
+        q, k, v = _from_blhd(q, k, v)
     if kernel != "auto":  # the kernels load on the first call that runs, not at import
         from .engine.kernels.dispatch import check_kernel
 
@@ -135,7 +153,7 @@ def build(
         plan = make_plan(
             q, k, v, options, need_v=need_v, check_finite=check_finite, keep_stored=need_v
         )
-        return Call(fn, plan, "numpy", {}, None, kernel, return_lse, options=options)
+        return Call(fn, plan, "numpy", {}, None, kernel, return_lse, options=options, layout=layout)
     given = {"q": q, "k": k, "v": v, "mask": mask}
     for name, x in (("sinks", sinks), ("alibi_slopes", alibi)):
         if x is not None:
@@ -149,7 +167,9 @@ def build(
             alibi_slopes=shadows.get("alibi_slopes"),
         )
         plan = make_plan(shadows["q"], shadows["k"], shadows["v"], shadowed, need_v=need_v)
-        return Call(fn, plan, "device", given, seen.want, kernel, return_lse, check_finite, options)
+        return Call(
+            fn, plan, "device", given, seen.want, kernel, return_lse, check_finite, options, layout
+        )
     plan = make_plan(
         read_cpu(q, "q"), read_cpu(k, "k"), None if v is None else read_cpu(v, "v"), options,
         need_v=need_v, check_finite=check_finite, keep_stored=need_v,
@@ -158,7 +178,62 @@ def build(
     if seen.grad:
         _check_differentiable(fn, plan, given, seen.grad)
         route = "autograd" if set(seen.grad) & {"q", "k", "v", "sinks"} else "numpy"
-    return Call(fn, plan, route, given, seen.want, kernel, return_lse, options=options)
+    return Call(
+        fn, plan, route, given, seen.want, kernel, return_lse, options=options, layout=layout
+    )
+
+
+def check_layout(layout: Any) -> str:
+    """``layout``: one of :data:`LAYOUTS`, else :class:`qkv.InputError` naming them."""
+    if not isinstance(layout, str):
+        raise InputTypeError(f"layout: expected 'bhld' or 'blhd', got {layout!r}")
+    if layout not in LAYOUTS:
+        raise InputError(
+            f"layout: expected 'bhld' (batch, heads, L, d) or 'blhd' (batch, L, heads, d), "
+            f"got {layout!r}"
+        )
+    return layout
+
+
+def _from_blhd(q: Any, k: Any, v: Any) -> tuple[Any, Any, Any]:
+    """``q``, ``k``, ``v`` given as ``(..., L, heads, d)``, as qkv's ``(..., heads, L, d)``
+    (views); :class:`qkv.InputError` naming ``layout`` where the shapes cannot be read so."""
+    arrays: list[Any] = []
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x is None:
+            arrays.append(x)
+            continue
+        if not is_tensor(x):
+            try:
+                x = np.asarray(from_foreign(x, name))
+            except (ValueError, TypeError):
+                arrays.append(x)  # unreadable: the checks refuse it by name
+                continue
+        shape = tuple(x.shape)
+        if len(shape) < 3:
+            raise InputError(
+                f"layout: 'blhd' reads {name} as (..., L, heads, d), which needs at least 3 "
+                f"dimensions; {name} has shape {shape}"
+            )
+        arrays.append(x)
+    qa, ka, va = arrays
+    if hasattr(qa, "shape") and hasattr(ka, "shape"):  # read, at least 3 dimensions each
+        hq, hkv = qa.shape[-2], ka.shape[-2]
+        if hq != hkv and hq > 1 and hkv >= 1 and hq % hkv:
+            fits = qa.shape[-3] > 1 and ka.shape[-3] >= 1 and qa.shape[-3] % ka.shape[-3] == 0
+            hint = (
+                "; read as qkv's (..., heads, L, d) they would group: if that is how they are "
+                "laid out, leave layout='bhld'"
+                if fits
+                else ""
+            )
+            raise InputError(
+                f"layout: with layout='blhd' the heads are axis -2: q has shape "
+                f"{tuple(qa.shape)} ({hq} heads) and k has shape {tuple(ka.shape)} ({hkv} kv "
+                f"heads), which do not group{hint}"
+            )
+    qs, ks, vs = (None if x is None else swap_axes(x, -3, -2) for x in arrays)
+    return qs, ks, vs
 
 
 def _check_differentiable(fn: str, plan: Plan, given: dict[str, Any], grad: tuple) -> None:

@@ -30,7 +30,7 @@ from typing import Any
 from .call import Call, build
 from .errors import InputError
 from .keywords import near_keywords
-from .tensors import give, give_pair, one_device, want_of, wants_grad
+from .tensors import give, give_pair, one_device, swap_axes, want_of, wants_grad
 from .validate import VARIANTS
 
 __all__ = [
@@ -195,6 +195,7 @@ def attention(
     return_lse: bool = False,
     check_finite: bool = False,
     kernel: str = "auto",
+    layout: str = "bhld",
     **variants: Any,
 ) -> Any:
     """Scaled dot-product attention ``softmax(q · kᵀ · scale + bias) · v``.
@@ -221,6 +222,13 @@ def attention(
         problems, ``"decode"`` for a few queries per head against many keys, ``"tiled"``
         (online softmax, ``O(tile · S)`` extra memory) otherwise. Forcing one is for tests
         and benchmarks.
+    layout : {"bhld", "blhd"}, optional
+        How ``q``, ``k`` and ``v`` are laid out: ``"bhld"`` (the default) is qkv's and PyTorch
+        SDPA's ``(..., heads, L, d)``; ``"blhd"`` is FlashAttention's and transformers'
+        ``(..., L, heads, d)`` (at least 3 dimensions each). The output follows the layout,
+        ``(..., L, heads, dv)`` for ``"blhd"``, and so does the log-sum-exp,
+        ``(..., L, heads)``; a ``mask`` is always laid out like the scores, ``(..., heads, L,
+        S)``. Where the shapes fit both readings qkv cannot tell which was meant: say it.
     **variants
         Attention variants, applied in this order to the scaled scores (then the float mask is
         added and the masks applied):
@@ -252,12 +260,29 @@ def attention(
     >>> out = qkv.attention([2, 1], [[1, 0], [3, 2]], [[1, 2], [3, 4]], scale=1 / 2)
     >>> out.round(6).tolist()
     [2.905148, 3.905148]
+
+    FlashAttention's layout, ``(batch, L, heads, d)``:
+
+    >>> import numpy as np
+    >>> x = np.random.default_rng(0).standard_normal((1, 5, 2, 4))
+    >>> out = qkv.attention(x, x, x, causal=True, layout="blhd")
+    >>> out.shape
+    (1, 5, 2, 4)
+    >>> t = x.swapaxes(1, 2)
+    >>> bool(np.allclose(out, qkv.attention(t, t, t, causal=True).swapaxes(1, 2)))
+    True
     """
     call = build(
         "attention", q, k, v, scale=scale, causal=causal, mask=mask, window=window,
-        return_lse=return_lse, check_finite=check_finite, kernel=kernel, **variants,
+        return_lse=return_lse, check_finite=check_finite, kernel=kernel, layout=layout,
+        **variants,
     )  # fmt: skip
-    return _run(call)
+    if call.layout == "bhld":
+        return _run(call)
+    res = _run(call)  # (..., heads, L, dv): back to the caller's layout
+    if return_lse:
+        return swap_axes(res[0], -3, -2), swap_axes(res[1], -2, -1)
+    return swap_axes(res, -3, -2)
 
 
 def _gpu_run() -> Any:

@@ -54,6 +54,7 @@ __all__ = [
     "refuse_dtype",
     "refuse_grad",
     "survey",
+    "swap_axes",
     "wants_grad",
     "want_of",
 ]
@@ -282,6 +283,14 @@ def _tensor_of(result: Any) -> Any:
     if a.dtype.name == "bfloat16":
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(a)
+
+
+def swap_axes(x: Any, a: int, b: int) -> Any:
+    """``x`` with axes ``a`` and ``b`` swapped, as a view: a tensor stays a tensor (in the
+    autograd graph), anything else is read by NumPy."""
+    if is_tensor(x):
+        return x.transpose(a, b)
+    return np.swapaxes(x, a, b)
 
 
 @dataclass(frozen=True)

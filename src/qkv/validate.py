@@ -628,7 +628,8 @@ def _heads(
 
 
 def _layout_hint(qa: np.ndarray, ka: np.ndarray) -> str:
-    """A hint when the shapes fit (..., L, heads, d) instead of qkv's (..., heads, L, d)."""
+    """A hint when the heads would group read as (..., L, heads, d) (``layout="blhd"``)
+    instead of qkv's (..., heads, L, d); it names the other reading, never asserts it."""
     if qa.ndim < 3 or ka.ndim < 3:
         return ""
     hq, hkv = qa.shape[-2], ka.shape[-2]
@@ -639,10 +640,9 @@ def _layout_hint(qa: np.ndarray, ka: np.ndarray) -> str:
     except ValueError:
         return ""
     return (
-        f"; these shapes fit the layout (batch, L, heads, d), with {hq} query heads and "
-        f"{hkv} kv heads, while qkv reads (batch, heads, L, d): pass q.swapaxes(-3, -2), "
-        "k.swapaxes(-3, -2) and v.swapaxes(-3, -2) (the same call on tensors), and swap the "
-        "output back"
+        f"; qkv reads (batch, heads, L, d) by default: if these arrays are laid out "
+        f"(batch, L, heads, d) (FlashAttention's and transformers' layout; {hq} query heads "
+        f"and {hkv} kv heads read that way), pass layout='blhd'"
     )
 
 
