@@ -523,9 +523,20 @@ def _attend_pages(
     ``result_type`` of the inputs, and ``lse (B, H, Lq)`` in the accumulation dtype with
     ``return_lse``.
 
-    This one gathers each sequence's pages into a contiguous copy and runs the ordinary kernels
-    (the decode ones together, :func:`qkv.engine.kernels.dispatch.attend_many`).
+    A decoding step (one query per sequence, no ALiBi) is :func:`qkv.engine.paged.attend_pages`,
+    which the native decode step serves reading the pages in place. Otherwise each sequence's
+    pages are gathered into a contiguous copy for the ordinary kernels (the decode ones
+    together, :func:`qkv.engine.kernels.dispatch.attend_many`).
     """
+    if alibi_slopes is None and q.shape[2] == 1:  # a decoding step: the pages read in place
+        from .engine import paged
+
+        found = paged.attend_pages(
+            q, k_pages, v_pages, block_table, seqlens, scale=scale, causal=causal,
+            window=window, softcap=softcap, return_lse=True,
+        )  # fmt: skip
+        out = found[0].astype(np.result_type(q, k_pages, v_pages), copy=False)
+        return (out, found[1]) if return_lse else out
     B, H, Lq, d = q.shape
     P, Hkv, dv = k_pages.shape[1], k_pages.shape[2], v_pages.shape[3]
     out_dt = np.result_type(q, k_pages, v_pages)

@@ -270,7 +270,7 @@ def _on_key_counts(plan: Plan) -> tuple[np.ndarray, np.ndarray] | None:
     counts = key_counts.per_row(plan)
     if choice.name == "dense":
         run = functools.partial(key_counts.attend_dense, counts=counts)
-        return attend(base, choice=choice._replace(run=run, plain=False))
+        return attend(base, choice=choice._replace(run=run, first=None))
     if choice.kernel in key_counts.READ_BY:  # the native prefill reads the counts itself
         counted: Any = choice.run  # (a runner that takes counts=: key_counts.READ_BY)
         run = functools.partial(counted, counts=counts)
