@@ -55,6 +55,7 @@ from .native_lib import (
     BackwardArgs,
     PrefillArgs,
     VarlenArgs,
+    address,
     backward_operands,
     bf16_products,
     blas_available,
@@ -258,9 +259,9 @@ def attend(
     per_head = None
     if counts is not None:  # one per head: each batch row's count over its other batch axes
         per_head = np.ascontiguousarray(np.repeat(counts, nb // counts.size), dtype=np.int64)
-        rule["counts"] = per_head.ctypes.data
+        rule["counts"] = address(per_head)
     args = PrefillArgs(
-        nb=nb, L=L, S=plan.S, d=plan.d, dv=dv, out=out.ctypes.data, lse=lse.ctypes.data,
+        nb=nb, L=L, S=plan.S, d=plan.d, dv=dv, out=address(out), lse=address(lse),
         **fields, **rule,
     )  # fmt: skip
     with single_threaded_blas():
@@ -333,7 +334,7 @@ def backward(
     rule, held = _mask_and_rule(plan, workers(threads, blas=True), isa, gemm[dt], block_q, block_k)
     args = BackwardArgs(
         group=nq // int(np.prod(plan.k.shape[:-2])), L=L, S=S, d=d, dv=dv, **fields,
-        dq=dq.ctypes.data, dk=dk.ctypes.data, dvo=dvv.ctypes.data, **rule,
+        dq=address(dq), dk=address(dk), dvo=address(dvv), **rule,
     )  # fmt: skip
     with single_threaded_blas():
         invoke(function, args, "backward")
@@ -438,21 +439,21 @@ def attend_packed(
         group=heads // kv_heads,
         d=q.shape[2],
         dv=dv,
-        q=q.ctypes.data,
+        q=address(q),
         q_ts=_stride(q, 0, heads * q.shape[2]),
         q_hs=_stride(q, 1, q.shape[2]),
-        k=k.ctypes.data,
+        k=address(k),
         k_ts=_stride(k, 0, kv_heads * k.shape[2]),
         k_hs=_stride(k, 1, k.shape[2]),
-        v=v.ctypes.data,
+        v=address(v),
         v_ts=_stride(v, 0, kv_heads * dv),
         v_hs=_stride(v, 1, dv),
-        cq=cq.ctypes.data,
-        ck=ck.ctypes.data,
-        seqs=chosen.ctypes.data,
-        out=out.ctypes.data,
-        lse=lse.ctypes.data,
-        bad=flags.ctypes.data,
+        cq=address(cq),
+        ck=address(ck),
+        seqs=address(chosen),
+        out=address(out),
+        lse=address(lse),
+        bad=address(flags),
         scale=scale,
         causal=int(causal),
         left=-1 if left is None else left,

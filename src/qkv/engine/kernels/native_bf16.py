@@ -44,6 +44,7 @@ from .native_lib import (
     BF16_ISA,
     BackwardArgs,
     PrefillArgs,
+    address,
     backward_operands,
     bf16_products,
     invoke,
@@ -90,7 +91,7 @@ def attend(plan: Plan, *, threads: int | None = None) -> tuple[np.ndarray, np.nd
     fields, arrays = prefill_operands(plan.q, *plan.stored_kv(), plan.group)
     masking, masks = mask_operand(plan.mask, plan.bias, batch + (L, plan.S))
     args = PrefillArgs(
-        nb=nb, L=L, S=plan.S, d=plan.d, dv=dv, out=out.ctypes.data, lse=lse.ctypes.data,
+        nb=nb, L=L, S=plan.S, d=plan.d, dv=dv, out=address(out), lse=address(lse),
         **fields, **masking, **_rule(plan, threads),
     )  # fmt: skip
     status = invoke("qkv_prefill_bf16", args, "bfloat16 prefill", allowed=(3,))
@@ -129,7 +130,7 @@ def backward(
     masking, masks = mask_operand(plan.mask, plan.bias, plan.batch + (plan.L, plan.S))
     args = BackwardArgs(
         group=plan.group, L=plan.L, S=plan.S, d=plan.d, dv=plan.dv, **fields, **masking,
-        dq=dq.ctypes.data, dk=dk.ctypes.data, dvo=dvv.ctypes.data, **_rule(plan, threads),
+        dq=address(dq), dk=address(dk), dvo=address(dvv), **_rule(plan, threads),
     )  # fmt: skip
     invoke("qkv_backward_bf16", args, "bfloat16 backward")
     del arrays, masks  # what the call read

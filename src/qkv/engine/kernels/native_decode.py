@@ -60,7 +60,16 @@ from ... import numerics
 from ...validate import Plan, view_as
 from ..quant import SCALED, storage_dtype
 from .decode import KeyRuns, plan_runs
-from .native_lib import KV_FORMATS, DecodeArgs, checked, invoke, isa_cap, library, switched_off
+from .native_lib import (
+    KV_FORMATS,
+    DecodeArgs,
+    address,
+    checked,
+    invoke,
+    isa_cap,
+    library,
+    switched_off,
+)
 from .threads import workers
 
 __all__ = [
@@ -288,8 +297,8 @@ def _attend_plain(plan: Plan, threads: int | None) -> Any:
     out = np.empty(out_shape, dtype=q.dtype)
     lse = np.empty(lse_shape, dtype=q.dtype)
     args = DecodeArgs.from_buffer_copy(template)  # one per call: a call may run in any thread
-    args.q, args.k, args.v = q.ctypes.data, k.ctypes.data, v.ctypes.data
-    args.out, args.lse = out.ctypes.data, lse.ctypes.data
+    args.q, args.k, args.v = address(q), address(k), address(v)
+    args.out, args.lse = address(out), address(lse)
     if not small or threads is not None:  # (a small step runs on the calling thread alone)
         team, n = openmp_parallel()
         args.threads, args.parallel = n if threads is None else workers(threads), team
@@ -475,7 +484,7 @@ class DecodePlan:
             return None
         if not available():
             return None
-        at = None if runs is None else (runs.lo.ctypes.data, runs.hi.ctypes.data)
+        at = None if runs is None else (address(runs.lo), address(runs.hi))
         return cls(
             (n, kvh, heads // kvh, L, d, dv, S), f64,
             numerics.default_scale(d) if scale is None else float(scale),
@@ -527,7 +536,7 @@ def _scale_rows(s: np.ndarray | None, outer: tuple[int, ...], kvh: int, S: int) 
     if any(st % 4 for st in s.strides):
         return None
     found = layout((*s.shape, 1), (*(st // 4 for st in s.strides), 1), len(outer))
-    return None if found is None else (s.ctypes.data, found)
+    return None if found is None else (address(s), found)
 
 
 @dataclass(frozen=True)
@@ -564,7 +573,7 @@ class Prepared:
         out = np.empty((*outer, hq, L, self.plan.sizes[5]), dtype=self.dtype)
         lse = np.empty((*outer, hq, L), dtype=self.dtype)
         status = self.plan.run(
-            (q.ctypes.data, self.q_layout), self.k, self.v, out.ctypes.data, lse.ctypes.data,
+            (address(q), self.q_layout), self.k, self.v, address(out), address(lse),
             self.scales,
         )  # fmt: skip
         return None if status else (out, lse)
@@ -641,7 +650,7 @@ def prepare(
     if ql is None or kl is None or vl is None:
         return None
     return Prepared(
-        plan, dt, q.shape, ql, (k.ctypes.data, kl), (v.ctypes.data, vl), scales,
+        plan, dt, q.shape, ql, (address(k), kl), (address(v), vl), scales,
         (k, v, k_scale, v_scale),
     )  # fmt: skip
 
@@ -729,7 +738,7 @@ def paged_step(
             st = _pages(x)
             if st is None:
                 return None
-            found.append((x.ctypes.data, st))
+            found.append((address(x), st))
         scales = (found[0], found[1])
     ql = _operand(q, 1)
     kl, vl = _pages(k_pages), _pages(v_pages)
@@ -741,10 +750,10 @@ def paged_step(
     out = np.empty((n, hq, L, dv), dtype=dt)
     lse = np.empty((n, hq, L), dtype=dt)
     status = launch(
-        plan.f64, plan.sizes, (q.ctypes.data, ql), (k_pages.ctypes.data, kl),
-        (v_pages.ctypes.data, vl), (lo.ctypes.data, hi.ctypes.data), out.ctypes.data,
-        lse.ctypes.data, plan.scale, threads=threads, isa=isa, softcap=plan.softcap,
+        plan.f64, plan.sizes, (address(q), ql), (address(k_pages), kl),
+        (address(v_pages), vl), (address(lo), address(hi)), address(out),
+        address(lse), plan.scale, threads=threads, isa=isa, softcap=plan.softcap,
         kv_format=plan.kv_format, scales=scales,
-        pages=(block_table.ctypes.data, bt_rs, ps, nb),
+        pages=(address(block_table), bt_rs, ps, nb),
     )  # fmt: skip
     return None if status else (out, lse)

@@ -20,6 +20,7 @@ import ctypes
 import functools
 import importlib.machinery
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -186,6 +187,30 @@ _FAMILIES: tuple[tuple[type[ctypes.Structure], str, tuple[str, ...]], ...] = (
     ),
     (DecodeArgs, "qkv_decode_args_size", ("qkv_decode_f32", "qkv_decode_f64")),
 )
+
+
+def _address_reader() -> Callable[[np.ndarray], int]:
+    """How :func:`address` reads an array's data pointer: from the array object's C struct
+    (NumPy's ``PyArrayObject_fields``: the pointer follows the object header), a few hundred
+    nanoseconds, where ``a.ctypes.data`` builds a helper object each time (several
+    microseconds: five of them were the largest cost of a small call). Checked once against
+    ``ctypes.data`` on a probe array; an interpreter where that does not hold (another object
+    header, an ``id`` that is not an address) keeps ``ctypes.data``."""
+    probe = np.arange(4.0)[1:]
+    offset = ctypes.sizeof(ctypes.c_ssize_t) + ctypes.sizeof(ctypes.c_void_p)  # the header
+    read = ctypes.c_void_p.from_address
+    try:
+        same = read(id(probe) + offset).value == probe.ctypes.data
+    except (OSError, ValueError, OverflowError):  # pragma: no cover - not CPython
+        same = False
+    if same:
+        return lambda a: read(id(a) + offset).value or 0
+    return lambda a: a.ctypes.data  # pragma: no cover - not CPython's layout
+
+
+#: ``address(a)``: the address of NumPy array ``a``'s first element (``a.ctypes.data``, read
+#: quickly: :func:`_address_reader`). The caller keeps ``a`` alive while the address is used.
+address: Callable[[np.ndarray], int] = _address_reader()
 
 
 def isa_cap(asked: str | int | None = None) -> int:
@@ -393,9 +418,9 @@ def mask_operand(
         m = np.ascontiguousarray(m)
     m_off = np.ascontiguousarray(head_offsets(m)).reshape(-1)
     fields: dict[str, int | None] = {
-        "mask": m.ctypes.data if mask is not None else None,
-        "bias": m.ctypes.data if mask is None else None,
-        "m_off": m_off.ctypes.data,
+        "mask": address(m) if mask is not None else None,
+        "bias": address(m) if mask is None else None,
+        "m_off": address(m_off),
         "m_rs": m.strides[-2] // m.itemsize,
         "m_cs": m.strides[-1] // m.itemsize,
     }
@@ -411,7 +436,7 @@ def operands(*arrays: tuple[np.ndarray, np.ndarray]) -> dict[str, int]:
     offsets and row stride, from ``(operand, offsets)`` pairs in that order."""
     fields: dict[str, int] = {}
     for name, (a, off) in zip("qkv", arrays, strict=True):
-        fields.update({name: a.ctypes.data, f"{name}_off": off.ctypes.data})
+        fields.update({name: address(a), f"{name}_off": address(off)})
         fields[f"{name}_rs"] = row_stride(a)
     return fields
 
@@ -468,9 +493,9 @@ def backward_operands(
     fields = {
         **operands(*zip((q, k, v), offsets, strict=True)),
         "nkv": offsets[1].size,
-        "dout": dout.ctypes.data,
-        "lse": lse_safe.ctypes.data,
-        "delta": None if delta is None else delta.ctypes.data,
-        "out": out.ctypes.data,
+        "dout": address(dout),
+        "lse": address(lse_safe),
+        "delta": None if delta is None else address(delta),
+        "out": address(out),
     }
     return fields, (q, k, v, *offsets, dout, out, lse_safe, *([] if delta is None else [delta]))
