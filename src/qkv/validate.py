@@ -34,6 +34,7 @@ __all__ = [
     "check_variants",
     "check_window",
     "make_plan",
+    "plain_plan",
     "stand_in",
     "view_as",
 ]
@@ -398,7 +399,7 @@ def make_plan(
     keeps float16/bfloat16 K/V as given (:attr:`Plan.stored`) instead of widening them.
 
     The commonest call — NumPy arrays of one float32/float64 dtype and one rank, nothing but
-    ``scale`` and ``causal`` — takes a short road (:func:`_plain_plan`) to the same plan.
+    ``scale`` and ``causal`` — takes a short road (:func:`plain_plan`) to the same plan.
     """
     if options is None:
         options = Options(**keywords)
@@ -407,7 +408,7 @@ def make_plan(
     if options.simple and dtype is None and check_finite is False and need_v:
         causal = options.causal
         if causal is False or causal is True:
-            plan = _plain_plan(q, k, v, options.scale, causal)
+            plan = plain_plan(q, k, v, options.scale, causal)
             if plan is not None:
                 return plan
     scale, causal, mask, window = options.scale, options.causal, options.mask, options.window
@@ -437,6 +438,11 @@ def make_plan(
         key_counts = _padding(bool_mask, bias, len(batch))
         if key_counts is not None and bool((key_counts == S).all()):
             bool_mask = bias = key_counts = None  # hides nothing: no mask at all
+        elif key_counts is not None and bias is not None:
+            # a 0/-inf padding bias is that boolean mask: every kernel then sees one plan,
+            # so the forms of one padding mask give the same numbers (a decoding step's
+            # native kernel reads boolean rows only)
+            bool_mask, bias = bias == 0, None
     if sinks is not None:  # the sinks' gradient has the shape they were given in
         sinks = as_array(sinks, "sinks")
         given += ((sinks.dtype, sinks.shape),)
@@ -487,7 +493,7 @@ def _narrow(k: np.ndarray, v: np.ndarray) -> bool:
 _PLAIN_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
-def _plain_plan(q: Any, k: Any, v: Any, scale: Any, causal: bool) -> Plan | None:
+def plain_plan(q: Any, k: Any, v: Any, scale: Any, causal: bool) -> Plan | None:
     """The plan :func:`make_plan` would build, for NumPy ``q``, ``k``, ``v`` of one
     float32/float64 dtype and one rank (>= 2) whose batch dimensions agree (kv heads may
     group); ``None`` for anything else, which then takes the general road (and its messages).
