@@ -27,10 +27,21 @@ from functools import cache
 from types import ModuleType
 from typing import Any
 
+import numpy as np
+
 from .call import Call, build
 from .errors import InputError
 from .keywords import near_keywords
-from .tensors import give, give_pair, one_device, swap_axes, want_of, wants_grad
+from .tensors import (
+    give,
+    give_pair,
+    give_plain,
+    one_device,
+    read_plain,
+    swap_axes,
+    want_of,
+    wants_grad,
+)
 from .validate import VARIANTS
 
 __all__ = [
@@ -272,6 +283,27 @@ def attention(
     >>> bool(np.allclose(out, qkv.attention(t, t, t, causal=True).swapaxes(1, 2)))
     True
     """
+    if (
+        mask is None
+        and window is None
+        and not variants
+        and return_lse is False
+        and check_finite is False
+        and type(kernel) is str
+        and kernel == "auto"
+        and type(layout) is str
+        and layout == "bhld"
+    ):  # the commonest call: its checked plan and kernel kept per shapes (engine.run.plain)
+        if type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray:
+            out = _engine().plain(q, k, v, scale, causal)
+            if out is not None:
+                return out
+        else:
+            arrays = read_plain(q, k, v)
+            if arrays is not None:
+                out = _engine().plain(*arrays, scale, causal)
+                if out is not None:
+                    return give_plain(out)
     call = build(
         "attention", q, k, v, scale=scale, causal=causal, mask=mask, window=window,
         return_lse=return_lse, check_finite=check_finite, kernel=kernel, layout=layout,

@@ -46,10 +46,12 @@ __all__ = [
     "as_dtype",
     "give",
     "give_pair",
+    "give_plain",
     "is_tensor",
     "one_device",
     "read",
     "read_cpu",
+    "read_plain",
     "read_shadow",
     "refuse_dtype",
     "refuse_grad",
@@ -75,6 +77,33 @@ def is_tensor(*xs: Any) -> bool:
         if isinstance(x, tensor):
             return True
     return False
+
+
+def read_plain(q: Any, k: Any, v: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """``q``, ``k``, ``v`` read as :func:`read` reads them — zero-copy NumPy views — when all
+    three are plain CPU tensors (``torch.Tensor`` itself, none requiring grad, NumPy-readable
+    as they are); None for anything else, which then takes the general reading (and its
+    refusals by name). The commonest call on tensors, read in a few attribute lookups."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    tensor = torch.Tensor
+    if type(q) is not tensor or type(k) is not tensor or type(v) is not tensor:
+        return None
+    if q.requires_grad or k.requires_grad or v.requires_grad:
+        return None
+    if not (q.is_cpu and k.is_cpu and v.is_cpu):
+        return None
+    try:
+        return q.numpy(), k.numpy(), v.numpy()
+    except (TypeError, RuntimeError):  # bfloat16, conjugate or negative views, sparse...
+        return None
+
+
+def give_plain(result: np.ndarray) -> Any:
+    """A result of :func:`read_plain`'s inputs, as :func:`give` gives it back: a CPU tensor
+    of the same dtype (sharing memory with ``result`` where NumPy allows)."""
+    return give(result, _ON_CPU[False])
 
 
 def _numpy_floats() -> tuple[Any, ...]:

@@ -11,6 +11,7 @@ dtypes) are those of :mod:`qkv.reference`, which every path here is tested to eq
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -18,10 +19,11 @@ import numpy as np
 from .. import numerics
 from ..checks import check_int
 from ..errors import InputError
-from ..validate import Plan, as_array
+from ..validate import Plan, as_array, plain_plan, stand_in
 from .kernels import dense, dispatch, mods
+from .kernels.native_lib import switched_off
 
-__all__ = ["attend", "run", "softmax", "weights"]
+__all__ = ["attend", "plain", "run", "softmax", "weights"]
 
 
 def softmax(x: Any, axis: int = -1) -> np.ndarray:
@@ -72,3 +74,52 @@ def weights(plan: Plan) -> np.ndarray:
         _, lse = dense.softmax_rows(dense.logits(plan))
         w *= mods.sink_factor(plan, lse)[0][..., None]
     return w
+
+
+def plain(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: Any, causal: Any) -> Any:
+    """The output of the commonest call — ``qkv.attention(q, k, v)`` on NumPy arrays of one
+    float32/float64 dtype, nothing but ``scale`` and ``causal`` given — or None where it is
+    not such a call (the front then builds the general :class:`qkv.call.Call`).
+
+    The same plan and kernel as the general road, without checking or choosing again: both
+    follow from the shapes, dtypes, ``scale``, ``causal`` and ``QKV_NATIVE`` alone, so they
+    are worked out once per such key (:func:`_ready`) and the call only puts its arrays into
+    the plan. A small call (a decoding step's layer) spends most of its time on this, not on
+    its arithmetic.
+    """
+    if causal is not False and causal is not True:
+        return None  # (make_plan says what is wrong)
+    try:
+        found = _ready(q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, scale, causal,
+                       switched_off())  # fmt: skip
+    except TypeError:  # an unhashable scale: the general road says what it is
+        return None
+    if found is None:
+        return None
+    fields, choice = found
+    plan = Plan.trusted(q=q, k=k, v=v, **fields)
+    return dispatch.attend(plan, "auto", choice)[0]
+
+
+@functools.lru_cache(maxsize=256, typed=True)  # typed: scale=1, 1.0 and True are not one key
+def _ready(
+    qs: tuple[int, ...],
+    ks: tuple[int, ...],
+    vs: tuple[int, ...],
+    qt: np.dtype,
+    kt: np.dtype,
+    vt: np.dtype,
+    scale: Any,
+    causal: bool,
+    off: bool,
+) -> tuple[dict[str, Any], dispatch.Choice] | None:
+    """The checked plan's fields but ``q``, ``k``, ``v``, and the router's choice, for
+    :func:`plain`'s key (``off``: ``QKV_NATIVE=0``, which the choice depends on); None where
+    the call is not plain (:func:`qkv.validate.plain_plan`). Worked out on stand-ins of the
+    shapes (no data); a bad ``scale`` raises as the general road would."""
+    q, k, v = stand_in(qt, qs), stand_in(kt, ks), stand_in(vt, vs)
+    plan = plain_plan(q, k, v, scale, causal)
+    if plan is None:
+        return None
+    fields = {n: x for n, x in plan.__dict__.items() if n not in ("q", "k", "v")}
+    return fields, dispatch.choose(plan)

@@ -1,0 +1,166 @@
+"""The commonest call's short road (:func:`qkv.engine.run.plain`): ``qkv.attention(q, k, v)``
+on NumPy arrays or plain CPU tensors of one float32/float64 dtype, with nothing but ``scale``
+and ``causal``, runs the plan and kernel kept for its shapes.
+
+It must give exactly what the general road gives (the same kernel on the same plan: equal bits,
+``return_lse=True`` forces the general road), equal the float64 reference, follow
+``QKV_NATIVE`` when it changes, and refuse what the general road refuses with the same message.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tests.conftest import tol
+
+import qkv
+from qkv import reference
+from qkv.engine import run
+from qkv.testing.strategies import shapes, values
+
+
+def _arrays(shape, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    B, Hq, Hkv, L, S, d, dv = shape
+    return tuple(
+        values(rng, s).astype(dtype) for s in ((B, Hq, L, d), (B, Hkv, S, d), (B, Hkv, S, dv))
+    )
+
+
+def _general(q, k, v, **options):
+    """The general road's output: asking for the lse skips the short road."""
+    return qkv.attention(q, k, v, return_lse=True, **options)[0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shape=shapes(batch=(1, 3), heads=(1, 4), L=(1, 9), S=(1, 40), d=(1, 70), dv_differs=True)
+    | shapes(batch=(1, 2), heads=(2, 4), L=(1, 3), S=(1, 40), d=(1, 70), grouped=True),
+    dtype=st.sampled_from([np.float32, np.float64]),
+    causal=st.booleans(),
+    scale=st.sampled_from([None, 0.3, 1, 2.5]),
+)
+def test_plain_call_equals_general_road_and_reference(shape, dtype, causal, scale):
+    q, k, v = _arrays(shape, dtype)
+    got = qkv.attention(q, k, v, causal=causal, scale=scale)
+    assert got.dtype == dtype and got.shape == (shape.B, shape.Hq, shape.L, shape.dv)
+    np.testing.assert_array_equal(got, _general(q, k, v, causal=causal, scale=scale))
+    want = reference.attention(q, k, v, causal=causal, scale=scale)
+    np.testing.assert_allclose(got, want, **tol("fast path", dtype))
+
+
+def test_plain_call_is_the_road_taken(monkeypatch):
+    """The front hands such a call to the short road, and the kept plan is reused."""
+    calls = []
+    real = run.plain
+    monkeypatch.setattr(run, "plain", lambda *a: calls.append(a) or real(*a))
+    q, k, v = _arrays((1, 8, 2, 1, 16, 64, 64), np.float32)
+    run._ready.cache_clear()
+    for _ in range(3):
+        qkv.attention(q, k, v)
+    assert len(calls) == 3
+    info = run._ready.cache_info()
+    assert (info.misses, info.hits) == (1, 2)
+
+
+def test_plain_call_follows_qkv_native(monkeypatch):
+    """``QKV_NATIVE=0`` set after a call still switches the native kernels off for the next
+    one of the same shapes (the key holds it): the router's NumPy choice runs."""
+    from qkv.engine.kernels import native_decode
+
+    q, k, v = _arrays((1, 4, 4, 1, 64, 32, 32), np.float32)
+    first = qkv.attention(q, k, v)
+    ran = []
+    real = native_decode.attend_finite
+    monkeypatch.setattr(
+        native_decode, "attend_finite", lambda *a, **kw: ran.append(1) or real(*a, **kw)
+    )
+    monkeypatch.setenv("QKV_NATIVE", "0")
+    run._ready.cache_clear()
+    second = qkv.attention(q, k, v)
+    assert not ran
+    np.testing.assert_allclose(second, first, **tol("fast path", np.float32))
+    np.testing.assert_allclose(second, reference.attention(q, k, v), **tol("fast path", np.float32))
+
+
+@pytest.mark.parametrize("scale", [True, -1.0, float("nan"), "0.5", [0.5]])
+def test_plain_call_refuses_as_the_general_road(scale):
+    """A bad scale gets the general road's refusal, also after a good one of equal hash
+    (``True == 1``) was kept."""
+    q, k, v = _arrays((1, 2, 2, 1, 8, 4, 4), np.float32)
+    qkv.attention(q, k, v, scale=1)
+    with pytest.raises((ValueError, TypeError)) as short:
+        qkv.attention(q, k, v, scale=scale)
+    with pytest.raises((ValueError, TypeError)) as general:
+        qkv.attention(q, k, v, scale=scale, return_lse=True)
+    assert str(short.value) == str(general.value)
+    assert "scale" in str(short.value)
+
+
+def test_plain_call_non_finite_inputs_as_general_road():
+    """Infinity and NaN in the inputs take the same rules on both roads."""
+    q, k, v = _arrays((1, 2, 2, 1, 16, 8, 8), np.float32)
+    q[0, 0, 0, 0] = np.inf
+    v[0, 1, 3, 2] = np.nan
+    got = qkv.attention(q, k, v)
+    np.testing.assert_array_equal(got, _general(q, k, v))
+
+
+def test_plain_call_other_inputs_take_the_general_road():
+    """Mixed dtypes, float16, lists and broadcast batches are not plain: the general road
+    answers them, equal to the reference."""
+    q, k, v = _arrays((2, 2, 2, 3, 5, 4, 4), np.float32)
+    for args in (
+        (q, k.astype(np.float64), v),
+        (q.astype(np.float16), k.astype(np.float16), v.astype(np.float16)),
+        (q[0].tolist(), k[0].tolist(), v[0].tolist()),
+        (q, k[:1], v[:1]),
+    ):
+        got = qkv.attention(*args)
+        want = reference.attention(*args)
+        np.testing.assert_allclose(
+            np.asarray(got, np.float64), want, **tol("fast path", np.float16)
+        )
+
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("causal", [False, True])
+def test_plain_call_on_tensors(dtype, causal):
+    """Plain CPU tensors: a tensor of their dtype back, equal to the general road's and to
+    PyTorch's SDPA."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, n, 16, generator=g, dtype=dtype) for n in (3, 7, 7))
+    got = qkv.attention(q, k, v, causal=causal)
+    assert isinstance(got, torch.Tensor) and got.dtype == dtype
+    np.testing.assert_array_equal(got.numpy(), _general(q, k, v, causal=causal).numpy())
+    want = reference.attention(q.numpy(), k.numpy(), v.numpy(), causal=causal)
+    np.testing.assert_allclose(got.numpy(), want, **tol("fast path", np.dtype(str(dtype)[6:])))
+    keep = torch.ones(3, 7, dtype=torch.bool).tril(diagonal=7 - 3) if causal else None
+    peer = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)  # qkv's causal: bottom-right
+    np.testing.assert_allclose(
+        got.numpy(), peer.numpy(), **tol("fast path", np.dtype(str(dtype)[6:]))
+    )
+
+
+def test_tensors_that_are_not_plain_keep_their_roads():
+    """A tensor that requires grad gets its gradient (the autograd road); a bfloat16 one a
+    bfloat16 result; a negative view is read correctly."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, n, 8, generator=g) for n in (2, 5, 5))
+    qg = q.clone().requires_grad_(True)
+    out = qkv.attention(qg, k, v)
+    out.sum().backward()
+    assert qg.grad is not None and qg.grad.shape == q.shape
+    half = qkv.attention(q.bfloat16(), k.bfloat16(), v.bfloat16())
+    assert half.dtype == torch.bfloat16
+    neg = torch.neg(q.conj()) if q.is_complex() else q._neg_view()
+    got = qkv.attention(neg, k, v)
+    want = reference.attention(-q.numpy(), k.numpy(), v.numpy())
+    np.testing.assert_allclose(got.numpy(), want, **tol("fast path", np.float32))
