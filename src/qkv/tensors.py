@@ -102,8 +102,10 @@ def read_plain(q: Any, k: Any, v: Any) -> tuple[np.ndarray, np.ndarray, np.ndarr
 
 def give_plain(result: np.ndarray) -> Any:
     """A result of :func:`read_plain`'s inputs, as :func:`give` gives it back: a CPU tensor
-    of the same dtype (sharing memory with ``result`` where NumPy allows)."""
-    return give(result, _ON_CPU[False])
+    of the same dtype, sharing ``result``'s memory (a kernel's fresh output) where it can."""
+    if result.flags.writeable:
+        return sys.modules["torch"].from_numpy(result)
+    return give(result, _ON_CPU[False])  # pragma: no cover - kernels give writeable arrays
 
 
 def _numpy_floats() -> tuple[Any, ...]:
