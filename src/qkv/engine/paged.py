@@ -28,6 +28,7 @@ from ..errors import InputError, InputTypeError
 from ..keywords import near_keywords
 from ..options import Options
 from ..validate import as_array, broadcasts_to, check_flag, make_plan, stand_in
+from . import cascade
 from .kernels import dispatch, native_decode, router
 from .quant import SCALED, check_format, dequantize_kv, quantize_kv, storage_dtype, storage_of
 
@@ -264,6 +265,25 @@ def attend_pages(
         stand_in(stand, (B, kvh, longest, dv)),
         options,
     )
+    if cascade.applies(plan, slopes):
+        cols = cascade.shared_columns(table, lengths, page, Lq)
+        if cols:  # a prefix every sequence shares: its pages read once for all of them
+            P = cols * page
+            prefix = tuple(
+                _gathered(x, s, form, table[0], P).astype(plan.acc_dtype, copy=False)
+                for x, s in ((kp, ks), (vp, vs))
+            )
+
+            def own(rest: np.ndarray) -> Any:
+                return attend_pages(
+                    plan.q, k_pages, v_pages, table[:, cols:], rest, scale=plan.scale,
+                    causal=causal, window=window, softcap=plan.softcap, return_lse=True,
+                    kv_format=kv_format, k_scale=k_scale, v_scale=v_scale,
+                )  # fmt: skip
+
+            out, lse = cascade.attend(plan, prefix, own, lengths)
+            out = out.astype(out_dtype, copy=False)
+            return (out, lse) if return_lse else out
     if native_decode.available() and router.cache_step(plan, stored) is None:
         lo = np.zeros(B, np.int64)
         if plan.window is not None and plan.window[0] is not None:

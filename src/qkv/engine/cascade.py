@@ -1,0 +1,95 @@
+"""A prompt prefix shared by many sequences, attended once per step (FlashInfer's cascade).
+
+Requests forked from one prompt hold its pages once: the same leading block ids in every row
+of the block table (:meth:`qkv.PagedKVCache.fork`, or a server's prefix cache). A decoding step
+that reads each sequence's pages reads those shared pages once per sequence. Attention splits
+over disjoint key sets instead (:func:`qkv.merge`)::
+
+    attention(q_b, keys_b) = merge(attention(q_b, prefix), attention(q_b, own_b))
+
+and the prefix part of every sequence is one problem: all the sequences' queries of a kv head
+are the query rows of one prefill-shaped call against the prefix's keys (no causal mask: each
+query sits after the whole prefix), so the prefix is read once and its products run as matrix
+products, not one streamed pass per sequence. The own parts are the usual paged step on the
+rest of each row of the table. :func:`shared_columns` finds the prefix; :func:`attend` runs the
+split. Both parts and the merge are qkv's own kernels, so the result equals the reference on
+each sequence's keys within the same tolerance as the unsplit step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..validate import Plan, make_plan
+from .kernels import dispatch
+from .kernels.blocks import merge_arrays
+
+__all__ = ["MIN_SHARED_KEYS", "applies", "attend", "shared_columns"]
+
+#: Keys a prefix must hold, read by at least two sequences, before the step is split: below
+#: it the second call and the merge cost more than reading the prefix once per sequence saves.
+MIN_SHARED_KEYS = 256
+
+
+def shared_columns(table: np.ndarray, lengths: np.ndarray, page: int, rows: int) -> int:
+    """The leading columns of the checked block ``table`` that every sequence shares (equal
+    block ids in every row) and that every one of their ``rows`` queries sees whole under a
+    bottom-right causal mask (the prefix ends at or before each sequence's first query:
+    ``columns · page ≤ lengths − rows + 1``); 0 where fewer than two sequences, or fewer than
+    :data:`MIN_SHARED_KEYS` keys, would share.
+
+    >>> t = np.array([[3, 4, 7], [3, 4, 9], [3, 4, 2]], dtype=np.int32)
+    >>> shared_columns(t, np.array([300, 290, 280]), 128, 1)
+    2
+    >>> shared_columns(t, np.array([300, 200, 280]), 128, 1)  # 200 keys: one page, too few
+    0
+    """
+    B, cols = table.shape
+    if B < 2 or cols == 0:
+        return 0
+    same = (table == table[:1]).all(axis=0)
+    n = cols if same.all() else int(np.argmin(same))
+    n = min(n, int((lengths.min() - rows + 1) // page))
+    return n if n * page >= MIN_SHARED_KEYS else 0
+
+
+def attend(
+    plan: Plan,
+    prefix: tuple[np.ndarray, np.ndarray],
+    own: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]],
+    lengths: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(out, lse)`` of a checked paged step ``plan`` (``q (batch, heads, Lq, d)`` in the
+    compute dtype; no window, no position-dependent variant) split at a shared prefix.
+
+    ``prefix`` holds the prefix's keys and values ``(kv_heads, P, ·)`` in the compute dtype;
+    ``own(rest)`` runs the paged step on the rest of each sequence's keys (``rest`` of them,
+    after the prefix's ``P``) and gives its ``(out, lse)``; ``lengths`` are the sequences' key
+    counts, all at least ``P + Lq − 1``.
+    """
+    kp, vp = prefix
+    q = plan.q
+    B, H, Lq, d = q.shape
+    kvh, P, dv = kp.shape[0], kp.shape[1], vp.shape[-1]
+    g = H // kvh
+    # every sequence's queries of kv head h as the rows of one problem: (kv_heads, B·g·Lq, d)
+    rows = q.reshape(B, kvh, g * Lq, d).transpose(1, 0, 2, 3).reshape(kvh, B * g * Lq, d)
+    part = make_plan(rows, kp, vp, scale=plan.scale, softcap=plan.softcap)
+    out_p, lse_p = dispatch.attend(part)
+    out_p = out_p.reshape(kvh, B, g * Lq, dv).transpose(1, 0, 2, 3).reshape(B, H, Lq, dv)
+    lse_p = lse_p.reshape(kvh, B, g * Lq).transpose(1, 0, 2).reshape(B, H, Lq)
+    rest = lengths - P
+    if not rest.any():
+        return out_p, lse_p
+    out_o, lse_o = own(rest)
+    return merge_arrays([(out_p, lse_p), (out_o, lse_o)])
+
+
+def applies(plan: Plan, slopes: Any) -> bool:
+    """Whether a checked paged step may be split at a prefix: no bound on the past (a window's
+    left side moves with each sequence's length; its right side never reaches back into a
+    prefix that ends before every query) and no ALiBi (it reads positions)."""
+    return (plan.window is None or plan.window[0] is None) and slopes is None

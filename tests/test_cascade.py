@@ -1,0 +1,171 @@
+"""A shared prompt prefix attended once per step (:mod:`qkv.engine.cascade`): paged steps whose
+sequences share leading pages are split into one prefill-shaped call over the prefix and the
+paged step over the rest, merged by their log-sum-exps.
+
+Tolerance rule: every part computes in float32 (float64 for a float64 pool) from the stored
+values and the merge adds one rounding of the weights, so the result must equal the float64
+reference on each sequence's gathered keys to the table's ``fast path`` row, as the unsplit step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tests.conftest import tol
+from tests.test_paged import FORMS, _check, _expected, _pool
+
+import qkv
+from qkv import flash, reference
+from qkv.engine import cascade
+from qkv.engine.paged import attend_pages
+from qkv.testing import strategies as qst
+
+
+@pytest.fixture
+def split(monkeypatch):
+    """Calls of the split, counted."""
+    calls: list[int] = []
+    real = cascade.attend
+    monkeypatch.setattr(cascade, "attend", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+def _shared_case(form, page, prefix, own, *, kvh=2, H=4, d=32, Lq=1, seed=0):
+    """A pool whose sequences share ``prefix`` keys (the same leading block ids), then
+    ``own[b]`` keys each on pages of their own; the table shuffled over the pool."""
+    rng = np.random.default_rng(seed)
+    cols = -(-prefix // page)
+    assert prefix % page == 0 or len(own) == 1, "a shared page is full"
+    per = [-(-(prefix + n) // page) - cols for n in own]
+    nb = cols + sum(per) + 2
+    k, v, fmt, ks, vs, kd, vd = _pool(rng, form, nb, page, kvh, d)
+    ids = rng.permutation(nb)
+    table = np.zeros((len(own), cols + max(per, default=0) + 1), dtype=np.int64)
+    table[:, :cols] = ids[:cols]
+    at = cols
+    for b, p in enumerate(per):
+        table[b, cols : cols + p] = ids[at : at + p]
+        at += p
+    seqlens = [prefix + n for n in own]
+    dt = np.float64 if form == "float64" else np.float32
+    q = qst.values(rng, (len(own), H, Lq, d)).astype(dt)
+    return q, k, v, fmt, ks, vs, kd, vd, table, seqlens
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_shared_prefix_step_equals_reference(split, form):
+    q, k, v, fmt, ks, vs, kd, vd, table, seqlens = _shared_case(form, 16, 320, [0, 1, 37, 130])
+    got = attend_pages(
+        q, k, v, table, seqlens, kv_format=fmt, k_scale=ks, v_scale=vs, return_lse=True
+    )
+    assert split == [1]
+    _check(got, _expected(q, kd, vd, table, seqlens), q.dtype)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_chunked_queries_grouped_heads_and_softcap(split, causal):
+    """Several queries per sequence (a prefill chunk against the cache), 4 query heads per kv
+    head, soft-capping: the prefix part sees every query row after the prefix."""
+    q, k, v, fmt, ks, vs, kd, vd, table, seqlens = _shared_case(
+        "float32", 32, 512, [3, 40, 7], kvh=2, H=8, Lq=4, seed=1
+    )
+    got = attend_pages(q, k, v, table, seqlens, causal=causal, softcap=5.0, return_lse=True)
+    assert split == [1]
+    _check(got, _expected(q, kd, vd, table, seqlens, causal=causal, softcap=5.0), q.dtype)
+
+
+def test_sequences_that_are_the_prefix_alone(split):
+    """Every sequence exactly the shared prompt (nothing of its own yet): the prefix part alone."""
+    q, k, v, fmt, ks, vs, kd, vd, table, seqlens = _shared_case("float32", 16, 256, [0, 0, 0])
+    got = attend_pages(q, k, v, table, seqlens, return_lse=True)
+    assert split == [1]
+    _check(got, _expected(q, kd, vd, table, seqlens), q.dtype)
+
+
+def test_no_split_where_it_cannot_apply(split):
+    """A window, ALiBi, one sequence, a prefix shorter than MIN_SHARED_KEYS, or a sequence
+    whose queries start inside the prefix: the unsplit step, still equal to the reference."""
+    q, k, v, fmt, ks, vs, kd, vd, table, seqlens = _shared_case("float32", 16, 320, [5, 9])
+    for options in ({"window": (100, 0)}, {"alibi_slopes": np.array([0.1, 0.2, 0.3, 0.4])}):
+        got = attend_pages(q, k, v, table, seqlens, return_lse=True, **options)
+        _check(got, _expected(q, kd, vd, table, seqlens, **options), q.dtype)
+    got = attend_pages(q[:1], k, v, table[:1], seqlens[:1], return_lse=True)
+    _check(got, _expected(q[:1], kd, vd, table[:1], seqlens[:1]), q.dtype)
+    small = _shared_case("float32", 16, 128, [5, 9])
+    got = attend_pages(*small[:3], small[8], small[9], return_lse=True)
+    _check(got, _expected(small[0], small[6], small[7], small[8], small[9]), np.float32)
+    long_q = _shared_case("float32", 16, 320, [2, 50], Lq=70)  # the first rows in the prefix
+    got = attend_pages(*long_q[:3], long_q[8], long_q[9], return_lse=True)
+    _check(got, _expected(long_q[0], long_q[6], long_q[7], long_q[8], long_q[9]), np.float32)
+    assert split == []
+
+
+def test_split_equals_the_unsplit_step(monkeypatch):
+    """The split step against the same step with splitting off: equal within the rule's
+    floor (the parts add one merge's rounding)."""
+    q, k, v, fmt, ks, vs, kd, vd, table, seqlens = _shared_case("float32", 16, 1024, [1, 64, 7])
+    got = attend_pages(q, k, v, table, seqlens)
+    monkeypatch.setattr(cascade, "MIN_SHARED_KEYS", 10**9)
+    whole = attend_pages(q, k, v, table, seqlens)
+    np.testing.assert_allclose(got, whole, **tol("fast path", np.float32))
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    page=st.sampled_from([1, 8, 16, 64]),
+    shared_pages=st.integers(0, 6),
+    own=st.lists(st.integers(0, 70), min_size=1, max_size=5),
+    kvh=st.integers(1, 3),
+    group=st.integers(1, 3),
+    Lq=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_property_any_shared_prefix(monkeypatch, page, shared_pages, own, kvh, group, Lq, seed):
+    monkeypatch.setattr(cascade, "MIN_SHARED_KEYS", 1)
+    prefix = shared_pages * page
+    q, k, v, fmt, ks, vs, kd, vd, table, seqlens = _shared_case(
+        "float32", page, prefix, own, kvh=kvh, H=kvh * group, Lq=Lq, seed=seed
+    )
+    got = attend_pages(q, k, v, table, seqlens, return_lse=True)
+    _check(got, _expected(q, kd, vd, table, seqlens), q.dtype)
+
+
+def test_paged_cache_forks_attend_their_prompt_once(split):
+    """PagedKVCache: requests forked from one prompt share its full pages, and a step over
+    them splits at the prompt; each equals attention on its own keys."""
+    rng = np.random.default_rng(3)
+    cache = qkv.PagedKVCache(num_blocks=64, page_size=16, kv_heads=2, head_dim=32)
+    root = cache.allocate()
+    cache.append(root, *(rng.standard_normal((2, 2, 300, 32)).astype(np.float32)))
+    seqs = [cache.fork(root) for _ in range(4)]
+    for i, s in enumerate(seqs):
+        cache.append(s, *(rng.standard_normal((2, 2, 1 + 5 * i, 32)).astype(np.float32)))
+    q = rng.standard_normal((4, 4, 1, 32)).astype(np.float32)
+    out = cache.attend(q, seqs=seqs)
+    assert split == [1]
+    for b, s in enumerate(seqs):
+        want = reference.attention(q[b], cache.keys(s), cache.values(s), causal=True)
+        np.testing.assert_allclose(out[b], want, **tol("fast path", np.float32))
+
+
+def test_flash_with_kvcache_reads_a_shared_prefix_once(split):
+    """flash_attn_with_kvcache with a block table whose rows share their first blocks."""
+    torch = pytest.importorskip("torch")
+    q, k, v, fmt, ks, vs, kd, vd, table, seqlens = _shared_case("float32", 16, 384, [3, 20, 1])
+    out = flash.flash_attn_with_kvcache(
+        torch.from_numpy(q.transpose(0, 2, 1, 3).copy()),  # (batch, seqlen, heads, d)
+        torch.from_numpy(k),
+        torch.from_numpy(v),
+        cache_seqlens=torch.tensor(seqlens, dtype=torch.int32),
+        block_table=torch.from_numpy(table.astype(np.int32)),
+        causal=True,
+    )
+    assert split == [1]
+    want, _ = _expected(q, kd, vd, table, seqlens)
+    np.testing.assert_allclose(
+        out.numpy().transpose(0, 2, 1, 3), want, **tol("fast path", np.float32)
+    )
