@@ -14,6 +14,8 @@ import os
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import qkv
 from qkv import reference
@@ -49,17 +51,29 @@ def model():
 
 @pytest.fixture
 def packed_calls(monkeypatch):
-    """Every call of qkv's packed walk from :func:`qkv.flash.flash_attn_varlen_func`: its
-    arguments and its output."""
+    """Every attention call that reaches qkv's kernels from the kernel transformers loads: the
+    packed walk (:func:`qkv.flash.flash_attn_varlen_func`'s) and the native decode step (a
+    batch of decoding steps): ``(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, window, out)``."""
     seen = []
-    inner = qkv_flash.attention_varlen
+    walk, step = qkv_flash.attention_varlen, continuous._decode_rows
 
-    def spy(q, k, v, cq, ck, **kw):
-        out = inner(q, k, v, cq, ck, **kw)
-        seen.append((q.clone(), k.clone(), v.clone(), np.array(cq), np.array(ck), kw, out))
+    def walk_spy(q, k, v, cq, ck, **kw):
+        out = walk(q, k, v, cq, ck, **kw)
+        args = (q.clone(), k.clone(), v.clone(), np.array(cq), np.array(ck))
+        seen.append((*args, kw["scale"], kw["window"], np.asarray(out[0])))
         return out
 
-    monkeypatch.setattr(qkv_flash, "attention_varlen", spy)
+    def step_spy(q, k, v, ck, scale, softcap):
+        out = step(q, k, v, ck, scale, softcap)
+        if out is not None:
+            d = q.shape[-1]
+            scale = d**-0.5 if scale is None else scale
+            args = (q.clone(), k.clone(), v.clone(), np.arange(q.shape[0] + 1), np.array(ck))
+            seen.append((*args, scale, None, out.numpy()))
+        return out
+
+    monkeypatch.setattr(qkv_flash, "attention_varlen", walk_spy)
+    monkeypatch.setattr(continuous, "_decode_rows", step_spy)
     return seen
 
 
@@ -93,10 +107,11 @@ def test_generate_batch_runs_on_qkv_with_generates_tokens(model, packed_calls):
     assert packed_calls, "no attention call reached qkv's packed walk"
     n_layers = model.config.num_hidden_layers
     assert len(packed_calls) % n_layers == 0
-    mixed = [c for c in packed_calls if len(c[3]) > 2 and (np.diff(c[3]) > 1).any()]
-    decoding = [c for c in packed_calls if len(c[3]) > 2 and (np.diff(c[3]) == 1).any()]
+    lengths = [np.diff(c[3]) for c in packed_calls]
+    mixed = [n for n in lengths if (n > 1).any() and (n == 1).any()]  # prefill + decode
+    decoding = [n for n in lengths if n.size > 1 and (n == 1).all()]  # the native step's
     assert mixed and decoding, "the batches never mixed requests, prefill and decode"
-    assert all(c[5]["causal"] for c in packed_calls)
+    assert all(c[6] is None or c[6][1] == 0 for c in packed_calls)  # causal
     packed_calls.clear()
     assert _one_by_one(model, "sdpa") == ours
     assert _batch(model, "sdpa") == ours
@@ -107,8 +122,7 @@ def test_each_packed_call_equals_the_reference_per_request(model, packed_calls):
     _batch(model, continuous.register())
     groups = model.config.num_attention_heads // model.config.num_key_value_heads
     checked = 0
-    for q, k, v, cq, ck, kw, out in packed_calls:
-        got = np.asarray(out[0])  # (the walk's output, its log-sum-exp)
+    for q, k, v, cq, ck, scale, window, got in packed_calls:
         assert q.dtype == torch.float32 and got.dtype == np.float32
         for b in range(len(cq) - 1):
             rows, keys = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
@@ -116,9 +130,7 @@ def test_each_packed_call_equals_the_reference_per_request(model, packed_calls):
             kb = k[keys].double().numpy().transpose(1, 0, 2)  # (kv_heads, S, d)
             vb = v[keys].double().numpy().transpose(1, 0, 2)
             assert qb.shape[0] == groups * kb.shape[0]
-            want = reference.attention(
-                qb, kb, vb, scale=kw["scale"], causal=True, window=kw["window"]
-            )
+            want = reference.attention(qb, kb, vb, scale=scale, causal=True, window=window)
             np.testing.assert_allclose(
                 got[rows].transpose(1, 0, 2), want, **tol("packed walk", np.float32)
             )
@@ -188,3 +200,55 @@ def test_register_names_and_the_local_kernel_entry(monkeypatch):
     for bad in ("qkv", "qkv/attention", "a/b/flash", "qkv:flash", 3):
         with pytest.raises(qkv.InputError, match="name"):
             continuous.register(bad)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    keys=st.lists(st.integers(0, 40), min_size=1, max_size=6),
+    group=st.sampled_from([1, 2, 4]),
+    softcap=st.sampled_from([0.0, 0.7]),
+    f64=st.booleans(),
+)
+def test_decoding_batches_equal_the_reference(keys, group, softcap, f64):
+    """The kernel's varlen function on a batch of decoding steps (the native step where it
+    takes the call, the packed walk where a request has no key) against the float64
+    reference, request by request."""
+    dt = torch.float64 if f64 else torch.float32
+    g = torch.Generator().manual_seed(sum(keys) + group)
+    kvh, d = 2, 8
+    ck = torch.tensor(np.concatenate([[0], np.cumsum(keys)]), dtype=torch.int32)
+    B, T = len(keys), int(ck[-1])
+    q = torch.randn(B, kvh * group, d, generator=g, dtype=dt)
+    k, v = (torch.randn(T, kvh, d, generator=g, dtype=dt) for _ in range(2))
+    cq = torch.arange(B + 1, dtype=torch.int32)
+    out = continuous.flash_attn_varlen_func(
+        q, k, v, cq, ck, 1, max(keys), softmax_scale=0.4, causal=True, softcap=softcap
+    )
+    assert out.shape == (B, kvh * group, d) and out.dtype == dt
+    for b in range(B):
+        ks = k[ck[b] : ck[b + 1]].double().numpy().transpose(1, 0, 2)
+        vs = v[ck[b] : ck[b + 1]].double().numpy().transpose(1, 0, 2)
+        want = reference.attention(
+            q[b, :, None].double().numpy(), ks, vs, scale=0.4, causal=True,
+            softcap=softcap or None,
+        )  # fmt: skip
+        np.testing.assert_allclose(out[b].numpy(), want[:, 0], **tol("packed walk", dt))
+
+
+def test_decoding_batches_take_the_native_step_and_nothing_else(monkeypatch):
+    taken = []
+    step = continuous._decode_rows
+    monkeypatch.setattr(continuous, "_decode_rows", lambda *a: taken.append(step(*a)) or taken[-1])
+    q, k = torch.randn(3, 4, 8), torch.randn(10, 2, 8)
+    ck = torch.tensor([0, 2, 7, 10], dtype=torch.int32)
+    continuous.flash_attn_varlen_func(q, k, k, torch.arange(4), ck, 1, 5, causal=True)
+    from qkv.engine.kernels import native_decode
+
+    assert len(taken) == 1 and (taken[0] is not None) == native_decode.available()
+    taken.clear()  # a window, two queries in a request, gradients: the packed walk alone
+    continuous.flash_attn_varlen_func(q, k, k, torch.arange(4), ck, 1, 5, window_size=(2, 0))
+    cq = torch.tensor([0, 1, 3, 3])
+    continuous.flash_attn_varlen_func(q, k, k, cq, ck, 2, 5, causal=True)
+    qg = q.clone().requires_grad_()
+    continuous.flash_attn_varlen_func(qg, k, k, torch.arange(4), ck, 1, 5, causal=True)
+    assert taken == []
