@@ -17,13 +17,14 @@ ways, in the same process:
 
 All three use the same weights; the continuous batching runs use the same
 ``ContinuousBatchingConfig`` (``--num-blocks``, ``--max-batch-tokens``, ``--page-size``).
-Reported per way: the whole run's wall time, requests/s and generated tokens/s, the model's
-time (its forward passes, timed by hooks on the model) and the attention function's time
-inside it (timed around the function transformers calls for the implementation) and its share
-of the model's time; the rest of the run is scheduling (the continuous batching loop and the
-cache's page gathers outside the model are in "model" when they run inside its forward). Ratios
-are "qkv cb" over each other way. Greedy tokens of every way are compared with "generate 1x1",
-request by request.
+Reported per way (with ``--repeat N``: the best of N rounds, the ways taking turns): the whole
+run's wall time, requests/s and generated tokens/s, the model's time (its forward passes,
+timed by hooks on the model), the attention function's time inside it (timed around the
+function transformers calls for the implementation) and its share of the model's time, the
+paged cache's updates inside it (the new K/V written into the pages, each request's pages
+gathered), and the time outside the model (transformers' continuous batching loop: its thread,
+its waits, scheduling). Ratios are "qkv cb" over each other way. Greedy tokens of every way
+are compared with "generate 1x1", request by request.
 """
 
 from __future__ import annotations
