@@ -16,6 +16,7 @@ backend's run through it.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
@@ -62,6 +63,10 @@ def _raw(x: Any, name: str) -> np.ndarray:
         raise InputError(f"{name}: a tensor on {x.device}: a decode plan runs on the CPU")
     if hasattr(x, "data_ptr") and not x.is_floating_point():  # codes, booleans
         return x.detach().numpy()
+    if hasattr(x, "data_ptr") and str(x.dtype).startswith("torch.float8_e4m3fn"):
+        # float8 codes (a tensor's own float8 dtype) as the uint8 bits NumPy holds them in;
+        # PyTorch is imported: the tensor is one of its own
+        return x.detach().view(sys.modules["torch"].uint8).numpy()
     return as_array(x, name, narrow=True)
 
 
