@@ -163,6 +163,29 @@ class DecodePlan:
         "route", "runs", "scale", "softcap", "value_dim",
     )  # fmt: skip
 
+    route: str
+    refused: list[tuple[str, str]]
+    batch: int
+    heads: int
+    kv_heads: int
+    L: int
+    head_dim: int
+    value_dim: int
+    keys: int
+    scale: float
+    softcap: float | None
+    kv_format: str | None
+    dtype: np.dtype
+    runs: decode.KeyRuns | None
+    _acc: tuple[np.dtype, str]
+    _cast_out: bool
+    _convert: bool
+    _keep: np.ndarray | None
+    _keys: tuple[Any, ...]
+    _pages: bool
+    _table: np.ndarray | None
+    _template: native_decode.Template | None
+
     def __init__(self, **fields: Any) -> None:
         for name in self.__slots__:
             setattr(self, name, fields.get(name))
@@ -261,7 +284,8 @@ class DecodePlan:
         """The NumPy decode road: the plan's keys per sequence as a boolean mask, K/V as their
         stored values (gathered from the pages), on the decode kernel with its retries."""
         qa = _raw(q, "q")
-        ka, va = _raw(k, "k"), _raw(v, "v")
+        ka: Any = _raw(k, "k")
+        va: Any = _raw(v, "v")
         ks = None if k_scale is None else _raw(k_scale, "k_scale")
         vs = None if v_scale is None else _raw(v_scale, "v_scale")
         if self._table is not None:
@@ -285,7 +309,7 @@ class DecodePlan:
     def _gather(self, pages: np.ndarray | None) -> np.ndarray | None:
         """Each sequence's rows of ``pages`` (its block table's pages, in order) as
         ``(batch, kv_heads, keys, ·)``; the scales ``(batch, kv_heads, keys)``."""
-        if pages is None:
+        if pages is None or self._table is None:
             return None
         size = pages.shape[1]
         pos = np.arange(self.keys)
@@ -402,6 +426,7 @@ def plan_decode(
             raise InputError(f"{name}: expected 4 axes {want}, got shape {a.shape}")
     B, H, L, d = qa.shape
     table = None
+    hi: np.ndarray | None
     if paged:
         nb, page, kvh, _ = ka.shape
         if va.shape[:3] != ka.shape[:3] or page < 1:
@@ -550,8 +575,10 @@ def plan_checked(
                     found.append(native_decode.layout((*a.shape, 1), strides, 1))
                 else:
                     found.append(None)
-            scale_layouts = (found[0], found[1]) if None not in found else None
-            if scale_layouts is None:
+            ks_layout, vs_layout = found
+            if ks_layout is not None and vs_layout is not None:
+                scale_layouts = (ks_layout, vs_layout)
+            else:
                 why = "the scales' strides (their outer axes do not collapse)"
         if q_layout is None or k_layout is None or v_layout is None:
             why = "the operands' strides (a last axis not contiguous, or axes that do not fit)"
@@ -574,7 +601,7 @@ def plan_checked(
             )
         if template is None:
             route, walk = NUMPY, [(NATIVE, "the native library is not loaded"), (NUMPY, "")]
-    keys = [_key(q), _key(k), _key(v)]
+    keys: list[Any] = [_key(q), _key(k), _key(v)]
     keys += [None, None] if scales is None else [_key(scales[0]), _key(scales[1])]
     return DecodePlan(
         route=route, refused=walk[:-1], batch=B, heads=H, kv_heads=kvh, L=L, head_dim=d,

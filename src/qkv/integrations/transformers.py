@@ -175,7 +175,7 @@ def _step(query: Any, key: Any, value: Any, mask: Any, scaling: Any, softcap: An
                 del _UNMASKED[next(iter(_UNMASKED))]
             step = _UNMASKED[what] = _plan(query, key, value, None, scaling, softcap)
         return step
-    kept = getattr(mask, _ON_MASK, None)
+    kept: Any = getattr(mask, _ON_MASK, None)
     version = getattr(mask, "_version", None)
     if kept is None or kept[0] != version:
         kept = (version, {})
@@ -420,8 +420,9 @@ def _general(
         is_causal = getattr(module, "is_causal", True)
     mask = _split_mask(attention_mask, kwargs.get("position_bias"))
     L, S = query.shape[-2], key.shape[-2]
-    if L > 1 and mask is attention_mask and mask is not None:
-        mask = _prefill_mask(mask)  # read once per model step, for every layer
+    if L > 1 and mask is attention_mask and mask is not None and not OBSERVERS:
+        mask = _prefill_mask(mask)  # read once per model step, for every layer (observers
+        # such as qkv.integrations.capture see the model's own mask)
     causal, window, skipped = False, None, 0  # skipped: keys left out before those read
     if attention_mask is None and is_causal and L > 1:
         # transformers left the mask out because PyTorch's top-left `is_causal` covers it: either
