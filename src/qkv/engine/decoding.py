@@ -41,7 +41,7 @@ def _key(x: Any) -> tuple[Any, ...]:
     """What :meth:`DecodePlan.run` compares with the plan: type, dtype, shape and strides."""
     if type(x) is np.ndarray:
         return (np.ndarray, x.dtype, x.shape, x.strides)
-    return (type(x), x.dtype, tuple(x.shape), x.stride())  # a tensor
+    return (type(x), x.dtype, x.shape, x.stride())  # a tensor (its shape a tuple)
 
 
 def _address(x: Any) -> int:
@@ -63,6 +63,11 @@ def _raw(x: Any, name: str) -> np.ndarray:
         raise InputError(f"{name}: a tensor on {x.device}: a decode plan runs on the CPU")
     if hasattr(x, "data_ptr") and not x.is_floating_point():  # codes, booleans
         return x.detach().numpy()
+    if hasattr(x, "data_ptr") and x.is_cpu and not x.requires_grad:
+        try:
+            return x.numpy()  # float16/32/64: in place
+        except TypeError:
+            pass  # bfloat16 (or float8): read below
     if hasattr(x, "data_ptr") and str(x.dtype).startswith("torch.float8_e4m3fn"):
         # float8 codes (a tensor's own float8 dtype) as the uint8 bits NumPy holds them in;
         # PyTorch is imported: the tensor is one of its own
@@ -233,14 +238,12 @@ class DecodePlan:
             An operand whose type, dtype, shape or strides differ from the plan's, naming it.
         """
         want = self._keys
-        given = (q, k, v) if want[3] is None else (q, k, v, k_scale, v_scale)
-        for i, x in enumerate(given):
-            try:
-                got = _key(x)
-            except AttributeError:
-                got = None
-            if got != want[i]:
-                self._refuse(i, x, got)
+        try:
+            same = _key(q) == want[0] and _key(k) == want[1] and _key(v) == want[2]
+        except AttributeError:
+            same = False
+        if not same or want[3] is not None:
+            self._check((q, k, v) if want[3] is None else (q, k, v, k_scale, v_scale))
         template = self._template
         if template is not None:
             acc = self._acc
@@ -265,11 +268,48 @@ class DecodePlan:
                 return (out, lse) if return_lse else out
         return self._numpy(q, k, v, k_scale, v_scale, return_lse)
 
+    def for_runs(self, lo: Any, hi: Any) -> DecodePlan:
+        """This plan with sequence ``b`` seeing keys ``[lo[b], hi[b])`` (int arrays of shape
+        ``(batch,)``): what changes from one model step to the next while everything else
+        stays, planned again at the cost of the keys alone (int64 contiguous arrays are kept
+        and read when the plan runs, as with ``seqlens``). Not for a paged plan."""
+        if self._table is not None:
+            raise InputError("lo: a paged plan's keys come with its block table: plan it again")
+        lo, hi = _lengths(lo, "lo", self.batch), _lengths(hi, "hi", self.batch)
+        if hi.size and (hi.max() > self.keys or (lo > hi).any()):
+            raise InputError(
+                f"lo, hi: each sequence's keys [lo, hi) must lie in [0, {self.keys}], got lo "
+                f"{lo.tolist()}, hi {hi.tolist()}"
+            )
+        return self._for_runs(decode.KeyRuns(lo, hi))
+
+    def _for_runs(self, runs: decode.KeyRuns) -> DecodePlan:
+        """:meth:`for_runs` of checked int64 runs (:func:`qkv.engine.kernels.decode.key_runs`'
+        of a mask row per sequence)."""
+        new = object.__new__(DecodePlan)
+        for name in self.__slots__:
+            setattr(new, name, getattr(self, name))
+        new.runs, new._keep = runs, None
+        if self._template is not None:
+            new._template = self._template.with_runs(runs.lo.ctypes.data, runs.hi.ctypes.data)
+        return new
+
     def _cast(self, out: Any) -> Any:
         """``out`` in the plan's dtype (a tensor by its conversion method)."""
         if type(out) is np.ndarray:
             return out.astype(self.dtype)
         return getattr(out, _TO[self.dtype.name])()
+
+    def _check(self, given: tuple[Any, ...]) -> None:
+        """Refuse the first of ``given`` (``q``, ``k``, ``v`` and the scales) that differs from
+        the plan's."""
+        for i, x in enumerate(given):
+            try:
+                got = _key(x)
+            except AttributeError:
+                got = None
+            if got != self._keys[i]:
+                self._refuse(i, x, got)
 
     def _refuse(self, i: int, x: Any, got: Any) -> None:
         names = ("q", "k_pages" if self._pages else "k", "v_pages" if self._pages else "v")
@@ -459,7 +499,7 @@ def plan_decode(
     )
     runs, keep, why = _keys_seen(mask, hi, starts, B, S, paged)
     return plan_checked(
-        plan, q, k, v, form=form, runs=runs, keep=keep, why=why, table=table,
+        plan, q, k, v, form=form, runs=runs, keep=keep, why=why, table=table, read=(qa, ka, va),
         scales=(k_scale, v_scale) if scales else None, out_dtype=out_dtype, threads=threads,
     )  # fmt: skip
 
@@ -535,11 +575,13 @@ def plan_checked(
     scales: tuple[Any, Any] | None = None,
     out_dtype: Any = None,
     threads: int | None = None,
+    read: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
 ) -> DecodePlan:
     """:func:`plan_decode` for a call its caller checked (``plan``, made against stand-ins
     of the K/V's shapes in the compute dtype; a cache's own options): ``q``, ``k``, ``v``
-    (pages with ``table``) the operands to run on, ``runs`` each sequence's keys."""
-    qa, ka, va = _raw(q, "q"), _raw(k, "k"), _raw(v, "v")
+    (pages with ``table``) the operands to run on (``read``: as NumPy views, when the caller
+    has them), ``runs`` each sequence's keys."""
+    qa, ka, va = read or (_raw(q, "q"), _raw(k, "k"), _raw(v, "v"))
     acc = plan.acc_dtype
     out_dtype = np.dtype(plan.out_dtype if out_dtype is None else out_dtype)
     B, H, L, d = qa.shape

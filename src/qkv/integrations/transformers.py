@@ -46,6 +46,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from ..engine.kernels.threads import compiled_team
 from ..errors import InputError
 from ..extras import require
@@ -105,17 +107,21 @@ class _Step:
     mask), else None; :meth:`seen` is what the general road reads instead, found once per step.
     """
 
-    __slots__ = ("_seen", "keep", "mask", "plan")
+    __slots__ = ("_runs", "_seen", "keep", "mask", "plan")
 
-    def __init__(self, mask: Any, keep: Any, plan: Any, seen: tuple[Any, ...] = ()) -> None:
+    def __init__(
+        self, mask: Any, keep: Any, plan: Any, seen: tuple[Any, ...] = (), runs: Any = None
+    ) -> None:
         self.mask, self.keep, self.plan = mask, keep, plan
         self._seen: tuple[_Seen | None, ...] = seen
+        self._runs = runs  # each sequence's run of keys, when read already
 
     def seen(self, S: int) -> _Seen | None:
         """Which of ``S`` keys the step's sequences see when each sees one run of them (read
         once by :func:`qkv.engine.kernels.decode.key_runs`); None for any other mask."""
         if not self._seen:
-            self._seen = (_visible_keys(self.keep, S),)
+            found = self._runs
+            self._seen = (_visible_keys(self.keep, S) if found is None else _seen_of(found),)
         return self._seen[0]
 
 
@@ -171,9 +177,7 @@ def _step(query: Any, key: Any, value: Any, mask: Any, scaling: Any, softcap: An
     if mask is None:
         step = _UNMASKED.get(what)
         if step is None:
-            if len(_UNMASKED) >= _UNMASKED_KEPT:
-                del _UNMASKED[next(iter(_UNMASKED))]
-            step = _UNMASKED[what] = _plan(query, key, value, None, scaling, softcap)
+            step = _unmasked(what, _plan(query, key, value, None, scaling, softcap))
         return step
     kept: Any = getattr(mask, _ON_MASK, None)
     version = getattr(mask, "_version", None)
@@ -182,25 +186,60 @@ def _step(query: Any, key: Any, value: Any, mask: Any, scaling: Any, softcap: An
         try:
             setattr(mask, _ON_MASK, kept)
         except (AttributeError, RuntimeError):  # a tensor that takes no attribute: plan per layer
-            return _plan(query, key, value, mask, scaling, softcap)
+            return _plan(query, key, value, mask, scaling, softcap, what)
     step = kept[1].get(what)
     if step is None:
-        step = kept[1][what] = _plan(query, key, value, mask, scaling, softcap)
+        step = kept[1][what] = _plan(query, key, value, mask, scaling, softcap, what)
     return step
 
 
-def _plan(query: Any, key: Any, value: Any, mask: Any, scaling: Any, softcap: Any) -> _Step:
+def _unmasked(what: Any, step: _Step) -> _Step:
+    """Keep ``step``, a step without a mask, as the one for ``what``."""
+    if len(_UNMASKED) >= _UNMASKED_KEPT:
+        del _UNMASKED[next(iter(_UNMASKED))]
+    _UNMASKED[what] = step
+    return step
+
+
+def _plan(
+    query: Any, key: Any, value: Any, mask: Any, scaling: Any, softcap: Any, what: Any = None
+) -> _Step:
     """A new :class:`_Step`: what every layer of it shares, checked once
-    (:func:`qkv.plan_decode`)."""
+    (:func:`qkv.plan_decode`). With a mask, the plan of the same step without one (kept by
+    value, ``what``) with each sequence's run of keys read from the mask
+    (:meth:`qkv.DecodePlan.for_runs`): a model's next step plans only its keys again."""
+    from ..engine.kernels.decode import key_runs
+
+    if mask is None:
+        return _new_plan(query, key, value, None, scaling, softcap)
+    if not mask.is_cpu:
+        return _Step(mask, None, None)
+    keep = _keep(mask)
+    if keep is None:
+        return _Step(mask, None, None)  # a float bias: the general road applies it
+    B, S = query.shape[0], key.shape[-2]
+    if keep.ndim != 4 or keep.shape[1:] != (1, 1, S) or keep.shape[0] not in (1, B):
+        return _Step(mask, keep, None)  # (a mask of another shape: qkv.attention says so)
+    base = None if what is None else _UNMASKED.get(what)
+    if base is None:
+        base = _new_plan(query, key, value, None, scaling, softcap)
+        if what is not None:
+            _unmasked(what, base)
+    rows = keep[:, 0, 0, :].numpy()
+    runs = key_runs(rows if len(rows) == B else np.broadcast_to(rows, (B, S)))
+    if runs is None:  # a row that is not one run of keys: the general road
+        return _Step(mask, keep, None, (None,))
+    plan = None if base.plan is None else base.plan._for_runs(runs)
+    return _Step(mask, keep, plan, runs=runs)
+
+
+def _new_plan(query: Any, key: Any, value: Any, mask: Any, scaling: Any, softcap: Any) -> _Step:
+    """:func:`_plan` read from the tensors by :func:`qkv.plan_decode`."""
     import torch
 
     from ..engine.decoding import NATIVE, plan_decode
 
-    if mask is not None and not mask.is_cpu:
-        return _Step(mask, None, None)
     keep = None if mask is None else _keep(mask)
-    if mask is not None and keep is None:
-        return _Step(mask, None, None)  # a float bias: the general road applies it
     if query.ndim != 4 or key.ndim != 4 or value.ndim != 4 or query.shape[2] != 1:
         return _Step(mask, keep, None)  # (qkv.attention says what is wrong)
     stored = getattr(key, "qkv_stored", None)

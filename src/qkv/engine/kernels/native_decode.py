@@ -518,6 +518,13 @@ class Template:
         self.args, self.function, self.threads = args, function, threads
         self.kv_format = kv_format  # (what the K/V are stored as, for whoever asks)
 
+    def with_runs(self, lo: int, hi: int) -> Template:
+        """This template reading each sequence's run of keys from the int64 arrays at ``lo``
+        and ``hi``."""
+        args = DecodeArgs.from_buffer_copy(self.args)
+        args.lo, args.hi = lo, hi
+        return Template(bytes(args), self.function, self.threads, self.kv_format)
+
     def run(
         self, q: int, k: int, v: int, out: int, lse: int, scales: tuple[int, int] | None = None
     ) -> int:
