@@ -187,3 +187,20 @@ def test_a_plan_is_checked_as_a_call_is():
         qkv.plan_decode(q, k, v, scale=-1.0)
     with pytest.raises(qkv.InputError, match="k_scale"):
         qkv.plan_decode(q, k.astype(np.int8), v.astype(np.int8), kv_format="int8")
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_plan_for_other_runs_of_keys_equals_one_planned_for_them(native, monkeypatch):
+    """for_runs: the next model step's keys on the same plan, as if planned with them; runs
+    outside the keys refused by name."""
+    if not native:
+        monkeypatch.setenv("QKV_NATIVE", "0")
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((3, 4, 1, 8)).astype(np.float32)
+    k, v = rng.standard_normal((2, 3, 2, 25, 8)).astype(np.float32)
+    plan = qkv.plan_decode(q, k, v).for_runs([0, 3, 24], [25, 9, 25])
+    out = plan.run(q, k, v)
+    expect = _expect(q, k, v, [0, 3, 24], [25, 9, 25])
+    np.testing.assert_allclose(out, expect, atol=bound("decoding", np.float32))
+    with pytest.raises(qkv.InputError, match="lo, hi"):
+        plan.for_runs([0, 0, 0], [25, 26, 25])
