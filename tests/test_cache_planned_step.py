@@ -164,9 +164,9 @@ def test_switching_native_off_after_planning_is_obeyed(monkeypatch):
     q = rng.standard_normal((1, 2, 1, 16)).astype(np.float32)
     cache.attend(q)
     launches = []
-    launch = native_decode.launch
+    run = native_decode.Template.run  # a planned step's one native call
     monkeypatch.setattr(
-        native_decode, "launch", lambda *a, **kw: launches.append(1) or launch(*a, **kw)
+        native_decode.Template, "run", lambda *a, **kw: launches.append(1) or run(*a, **kw)
     )
     monkeypatch.setenv("QKV_NATIVE", "0")
     out = cache.attend(q)

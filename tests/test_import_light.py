@@ -38,6 +38,7 @@ HEAVY = (
 
 #: Where each public name is defined (a module's name for a module).
 HOMES = {
+    "DecodePlan": "qkv.engine.decoding",
     "InputError": "qkv.errors",
     "InputTypeError": "qkv.errors",
     "KVCache": "qkv.wrapped",
@@ -54,6 +55,7 @@ HOMES = {
     "route": "qkv.about",
     "Route": "qkv.about",
     "merge": "qkv.wrapped",
+    "plan_decode": "qkv.engine.decoding",
     "quantize_kv": "qkv.engine.quant",
     "reference": "qkv.reference",
     "scores": "qkv.front",

@@ -60,8 +60,8 @@ def reads(monkeypatch):
     on (arrays), the number of keys each sequence read, whether a mask was applied)``.
 
     The general road is ``qkv.attention`` (its checked call); a decoding step may take the
-    short road instead, one native call (``native_decode.launch``) on the tensors' memory,
-    reading each sequence's run of keys from the mask itself.
+    short road instead, one native call (``native_decode.Template.run``) on the tensors'
+    memory, reading each sequence's run of keys, read once from the mask by the step's plan.
     """
     seen = []
     inner = qkv_front._run
@@ -83,25 +83,25 @@ def reads(monkeypatch):
 
     monkeypatch.setattr(hf, "_decode_fast", fast_spy)
     launches = []
-    launch = native_decode.launch
+    run = native_decode.Template.run  # a planned step's one native call
 
-    def launch_spy(f64, sizes, q, k, v, runs, *rest, **kw):
-        launches.append((k[0], v[0], kw.get("mask")))
-        return launch(f64, sizes, q, k, v, runs, *rest, **kw)
+    def run_spy(self, q, k, v, *rest, **kw):
+        launches.append((k, v))
+        return run(self, q, k, v, *rest, **kw)
 
-    monkeypatch.setattr(native_decode, "launch", launch_spy)
+    monkeypatch.setattr(native_decode.Template, "run", run_spy)
     step = hf._decode_step
 
     def step_spy(query, key, value, *rest):
         launches.clear()
         out = step(query, key, value, *rest)
         if out is not None:  # the short road ran: on exactly these views' memory
-            ((k_at, v_at, rows),) = launches
+            ((k_at, v_at),) = launches
             assert (k_at, v_at) == (key.data_ptr(), value.data_ptr())
             k_given, v_given, mask = handed[-1]
             B, S = key.shape[0], key.shape[-2]
             spans = [(0, S)] * B
-            if rows is not None:  # the kernel reads each sequence's run from the mask
+            if rest[0].plan.runs is not None:  # the plan read each sequence's run from the mask
                 spans = _runs(mask)
                 if len(spans) == 1:
                     spans = spans * B
@@ -222,13 +222,13 @@ def test_half_precision_model_decodes_on_the_cache_in_place(dtype, monkeypatch):
     cfg, ours, ref = _model("llama")
     ours, ref = ours.to(dtype), ref.to(dtype)
     launches = []
-    launch = native_decode.launch
+    run = native_decode.Template.run  # a planned step's one native call
 
-    def launch_spy(f64, sizes, q, k, v, runs, *rest, **kw):
-        launches.append((k[0], kw.get("kv_format")))
-        return launch(f64, sizes, q, k, v, runs, *rest, **kw)
+    def run_spy(self, q, k, v, *rest, **kw):
+        launches.append((k, self.kv_format))
+        return run(self, q, k, v, *rest, **kw)
 
-    monkeypatch.setattr(native_decode, "launch", launch_spy)
+    monkeypatch.setattr(native_decode.Template, "run", run_spy)
     ids, attn = _padded(batch=2, length=6, seed=3)
     cache = _cache("static", cfg, 16)
     got, _ = _steps(ours, cache, ids, attn, 3)
@@ -255,13 +255,13 @@ def test_quantized_cache_decodes_on_its_codes_in_place(form, monkeypatch):
     cfg, ours, ref = _model("llama")
     ids, attn = _padded(batch=2, length=6, seed=3)
     launches = []
-    launch = native_decode.launch
+    run = native_decode.Template.run  # a planned step's one native call
 
-    def launch_spy(f64, sizes, q, k, v, runs, *rest, **kw):
-        launches.append((k[0], kw.get("kv_format"), kw.get("scales")))
-        return launch(f64, sizes, q, k, v, runs, *rest, **kw)
+    def run_spy(self, q, k, v, out, lse, scales=None):
+        launches.append((k, self.kv_format, scales))
+        return run(self, q, k, v, out, lse, scales)
 
-    monkeypatch.setattr(native_decode, "launch", launch_spy)
+    monkeypatch.setattr(native_decode.Template, "run", run_spy)
     cache = QuantizedKVCache(cfg, form)
     got, got_tokens = _steps(ours, cache, ids, attn, 3)
     if native_decode.available():

@@ -28,12 +28,14 @@ from .front import attention, attention_weights, scores, softmax
 if TYPE_CHECKING:  # for type checkers; at run time these come from _LAZY on first use
     from . import reference
     from .about import Route, info, route
+    from .engine.decoding import DecodePlan, plan_decode
     from .engine.quant import dequantize_kv, quantize_kv
     from .explanation.trace import Trace, explain
     from .learn.widget import widget
     from .wrapped import KVCache, PagedKVCache, attention_varlen, attention_vjp, merge
 
 __all__ = [
+    "DecodePlan",
     "InputError",
     "InputTypeError",
     "KVCache",
@@ -49,6 +51,7 @@ __all__ = [
     "explain",
     "info",
     "merge",
+    "plan_decode",
     "quantize_kv",
     "reference",
     "route",
@@ -69,6 +72,8 @@ _LAZY = {
     "Route": "qkv.about",
     "info": "qkv.about",
     "route": "qkv.about",
+    "DecodePlan": "qkv.engine.decoding",
+    "plan_decode": "qkv.engine.decoding",
     "dequantize_kv": "qkv.engine.quant",
     "quantize_kv": "qkv.engine.quant",
     "reference": "qkv.reference",

@@ -35,7 +35,8 @@ from ..validate import (
     make_plan,
     stand_in,
 )
-from .kernels import dispatch, mods, native_decode, router
+from .decoding import NATIVE, DecodePlan, plan_checked
+from .kernels import decode, dispatch, mods, native_decode
 from .quant import SCALED, dequantize_kv, quantize_kv, storage_dtype
 from .quant import storage_of as _storage
 
@@ -117,7 +118,7 @@ class KVCache:
         # The last native step a checked call took, with what that call's checks and plan
         # depended on: a call that differs only in q's values and the cache's lengths runs
         # it again (see attend). Dropped when the buffers move.
-        self._planned: tuple[tuple[Any, ...], native_decode.Prepared, np.dtype] | None = None
+        self._planned: tuple[tuple[Any, ...], DecodePlan] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # a copy (deepcopy, pickle) plans its own step: the kept one addresses these buffers
@@ -312,10 +313,11 @@ class KVCache:
         planned = self._planned
         if planned is not None and not variants and window is None:
             if _call_key(q, scale, causal, return_lse, kernel) == planned[0]:
-                res = planned[1].run(q) if native_decode.available() else None
-                if res is not None:  # else the checked road below decides, as on every call
-                    out = res[0].astype(planned[2], copy=False)
-                    return (out, res[1]) if return_lse else out
+                if native_decode.available():  # else the checked road below decides
+                    return planned[1].run(
+                        q, self._k, self._v, k_scale=self._ks, v_scale=self._vs,
+                        return_lse=return_lse,
+                    )  # fmt: skip
         kernel = dispatch.check_kernel(kernel)
         check_flag(return_lse, "return_lse")
         check_variants("KVCache.attend", variants)
@@ -385,25 +387,22 @@ class KVCache:
             stand_in(stand, (self.batch, self.kv_heads, longest, self.value_dim)),
             options,
         )
-        narrow = self._form is not None or self.dtype == np.float16
-        if router.cache_step(plan, narrow) is not None:  # why the native step does not serve it
-            return None
         hi, lo = self._lengths, self._first  # read by the kernel as it runs
         if plan.window is not None and plan.window[0] is not None:
             lo = np.maximum(hi - 1 - plan.window[0], 0)  # the one query sits at length - 1
-        q = np.ascontiguousarray(plan.q)
-        step = native_decode.prepare(
-            q, self._k, self._v, plan.scale, lo, hi, softcap=plan.softcap,
-            kv_format=self._form if self._form != "float16" else None,
-            k_scale=self._ks, v_scale=self._vs,
+        step = plan_checked(
+            plan, qa, self._k, self._v, form=self._form if self._form != "float16" else None,
+            runs=decode.KeyRuns(lo, hi), out_dtype=out_dtype,
+            scales=None if self._ks is None else (self._ks, self._vs),
         )  # fmt: skip
-        res = None if step is None else step.run(q)
-        if res is None:
+        if step.route != NATIVE:  # (the router's reason: step.refused)
             return None
-        if again is not None and step is not None and q.dtype == qa.dtype:
-            self._planned = (again, step, out_dtype)  # q is the caller's array (no copy)
-        out, lse = mods.with_sinks(plan, *res)
-        return out.astype(out_dtype, copy=False), lse
+        out, lse = step.run(
+            qa, self._k, self._v, k_scale=self._ks, v_scale=self._vs, return_lse=True
+        )
+        if again is not None and lo is self._first:  # (a window's starts depend on the lengths)
+            self._planned = (again, step)  # q is the caller's array (no copy)
+        return mods.with_sinks(plan, out, lse)
 
     def _per_head_variants(self, variants: dict[str, Any], heads: int) -> dict[str, Any]:
         """``sinks`` and ``alibi_slopes`` as arrays checked against ``(batch, heads)``, so that

@@ -29,7 +29,8 @@ from ..keywords import near_keywords
 from ..options import Options
 from ..validate import as_array, broadcasts_to, check_flag, make_plan, stand_in
 from . import cascade
-from .kernels import dispatch, native_decode, router
+from .decoding import NATIVE, check_table, plan_checked
+from .kernels import decode, dispatch, native_decode
 from .quant import SCALED, check_format, dequantize_kv, quantize_kv, storage_dtype, storage_of
 
 __all__ = ["PagedKVCache", "attend_pages"]
@@ -79,44 +80,6 @@ def _scales(x: Any, name: str, form: str | None, shape: tuple[int, ...]) -> np.n
             f"kv_heads), got {a.dtype} {a.shape}"
         )
     return a
-
-
-def _table(
-    block_table: Any, seqlens: Any, batch: int, num_blocks: int, page: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """The checked block table (int32) and lengths (int64): every entry the lengths need is
-    a page of the pool."""
-    bt = np.asarray(block_table)
-    if bt.dtype.kind not in "iu":
-        raise InputTypeError(f"block_table: expected integers (block ids), got {bt.dtype}")
-    if bt.ndim != 2 or bt.shape[0] != batch:
-        raise InputError(f"block_table: expected shape (batch={batch}, max_blocks), got {bt.shape}")
-    n = np.asarray(seqlens)
-    if n.dtype.kind not in "iu" and n.size:
-        raise InputTypeError(f"seqlens: expected integers (keys per sequence), got {n.dtype}")
-    if n.shape != (batch,):
-        raise InputError(f"seqlens: expected shape (batch={batch},), got {n.shape}")
-    n = n.astype(np.int64)
-    if n.size and n.min() < 0:
-        b = int(np.argmin(n))
-        raise InputError(f"seqlens: sequence {b} has a negative length {int(n[b])}")
-    cap = bt.shape[1] * page
-    if n.size and n.max() > cap:
-        b = int(np.argmax(n))
-        raise InputError(
-            f"seqlens: sequence {b} holds {int(n[b])} keys, which need "
-            f"{-(-int(n[b]) // page)} pages of {page}, but block_table has shape {bt.shape} "
-            f"({bt.shape[1]} pages, {cap} keys per sequence)"
-        )
-    need = np.arange(bt.shape[1])[None, :] < -(-n[:, None] // page)
-    bad = need & ((bt < 0) | (bt >= num_blocks))
-    if bad.any():
-        b, c = (int(x[0]) for x in np.nonzero(bad))
-        raise InputError(
-            f"block_table: entry [{b}, {c}] = {int(bt[b, c])} is not a page of the pool of "
-            f"{num_blocks} blocks (k_pages' first axis); block_table has shape {bt.shape}"
-        )
-    return np.ascontiguousarray(np.where(need, bt, 0), dtype=np.int32), n
 
 
 def _gathered(
@@ -240,7 +203,7 @@ def attend_pages(
         )
     ks = _scales(k_scale, "k_scale", form, (nb, page, kvh))
     vs = _scales(v_scale, "v_scale", form, (nb, page, kvh))
-    table, lengths = _table(block_table, seqlens, B, nb, page)
+    table, lengths = check_table(block_table, seqlens, B, nb, page)
     slopes = None
     if alibi_slopes is not None:
         slopes = as_array(alibi_slopes, "alibi_slopes")
@@ -284,18 +247,17 @@ def attend_pages(
             out, lse = cascade.attend(plan, prefix, own, lengths)
             out = out.astype(out_dtype, copy=False)
             return (out, lse) if return_lse else out
-    if native_decode.available() and router.cache_step(plan, stored) is None:
+    if native_decode.available():  # (the router decides in plan_checked: step.route)
         lo = np.zeros(B, np.int64)
         if plan.window is not None and plan.window[0] is not None:
             lo = np.maximum(lengths - 1 - plan.window[0], 0)  # the one query sits at length - 1
-        res = native_decode.paged_step(
-            np.ascontiguousarray(plan.q), kp, vp, table, lo, lengths, plan.scale,
-            softcap=plan.softcap, kv_format=form if form != "float16" else None,
-            k_scale=ks, v_scale=vs,
+        step = plan_checked(
+            plan, qa, kp, vp, form=form if form != "float16" else None,
+            runs=decode.KeyRuns(lo, lengths), table=table, out_dtype=out_dtype,
+            scales=None if ks is None else (ks, vs),
         )  # fmt: skip
-        if res is not None:
-            out = res[0].astype(out_dtype, copy=False)
-            return (out, res[1]) if return_lse else out
+        if step.route == NATIVE:
+            return step.run(qa, kp, vp, k_scale=ks, v_scale=vs, return_lse=return_lse)
     out = np.zeros((B, H, Lq, dv), dtype=out_dtype)
     lse = np.full((B, H, Lq), -np.inf, dtype=plan.acc_dtype)
     for b in range(B):

@@ -46,6 +46,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from ..engine.kernels.threads import compiled_team
 from ..errors import InputError
 from ..extras import require
@@ -100,25 +102,37 @@ class _Step:
     """A model's decoding step, planned once for every layer that shares its mask (FlashInfer's
     ``plan()`` once, ``run()`` per layer is the model).
 
-    ``plan`` is the native step's checked constants
-    (:class:`qkv.engine.kernels.native_decode.DecodePlan`: sizes and grouping, scale,
-    soft-cap, stored form, the mask's boolean rows, which the kernel reads as each sequence's
-    run of keys), or None where the short road does not apply; :meth:`seen` is what the general
-    road reads instead, found once per step.
+    ``plan`` is the step's :class:`qkv.DecodePlan` when the native step runs it (sizes and
+    grouping, scale, soft-cap, stored form, each sequence's run of keys read once from the
+    mask), else None; :meth:`seen` is what the general road reads instead, found once per step.
     """
 
-    __slots__ = ("_seen", "keep", "mask", "plan")
+    __slots__ = ("_runs", "_seen", "keep", "mask", "plan")
 
-    def __init__(self, mask: Any, keep: Any, plan: Any) -> None:
+    def __init__(
+        self, mask: Any, keep: Any, plan: Any, seen: tuple[Any, ...] = (), runs: Any = None
+    ) -> None:
         self.mask, self.keep, self.plan = mask, keep, plan
-        self._seen: tuple[_Seen | None, ...] = ()
+        self._seen: tuple[_Seen | None, ...] = seen
+        self._runs = runs  # each sequence's run of keys, when read already
 
     def seen(self, S: int) -> _Seen | None:
         """Which of ``S`` keys the step's sequences see when each sees one run of them (read
         once by :func:`qkv.engine.kernels.decode.key_runs`); None for any other mask."""
         if not self._seen:
-            self._seen = (_visible_keys(self.keep, S),)
+            found = self._runs
+            self._seen = (_visible_keys(self.keep, S) if found is None else _seen_of(found),)
         return self._seen[0]
+
+
+def _seen_of(runs: Any) -> _Seen | None:
+    """:class:`_Seen` of each sequence's run of keys ``(lo, hi)``; None without runs or with
+    no sequence."""
+    if runs is None or not len(runs[0]):
+        return None
+    lo, hi = runs
+    first, last = int(lo.min()), int(hi.max())
+    return _Seen(first, last, bool(first == lo.max() and last == hi.min()))
 
 
 def _visible_keys(keep: Any, S: int) -> _Seen | None:
@@ -131,82 +145,126 @@ def _visible_keys(keep: Any, S: int) -> _Seen | None:
 
     if keep is None or keep.ndim != 4 or keep.shape[1:] != (1, 1, S) or not keep.is_cpu:
         return None  # (a mask of another length: qkv.attention says so)
-    runs = key_runs(keep[:, 0, 0, :].numpy())
-    if runs is None or not len(runs.lo):
-        return None  # not one run each, or a sequence that sees no key: the general path
-    lo, hi = runs
-    first, last = int(lo.min()), int(hi.max())
-    return _Seen(first, last, bool(first == lo.max() and last == hi.min()))
+    return _seen_of(key_runs(keep[:, 0, 0, :].numpy()))
 
 
-_STEPS: dict[Any, _Step] = {}  # the steps planned lately, by mask and shapes: a few kept
+#: Where a mask keeps the steps planned for it: ``(its _version, {what: step})``. A new mask
+#: each model step means a new plan; the plans go with the mask.
+_ON_MASK = "_qkv_steps"
+#: Steps without a mask, by what they are a pure function of (shapes, strides, dtypes, scale,
+#: soft-cap, stored form): a few kept, the oldest dropped first.
+_UNMASKED: dict[Any, _Step] = {}
+_UNMASKED_KEPT = 16
 
 
 def _step(query: Any, key: Any, value: Any, mask: Any, scaling: Any, softcap: Any) -> _Step:
     """The plan of this decoding step: the one planned for an earlier layer with the same mask
-    (unchanged since), shapes, dtypes, scale and soft-cap, or a new one."""
-    import torch
-
+    (unchanged since), shapes, strides, dtypes, scale and soft-cap, or a new one."""
     stored = getattr(key, "qkv_stored", None)  # a QuantizedKVCache layer's stand-ins
     if stored is not None:
-        form = stored.form
-    else:  # K/V in 16 bits: read in place, computed in float32
-        form = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(key.dtype)
-    name = (
-        None if mask is None else (id(mask), getattr(mask, "_version", None)),
-        type(scaling), scaling, type(softcap), softcap, form,
-        query.dtype, key.dtype, value.dtype, query.shape, key.shape, value.shape,
+        form: Any = stored.form
+        k, v = stored.codes_k, stored.codes_v
+    else:
+        form, k, v = None, key, value
+    what = (
+        type(scaling), scaling, type(softcap), softcap, form, query.dtype, k.dtype,
+        v.dtype, query.shape, k.shape, v.shape, query.stride(), k.stride(), v.stride(),
     )  # fmt: skip
     try:
-        step = _STEPS.get(name)
+        hash(what)
     except TypeError:  # an unhashable scale or soft-cap: qkv.attention says what it is
         return _Step(mask, None, None)
-    if step is None or step.mask is not mask:
-        if len(_STEPS) >= 8:
-            _STEPS.clear()
-        step = _STEPS[name] = _plan(query, key, value, mask, scaling, softcap, form)
+    if mask is None:
+        step = _UNMASKED.get(what)
+        if step is None:
+            step = _unmasked(what, _plan(query, key, value, None, scaling, softcap))
+        return step
+    kept: Any = getattr(mask, _ON_MASK, None)
+    version = getattr(mask, "_version", None)
+    if kept is None or kept[0] != version:
+        kept = (version, {})
+        try:
+            setattr(mask, _ON_MASK, kept)
+        except (AttributeError, RuntimeError):  # a tensor that takes no attribute: plan per layer
+            return _plan(query, key, value, mask, scaling, softcap, what)
+    step = kept[1].get(what)
+    if step is None:
+        step = kept[1][what] = _plan(query, key, value, mask, scaling, softcap, what)
+    return step
+
+
+def _unmasked(what: Any, step: _Step) -> _Step:
+    """Keep ``step``, a step without a mask, as the one for ``what``."""
+    if len(_UNMASKED) >= _UNMASKED_KEPT:
+        del _UNMASKED[next(iter(_UNMASKED))]
+    _UNMASKED[what] = step
     return step
 
 
 def _plan(
-    query: Any, key: Any, value: Any, mask: Any, scaling: Any, softcap: Any, form: Any
+    query: Any, key: Any, value: Any, mask: Any, scaling: Any, softcap: Any, what: Any = None
 ) -> _Step:
-    """A new :class:`_Step`: what every layer of it shares, checked once."""
+    """A new :class:`_Step`: what every layer of it shares, checked once
+    (:func:`qkv.plan_decode`). With a mask, the plan of the same step without one (kept by
+    value, ``what``) with each sequence's run of keys read from the mask
+    (:meth:`qkv.DecodePlan.for_runs`): a model's next step plans only its keys again."""
+    from ..engine.kernels.decode import key_runs
+
+    if mask is None:
+        return _new_plan(query, key, value, None, scaling, softcap)
+    if not mask.is_cpu:
+        return _Step(mask, None, None)
+    keep = _keep(mask)
+    if keep is None:
+        return _Step(mask, None, None)  # a float bias: the general road applies it
+    B, S = query.shape[0], key.shape[-2]
+    if keep.ndim != 4 or keep.shape[1:] != (1, 1, S) or keep.shape[0] not in (1, B):
+        return _Step(mask, keep, None)  # (a mask of another shape: qkv.attention says so)
+    base = None if what is None else _UNMASKED.get(what)
+    if base is None:
+        base = _new_plan(query, key, value, None, scaling, softcap)
+        if what is not None:
+            _unmasked(what, base)
+    rows = keep[:, 0, 0, :].numpy()
+    runs = key_runs(rows if len(rows) == B else np.broadcast_to(rows, (B, S)))
+    if runs is None:  # a row that is not one run of keys: the general road
+        return _Step(mask, keep, None, (None,))
+    plan = None if base.plan is None else base.plan._for_runs(runs)
+    return _Step(mask, keep, plan, runs=runs)
+
+
+def _new_plan(query: Any, key: Any, value: Any, mask: Any, scaling: Any, softcap: Any) -> _Step:
+    """:func:`_plan` read from the tensors by :func:`qkv.plan_decode`."""
     import torch
 
-    from ..engine.kernels import native_decode
+    from ..engine.decoding import NATIVE, plan_decode
 
-    if mask is not None and not mask.is_cpu:
-        return _Step(mask, None, None)
     keep = None if mask is None else _keep(mask)
-    if mask is not None and keep is None:
-        return _Step(mask, None, None)  # a float bias: the general road applies it
-    if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
+    if query.ndim != 4 or key.ndim != 4 or value.ndim != 4 or query.shape[2] != 1:
         return _Step(mask, keep, None)  # (qkv.attention says what is wrong)
+    stored = getattr(key, "qkv_stored", None)
     dt = query.dtype
-    B, hq, L, d = query.shape
-    kvh, S, dv = key.shape[1], key.shape[2], value.shape[-1]
-    rows = None
-    if keep is not None:
-        if keep.ndim != 4 or keep.shape[1:] != (1, 1, S) or keep.shape[0] not in (1, B):
-            return _Step(mask, keep, None)  # (a mask of another shape: qkv.attention says so)
-        rows = (keep.data_ptr(), keep.stride(0) if keep.shape[0] > 1 else 0, keep.stride(3))
-    if (
-        L != 1
-        or not (
-            (dt in (torch.float32, torch.float64) and key.dtype == dt and form is None)
-            or (form is not None and dt in (torch.float32, torch.bfloat16, torch.float16))
-        )
-        or value.dtype != key.dtype
-        or key.shape != (B, kvh, S, d)
-        or value.shape[:3] != (B, kvh, S)
-    ):
+    if stored is not None:
+        k, v, fmt = stored.codes_k, stored.codes_v, stored.form
+        scales = {"k_scale": stored.scales_k, "v_scale": stored.scales_v}
+        if stored.form not in ("int8", "float8_e4m3fn"):
+            scales = {}
+    else:
+        k, v, fmt, scales = key, value, None, {}
+    narrow = fmt is not None or key.dtype in (torch.bfloat16, torch.float16)
+    if not (
+        (dt in (torch.float32, torch.float64) and key.dtype == dt)
+        or (narrow and dt in (torch.float32, torch.bfloat16, torch.float16))
+    ) or not (query.is_cpu and k.is_cpu and v.is_cpu):
         return _Step(mask, keep, None)
-    plan = native_decode.DecodePlan.plan(
-        (B, hq, kvh, 1, d, dv, S), f64=dt == torch.float64, scale=scaling, softcap=softcap,
-        kv_format=form, mask=rows,
-    )  # fmt: skip
-    return _Step(mask, keep, plan)
+    try:
+        plan = plan_decode(
+            query, k, v, scale=scaling, softcap=softcap, mask=keep, kv_format=fmt, **scales
+        )
+    except InputError:  # (qkv.attention says what is wrong)
+        return _Step(mask, keep, None)
+    seen = () if mask is None else (_seen_of(plan.runs),)
+    return _Step(mask, keep, plan if plan.route == NATIVE else None, seen)
 
 
 def _decode_step(query: Any, key: Any, value: Any, step: _Step) -> Any:
@@ -216,18 +274,16 @@ def _decode_step(query: Any, key: Any, value: Any, step: _Step) -> Any:
     one run of keys; no variant but Gemma 2's soft-capping) on CPU float32/float64 tensors,
     or bfloat16/float16 ones (the keys and values read in place and widened in registers,
     computed in float32, the output given back in the model's dtype), that need no gradient
-    is one call of the native decode kernel (``step.plan``'s
-    :meth:`~qkv.engine.kernels.native_decode.DecodePlan.run`), the one :func:`qkv.attention`
-    runs for the same problem, on the tensors' memory: between the model's operations every
-    Python step finds cold caches, and the general path's checks and conversions cost more
-    than the kernel. A result that is not finite is computed again at once by the NumPy
-    decode kernel (:func:`_fallback`), not by the native kernel a second time. None where
-    this does not apply (the caller then takes :func:`qkv.attention`): another dtype or
-    device, a gradient, the kernel not built, a mask row that is not one run.
+    is one call of the native decode kernel (``step.plan``, a :class:`qkv.DecodePlan` run on
+    this layer's tensors), the one :func:`qkv.attention` runs for the same problem, on the
+    tensors' memory: between the model's operations every Python step finds cold caches, and
+    the general path's checks and conversions cost more than the kernel. A result that is not
+    finite is computed again at once by the NumPy decode kernel (the plan's NumPy road, with
+    qkv's rules for infinite and NaN inputs), not by the native kernel a second time. None
+    where this does not apply (the caller then takes :func:`qkv.attention`): another dtype or
+    device, a gradient, the kernel not built or switched off, a mask row that is not one run.
     """
     import torch
-
-    from ..engine.kernels.native_decode import layout
 
     plan = step.plan
     if (
@@ -237,56 +293,16 @@ def _decode_step(query: Any, key: Any, value: Any, step: _Step) -> Any:
         or (torch.is_grad_enabled() and value.requires_grad)
     ):
         return None
-    given, k, v, scales = query, key, value, None
     codes = getattr(key, "qkv_stored", None)  # a QuantizedKVCache layer's stand-ins
-    if codes is not None:  # 8-bit codes with a scale per token and head, read in place
-        k, v, scales = codes.codes_k, codes.codes_v, (codes.scales_k, codes.scales_v)
-    if plan.kv_format is not None and query.dtype != torch.float32:
-        query = query.float()  # one token's rows: the keys and values stay as they are
-    ql = layout(query.shape, query.stride(), 1)
-    kl = layout(k.shape, k.stride(), 1)
-    vl = layout(v.shape, v.stride(), 1)
-    if ql is None or kl is None or vl is None:
-        return None
-    rows: Any = None
-    if scales is not None:
-        found = [layout((*x.shape, 1), (*x.stride(), 1), 1) for x in scales]
-        if found[0] is None or found[1] is None:
-            return None
-        rows = ((scales[0].data_ptr(), found[0]), (scales[1].data_ptr(), found[1]))
-    # (B, heads, 1, dv) in memory: what it writes
-    B, hq, _, _ = query.shape
-    out = torch.empty((B, 1, hq, v.shape[-1]), dtype=query.dtype)
-    status = plan.run(
-        (query.data_ptr(), ql), (k.data_ptr(), kl), (v.data_ptr(), vl), out.data_ptr(),
-        scales=rows,
-    )  # fmt: skip
-    if status == 3:  # not finite: the NumPy decode kernel, with qkv's rules for that
-        return _fallback(given, key, value, step)
-    if status:  # 4: a mask row is not one run (so for every layer of the step)
-        step.plan, step._seen = None, (None,)  # the kernel's verdict, not read again here
-        return None
-    return out if out.dtype == given.dtype else out.to(given.dtype)
-
-
-def _fallback(query: Any, key: Any, value: Any, step: _Step) -> Any:
-    """A decoding step whose native result was not finite, on the general road's NumPy
-    decode kernel (``kernel="decode"``: its retries, and qkv's rules for infinite and NaN
-    inputs) over the keys the mask leaves visible, K/V widened as the general road widens them
-    (so that the native kernel is not run on them again)."""
-    import torch
-
-    stored = getattr(key, "qkv_stored", None)
-    if stored is not None:
-        key, value = stored.widened()
-    dt = query.dtype
-    if key.dtype != dt or dt not in (torch.float32, torch.float64):  # computed in float32
-        query, key, value = query.float(), key.float(), value.float()
-    plan = step.plan
-    assert plan is not None  # it ran
-    kwargs = {} if plan.softcap is None else {"softcap": plan.softcap}
-    out, _ = _general(None, query, key, value, step.mask, plan.scale, kwargs, step, "decode")
-    return out if out.dtype == dt else out.to(dt)
+    if codes is None:
+        out = plan.run(query, key, value)
+    elif plan.kv_format in ("int8", "float8_e4m3fn"):  # 8-bit codes with a scale per row
+        out = plan.run(
+            query, codes.codes_k, codes.codes_v, k_scale=codes.scales_k, v_scale=codes.scales_v
+        )
+    else:
+        out = plan.run(query, codes.codes_k, codes.codes_v)
+    return out.transpose(1, 2)  # (batch, heads, 1, dv) in memory: (batch, 1, heads, dv)
 
 
 def _decode_fast(
@@ -296,9 +312,9 @@ def _decode_fast(
     soft-capping (no other variant, no weights asked for); None otherwise.
 
     The step's plan (:func:`_step`) is made by the first layer and shared by the others: a mask
-    ``(batch or 1, 1, 1, S)`` is handed to the kernel as boolean rows (transformers builds
+    ``(batch or 1, 1, 1, S)`` is read once as each sequence's run of keys (transformers builds
     booleans for this backend; a float mask of only ``0`` and ``-inf`` is turned into them
-    once), and the kernel reads each sequence's run of keys from it.
+    once).
     """
     for name in ("position_bias", "s_aux", "sinks"):
         if kwargs.get(name) is not None:
@@ -307,6 +323,51 @@ def _decode_fast(
         return None
     step = _step(query, key, value, mask, scaling, kwargs.get("softcap"))
     return _decode_step(query, key, value, step)
+
+
+#: Where a prefill's mask keeps what it was read as (:func:`_prefill_mask`).
+_ON_PREFILL_MASK = "_qkv_prefill"
+
+
+def _prefill_mask(mask: Any) -> Any:
+    """A prefill's mask as every layer hands it to :func:`qkv.attention`, read once per model
+    step (kept on the mask; read again if it is changed in place): a padding mask (each
+    sequence's keys a leading run, the same for every query) as a ``(batch, 1, 1, S)`` boolean
+    array, which the validation reads as key counts at the cost of one row per sequence, or
+    None where it hides nothing; a float mask of only ``0`` and ``-inf`` as booleans; any
+    other mask as it is."""
+    version = getattr(mask, "_version", None)
+    kept = getattr(mask, _ON_PREFILL_MASK, None)
+    if kept is not None and kept[0] == version:
+        return kept[1]
+    found = _read_prefill_mask(mask)
+    try:
+        setattr(mask, _ON_PREFILL_MASK, (version, found))
+    except (AttributeError, RuntimeError):
+        pass  # a tensor that takes no attribute: read per layer
+    return found
+
+
+def _read_prefill_mask(mask: Any) -> Any:
+    """:func:`_prefill_mask`'s reading of ``mask`` (a 4-D CPU tensor, or anything else as it
+    is)."""
+    import numpy as np
+
+    from ..masks import tail_counts
+
+    if getattr(mask, "ndim", 0) != 4 or not mask.is_cpu:
+        return mask
+    keep = _keep(mask)
+    if keep is None:
+        return mask  # a true float bias
+    rows = keep.numpy()
+    counts = tail_counts(rows, 2)
+    if counts is None:
+        return rows  # booleans: not read from floats again by each layer
+    S = rows.shape[-1]
+    if bool((counts == S).all()):
+        return None  # hides nothing
+    return (np.arange(S)[None, :] < counts[:, None])[:, None, None, :]
 
 
 def attention_forward(
@@ -398,6 +459,9 @@ def _general(
         is_causal = getattr(module, "is_causal", True)
     mask = _split_mask(attention_mask, kwargs.get("position_bias"))
     L, S = query.shape[-2], key.shape[-2]
+    if L > 1 and mask is attention_mask and mask is not None and not OBSERVERS:
+        mask = _prefill_mask(mask)  # read once per model step, for every layer (observers
+        # such as qkv.integrations.capture see the model's own mask)
     causal, window, skipped = False, None, 0  # skipped: keys left out before those read
     if attention_mask is None and is_causal and L > 1:
         # transformers left the mask out because PyTorch's top-left `is_causal` covers it: either

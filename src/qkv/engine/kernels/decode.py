@@ -473,6 +473,8 @@ def key_runs(rows: np.ndarray) -> KeyRuns | None:
     n, S = rows.shape
     if n and not S:
         return None  # no key to see
+    if rows.all():  # every key (a batch without padding): one reduction
+        return KeyRuns(np.zeros(n, np.int64), np.full(n, S, np.int64))
     lo = rows.argmax(axis=1)
     hi = S - rows[:, ::-1].argmax(axis=1)
     if not (rows.sum(axis=1) == hi - lo).all() or not rows[np.arange(n), lo].all():

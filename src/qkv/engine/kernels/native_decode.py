@@ -76,6 +76,7 @@ __all__ = [
     "DecodePlan",
     "Operand",
     "Prepared",
+    "Template",
     "attend",
     "attend_finite",
     "attend_stored",
@@ -86,6 +87,7 @@ __all__ = [
     "paged_step",
     "prepare",
     "step",
+    "template",
 ]
 
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
@@ -509,6 +511,69 @@ class DecodePlan:
             threads=self.threads, isa=self.isa, softcap=self.softcap, mask=self.mask,
             kv_format=self.kv_format, scales=scales,
         )  # fmt: skip
+
+
+class Template:
+    """A planned step's argument struct with every field but the addresses of ``q``, ``k``,
+    ``v``, ``out``, ``lse`` (and of the 8-bit forms' scales) filled, and the library's
+    function that runs it: :meth:`run` copies it, sets those addresses and calls the kernel.
+    What :class:`qkv.engine.decoding.DecodePlan` holds per step (built by :func:`template`)."""
+
+    __slots__ = ("args", "function", "kv_format", "threads")
+
+    def __init__(
+        self, args: bytes, function: Any, threads: int | None, kv_format: str | None = None
+    ) -> None:
+        self.args, self.function, self.threads = args, function, threads
+        self.kv_format = kv_format  # (what the K/V are stored as, for whoever asks)
+
+    def with_runs(self, lo: int, hi: int) -> Template:
+        """This template reading each sequence's run of keys from the int64 arrays at ``lo``
+        and ``hi``."""
+        args = DecodeArgs.from_buffer_copy(self.args)
+        args.lo, args.hi = lo, hi
+        return Template(bytes(args), self.function, self.threads, self.kv_format)
+
+    def run(
+        self, q: int, k: int, v: int, out: int, lse: int, scales: tuple[int, int] | None = None
+    ) -> int:
+        """The kernel on these addresses: its status (0; 3 when a result is not finite).
+        A run of keys outside the K/V (or a block table entry outside the pool) is refused
+        by the kernel, :class:`~qkv.errors.InputError`, nothing read."""
+        args = DecodeArgs.from_buffer_copy(self.args)  # one per call: any thread may run it
+        args.q, args.k, args.v, args.out, args.lse = q, k, v, out, lse
+        if scales is not None:
+            args.k_scale, args.v_scale = scales
+        team, n = openmp_parallel()
+        args.threads, args.parallel = (n if self.threads is None else workers(self.threads)), team
+        return checked(self.function(ctypes.byref(args)), args, "decode", (3,))
+
+
+def template(
+    plan: DecodePlan,
+    q: tuple[int, int, int],
+    k: tuple[int, int, int],
+    v: tuple[int, int, int],
+    *,
+    scales: tuple[tuple[int, int, int], tuple[int, int, int]] | None = None,
+    pages: tuple[int, int, int, int] | None = None,
+) -> Template | None:
+    """:class:`Template` of ``plan`` for operands of these ``(sequence, head, row)`` strides
+    in elements (``(page, head, row)`` with ``pages``, as :func:`launch` takes them); None
+    where the library is not loaded."""
+    lib = library()[0]
+    if lib is None:
+        return None
+    lo, hi = plan.runs_at or (None, None)
+    (kss, vss) = scales or ((0, 0, 0), (0, 0, 0))
+    args = DecodeArgs(
+        *plan.sizes, None, *q, None, *k, None, *v, lo, hi, None, None, plan.scale, 1,
+        plan.isa or isa_cap(), None, plan.softcap or 0.0, *(plan.mask or (None, 0, 0)),
+        KV_FORMATS[plan.kv_format] if plan.kv_format else numerics.SAME_CODE, None, *kss,
+        None, *vss, *(pages or (None, 0, 0, 0)),
+    )  # fmt: skip
+    function = lib.qkv_decode_f64 if plan.f64 else lib.qkv_decode_f32
+    return Template(bytes(args), function, plan.threads, plan.kv_format)
 
 
 def _stored_form(dt: np.dtype, k: np.ndarray, v: np.ndarray, kv_format: str | None) -> str | None:

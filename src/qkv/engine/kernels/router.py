@@ -4,10 +4,11 @@ conditions as data, and one walk over them.
 Every decision of which kernel computes a call is taken here, and only here (the kernels are
 algorithms that no longer choose among themselves): :func:`forward` for the attention of a
 :class:`~qkv.validate.Plan`, :func:`backward` for its gradients, :func:`packed` for a packed
-varlen batch, :func:`cache_step` for a :class:`~qkv.KVCache`'s decoding step on its own
-buffers, :func:`compiled_decode` for the decode kernel's compiled loop and
-:func:`decode_together` for a batch of short caches. A table lists its kernels fastest first,
-the general NumPy kernel last (it takes everything); the first whose conditions all hold runs.
+varlen batch, :func:`decode_plan` for a decoding step planned once and run per layer
+(:class:`qkv.DecodePlan`; :func:`cache_step` asks the same of a cache's step),
+:func:`compiled_decode` for the decode kernel's compiled loop and :func:`decode_together`
+for a batch of short caches. A table lists its kernels fastest first, the general NumPy
+kernel last (it takes everything); the first whose conditions all hold runs.
 :func:`explain` walks the same table and says, for each faster kernel, the condition that
 refused it -- what :func:`qkv.route` and ``qkv info --route`` show. PyTorch's
 ``select_sdp_backend`` is the model: one list of back ends, each with its list of conditions.
@@ -32,6 +33,7 @@ from .threads import team_preferred
 __all__ = [
     "BACKWARD",
     "BF16",
+    "DECODE_PLAN",
     "DECODE_STEP",
     "PREFILL",
     "CACHE_STEP",
@@ -51,6 +53,7 @@ __all__ = [
     "cache_step",
     "compiled_decode",
     "compiled_team",
+    "decode_plan",
     "decode_together",
     "explain",
     "first",
@@ -92,10 +95,13 @@ class Ask:
     the caller asked for, and the sizes, each computed once and only when a condition reads
     it."""
 
-    __slots__ = ("_size", "kernel", "narrow", "plan")
+    __slots__ = ("_size", "kernel", "narrow", "operands", "plan")
 
-    def __init__(self, plan: Any, kernel: str = "auto", narrow: bool = False) -> None:
+    def __init__(
+        self, plan: Any, kernel: str = "auto", narrow: bool = False, operands: str | None = None
+    ) -> None:
         self.plan, self.kernel, self.narrow = plan, kernel, narrow
+        self.operands = operands  # why a kernel cannot read the operands as they are, or None
         self._size = -1
 
     @property
@@ -402,12 +408,14 @@ PACKED: tuple[Kernel, ...] = (
     Kernel("packed walk", "tiled", ()),
 )
 
-# A KVCache's decoding step on its own buffers (native_decode.prepare): each sequence its own
-# run of keys, a window worked out per sequence by the cache; ``narrow``: K/V stored in
-# fewer than 32 bits, computed in float32.
-CACHE_STEP: tuple[Kernel, ...] = (
+# A decoding step planned once and run per layer (qkv.engine.decoding.DecodePlan: qkv.DecodePlan,
+# KVCache's and PagedKVCache's steps, the transformers backend's): each sequence its own run of
+# keys, a window worked out per sequence by the caller; ``narrow``: K/V stored in fewer than 32
+# bits, computed in float32; ``operands``: why the native step cannot read the operands (their
+# strides, a stored form it does not take, a mask row that is not one run), or None.
+DECODE_PLAN: tuple[Kernel, ...] = (
     Kernel(
-        "native decode on the cache",
+        "native decode",
         "decode",
         (
             _NO_TILE_VARIANT,
@@ -417,15 +425,18 @@ CACHE_STEP: tuple[Kernel, ...] = (
                 "a window with more than one query row",
             ),
             _SCALE_FITS,
+            _F32_OR_F64,
             _c(
                 lambda a: not a.narrow or a.plan.acc_dtype == _F32,
                 lambda a: f"16- or 8-bit K/V computed in {a.plan.acc_dtype}, not float32",
             ),
+            _c(lambda a: a.operands is None, lambda a: str(a.operands)),
             _NATIVE,
         ),
     ),
-    Kernel("general road", "decode", ()),
+    Kernel("NumPy decode", "decode", ()),
 )
+CACHE_STEP = DECODE_PLAN  # (its former name: a cache's step is such a plan)
 
 # What the decode kernel's compiled loop (Numba) asks of a plan, in both tables below.
 _ROWS_PER_HEAD = _c(
@@ -531,9 +542,22 @@ def packed(q: np.ndarray, k: np.ndarray, v: np.ndarray, dtype: np.dtype) -> Kern
 
 
 def cache_step(plan: Plan, narrow: bool) -> str | None:
-    """Why a cache's native decoding step does not serve ``plan`` (checked against stand-ins
-    of the cache's shapes), or None where it does (:data:`CACHE_STEP`)."""
-    return _refusal(CACHE_STEP[0], Ask(plan, narrow=narrow))
+    """Why the native decoding step does not serve ``plan`` (checked against stand-ins
+    of the K/V shapes), or None where it does (:data:`DECODE_PLAN`)."""
+    return _refusal(DECODE_PLAN[0], Ask(plan, narrow=narrow))
+
+
+def decode_plan(plan: Plan, narrow: bool, operands: str | None) -> list[tuple[str, str]]:
+    """The walk of :data:`DECODE_PLAN` for a decoding step's ``plan`` (checked against
+    stand-ins of the K/V shapes): ``[(kernel, why refused)..., (chosen, "")]``."""
+    ask = Ask(plan, narrow=narrow, operands=operands)
+    said = []
+    for row in DECODE_PLAN:
+        why = _refusal(row, ask)
+        said.append((row.name, why or ""))
+        if why is None:
+            return said
+    raise AssertionError("a table's last row takes everything")
 
 
 def compiled_decode(plan: Plan) -> bool:
