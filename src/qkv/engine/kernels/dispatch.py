@@ -128,6 +128,7 @@ _new = tuple.__new__  # builds a Choice without the named tuple's keyword handli
 RUNNERS: dict[str, tuple[Any, str]] = {
     "native decode, stored K/V": (native_decode, "attend_stored"),
     "native bfloat16 prefill": (native_bf16, "attend"),
+    "native prefill, own tiles, stored K/V": (native, "attend_stored_own"),
     "native prefill, stored K/V": (native, "attend_stored"),
     "dense (forced)": (dense, "attend"),
     "tiled (forced)": (tiled, "attend"),
@@ -135,6 +136,7 @@ RUNNERS: dict[str, tuple[Any, str]] = {
     "native decode": (native_decode, "attend"),
     "decode": (decode, "attend"),
     "dense": (dense, "attend"),
+    "native prefill, own tiles": (stacked, "attend_own"),
     "native prefill": (stacked, "attend"),
     "packed walk": (packed, "attend_plan"),
     "tiled": (tiled, "attend"),
