@@ -250,10 +250,7 @@ void forward_block(const Block<T>& b, Shared<Gemm> sh, Buffers<T>& buf) {
         const int64_t lds = sh.prod.run ? (n + w - 1) / w * w : n;
         if (sh.prod.run) {  // S (nr x lds) = (scale · Q[ra:rb]) · Kᵀ, Kᵀ packed (d x lds)
             T* kt = buf.kt.data();
-            for (int64_t j = 0; j < n; ++j)
-                for (int64_t c = 0; c < sh.d; ++c) kt[c * lds + j] = kp[j * b.k_rs + c];
-            for (int64_t c = 0; c < sh.d; ++c)
-                for (int64_t j = n; j < lds; ++j) kt[c * lds + j] = 0;
+            sh.prod.pack(PackArgs{kp, b.k_rs, n, sh.d, kt, lds});
             ProdArgs pa;
             pa.m = nr;
             pa.n = lds;
@@ -349,7 +346,7 @@ void forward_block(const Block<T>& b, Shared<Gemm> sh, Buffers<T>& buf) {
 }
 
 template <typename Gemm, typename Args>
-Shared<Gemm> shared_of(const Args& a, int64_t bk, step_t step, Products prod = {nullptr, 0}) {
+Shared<Gemm> shared_of(const Args& a, int64_t bk, step_t step, Products prod = {nullptr, nullptr, 0}) {
     Shared<Gemm> sh;
     sh.prod = prod;
     sh.S = 0;
@@ -375,7 +372,7 @@ int run(const qkv_prefill_args& a, int kv_format = 0) {
     const int64_t nqb = (a.L + bq - 1) / bq;
     const int64_t ntasks = a.nb * nqb;
     const int isa = chosen_isa(a.isa);
-    const Products prod = a.products ? pick_products<T>(isa) : Products{nullptr, 0};
+    const Products prod = a.products ? pick_products<T>(isa) : Products{nullptr, nullptr, 0};
     const Shared<Gemm> sh = shared_of<Gemm>(a, bk, pick_step<T>(isa), prod);
     const widen_t widen = kv_format ? pick_widen(isa, kv_format) : nullptr;
     const T* Q = static_cast<const T*>(a.q);

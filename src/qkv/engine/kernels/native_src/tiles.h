@@ -20,6 +20,10 @@
 
 #include "common.h"
 
+#if QKV_X86
+#include <immintrin.h>
+#endif
+
 namespace {
 
 // The operands of one product; the caller's pointers are float or double as the clone's.
@@ -123,9 +127,88 @@ QKV_PRODUCT_CLONE(QKV_AVX512, avx512, 16, 8, 8, 8)
 
 typedef void (*prod_t)(const ProdArgs&);
 
-// The product of the clone isa runs, and its lane width in T (what n must be a multiple of).
+// A piece of keys packed for the scores' product: rows [0, n) of k (row stride k_rs, d
+// columns) into kt (d x lds) transposed, its columns [n, lds) zero.
+struct PackArgs {
+    const void* k;
+    int64_t k_rs, n, d;
+    void* kt;
+    int64_t lds;
+};
+
+// The transposition's blocks of B x B (B = 8: AVX2, 4: SSE), then the edges one by one.
+template <typename T, int B, typename Block>
+QKV_INLINE void pack_keys(const PackArgs& p, const Block& block) {
+    const T* k = static_cast<const T*>(p.k);
+    T* kt = static_cast<T*>(p.kt);
+    const int64_t n = p.n, d = p.d, lds = p.lds, nb = B > 1 ? n / B * B : 0;
+    const int64_t db = B > 1 ? d / B * B : 0;
+    for (int64_t j = 0; j < nb; j += B)
+        for (int64_t c = 0; c < db; c += B) block(k + j * p.k_rs + c, p.k_rs, kt + c * lds + j, lds);
+    for (int64_t j = 0; j < nb; ++j)  // the columns past the blocks
+        for (int64_t c = db; c < d; ++c) kt[c * lds + j] = k[j * p.k_rs + c];
+    for (int64_t c = 0; c < d; ++c) {  // the keys past the blocks, and the zero padding
+        T* row = kt + c * lds;
+        for (int64_t j = nb; j < n; ++j) row[j] = k[j * p.k_rs + c];
+        for (int64_t j = n; j < lds; ++j) row[j] = 0;
+    }
+}
+
+template <typename T>
+QKV_INLINE void pack_plain(const PackArgs& p) {
+    pack_keys<T, 1>(p, [](const T*, int64_t, T*, int64_t) {});
+}
+
+#if QKV_X86
+// 8 x 8 floats: rows of src (stride ss) become rows of dst (stride ds) as its columns.
+QKV_AVX2 inline void transpose8(const float* src, int64_t ss, float* dst, int64_t ds) {
+    __m256 r[8], t[8], u[8];
+    for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * ss);
+    for (int i = 0; i < 4; ++i) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int h = 0; h < 2; ++h) {  // rows 0-3, then 4-7
+        u[4 * h + 0] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        u[4 * h + 1] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        u[4 * h + 2] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        u[4 * h + 3] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int i = 0; i < 4; ++i) {
+        _mm256_storeu_ps(dst + i * ds, _mm256_permute2f128_ps(u[i], u[i + 4], 0x20));
+        _mm256_storeu_ps(dst + (i + 4) * ds, _mm256_permute2f128_ps(u[i], u[i + 4], 0x31));
+    }
+}
+
+// 4 x 4 floats (SSE, in every x86-64 CPU).
+inline void transpose4(const float* src, int64_t ss, float* dst, int64_t ds) {
+    __m128 r0 = _mm_loadu_ps(src), r1 = _mm_loadu_ps(src + ss);
+    __m128 r2 = _mm_loadu_ps(src + 2 * ss), r3 = _mm_loadu_ps(src + 3 * ss);
+    _MM_TRANSPOSE4_PS(r0, r1, r2, r3);
+    _mm_storeu_ps(dst, r0);
+    _mm_storeu_ps(dst + ds, r1);
+    _mm_storeu_ps(dst + 2 * ds, r2);
+    _mm_storeu_ps(dst + 3 * ds, r3);
+}
+
+void pack_base_f32(const PackArgs& p) { pack_keys<float, 4>(p, transpose4); }
+QKV_AVX2 void pack_avx2_f32(const PackArgs& p) { pack_keys<float, 8>(p, transpose8); }
+QKV_AVX512 void pack_avx512_f32(const PackArgs& p) { pack_keys<float, 8>(p, transpose8); }
+void pack_base_f64(const PackArgs& p) { pack_plain<double>(p); }
+QKV_AVX2 void pack_avx2_f64(const PackArgs& p) { pack_plain<double>(p); }
+QKV_AVX512 void pack_avx512_f64(const PackArgs& p) { pack_plain<double>(p); }
+#else
+void pack_base_f32(const PackArgs& p) { pack_plain<float>(p); }
+void pack_base_f64(const PackArgs& p) { pack_plain<double>(p); }
+#endif
+
+typedef void (*pack_t)(const PackArgs&);
+
+// The product of the clone isa runs, its key packing, and its lane width in T (what n must be
+// a multiple of).
 struct Products {
     prod_t run;
+    pack_t pack;
     int64_t width;
 };
 
@@ -133,8 +216,11 @@ template <typename T>
 Products pick_products(int isa) {
     const int64_t lanes = isa == 3 && QKV_X86 ? 64 : isa == 2 && QKV_X86 ? 32 : 16;
     const int64_t width = lanes / int64_t(sizeof(T));
-    if (sizeof(T) == 4) return {pick_clone<prod_t>(isa, QKV_CLONES(prod, f32)), width};
-    return {pick_clone<prod_t>(isa, QKV_CLONES(prod, f64)), width};
+    if (sizeof(T) == 4)
+        return {pick_clone<prod_t>(isa, QKV_CLONES(prod, f32)),
+                pick_clone<pack_t>(isa, QKV_CLONES(pack, f32)), width};
+    return {pick_clone<prod_t>(isa, QKV_CLONES(prod, f64)),
+            pick_clone<pack_t>(isa, QKV_CLONES(pack, f64)), width};
 }
 
 }  // namespace
