@@ -17,7 +17,7 @@ import numpy as np
 from ...validate import Plan
 from . import native
 
-__all__ = ["MAX_ROWS", "attend", "attend_own", "stacks"]
+__all__ = ["MAX_ROWS", "attend", "attend_own", "attend_own_finite", "stacks"]
 
 #: Stacked rows (``group · L``) up to which the heads of a kv head run as one block.
 MAX_ROWS = 512
@@ -50,3 +50,10 @@ def attend_own(plan: Plan, counts: np.ndarray | None = None) -> tuple[np.ndarray
     """:func:`attend` on the library's own tile products (the router's "native prefill, own
     tiles")."""
     return attend(plan, counts, products="own")
+
+
+def attend_own_finite(plan: Plan) -> tuple[np.ndarray, np.ndarray] | None:
+    """:func:`attend_own`'s result when every output is finite, else None (the dispatcher's
+    overflow rules then run): the short road a small call takes."""
+    out, lse = attend(plan, products="own")
+    return (out, lse) if np.isfinite(out).all() else None

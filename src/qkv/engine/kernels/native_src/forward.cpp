@@ -19,9 +19,10 @@
 // The tile products go through the caller's BLAS, or (products = 1) the library's own
 // register-blocked micro-kernel (tiles.h: no per-call cost, the short rows' and small heads'
 // case), and the softmax step runs in the vector clone the CPU supports (common.h). With the
-// own products the keys of each piece are packed transposed (d x n, zero-padded to the
-// clone's lane width) for the scores' product, and the accumulator's rows are padded likewise. K and V may also be stored as bfloat16 or float16 (float32
-// compute): each work item then widens the keys its rows see into its own buffers.
+// own products the block's queries are copied scaled once, the keys of each piece are packed
+// transposed (d x n, zero-padded to the clone's lane width) for the scores' product, and the
+// accumulator's rows are padded likewise. K and V may also be stored as bfloat16 or float16
+// (float32 compute): each work item then widens the keys its rows see into its own buffers.
 
 #include "common.h"
 #include "tiles.h"
@@ -346,7 +347,8 @@ void forward_block(const Block<T>& b, Shared<Gemm> sh, Buffers<T>& buf) {
 }
 
 template <typename Gemm, typename Args>
-Shared<Gemm> shared_of(const Args& a, int64_t bk, step_t step, Products prod = {nullptr, nullptr, 0}) {
+Shared<Gemm> shared_of(const Args& a, int64_t bk, step_t step,
+                       Products prod = {nullptr, nullptr, 0}) {
     Shared<Gemm> sh;
     sh.prod = prod;
     sh.S = 0;
@@ -383,7 +385,8 @@ int run(const qkv_prefill_args& a, int kv_format = 0) {
     const T* BIAS = static_cast<const T*>(a.bias);
     int no_memory = 0;  // a task could not widen its keys
     const int status = for_tasks<Buffers<T>>(
-        ntasks, a.threads, nullptr, [&](Buffers<T>& buf) { return buf.make(bq, bk, a.d, a.dv, prod.width); },
+        ntasks, a.threads, nullptr,
+        [&](Buffers<T>& buf) { return buf.make(bq, bk, a.d, a.dv, prod.width); },
         [&](Buffers<T>& buf, int64_t t) {
         // latest query blocks first: under causal they cost the most
         const int64_t qb = nqb - 1 - t / a.nb, h = t % a.nb;

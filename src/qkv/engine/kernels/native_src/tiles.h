@@ -144,7 +144,8 @@ QKV_INLINE void pack_keys(const PackArgs& p, const Block& block) {
     const int64_t n = p.n, d = p.d, lds = p.lds, nb = B > 1 ? n / B * B : 0;
     const int64_t db = B > 1 ? d / B * B : 0;
     for (int64_t j = 0; j < nb; j += B)
-        for (int64_t c = 0; c < db; c += B) block(k + j * p.k_rs + c, p.k_rs, kt + c * lds + j, lds);
+        for (int64_t c = 0; c < db; c += B)
+            block(k + j * p.k_rs + c, p.k_rs, kt + c * lds + j, lds);
     for (int64_t j = 0; j < nb; ++j)  // the columns past the blocks
         for (int64_t c = db; c < d; ++c) kt[c * lds + j] = k[j * p.k_rs + c];
     for (int64_t c = 0; c < d; ++c) {  // the keys past the blocks, and the zero padding
