@@ -363,7 +363,7 @@ UNITS = (
     "decode_avx512", "decode_avx2", "decode",
     "forward", "backward_bf16", "forward_bf16", "backward",
 )  # fmt: skip
-HEADERS = ("abi", "common", "bf16", "pool", "widen")
+HEADERS = ("abi", "common", "bf16", "pool", "tiles", "widen")
 
 
 def _native() -> list[Extension]:

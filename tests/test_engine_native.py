@@ -126,11 +126,12 @@ def problems(draw):
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(problems())
-def test_native_property(problem):
+@given(problems(), st.sampled_from(["blas", "own"]))
+def test_native_property(problem, products):
+    """Either tile products: BLAS's or the library's own (tiles.h)."""
     q, k, v, opts, run = problem
     plan = make_plan(q, k, v, **opts)
-    out, lse = native.attend(plan, **run)
+    out, lse = native.attend(plan, products=products, **run)
     assert out.dtype == plan.acc_dtype and out.shape == plan.batch + (plan.L, plan.dv)
     f64 = [x.astype(np.float64) for x in (q, k, v)]
     check(out, lse, *f64, dtype=q.dtype.type, **opts)
@@ -154,11 +155,13 @@ def stored_problems(draw):
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(stored_problems())
-def test_stored_half_kv_prefill_equals_reference(problem):
+@given(stored_problems(), st.sampled_from(["blas", "own"]))
+def test_stored_half_kv_prefill_equals_reference(problem, products):
     """float16/bfloat16 K/V read as stored (widened per work item, exactly): bit for bit the
-    float32 kernel's numbers on the widened K/V, and the float64 reference's."""
+    float32 kernel's numbers on the widened K/V, and the float64 reference's; with either
+    tile products."""
     q, k, v, opts, run = problem
+    run = dict(run, products=products)
     plan = make_plan(q, k, v, keep_stored=True, **opts)
     out, lse = native.attend(plan, **run)
     wide_out, wide_lse = native.attend(plan.materialized(), **run)

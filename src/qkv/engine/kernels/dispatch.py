@@ -105,7 +105,8 @@ class Choice(NamedTuple):
         A shorter road tried before ``run``: it gives a finite ``(out, lse)`` or None (then
         ``run`` and the overflow retries follow). The dense kernel's for a problem whose rows
         all see every key, with no variant (:func:`dense.attend_plain`); the native decode
-        step's for a plan with no mask (it checks its own result).
+        step's for a plan with no mask (it checks its own result); the native prefill's on its
+        own tile products where the scale is a normal number.
     kernel : str
         The router's name of the kernel (a row of :data:`~qkv.engine.kernels.router.FORWARD`).
     stored : bool
@@ -128,6 +129,7 @@ _new = tuple.__new__  # builds a Choice without the named tuple's keyword handli
 RUNNERS: dict[str, tuple[Any, str]] = {
     "native decode, stored K/V": (native_decode, "attend_stored"),
     "native bfloat16 prefill": (native_bf16, "attend"),
+    "native prefill, own tiles, stored K/V": (native, "attend_stored_own"),
     "native prefill, stored K/V": (native, "attend_stored"),
     "dense (forced)": (dense, "attend"),
     "tiled (forced)": (tiled, "attend"),
@@ -135,6 +137,7 @@ RUNNERS: dict[str, tuple[Any, str]] = {
     "native decode": (native_decode, "attend"),
     "decode": (decode, "attend"),
     "dense": (dense, "attend"),
+    "native prefill, own tiles": (stacked, "attend_own"),
     "native prefill": (stacked, "attend"),
     "packed walk": (packed, "attend_plan"),
     "tiled": (tiled, "attend"),
@@ -170,6 +173,8 @@ def choose(plan: Plan, kernel: str = "auto") -> Choice:
         first = _dense_plain if _plain(plan) else None
     elif name == "native decode" and plan.mask is None:
         first = native_decode.attend_finite
+    elif name == "native prefill, own tiles" and scale_fits(plan):
+        first = stacked.attend_own_finite
     module, function = RUNNERS[name]
     values = (row.family, getattr(module, function), ask.size, plan.L * plan.S, first, name)
     return _new(Choice, (*values, row.stored))
@@ -277,7 +282,7 @@ def _on_key_counts(plan: Plan) -> tuple[np.ndarray, np.ndarray] | None:
         if choice.stored:  # None (not finite): the caller's general road, on the mask
             found = run(base)
             return None if found is None else mods.with_sinks(base, *found)
-        return attend(base, choice=choice._replace(run=run))
+        return attend(base, choice=choice._replace(run=run, first=None))  # first: no counts
     if key_counts.groups(counts) > key_counts.MAX_GROUPS:
         return None
     return key_counts.attend_grouped(plan, attend)

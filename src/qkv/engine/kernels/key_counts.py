@@ -58,7 +58,12 @@ MAX_GROUPS = 2
 
 #: The router's kernels that take the key counts themselves (``counts=``): the native
 #: prefill's work items clip their rows' keys to their batch row's count.
-READ_BY = ("native prefill", "native prefill, stored K/V")
+READ_BY = (
+    "native prefill, own tiles",
+    "native prefill, own tiles, stored K/V",
+    "native prefill",
+    "native prefill, stored K/V",
+)
 
 
 def applies(plan: Plan) -> bool:

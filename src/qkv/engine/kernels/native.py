@@ -43,6 +43,8 @@ Examples
 from __future__ import annotations
 
 import functools
+import math
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -76,6 +78,8 @@ __all__ = [
     "ISAS",
     "attend",
     "attend_packed",
+    "attend_stored",
+    "attend_stored_own",
     "available",
     "backward",
     "info",
@@ -87,6 +91,9 @@ __all__ = [
 # the varlen batch of bench/varlen.py about 20% faster.
 BLOCK_Q = 512
 BLOCK_K = 768
+# Who computes the prefill's tile products (qkv_prefill_args.products): BLAS, or the library's
+# own micro-kernel (native_src/tiles.h)
+PRODUCTS = {"blas": 0, "own": 1}
 BWD_BLOCK_Q = 128  # the backward's tiles (it holds two of them: weights and their gradient)
 BWD_BLOCK_K = 128
 _ISA_NAMES = {v: k for k, v in ISAS.items()}
@@ -187,7 +194,7 @@ def _fit_rows(block_q: int, tasks: Any, threads: int) -> int:
 
 
 def _mask_and_rule(
-    plan: Plan, threads: int, isa: str | None, gemm: int, block_q: int, block_k: int
+    plan: Plan, threads: int, isa: str | None, gemm: int | None, block_q: int, block_k: int
 ) -> tuple[dict[str, Any], tuple[Any, Any]]:
     """The fields the prefill and the backward share after their operands: the mask or bias
     (:func:`~qkv.engine.kernels.native_lib.mask_operand`), the scale and visibility rule,
@@ -218,6 +225,8 @@ def attend(
     block_q: int = BLOCK_Q,
     block_k: int = BLOCK_K,
     counts: np.ndarray | None = None,
+    products: str = "blas",
+    stack: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Fused prefill: output ``(*batch, L, dv)`` and lse ``(*batch, L)``, compute dtype.
 
@@ -241,33 +250,49 @@ def attend(
         :mod:`~qkv.engine.kernels.key_counts`): row ``b`` attends keys ``[0, counts[b])``
         only, causal and the window still aligned to all ``S`` keys; the plan's mask is not
         read then (the caller passes the plan without it).
+    products : {"blas", "own"}, optional
+        Who computes the tile products: BLAS ``sgemm``/``dgemm`` (one call per tile), or the
+        library's own register-blocked micro-kernel in the chosen vector clone
+        (``native_src/tiles.h``; no BLAS needed, no cost per call: the short rows' and small
+        heads' choice, :data:`~qkv.engine.kernels.router.OWN_TILES`).
+    stack : bool, optional
+        Run the query heads of each kv head as one block of rows (a plan with grouped heads and
+        no causal rule, window or mask: :func:`qkv.engine.kernels.stacked.stacks`).
     """
-    gemm = _blas()
+    own = products == "own"
+    gemm = None if own else _blas()[plan.acc_dtype]
+    if own and library()[0] is None:
+        raise RuntimeError(f"qkv native kernels unavailable: {library()[1]}")
     assert plan.v is not None  # the router asks for values
     dt = plan.acc_dtype
-    batch, L, dv = plan.batch, plan.L, plan.dv
+    batch, L, dv, q, group = plan.batch, plan.L, plan.dv, plan.q, plan.group
+    shape = batch + (L, dv)
+    if stack and group > 1:  # the g query heads of a kv head: one (g · L)-row block
+        batch, L = (*batch[:-1], batch[-1] // group), group * L
+        q, group = q.reshape(batch + (L, plan.d)), 1
     out = np.empty(batch + (L, dv), dtype=dt)
     lse = np.empty(batch + (L,), dtype=dt)
-    nb = int(np.prod(batch, dtype=np.int64))
+    nb = math.prod(batch)
     if nb == 0:
-        return out, lse
+        return out.reshape(shape), lse.reshape(shape[:-1])
     function, k, v = _reading(plan, "prefill")
-    fields, arrays = prefill_operands(plan.q, k, v, plan.group)
-    n = workers(threads, blas=True)  # BLAS tiles: one thread unless BLAS can be held
+    fields, arrays = prefill_operands(q, k, v, group)
+    n = workers(threads, blas=not own)  # BLAS tiles: one thread unless BLAS can be held
     block_q = _fit_rows(block_q, lambda bq: nb * -(-L // bq), n)
-    rule, held = _mask_and_rule(plan, n, isa, gemm[dt], block_q, block_k)
+    rule, held = _mask_and_rule(plan, n, isa, gemm, block_q, block_k)
     per_head = None
     if counts is not None:  # one per head: each batch row's count over its other batch axes
         per_head = np.ascontiguousarray(np.repeat(counts, nb // counts.size), dtype=np.int64)
         rule["counts"] = address(per_head)
+    rule["products"] = PRODUCTS[products]
     args = PrefillArgs(
         nb=nb, L=L, S=plan.S, d=plan.d, dv=dv, out=address(out), lse=address(lse),
         **fields, **rule,
     )  # fmt: skip
-    with single_threaded_blas():
+    with nullcontext() if own else single_threaded_blas():
         invoke(function, args, "prefill")
     del held, arrays, per_head  # what the call read
-    return out, lse
+    return out.reshape(shape), lse.reshape(shape[:-1])
 
 
 _STORED = {"float16": "f16", "bfloat16": "bf16"}  # K/V forms the float32 kernels read as stored
@@ -290,14 +315,23 @@ def attend_stored(
     threads: int | None = None,
     isa: str | None = None,
     counts: np.ndarray | None = None,
+    products: str = "blas",
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """:func:`attend` on a plan whose float16 or bfloat16 K/V are read as stored (the router's
     "native prefill, stored K/V"): float32 output and lse;
     ``None`` when some output is not finite (the caller's general path applies its rules, on
-    the widened K/V). ``counts`` as for :func:`attend`."""
+    the widened K/V). ``counts`` and ``products`` as for :func:`attend`."""
     with np.errstate(over="ignore", invalid="ignore"):
-        out, lse = attend(plan, threads=threads, isa=isa, counts=counts)
+        out, lse = attend(plan, threads=threads, isa=isa, counts=counts, products=products)
     return (out, lse) if np.isfinite(out).all() else None
+
+
+def attend_stored_own(
+    plan: Plan, counts: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """:func:`attend_stored` on the library's own tile products (the router's "native
+    prefill, own tiles, stored K/V")."""
+    return attend_stored(plan, counts=counts, products="own")
 
 
 def backward(

@@ -45,6 +45,7 @@ __all__ = [
     "backward_operands",
     "blas_rows",
     "build_note",
+    "address",
     "head_offsets",
     "invoke",
     "isa_cap",
@@ -97,6 +98,7 @@ class PrefillArgs(ctypes.Structure):
         ("mask", _ptr), ("bias", _ptr), ("m_off", _ptr), *_ints("m_rs", "m_cs"),
         *_RULE,
         ("counts", _ptr),
+        ("products", _i64),
     ]  # fmt: skip
 
 
@@ -394,12 +396,17 @@ def blas_rows(a: np.ndarray) -> np.ndarray:
 def head_offsets(a: np.ndarray) -> np.ndarray:
     """Element offset of each index over ``a``'s batch axes (all but the last two), shaped as
     those axes; strides may be 0 (broadcast axes)."""
-    lead = a.shape[: a.ndim - 2]
+    return _lead_offsets(a.shape, a.strides, a.itemsize)
+
+
+def _lead_offsets(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> np.ndarray:
+    """:func:`head_offsets` of an array of this shape, strides and item size."""
+    lead = shape[: len(shape) - 2]
     off = np.zeros(lead, dtype=np.int64)
-    for ax, (n, st) in enumerate(zip(lead, a.strides[: a.ndim - 2], strict=True)):
-        shape = [1] * len(lead)
-        shape[ax] = n
-        off = off + (np.arange(n, dtype=np.int64) * (st // a.itemsize)).reshape(shape)
+    for ax, (n, st) in enumerate(zip(lead, strides[: len(shape) - 2], strict=True)):
+        dims = [1] * len(lead)
+        dims[ax] = n
+        off = off + (np.arange(n, dtype=np.int64) * (st // itemsize)).reshape(dims)
     return off
 
 
@@ -448,17 +455,54 @@ def prefill_operands(
     ``Hq // group`` kv heads (query head ``h`` reads kv head ``h // group``), one offset per
     query head; and the arrays the fields point into, which the caller holds until the call
     returns."""
+    layout = (
+        q.shape, q.strides, q.itemsize, k.shape, k.strides, k.itemsize,
+        v.shape, v.strides, v.itemsize, group,
+    )  # fmt: skip
+    known = _LAYOUTS.get(layout)
+    if known is not None:  # worked out once per layout: a small call pays for every step
+        fields, offsets = known
+        fields = {**fields, "q": address(q), "k": address(k), "v": address(v)}
+        return fields, (q, k, v, *offsets)
+    given = (q, k, v)
     q, k, v = blas_rows(q), blas_rows(k), blas_rows(v)
     batch = q.shape[:-2]
-    q_off = np.ascontiguousarray(head_offsets(q)).reshape(-1)
-    k_off, v_off = head_offsets(k), head_offsets(v)
+    fields = {}
+    arrays: list[np.ndarray] = [q, k, v]
+    for name, a, g in (("q", q, 1), ("k", k, group), ("v", v, group)):
+        off, at = _offsets(a.shape, a.strides, a.itemsize, batch, g)
+        arrays.append(off)
+        fields.update({name: address(a), f"{name}_off": at, f"{name}_rs": row_stride(a)})
+    if all(x is y for x, y in zip(given, arrays, strict=False)):  # read in place: kept
+        if len(_LAYOUTS) >= 256:
+            _LAYOUTS.clear()
+        _LAYOUTS[layout] = (fields, tuple(arrays[3:]))
+    return fields, tuple(arrays)
+
+
+# prefill_operands' fields and offset arrays by the operands' layout (shapes, strides, item
+# size, group), for operands BLAS reads in place
+_LAYOUTS: dict[tuple[Any, ...], tuple[dict[str, int], tuple[np.ndarray, ...]]] = {}
+
+
+@functools.lru_cache(maxsize=512)
+def _offsets(
+    shape: tuple[int, ...],
+    strides: tuple[int, ...],
+    itemsize: int,
+    batch: tuple[int, ...],
+    group: int,
+) -> tuple[np.ndarray, int]:
+    """The per-query-head element offsets of an operand of this layout (:func:`head_offsets`,
+    each kv head's repeated ``group`` times along the heads axis, broadcast to ``batch``),
+    contiguous and read-only, and their address: worked out once per layout, as a small call
+    pays for every NumPy operation."""
+    off = _lead_offsets(shape, strides, itemsize)
     if group > 1:
-        k_off, v_off = (np.repeat(o, group, axis=-1) for o in (k_off, v_off))
-    k_off, v_off = (
-        np.ascontiguousarray(np.broadcast_to(o, batch)).reshape(-1) for o in (k_off, v_off)
-    )
-    arrays = (q, k, v, q_off, k_off, v_off)
-    return operands((q, q_off), (k, k_off), (v, v_off)), arrays
+        off = np.repeat(off, group, axis=-1)
+    off = np.ascontiguousarray(np.broadcast_to(off, batch), dtype=np.int64).reshape(-1)
+    off.flags.writeable = False
+    return off, address(off)
 
 
 def backward_operands(

@@ -12,14 +12,12 @@ L = S = 37 d32 0.92 against 1.10 ms (one thread each). Longer rows gain nothing
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 
 from ...validate import Plan
 from . import native
 
-__all__ = ["MAX_ROWS", "attend", "stacks"]
+__all__ = ["MAX_ROWS", "attend", "attend_own", "attend_own_finite", "stacks"]
 
 #: Stacked rows (``group · L``) up to which the heads of a kv head run as one block.
 MAX_ROWS = 512
@@ -39,13 +37,23 @@ def stacks(plan: Plan) -> bool:
     )
 
 
-def attend(plan: Plan, counts: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """The native prefill (:func:`qkv.engine.kernels.native.attend`, with its key ``counts``)
-    on ``plan``, its grouped heads stacked per kv head where :func:`stacks` says so."""
-    if not stacks(plan):
-        return native.attend(plan, counts=counts)
-    *rest, H, L, d = plan.q.shape
-    g = plan.group
-    q = plan.q.reshape(*rest, H // g, g * L, d)
-    out, lse = native.attend(replace(plan, q=q, group=1, sinks=None), counts=counts)
-    return out.reshape(*rest, H, L, out.shape[-1]), lse.reshape(*rest, H, L)
+def attend(
+    plan: Plan, counts: np.ndarray | None = None, products: str = "blas"
+) -> tuple[np.ndarray, np.ndarray]:
+    """The native prefill (:func:`qkv.engine.kernels.native.attend`, with its key ``counts``
+    and tile ``products``) on ``plan``, its grouped heads stacked per kv head where
+    :func:`stacks` says so."""
+    return native.attend(plan, counts=counts, products=products, stack=stacks(plan))
+
+
+def attend_own(plan: Plan, counts: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`attend` on the library's own tile products (the router's "native prefill, own
+    tiles")."""
+    return attend(plan, counts, products="own")
+
+
+def attend_own_finite(plan: Plan) -> tuple[np.ndarray, np.ndarray] | None:
+    """:func:`attend_own`'s result when every output is finite, else None (the dispatcher's
+    overflow rules then run): the short road a small call takes."""
+    out, lse = attend(plan, products="own")
+    return (out, lse) if np.isfinite(out).all() else None

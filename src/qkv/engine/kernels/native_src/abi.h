@@ -63,6 +63,9 @@ struct qkv_prefill_args {
     // and float64 prefill read it (with K/V in their dtype or stored in 16 bits), the bfloat16
     // tile products do not (pass NULL there).
     const int64_t* counts;
+    // The float32 and float64 prefill's tile products: 0 BLAS (gemm), 1 the library's own
+    // register-blocked micro-kernel in the chosen clone (tiles.h; gemm unused, may be NULL).
+    int64_t products;
 };
 
 // The packed varlen walk (qkv.engine.kernels.packed's layout): q (total_q, heads, d), k and

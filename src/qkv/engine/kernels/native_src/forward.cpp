@@ -16,11 +16,16 @@
 // of the block may see are skipped; across the causal/window edge keys go in narrow pieces,
 // each with the rows that see part of it, and each row only exponentiates its visible keys.
 //
-// The tile products go through the caller's BLAS and the softmax step runs in the vector clone
-// the CPU supports (common.h). K and V may also be stored as bfloat16 or float16 (float32
-// compute): each work item then widens the keys its rows see into its own buffers.
+// The tile products go through the caller's BLAS, or (products = 1) the library's own
+// register-blocked micro-kernel (tiles.h: no per-call cost, the short rows' and small heads'
+// case), and the softmax step runs in the vector clone the CPU supports (common.h). With the
+// own products the block's queries are copied scaled once, the keys of each piece are packed
+// transposed (d x n, zero-padded to the clone's lane width) for the scores' product, and the
+// accumulator's rows are padded likewise. K and V may also be stored as bfloat16 or float16
+// (float32 compute): each work item then widens the keys its rows see into its own buffers.
 
 #include "common.h"
+#include "tiles.h"
 #include "widen.h"
 
 namespace {
@@ -71,6 +76,7 @@ struct StepArgs : TileRows {
     void* l;
     void* acc;
     int64_t dv;
+    int64_t ldacc;  // the accumulator's row stride (dv, or dv padded for the own products)
 };
 
 template <typename T>
@@ -82,7 +88,7 @@ QKV_INLINE void tile_step(const StepArgs& a) {
     const T* bias = static_cast<const T*>(a.bias);
     for (int64_t i = 0; i < a.rows; ++i) {
         row_step<T>(s + i * a.lds, a.n, a.jl[i], a.jh[i], a.mask ? a.mask + i * a.m_rs : nullptr,
-                    bias ? bias + i * a.m_rs : nullptr, a.m_cs, m + i, l + i, acc + i * a.dv,
+                    bias ? bias + i * a.m_rs : nullptr, a.m_cs, m + i, l + i, acc + i * a.ldacc,
                     a.dv);
     }
 }
@@ -133,6 +139,7 @@ struct Shared {
     double scale;
     Gemm g;
     step_t step;
+    Products prod;  // run NULL: BLAS (g) runs the tile products
 };
 
 // A worker's tiles, allocated once per thread.
@@ -140,11 +147,23 @@ template <typename T>
 struct Buffers {
     std::vector<T> s, acc, m, l;
     std::vector<T> qc, kc, vc;  // contiguous copies of strided operands (the varlen walk)
+    // the own products' scaled queries (bq x d), packed keys (d x bk), values (bk x ldacc)
+    std::vector<T> qs, kt, vp;
     std::vector<int64_t> lo, hi, jl, jh;
-    bool make(int64_t bq, int64_t bk, int64_t dv) {
+    int64_t ldacc = 0;
+    // width: the own products' lane width (their operands' rows padded to it), or 0 (BLAS)
+    bool make(int64_t bq, int64_t bk, int64_t d, int64_t dv, int64_t width) {
         try {
-            s.resize(size_t(bq * bk));
-            acc.resize(size_t(bq * std::max<int64_t>(dv, 1)));
+            const int64_t w = std::max<int64_t>(width, 1);
+            const int64_t bkp = (bk + w - 1) / w * w;
+            ldacc = width ? (std::max<int64_t>(dv, 1) + w - 1) / w * w : std::max<int64_t>(dv, 1);
+            s.resize(size_t(bq * bkp));
+            acc.resize(size_t(bq * ldacc));
+            if (width) {
+                qs.resize(size_t(bq * d));
+                kt.resize(size_t(d * bkp));
+                if (ldacc != dv) vp.resize(size_t(bk * ldacc));
+            }
             m.resize(size_t(bq));
             l.resize(size_t(bq));
             lo.resize(size_t(bq));
@@ -198,8 +217,17 @@ void forward_block(const Block<T>& b, Shared<Gemm> sh, Buffers<T>& buf) {
     }
     std::fill(buf.m.begin(), buf.m.begin() + rows, ninf);
     std::fill(buf.l.begin(), buf.l.begin() + rows, T(0));
-    std::fill(buf.acc.begin(), buf.acc.begin() + rows * dv, T(0));
+    const int64_t ldacc = buf.ldacc;
+    std::fill(buf.acc.begin(), buf.acc.begin() + rows * ldacc, T(0));
     const int64_t klo = lo[0], khi = hi[rows - 1];  // both nondecreasing in the row
+    if (sh.prod.run) {  // the scale folded into a contiguous copy of the block's queries
+        const T scale = T(sh.scale);
+        for (int64_t i = 0; i < rows; ++i) {
+            const T* q = b.q + i * b.q_rs;
+            T* qs = buf.qs.data() + i * sh.d;
+            for (int64_t c = 0; c < sh.d; ++c) qs[c] = q[c] * scale;
+        }
+    }
     // Keys in pieces: as wide as bk where every row that sees part of a piece sees all of it;
     // across the rows' bounds (the causal diagonal, a window's edges) pieces of EDGE keys, so
     // the products computed for keys a row does not see stay a small part of the work.
@@ -217,18 +245,38 @@ void forward_block(const Block<T>& b, Shared<Gemm> sh, Buffers<T>& buf) {
         if (ra >= rb) continue;
         const int64_t nr = rb - ra;
         T* s = buf.s.data();
-        // S (nr x n, row-major, ld n) = scale · Q[ra:rb] · K[c0:c1]ᵀ; in BLAS's column-major
-        // terms Sᵀ = Kᵀᵀ · Qᵀ.
-        gemm(sh.g, "T", "N", int(n), int(nr), int(sh.d), T(sh.scale),
-             b.k + (c0 - b.k_first) * b.k_rs, int(b.k_rs), b.q + ra * b.q_rs, int(b.q_rs), T(0),
-             s, int(n));
+        const T* kp = b.k + (c0 - b.k_first) * b.k_rs;
+        const T* vt = b.v + (c0 - b.k_first) * b.v_rs;
+        const int64_t w = sh.prod.width;
+        const int64_t lds = sh.prod.run ? (n + w - 1) / w * w : n;
+        if (sh.prod.run) {  // S (nr x lds) = (scale · Q[ra:rb]) · Kᵀ, Kᵀ packed (d x lds)
+            T* kt = buf.kt.data();
+            sh.prod.pack(PackArgs{kp, b.k_rs, n, sh.d, kt, lds});
+            ProdArgs pa;
+            pa.m = nr;
+            pa.n = lds;
+            pa.k = sh.d;
+            pa.a = buf.qs.data() + ra * sh.d;
+            pa.lda = sh.d;
+            pa.b = kt;
+            pa.ldb = lds;
+            pa.c = s;
+            pa.ldc = lds;
+            pa.accumulate = 0;
+            sh.prod.run(pa);
+        } else {
+            // S (nr x n, row-major, ld n) = scale · Q[ra:rb] · K[c0:c1]ᵀ; in BLAS's
+            // column-major terms Sᵀ = Kᵀᵀ · Qᵀ.
+            gemm(sh.g, "T", "N", int(n), int(nr), int(sh.d), T(sh.scale), kp, int(b.k_rs),
+                 b.q + ra * b.q_rs, int(b.q_rs), T(0), s, int(n));
+        }
         for (int64_t i = ra; i < rb; ++i) {
             buf.jl[i] = std::min(std::max(lo[i] - c0, int64_t(0)), n);
             buf.jh[i] = std::max(std::min(hi[i] - c0, n), buf.jl[i]);
         }
         StepArgs sa;
         sa.s = s;
-        sa.lds = n;
+        sa.lds = lds;
         sa.rows = nr;
         sa.n = n;
         sa.jl = buf.jl.data() + ra;
@@ -240,28 +288,58 @@ void forward_block(const Block<T>& b, Shared<Gemm> sh, Buffers<T>& buf) {
         sa.m_cs = b.m_cs;
         sa.m = buf.m.data() + ra;
         sa.l = buf.l.data() + ra;
-        sa.acc = buf.acc.data() + ra * dv;
+        sa.acc = buf.acc.data() + ra * ldacc;
         sa.dv = dv;
+        sa.ldacc = ldacc;
         sh.step(sa);
-        // acc[ra:rb] (nr x dv, ld dv) += P · V[c0:c1]; column-major: accᵀ += Vᵀ · Pᵀ
-        gemm(sh.g, "N", "N", int(dv), int(nr), int(n), T(1), b.v + (c0 - b.k_first) * b.v_rs,
-             int(b.v_rs), s,
-             int(n), T(1), buf.acc.data() + ra * dv, int(dv));
+        if (sh.prod.run) {  // acc[ra:rb] (nr x ldacc) += P · V[c0:c1], V's rows padded
+            const T* vb = vt;
+            int64_t ldv = b.v_rs;
+            if (ldacc != dv) {
+                T* vp = buf.vp.data();
+                for (int64_t j = 0; j < n; ++j) {
+                    std::memcpy(vp + j * ldacc, vt + j * b.v_rs, size_t(dv) * sizeof(T));
+                    std::fill(vp + j * ldacc + dv, vp + (j + 1) * ldacc, T(0));
+                }
+                vb = vp;
+                ldv = ldacc;
+            }
+            ProdArgs pa;
+            pa.m = nr;
+            pa.n = ldacc;
+            pa.k = n;
+            pa.a = s;
+            pa.lda = lds;
+            pa.b = vb;
+            pa.ldb = ldv;
+            pa.c = buf.acc.data() + ra * ldacc;
+            pa.ldc = ldacc;
+            pa.accumulate = 1;
+            sh.prod.run(pa);
+        } else {
+            // acc[ra:rb] (nr x dv, ld dv) += P · V[c0:c1]; column-major: accᵀ += Vᵀ · Pᵀ
+            gemm(sh.g, "N", "N", int(dv), int(nr), int(n), T(1), vt, int(b.v_rs), s, int(n),
+                 T(1), buf.acc.data() + ra * ldacc, int(ldacc));
+        }
     }
     T bad = 0;  // 0, or NaN when some output is not finite (0 * inf and NaN are NaN)
     for (int64_t i = 0; i < rows; ++i) {
         const T li = buf.l[i];
-        const T* acc = buf.acc.data() + i * dv;
+        const T* acc = buf.acc.data() + i * ldacc;
         T* out = b.out + i * b.out_rs;
         if (li == T(0)) {  // no visible key: 0 and -inf, never NaN
             for (int64_t c = 0; c < dv; ++c) out[c] = 0;
             b.lse[i * b.lse_s] = ninf;
         } else {
             const T inv = T(1) / li;
+            T row_bad = 0;  // a simd sum: a serial one would wait on each add's latency
+#pragma omp simd reduction(+ : row_bad)
             for (int64_t c = 0; c < dv; ++c) {
-                out[c] = acc[c] * inv;
-                bad += out[c] * T(0);
+                const T o = acc[c] * inv;
+                out[c] = o;
+                row_bad += o * T(0);
             }
+            bad += row_bad;
             b.lse[i * b.lse_s] = buf.m[i] + std::log(li);
         }
     }
@@ -269,8 +347,10 @@ void forward_block(const Block<T>& b, Shared<Gemm> sh, Buffers<T>& buf) {
 }
 
 template <typename Gemm, typename Args>
-Shared<Gemm> shared_of(const Args& a, int64_t bk, step_t step) {
+Shared<Gemm> shared_of(const Args& a, int64_t bk, step_t step,
+                       Products prod = {nullptr, nullptr, 0}) {
     Shared<Gemm> sh;
+    sh.prod = prod;
     sh.S = 0;
     sh.d = a.d;
     sh.dv = a.dv;
@@ -288,11 +368,14 @@ Shared<Gemm> shared_of(const Args& a, int64_t bk, step_t step) {
 // task widening its visible keys into its worker's buffers (widen_rows_body).
 template <typename T, typename Gemm>
 int run(const qkv_prefill_args& a, int kv_format = 0) {
-    const int64_t bq = std::max<int64_t>(1, a.block_q), bk = std::max<int64_t>(1, a.block_k);
+    // tiles no larger than the problem (a short call's buffers are made, and zeroed, per call)
+    const int64_t bq = std::max<int64_t>(1, std::min(a.block_q, a.L));
+    const int64_t bk = std::max<int64_t>(1, std::min(a.block_k, a.S));
     const int64_t nqb = (a.L + bq - 1) / bq;
     const int64_t ntasks = a.nb * nqb;
     const int isa = chosen_isa(a.isa);
-    const Shared<Gemm> sh = shared_of<Gemm>(a, bk, pick_step<T>(isa));
+    const Products prod = a.products ? pick_products<T>(isa) : Products{nullptr, nullptr, 0};
+    const Shared<Gemm> sh = shared_of<Gemm>(a, bk, pick_step<T>(isa), prod);
     const widen_t widen = kv_format ? pick_widen(isa, kv_format) : nullptr;
     const T* Q = static_cast<const T*>(a.q);
     const T* K = static_cast<const T*>(a.k);
@@ -302,7 +385,8 @@ int run(const qkv_prefill_args& a, int kv_format = 0) {
     const T* BIAS = static_cast<const T*>(a.bias);
     int no_memory = 0;  // a task could not widen its keys
     const int status = for_tasks<Buffers<T>>(
-        ntasks, a.threads, nullptr, [&](Buffers<T>& buf) { return buf.make(bq, bk, a.dv); },
+        ntasks, a.threads, nullptr,
+        [&](Buffers<T>& buf) { return buf.make(bq, bk, a.d, a.dv, prod.width); },
         [&](Buffers<T>& buf, int64_t t) {
         // latest query blocks first: under causal they cost the most
         const int64_t qb = nqb - 1 - t / a.nb, h = t % a.nb;
@@ -376,7 +460,7 @@ int run_varlen(const qkv_varlen_args& a, int kv_format = 0) {
     const bool copy_q = a.q_ts != d, copy_kv = a.k_ts != d || a.v_ts != dv;
     int no_memory = 0;  // a task could not widen its keys
     const int status = for_tasks<Buffers<T>>(
-        ntasks, a.threads, nullptr, [&](Buffers<T>& buf) { return buf.make(bq, bk, dv); },
+        ntasks, a.threads, nullptr, [&](Buffers<T>& buf) { return buf.make(bq, bk, d, dv, 0); },
         [&](Buffers<T>& buf, int64_t t) {
         const VarlenTask& task = tasks[size_t(t / nkv)];
         const int64_t kvh = t % nkv;
@@ -462,7 +546,8 @@ extern "C" {
 
 // 0 on success; 1 when memory for the tiles could not be had; 2 for a bad argument.
 int qkv_prefill_f32(const qkv_prefill_args* a) {
-    if (!a || !a->gemm || a->L < 1 || a->S < 0 || a->d < 1 || a->dv < 0) return 2;
+    if (!a || !(a->gemm || a->products) || a->L < 1 || a->S < 0 || a->d < 1 || a->dv < 0)
+        return 2;
     return run<float, sgemm_t>(*a);
 }
 
@@ -470,17 +555,20 @@ int qkv_prefill_f32(const qkv_prefill_args* a) {
 // K/V strides and offsets in their 16-bit elements): for float16, and bfloat16 where the
 // bfloat16 tile products do not run (no AVX512_BF16, a variant they do not take).
 int qkv_prefill_f32_bf16kv(const qkv_prefill_args* a) {
-    if (!a || !a->gemm || a->L < 1 || a->S < 0 || a->d < 1 || a->dv < 0) return 2;
+    if (!a || !(a->gemm || a->products) || a->L < 1 || a->S < 0 || a->d < 1 || a->dv < 0)
+        return 2;
     return run<float, sgemm_t>(*a, KV_BF16);
 }
 
 int qkv_prefill_f32_f16kv(const qkv_prefill_args* a) {
-    if (!a || !a->gemm || a->L < 1 || a->S < 0 || a->d < 1 || a->dv < 0) return 2;
+    if (!a || !(a->gemm || a->products) || a->L < 1 || a->S < 0 || a->d < 1 || a->dv < 0)
+        return 2;
     return run<float, sgemm_t>(*a, KV_F16);
 }
 
 int qkv_prefill_f64(const qkv_prefill_args* a) {
-    if (!a || !a->gemm || a->L < 1 || a->S < 0 || a->d < 1 || a->dv < 0) return 2;
+    if (!a || !(a->gemm || a->products) || a->L < 1 || a->S < 0 || a->d < 1 || a->dv < 0)
+        return 2;
     return run<double, dgemm_t>(*a);
 }
 

@@ -1,0 +1,227 @@
+// The library's own tile products for the fused prefill (forward.cpp), in place of a BLAS
+// call per tile: C (m x n) = A · B, or C += A · B; A (m x k) and B (k x n) row-major.
+//
+// Short rows and small heads make many small products (a 16-row block against 16 keys of
+// d = 64 is 16k multiply-adds): there BLAS's cost per call (argument checks, buffers, its own
+// packing) is most of the time. This is a register-blocked micro-kernel with no per-call setup:
+// MR rows of C by NR vectors of W lanes held in registers while the k loop broadcasts one
+// element of A per row and loads NR vectors of B's row. Written once with GCC's vector types
+// and compiled in each clone (common.h) with that clone's lane width and register count:
+//
+//     baseline (SSE2, 16 registers)    W = 4 floats, 4 rows x 2 vectors
+//     AVX2 + FMA (16 registers)        W = 8 floats, 6 rows x 2 vectors
+//     AVX-512 (32 registers)           W = 16 floats, 8 rows x 2 vectors
+//
+// (doubles: half the lanes). n must be a multiple of W (the caller pads B's rows and C's
+// with zeros, or reads them where they are that wide); m and k are any. Every product is
+// summed in the order of k, as one row of a BLAS product may be.
+
+#pragma once
+
+#include "common.h"
+
+#if QKV_X86
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// The operands of one product; the caller's pointers are float or double as the clone's.
+struct ProdArgs {
+    int64_t m, n, k;
+    const void* a;
+    int64_t lda;
+    const void* b;
+    int64_t ldb;
+    void* c;
+    int64_t ldc;
+    int64_t accumulate;  // 0: C = A · B; 1: C += A · B
+};
+
+template <typename T, int W>
+struct Lanes {
+    typedef T type __attribute__((vector_size(W * sizeof(T))));
+};
+
+// Rows [0, MR) and vectors [0, NR) of a block of C (MR, NR compile-time: in registers).
+// (No scale factor: one more register held through the k loop spills a vector of B on AVX2.)
+template <typename T, int W, int MR, int NR, bool Acc>
+QKV_INLINE void micro_block(int64_t k, const T* __restrict a, int64_t lda, const T* __restrict b,
+                            int64_t ldb, T* __restrict c, int64_t ldc) {
+    typedef typename Lanes<T, W>::type V;
+    V acc[MR][NR];
+    for (int i = 0; i < MR; ++i)
+        for (int r = 0; r < NR; ++r) acc[i][r] = V{};
+    for (int64_t p = 0; p < k; ++p) {
+        V bv[NR];
+        for (int r = 0; r < NR; ++r) std::memcpy(&bv[r], b + p * ldb + r * W, sizeof(V));
+        for (int i = 0; i < MR; ++i) {
+            const T x = a[i * lda + p];
+            for (int r = 0; r < NR; ++r) acc[i][r] += x * bv[r];
+        }
+    }
+    for (int i = 0; i < MR; ++i) {
+        for (int r = 0; r < NR; ++r) {
+            V out = acc[i][r];
+            if (Acc) {
+                V old;
+                std::memcpy(&old, c + i * ldc + r * W, sizeof(V));
+                out += old;
+            }
+            std::memcpy(c + i * ldc + r * W, &out, sizeof(V));
+        }
+    }
+}
+
+// The rows [0, m) of one strip of NR vectors: blocks of MR rows, then the remainder rows
+// (at most one block of 4 and one of 1 to 3, each its own compile-time size).
+template <typename T, int W, int MR, int NR, bool Acc>
+QKV_INLINE void strip(int64_t m, int64_t k, const T* a, int64_t lda, const T* b, int64_t ldb,
+                      T* c, int64_t ldc) {
+    int64_t i = 0;
+    for (; i + MR <= m; i += MR)
+        micro_block<T, W, MR, NR, Acc>(k, a + i * lda, lda, b, ldb, c + i * ldc, ldc);
+    if (MR > 4 && i + 4 <= m) {
+        micro_block<T, W, 4, NR, Acc>(k, a + i * lda, lda, b, ldb, c + i * ldc, ldc);
+        i += 4;
+    }
+    a += i * lda;
+    c += i * ldc;
+    switch (m - i) {  // MR is at most 8: 0 to 3 rows are left
+        case 3: micro_block<T, W, 3, NR, Acc>(k, a, lda, b, ldb, c, ldc); break;
+        case 2: micro_block<T, W, 2, NR, Acc>(k, a, lda, b, ldb, c, ldc); break;
+        case 1: micro_block<T, W, 1, NR, Acc>(k, a, lda, b, ldb, c, ldc); break;
+        default: break;
+    }
+}
+
+// C = A · B (+ C): strips of 2 vectors of columns, then one of 1 vector.
+template <typename T, int W, int MR, bool Acc>
+QKV_INLINE void product(const ProdArgs& p) {
+    const T* a = static_cast<const T*>(p.a);
+    const T* b = static_cast<const T*>(p.b);
+    T* c = static_cast<T*>(p.c);
+    int64_t j = 0;
+    for (; j + 2 * W <= p.n; j += 2 * W)
+        strip<T, W, MR, 2, Acc>(p.m, p.k, a, p.lda, b + j, p.ldb, c + j, p.ldc);
+    if (j < p.n) strip<T, W, MR, 1, Acc>(p.m, p.k, a, p.lda, b + j, p.ldb, c + j, p.ldc);
+}
+
+template <typename T, int W, int MR>
+QKV_INLINE void tile_product(const ProdArgs& p) {
+    if (p.accumulate)
+        product<T, W, MR, true>(p);
+    else
+        product<T, W, MR, false>(p);
+}
+
+#define QKV_PRODUCT_CLONE(attr, clone, W32, MR32, W64, MR64)                                 \
+    attr void prod_##clone##_f32(const ProdArgs& p) { tile_product<float, W32, MR32>(p); }  \
+    attr void prod_##clone##_f64(const ProdArgs& p) { tile_product<double, W64, MR64>(p); }
+QKV_PRODUCT_CLONE(, base, 4, 4, 2, 4)
+#if QKV_X86
+QKV_PRODUCT_CLONE(QKV_AVX2, avx2, 8, 6, 4, 6)
+QKV_PRODUCT_CLONE(QKV_AVX512, avx512, 16, 8, 8, 8)
+#endif
+#undef QKV_PRODUCT_CLONE
+
+typedef void (*prod_t)(const ProdArgs&);
+
+// A piece of keys packed for the scores' product: rows [0, n) of k (row stride k_rs, d
+// columns) into kt (d x lds) transposed, its columns [n, lds) zero.
+struct PackArgs {
+    const void* k;
+    int64_t k_rs, n, d;
+    void* kt;
+    int64_t lds;
+};
+
+// The transposition's blocks of B x B (B = 8: AVX2, 4: SSE), then the edges one by one.
+template <typename T, int B, typename Block>
+QKV_INLINE void pack_keys(const PackArgs& p, const Block& block) {
+    const T* k = static_cast<const T*>(p.k);
+    T* kt = static_cast<T*>(p.kt);
+    const int64_t n = p.n, d = p.d, lds = p.lds, nb = B > 1 ? n / B * B : 0;
+    const int64_t db = B > 1 ? d / B * B : 0;
+    for (int64_t j = 0; j < nb; j += B)
+        for (int64_t c = 0; c < db; c += B)
+            block(k + j * p.k_rs + c, p.k_rs, kt + c * lds + j, lds);
+    for (int64_t j = 0; j < nb; ++j)  // the columns past the blocks
+        for (int64_t c = db; c < d; ++c) kt[c * lds + j] = k[j * p.k_rs + c];
+    for (int64_t c = 0; c < d; ++c) {  // the keys past the blocks, and the zero padding
+        T* row = kt + c * lds;
+        for (int64_t j = nb; j < n; ++j) row[j] = k[j * p.k_rs + c];
+        for (int64_t j = n; j < lds; ++j) row[j] = 0;
+    }
+}
+
+template <typename T>
+QKV_INLINE void pack_plain(const PackArgs& p) {
+    pack_keys<T, 1>(p, [](const T*, int64_t, T*, int64_t) {});
+}
+
+#if QKV_X86
+// 8 x 8 floats: rows of src (stride ss) become rows of dst (stride ds) as its columns.
+QKV_AVX2 inline void transpose8(const float* src, int64_t ss, float* dst, int64_t ds) {
+    __m256 r[8], t[8], u[8];
+    for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * ss);
+    for (int i = 0; i < 4; ++i) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int h = 0; h < 2; ++h) {  // rows 0-3, then 4-7
+        u[4 * h + 0] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        u[4 * h + 1] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        u[4 * h + 2] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        u[4 * h + 3] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int i = 0; i < 4; ++i) {
+        _mm256_storeu_ps(dst + i * ds, _mm256_permute2f128_ps(u[i], u[i + 4], 0x20));
+        _mm256_storeu_ps(dst + (i + 4) * ds, _mm256_permute2f128_ps(u[i], u[i + 4], 0x31));
+    }
+}
+
+// 4 x 4 floats (SSE, in every x86-64 CPU).
+inline void transpose4(const float* src, int64_t ss, float* dst, int64_t ds) {
+    __m128 r0 = _mm_loadu_ps(src), r1 = _mm_loadu_ps(src + ss);
+    __m128 r2 = _mm_loadu_ps(src + 2 * ss), r3 = _mm_loadu_ps(src + 3 * ss);
+    _MM_TRANSPOSE4_PS(r0, r1, r2, r3);
+    _mm_storeu_ps(dst, r0);
+    _mm_storeu_ps(dst + ds, r1);
+    _mm_storeu_ps(dst + 2 * ds, r2);
+    _mm_storeu_ps(dst + 3 * ds, r3);
+}
+
+void pack_base_f32(const PackArgs& p) { pack_keys<float, 4>(p, transpose4); }
+QKV_AVX2 void pack_avx2_f32(const PackArgs& p) { pack_keys<float, 8>(p, transpose8); }
+QKV_AVX512 void pack_avx512_f32(const PackArgs& p) { pack_keys<float, 8>(p, transpose8); }
+void pack_base_f64(const PackArgs& p) { pack_plain<double>(p); }
+QKV_AVX2 void pack_avx2_f64(const PackArgs& p) { pack_plain<double>(p); }
+QKV_AVX512 void pack_avx512_f64(const PackArgs& p) { pack_plain<double>(p); }
+#else
+void pack_base_f32(const PackArgs& p) { pack_plain<float>(p); }
+void pack_base_f64(const PackArgs& p) { pack_plain<double>(p); }
+#endif
+
+typedef void (*pack_t)(const PackArgs&);
+
+// The product of the clone isa runs, its key packing, and its lane width in T (what n must be
+// a multiple of).
+struct Products {
+    prod_t run;
+    pack_t pack;
+    int64_t width;
+};
+
+template <typename T>
+Products pick_products(int isa) {
+    const int64_t lanes = isa == 3 && QKV_X86 ? 64 : isa == 2 && QKV_X86 ? 32 : 16;
+    const int64_t width = lanes / int64_t(sizeof(T));
+    if (sizeof(T) == 4)
+        return {pick_clone<prod_t>(isa, QKV_CLONES(prod, f32)),
+                pick_clone<pack_t>(isa, QKV_CLONES(pack, f32)), width};
+    return {pick_clone<prod_t>(isa, QKV_CLONES(prod, f64)),
+            pick_clone<pack_t>(isa, QKV_CLONES(pack, f64)), width};
+}
+
+}  // namespace
