@@ -232,9 +232,9 @@ def attend_pages(
         cols = cascade.shared_columns(table, lengths, page, Lq)
         if cols:  # a prefix every sequence shares: its pages read once for all of them
             P = cols * page
-            prefix = tuple(
-                _gathered(x, s, form, table[0], P).astype(plan.acc_dtype, copy=False)
-                for x, s in ((kp, ks), (vp, vs))
+            prefix = (
+                _gathered(kp, ks, form, table[0], P).astype(plan.acc_dtype, copy=False),
+                _gathered(vp, vs, form, table[0], P).astype(plan.acc_dtype, copy=False),
             )
 
             def own(rest: np.ndarray) -> Any:
