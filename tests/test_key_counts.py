@@ -122,15 +122,18 @@ def problems(draw):
 
 @pytest.mark.parametrize("which", ROADS, ids=lambda w: w[1] or w[0])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_a_decoding_steps_padding_forms_give_one_answer(monkeypatch, which, dtype):
+@pytest.mark.parametrize("kind", ["tail", "middle"])
+def test_a_decoding_steps_padding_forms_give_one_answer(monkeypatch, which, dtype, kind):
     """One query row (a decoding step) under a padding mask given as booleans and as a 0/-inf
-    float mask: one plan, so equal bits (the float form once ran on another kernel than the
-    boolean one's native step; hypothesis found B3 S120 d128 float64, counts [120, 0, 0])."""
+    float mask, or a mask hiding a middle run in both forms: one plan, so equal bits (the
+    float form once ran on another kernel than the boolean one's native step; hypothesis found
+    B3 S120 d128 float64, counts [120, 0, 0], both kinds)."""
     set_road(monkeypatch, which)
     rng = np.random.default_rng(7)
     q = values(rng, (3, 2, 1, 128)).astype(dtype)
     k, v = (values(rng, (3, 2, 120, 128)).astype(dtype) for _ in range(2))
-    keep = padding(np.array([120, 0, 37]), 120)
+    counts = np.array([120, 0, 37])
+    keep = padding(counts, 120) if kind == "tail" else middle(counts, 120)
     want = reference.attention(q, k, v, mask=keep)
     got = {n: qkv.attention(q, k, v, mask=m) for n, m in forms(keep, 1).items()}
     np.testing.assert_allclose(got["bool"], want, **tol("fast path", dtype))

@@ -24,6 +24,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward  # n
 
 import qkv.integrations.transformers as hf  # noqa: E402
 from qkv import front as qkv_front  # noqa: E402
+from qkv.engine import run as qkv_run  # noqa: E402
 from qkv.integrations.transformers import attention_forward, register  # noqa: E402
 
 VOCAB = 96
@@ -49,6 +50,15 @@ def calls(monkeypatch):
         return inner(call)
 
     monkeypatch.setattr(qkv_front, "_run", spy)
+    plain = qkv_run.plain  # ... or the commonest call's short road (qkv.engine.run.plain)
+
+    def plain_spy(q, *rest):
+        out = plain(q, *rest)
+        if out is not None:
+            seen.append(tuple(q.shape))
+        return out
+
+    monkeypatch.setattr(qkv_run, "plain", plain_spy)
     step = hf._decode_step  # ... or a decoding step's short road (one native call)
 
     def step_spy(query, *rest):
@@ -127,26 +137,31 @@ def test_decode_step_reads_only_the_keys_the_mask_leaves_visible(runs, kind, cal
     if kind == "float":
         mask = torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))
     layer = Layer(True, groups=2)
-    seen = []
-    inner = qkv_front._run
+    seen = []  # (k, v, masked) of the attention call, on either road
+    inner, plain = qkv_front._run, qkv_run.plain
 
     def spy(call):
-        seen.append(call)
+        if call.fn == "attention":
+            p = call.plan
+            seen.append((p.k, p.v, p.mask is not None or p.bias is not None))
         return inner(call)
 
-    qkv_front._run = spy
+    def plain_spy(q_, k_, v_, *rest):
+        seen.append((k_, v_, False))
+        return plain(q_, k_, v_, *rest)
+
+    qkv_front._run, qkv_run.plain = spy, plain_spy
     try:
         out, w = attention_forward(layer, q, k, v, mask, scaling=0.3, output_attentions=True)
     finally:
-        qkv_front._run = inner
+        qkv_front._run, qkv_run.plain = inner, plain
     expect, _ = sdpa_attention_forward(layer, q, k, v, mask, scaling=0.3)
     torch.testing.assert_close(out, expect, **tol("torch peer", torch.float32))
     lo, hi = min(r[0] for r in runs), max(r[1] for r in runs)
-    plan = seen[0].plan
-    assert plan.k.shape[-2] == hi - lo and np.shares_memory(plan.k, k.numpy())
-    assert np.shares_memory(plan.v, v.numpy())
-    unmasked = plan.mask is None and plan.bias is None  # a float mask is a bias to qkv
-    assert unmasked == (len(set(runs)) == 1)
+    pk, pv, masked = seen[0]
+    assert pk.shape[-2] == hi - lo and np.shares_memory(pk, k.numpy())
+    assert np.shares_memory(pv, v.numpy())
+    assert (not masked) == (len(set(runs)) == 1)
     scores = (q @ k.repeat_interleave(2, dim=1).transpose(-1, -2)) * 0.3
     weights = scores.masked_fill(~keep, float("-inf")).softmax(-1)
     torch.testing.assert_close(w, weights, **tol("float32 path", torch.float32))

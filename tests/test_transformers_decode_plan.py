@@ -245,6 +245,17 @@ def test_a_prefill_reads_its_mask_once_per_model_step(padded, monkeypatch):
         return run(call)
 
     monkeypatch.setattr(qkv_front, "_run", run_spy)
+    from qkv.engine import run as qkv_run
+
+    plain = qkv_run.plain  # the commonest call's short road: no mask, no counts
+
+    def plain_spy(*a):
+        out = plain(*a)
+        if out is not None:
+            counts.append(None)
+        return out
+
+    monkeypatch.setattr(qkv_run, "plain", plain_spy)
     with torch.no_grad():
         got = ours(ids, attention_mask=attn).last_hidden_state
         expect = ref(ids, attention_mask=attn).last_hidden_state

@@ -52,6 +52,17 @@ def test_logits_equal_eager(pair, monkeypatch):
         return inner(call)
 
     monkeypatch.setattr(qkv_front, "_run", spy)
+    from qkv.engine import run as qkv_run
+
+    plain = qkv_run.plain  # the commonest call's short road: no variant
+
+    def plain_spy(*a):
+        out = plain(*a)
+        if out is not None:
+            seen.append([])
+        return out
+
+    monkeypatch.setattr(qkv_run, "plain", plain_spy)
     ids = tokens(2, 11)  # longer than every sliding window
     with torch.no_grad():
         got, expect = ours(ids).logits, ref(ids).logits

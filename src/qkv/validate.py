@@ -433,16 +433,18 @@ def make_plan(
     if va is not None:
         va = view_as(va.astype(acc_dtype, copy=False), kv_batch + (S, va.shape[-1]))
     bool_mask, bias = _read_mask(mask, batch + (L, S), acc_dtype)
+    if bias is not None:
+        keep = bias == 0
+        if (keep | (bias == -np.inf)).all():
+            # a 0/-inf float mask is the boolean mask it is: every kernel then sees one
+            # plan, so the two forms of one mask give the same numbers (a decoding step's
+            # native kernel, and the key counts, read boolean rows only)
+            bool_mask, bias = keep, None
     key_counts = None
-    if bool_mask is not None or bias is not None:
-        key_counts = _padding(bool_mask, bias, len(batch))
+    if bool_mask is not None:
+        key_counts = tail_counts(bool_mask, len(batch))
         if key_counts is not None and bool((key_counts == S).all()):
-            bool_mask = bias = key_counts = None  # hides nothing: no mask at all
-        elif key_counts is not None and bias is not None:
-            # a 0/-inf padding bias is that boolean mask: every kernel then sees one plan,
-            # so the forms of one padding mask give the same numbers (a decoding step's
-            # native kernel reads boolean rows only)
-            bool_mask, bias = bias == 0, None
+            bool_mask = key_counts = None  # hides nothing: no mask at all
     if sinks is not None:  # the sinks' gradient has the shape they were given in
         sinks = as_array(sinks, "sinks")
         given += ((sinks.dtype, sinks.shape),)
@@ -469,19 +471,6 @@ def make_plan(
         stored=stored,
         key_counts=key_counts,
     )
-
-
-def _padding(mask: np.ndarray | None, bias: np.ndarray | None, nbatch: int) -> np.ndarray | None:
-    """The key counts of a mask that only hides a tail of keys per batch row
-    (:func:`qkv.masks.tail_counts`): a boolean one, or a float one of only ``0`` and
-    ``-inf``; None for any other."""
-    if mask is not None:
-        return tail_counts(mask, nbatch)
-    assert bias is not None
-    keep = bias == 0
-    if not (keep | (bias == -np.inf)).all():
-        return None  # a true bias
-    return tail_counts(keep, nbatch)
 
 
 def _narrow(k: np.ndarray, v: np.ndarray) -> bool:

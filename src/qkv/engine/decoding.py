@@ -23,6 +23,7 @@ import numpy as np
 
 from .. import numerics
 from ..errors import InputError, InputTypeError
+from ..keywords import near_keywords
 from ..options import Options
 from ..validate import Plan, as_array, make_plan, stand_in
 from .kernels import decode, dispatch, native_decode, router
@@ -357,6 +358,7 @@ class DecodePlan:
         return np.moveaxis(x, 2, 1)
 
 
+@near_keywords()
 def plan_decode(
     q: Any,
     k: Any,
