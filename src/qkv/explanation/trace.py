@@ -337,11 +337,12 @@ def explain(
     plan = make_plan(q, k, v, options, need_v=v is not None)
     _check_explainable(plan, exact, variants, qa, k, v)
 
-    fields = _input_fields(plan, info, stage, title, key_labels, query_labels)
+    shown = _as_given(plan, mask)
+    fields = _input_fields(shown, info, stage, title, key_labels, query_labels)
     if stage != "inputs":
-        fields.update(_score_fields(plan, info))
+        fields.update(_score_fields(shown, info))
     if stage in ("weights", "output"):
-        fields.update(_softmax_fields(plan, fields))
+        fields.update(_softmax_fields(shown, fields))
     if stage == "output":
         with np.errstate(over="ignore"):  # shifts past the float range are -inf: weight 0
             out, _ = dispatch.attend(plan)  # qkv.attention's engine, on the same checked plan
@@ -365,6 +366,22 @@ def _stage(stop_at: str | None, v: Any) -> str:
     if stage == "output" and v is None:
         raise InputError("v: required to explain the output (or stop_at='weights')")
     return stage
+
+
+def _as_given(plan: Plan, mask: Any) -> Plan:
+    """``plan`` with its mask in the form the caller gave it: the checked plan reads a float
+    mask of only ``0`` and ``-inf`` as booleans (one plan for both forms), but a learner who
+    wrote a bias sees a bias, excluded keys ``"bias is -inf"``."""
+    if plan.mask is None or mask is None:
+        return plan
+    dt = getattr(mask, "dtype", None)
+    floating = getattr(dt, "is_floating_point", None)  # a tensor's dtype
+    if not isinstance(floating, bool):
+        floating = (np.asarray(mask) if dt is None else np.empty(0, dt)).dtype.kind == "f"
+    if not floating:
+        return plan
+    bias = np.where(plan.mask, 0.0, -np.inf).astype(plan.acc_dtype)
+    return dataclasses.replace(plan, mask=None, bias=bias, key_counts=None)
 
 
 def _check_explainable(
