@@ -20,6 +20,7 @@ from tests.conftest import tol  # noqa: E402
 
 import qkv.integrations.transformers as hf  # noqa: E402
 from qkv import front as qkv_front  # noqa: E402
+from qkv.engine import run as qkv_run  # noqa: E402
 from qkv.engine.kernels import native_decode  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers' renames
@@ -74,6 +75,15 @@ def reads(monkeypatch):
         return inner(call)
 
     monkeypatch.setattr(qkv_front, "_run", spy)
+    plain = qkv_run.plain  # ... or the commonest call's short road (no mask; arrays in)
+
+    def plain_spy(q, k, v, *rest):
+        out = plain(q, k, v, *rest)
+        if out is not None:
+            seen.append((q.shape, k, v, k, v, [k.shape[-2]] * k.shape[0], False))
+        return out
+
+    monkeypatch.setattr(qkv_run, "plain", plain_spy)
     handed = []
     fast = hf._decode_fast
 
