@@ -72,7 +72,7 @@ def test_a_forced_kernel_is_a_row_of_the_same_table():
 
 def test_every_row_of_the_forward_table_has_a_runner():
     assert {row.name for row in router.FORWARD} == set(dispatch.RUNNERS)
-    for table in (router.FORWARD, router.BACKWARD, router.PACKED, router.CACHE_STEP):
+    for table in (router.FORWARD, router.BACKWARD, router.PACKED, router.DECODE_PLAN):
         assert table[-1].conditions == ()  # the last row takes everything
 
 

@@ -5,7 +5,7 @@ Every decision of which kernel computes a call is taken here, and only here (the
 algorithms that no longer choose among themselves): :func:`forward` for the attention of a
 :class:`~qkv.validate.Plan`, :func:`backward` for its gradients, :func:`packed` for a packed
 varlen batch, :func:`decode_plan` for a decoding step planned once and run per layer
-(:class:`qkv.DecodePlan`; :func:`cache_step` asks the same of a cache's step),
+(:class:`qkv.DecodePlan`),
 :func:`compiled_decode` for the decode kernel's compiled loop and :func:`decode_together`
 for a batch of short caches. A table lists its kernels fastest first, the general NumPy
 kernel last (it takes everything); the first whose conditions all hold runs.
@@ -36,7 +36,6 @@ __all__ = [
     "DECODE_PLAN",
     "DECODE_STEP",
     "PREFILL",
-    "CACHE_STEP",
     "COMPILED_DECODE",
     "COMPILED_TEAM",
     "DECODE_MAX_L",
@@ -52,7 +51,6 @@ __all__ = [
     "Condition",
     "Kernel",
     "backward",
-    "cache_step",
     "compiled_decode",
     "compiled_team",
     "decode_plan",
@@ -471,7 +469,6 @@ DECODE_PLAN: tuple[Kernel, ...] = (
     ),
     Kernel("NumPy decode", "decode", ()),
 )
-CACHE_STEP = DECODE_PLAN  # (its former name: a cache's step is such a plan)
 
 # What the decode kernel's compiled loop (Numba) asks of a plan, in both tables below.
 _ROWS_PER_HEAD = _c(
@@ -574,12 +571,6 @@ def backward(plan: Plan) -> Kernel:
 def packed(q: np.ndarray, k: np.ndarray, v: np.ndarray, dtype: np.dtype) -> Kernel:
     """The kernel that walks a packed batch computed in ``dtype`` (a row of :data:`PACKED`)."""
     return first(PACKED, Ask((q, k, v, np.dtype(dtype))))
-
-
-def cache_step(plan: Plan, narrow: bool) -> str | None:
-    """Why the native decoding step does not serve ``plan`` (checked against stand-ins
-    of the K/V shapes), or None where it does (:data:`DECODE_PLAN`)."""
-    return _refusal(DECODE_PLAN[0], Ask(plan, narrow=narrow))
 
 
 def decode_plan(plan: Plan, narrow: bool, operands: str | None) -> list[tuple[str, str]]:
