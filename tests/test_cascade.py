@@ -19,6 +19,7 @@ from tests.test_paged import FORMS, _check, _expected, _pool
 import qkv
 from qkv import flash, reference
 from qkv.engine import cascade
+from qkv.engine.kernels import router
 from qkv.engine.paged import attend_pages
 from qkv.testing import strategies as qst
 
@@ -107,7 +108,7 @@ def test_split_equals_the_unsplit_step(monkeypatch):
     floor (the parts add one merge's rounding)."""
     q, k, v, fmt, ks, vs, kd, vd, table, seqlens = _shared_case("float32", 16, 1024, [1, 64, 7])
     got = attend_pages(q, k, v, table, seqlens)
-    monkeypatch.setattr(cascade, "MIN_SHARED_KEYS", 10**9)
+    monkeypatch.setattr(router, "MIN_SHARED_KEYS", 10**9)
     whole = attend_pages(q, k, v, table, seqlens)
     np.testing.assert_allclose(got, whole, **tol("fast path", np.float32))
 
@@ -125,7 +126,7 @@ def test_split_equals_the_unsplit_step(monkeypatch):
     seed=st.integers(0, 2**16),
 )
 def test_property_any_shared_prefix(monkeypatch, page, shared_pages, own, kvh, group, Lq, seed):
-    monkeypatch.setattr(cascade, "MIN_SHARED_KEYS", 1)
+    monkeypatch.setattr(router, "MIN_SHARED_KEYS", 1)
     prefix = shared_pages * page
     q, k, v, fmt, ks, vs, kd, vd, table, seqlens = _shared_case(
         "float32", page, prefix, own, kvh=kvh, H=kvh * group, Lq=Lq, seed=seed

@@ -80,7 +80,7 @@ def test_own_products_equal_the_reference(problem, isa, block_q, block_k, thread
     if plan.key_counts is not None:  # the padding mask read as key counts, as the router runs it
         from qkv.engine.kernels import key_counts
 
-        counts, plan = key_counts.per_row(plan), key_counts.bare(plan)
+        counts, plan = router.key_counts_per_row(plan), key_counts.bare(plan)
     run = dict(isa=isa, block_q=block_q, block_k=block_k, threads=threads, products="own")
     out, lse = native.attend(plan, counts=counts, **run)
     ref_out, ref_lse = reference.attention(*wide(q, k, v), return_lse=True, **opts)

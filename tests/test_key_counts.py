@@ -11,8 +11,7 @@ from tests.conftest import tol
 
 import qkv
 from qkv import reference
-from qkv.engine.kernels import dispatch, native
-from qkv.engine.kernels import key_counts as kc
+from qkv.engine.kernels import native, router
 from qkv.masks import tail_counts
 from qkv.testing.strategies import values
 from qkv.validate import make_plan
@@ -45,10 +44,18 @@ def forms(keep: np.ndarray, L: int) -> dict[str, np.ndarray]:
 
 @pytest.fixture
 def road(monkeypatch):
-    """Calls to the engine's key-count road, counted."""
-    calls: list[int] = []
-    real = dispatch._on_key_counts
-    monkeypatch.setattr(dispatch, "_on_key_counts", lambda p: calls.append(1) or real(p))
+    """The router's walks of its key-count table (plans it may run on their key counts),
+    counted: the road each chose."""
+    calls: list[str] = []
+    real = router.choose
+
+    def spy(plan, kernel="auto", counts=True):
+        route = real(plan, kernel, counts)
+        if counts and router.holds(router.ON_KEY_COUNTS, plan, kernel):
+            calls.append(route.counts or "the mask")
+        return route
+
+    monkeypatch.setattr(router, "choose", spy)
     return calls
 
 
@@ -307,7 +314,7 @@ def test_native_prefill_clips_each_rows_keys(monkeypatch, isa, window, causal, d
         else:
             np.testing.assert_allclose(got, want, **tol("fast path", name))
     assert np.array_equal(outs[0], outs[1]) and np.array_equal(outs[0], outs[2])
-    if qkv.route(q, k, v, causal=causal, window=window).kernel in kc.READ_BY:
+    if qkv.route(q, k, v, causal=causal, window=window).kernel in router.READ_BY:
         assert len(seen) == 3
         assert all(c is not None and c.tolist() == counts.tolist() for c in seen)
     # (else the bfloat16 tile products, which read the mask: AVX512_BF16 machines)

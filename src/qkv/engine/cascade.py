@@ -11,15 +11,15 @@ and the prefix part of every sequence is one problem: all the sequences' queries
 are the query rows of one prefill-shaped call against the prefix's keys (no causal mask: each
 query sits after the whole prefix), so the prefix is read once and its products run as matrix
 products, not one streamed pass per sequence. The own parts are the usual paged step on the
-rest of each row of the table. :func:`shared_columns` finds the prefix; :func:`attend` runs the
-split. Both parts and the merge are qkv's own kernels, so the result equals the reference on
+rest of each row of the table. :func:`shared_columns` finds the prefix; the router decides
+whether the step splits there (:func:`qkv.engine.kernels.router.cascade`); :func:`attend` runs
+the split. Both parts and the merge are qkv's own kernels, so the result equals the reference on
 each sequence's keys within the same tolerance as the unsplit step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
@@ -27,33 +27,29 @@ from ..validate import Plan, make_plan
 from .kernels import dispatch
 from .kernels.blocks import merge_arrays
 
-__all__ = ["MIN_SHARED_KEYS", "applies", "attend", "shared_columns"]
-
-#: Keys a prefix must hold, read by at least two sequences, before the step is split: below
-#: it the second call and the merge cost more than reading the prefix once per sequence saves.
-MIN_SHARED_KEYS = 256
+__all__ = ["attend", "shared_columns"]
 
 
 def shared_columns(table: np.ndarray, lengths: np.ndarray, page: int, rows: int) -> int:
     """The leading columns of the checked block ``table`` that every sequence shares (equal
     block ids in every row) and that every one of their ``rows`` queries sees whole under a
     bottom-right causal mask (the prefix ends at or before each sequence's first query:
-    ``columns · page ≤ lengths − rows + 1``); 0 where fewer than two sequences, or fewer than
-    :data:`MIN_SHARED_KEYS` keys, would share.
+    ``columns · page ≤ lengths − rows + 1``). Whether that is worth a split is the router's
+    call (:func:`qkv.engine.kernels.router.cascade`).
 
     >>> t = np.array([[3, 4, 7], [3, 4, 9], [3, 4, 2]], dtype=np.int32)
     >>> shared_columns(t, np.array([300, 290, 280]), 128, 1)
     2
-    >>> shared_columns(t, np.array([300, 200, 280]), 128, 1)  # 200 keys: one page, too few
-    0
+    >>> shared_columns(t, np.array([300, 200, 280]), 128, 1)  # 200 keys: one whole page
+    1
     """
     B, cols = table.shape
-    if B < 2 or cols == 0:
+    if B == 0 or cols == 0:
         return 0
     same = (table == table[:1]).all(axis=0)
     n = cols if same.all() else int(np.argmin(same))
     n = min(n, int((lengths.min() - rows + 1) // page))
-    return n if n * page >= MIN_SHARED_KEYS else 0
+    return max(n, 0)
 
 
 def attend(
@@ -86,10 +82,3 @@ def attend(
         return out_p, lse_p
     out_o, lse_o = own(rest)
     return merge_arrays([(out_p, lse_p), (out_o, lse_o)])
-
-
-def applies(plan: Plan, slopes: Any) -> bool:
-    """Whether a checked paged step may be split at a prefix: no bound on the past (a window's
-    left side moves with each sequence's length; its right side never reaches back into a
-    prefix that ends before every query) and no ALiBi (it reads positions)."""
-    return (plan.window is None or plan.window[0] is None) and slopes is None

@@ -30,7 +30,7 @@ from ..options import Options
 from ..validate import as_array, broadcasts_to, check_flag, make_plan, stand_in
 from . import cascade
 from .decoding import NATIVE, check_table, plan_checked
-from .kernels import decode, dispatch, native_decode
+from .kernels import decode, dispatch, native_decode, router
 from .quant import SCALED, check_format, dequantize_kv, quantize_kv, storage_dtype, storage_of
 
 __all__ = ["PagedKVCache", "attend_pages"]
@@ -228,25 +228,25 @@ def attend_pages(
         stand_in(stand, (B, kvh, longest, dv)),
         options,
     )
-    if cascade.applies(plan, slopes):
-        cols = cascade.shared_columns(table, lengths, page, Lq)
-        if cols:  # a prefix every sequence shares: its pages read once for all of them
-            P = cols * page
-            prefix = (
-                _gathered(kp, ks, form, table[0], P).astype(plan.acc_dtype, copy=False),
-                _gathered(vp, vs, form, table[0], P).astype(plan.acc_dtype, copy=False),
-            )
+    cols = cascade.shared_columns(table, lengths, page, Lq)
+    if cols and router.cascade(plan, slopes, cols * page, B):
+        # a prefix every sequence shares: its pages read once for all of them
+        P = cols * page
+        prefix = (
+            _gathered(kp, ks, form, table[0], P).astype(plan.acc_dtype, copy=False),
+            _gathered(vp, vs, form, table[0], P).astype(plan.acc_dtype, copy=False),
+        )
 
-            def own(rest: np.ndarray) -> Any:
-                return attend_pages(
-                    plan.q, k_pages, v_pages, table[:, cols:], rest, scale=plan.scale,
-                    causal=causal, window=window, softcap=plan.softcap, return_lse=True,
-                    kv_format=kv_format, k_scale=k_scale, v_scale=v_scale,
-                )  # fmt: skip
+        def own(rest: np.ndarray) -> Any:
+            return attend_pages(
+                plan.q, k_pages, v_pages, table[:, cols:], rest, scale=plan.scale,
+                causal=causal, window=window, softcap=plan.softcap, return_lse=True,
+                kv_format=kv_format, k_scale=k_scale, v_scale=v_scale,
+            )  # fmt: skip
 
-            out, lse = cascade.attend(plan, prefix, own, lengths)
-            out = out.astype(out_dtype, copy=False)
-            return (out, lse) if return_lse else out
+        out, lse = cascade.attend(plan, prefix, own, lengths)
+        out = out.astype(out_dtype, copy=False)
+        return (out, lse) if return_lse else out
     if native_decode.available():  # (the router decides in plan_checked: step.route)
         lo = np.zeros(B, np.int64)
         if plan.window is not None and plan.window[0] is not None:

@@ -14,7 +14,15 @@ from ...validate import Plan
 from . import mods
 from .blocks import finish, grouped_matmul
 
-__all__ = ["attend", "attend_plain", "logits", "raw_scores", "row_max", "softmax_rows"]
+__all__ = [
+    "attend",
+    "attend_plain",
+    "attend_plain_finite",
+    "logits",
+    "raw_scores",
+    "row_max",
+    "softmax_rows",
+]
 
 
 def raw_scores(plan: Plan) -> np.ndarray:
@@ -83,3 +91,11 @@ def attend_plain(plan: Plan) -> tuple[np.ndarray, np.ndarray]:
     out = grouped_matmul(s, plan.v, g)
     out /= denom[..., None]
     return out, m[..., 0] + np.log(denom)
+
+
+def attend_plain_finite(plan: Plan) -> tuple[np.ndarray, np.ndarray] | None:
+    """:func:`attend_plain`'s result where it is finite, else None (the caller's general road
+    and its overflow rules follow)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        out, lse = attend_plain(plan)
+    return (out, lse) if np.isfinite(out).all() else None

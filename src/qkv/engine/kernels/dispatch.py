@@ -48,7 +48,6 @@ from .router import (
     KERNELS,
     TEAM_DECODE_MIN_BYTES,
     kv_bytes,
-    normal_range,
     scale_in_range,
 )
 
@@ -111,6 +110,10 @@ class Choice(NamedTuple):
         The router's name of the kernel (a row of :data:`~qkv.engine.kernels.router.FORWARD`).
     stored : bool
         Whether it reads the plan's stored K/V in place.
+    counts : str or None
+        For a plan run on its key counts, the router's road for them (a row of
+        :data:`~qkv.engine.kernels.router.KEY_COUNTS`); the other fields are then its unmasked
+        twin's.
     """
 
     name: str
@@ -120,6 +123,7 @@ class Choice(NamedTuple):
     first: Runner | None = None
     kernel: str = ""
     stored: bool = False
+    counts: str | None = None
 
 
 _new = tuple.__new__  # builds a Choice without the named tuple's keyword handling (small calls)
@@ -142,11 +146,17 @@ RUNNERS: dict[str, tuple[Any, str]] = {
     "packed walk": (packed, "attend_plan"),
     "tiled": (tiled, "attend"),
 }
+# The shorter roads of the router's SHORT table, by name.
+SHORT_RUNNERS: dict[str, tuple[Any, str]] = {
+    "dense, every key seen": (dense, "attend_plain_finite"),
+    "native decode, checked finite": (native_decode, "attend_finite"),
+    "native prefill, own tiles, checked finite": (stacked, "attend_own_finite"),
+}
 
 
-def choose(plan: Plan, kernel: str = "auto") -> Choice:
-    """The kernel ``plan`` runs on: the router's choice (:func:`router.forward`), with the
-    function that runs it.
+def choose(plan: Plan, kernel: str = "auto", counts: bool = True) -> Choice:
+    """The kernel ``plan`` runs on: the router's choice (:func:`router.choose`), with the
+    functions that run it (``counts=False``: on the plan's mask, not its key counts).
 
     Examples
     --------
@@ -165,26 +175,12 @@ def choose(plan: Plan, kernel: str = "auto") -> Choice:
     """
     if kernel != "auto":
         check_kernel(kernel)
-    ask = router.Ask(plan, kernel)
-    row = router.first(router.rows(plan, kernel), ask)
+    row, short, road, size = router.choose(plan, kernel, counts)
     name = row.name
-    first = None
-    if name == "dense":
-        first = _dense_plain if _plain(plan) else None
-    elif name == "native decode" and plan.mask is None:
-        first = native_decode.attend_finite
-    elif name == "native prefill, own tiles" and scale_fits(plan):
-        first = stacked.attend_own_finite
     module, function = RUNNERS[name]
-    values = (row.family, getattr(module, function), ask.size, plan.L * plan.S, first, name)
-    return _new(Choice, (*values, row.stored))
-
-
-def _dense_plain(plan: Plan) -> tuple[np.ndarray, np.ndarray] | None:
-    """:func:`dense.attend_plain`'s result when it is finite, else None."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        out, lse = dense.attend_plain(plan)
-    return (out, lse) if np.isfinite(out).all() else None
+    first = None if short is None else getattr(*SHORT_RUNNERS[short])
+    values = (row.family, getattr(module, function), size, plan.L * plan.S, first, name)
+    return _new(Choice, (*values, row.stored, road))
 
 
 def attend(
@@ -196,11 +192,12 @@ def attend(
     Sinks are added once, to the kernel's finished result (:func:`mods.with_sinks`).
     """
     if choice is None:
-        if plan.key_counts is not None and kernel == "auto" and key_counts.applies(plan):
-            found = _on_key_counts(plan)
-            if found is not None:
-                return found
         choice = choose(plan, kernel)
+    if choice.counts is not None:
+        found = _on_key_counts(plan, choice)
+        if found is not None:
+            return found
+        choice = choose(plan, kernel, counts=False)
     if plan.stored is not None:  # float16/bfloat16 K/V as given: read in place where served
         if choice.stored:
             found = choice.run(plan)
@@ -208,7 +205,7 @@ def attend(
                 return mods.with_sinks(plan, *found)
         plan = plan.materialized()  # every other kernel reads widened K/V
         if choice.stored:
-            choice = choose(plan, kernel)
+            choice = choose(plan, kernel, counts=False)
     if choice.first is not None:
         found = choice.first(plan)
         if found is not None:
@@ -263,51 +260,23 @@ def ladder(
     return res
 
 
-def _on_key_counts(plan: Plan) -> tuple[np.ndarray, np.ndarray] | None:
+def _on_key_counts(plan: Plan, choice: Choice) -> tuple[np.ndarray, np.ndarray] | None:
     """A plan whose padding mask was read as key counts, run without it
-    (:mod:`~qkv.engine.kernels.key_counts`): on the count-aware dense kernel where the router
-    sends the unmasked problem to the dense one, on the native prefill with its key counts
-    where it goes there, else each count's batch rows on their keys when there are few counts
-    (:data:`~qkv.engine.kernels.key_counts.MAX_GROUPS`); None otherwise (the other kernels then
-    read the mask: about as fast as one call per count)."""
+    (:mod:`~qkv.engine.kernels.key_counts`) on the road the router chose
+    (:data:`~qkv.engine.kernels.router.KEY_COUNTS`; ``choice`` is its unmasked twin's); None
+    where that road cannot serve it (the general road then reads the mask)."""
+    if choice.counts == "one call per key count":
+        return key_counts.attend_grouped(plan, attend)
     base = key_counts.bare(plan)
-    choice = choose(base)
-    counts = key_counts.per_row(plan)
-    if choice.name == "dense":
-        run = functools.partial(key_counts.attend_dense, counts=counts)
-        return attend(base, choice=choice._replace(run=run, first=None))
-    if choice.kernel in key_counts.READ_BY:  # the native prefill reads the counts itself
-        counted: Any = choice.run  # (a runner that takes counts=: key_counts.READ_BY)
-        run = functools.partial(counted, counts=counts)
-        if choice.stored:  # None (not finite): the caller's general road, on the mask
-            found = run(base)
-            return None if found is None else mods.with_sinks(base, *found)
-        return attend(base, choice=choice._replace(run=run, first=None))  # first: no counts
-    if key_counts.groups(counts) > key_counts.MAX_GROUPS:
-        return None
-    return key_counts.attend_grouped(plan, attend)
-
-
-def _plain(plan: Plan) -> bool:
-    """Whether every row of a problem :func:`choose` sends to the dense kernel sees every key,
-    with no variant: :func:`dense.attend_plain` serves it (a single causal query sees all
-    keys too). Written out in one function, as small calls pay for every attribute lookup."""
-    if (
-        plan.mask is not None
-        or plan.bias is not None
-        or plan.window is not None
-        or plan.sinks is not None
-        or plan.softcap is not None
-        or plan.alibi is not None
-        or plan.score_mod is not None
-        or plan.mask_mod is not None
-    ):
-        return False
-    q = plan.q
-    if plan.k.shape[-2] == 0 or q.shape[-1] == 0 or (plan.causal and q.shape[-2] != 1):
-        return False
-    tiny, top = normal_range(plan.acc_dtype)  # scale_fits, written out
-    return tiny <= plan.scale <= top
+    counted: Any = choice.run  # (the dense kernel's, or a runner that takes counts=)
+    if choice.counts == "dense on key counts":
+        counted = key_counts.attend_dense
+    run = functools.partial(counted, counts=router.key_counts_per_row(plan))
+    if choice.stored:  # None (not finite): the caller's general road, on the mask
+        found = run(base)
+        return None if found is None else mods.with_sinks(base, *found)
+    # (the shorter road reads no counts)
+    return attend(base, choice=choice._replace(run=run, first=None, counts=None))
 
 
 def weights(plan: Plan) -> np.ndarray:

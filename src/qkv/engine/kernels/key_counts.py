@@ -2,7 +2,8 @@
 
 A tokenizer's padding mask, boolean or ``0``/``-inf``, ``(B, 1, 1, S)`` or ``(B, 1, L, S)``, is
 read once by the validation layer as a key count per batch row (:attr:`Plan.key_counts`,
-:func:`qkv.masks.tail_counts`); here such a plan runs without its mask:
+:func:`qkv.masks.tail_counts`); here such a plan runs without its mask, on the road the router
+chooses (:data:`qkv.engine.kernels.router.KEY_COUNTS`):
 
 - where the router sends the unmasked problem to the dense kernel (short rows), one call of
   :func:`attend_dense`: the scores of every key, the hidden tail of each batch row set to
@@ -11,9 +12,10 @@ read once by the validation layer as a key count per batch row (:attr:`Plan.key_
 - where it sends it to the native prefill (float32/float64, K/V in their dtype or stored in
   16 bits), one call that clips each batch row's keys to its count
   (:func:`qkv.engine.kernels.native.attend`'s ``counts``): the padding's tiles are skipped;
-- otherwise, where the rows have at most :data:`MAX_GROUPS` distinct counts (one sentence,
-  or a batch of full rows and one length), the batch rows of each count run together on keys
-  ``[:count]`` with no mask at all, on the kernel the router picks for them
+- otherwise, where the rows have at most :data:`~qkv.engine.kernels.router.MAX_GROUPS`
+  distinct counts (one sentence, or a batch of full rows and one length), the batch rows of
+  each count run together on keys ``[:count]`` with no mask at all, on the kernel the router
+  picks for them
   (:func:`attend_grouped`): the native prefill then skips the padding's tiles. With more
   distinct counts the native prefill reads the mask itself: measured on 2 cores (B8 and B32,
   H8, L = S = 256 and 512, lengths drawn in [S/2, S]), one call with the mask took as long as
@@ -38,58 +40,21 @@ from ...masks import Window
 from ...validate import Plan, stand_in
 from .blocks import grouped_matmul
 from .dense import logits, softmax_rows
+from .router import key_counts_per_row
 
 __all__ = [
-    "MAX_GROUPS",
-    "READ_BY",
-    "applies",
     "attend_dense",
     "attend_grouped",
     "bare",
-    "groups",
-    "per_row",
     "shifted",
 ]
 
 Result = tuple[np.ndarray, np.ndarray]
 
-#: Distinct non-zero key counts up to which the rows of each run as one call on their keys.
-MAX_GROUPS = 2
-
-#: The router's kernels that take the key counts themselves (``counts=``): the native
-#: prefill's work items clip their rows' keys to their batch row's count.
-READ_BY = (
-    "native prefill, own tiles",
-    "native prefill, own tiles, stored K/V",
-    "native prefill",
-    "native prefill, stored K/V",
-)
-
-
-def applies(plan: Plan) -> bool:
-    """Whether ``plan`` may run on its key counts: it has them, more than one query row (a
-    decoding step's native kernel reads a mask's run of keys itself), and no variant that reads
-    positions (ALiBi, ``score_mod``, ``mask_mod``)."""
-    return (
-        plan.key_counts is not None
-        and plan.L > 1
-        and plan.alibi is None
-        and plan.score_mod is None
-        and plan.mask_mod is None
-    )
-
 
 def bare(plan: Plan) -> Plan:
     """``plan`` without its mask (and key counts): what the router chooses a kernel for."""
     return replace(plan, mask=None, bias=None, key_counts=None)
-
-
-def per_row(plan: Plan) -> np.ndarray:
-    """The key counts, one per index of the first batch axis (or one for all)."""
-    counts = plan.key_counts
-    assert counts is not None
-    n = plan.batch[0] if plan.batch else 1
-    return np.broadcast_to(counts, (n,)) if counts.size != n else counts
 
 
 def attend_dense(plan: Plan, counts: np.ndarray) -> Result:
@@ -112,12 +77,6 @@ def attend_dense(plan: Plan, counts: np.ndarray) -> Result:
     w, lse = softmax_rows(s)
     assert plan.v is not None  # attention's output needs values
     return grouped_matmul(w, plan.v, plan.group), lse
-
-
-def groups(counts: np.ndarray) -> int:
-    """The distinct non-zero counts among ``counts``: the calls :func:`attend_grouped` makes."""
-    found = np.unique(counts)
-    return int(found.size - (found[0] == 0))
 
 
 def shifted(plan: Plan, c: int) -> tuple[bool, Window | None] | None:
@@ -169,7 +128,7 @@ def attend_grouped(plan: Plan, run: Callable[[Plan], Result]) -> Result | None:
     rows of that count and their first ``count`` keys, with no mask; rows of count 0 give 0
     and ``-inf``. None where some rows would need a negative window side, or where rows of
     count 0 meet sinks (the caller then runs the plan on its mask)."""
-    counts = per_row(plan)
+    counts = key_counts_per_row(plan)
     if plan.sinks is not None and not counts.all():
         return None
     base = bare(plan)

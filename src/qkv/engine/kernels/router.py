@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -33,6 +34,19 @@ from .threads import team_preferred
 __all__ = [
     "BACKWARD",
     "BF16",
+    "CASCADE",
+    "KEY_COUNTS",
+    "MAX_GROUPS",
+    "MIN_SHARED_KEYS",
+    "ON_KEY_COUNTS",
+    "READ_BY",
+    "SHORT",
+    "Route",
+    "cascade",
+    "choose",
+    "count_groups",
+    "key_counts_per_row",
+    "short",
     "DECODE_PLAN",
     "DECODE_STEP",
     "PREFILL",
@@ -102,7 +116,7 @@ class Ask:
     the caller asked for, and the sizes, each computed once and only when a condition reads
     it."""
 
-    __slots__ = ("_size", "kernel", "narrow", "operands", "plan")
+    __slots__ = ("_size", "base", "counts", "kernel", "narrow", "operands", "plan")
 
     def __init__(
         self, plan: Any, kernel: str = "auto", narrow: bool = False, operands: str | None = None
@@ -110,6 +124,8 @@ class Ask:
         self.plan, self.kernel, self.narrow = plan, kernel, narrow
         self.operands = operands  # why a kernel cannot read the operands as they are, or None
         self._size = -1
+        self.base: Kernel | None = None  # KEY_COUNTS: the row the unmasked twin runs on
+        self.counts: np.ndarray | None = None  # KEY_COUNTS: the key count of each batch row
 
     @property
     def size(self) -> int:
@@ -521,6 +537,202 @@ COMPILED_TEAM: tuple[Kernel, ...] = (
 # FORWARD less the rows whose first condition refuses a plan with no stored K/V under
 # "auto" (the stored and the forced rows): where the commonest calls start their walk.
 _AUTO_ROWS = tuple(r for r in FORWARD if not r.stored and not r.name.endswith("(forced)"))
+
+
+def _every_key_seen(a: Ask) -> bool:
+    """Every query row of the plan sees every key, with no variant, no empty axis and a normal
+    scale (the shorter dense road's one condition, written out: small calls pay for every
+    attribute lookup; a single causal query sees all keys too)."""
+    plan = a.plan
+    if (
+        plan.mask is not None
+        or plan.bias is not None
+        or plan.window is not None
+        or plan.sinks is not None
+        or plan.softcap is not None
+        or plan.alibi is not None
+        or plan.score_mod is not None
+        or plan.mask_mod is not None
+    ):
+        return False
+    q = plan.q
+    if plan.k.shape[-2] == 0 or q.shape[-1] == 0 or (plan.causal and q.shape[-2] != 1):
+        return False
+    tiny, top = normal_range(plan.acc_dtype)
+    return tiny <= plan.scale <= top
+
+
+# The shorter road a chosen row tries first, by the row's name: a faster form of the same
+# kernel that gives a finite result or None (then the row's kernel and the overflow retries
+# run). Each with its conditions, as the rows have theirs.
+SHORT: dict[str, Kernel] = {
+    "dense": Kernel(
+        "dense, every key seen",
+        "dense",
+        (_c(_every_key_seen, "a mask, a variant, an empty axis or a scale out of range"),),
+    ),
+    "native decode": Kernel(
+        "native decode, checked finite",
+        "decode",
+        (_c(lambda a: a.plan.mask is None, "a mask given (the step reads its run of keys)"),),
+    ),
+    "native prefill, own tiles": Kernel(
+        "native prefill, own tiles, checked finite", "tiled", (_SCALE_FITS,)
+    ),
+}
+
+
+def short(row: Kernel, ask: Ask) -> str | None:
+    """The name of the shorter road (:data:`SHORT`) ``row`` tries first for ``ask``, or None."""
+    found = SHORT.get(row.name)
+    if found is None:
+        return None
+    for cond in found.conditions:
+        if not cond.test(ask):
+            return None
+    return found.name
+
+
+#: Distinct non-zero key counts up to which the rows of each count run as one call.
+MAX_GROUPS = 2
+
+#: The kernels that take a plan's key counts themselves (their work items clip each batch
+#: row's keys to its count).
+READ_BY = (
+    "native prefill, own tiles",
+    "native prefill, own tiles, stored K/V",
+    "native prefill",
+    "native prefill, stored K/V",
+)
+
+# A plan whose padding mask the validation read as key counts (Plan.key_counts) may run
+# without the mask: under "auto", on more than one query row (a decoding step's native kernel
+# reads a mask's run of keys itself), with no variant that reads positions.
+ON_KEY_COUNTS = (
+    _AUTO,
+    _c(lambda a: a.plan.key_counts is not None, "no padding mask read as key counts"),
+    _c(lambda a: a.plan.L > 1, "one query row (the decode step reads the mask's run)"),
+    _c(
+        lambda a: a.plan.alibi is None and a.plan.score_mod is None and a.plan.mask_mod is None,
+        "ALiBi, score_mod or mask_mod (they read positions)",
+    ),
+)
+
+
+def key_counts_per_row(plan: Plan) -> np.ndarray:
+    """The key counts of a plan, one per index of its first batch axis (or one for all)."""
+    counts = plan.key_counts
+    assert counts is not None
+    n = plan.batch[0] if plan.batch else 1
+    return np.broadcast_to(counts, (n,)) if counts.size != n else counts
+
+
+def count_groups(counts: np.ndarray) -> int:
+    """The distinct non-zero counts among ``counts``: the calls one per count makes."""
+    found = np.unique(counts)
+    return int(found.size - (found[0] == 0))
+
+
+# How such a plan runs, given the row its unmasked twin runs on (Ask.base), fastest first; the
+# last row reads the mask as any other plan does.
+KEY_COUNTS: tuple[Kernel, ...] = (
+    Kernel(
+        "dense on key counts",
+        "dense",
+        (_c(lambda a: a.base is not None and a.base.name == "dense", "not the dense kernel"),),
+    ),
+    Kernel(
+        "key counts read by the native prefill",
+        "tiled",
+        (
+            _c(
+                lambda a: a.base is not None and a.base.name in READ_BY,
+                "the unmasked problem does not run on the native prefill",
+            ),
+        ),
+    ),
+    Kernel(
+        "one call per key count",
+        "tiled",
+        (
+            _c(
+                lambda a: count_groups(_counts(a)) <= MAX_GROUPS,
+                lambda a: f"more than {MAX_GROUPS} distinct key counts",
+            ),
+        ),
+    ),
+    Kernel("the mask", "tiled", ()),
+)
+
+
+def _counts(a: Ask) -> np.ndarray:
+    if a.counts is None:
+        a.counts = key_counts_per_row(a.plan)
+    return a.counts
+
+
+class Route(NamedTuple):
+    """What runs a plan (:func:`choose`): the row of :data:`FORWARD`, the shorter road it
+    tries first (:data:`SHORT`), and, for a plan run on its key counts, the row of
+    :data:`KEY_COUNTS` (then ``row`` and ``short`` are its unmasked twin's)."""
+
+    row: Kernel
+    short: str | None
+    counts: str | None
+    size: int
+
+
+def choose(plan: Plan, kernel: str = "auto", counts: bool = True) -> Route:
+    """Every decision of which kernel computes ``plan``'s attention, taken once: the row of
+    :data:`FORWARD`, its shorter road, and whether the plan runs on its key counts
+    (``counts=False``: on its mask, whatever it holds).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from qkv.validate import make_plan
+    >>> route = choose(make_plan(np.ones((4, 8)), np.ones((4, 8)), np.ones((4, 8))))
+    >>> route.row.name, route.short, route.counts
+    ('dense', 'dense, every key seen', None)
+    """
+    if counts and plan.key_counts is not None:
+        ask = Ask(plan, kernel)
+        if all(cond.test(ask) for cond in ON_KEY_COUNTS):
+            bare = replace(plan, mask=None, bias=None, key_counts=None)
+            twin = Ask(bare)
+            ask.base = first(rows(bare, "auto"), twin)
+            road = first(KEY_COUNTS, ask)
+            if road is not KEY_COUNTS[-1]:
+                return Route(ask.base, short(ask.base, twin), road.name, twin.size)
+    ask = Ask(plan, kernel)
+    row = first(rows(plan, kernel), ask)
+    return Route(row, short(row, ask), None, ask.size)
+
+
+# A paged step whose block table starts with the same pages in every row (requests forked from
+# one prompt) may split there (qkv.engine.cascade): the prefix once for all requests as one
+# prefill-shaped call, merged with each request's own pages by their lse. Ask.plan here is
+# (plan, ALiBi slopes, shared keys, sequences).
+MIN_SHARED_KEYS = 256
+CASCADE = (
+    _c(lambda a: a.plan[3] >= 2, "fewer than two sequences"),
+    _c(
+        lambda a: a.plan[2] >= MIN_SHARED_KEYS,
+        lambda a: f"{a.plan[2]} shared keys, fewer than {MIN_SHARED_KEYS}",
+    ),
+    _c(
+        lambda a: a.plan[0].window is None or a.plan[0].window[0] is None,
+        "a window's left side (it moves with each sequence's length)",
+    ),
+    _c(lambda a: a.plan[1] is None, "ALiBi (it reads positions)"),
+)
+
+
+def cascade(plan: Plan, slopes: Any, shared_keys: int, sequences: int) -> bool:
+    """Whether a checked paged step splits at a prefix of ``shared_keys`` keys that its
+    ``sequences`` all share (:data:`CASCADE`)."""
+    ask = Ask((plan, slopes, shared_keys, sequences))
+    return all(cond.test(ask) for cond in CASCADE)
 
 
 def first(table: Sequence[Kernel], ask: Ask) -> Kernel:
