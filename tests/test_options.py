@@ -74,7 +74,7 @@ def test_make_plan_takes_the_value_or_its_keywords_alike():
 def test_choose_returns_the_runner_and_the_sizes_it_chose_by():
     small = make_plan(np.ones((4, 8)), np.ones((4, 8)), np.ones((4, 8)))
     c = dispatch.choose(small)
-    assert (c.name, c.run, c.first) == ("dense", dense.attend, dispatch._dense_plain)
+    assert (c.name, c.run, c.first) == ("dense", dense.attend, dense.attend_plain_finite)
     assert c.kv_bytes == dispatch.kv_bytes(small) == 4 * (8 + 8) * 8 and c.scores == 16
     forced = dispatch.choose(small, "tiled")
     assert (forced.name, forced.run, forced.first) == ("tiled", tiled.attend, None)

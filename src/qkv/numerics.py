@@ -27,13 +27,22 @@ Examples
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
 import numpy as np
 from numpy.typing import DTypeLike
 
-__all__ = ["SAME_CODE", "STORED_FORMS", "StoredForm", "acc_dtype", "default_scale"]
+__all__ = [
+    "SAME_CODE",
+    "STORED_FORMS",
+    "StoredForm",
+    "acc_dtype",
+    "default_scale",
+    "normal_range",
+    "scale_in_range",
+]
 
 _F32 = np.dtype(np.float32)
 
@@ -87,6 +96,20 @@ def default_scale(d: int) -> float:
     True
     """
     return 1.0 / math.sqrt(d)
+
+
+def scale_in_range(scale: float, dtype: np.dtype) -> bool:
+    """Whether ``scale`` is a normal number of ``dtype`` (neither subnormal nor overflowing)."""
+    tiny, top = normal_range(np.dtype(dtype))
+    return tiny <= scale <= top
+
+
+@functools.cache
+def normal_range(dtype: np.dtype) -> tuple[float, float]:
+    """The smallest normal and the largest finite ``dtype`` number (looked up once per dtype:
+    small calls pay for every microsecond)."""
+    info = np.finfo(dtype)
+    return float(info.tiny), float(info.max)
 
 
 class StoredForm(NamedTuple):

@@ -219,7 +219,7 @@ def attention_varlen(
     live = (lq > 0) & (lk > 0)  # the others give zeros and -inf
     fused = walker.name != "packed walk"  # its work items cost microseconds: all go there
     walk = live if fused else live & (lq * lk * (unit // kv_heads) >= WALK_FLOPS)
-    if not dispatch.scale_in_range(fscale, acc_dt):
+    if not numerics.scale_in_range(fscale, acc_dt):
         walk = np.zeros_like(live)  # the scale needs float64 (dispatch.attend, per sequence)
     redo: set[int] = set()  # an overflow on the way, or NaN/inf inputs
     with np.errstate(over="ignore", invalid="ignore"):

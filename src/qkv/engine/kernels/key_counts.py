@@ -40,7 +40,6 @@ from ...masks import Window
 from ...validate import Plan, stand_in
 from .blocks import grouped_matmul
 from .dense import logits, softmax_rows
-from .router import key_counts_per_row
 
 __all__ = [
     "attend_dense",
@@ -123,12 +122,11 @@ def _rows(plan: Plan, rows: Any, c: int, rule: tuple[bool, Window | None]) -> Pl
     return replace(plan, k=k, v=v, given=(), **fields)
 
 
-def attend_grouped(plan: Plan, run: Callable[[Plan], Result]) -> Result | None:
-    """``plan`` (with key counts) as one call of ``run`` per distinct count, each on the batch
-    rows of that count and their first ``count`` keys, with no mask; rows of count 0 give 0
-    and ``-inf``. None where some rows would need a negative window side, or where rows of
-    count 0 meet sinks (the caller then runs the plan on its mask)."""
-    counts = key_counts_per_row(plan)
+def attend_grouped(plan: Plan, counts: np.ndarray, run: Callable[[Plan], Result]) -> Result | None:
+    """``plan`` (with key ``counts``, one per batch row) as one call of ``run`` per distinct
+    count, each on the batch rows of that count and their first ``count`` keys, with no mask;
+    rows of count 0 give 0 and ``-inf``. None where some rows would need a negative window
+    side, or where rows of count 0 meet sinks (the caller then runs the plan on its mask)."""
     if plan.sinks is not None and not counts.all():
         return None
     base = bare(plan)

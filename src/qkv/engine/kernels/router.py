@@ -19,13 +19,13 @@ path, never change a result: every kernel equals :func:`qkv.reference.attention`
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from ...numerics import normal_range, scale_in_range
 from ...validate import Plan
 from .jit import enabled as jit_enabled
 from .native_lib import bf16_products, blas_available, library, switched_off
@@ -74,7 +74,6 @@ __all__ = [
     "forward",
     "holds",
     "kv_bytes",
-    "normal_range",
     "packed",
     "rows",
 ]
@@ -674,12 +673,14 @@ def _counts(a: Ask) -> np.ndarray:
 class Route(NamedTuple):
     """What runs a plan (:func:`choose`): the row of :data:`FORWARD`, the shorter road it
     tries first (:data:`SHORT`), and, for a plan run on its key counts, the row of
-    :data:`KEY_COUNTS` (then ``row`` and ``short`` are its unmasked twin's)."""
+    :data:`KEY_COUNTS` and the count of each batch row (then ``row`` and ``short`` are its
+    unmasked twin's); ``size`` is :func:`kv_bytes`."""
 
     row: Kernel
     short: str | None
     counts: str | None
     size: int
+    per_row: np.ndarray | None = None
 
 
 def choose(plan: Plan, kernel: str = "auto", counts: bool = True) -> Route:
@@ -703,7 +704,8 @@ def choose(plan: Plan, kernel: str = "auto", counts: bool = True) -> Route:
             ask.base = first(rows(bare, "auto"), twin)
             road = first(KEY_COUNTS, ask)
             if road is not KEY_COUNTS[-1]:
-                return Route(ask.base, short(ask.base, twin), road.name, twin.size)
+                base = ask.base
+                return Route(base, short(base, twin), road.name, twin.size, _counts(ask))
     ask = Ask(plan, kernel)
     row = first(rows(plan, kernel), ask)
     return Route(row, short(row, ask), None, ask.size)
@@ -857,17 +859,3 @@ def explain(plan: Plan, kernel: str = "auto", table: str = "forward") -> list[tu
         if not (kernel != "auto" and why.startswith("kernel=")):
             said.append((row.name, why))
     raise AssertionError("a table's last row takes everything")
-
-
-def scale_in_range(scale: float, dtype: np.dtype) -> bool:
-    """Whether ``scale`` is a normal number of ``dtype`` (neither subnormal nor overflowing)."""
-    tiny, top = normal_range(np.dtype(dtype))
-    return tiny <= scale <= top
-
-
-@functools.cache
-def normal_range(dtype: np.dtype) -> tuple[float, float]:
-    """The smallest normal and the largest finite ``dtype`` number (looked up once per dtype:
-    small calls pay for every microsecond)."""
-    info = np.finfo(dtype)
-    return float(info.tiny), float(info.max)
