@@ -63,8 +63,8 @@ def packed_calls(monkeypatch):
         seen.append((*args, kw["scale"], kw["window"], np.asarray(out[0])))
         return out
 
-    def step_spy(q, k, v, ck, scale, softcap):
-        out = step(q, k, v, ck, scale, softcap)
+    def step_spy(q, k, v, offsets, ck, scale, softcap):
+        out = step(q, k, v, offsets, ck, scale, softcap)
         if out is not None:
             d = q.shape[-1]
             scale = d**-0.5 if scale is None else scale
@@ -242,9 +242,7 @@ def test_decoding_batches_take_the_native_step_and_nothing_else(monkeypatch):
     q, k = torch.randn(3, 4, 8), torch.randn(10, 2, 8)
     ck = torch.tensor([0, 2, 7, 10], dtype=torch.int32)
     continuous.flash_attn_varlen_func(q, k, k, torch.arange(4), ck, 1, 5, causal=True)
-    from qkv.engine.kernels import native_decode
-
-    assert len(taken) == 1 and (taken[0] is not None) == native_decode.available()
+    assert len(taken) == 1 and taken[0] is not None  # (the plan's road: native, or NumPy's)
     taken.clear()  # a window, two queries in a request, gradients: the packed walk alone
     continuous.flash_attn_varlen_func(q, k, k, torch.arange(4), ck, 1, 5, window_size=(2, 0))
     cq = torch.tensor([0, 1, 3, 3])
@@ -252,3 +250,28 @@ def test_decoding_batches_take_the_native_step_and_nothing_else(monkeypatch):
     qg = q.clone().requires_grad_()
     continuous.flash_attn_varlen_func(qg, k, k, torch.arange(4), ck, 1, 5, causal=True)
     assert taken == []
+
+
+def test_one_decode_plan_per_step_kept_on_the_key_offsets(monkeypatch):
+    """Every layer of a step gets the same ``cu_seqlens_k``: the step is planned once, and
+    planned again when the offsets change in place (a new step in the same buffer)."""
+    from qkv.engine import decoding
+
+    plans = []
+    real = decoding.plan_decode
+    monkeypatch.setattr(decoding, "plan_decode", lambda *a, **kw: plans.append(1) or real(*a, **kw))
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(3, 4, 8, generator=g)
+    ck = torch.tensor([0, 2, 7, 10], dtype=torch.int32)
+    cq = torch.arange(4, dtype=torch.int32)
+    for _layer in range(3):  # three layers: their own K/V, one plan
+        k, v = (torch.randn(10, 2, 8, generator=g) for _ in range(2))
+        out = continuous.flash_attn_varlen_func(q, k, v, cq, ck, 1, 5, causal=True)
+        want = qkv_flash.flash_attn_varlen_func(q, k, v, cq, ck, 1, 5, causal=True)
+        np.testing.assert_allclose(out.numpy(), want.numpy(), **tol("packed walk", torch.float32))
+    assert len(plans) == 1
+    ck[1:] = torch.tensor([3, 6, 10], dtype=torch.int32)  # the next step, in place
+    out = continuous.flash_attn_varlen_func(q, k, v, cq, ck, 1, 5, causal=True)
+    want = qkv_flash.flash_attn_varlen_func(q, k, v, cq, ck, 1, 5, causal=True)
+    np.testing.assert_allclose(out.numpy(), want.numpy(), **tol("packed walk", torch.float32))
+    assert len(plans) == 2

@@ -152,43 +152,48 @@ def register(name: str = NAME) -> str:
     return name
 
 
-def _decode_rows(
-    q: Any, k: Any, v: Any, ck: np.ndarray, scale: float | None, softcap: float | None
-) -> Any:
-    """One query per request against its run ``[ck[b], ck[b + 1])`` of the packed keys, on
-    the native decode step reading ``k``/``v`` in place (no gather): ``(total_q, heads, dv)``,
-    or None where that step does not take the call (the caller then takes the packed walk)."""
-    import torch
+#: Where the key offsets of a step keep its decode plan: ``(their _version, what, plan)``.
+#: transformers hands every layer of a step the same ``cu_seqlens_k``, so one plan serves them.
+_ON_OFFSETS = "_qkv_decode_plan"
 
-    from ..engine.kernels import native_decode
-    from ..engine.kernels.decode import KeyRuns
+
+def _decode_rows(
+    q: Any, k: Any, v: Any, offsets: Any, ck: np.ndarray, scale: Any, softcap: Any
+) -> Any:
+    """One query per request against its run ``[ck[b], ck[b + 1])`` of the packed keys:
+    ``(total_q, heads, dv)`` from a :class:`qkv.DecodePlan` (planned once per step, kept on
+    the ``offsets`` tensor, and run per layer on ``k``/``v`` in place as a batch of
+    ``(kv_heads, T, d)`` views: no gather), or None where the plan refuses the operands (the
+    caller then takes the packed walk, which says why). The router chooses the plan's road
+    (:attr:`qkv.DecodePlan.route`)."""
+    from ..engine.decoding import plan_decode
 
     B, H, d = q.shape
     T, kvh, dv = v.shape
-    if (
-        q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1
-        or k.shape != (T, kvh, d) or k.stride() != v.stride() or k.stride(1) != d
-        or v.stride(1) != dv or min(B, T) < 1
-    ):  # fmt: skip
-        return None
     lo, hi = np.ascontiguousarray(ck[:-1]), np.ascontiguousarray(ck[1:])
-    if not (hi > lo).all():
+    if B < 1 or not (hi > lo).all():
         return None  # a request with no key: the packed walk's rule (output 0)
-    plan = native_decode.DecodePlan.plan(
-        (B, H, kvh, 1, d, dv, T), f64=q.dtype == torch.float64, scale=scale, softcap=softcap,
-        runs=KeyRuns(lo, hi),
+    qq = q[:, :, None, :]
+    kk = k.permute(1, 0, 2)[None].expand(B, kvh, T, k.shape[-1])
+    vv = v.permute(1, 0, 2)[None].expand(B, kvh, T, dv)
+    what = (
+        q.dtype, k.dtype, v.dtype, q.shape, k.shape, v.shape, q.stride(), k.stride(),
+        v.stride(), type(scale), scale, type(softcap), softcap,
     )  # fmt: skip
-    if plan is None:
-        return None
-    rows = k.stride(0)  # every request reads the one packed tensor: sequence stride 0
-    out = torch.empty((B, H, dv), dtype=q.dtype)
-    status = plan.run(
-        (q.data_ptr(), (q.stride(0), q.stride(1), q.stride(1))),
-        (k.data_ptr(), (0, k.stride(1), rows)),
-        (v.data_ptr(), (0, v.stride(1), rows)),
-        out.data_ptr(),
-    )
-    return out if status == 0 else None  # (not finite: the packed walk's rules)
+    version = getattr(offsets, "_version", None)
+    kept = getattr(offsets, _ON_OFFSETS, None)
+    if kept is not None and kept[0] == version and kept[1] == what:
+        plan = kept[2]
+    else:
+        try:
+            plan = plan_decode(qq, kk, vv, scale=scale, softcap=softcap, seqlens=hi, starts=lo)
+        except (InputError, TypeError):
+            return None
+        try:
+            setattr(offsets, _ON_OFFSETS, (version, what, plan))
+        except (AttributeError, RuntimeError):  # a tensor that takes no attribute: plan per layer
+            pass
+    return plan.run(qq, kk, vv)[:, :, 0]
 
 
 @functools.wraps(flash.flash_attn_varlen_func)
@@ -279,4 +284,4 @@ def _decode_step(q: Any, k: Any, v: Any, cq: Any, ck: Any, scale: Any, softcap: 
         if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
             return None
         cap = float(softcap)
-    return _decode_rows(q, k, v, cka, scale, cap)
+    return _decode_rows(q, k, v, ck, cka, scale, cap)
