@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from tests.conftest import tol
 
 import qkv
 from qkv import reference
@@ -177,3 +178,44 @@ def test_runs_of_equal_lengths_in_a_ragged_batch():
     for b, (k, v) in enumerate(kv):
         want = reference.attention(q[b], k, v, causal=True, window=(2, None))
         np.testing.assert_allclose(out[b], want, atol=1e-12)
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+@pytest.mark.parametrize(
+    ("Lq", "options"),
+    [
+        (1, {}),
+        (1, {"window": (8, 0)}),
+        (1, {"softcap": 30.0}),
+        (3, {"causal": True}),
+        (3, {"causal": False}),
+    ],
+)
+def test_one_make_plan_per_attend_call(monkeypatch, native, Lq, options):
+    """A call's checks run once: the native step's plan on stand-ins serves the general road
+    too where the buffers hold the compute dtype (issue 41: one make_plan per call)."""
+    import qkv.engine.cache as cache_module
+    import qkv.engine.decoding as decoding_module
+
+    monkeypatch.setenv("QKV_NATIVE", native)
+    calls = []
+    real = cache_module.make_plan
+
+    def spy(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    for module in (cache_module, decoding_module):
+        if hasattr(module, "make_plan"):
+            monkeypatch.setattr(module, "make_plan", spy)
+    rng = np.random.default_rng(Lq)
+    kc = qkv.KVCache(batch=2, kv_heads=2, head_dim=16)
+    k, v = (rng.standard_normal((2, 2, 40, 16)).astype(np.float32) for _ in range(2))
+    kc.append(k, v)
+    q = rng.standard_normal((2, 4, Lq, 16)).astype(np.float32)
+    calls.clear()
+    out = kc.attend(q, **options)
+    assert len(calls) <= 1
+    want = reference.attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64),
+                               **options)  # fmt: skip
+    np.testing.assert_allclose(out, want, **tol("fast path", np.float32))

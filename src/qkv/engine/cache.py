@@ -16,6 +16,7 @@ stored values are widened and the call takes the general road.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -340,16 +341,22 @@ class KVCache:
             again = None
             if not variants and window is None and longest > 0 and qa is q:
                 again = _call_key(q, scale, causal, return_lse, kernel)
-            found = self._attend_native(qa, longest, options, again)
+            found, checked = self._attend_native(qa, longest, options, again)
             if found is not None:
                 out, lse = found
                 return (out, lse) if return_lse else out
+        else:
+            checked = None
         # One check, over every sequence against the longest; then one part of that checked
         # plan per run of neighbouring sequences of equal length (one part when all are equal),
         # which the kernels run together, the decode ones in one parallel pass.
         keys = self._values(self._k, self._ks, np.s_[:, :, :longest])
         vals = self._values(self._v, self._vs, np.s_[:, :, :longest])
-        whole = make_plan(qa, keys, vals, options)
+        if checked is not None and checked.k.dtype == keys.dtype == vals.dtype:
+            # the native road's plan, checked against stand-ins of these very shapes and dtype
+            whole = replace(checked, k=keys, v=vals)  # (no second check: one make_plan a call)
+        else:
+            whole = make_plan(qa, keys, vals, options)
         out = np.zeros((self.batch, heads, Lq, self.value_dim), dtype=whole.out_dtype)
         lse = np.full((self.batch, heads, Lq), -np.inf, dtype=whole.acc_dtype)
         runs, start = [], 0
@@ -365,9 +372,10 @@ class KVCache:
 
     def _attend_native(
         self, qa: np.ndarray, longest: int, options: Options, again: tuple[Any, ...] | None
-    ) -> tuple[np.ndarray, np.ndarray] | None:
+    ) -> tuple[tuple[np.ndarray, np.ndarray] | None, Plan | None]:
         """Every sequence in one native decode call on the stored buffers, each sequence its
-        own run of keys: ``(out, lse)``, or None where the kernel does not serve the call.
+        own run of keys: ``(out, lse)``, or None where the kernel does not serve the call; and
+        the plan checked on the way (None where none was made).
 
         The call is checked as the general road checks it (:func:`make_plan`), against
         zero-stride stand-ins of the buffers' shapes (nothing is read or copied). The step
@@ -376,7 +384,7 @@ class KVCache:
         ``q``'s values and the lengths (:meth:`attend`).
         """
         if not native_decode.available():  # no stand-in plan to make: the general road checks
-            return None
+            return None, None
         value_dtype = np.dtype(np.float32) if self._form not in (None, "float16") else self.dtype
         out_dtype = np.result_type(qa.dtype, value_dtype)
         # stand-ins in the compute dtype (float16's is float32), so that none is widened
@@ -396,13 +404,13 @@ class KVCache:
             scales=None if self._ks is None else (self._ks, self._vs),
         )  # fmt: skip
         if step.route != NATIVE:  # (the router's reason: step.refused)
-            return None
+            return None, plan
         out, lse = step.run(
             qa, self._k, self._v, k_scale=self._ks, v_scale=self._vs, return_lse=True
         )
         if again is not None and lo is self._first:  # (a window's starts depend on the lengths)
             self._planned = (again, step)  # q is the caller's array (no copy)
-        return mods.with_sinks(plan, out, lse)
+        return mods.with_sinks(plan, out, lse), plan
 
     def _per_head_variants(self, variants: dict[str, Any], heads: int) -> dict[str, Any]:
         """``sinks`` and ``alibi_slopes`` as arrays checked against ``(batch, heads)``, so that
