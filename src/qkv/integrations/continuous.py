@@ -58,6 +58,7 @@ Importing this module imports neither torch nor transformers.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
 import re
@@ -196,40 +197,31 @@ def _decode_rows(
     return plan.run(qq, kk, vv)[:, :, 0]
 
 
+# flash_attn_varlen_func's parameters in order, and their defaults: how a call's arguments,
+# given by position or by name, are read (the signature is qkv.flash's, written once there).
+_PARAMETERS = inspect.signature(flash.flash_attn_varlen_func).parameters
+_ORDER = tuple(_PARAMETERS)
+_DEFAULTS = {n: p.default for n, p in _PARAMETERS.items() if p.default is not p.empty}
+
+
 @functools.wraps(flash.flash_attn_varlen_func)
-def flash_attn_varlen_func(
-    q: Any,
-    k: Any,
-    v: Any,
-    cu_seqlens_q: Any,
-    cu_seqlens_k: Any,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    dropout_p: float = 0.0,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    window_size: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0,
-    alibi_slopes: Any = None,
-    deterministic: bool = False,
-    return_attn_probs: bool = False,
-    block_table: Any = None,
-) -> Any:
-    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    kwargs = {
-        "dropout_p": dropout_p, "softmax_scale": softmax_scale, "causal": causal,
-        "window_size": window_size, "softcap": softcap, "alibi_slopes": alibi_slopes,
-        "deterministic": deterministic, "return_attn_probs": return_attn_probs,
-        "block_table": block_table,
-    }  # fmt: skip
+def flash_attn_varlen_func(*args: Any, **kwargs: Any) -> Any:
     out = None
-    if (
-        max_seqlen_q == 1
-        and block_table is None and alibi_slopes is None and not return_attn_probs
-        and not dropout_p and type(window_size) in (tuple, list)
-        and len(window_size) == 2 and window_size[0] < 0 and (causal or window_size[1] < 0)
-    ):  # fmt: skip
-        out = _decode_step(*args[:5], softmax_scale, softcap)
+    given = _ORDER[: len(args)]  # (a call naming one of these twice is flash's to refuse)
+    if len(args) <= len(_ORDER) and kwargs.keys() <= _PARAMETERS.keys() - set(given):
+        call = {**_DEFAULTS, **dict(zip(given, args, strict=True)), **kwargs}
+        window = call["window_size"]
+        if (
+            len(call) == len(_ORDER) and call["max_seqlen_q"] == 1
+            and call["block_table"] is None and call["alibi_slopes"] is None
+            and not call["return_attn_probs"] and not call["dropout_p"]
+            and type(window) in (tuple, list) and len(window) == 2 and window[0] < 0
+            and (call["causal"] or window[1] < 0)
+        ):  # fmt: skip
+            out = _decode_step(
+                call["q"], call["k"], call["v"], call["cu_seqlens_q"], call["cu_seqlens_k"],
+                call["softmax_scale"], call["softcap"],
+            )  # fmt: skip
     return out if out is not None else flash.flash_attn_varlen_func(*args, **kwargs)
 
 

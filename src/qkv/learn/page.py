@@ -220,19 +220,30 @@ async function redraw() {
   clearErrors();
   if (!r.ok) {
     showError(body.field, body.fields, body.error);
-    notCurrent("status", "", STALE);
-    document.body.dataset.state = "error";
-    document.body.dataset.drawn = String(mine);
+    refused("status", "", "", mine);
     return;
   }
-  draw(body, "");
-  stale(false, "");
-  $("status").classList.remove("stale-note");
+  shown(body, "status", "", "", mine, t0);
+}
+
+/* What a panel ("" the explanation, "m-" the model's head) shows once its answer is in: the
+   refusal's stale state, or the drawing and its time; data-<key>state, data-<key>drawn and
+   data-<key>ms say so to the page's tests. */
+function refused(status, p, key, mine) {
+  notCurrent(status, p, STALE);
+  document.body.dataset[key + "state"] = "error";
+  document.body.dataset[key + "drawn"] = String(mine);
+}
+
+function shown(body, status, p, key, mine, t0) {
+  draw(body, p);
+  stale(false, p);
+  $(status).classList.remove("stale-note");
   const ms = performance.now() - t0;
-  $("status").textContent = "redrawn in " + ms.toFixed(0) + " ms";
-  document.body.dataset.ms = ms.toFixed(2);
-  document.body.dataset.state = "ok";
-  document.body.dataset.drawn = String(mine);
+  $(status).textContent = "redrawn in " + ms.toFixed(0) + " ms";
+  document.body.dataset[key + "ms"] = ms.toFixed(2);
+  document.body.dataset[key + "state"] = "ok";
+  document.body.dataset[key + "drawn"] = String(mine);
 }
 
 function press(which) {
@@ -275,21 +286,12 @@ async function runModel() {
     const target = $("err-m-" + body.field) ? body.field : "text";
     $("err-m-" + target).textContent = body.error;
     if ($("f-m-" + target)) $("f-m-" + target).classList.add("bad");
-    notCurrent("m-status", "m-", STALE);
-    document.body.dataset.mstate = "error";
-    document.body.dataset.mdrawn = String(mine);
+    refused("m-status", "m-", "m", mine);
     return;
   }
-  draw(body, "m-");
-  stale(false, "m-");
-  $("m-status").classList.remove("stale-note");
   $("m-title").textContent = body.title + " (" + body.layers + " layers, " + body.heads +
                              " heads; query token " + body.query + ")";
-  const ms = performance.now() - t0;
-  $("m-status").textContent = "redrawn in " + ms.toFixed(0) + " ms";
-  document.body.dataset.mms = ms.toFixed(2);
-  document.body.dataset.mstate = "ok";
-  document.body.dataset.mdrawn = String(mine);
+  shown(body, "m-status", "m-", "m", mine, t0);
 }
 
 /* ----- practice ----- */
