@@ -34,6 +34,8 @@ def padding_counts(rng: np.random.Generator, B: int, S: int) -> np.ndarray:
     return n
 
 
+# Not qkv.testing.strategies' shapes: the sizes are the micro-kernel's own edges (rows and
+# keys around its register blocks, ODD; head sizes that are no multiple of a vector).
 @st.composite
 def problems(draw):
     """A short problem: batch, heads (kv heads a divisor), L, S, d, dv, mask, dtype, seed."""

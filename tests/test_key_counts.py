@@ -103,6 +103,8 @@ def test_plan_carries_counts_and_drops_a_mask_that_hides_nothing():
     assert make_plan(q, k, v, mask=middle(np.array([5, 4, 3]), 5)).key_counts is None
 
 
+# Not qkv.testing.strategies' shapes: the sizes are the grid's and the odd ones (SIZES), and
+# the masks are the four kinds the key-count road must tell apart.
 @st.composite
 def problems(draw):
     B = draw(st.integers(1, 4))
