@@ -293,18 +293,21 @@ struct Kv<float, I8> {  // int8 codes
     }
 };
 
-// The fast road's int8 codes: the values read as Kv<float, I8> reads them.
+// The fast road's int8 codes. Its values are read in their own order (no strided order:
+// the AVX2 and AVX-512 clones widen them 8 at a time, vpmovsxbd, in value_tile_i8_avx2), a
+// line in the baseline clone by the loop below.
 template <>
 struct Kv<float, I8q> {
-    typedef Kv<float, I8> Same;
     static constexpr bool scaled = true;
     static constexpr bool direct = false;
-    static constexpr int per_line = Same::per_line;
-    static constexpr int order = Same::order;
-    static constexpr float unit = Same::unit;
+    static constexpr int per_line = 4;
+    static constexpr int order = 1;
+    static constexpr float unit = 1;
     static QKV_INLINE float get(const I8q* p) { return float(p->code); }
     static QKV_INLINE void line(const I8q* p, void* out) {
-        Same::line(reinterpret_cast<const I8*>(p), out);
+        float y[64];
+        for (int t = 0; t < 64; ++t) y[t] = float(p[t].code);
+        std::memcpy(out, y, sizeof(y));
     }
 };
 
@@ -881,6 +884,46 @@ QKV_AVX2 inline void score_tile_i8_avx2(const int8_t* __restrict q, const float*
 }
 #endif
 
+#if QKV_X86
+// The fast road's values (AVX2, and the AVX-512 clone's): RB rows' accumulators' registers
+// [c0, c0 + CV) of 8 floats (acc, rows DV apart) scaled by alpha[i], plus the n weighted value
+// rows, each register of 8 codes widened once (vpmovsxbd, vcvtdq2ps) for the RB rows. The
+// widening road's tiles (value_tile) widen a whole 64-byte line into 8 registers, so AVX2 takes
+// one row at a time there, widening each line once per row; here four rows share it.
+template <int DV, int RB, int CV, typename A, typename N>
+QKV_AVX2 inline void value_tile_i8_avx2(float* __restrict acc, const float* __restrict w,
+                                        const float* __restrict alpha, const A& v, int64_t n,
+                                        int c0, const N& next) {
+    __m256 x[RB][CV];
+    for (int i = 0; i < RB; ++i) {
+        const __m256 al = _mm256_set1_ps(alpha[i]);
+        for (int c = 0; c < CV; ++c) x[i][c] = _mm256_mul_ps(_mm256_loadu_ps(acc + i * DV + (c0 + c) * 8), al);
+    }
+    const int from = c0 * 8;  // the first byte of a value row this tile reads
+    const bool ask = from % 64 == 0;  // the tile that starts a line asks for it
+    for (int64_t j = 0; j < n; ++j) {
+        if (ask) next.template part<64>(j, from);
+        const int8_t* vr = reinterpret_cast<const int8_t*>(v[j]) + from;
+        __m256 y[CV];
+        for (int c = 0; c < CV; ++c)
+            y[c] = _mm256_cvtepi32_ps(
+                _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(vr + 8 * c))));
+        for (int i = 0; i < RB; ++i) {
+            const __m256 wij = _mm256_broadcast_ss(w + i * DECODE_BK + j);
+            for (int c = 0; c < CV; ++c) x[i][c] = _mm256_fmadd_ps(wij, y[c], x[i][c]);
+        }
+    }
+    for (int i = 0; i < RB; ++i)
+        for (int c = 0; c < CV; ++c) _mm256_storeu_ps(acc + i * DV + (c0 + c) * 8, x[i][c]);
+}
+
+template <int DV, int RB, int CV, typename A, typename N>
+QKV_AVX2 inline void value_rows_i8_avx2(float* acc, const float* w, const float* alpha, const A& v,
+                                        int64_t n, const N& next) {
+    for (int c0 = 0; c0 < DV / 8; c0 += CV) value_tile_i8_avx2<DV, RB, CV>(acc, w, alpha, v, n, c0, next);
+}
+#endif
+
 template <int D, int RB, int KB, int LANES, typename A>
 QKV_INLINE void score_tile_i8(const int8_t* __restrict q, const float* __restrict f, const A& k,
                               float* __restrict s) {
@@ -1105,6 +1148,21 @@ QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h,
             for (; r < R; ++r, vnext.n = 0)
                 value_rows<T, E, V, DV, 1, TS::few>(acci + r * DV, s + r * DECODE_BK, alpha + r, at, n, vnext);
         };
+#if QKV_X86
+        if constexpr (IQ && LANES >= 8) {  // four rows (two, one) share each widened register
+            int64_t r = 0;
+            for (; r + 4 <= R; r += 4, vnext.n = 0)
+                value_rows_i8_avx2<DV, 4, 2>(acci + r * DV, s + r * DECODE_BK, alpha + r, Vb, n, vnext);
+            if (r + 2 <= R) {
+                value_rows_i8_avx2<DV, 2, 4>(acci + r * DV, s + r * DECODE_BK, alpha + r, Vb, n, vnext);
+                r += 2;
+                vnext.n = 0;
+            }
+            for (; r < R; ++r, vnext.n = 0)
+                value_rows_i8_avx2<DV, 1, 4>(acci + r * DV, s + r * DECODE_BK, alpha + r, Vb, n, vnext);
+            return;
+        }
+#endif
         values(Vb);
     };
     int slot = 0;
