@@ -25,7 +25,7 @@ off (``QKV_NATIVE=0``): the same scores, the softmax and the values' products in
 >>> import numpy as np
 >>> q = np.array([[0.5, -1.0, 0.25]], np.float32)
 >>> codes, s = quantize_rows(q)
->>> codes.tolist(), float(s[0]) == np.float32(1.0) / np.float32(127)
+>>> codes.tolist(), bool(s[0] == np.float32(1.0) / np.float32(127))
 ([[64, -127, 32]], True)
 """
 
