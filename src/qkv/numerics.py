@@ -35,6 +35,9 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 __all__ = [
+    "FAST_CODE",
+    "FAST_FORMS",
+    "PRECISIONS",
     "SAME_CODE",
     "STORED_FORMS",
     "StoredForm",
@@ -136,6 +139,17 @@ class StoredForm(NamedTuple):
 
 #: ``kv_format`` when K and V are in the compute dtype itself (abi.h's ``KV_SAME``).
 SAME_CODE = 0
+
+#: The decode step's ``precision`` values: ``"exact"`` (the default: every product in
+#: float32 of the stored values) and ``"fast"`` (opt in: the query rows rounded to int8 before
+#: their products with int8 keys, :mod:`qkv.engine.kernels.decode_fast`).
+PRECISIONS = ("exact", "fast")
+
+#: The stored forms ``precision="fast"`` changes; on the others it runs the exact road.
+FAST_FORMS = ("int8",)
+
+#: Added to a form's code on the fast road (abi.h's ``KV_FAST``).
+FAST_CODE = 256
 
 #: The stored forms of K and V, in the order they are listed to users. The C enum in
 #: ``native_src/abi.h`` mirrors the codes; the loader refuses a library that disagrees.

@@ -25,6 +25,7 @@ from .. import numerics
 from ..checks import check_int
 from ..errors import InputError
 from ..keywords import near_keywords
+from ..numerics import FAST_FORMS
 from ..options import Options
 from ..validate import (
     VARIANTS,
@@ -36,8 +37,9 @@ from ..validate import (
     make_plan,
     stand_in,
 )
-from .decoding import NATIVE, DecodePlan, plan_checked
+from .decoding import NATIVE, NATIVE_FAST, NUMPY_FAST, DecodePlan, plan_checked
 from .kernels import decode, dispatch, mods, native_decode
+from .kernels.decode_fast import check_precision
 from .quant import SCALED, dequantize_kv, quantize_kv, storage_dtype
 from .quant import storage_of as _storage
 
@@ -279,6 +281,7 @@ class KVCache:
         window: Any = None,
         return_lse: bool = False,
         kernel: str = "auto",
+        precision: str = "exact",
         **variants: Any,
     ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
         """Attention of new queries to each sequence's cache.
@@ -297,6 +300,11 @@ class KVCache:
             As in :func:`qkv.attention`; positions are counted within each sequence.
         return_lse : bool, optional
             Also return the log-sum-exp, shape ``(batch, heads, Lq)``.
+        precision : {"exact", "fast"}, optional
+            ``"fast"`` opts an int8 cache into the decode step's fast road
+            (:func:`qkv.plan_decode`: q rounded to int8, its error bound there), where the
+            decode step serves the call (one query row, or ``causal=False``); elsewhere, and
+            on caches of any other dtype, the exact road runs.
         **variants
             ``softcap``, ``sinks``, ``alibi_slopes``, ``score_mod``, ``mask_mod`` as in
             :func:`qkv.attention`; positions are each sequence's own, ``batch`` its index.
@@ -313,13 +321,14 @@ class KVCache:
         """
         planned = self._planned
         if planned is not None and not variants and window is None:
-            if _call_key(q, scale, causal, return_lse, kernel) == planned[0]:
+            if _call_key(q, scale, causal, return_lse, kernel, precision) == planned[0]:
                 if native_decode.available():  # else the checked road below decides
                     return planned[1].run(
                         q, self._k, self._v, k_scale=self._ks, v_scale=self._vs,
                         return_lse=return_lse,
                     )  # fmt: skip
         kernel = dispatch.check_kernel(kernel)
+        precision = check_precision(precision)
         check_flag(return_lse, "return_lse")
         check_variants("KVCache.attend", variants)
         qa = as_array(q, "q")
@@ -340,8 +349,8 @@ class KVCache:
         if kernel in ("auto", "decode"):
             again = None
             if not variants and window is None and longest > 0 and qa is q:
-                again = _call_key(q, scale, causal, return_lse, kernel)
-            found, checked = self._attend_native(qa, longest, options, again)
+                again = _call_key(q, scale, causal, return_lse, kernel, precision)
+            found, checked = self._attend_native(qa, longest, options, again, precision)
             if found is not None:
                 out, lse = found
                 return (out, lse) if return_lse else out
@@ -371,7 +380,12 @@ class KVCache:
         return (out, lse) if return_lse else out
 
     def _attend_native(
-        self, qa: np.ndarray, longest: int, options: Options, again: tuple[Any, ...] | None
+        self,
+        qa: np.ndarray,
+        longest: int,
+        options: Options,
+        again: tuple[Any, ...] | None,
+        precision: str = "exact",
     ) -> tuple[tuple[np.ndarray, np.ndarray] | None, Plan | None]:
         """Every sequence in one native decode call on the stored buffers, each sequence its
         own run of keys: ``(out, lse)``, or None where the kernel does not serve the call; and
@@ -381,10 +395,12 @@ class KVCache:
         zero-stride stand-ins of the buffers' shapes (nothing is read or copied). The step
         reads the cache's lengths when it runs, so with ``again`` (the call's
         :func:`_call_key`) it is kept for the calls that differ from this one only in
-        ``q``'s values and the lengths (:meth:`attend`).
+        ``q``'s values and the lengths (:meth:`attend`). ``precision="fast"`` on an int8
+        cache: the fast road, emulated in NumPy where the native step is off.
         """
-        if not native_decode.available():  # no stand-in plan to make: the general road checks
-            return None, None
+        fast = precision == "fast" and self._form in FAST_FORMS
+        if not native_decode.available() and not fast:
+            return None, None  # no stand-in plan to make: the general road checks
         value_dtype = np.dtype(np.float32) if self._form not in (None, "float16") else self.dtype
         out_dtype = np.result_type(qa.dtype, value_dtype)
         # stand-ins in the compute dtype (float16's is float32), so that none is widened
@@ -401,9 +417,9 @@ class KVCache:
         step = plan_checked(
             plan, qa, self._k, self._v, form=self._form if self._form != "float16" else None,
             runs=decode.KeyRuns(lo, hi), out_dtype=out_dtype,
-            scales=None if self._ks is None else (self._ks, self._vs),
+            scales=None if self._ks is None else (self._ks, self._vs), precision=precision,
         )  # fmt: skip
-        if step.route != NATIVE:  # (the router's reason: step.refused)
+        if step.route not in (NATIVE, NATIVE_FAST, NUMPY_FAST):  # (the router's reason: refused)
             return None, plan
         out, lse = step.run(
             qa, self._k, self._v, k_scale=self._ks, v_scale=self._vs, return_lse=True
@@ -430,7 +446,9 @@ class KVCache:
         return out
 
 
-def _call_key(q: Any, scale: Any, causal: Any, return_lse: Any, kernel: Any) -> Any:
+def _call_key(
+    q: Any, scale: Any, causal: Any, return_lse: Any, kernel: Any, precision: Any = "exact"
+) -> Any:
     """What :meth:`KVCache.attend`'s checks and its native step's plan depend on, for a call
     with no window and no variants: ``q``'s type, shape, dtype and layout and the options'
     values. None for a call that is not of that plain kind (it always takes the checked
@@ -444,7 +462,9 @@ def _call_key(q: Any, scale: Any, causal: Any, return_lse: Any, kernel: Any) -> 
         return None
     if type(causal) is not bool or type(return_lse) is not bool or type(kernel) is not str:
         return None
-    return (q.shape, q.strides, q.dtype, scale, causal, kernel)
+    if type(precision) is not str:
+        return None
+    return (q.shape, q.strides, q.dtype, scale, causal, kernel, precision)
 
 
 def _offset_batch(plan: Plan, first: int) -> dict[str, Any]:

@@ -26,13 +26,17 @@ from ..errors import InputError, InputTypeError
 from ..keywords import near_keywords
 from ..options import Options
 from ..validate import Plan, as_array, make_plan, stand_in
-from .kernels import decode, dispatch, native_decode, router
+from .kernels import decode, decode_fast, dispatch, native_decode, router
 from .quant import SCALED, check_format, dequantize_kv, storage_dtype
 
-__all__ = ["NATIVE", "NUMPY", "DecodePlan", "check_table", "plan_checked", "plan_decode"]
+__all__ = [
+    "NATIVE", "NATIVE_FAST", "NUMPY", "NUMPY_FAST", "DecodePlan", "check_table", "plan_checked",
+    "plan_decode",
+]  # fmt: skip
 
-#: The router's names of the two roads a plan may take.
-NATIVE, NUMPY = router.DECODE_PLAN[0].name, router.DECODE_PLAN[-1].name
+#: The router's names of the roads a plan may take: the native step (exact, or the fast road
+#: of int8 K/V) and the NumPy one (exact, or its emulation of the fast road).
+NATIVE_FAST, NATIVE, NUMPY_FAST, NUMPY = (row.name for row in router.DECODE_PLAN)
 
 # A tensor's conversions by dtype name, as methods (this layer never imports torch).
 _TO = {"float32": "float", "float64": "double", "float16": "half", "bfloat16": "bfloat16"}
@@ -144,7 +148,11 @@ class DecodePlan:
     route : str
         The kernel that runs it: ``"native decode"`` (the C++ step, on the operands' memory)
         or ``"NumPy decode"`` (the NumPy decode kernel, where the native step is switched off
-        or refuses the plan).
+        or refuses the plan); with ``precision="fast"`` on int8 K/V, ``"native decode, fast
+        int8"`` or its NumPy emulation ``"NumPy decode, fast int8"``
+        (:mod:`qkv.engine.kernels.decode_fast`).
+    precision : str
+        ``"exact"`` or ``"fast"``, as asked (:func:`qkv.plan_decode`).
     refused : list of (str, str)
         Each faster kernel the router refused, with the condition that refused it (as
         :attr:`qkv.Route.refused`).
@@ -165,8 +173,8 @@ class DecodePlan:
 
     __slots__ = (
         "L", "_acc", "_cast_out", "_convert", "_keep", "_keys", "_pages", "_table", "_template",
-        "batch", "dtype", "head_dim", "heads", "keys", "kv_format", "kv_heads", "refused",
-        "route", "runs", "scale", "softcap", "value_dim",
+        "batch", "dtype", "head_dim", "heads", "keys", "kv_format", "kv_heads", "precision",
+        "refused", "route", "runs", "scale", "softcap", "value_dim",
     )  # fmt: skip
 
     route: str
@@ -181,6 +189,7 @@ class DecodePlan:
     scale: float
     softcap: float | None
     kv_format: str | None
+    precision: str
     dtype: np.dtype
     runs: decode.KeyRuns | None
     _acc: tuple[np.dtype, str]
@@ -201,7 +210,8 @@ class DecodePlan:
             f"DecodePlan(route={self.route!r}, batch={self.batch}, heads={self.heads}, "
             f"kv_heads={self.kv_heads}, L={self.L}, head_dim={self.head_dim}, "
             f"value_dim={self.value_dim}, keys={self.keys}, dtype={self.dtype}, "
-            f"scale={self.scale:.6g}, softcap={self.softcap}, kv_format={self.kv_format})"
+            f"scale={self.scale:.6g}, softcap={self.softcap}, kv_format={self.kv_format}, "
+            f"precision={self.precision!r})"
         )
 
     def run(
@@ -331,6 +341,7 @@ class DecodePlan:
         vs = None if v_scale is None else _raw(v_scale, "v_scale")
         if self._table is not None:
             ka, va, ks, vs = (self._gather(x) for x in (ka, va, ks, vs))
+        codes = ka
         if self.kv_format is not None:
             ka, va = dequantize_kv(ka, ks, self.kv_format), dequantize_kv(va, vs, self.kv_format)
         mask = self._keep
@@ -338,6 +349,21 @@ class DecodePlan:
             lo, hi = self.runs
             j = np.arange(self.keys)
             mask = ((j >= lo[:, None]) & (j < hi[:, None]))[:, None, None, :]
+        if self.route in (NATIVE_FAST, NUMPY_FAST):  # the fast road's scores, emulated
+            keys = (
+                None if mask is None else np.broadcast_to(mask[:, 0, 0, :], (self.batch, self.keys))
+            )
+            q32 = qa.astype(np.float32)
+            assert ks is not None  # (int8 K carries its row scales)
+            o64, l64 = decode_fast.attend(
+                q32, codes, ks, va, self.scale, keys=keys, softcap=self.softcap
+            )
+            out = o64.astype(self.dtype)
+            lse = l64.astype(self._acc[0])
+            if type(q) is not np.ndarray:
+                out = getattr(q.new_tensor(o64.astype(np.float32)), _TO[self.dtype.name])()
+                lse = q.new_tensor(lse)
+            return (out, lse) if return_lse else out
         options = Options(self.scale, False, mask, softcap=self.softcap)
         out, lse = dispatch.attend(make_plan(qa, ka, va, options), "decode")
         out = out.astype(self.dtype, copy=False)
@@ -374,6 +400,7 @@ def plan_decode(
     k_scale: Any = None,
     v_scale: Any = None,
     threads: int | None = None,
+    precision: str = "exact",
 ) -> DecodePlan:
     """Plan a decoding step once, to run it on every layer (:meth:`DecodePlan.run`).
 
@@ -414,6 +441,14 @@ def plan_decode(
     threads : int, optional
         Threads of the native step (default: PyTorch's team when PyTorch is imported, else
         qkv's).
+    precision : {"exact", "fast"}, optional
+        ``"exact"`` (default): every product in float32 of the stored values. ``"fast"`` (opt
+        in, int8 K/V): each query row rounded to int8 (one scale per row and head) and its
+        products with the keys' codes taken in int32 (:mod:`qkv.engine.kernels.decode_fast`).
+        Each score then moves by at most ``ε = scale · (max|q| / 254) · Σ_i |k_i|`` and the
+        output by at most ``(e^{2ε} − 1) · max|v|`` from the exact road's. On K/V of any
+        other form (floats, bfloat16, float16, float8) ``"fast"`` runs the exact road, and
+        :attr:`DecodePlan.refused` says so.
 
     Returns
     -------
@@ -443,6 +478,7 @@ def plan_decode(
     ...     want = qkv.attention(q2[1], k2[1, :, :20], v2[1, :, :20])
     ...     assert np.allclose(out[1], want, atol=1e-5)
     """
+    precision = decode_fast.check_precision(precision)
     form = None if kv_format is None else check_format(kv_format, "kv_format")
     if form == "float16":
         form = None  # float16 arrays are read as what they are
@@ -503,6 +539,7 @@ def plan_decode(
     return plan_checked(
         plan, q, k, v, form=form, runs=runs, keep=keep, why=why, table=table, read=(qa, ka, va),
         scales=(k_scale, v_scale) if scales else None, out_dtype=out_dtype, threads=threads,
+        precision=precision,
     )  # fmt: skip
 
 
@@ -578,11 +615,13 @@ def plan_checked(
     out_dtype: Any = None,
     threads: int | None = None,
     read: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+    precision: str = "exact",
 ) -> DecodePlan:
     """:func:`plan_decode` for a call its caller checked (``plan``, made against stand-ins
     of the K/V's shapes in the compute dtype; a cache's own options): ``q``, ``k``, ``v``
     (pages with ``table``) the operands to run on (``read``: as NumPy views, when the caller
-    has them), ``runs`` each sequence's keys."""
+    has them), ``runs`` each sequence's keys, ``precision`` checked
+    (:func:`qkv.engine.kernels.decode_fast.check_precision`)."""
     qa, ka, va = read or (_raw(q, "q"), _raw(k, "k"), _raw(v, "v"))
     acc = plan.acc_dtype
     out_dtype = np.dtype(plan.out_dtype if out_dtype is None else out_dtype)
@@ -626,14 +665,17 @@ def plan_checked(
                 why = "the scales' strides (their outer axes do not collapse)"
         if q_layout is None or k_layout is None or v_layout is None:
             why = "the operands' strides (a last axis not contiguous, or axes that do not fit)"
-    walk = router.decode_plan(plan, narrow, why)
+    walk = router.decode_plan(
+        plan, narrow, why, precision=precision, kv_format=stored if stored else None
+    )
     route = walk[-1][0]
     template = None
-    if route == NATIVE:
+    if route in (NATIVE, NATIVE_FAST):
         assert q_layout is not None and k_layout is not None and v_layout is not None
         native = native_decode.DecodePlan.plan(
             (B, H, kvh, L, d, dv, S), f64=acc == np.float64, scale=plan.scale,
             softcap=plan.softcap, kv_format=stored or None, runs=runs, threads=threads,
+            precision="fast" if route == NATIVE_FAST else "exact",
         )  # fmt: skip
         pages = None
         if table is not None:
@@ -644,12 +686,20 @@ def plan_checked(
                 native, q_layout, k_layout, v_layout, scales=scale_layouts, pages=pages
             )
         if template is None:
-            route, walk = NUMPY, [(NATIVE, "the native library is not loaded"), (NUMPY, "")]
+            fast = route == NATIVE_FAST
+            route, walk = (
+                (NUMPY_FAST if fast else NUMPY),
+                [
+                    (NATIVE_FAST if fast else NATIVE, "the native library is not loaded"),
+                    (NUMPY_FAST if fast else NUMPY, ""),
+                ],
+            )
     keys: list[Any] = [_key(q), _key(k), _key(v)]
     keys += [None, None] if scales is None else [_key(scales[0]), _key(scales[1])]
     return DecodePlan(
         route=route, refused=walk[:-1], batch=B, heads=H, kv_heads=kvh, L=L, head_dim=d,
         value_dim=dv, keys=S, scale=plan.scale, softcap=plan.softcap, kv_format=form,
+        precision=precision,
         dtype=out_dtype, runs=runs, _acc=(acc, acc.name), _keep=keep, _keys=tuple(keys),
         _pages=table is not None, _table=table, _template=template,
         _convert=qa.dtype != acc, _cast_out=out_dtype != acc,

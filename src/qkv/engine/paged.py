@@ -26,11 +26,13 @@ from .. import numerics
 from ..checks import check_int
 from ..errors import InputError, InputTypeError
 from ..keywords import near_keywords
+from ..numerics import FAST_FORMS
 from ..options import Options
 from ..validate import as_array, broadcasts_to, check_flag, make_plan, stand_in
 from . import cascade
-from .decoding import NATIVE, check_table, plan_checked
+from .decoding import NATIVE, NATIVE_FAST, NUMPY_FAST, check_table, plan_checked
 from .kernels import decode, dispatch, native_decode, router
+from .kernels.decode_fast import check_precision
 from .quant import SCALED, check_format, dequantize_kv, quantize_kv, storage_dtype, storage_of
 
 __all__ = ["PagedKVCache", "attend_pages"]
@@ -115,6 +117,7 @@ def attend_pages(
     kv_format: Any = None,
     k_scale: Any = None,
     v_scale: Any = None,
+    precision: str = "exact",
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Attention of each sequence's queries to its keys and values, read from pages through
     a block table.
@@ -152,6 +155,12 @@ def attend_pages(
         (``"bfloat16"`` as uint16 bits, ``"int8"``, ``"float8_e4m3fn"`` as uint8 bits);
         the 8-bit forms with ``k_scale`` and ``v_scale``, float32 of shape
         ``(num_blocks, page_size, kv_heads)``.
+    precision : {"exact", "fast"}, optional
+        ``"fast"`` opts int8 pages into the decode step's fast road (:func:`qkv.plan_decode`:
+        q rounded to int8, its error bound there), where the decode step serves the call (one
+        query row per sequence, or ``causal=False``; no ``alibi_slopes``); elsewhere, and on
+        pages of any other form, the exact road runs (a shared prefix is then not split off:
+        the fast road reads every page).
 
     Returns
     -------
@@ -183,6 +192,7 @@ def attend_pages(
     True
     """
     check_flag(return_lse, "return_lse")
+    precision = check_precision(precision)
     form = None if kv_format is None else check_format(kv_format, "kv_format")
     qa = as_array(q, "q")
     kp, vp = _pool(k_pages, v_pages, form)
@@ -229,7 +239,7 @@ def attend_pages(
         options,
     )
     cols = cascade.shared_columns(table, lengths, page, Lq)
-    if cols and router.cascade(plan, slopes, cols * page, B):
+    if cols and router.cascade(plan, slopes, cols * page, B, precision):
         # a prefix every sequence shares: its pages read once for all of them
         P = cols * page
         prefix = (
@@ -247,16 +257,17 @@ def attend_pages(
         out, lse = cascade.attend(plan, prefix, own, lengths)
         out = out.astype(out_dtype, copy=False)
         return (out, lse) if return_lse else out
-    if native_decode.available():  # (the router decides in plan_checked: step.route)
+    fast = precision == "fast" and form in FAST_FORMS
+    if native_decode.available() or fast:  # (the router decides in plan_checked: step.route)
         lo = np.zeros(B, np.int64)
         if plan.window is not None and plan.window[0] is not None:
             lo = np.maximum(lengths - 1 - plan.window[0], 0)  # the one query sits at length - 1
         step = plan_checked(
             plan, qa, kp, vp, form=form if form != "float16" else None,
             runs=decode.KeyRuns(lo, lengths), table=table, out_dtype=out_dtype,
-            scales=None if ks is None else (ks, vs),
+            scales=None if ks is None else (ks, vs), precision=precision,
         )  # fmt: skip
-        if step.route == NATIVE:
+        if step.route in (NATIVE, NATIVE_FAST, NUMPY_FAST):
             return step.run(qa, kp, vp, k_scale=ks, v_scale=vs, return_lse=return_lse)
     out = np.zeros((B, H, Lq, dv), dtype=out_dtype)
     lse = np.full((B, H, Lq), -np.inf, dtype=plan.acc_dtype)
@@ -566,6 +577,7 @@ class PagedKVCache:
         softcap: Any = None,
         alibi_slopes: Any = None,
         return_lse: bool = False,
+        precision: str = "exact",
     ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
         """Attention of new queries to each sequence's keys: :func:`attend_pages` over the
         pool.
@@ -577,7 +589,7 @@ class PagedKVCache:
             (bottom-right causal; append their keys first).
         seqs : sequence of int, optional
             The sequences, default every live one (:attr:`seqs`).
-        scale, causal, window, softcap, alibi_slopes, return_lse
+        scale, causal, window, softcap, alibi_slopes, return_lse, precision
             As in :func:`attend_pages`.
 
         Returns
@@ -597,7 +609,7 @@ class PagedKVCache:
             scale=scale, causal=causal, window=window, softcap=softcap,
             alibi_slopes=alibi_slopes, return_lse=return_lse,
             kv_format=self._form if self._form not in (None, "float16") else None,
-            k_scale=self._ks, v_scale=self._vs,
+            k_scale=self._ks, v_scale=self._vs, precision=precision,
         )  # fmt: skip
 
 

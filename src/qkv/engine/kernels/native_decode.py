@@ -180,6 +180,21 @@ def layout(shape: Any, strides: Any, outer: int) -> tuple[int, int, int] | None:
     return seq, strides[-3], strides[-2]
 
 
+def format_code(kv_format: str | None, precision: str = "exact") -> int:
+    """The kernel's ``kv_format`` code of K/V stored as ``kv_format`` (None: in the compute
+    dtype) on the road ``precision`` names: the fast one's code where the form has one
+    (:data:`qkv.numerics.FAST_FORMS`), else the exact one's."""
+    if not kv_format:
+        return numerics.SAME_CODE
+    code = KV_FORMATS[kv_format]
+    return code | numerics.FAST_CODE if fast_form(kv_format, precision) else code
+
+
+def fast_form(kv_format: str | None, precision: str) -> bool:
+    """Whether ``precision`` takes the fast road for K/V stored as ``kv_format``."""
+    return precision == "fast" and kv_format in numerics.FAST_FORMS
+
+
 def launch(
     f64: bool,
     sizes: tuple[int, int, int, int, int, int, int],
@@ -197,6 +212,7 @@ def launch(
     kv_format: str | None = None,
     scales: tuple[tuple[int, tuple[int, int, int]], tuple[int, tuple[int, int, int]]] | None = None,
     pages: tuple[int, int, int, int] | None = None,
+    precision: str = "exact",
 ) -> int:
     """Run the kernel on raw memory: ``sizes = (sequences, kv_heads, group, L, d, dv, S)``;
     ``q``, ``k``, ``v`` each ``(address, (sequence, head, row) strides in elements)``; ``runs``
@@ -213,7 +229,8 @@ def launch(
     of the float32 scales of K and of V; ``pages`` reads K/V (and the scales) as pages through
     a block table: ``(address of the int32 table, its row stride, page_size, num_blocks)``,
     ``k``/``v``/``scales`` then given with ``(page, head, row)`` strides and ``S`` the table's
-    capacity (its columns times ``page_size``).
+    capacity (its columns times ``page_size``); ``precision="fast"`` takes the fast road
+    of int8 K/V (:mod:`qkv.engine.kernels.decode_fast`; the exact road for any other form).
 
     Returns the kernel's status: 0; 3 when an output is not finite, 4 when a mask row is not
     one run of keys (then take the general path). The caller guarantees the memory matches;
@@ -230,7 +247,7 @@ def launch(
         *sizes, q[0], *q[1], k[0], *k[1], v[0], *v[1], lo, hi, out, lse, scale, n,
         isa or isa_cap(),
         team, softcap or 0.0, *(mask or (None, 0, 0)),
-        KV_FORMATS[kv_format] if kv_format else numerics.SAME_CODE, ks, *kss, vs, *vss,
+        format_code(kv_format, precision), ks, *kss, vs, *vss,
         *(pages or (None, 0, 0, 0)),
     )  # fmt: skip
     return invoke("qkv_decode_f64" if f64 else "qkv_decode_f32", args, "decode", allowed=(3, 4))
@@ -451,6 +468,7 @@ class DecodePlan:
     threads: int | None = None
     isa: int = 0
     runs_at: tuple[int, int] | None = None  # the runs' addresses, taken once
+    precision: str = "exact"  # "fast": the fast road of int8 K/V (launch)
 
     @classmethod
     def plan(
@@ -465,6 +483,7 @@ class DecodePlan:
         mask: tuple[int, int, int] | None = None,
         threads: int | None = None,
         isa: int = 0,
+        precision: str = "exact",
     ) -> DecodePlan | None:
         """The plan of a step of ``sizes = (sequences, heads, kv_heads, L, d, dv, S)``, or
         None where the kernel does not take it: not built here, heads not a multiple of the kv
@@ -491,6 +510,7 @@ class DecodePlan:
             (n, kvh, heads // kvh, L, d, dv, S), f64,
             numerics.default_scale(d) if scale is None else float(scale),
             None if softcap is None else float(softcap), kv_format, runs, mask, threads, isa, at,
+            precision,
         )  # fmt: skip
 
     def run(
@@ -509,7 +529,7 @@ class DecodePlan:
         return launch(
             self.f64, self.sizes, q, k, v, self.runs_at, out, lse, self.scale,
             threads=self.threads, isa=self.isa, softcap=self.softcap, mask=self.mask,
-            kv_format=self.kv_format, scales=scales,
+            kv_format=self.kv_format, scales=scales, precision=self.precision,
         )  # fmt: skip
 
 
@@ -569,7 +589,7 @@ def template(
     args = DecodeArgs(
         *plan.sizes, None, *q, None, *k, None, *v, lo, hi, None, None, plan.scale, 1,
         plan.isa or isa_cap(), None, plan.softcap or 0.0, *(plan.mask or (None, 0, 0)),
-        KV_FORMATS[plan.kv_format] if plan.kv_format else numerics.SAME_CODE, None, *kss,
+        format_code(plan.kv_format, plan.precision), None, *kss,
         None, *vss, *(pages or (None, 0, 0, 0)),
     )  # fmt: skip
     function = lib.qkv_decode_f64 if plan.f64 else lib.qkv_decode_f32
@@ -668,6 +688,7 @@ def prepare(
     kv_format: str | None = None,
     k_scale: np.ndarray | None = None,
     v_scale: np.ndarray | None = None,
+    precision: str = "exact",
 ) -> Prepared | None:
     """One decoding step planned, not run: the :class:`Prepared` step, or None where the
     kernel does not take these arrays.
@@ -680,7 +701,8 @@ def prepare(
     :mod:`qkv.engine.quant` and read in place: ``float16`` and ml_dtypes' ``bfloat16`` arrays
     are recognised by their dtype; codes (``uint16`` bfloat16 bits, ``int8``, ``uint8``
     e4m3fn bits) are named by ``kv_format``, the 8-bit ones with their float32 ``k_scale``
-    and ``v_scale`` of shape ``(*outer, kv_heads, S)``. The step is a :class:`DecodePlan` of
+    and ``v_scale`` of shape ``(*outer, kv_heads, S)``; ``precision="fast"`` takes the fast
+    road of int8 K/V (:func:`launch`). The step is a :class:`DecodePlan` of
     these sizes; nothing else is checked: callers pass checked arrays. ``lo`` and ``hi``
     are read when the step runs (a caller may update them in place between runs, as a
     cache does its lengths).
@@ -701,7 +723,7 @@ def prepare(
     plan = DecodePlan.plan(
         (math.prod(outer), hq, kvh, L, d, dv, S), f64=dt == _F64, scale=scale, softcap=softcap,
         kv_format=form or None, runs=None if lo is None or hi is None else KeyRuns(lo, hi),
-        threads=threads, isa=isa,
+        threads=threads, isa=isa, precision=precision,
     )  # fmt: skip
     if plan is None:
         return None
@@ -758,6 +780,7 @@ def paged_step(
     kv_format: str | None = None,
     k_scale: np.ndarray | None = None,
     v_scale: np.ndarray | None = None,
+    precision: str = "exact",
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """One decoding step reading K/V pages in place through a block table: ``(out, lse)``
     in the compute dtype, or None where the kernel does not take these arrays (or a result is
@@ -788,7 +811,7 @@ def paged_step(
     S = block_table.shape[1] * ps
     plan = DecodePlan.plan(
         (n, hq, kvh, L, d, dv, S), f64=dt == _F64, scale=scale, softcap=softcap,
-        kv_format=form or None, threads=threads, isa=isa,
+        kv_format=form or None, threads=threads, isa=isa, precision=precision,
     )  # fmt: skip
     if plan is None:
         return None
@@ -819,6 +842,6 @@ def paged_step(
         (address(v_pages), vl), (address(lo), address(hi)), address(out),
         address(lse), plan.scale, threads=threads, isa=isa, softcap=plan.softcap,
         kv_format=plan.kv_format, scales=scales,
-        pages=(address(block_table), bt_rs, ps, nb),
+        pages=(address(block_table), bt_rs, ps, nb), precision=precision,
     )  # fmt: skip
     return None if status else (out, lse)

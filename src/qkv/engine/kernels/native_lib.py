@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import InputError
-from ...numerics import STORED_FORMS
+from ...numerics import FAST_CODE, FAST_FORMS, STORED_FORMS
 
 __all__ = [
     "BUILD_NOTE",
@@ -339,7 +339,8 @@ def library() -> tuple[Any, str]:
         lib.qkv_kv_format_code.restype = _i64
     except AttributeError:
         return None, "the library is from another version of qkv (argument layout differs)"
-    if any(lib.qkv_kv_format_code(name.encode()) != code for name, code in KV_FORMATS.items()):
+    codes = {**KV_FORMATS, **{f"{n} fast": KV_FORMATS[n] | FAST_CODE for n in FAST_FORMS}}
+    if any(lib.qkv_kv_format_code(name.encode()) != code for name, code in codes.items()):
         return None, "the library is from another version of qkv (K/V format codes differ)"
     return lib, ""
 

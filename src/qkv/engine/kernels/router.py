@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ...numerics import normal_range, scale_in_range
+from ...numerics import FAST_FORMS, normal_range, scale_in_range
 from ...validate import Plan
 from .jit import enabled as jit_enabled
 from .native_lib import bf16_products, blas_available, library, switched_off
@@ -115,13 +115,25 @@ class Ask:
     the caller asked for, and the sizes, each computed once and only when a condition reads
     it."""
 
-    __slots__ = ("_size", "base", "counts", "kernel", "narrow", "operands", "plan")
+    __slots__ = (
+        "_size", "base", "counts", "kernel", "kv_format", "narrow", "operands", "plan",
+        "precision",
+    )  # fmt: skip
 
     def __init__(
-        self, plan: Any, kernel: str = "auto", narrow: bool = False, operands: str | None = None
+        self,
+        plan: Any,
+        kernel: str = "auto",
+        narrow: bool = False,
+        operands: str | None = None,
+        *,
+        precision: str = "exact",
+        kv_format: str | None = None,
     ) -> None:
         self.plan, self.kernel, self.narrow = plan, kernel, narrow
         self.operands = operands  # why a kernel cannot read the operands as they are, or None
+        # a decoding step's road (``"exact"`` or ``"fast"``) and its K/V's stored form
+        self.precision, self.kv_format = precision, kv_format
         self._size = -1
         self.base: Kernel | None = None  # KEY_COUNTS: the row the unmasked twin runs on
         self.counts: np.ndarray | None = None  # KEY_COUNTS: the key count of each batch row
@@ -461,27 +473,42 @@ PACKED: tuple[Kernel, ...] = (
 # keys, a window worked out per sequence by the caller; ``narrow``: K/V stored in fewer than 32
 # bits, computed in float32; ``operands``: why the native step cannot read the operands (their
 # strides, a stored form it does not take, a mask row that is not one run), or None.
-DECODE_PLAN: tuple[Kernel, ...] = (
-    Kernel(
-        "native decode",
-        "decode",
-        (
-            _NO_TILE_VARIANT,
-            _c(lambda a: not (a.plan.causal and a.plan.L != 1), "causal with more than one row"),
-            _c(
-                lambda a: a.plan.window is None or a.plan.L == 1,
-                "a window with more than one query row",
-            ),
-            _SCALE_FITS,
-            _F32_OR_F64,
-            _c(
-                lambda a: not a.narrow or a.plan.acc_dtype == _F32,
-                lambda a: f"16- or 8-bit K/V computed in {a.plan.acc_dtype}, not float32",
-            ),
-            _c(lambda a: a.operands is None, lambda a: str(a.operands)),
-            _NATIVE,
+_DECODE_NATIVE = (
+    _NO_TILE_VARIANT,
+    _c(lambda a: not (a.plan.causal and a.plan.L != 1), "causal with more than one row"),
+    _c(
+        lambda a: a.plan.window is None or a.plan.L == 1,
+        "a window with more than one query row",
+    ),
+    _SCALE_FITS,
+    _F32_OR_F64,
+    _c(
+        lambda a: not a.narrow or a.plan.acc_dtype == _F32,
+        lambda a: f"16- or 8-bit K/V computed in {a.plan.acc_dtype}, not float32",
+    ),
+    _c(lambda a: a.operands is None, lambda a: str(a.operands)),
+    _NATIVE,
+)
+
+# The fast road's conditions (precision="fast": qkv.engine.kernels.decode_fast): asked for,
+# and K stored as int8 (on any other form "fast" runs the exact road: its products are
+# float32's already, or its codes have no integer products).
+_FAST = (
+    _c(lambda a: a.precision == "fast", "precision='exact' (the fast road is opted into)"),
+    _c(
+        lambda a: a.kv_format in FAST_FORMS,
+        lambda a: (
+            f"K/V stored as {a.kv_format or 'floats'}: precision='fast' rounds q only for int8 "
+            "K/V (the exact road runs)"
         ),
     ),
+)
+
+DECODE_PLAN: tuple[Kernel, ...] = (
+    Kernel("native decode, fast int8", "decode", (*_FAST, *_DECODE_NATIVE)),
+    Kernel("native decode", "decode", _DECODE_NATIVE),
+    # the fast road emulated where the native step would take it but is off or not built
+    Kernel("NumPy decode, fast int8", "decode", (*_FAST, *_DECODE_NATIVE[:-1])),
     Kernel("NumPy decode", "decode", ()),
 )
 
@@ -714,9 +741,10 @@ def choose(plan: Plan, kernel: str = "auto", counts: bool = True) -> Route:
 # A paged step whose block table starts with the same pages in every row (requests forked from
 # one prompt) may split there (qkv.engine.cascade): the prefix once for all requests as one
 # prefill-shaped call, merged with each request's own pages by their lse. Ask.plan here is
-# (plan, ALiBi slopes, shared keys, sequences).
+# (plan, ALiBi slopes, shared keys, sequences, precision).
 MIN_SHARED_KEYS = 256
 CASCADE = (
+    _c(lambda a: a.plan[4] == "exact", "precision='fast' (its road reads every page itself)"),
     _c(lambda a: a.plan[3] >= 2, "fewer than two sequences"),
     _c(
         lambda a: a.plan[2] >= MIN_SHARED_KEYS,
@@ -730,10 +758,12 @@ CASCADE = (
 )
 
 
-def cascade(plan: Plan, slopes: Any, shared_keys: int, sequences: int) -> bool:
-    """Whether a checked paged step splits at a prefix of ``shared_keys`` keys that its
-    ``sequences`` all share (:data:`CASCADE`)."""
-    ask = Ask((plan, slopes, shared_keys, sequences))
+def cascade(
+    plan: Plan, slopes: Any, shared_keys: int, sequences: int, precision: str = "exact"
+) -> bool:
+    """Whether a checked paged step on the road ``precision`` names splits at a prefix of
+    ``shared_keys`` keys that its ``sequences`` all share (:data:`CASCADE`)."""
+    ask = Ask((plan, slopes, shared_keys, sequences, precision))
     return all(cond.test(ask) for cond in CASCADE)
 
 
@@ -787,12 +817,23 @@ def packed(q: np.ndarray, k: np.ndarray, v: np.ndarray, dtype: np.dtype) -> Kern
     return first(PACKED, Ask((q, k, v, np.dtype(dtype))))
 
 
-def decode_plan(plan: Plan, narrow: bool, operands: str | None) -> list[tuple[str, str]]:
+def decode_plan(
+    plan: Plan,
+    narrow: bool,
+    operands: str | None,
+    *,
+    precision: str = "exact",
+    kv_format: str | None = None,
+) -> list[tuple[str, str]]:
     """The walk of :data:`DECODE_PLAN` for a decoding step's ``plan`` (checked against
-    stand-ins of the K/V shapes): ``[(kernel, why refused)..., (chosen, "")]``."""
-    ask = Ask(plan, narrow=narrow, operands=operands)
+    stand-ins of the K/V shapes) on the road ``precision`` names, K/V stored as ``kv_format``
+    (None: floats): ``[(kernel, why refused)..., (chosen, "")]``. An exact step's walk skips
+    the fast rows (each refused by its first condition)."""
+    ask = Ask(plan, narrow=narrow, operands=operands, precision=precision, kv_format=kv_format)
     said = []
     for row in DECODE_PLAN:
+        if precision == "exact" and row.conditions[:1] == _FAST[:1]:
+            continue
         why = _refusal(row, ask)
         said.append((row.name, why or ""))
         if why is None:

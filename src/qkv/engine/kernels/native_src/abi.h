@@ -172,8 +172,12 @@ struct qkv_decode_args {
 // qkv.numerics.STORED_FORMS: the loader compares each of its codes with qkv_kv_format_code's
 // and refuses a library that disagrees.
 enum qkv_kv_format : int64_t { KV_SAME = 0, KV_BF16 = 1, KV_F16 = 2, KV_INT8 = 3, KV_E4M3 = 4 };
-// The code of the stored form named name ("bfloat16", "float16", "int8", "float8_e4m3fn"), or
-// -1 for any other name.
+// The decode step's opt-in fast road (precision="fast") adds KV_FAST to a form's code: int8 K
+// scored against the query rows rounded to int8 (one scale per row), products in int32. No
+// other form has one (the kernel refuses their codes with KV_FAST: status 2).
+enum : int64_t { KV_FAST = 256 };
+// The code of the stored form named name ("bfloat16", "float16", "int8", "float8_e4m3fn"; "int8
+// fast": KV_INT8 | KV_FAST), or -1 for any other name.
 int64_t qkv_kv_format_code(const char* name);
 
 // The sizes of the structs, so the loader can check it agrees on their layout.

@@ -114,6 +114,11 @@ struct I8 {
 struct E4m3 {
     uint8_t code;
 };
+// int8 codes read by the fast road (precision="fast"): the keys' products with the query
+// rows rounded to int8, in int32 (score_tile_i8); the values as I8's.
+struct I8q {
+    int8_t code;
+};
 
 // Stored keys and values read as the compute type T, widened in registers: get() one value,
 // line() the values of one 64-byte line of storage as per_line 64-byte vectors of T at out. A
@@ -288,6 +293,60 @@ struct Kv<float, I8> {  // int8 codes
     }
 };
 
+// The fast road's int8 codes. Its values are read in their own order (no strided order:
+// the AVX2 and AVX-512 clones widen them 8 at a time, vpmovsxbd, in value_tile_i8_avx2), a
+// line in the baseline clone by the loop below.
+template <>
+struct Kv<float, I8q> {
+    static constexpr bool scaled = true;
+    static constexpr bool direct = false;
+    static constexpr int per_line = 4;
+    static constexpr int order = 1;
+    static constexpr float unit = 1;
+    static QKV_INLINE float get(const I8q* p) { return float(p->code); }
+    static QKV_INLINE void line(const I8q* p, void* out) {
+        float y[64];
+        for (int t = 0; t < 64; ++t) y[t] = float(p[t].code);
+        std::memcpy(out, y, sizeof(y));
+    }
+};
+
+// The fast road's query row: x (d values) rounded to int8 codes c with one scale, symmetric,
+// c = rint(x · (127 / max|x|)) (halves to even), returning the scale max|x| / 127 by which
+// c approximates x (|x - c · scale| <= scale / 2). A row of zeros: codes 0, scale 0; a row with
+// an infinity or NaN: codes 0, scale NaN (its scores NaN, as the exact road's). Every clone and
+// the NumPy emulation (qkv.engine.kernels.decode_fast) take these float32 operations in this
+// order, so the codes and scales agree bit for bit.
+QKV_INLINE float quantize_row(const float* __restrict x, int64_t d, int8_t* __restrict c) {
+    float amax = 0;
+    bool finite = true;
+    for (int64_t t = 0; t < d; ++t) {
+        const float ax = std::fabs(x[t]);
+        finite &= ax <= std::numeric_limits<float>::max();
+        amax = ax > amax ? ax : amax;
+    }
+    if (!finite || amax == 0) {
+        for (int64_t t = 0; t < d; ++t) c[t] = 0;
+        return finite ? 0.0f : std::numeric_limits<float>::quiet_NaN();
+    }
+    const float inv = 127.0f / amax;
+    for (int64_t t = 0; t < d; ++t) {
+        const float y = std::nearbyint(x[t] * inv);
+        c[t] = int8_t(y > 127.0f ? 127.0f : (y < -127.0f ? -127.0f : y));
+    }
+    return amax / 127.0f;
+}
+
+// The R query rows of kv head h of sequence b rounded to int8 (quantize_row): codes at c (R x
+// d), and each row's factor f[r] = its scale · the softmax scale, by which a row's int32
+// product with a key's codes times the key's scale is its score.
+QKV_INLINE void quantize_rows(const qkv_decode_args& a, int64_t b, int64_t h, int64_t d,
+                              int8_t* __restrict c, float* __restrict f) {
+    const float sc = float(a.scale);
+    for (int64_t r = 0; r < a.group * a.L; ++r)
+        f[r] = quantize_row(query_row<float>(a, b, h, r), d, c + r * d) * sc;
+}
+
 // float8 e4m3fn codes: sign, 4 exponent bits (bias 7), 3 mantissa bits, no infinities (the
 // NaN code, never stored by quantize_kv, reads as 480). get(): a normal code's fields move
 // into a float32's with the exponent bias raised by 120; a subnormal one (exponent 0) is its
@@ -461,6 +520,11 @@ QKV_INLINE void decode_piece_body(const qkv_decode_args& a, int64_t b, int64_t h
     T* __restrict qs = scratch;
     T* __restrict s = scratch + R * d;
     decode_start(a, b, h, d, dv, qs, m, l, acc);
+    // the fast road: the rows' int8 codes over qs, their factors after the scores
+    constexpr bool IQ = std::is_same<E, I8q>::value;
+    const int8_t* __restrict qc = reinterpret_cast<const int8_t*>(qs);
+    float* __restrict qf = reinterpret_cast<float*>(s + R * DECODE_BK);
+    if constexpr (IQ) quantize_rows(a, b, h, d, reinterpret_cast<int8_t*>(qs), qf);
     Src src(a, b, h);
     for (int64_t b0 = j0; b0 < j1; b0 += DECODE_BK) {
         const int64_t n = std::min<int64_t>(DECODE_BK, j1 - b0);
@@ -470,6 +534,16 @@ QKV_INLINE void decode_piece_body(const qkv_decode_args& a, int64_t b, int64_t h
         for (int64_t j = 0; j < n; ++j) {
             const E* __restrict kr = K[j];
             const T ks = KV::scaled ? T(*src.ks(b0, 0)[j]) : T(1);
+            if constexpr (IQ) {
+                for (int64_t r = 0; r < R; ++r) {
+                    const int8_t* __restrict qr = qc + r * d;
+                    int32_t dot = 0;
+#pragma omp simd reduction(+ : dot)
+                    for (int64_t t = 0; t < d; ++t) dot += int32_t(qr[t]) * int32_t(kr[t].code);
+                    s[r * DECODE_BK + j] = float(dot) * qf[r] * ks;
+                }
+                continue;
+            }
             for (int64_t r = 0; r < R; ++r) {
                 const T* __restrict qr = qs + r * d;
                 T dot = 0;
@@ -757,6 +831,119 @@ QKV_BF16 inline void score_tile_dp(const uint16_t* __restrict q, const A& k, flo
 }
 #endif
 
+// The fast road's scores: RB query rows of int8 codes q (rows D apart) by KB keys of int8
+// codes k[kk], each product summed exactly in int32, s[i * DECODE_BK + kk] = float(that sum)
+// · f[i] (the key's scale multiplies it after: decode_piece_vec). The sums are exact, and
+// float() of an int32 rounds alike everywhere, so every clone's scores agree bit for bit.
+// AVX2 (and the AVX-512 clone, which runs the same AVX2 code: no VNNI road, as none can be
+// tested here): vpmaddubsw takes unsigned bytes by signed ones, so it gets |k| and q with k's
+// sign (vpsignb, as llama.cpp's q8 dot products): each pair's sum is at most 2 · 128 · 127 =
+// 32512 < 2^15, no saturation; vpmaddwd by ones then sums pairs of those into int32 lanes.
+#if QKV_X86
+QKV_AVX2 inline __m128i i8_sums4(__m256i a, __m256i b, __m256i c, __m256i d) {
+    const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));
+    return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
+QKV_AVX2 inline int32_t i8_sum(__m256i a) {
+    __m128i x = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0x4E));
+    x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0xB1));
+    return _mm_cvtsi128_si32(x);
+}
+
+template <int D, int RB, int KB, typename A>
+QKV_AVX2 inline void score_tile_i8_avx2(const int8_t* __restrict q, const float* __restrict f,
+                                        const A& k, float* __restrict s) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i x[RB * KB];
+    for (int i = 0; i < RB * KB; ++i) x[i] = _mm256_setzero_si256();
+    for (int l = 0; l < D / 32; ++l) {
+        __m256i kv[KB], ka[KB];
+        for (int kk = 0; kk < KB; ++kk) {
+            kv[kk] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k[kk] + l * 32));
+            ka[kk] = _mm256_sign_epi8(kv[kk], kv[kk]);  // |k| (-128: 128 as unsigned)
+        }
+        for (int i = 0; i < RB; ++i) {
+            const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i * D + l * 32));
+            for (int kk = 0; kk < KB; ++kk) {
+                const __m256i p = _mm256_maddubs_epi16(ka[kk], _mm256_sign_epi8(qv, kv[kk]));
+                x[i * KB + kk] = _mm256_add_epi32(x[i * KB + kk], _mm256_madd_epi16(p, ones));
+            }
+        }
+    }
+    int32_t dot[RB * KB];
+    if constexpr ((RB * KB) % 4 == 0) {
+        for (int i = 0; i < RB * KB; i += 4)
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(dot + i), i8_sums4(x[i], x[i + 1], x[i + 2], x[i + 3]));
+    } else {
+        for (int i = 0; i < RB * KB; ++i) dot[i] = i8_sum(x[i]);
+    }
+    for (int i = 0; i < RB; ++i)
+        for (int kk = 0; kk < KB; ++kk) s[i * DECODE_BK + kk] = float(dot[i * KB + kk]) * f[i];
+}
+#endif
+
+#if QKV_X86
+// The fast road's values (AVX2, and the AVX-512 clone's): RB rows' accumulators' registers
+// [c0, c0 + CV) of 8 floats (acc, rows DV apart) scaled by alpha[i], plus the n weighted value
+// rows, each register of 8 codes widened once (vpmovsxbd, vcvtdq2ps) for the RB rows. The
+// widening road's tiles (value_tile) widen a whole 64-byte line into 8 registers, so AVX2 takes
+// one row at a time there, widening each line once per row; here four rows share it.
+template <int DV, int RB, int CV, typename A, typename N>
+QKV_AVX2 inline void value_tile_i8_avx2(float* __restrict acc, const float* __restrict w,
+                                        const float* __restrict alpha, const A& v, int64_t n,
+                                        int c0, const N& next) {
+    __m256 x[RB][CV];
+    for (int i = 0; i < RB; ++i) {
+        const __m256 al = _mm256_set1_ps(alpha[i]);
+        for (int c = 0; c < CV; ++c) x[i][c] = _mm256_mul_ps(_mm256_loadu_ps(acc + i * DV + (c0 + c) * 8), al);
+    }
+    const int from = c0 * 8;  // the first byte of a value row this tile reads
+    const bool ask = from % 64 == 0;  // the tile that starts a line asks for it
+    for (int64_t j = 0; j < n; ++j) {
+        if (ask) next.template part<64>(j, from);
+        const int8_t* vr = reinterpret_cast<const int8_t*>(v[j]) + from;
+        __m256 y[CV];
+        for (int c = 0; c < CV; ++c)
+            y[c] = _mm256_cvtepi32_ps(
+                _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(vr + 8 * c))));
+        for (int i = 0; i < RB; ++i) {
+            const __m256 wij = _mm256_broadcast_ss(w + i * DECODE_BK + j);
+            for (int c = 0; c < CV; ++c) x[i][c] = _mm256_fmadd_ps(wij, y[c], x[i][c]);
+        }
+    }
+    for (int i = 0; i < RB; ++i)
+        for (int c = 0; c < CV; ++c) _mm256_storeu_ps(acc + i * DV + (c0 + c) * 8, x[i][c]);
+}
+
+template <int DV, int RB, int CV, typename A, typename N>
+QKV_AVX2 inline void value_rows_i8_avx2(float* acc, const float* w, const float* alpha, const A& v,
+                                        int64_t n, const N& next) {
+    for (int c0 = 0; c0 < DV / 8; c0 += CV) value_tile_i8_avx2<DV, RB, CV>(acc, w, alpha, v, n, c0, next);
+}
+#endif
+
+template <int D, int RB, int KB, int LANES, typename A>
+QKV_INLINE void score_tile_i8(const int8_t* __restrict q, const float* __restrict f, const A& k,
+                              float* __restrict s) {
+#if QKV_X86
+    if constexpr (LANES >= 8 && D % 32 == 0) {
+        score_tile_i8_avx2<D, RB, KB>(q, f, k, s);
+        return;
+    }
+#endif
+    for (int i = 0; i < RB; ++i) {
+        for (int kk = 0; kk < KB; ++kk) {
+            const I8q* __restrict kr = k[kk];
+            int32_t dot = 0;
+#pragma omp simd reduction(+ : dot)
+            for (int t = 0; t < D; ++t) dot += int32_t(q[i * D + t]) * int32_t(kr[t].code);
+            s[i * DECODE_BK + kk] = float(dot) * f[i];
+        }
+    }
+}
+
 // RB rows' accumulators' registers [c0, c0 + CV) (acc, rows DV apart, in line()'s order)
 // scaled by alpha[i], plus the n weighted value rows w[i * DECODE_BK + j] · v[j] (row j at
 // v[j]: Strided or Listed): held in
@@ -845,7 +1032,10 @@ QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h,
     typedef Kv<T, E> KV;
     constexpr int NVL = int(KV::per_line * 64 / VB), NV = int(DV * sizeof(T) / VB);
     typedef Tiles<LANES, NVL, NV> TS;
-    constexpr int RS = TS::score_rows, KB = TS::keys, RV = TS::value_rows;
+    // IQ: the fast road's int8 scores (score_tile_i8), four rows by two keys: 8 int32
+    // accumulators, 2 key registers and their magnitudes, within AVX2's 16 registers
+    constexpr bool IQ = std::is_same<E, I8q>::value;
+    constexpr int RS = IQ ? 4 : TS::score_rows, KB = IQ ? 2 : TS::keys, RV = TS::value_rows;
     const int64_t R = a.group * a.L;
     const int64_t NH = Src::all_heads ? a.kv_heads : 1;  // heads of this piece
     const int64_t h0 = Src::all_heads ? 0 : h;
@@ -866,6 +1056,8 @@ QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h,
                     qb[r * D + t] = uint16_t(u >> 16);
                 }
             }
+        } else if constexpr (IQ) {  // the rows' int8 codes over qs, their factors after them
+            quantize_rows(a, b, h0 + i, D, reinterpret_cast<int8_t*>(qs), qs + R * D / 4);
         } else if constexpr (KV::order > 1) {
             strided_order(qs, R, D, KV::order, true);
         }
@@ -894,6 +1086,11 @@ QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h,
                 return;
             }
 #endif
+            if constexpr (IQ) {
+                score_tile_i8<D, RB, KBt, LANES>(reinterpret_cast<const int8_t*>(qs) + r * D,
+                                                 qs + R * D / 4 + r, K.from(j), out);
+                return;
+            }
             score_tile<T, E, V, D, RB, KBt, LANES>(qs + r * D, K.from(j), out);
         };
         const A K = src.k(b0, slot, i);
@@ -922,7 +1119,7 @@ QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h,
             for (; r < R; ++r) scores(One{}, One{}, r, K, j);
         }
         if constexpr (KV::scaled) {  // (score_tile_dp's codes are read as they are: unit 1)
-            constexpr T kunit = DP ? T(1) : KV::unit;
+            constexpr T kunit = DP || IQ ? T(1) : KV::unit;
             const auto KS = src.ks(b0, slot, i);
             for (int64_t t = 0; t < n; ++t) vsc[t] = T(*KS[t]) * kunit;
             for (int64_t r = 0; r < R; ++r)
@@ -951,6 +1148,21 @@ QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h,
             for (; r < R; ++r, vnext.n = 0)
                 value_rows<T, E, V, DV, 1, TS::few>(acci + r * DV, s + r * DECODE_BK, alpha + r, at, n, vnext);
         };
+#if QKV_X86
+        if constexpr (IQ && LANES >= 8) {  // four rows (two, one) share each widened register
+            int64_t r = 0;
+            for (; r + 4 <= R; r += 4, vnext.n = 0)
+                value_rows_i8_avx2<DV, 4, 2>(acci + r * DV, s + r * DECODE_BK, alpha + r, Vb, n, vnext);
+            if (r + 2 <= R) {
+                value_rows_i8_avx2<DV, 2, 4>(acci + r * DV, s + r * DECODE_BK, alpha + r, Vb, n, vnext);
+                r += 2;
+                vnext.n = 0;
+            }
+            for (; r < R; ++r, vnext.n = 0)
+                value_rows_i8_avx2<DV, 1, 4>(acci + r * DV, s + r * DECODE_BK, alpha + r, Vb, n, vnext);
+            return;
+        }
+#endif
         values(Vb);
     };
     int slot = 0;
@@ -1022,7 +1234,8 @@ namespace qkv_native __attribute__((visibility("hidden"))) {
     QKV_PIECE(ATTR, piece_##ISA##_bf16, float, Bf16, LANES)         \
     QKV_PIECE(ATTR, piece_##ISA##_f16, float, F16, LANES)           \
     QKV_PIECE(ATTR, piece_##ISA##_i8, float, I8, LANES)             \
-    QKV_PIECE(ATTR, piece_##ISA##_e4m3, float, E4m3, LANES)
+    QKV_PIECE(ATTR, piece_##ISA##_e4m3, float, E4m3, LANES)         \
+    QKV_PIECE(ATTR, piece_##ISA##_i8q, float, I8q, LANES)
 #define QKV_PIECE(ATTR, NAME, T, E, LANES) QKV_PIECE_HEAD(ATTR, NAME);
 QKV_PIECES(, base, 4)
 #if QKV_X86
@@ -1147,6 +1360,8 @@ piece_t pick_piece(int64_t asked, int64_t format) {
             return pick_clone<piece_t>(isa, QKV_CLONES(piece, i8));
         case KV_E4M3:
             return pick_clone<piece_t>(isa, QKV_CLONES(piece, e4m3));
+        case KV_INT8 | KV_FAST:
+            return pick_clone<piece_t>(isa, QKV_CLONES(piece, i8q));
         default:
             return nullptr;
     }
@@ -1230,7 +1445,8 @@ int run_decode(const qkv_decode_args& given) {
     }
     const piece_t piece = pick_piece<T>(a.isa, a.kv_format);
     if (!piece) return 2;
-    if ((a.kv_format == KV_INT8 || a.kv_format == KV_E4M3) && !(a.k_scale && a.v_scale)) return 2;
+    const bool scaled = a.kv_format == KV_INT8 || a.kv_format == KV_E4M3 || a.kv_format == (KV_INT8 | KV_FAST);
+    if (scaled && !(a.k_scale && a.v_scale)) return 2;
     T* PM = parts.data();  // per item: R maxima, then R sums, then R x dv accumulators
     T* PL = PM + nparts * R;
     T* PA = PL + nparts * R;
@@ -1316,6 +1532,7 @@ int64_t qkv_kv_format_code(const char* name) {
     if (!std::strcmp(name, "bfloat16")) return KV_BF16;
     if (!std::strcmp(name, "float16")) return KV_F16;
     if (!std::strcmp(name, "int8")) return KV_INT8;
+    if (!std::strcmp(name, "int8 fast")) return KV_INT8 | KV_FAST;
     if (!std::strcmp(name, "float8_e4m3fn")) return KV_E4M3;
     return -1;
 }
