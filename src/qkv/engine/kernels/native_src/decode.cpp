@@ -1054,8 +1054,17 @@ QKV_PIECE(QKV_BF16, piece_avx512bf16_e4m3, , , )
 // inlined made GCC's passes that grow faster than the function take most of the compile):
 // head sizes 64 and 128 unrolled (vec), others general (any). One call per piece of >= 256
 // keys, in the clone's target.
+#if QKV_DECODE_UNIT == 2 && QKV_DECODE_PAGED
+// The AVX2 clone's paged roads without GCC's second scheduling pass (after register
+// allocation): with it, the bfloat16 paged step measured 6-9% slower than when these roads
+// shared a function with the contiguous ones (1 thread, B8 H32 kv8 S4096 d128; the
+// score tiles' key loads moved next to their uses); without it, the same speed.
+#define QKV_ROAD_OPT __attribute__((optimize("no-schedule-insns2")))
+#else
+#define QKV_ROAD_OPT
+#endif
 template <typename T, typename E, int D, typename Src>
-__attribute__((noinline)) QKV_CLONE_ATTR void piece_vec(const qkv_decode_args& a, int64_t b,
+__attribute__((noinline)) QKV_ROAD_OPT QKV_CLONE_ATTR void piece_vec(const qkv_decode_args& a, int64_t b,
                                                         int64_t h, int64_t j0, int64_t j1, T* sc,
                                                         T* m, T* l, T* acc) {
     decode_piece_vec<T, E, D, D, QKV_CLONE_LANES, false, Src>(a, b, h, j0, j1, sc, m, l, acc);
@@ -1165,6 +1174,7 @@ QKV_PIECE_DP(e4m3, E4m3)
 #endif
 #undef QKV_SRC
 #undef QKV_PIECE_NAME
+#undef QKV_ROAD_OPT
 
 }  // namespace qkv_native
 
