@@ -46,7 +46,7 @@ CACHE_SCHEME = 1  # raise when what the key covers changes
 # Compiler's environment variables that change what it reads (the key covers them).
 COMPILER_ENV = ("CPATH", "CPLUS_INCLUDE_PATH", "C_INCLUDE_PATH", "LIBRARY_PATH", "GCC_EXEC_PREFIX")
 # The compiler's seconds for all units on one core (GCC 12, x86-64), for the message.
-CPU_SECONDS = 40
+CPU_SECONDS = 80
 
 
 class OutOfTreeBuild(build):
@@ -355,13 +355,15 @@ class OptionalBuildExt(build_ext):
 
 _SRC = "src/qkv/engine/kernels/native_src"
 # The units, the longest to compile first (they start in this order): the decode step's vector
-# clones (decode_<clone>.cpp compile decode.cpp's pieces of one clone, decode_avx512.cpp also
-# the AVX512_BF16 ones; decode.cpp itself the baseline clone's and the C ABI), then one per
-# kernel family. More units would compile in parallel on more cores, but each costs about a
-# second of parsing the headers: on 2 cores these seven finish first.
+# clones, each in two units, its pieces for paged K/V (decode_<clone>_paged.cpp) and for
+# contiguous K/V (decode_<clone>.cpp; decode_avx512*.cpp also the AVX512_BF16 ones; decode.cpp
+# itself the baseline clone's contiguous pieces and the C ABI, decode_paged.cpp its paged
+# ones), then one per kernel family. Each instantiation is compiled in one unit only; the
+# split costs about a second of parsing the headers per unit, and lets 2 cores share the
+# decode step's pieces instead of waiting on one long unit.
 UNITS = (
-    "decode_avx512", "decode_avx2", "decode",
-    "forward", "backward_bf16", "forward_bf16", "backward",
+    "decode_avx512_paged", "decode_avx2_paged", "decode_avx512", "decode_paged",
+    "decode", "decode_avx2", "forward", "backward_bf16", "forward_bf16", "backward",
 )  # fmt: skip
 HEADERS = ("abi", "common", "bf16", "pool", "tiles", "widen")
 

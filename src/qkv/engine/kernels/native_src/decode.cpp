@@ -1180,31 +1180,18 @@ QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h,
         for (int64_t i = 0; i < NH; ++i) strided_order(acc + i * R * DV, R, DV, KV::order, false);
 }
 
-// The piece for the head sizes of the arguments (unrolled for 64 and 128, else general) and
-// where the rows lie (one run per sequence, or pages through a block table).
-template <typename T, typename E, int LANES, typename Src>
-QKV_INLINE void decode_piece_sized(const qkv_decode_args& a, int64_t b, int64_t h, int64_t j0,
-                                   int64_t j1, T* sc, T* m, T* l, T* acc) {
-    if (a.d == 64 && a.dv == 64)
-        decode_piece_vec<T, E, 64, 64, LANES, false, Src>(a, b, h, j0, j1, sc, m, l, acc);
-    else if (a.d == 128 && a.dv == 128)
-        decode_piece_vec<T, E, 128, 128, LANES, false, Src>(a, b, h, j0, j1, sc, m, l, acc);
-    else if constexpr (Src::all_heads) {  // every head, one after another
+// The piece for head sizes other than 64 and 128 (decode_piece_body; with pages, every head,
+// one after another).
+template <typename T, typename E, typename Src>
+QKV_INLINE void decode_piece_general(const qkv_decode_args& a, int64_t b, int64_t h, int64_t j0,
+                                     int64_t j1, T* sc, T* m, T* l, T* acc) {
+    if constexpr (Src::all_heads) {
         const int64_t R = a.group * a.L;
         for (int64_t i = 0; i < a.kv_heads; ++i)
             decode_piece_body<T, E, Src>(a, b, i, j0, j1, sc, m + i * R, l + i * R, acc + i * R * a.dv);
     } else {
         decode_piece_body<T, E, Src>(a, b, h, j0, j1, sc, m, l, acc);
     }
-}
-
-template <typename T, typename E, int LANES>
-QKV_INLINE void decode_piece_any(const qkv_decode_args& a, int64_t b, int64_t h, int64_t j0,
-                                 int64_t j1, T* sc, T* m, T* l, T* acc) {
-    if (a.block_table)
-        decode_piece_sized<T, E, LANES, Paged<E>>(a, b, h, j0, j1, sc, m, l, acc);
-    else
-        decode_piece_sized<T, E, LANES, Flat<E>>(a, b, h, j0, j1, sc, m, l, acc);
 }
 
 // A piece: keys [j0, j1) of kv head h of sequence b (with a block table: of every kv head,
@@ -1214,13 +1201,20 @@ typedef void (*piece_t)(const qkv_decode_args&, int64_t, int64_t, int64_t, int64
 
 }  // namespace
 
-// The pieces, one function per clone and K/V form. Each clone's are compiled in a unit of their
-// own (decode_<clone>.cpp: this file with QKV_DECODE_UNIT set to the clone's code), so that
-// the build compiles the clones in parallel; this file itself (QKV_DECODE_UNIT 0) compiles the
-// baseline pieces, run_decode and the C ABI. Every unit declares them all. Hidden (pool.h's
+// The pieces, one function per clone, K/V form and where the rows lie (piece_<clone>_<form>:
+// one run per sequence; piece_<clone>_<form>_paged: pages through a block table). Each
+// clone's are compiled in units of their own, its contiguous pieces in one and its paged ones
+// in another (decode_<clone>.cpp and decode_<clone>_paged.cpp: this file with QKV_DECODE_UNIT
+// set to the clone's code, and QKV_DECODE_PAGED to 1 for the paged ones), so that the build
+// compiles them in parallel, each instantiation once; this file itself (QKV_DECODE_UNIT 0)
+// compiles the baseline clone's contiguous pieces, run_decode and the C ABI, and
+// decode_paged.cpp the baseline's paged ones. Every unit declares them all. Hidden (pool.h's
 // namespace): no part of the library's C ABI.
 #ifndef QKV_DECODE_UNIT
 #define QKV_DECODE_UNIT 0
+#endif
+#ifndef QKV_DECODE_PAGED
+#define QKV_DECODE_PAGED 0
 #endif
 namespace qkv_native __attribute__((visibility("hidden"))) {
 
@@ -1236,7 +1230,9 @@ namespace qkv_native __attribute__((visibility("hidden"))) {
     QKV_PIECE(ATTR, piece_##ISA##_i8, float, I8, LANES)             \
     QKV_PIECE(ATTR, piece_##ISA##_e4m3, float, E4m3, LANES)         \
     QKV_PIECE(ATTR, piece_##ISA##_i8q, float, I8q, LANES)
-#define QKV_PIECE(ATTR, NAME, T, E, LANES) QKV_PIECE_HEAD(ATTR, NAME);
+#define QKV_PIECE(ATTR, NAME, T, E, LANES) \
+    QKV_PIECE_HEAD(ATTR, NAME);            \
+    QKV_PIECE_HEAD(ATTR, NAME##_paged);
 QKV_PIECES(, base, 4)
 #if QKV_X86
 QKV_PIECES(QKV_AVX2, avx2, 8)
@@ -1247,12 +1243,73 @@ QKV_PIECE(QKV_BF16, piece_avx512bf16_e4m3, , , )
 #endif
 #undef QKV_PIECE
 
-#define QKV_PIECE(ATTR, NAME, T, E, LANES)                                   \
-    QKV_PIECE_HEAD(ATTR, NAME) {                                              \
-        decode_piece_any<T, E, LANES>(a, b, h, j0, j1, static_cast<T*>(sc),  \
-                                      static_cast<T*>(m), static_cast<T*>(l), \
-                                      static_cast<T*>(acc));                  \
+// This unit's pieces: Src the rows' road (Flat or Paged), SFX the name's ending.
+#if QKV_DECODE_PAGED
+#define QKV_SRC Paged
+#define QKV_PIECE_NAME(NAME) NAME##_paged
+#else
+#define QKV_SRC Flat
+#define QKV_PIECE_NAME(NAME) NAME
+#endif
+// This unit's clone: its attribute and float lanes (QKV_CLONE_ATTR unset: no pieces here).
+#if QKV_DECODE_UNIT == 0
+#define QKV_CLONE_ATTR
+#define QKV_CLONE_LANES 4
+#elif QKV_X86 && QKV_DECODE_UNIT == 2
+#define QKV_CLONE_ATTR QKV_AVX2
+#define QKV_CLONE_LANES 8
+#elif QKV_X86 && QKV_DECODE_UNIT == 3
+#define QKV_CLONE_ATTR QKV_AVX512
+#define QKV_CLONE_LANES 16
+#endif
+#ifdef QKV_CLONE_LANES
+// A piece's roads, each a function of its own (noinline: a piece function holding all three
+// inlined made GCC's passes that grow faster than the function take most of the compile):
+// head sizes 64 and 128 unrolled (vec), others general (any). One call per piece of >= 256
+// keys, in the clone's target.
+#if QKV_DECODE_UNIT == 2 && QKV_DECODE_PAGED
+// The AVX2 clone's paged roads without GCC's second scheduling pass (after register
+// allocation): with it, the bfloat16 paged step measured 6-9% slower than when these roads
+// shared a function with the contiguous ones (1 thread, B8 H32 kv8 S4096 d128; the
+// score tiles' key loads moved next to their uses); without it, the same speed.
+#define QKV_ROAD_OPT __attribute__((optimize("no-schedule-insns2")))
+#else
+#define QKV_ROAD_OPT
+#endif
+template <typename T, typename E, int D, typename Src>
+__attribute__((noinline)) QKV_ROAD_OPT QKV_CLONE_ATTR void piece_vec(const qkv_decode_args& a, int64_t b,
+                                                        int64_t h, int64_t j0, int64_t j1, T* sc,
+                                                        T* m, T* l, T* acc) {
+    decode_piece_vec<T, E, D, D, QKV_CLONE_LANES, false, Src>(a, b, h, j0, j1, sc, m, l, acc);
+}
+
+template <typename T, typename E, typename Src>
+__attribute__((noinline)) QKV_CLONE_ATTR void piece_any(const qkv_decode_args& a, int64_t b,
+                                                        int64_t h, int64_t j0, int64_t j1, T* sc,
+                                                        T* m, T* l, T* acc) {
+    decode_piece_general<T, E, Src>(a, b, h, j0, j1, sc, m, l, acc);
+}
+
+template <typename T, typename E, typename Src>
+QKV_INLINE void piece_split(const qkv_decode_args& a, int64_t b, int64_t h, int64_t j0,
+                            int64_t j1, void* sc, void* m, void* l, void* acc) {
+    T* S = static_cast<T*>(sc);
+    T* M = static_cast<T*>(m);
+    T* L = static_cast<T*>(l);
+    T* A = static_cast<T*>(acc);
+    if (a.d == 64 && a.dv == 64)
+        piece_vec<T, E, 64, Src>(a, b, h, j0, j1, S, M, L, A);
+    else if (a.d == 128 && a.dv == 128)
+        piece_vec<T, E, 128, Src>(a, b, h, j0, j1, S, M, L, A);
+    else
+        piece_any<T, E, Src>(a, b, h, j0, j1, S, M, L, A);
+}
+
+#define QKV_PIECE(ATTR, NAME, T, E, LANES)                                       \
+    QKV_PIECE_HEAD(ATTR, QKV_PIECE_NAME(NAME)) {                                  \
+        piece_split<T, E, QKV_SRC<E>>(a, b, h, j0, j1, sc, m, l, acc);            \
     }
+#endif
 #if QKV_DECODE_UNIT == 0
 QKV_PIECES(, base, 4)
 #elif QKV_X86 && QKV_DECODE_UNIT == 2
@@ -1288,83 +1345,91 @@ inline bool rows_are_bf16(const qkv_decode_args& a, int64_t b, int64_t h) {
 // bfloat16, int8 or float8 e4m3fn K/V where the CPU has AVX512_BF16: the scores on vdpbf16ps
 // for rows of bfloat16 values and head sizes 64 and 128, the values' products widened in
 // registers (the weights are not bfloat16); other rows and sizes go to the AVX-512 piece.
+// Each head size's road a function of its own, as piece_vec.
+template <typename E, int D, typename Src>
+__attribute__((noinline)) QKV_BF16 void piece_dp(const qkv_decode_args& a, int64_t b, int64_t h,
+                                                 int64_t j0, int64_t j1, float* sc, float* m,
+                                                 float* l, float* acc) {
+    decode_piece_vec<float, E, D, D, 16, true, Src>(a, b, h, j0, j1, sc, m, l, acc);
+}
+
 template <typename E>
 QKV_BF16 void piece_avx512bf16(const qkv_decode_args& a, int64_t b, int64_t h, int64_t j0,
                                int64_t j1, void* sc, void* m, void* l, void* acc, piece_t other) {
+    typedef QKV_SRC<E> Src;
     float* S = static_cast<float*>(sc);
     float* M = static_cast<float*>(m);
     float* L = static_cast<float*>(l);
     float* A = static_cast<float*>(acc);
-    const bool paged = a.block_table != nullptr;  // (a piece of every head: decode_piece_vec)
+    const bool paged = Src::all_heads;  // (a piece of every head: decode_piece_vec)
     bool bf16 = true;
     for (int64_t i = paged ? 0 : h; i < (paged ? a.kv_heads : h + 1); ++i) bf16 &= rows_are_bf16(a, b, i);
-    if (a.d == 64 && a.dv == 64 && bf16) {
-        if (paged)
-            decode_piece_vec<float, E, 64, 64, 16, true, Paged<E>>(a, b, h, j0, j1, S, M, L, A);
-        else
-            decode_piece_vec<float, E, 64, 64, 16, true>(a, b, h, j0, j1, S, M, L, A);
-    } else if (a.d == 128 && a.dv == 128 && bf16) {
-        if (paged)
-            decode_piece_vec<float, E, 128, 128, 16, true, Paged<E>>(a, b, h, j0, j1, S, M, L, A);
-        else
-            decode_piece_vec<float, E, 128, 128, 16, true>(a, b, h, j0, j1, S, M, L, A);
-    } else
+    if (a.d == 64 && a.dv == 64 && bf16)
+        piece_dp<E, 64, Src>(a, b, h, j0, j1, S, M, L, A);
+    else if (a.d == 128 && a.dv == 128 && bf16)
+        piece_dp<E, 128, Src>(a, b, h, j0, j1, S, M, L, A);
+    else
         other(a, b, h, j0, j1, sc, m, l, acc);
 }
 
-QKV_BF16 void piece_avx512bf16_bf16(const qkv_decode_args& a, int64_t b, int64_t h, int64_t j0,
-                                    int64_t j1, void* sc, void* m, void* l, void* acc) {
-    piece_avx512bf16<Bf16>(a, b, h, j0, j1, sc, m, l, acc, piece_avx512_bf16);
-}
-
-QKV_BF16 void piece_avx512bf16_i8(const qkv_decode_args& a, int64_t b, int64_t h, int64_t j0,
-                                  int64_t j1, void* sc, void* m, void* l, void* acc) {
-    piece_avx512bf16<I8>(a, b, h, j0, j1, sc, m, l, acc, piece_avx512_i8);
-}
-
-QKV_BF16 void piece_avx512bf16_e4m3(const qkv_decode_args& a, int64_t b, int64_t h, int64_t j0,
-                                    int64_t j1, void* sc, void* m, void* l, void* acc) {
-    piece_avx512bf16<E4m3>(a, b, h, j0, j1, sc, m, l, acc, piece_avx512_e4m3);
-}
+#define QKV_PIECE_DP(FORM, E)                                                            \
+    QKV_PIECE_HEAD_DP(QKV_PIECE_NAME(piece_avx512bf16_##FORM)) {                          \
+        piece_avx512bf16<E>(a, b, h, j0, j1, sc, m, l, acc, QKV_PIECE_NAME(piece_avx512_##FORM)); \
+    }
+#define QKV_PIECE_HEAD_DP(NAME)                                                               \
+    QKV_BF16 void NAME(const qkv_decode_args& a, int64_t b, int64_t h, int64_t j0, int64_t j1, \
+                       void* sc, void* m, void* l, void* acc)
+QKV_PIECE_DP(bf16, Bf16)
+QKV_PIECE_DP(i8, I8)
+QKV_PIECE_DP(e4m3, E4m3)
+#undef QKV_PIECE_DP
+#undef QKV_PIECE_HEAD_DP
 #endif
+#undef QKV_SRC
+#undef QKV_PIECE_NAME
+#undef QKV_ROAD_OPT
 
 }  // namespace qkv_native
 
-#if QKV_DECODE_UNIT == 0
+#if QKV_DECODE_UNIT == 0 && !QKV_DECODE_PAGED
 namespace {
 
 using namespace qkv_native;
 
 // The piece for compute type T (float or double) and K/V storage `format` in the clone the
-// call asked for (0 the widest, 4 AVX-512 with AVX512_BF16, as the prefill's codes); NULL for a
-// format T does not read (every stored form but its own is computed in float).
+// call asked for (0 the widest, 4 AVX-512 with AVX512_BF16, as the prefill's codes), for rows
+// in one run per sequence or in pages (`paged`); NULL for a format T does not read (every
+// stored form but its own is computed in float).
 template <typename T>
-piece_t pick_piece(int64_t asked, int64_t format) {
+piece_t pick_piece(int64_t asked, int64_t format, bool paged) {
     const int isa = chosen_isa(asked);
-    if (sizeof(T) == 8) return format == KV_SAME ? pick_clone<piece_t>(isa, QKV_CLONES(piece, f64)) : nullptr;
+#define QKV_PICK(FORM) \
+    (paged ? pick_clone<piece_t>(isa, QKV_CLONES(piece, FORM##_paged)) : pick_clone<piece_t>(isa, QKV_CLONES(piece, FORM)))
+    if (sizeof(T) == 8) return format == KV_SAME ? QKV_PICK(f64) : nullptr;
 #if QKV_X86
     if ((asked == 0 || asked >= 4) && cpu_has_bf16()) {  // vdpbf16ps for the keys' scores
-        if (format == KV_BF16) return piece_avx512bf16_bf16;
-        if (format == KV_INT8) return piece_avx512bf16_i8;
-        if (format == KV_E4M3) return piece_avx512bf16_e4m3;
+        if (format == KV_BF16) return paged ? piece_avx512bf16_bf16_paged : piece_avx512bf16_bf16;
+        if (format == KV_INT8) return paged ? piece_avx512bf16_i8_paged : piece_avx512bf16_i8;
+        if (format == KV_E4M3) return paged ? piece_avx512bf16_e4m3_paged : piece_avx512bf16_e4m3;
     }
 #endif
     switch (format) {
         case KV_SAME:
-            return pick_clone<piece_t>(isa, QKV_CLONES(piece, f32));
+            return QKV_PICK(f32);
         case KV_BF16:
-            return pick_clone<piece_t>(isa, QKV_CLONES(piece, bf16));
+            return QKV_PICK(bf16);
         case KV_F16:
-            return pick_clone<piece_t>(isa, QKV_CLONES(piece, f16));
+            return QKV_PICK(f16);
         case KV_INT8:
-            return pick_clone<piece_t>(isa, QKV_CLONES(piece, i8));
+            return QKV_PICK(i8);
         case KV_E4M3:
-            return pick_clone<piece_t>(isa, QKV_CLONES(piece, e4m3));
+            return QKV_PICK(e4m3);
         case KV_INT8 | KV_FAST:
-            return pick_clone<piece_t>(isa, QKV_CLONES(piece, i8q));
+            return QKV_PICK(i8q);
         default:
             return nullptr;
     }
+#undef QKV_PICK
 }
 
 // Each sequence's run of visible keys [lo, hi) from a boolean mask row; false when a row's
@@ -1443,7 +1508,7 @@ int run_decode(const qkv_decode_args& given) {
     } catch (...) {
         return 1;
     }
-    const piece_t piece = pick_piece<T>(a.isa, a.kv_format);
+    const piece_t piece = pick_piece<T>(a.isa, a.kv_format, paged);
     if (!piece) return 2;
     const bool scaled = a.kv_format == KV_INT8 || a.kv_format == KV_E4M3 || a.kv_format == (KV_INT8 | KV_FAST);
     if (scaled && !(a.k_scale && a.v_scale)) return 2;
@@ -1541,5 +1606,5 @@ int64_t qkv_kv_format_code(const char* name) {
 int qkv_best_isa(void) { return best_isa(); }
 
 }  // extern "C"
-#endif  // QKV_DECODE_UNIT == 0
+#endif  // QKV_DECODE_UNIT == 0 && !QKV_DECODE_PAGED
 
