@@ -43,13 +43,13 @@ from typing import Any, cast
 
 import numpy as np
 
-from .. import reference
+from .. import numerics, reference
 from ..checks import check_int
 from ..errors import InputError
 from ..keywords import near_keywords
 from ..options import Options
 from ..validate import VARIANTS, Plan, as_array, broadcasts_to, check_variants, make_plan
-from .kernels import dense, dispatch, mods, overflow, tiled
+from .kernels import dense, dispatch, mods, tiled
 from .kernels.blocks import heads_by_kv
 
 __all__ = [
@@ -255,7 +255,7 @@ def vjp(
 
 def _guarded(plan: Plan, d_out: np.ndarray, run: Any) -> tuple[Any, ...]:
     """``run(plan, d_out)`` (its first three results the gradients) on the forward pass's
-    overflow ladder (:func:`qkv.engine.kernels.overflow.ladder`): in float64 when the scale is
+    overflow ladder (:func:`qkv.numerics.ladder`): in float64 when the scale is
     not a normal number of the compute dtype or the scores overflowed it; refused when they
     overflow float64 too. NaN and infinity in the inputs propagate by policy."""
 
@@ -265,7 +265,7 @@ def _guarded(plan: Plan, d_out: np.ndarray, run: Any) -> tuple[Any, ...]:
     def run_on(p: Plan) -> tuple[Any, ...]:  # d_out in the plan's compute dtype
         return run(p, d_out if p is plan else d_out.astype(p.acc_dtype))
 
-    return overflow.ladder(plan, run_on, finite, whole=plan.materialized)
+    return numerics.ladder(plan, run_on, finite, whole=plan.materialized)
 
 
 def _dense(

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ... import numerics
 from ...errors import InputError, InputTypeError
 from ...validate import Plan
 from . import (
@@ -33,7 +34,6 @@ from . import (
     native,
     native_bf16,
     native_decode,
-    overflow,
     packed,
     router,
     stacked,
@@ -182,7 +182,7 @@ def attend(
     plan: Plan, kernel: str = "auto", choice: Choice | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """Run ``choice`` (default: what :func:`choose` decides for ``kernel``) on ``plan``:
-    ``(out, lse)``, repaired or explained when not finite (:func:`overflow.ladder`).
+    ``(out, lse)``, repaired or explained when not finite (:func:`numerics.ladder`).
 
     Sinks are added once, to the kernel's finished result (:func:`mods.with_sinks`).
     """
@@ -214,9 +214,9 @@ def _attend(plan: Plan, kernel: str, choice: Choice | None) -> tuple[np.ndarray,
             return found
     fn = choice.run
     assert plan.v is not None  # outputs: the plan carries values
-    return overflow.ladder(
+    return numerics.ladder(
         plan, fn, _finite_out,
-        repair=(lambda res: overflow.rescaled(fn, plan, *res)) if plan.v.size else None,
+        repair=(lambda res: numerics.rescaled(fn, plan, *res)) if plan.v.size else None,
     )  # fmt: skip
 
 
@@ -251,7 +251,7 @@ def weights(plan: Plan) -> np.ndarray:
     float64, without NumPy warnings on the way.
     """
     plan = plan.materialized()  # (the dense kernel reads K/V as arrays)
-    return overflow.ladder(
+    return numerics.ladder(
         plan,
         lambda p: dense.softmax_rows(dense.logits(p))[0],
         lambda w: bool(np.isfinite(w).all()),
@@ -279,7 +279,7 @@ def attend_many(plans: list[Plan], kernel: str = "auto") -> list[tuple[np.ndarra
         for i, (out, lse) in zip(at, done, strict=True):
             plan = plans[i]
             assert plan.v is not None  # outputs: the plan carries values
-            if overflow.scale_fits(plan) and (np.isfinite(out).all() or not plan.v.size):
+            if numerics.scale_fits(plan) and (np.isfinite(out).all() or not plan.v.size):
                 results[i] = mods.with_sinks(plan, out, lse)
     for i, (plan, choice) in enumerate(zip(plans, choices, strict=True)):
         if results[i] is None:  # not decode, or a rare retry: run's full path
