@@ -433,3 +433,18 @@ def test_ml_dtypes_bfloat16_pages_on_both_roads(monkeypatch):
     _check(attend_pages(q, kb, vb, table, seqlens, return_lse=True), want, np.float32)
     monkeypatch.setenv("QKV_NATIVE", "0")
     _check(attend_pages(q, kb, vb, table, seqlens, return_lse=True), want, np.float32)
+
+
+def test_paged_cache_attend_names_a_mistyped_keyword():
+    """attend passes its options on to attend_pages: a mistyped one is still refused by the
+    method's name, with the nearest keyword it takes."""
+    cache = qkv.PagedKVCache(num_blocks=8, page_size=4, kv_heads=1, head_dim=8)
+    s = cache.allocate()
+    cache.append(s, np.ones((1, 5, 8), np.float32), np.ones((1, 5, 8), np.float32))
+    q = np.ones((1, 2, 1, 8), np.float32)
+    with pytest.raises(qkv.InputTypeError, match=r"PagedKVCache.attend\(\).*did you mean 'scale'"):
+        cache.attend(q, scael=0.5)
+    with pytest.raises(qkv.InputTypeError, match="kv_format"):
+        cache.attend(q, kv_format="int8")  # the pool's form is the cache's own
+    want = qkv.attention(q[0], np.ones((1, 5, 8)), np.ones((1, 5, 8)), scale=0.5)
+    np.testing.assert_allclose(cache.attend(q, scale=0.5)[0], want, **tol("fast path", np.float32))

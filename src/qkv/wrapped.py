@@ -100,7 +100,7 @@ class PagedKVCache(paged.PagedKVCache):
 
     append.__doc__ = paged.PagedKVCache.append.__doc__
 
-    @near_keywords(like=paged.PagedKVCache.attend)
+    @near_keywords(paged.PASSED_ON, like=paged.PagedKVCache.attend)
     def attend(self, q: Any, **options: Any) -> Any:
         refuse_grad("PagedKVCache.attend", q=q)
         return _give(super().attend(read(q, "q"), **options), want_of(q))

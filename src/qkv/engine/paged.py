@@ -35,7 +35,7 @@ from .kernels import decode, dispatch, native_decode, router
 from .kernels.decode_fast import check_precision
 from .quant import SCALED, check_format, dequantize_kv, quantize_kv, storage_dtype, storage_of
 
-__all__ = ["PagedKVCache", "attend_pages"]
+__all__ = ["PASSED_ON", "PagedKVCache", "attend_pages"]
 
 _F32 = np.dtype(np.float32)
 
@@ -282,6 +282,10 @@ def attend_pages(
         out[b] = o
         lse[b] = s
     return (out, lse) if return_lse else out
+
+
+#: The keywords :meth:`PagedKVCache.attend` passes on to :func:`attend_pages`.
+PASSED_ON = ("scale", "causal", "window", "softcap", "alibi_slopes", "return_lse", "precision")
 
 
 class PagedKVCache:
@@ -565,19 +569,13 @@ class PagedKVCache:
         """Sequence ``seq``'s values ``(kv_heads, length, value_dim)``, as :meth:`keys`."""
         return self._values(self._v, self._vs, seq)
 
-    @near_keywords()
+    @near_keywords(PASSED_ON)
     def attend(
         self,
         q: Any,
         *,
         seqs: Any = None,
-        scale: Any = None,
-        causal: bool = True,
-        window: Any = None,
-        softcap: Any = None,
-        alibi_slopes: Any = None,
-        return_lse: bool = False,
-        precision: str = "exact",
+        **options: Any,
     ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
         """Attention of new queries to each sequence's keys: :func:`attend_pages` over the
         pool.
@@ -589,8 +587,10 @@ class PagedKVCache:
             (bottom-right causal; append their keys first).
         seqs : sequence of int, optional
             The sequences, default every live one (:attr:`seqs`).
-        scale, causal, window, softcap, alibi_slopes, return_lse, precision
-            As in :func:`attend_pages`.
+        **options
+            ``scale``, ``causal`` (default True), ``window``, ``softcap``, ``alibi_slopes``,
+            ``return_lse``, ``precision``: as in :func:`attend_pages`, which checks them (the
+            pool's form and scales are the cache's own).
 
         Returns
         -------
@@ -606,10 +606,8 @@ class PagedKVCache:
             order = [self._check_seq(s) for s in seqs]
         return attend_pages(
             q, self._k, self._v, self._table(order), [self._len[s] for s in order],
-            scale=scale, causal=causal, window=window, softcap=softcap,
-            alibi_slopes=alibi_slopes, return_lse=return_lse,
             kv_format=self._form if self._form not in (None, "float16") else None,
-            k_scale=self._ks, v_scale=self._vs, precision=precision,
+            k_scale=self._ks, v_scale=self._vs, **options,
         )  # fmt: skip
 
 
