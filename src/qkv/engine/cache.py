@@ -25,7 +25,6 @@ from .. import numerics
 from ..checks import check_int
 from ..errors import InputError
 from ..keywords import near_keywords
-from ..numerics import FAST_FORMS
 from ..options import Options
 from ..validate import (
     VARIANTS,
@@ -398,9 +397,6 @@ class KVCache:
         ``q``'s values and the lengths (:meth:`attend`). ``precision="fast"`` on an int8
         cache: the fast road, emulated in NumPy where the native step is off.
         """
-        fast = precision == "fast" and self._form in FAST_FORMS
-        if not native_decode.available() and not fast:
-            return None, None  # no stand-in plan to make: the general road checks
         value_dtype = np.dtype(np.float32) if self._form not in (None, "float16") else self.dtype
         out_dtype = np.result_type(qa.dtype, value_dtype)
         # stand-ins in the compute dtype (float16's is float32), so that none is widened

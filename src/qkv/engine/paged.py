@@ -26,12 +26,11 @@ from .. import numerics
 from ..checks import check_int
 from ..errors import InputError, InputTypeError
 from ..keywords import near_keywords
-from ..numerics import FAST_FORMS
 from ..options import Options
 from ..validate import as_array, broadcasts_to, check_flag, make_plan, stand_in
 from . import cascade
 from .decoding import NATIVE, NATIVE_FAST, NUMPY_FAST, check_table, plan_checked
-from .kernels import decode, dispatch, native_decode, router
+from .kernels import decode, dispatch, router
 from .kernels.decode_fast import check_precision
 from .quant import SCALED, check_format, dequantize_kv, quantize_kv, storage_dtype, storage_of
 
@@ -257,18 +256,17 @@ def attend_pages(
         out, lse = cascade.attend(plan, prefix, own, lengths)
         out = out.astype(out_dtype, copy=False)
         return (out, lse) if return_lse else out
-    fast = precision == "fast" and form in FAST_FORMS
-    if native_decode.available() or fast:  # (the router decides in plan_checked: step.route)
-        lo = np.zeros(B, np.int64)
-        if plan.window is not None and plan.window[0] is not None:
-            lo = np.maximum(lengths - 1 - plan.window[0], 0)  # the one query sits at length - 1
-        step = plan_checked(
-            plan, qa, kp, vp, form=form if form != "float16" else None,
-            runs=decode.KeyRuns(lo, lengths), table=table, out_dtype=out_dtype,
-            scales=None if ks is None else (ks, vs), precision=precision,
-        )  # fmt: skip
-        if step.route in (NATIVE, NATIVE_FAST, NUMPY_FAST):
-            return step.run(qa, kp, vp, k_scale=ks, v_scale=vs, return_lse=return_lse)
+    # the router decides the road (step.route): the native step, the fast road, or neither
+    lo = np.zeros(B, np.int64)
+    if plan.window is not None and plan.window[0] is not None:
+        lo = np.maximum(lengths - 1 - plan.window[0], 0)  # the one query sits at length - 1
+    step = plan_checked(
+        plan, qa, kp, vp, form=form if form != "float16" else None,
+        runs=decode.KeyRuns(lo, lengths), table=table, out_dtype=out_dtype,
+        scales=None if ks is None else (ks, vs), precision=precision,
+    )  # fmt: skip
+    if step.route in (NATIVE, NATIVE_FAST, NUMPY_FAST):
+        return step.run(qa, kp, vp, k_scale=ks, v_scale=vs, return_lse=return_lse)
     out = np.zeros((B, H, Lq, dv), dtype=out_dtype)
     lse = np.full((B, H, Lq), -np.inf, dtype=plan.acc_dtype)
     for b in range(B):
