@@ -1,6 +1,7 @@
 """The commonest call's short road (:func:`qkv.engine.run.plain`): ``qkv.attention(q, k, v)``
-on NumPy arrays or plain CPU tensors of one float32/float64 dtype, with nothing but ``scale``
-and ``causal``, runs the plan and kernel kept for its shapes.
+on NumPy arrays or plain CPU tensors of one dtype (float32, float64, or float16 and bfloat16
+computed in float32 on K/V read as stored), with nothing but ``scale`` and ``causal``, runs
+the plan and kernel kept for its shapes.
 
 It must give exactly what the general road gives (the same kernel on the same plan: equal bits,
 ``return_lse=True`` forces the general road), equal the float64 reference, follow
@@ -108,13 +109,51 @@ def test_plain_call_non_finite_inputs_as_general_road():
     np.testing.assert_array_equal(got, _general(q, k, v))
 
 
+def _bf16():
+    return pytest.importorskip("ml_dtypes").bfloat16
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    shape=shapes(batch=(1, 3), heads=(1, 4), L=(1, 40), S=(1, 40), d=(1, 70), dv_differs=True)
+    | shapes(batch=(1, 2), heads=(2, 8), L=(1, 20), S=(1, 70), d=(1, 70), grouped=True),
+    narrow=st.sampled_from(["float16", "bfloat16"]),
+    causal=st.booleans(),
+    scale=st.sampled_from([None, 0.3, 2.5]),
+)
+def test_16_bit_plain_call_equals_general_road_and_reference(shape, narrow, causal, scale):
+    """float16 and ml_dtypes' bfloat16 arrays take the short road too (q widened, K/V read as
+    stored): the general road's bits, in the inputs' dtype, near the float64 reference."""
+    dtype = np.dtype(np.float16) if narrow == "float16" else np.dtype(_bf16())
+    q, k, v = _arrays(shape, np.float32)
+    q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
+    got = qkv.attention(q, k, v, causal=causal, scale=scale)
+    assert got.dtype == dtype and got.shape == (shape.B, shape.Hq, shape.L, shape.dv)
+    np.testing.assert_array_equal(
+        got.astype(np.float32), _general(q, k, v, causal=causal, scale=scale).astype(np.float32)
+    )
+    wide = [a.astype(np.float64) for a in (q, k, v)]
+    want = reference.attention(*wide, causal=causal, scale=scale)
+    np.testing.assert_allclose(got.astype(np.float64), want, **tol("half precision", dtype))
+
+
+def test_16_bit_plain_call_is_the_road_taken(monkeypatch):
+    """A bfloat16 call is kept as a float32 one is: one plan per shapes, reused."""
+    q, k, v = (a.astype(_bf16()) for a in _arrays((1, 8, 2, 16, 16, 64, 64), np.float32))
+    run._ready.cache_clear()
+    for _ in range(3):
+        qkv.attention(q, k, v)
+    info = run._ready.cache_info()
+    assert (info.misses, info.hits) == (1, 2)
+
+
 def test_plain_call_other_inputs_take_the_general_road():
-    """Mixed dtypes, float16, lists and broadcast batches are not plain: the general road
-    answers them, equal to the reference."""
+    """Mixed dtypes, lists and broadcast batches are not plain: the general road answers
+    them, equal to the reference."""
     q, k, v = _arrays((2, 2, 2, 3, 5, 4, 4), np.float32)
     for args in (
         (q, k.astype(np.float64), v),
-        (q.astype(np.float16), k.astype(np.float16), v.astype(np.float16)),
+        (q.astype(np.float16), k.astype(np.float16), v.astype(np.float32)),
         (q[0].tolist(), k[0].tolist(), v[0].tolist()),
         (q, k[:1], v[:1]),
     ):
@@ -147,6 +186,27 @@ def test_plain_call_on_tensors(dtype, causal):
     np.testing.assert_allclose(
         got.numpy(), peer.numpy(), **tol("fast path", np.dtype(str(dtype)[6:]))
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_16_bit_plain_call_on_tensors(dtype, causal):
+    """bfloat16 and float16 CPU tensors on the short road: a tensor of their dtype back, the
+    general road's bits, near PyTorch's SDPA on the same values."""
+    import torch.nn.functional as F
+
+    pytest.importorskip("ml_dtypes")
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 8, n, 32, generator=g).to(dtype) for n in (5, 37, 37))
+    k, v = k[:, :2].contiguous(), v[:, :2].contiguous()  # grouped heads: 8 over 2
+    got = qkv.attention(q, k, v, causal=causal)
+    assert isinstance(got, torch.Tensor) and got.dtype == dtype
+    assert torch.equal(got, _general(q, k, v, causal=causal))
+    keep = torch.ones(5, 37, dtype=torch.bool).tril(diagonal=37 - 5) if causal else None
+    peer = F.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), attn_mask=keep, enable_gqa=True
+    )
+    np.testing.assert_allclose(got.float().numpy(), peer.numpy(), **tol("half precision", dtype))
 
 
 def test_tensors_that_are_not_plain_keep_their_roads():

@@ -94,17 +94,35 @@ def read_plain(q: Any, k: Any, v: Any) -> tuple[np.ndarray, np.ndarray, np.ndarr
         return None
     if not (q.is_cpu and k.is_cpu and v.is_cpu):
         return None
+    bf16 = torch.bfloat16
+    if q.dtype is bf16 and k.dtype is bf16 and v.dtype is bf16:  # NumPy has no bfloat16
+        as_numpy = _bfloat16()
+        if as_numpy is None or q.layout != torch.strided or k.layout != torch.strided:
+            return None
+        try:  # ml_dtypes' bfloat16 over the tensors' memory, as read() reads them
+            i16 = torch.int16
+            return (
+                q.view(i16).numpy().view(as_numpy),
+                k.view(i16).numpy().view(as_numpy),
+                v.view(i16).numpy().view(as_numpy),
+            )
+        except (TypeError, RuntimeError):  # conjugate or negative views, sparse...
+            return None
     try:
         return q.numpy(), k.numpy(), v.numpy()
-    except (TypeError, RuntimeError):  # bfloat16, conjugate or negative views, sparse...
+    except (TypeError, RuntimeError):  # conjugate or negative views, sparse...
         return None
 
 
 def give_plain(result: np.ndarray) -> Any:
     """A result of :func:`read_plain`'s inputs, as :func:`give` gives it back: a CPU tensor
-    of the same dtype, sharing ``result``'s memory (a kernel's fresh output) where it can."""
+    of the same dtype (bfloat16 for ml_dtypes' bfloat16), sharing ``result``'s memory (a
+    kernel's fresh output) where it can."""
     if result.flags.writeable:
-        return sys.modules["torch"].from_numpy(result)
+        torch = sys.modules["torch"]
+        if result.dtype.name == "bfloat16":
+            return torch.from_numpy(result.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(result)
     return give(result, _ON_CPU[False])  # pragma: no cover - kernels give writeable arrays
 
 

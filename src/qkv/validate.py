@@ -408,7 +408,7 @@ def make_plan(
     if options.simple and dtype is None and check_finite is False and need_v:
         causal = options.causal
         if causal is False or causal is True:
-            plan = plain_plan(q, k, v, options.scale, causal)
+            plan = plain_plan(q, k, v, options.scale, causal, keep_stored)
             if plan is not None:
                 return plan
     scale, causal, mask, window = options.scale, options.causal, options.mask, options.window
@@ -480,17 +480,25 @@ def _narrow(k: np.ndarray, v: np.ndarray) -> bool:
 
 
 _PLAIN_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+_F32 = np.dtype(np.float32)
 
 
-def plain_plan(q: Any, k: Any, v: Any, scale: Any, causal: bool) -> Plan | None:
+def plain_plan(
+    q: Any, k: Any, v: Any, scale: Any, causal: bool, keep_stored: bool = False
+) -> Plan | None:
     """The plan :func:`make_plan` would build, for NumPy ``q``, ``k``, ``v`` of one
-    float32/float64 dtype and one rank (>= 2) whose batch dimensions agree (kv heads may
-    group); ``None`` for anything else, which then takes the general road (and its messages).
+    float32/float64 dtype — or, with ``keep_stored``, of one 16-bit dtype (float16, ml_dtypes'
+    bfloat16: ``q`` widened to float32, K/V kept as given in :attr:`Plan.stored`) — and one
+    rank (>= 2) whose batch dimensions agree (kv heads may group); ``None`` for anything else,
+    which then takes the general road (and its messages).
     """
     if not (type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray):
         return None
     dt = q.dtype
-    if dt not in _PLAIN_DTYPES or k.dtype != dt or v.dtype != dt:
+    if k.dtype != dt or v.dtype != dt:
+        return None
+    narrow = dt not in _PLAIN_DTYPES
+    if narrow and not (keep_stored and (dt == np.float16 or dt.name == "bfloat16")):
         return None
     n = q.ndim
     qs, ks, vs = q.shape, k.shape, v.shape
@@ -505,10 +513,16 @@ def plain_plan(q: Any, k: Any, v: Any, scale: Any, causal: bool) -> Plan | None:
             return None
         group = hq // hkv
     fscale = numerics.default_scale(qs[-1]) if scale is None else check_scale(scale, qs[-1])
+    given = ((dt, qs), (dt, ks), (dt, vs))
+    if narrow:  # computed in float32 on K/V read as stored (make_plan's keep_stored)
+        return Plan.trusted(
+            q=view_as(q.astype(_F32), qs), k=stand_in(_F32, ks), v=stand_in(_F32, vs),
+            scale=fscale, causal=causal, window=None, mask=None, bias=None, group=group,
+            out_dtype=dt, acc_dtype=_F32, squeeze=False, given=given, stored=(k, v),
+        )  # fmt: skip
     return Plan.trusted(
         q=q, k=k, v=v, scale=fscale, causal=causal, window=None, mask=None, bias=None,
-        group=group, out_dtype=dt, acc_dtype=dt, squeeze=False,
-        given=((dt, qs), (dt, ks), (dt, vs)),
+        group=group, out_dtype=dt, acc_dtype=dt, squeeze=False, given=given,
     )  # fmt: skip
 
 

@@ -78,8 +78,9 @@ def weights(plan: Plan) -> np.ndarray:
 
 def plain(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: Any, causal: Any) -> Any:
     """The output of the commonest call — ``qkv.attention(q, k, v)`` on NumPy arrays of one
-    float32/float64 dtype, nothing but ``scale`` and ``causal`` given — or None where it is
-    not such a call (the front then builds the general :class:`qkv.call.Call`).
+    dtype (float32, float64, or float16 and ml_dtypes' bfloat16, computed in float32 on K/V
+    read as stored), nothing but ``scale`` and ``causal`` given — or None where it is not such
+    a call (the front then builds the general :class:`qkv.call.Call`).
 
     The same plan and kernel as the general road, without checking or choosing again: both
     follow from the shapes, dtypes, ``scale``, ``causal`` and ``QKV_NATIVE`` alone, so they
@@ -96,7 +97,10 @@ def plain(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: Any, causal: Any) 
         return None
     if found is None:
         return None
-    fields, choice = found
+    fields, choice, narrow = found
+    if narrow:  # 16-bit inputs: q widened, K/V read as stored (make_plan's keep_stored)
+        plan = Plan.trusted(q=q.astype(np.float32), stored=(k, v), **fields)
+        return dispatch.attend(plan, "auto", choice)[0].astype(q.dtype)
     plan = Plan.trusted(q=q, k=k, v=v, **fields)
     return dispatch.attend(plan, "auto", choice)[0]
 
@@ -112,14 +116,17 @@ def _ready(
     scale: Any,
     causal: bool,
     off: bool,
-) -> tuple[dict[str, Any], dispatch.Choice] | None:
-    """The checked plan's fields but ``q``, ``k``, ``v``, and the router's choice, for
-    :func:`plain`'s key (``off``: ``QKV_NATIVE=0``, which the choice depends on); None where
-    the call is not plain (:func:`qkv.validate.plain_plan`). Worked out on stand-ins of the
-    shapes (no data); a bad ``scale`` raises as the general road would."""
+) -> tuple[dict[str, Any], dispatch.Choice, bool] | None:
+    """The checked plan's fields but its arrays, the router's choice, and whether the inputs
+    are 16-bit (their K/V kept as stored), for :func:`plain`'s key (``off``: ``QKV_NATIVE=0``,
+    which the choice depends on); None where the call is not plain
+    (:func:`qkv.validate.plain_plan`). Worked out on stand-ins of the shapes (no data); a bad
+    ``scale`` raises as the general road would."""
     q, k, v = stand_in(qt, qs), stand_in(kt, ks), stand_in(vt, vs)
-    plan = plain_plan(q, k, v, scale, causal)
+    plan = plain_plan(q, k, v, scale, causal, keep_stored=True)
     if plan is None:
         return None
-    fields = {n: x for n, x in plan.__dict__.items() if n not in ("q", "k", "v")}
-    return fields, dispatch.choose(plan)
+    narrow = plan.stored is not None  # (its k and v are stand-ins already: kept)
+    arrays = ("q", "stored") if narrow else ("q", "k", "v")
+    fields = {n: x for n, x in plan.__dict__.items() if n not in arrays}
+    return fields, dispatch.choose(plan), narrow

@@ -194,7 +194,7 @@ def _fit_rows(block_q: int, tasks: Any, threads: int) -> int:
 
 
 def _mask_and_rule(
-    plan: Plan, threads: int, isa: str | None, gemm: int | None, block_q: int, block_k: int
+    plan: Plan, threads: int, isa: str | int | None, gemm: int | None, block_q: int, block_k: int
 ) -> tuple[dict[str, Any], tuple[Any, Any]]:
     """The fields the prefill and the backward share after their operands: the mask or bias
     (:func:`~qkv.engine.kernels.native_lib.mask_operand`), the scale and visibility rule,
@@ -264,35 +264,89 @@ def attend(
     if own and library()[0] is None:
         raise RuntimeError(f"qkv native kernels unavailable: {library()[1]}")
     assert plan.v is not None  # the router asks for values
+    if math.prod(plan.batch) == 0:
+        shape = plan.batch + (plan.L, plan.dv)
+        return np.empty(shape, plan.acc_dtype), np.empty(shape[:-1], plan.acc_dtype)
+    function, k, v = _reading(plan, "prefill")
+    q, n, cap = plan.q, workers(threads, blas=not own), isa_cap(isa)
+    key = None
+    if counts is None and plan.mask is None and plan.bias is None:  # the struct kept by layout
+        key = (
+            function, q.shape, q.strides, k.shape, k.strides, v.shape, v.strides, plan.group,
+            plan.scale, plan.causal, plan.window, n, cap, gemm, block_q, block_k, own, stack,
+        )  # fmt: skip
+        found = _PREFILLS.get(key)
+        if found is not None:
+            return found.run(q, k, v)
+    call, operands = _prefill(plan, function, q, k, v, n, cap, gemm, block_q, block_k, counts,
+                              own, stack)  # fmt: skip
+    in_place = all(address(a) == address(b) for a, b in zip(operands, (q, k, v), strict=True))
+    if key is not None and in_place:  # (no copy for BLAS): kept for the next call of this layout
+        if len(_PREFILLS) >= 256:
+            _PREFILLS.clear()
+        _PREFILLS[key] = call
+    return call.run(*operands)
+
+
+class Prefill:
+    """One prefill call's argument struct with every field but the addresses of ``q``, ``k``,
+    ``v``, ``out`` and ``lse`` filled, the arrays its fields point into (offsets, mask, key
+    counts), and the library's function: :meth:`run` copies the struct, allocates the results,
+    sets those addresses and calls the kernel. :func:`attend` keeps one per operand layout
+    (shapes, strides, dtypes, scale, rule, threads, clone) of a call without a mask or key
+    counts: a small call (a short prompt's layer) spent as long building the struct as in the
+    kernel."""
+
+    __slots__ = ("args", "function", "held", "own", "shape", "dtype", "rows")
+
+    def __init__(
+        self, args: PrefillArgs, function: str, held: tuple[Any, ...], own: bool,
+        shape: tuple[int, ...], rows: tuple[int, ...], dtype: np.dtype,
+    ) -> None:  # fmt: skip
+        self.args, self.function, self.held, self.own = bytes(args), function, held, own
+        self.shape, self.rows, self.dtype = shape, rows, dtype
+
+    def run(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(out, lse)`` for operands of the layout this struct was built for."""
+        out = np.empty(self.rows, dtype=self.dtype)
+        lse = np.empty(self.rows[:-1], dtype=self.dtype)
+        args = PrefillArgs.from_buffer_copy(self.args)  # one per call: any thread may run it
+        args.q, args.k, args.v = address(q), address(k), address(v)
+        args.out, args.lse = address(out), address(lse)
+        with nullcontext() if self.own else single_threaded_blas():
+            invoke(self.function, args, "prefill")
+        return out.reshape(self.shape), lse.reshape(self.shape[:-1])
+
+
+# attend()'s structs by operand layout (see Prefill)
+_PREFILLS: dict[tuple[Any, ...], Prefill] = {}
+
+
+def _prefill(
+    plan: Plan, function: str, q: np.ndarray, k: np.ndarray, v: np.ndarray, n: int, cap: int,
+    gemm: int | None, block_q: int, block_k: int, counts: np.ndarray | None, own: bool,
+    stack: bool,
+) -> tuple[Prefill, tuple[np.ndarray, np.ndarray, np.ndarray]]:  # fmt: skip
+    """:func:`attend`'s struct for ``plan`` and its operands ``q``, ``k``, ``v`` (read in place
+    where BLAS can: the operands the struct's offsets were worked out for are returned)."""
     dt = plan.acc_dtype
-    batch, L, dv, q, group = plan.batch, plan.L, plan.dv, plan.q, plan.group
+    batch, L, dv, group = plan.batch, plan.L, plan.dv, plan.group
     shape = batch + (L, dv)
     if stack and group > 1:  # the g query heads of a kv head: one (g · L)-row block
         batch, L = (*batch[:-1], batch[-1] // group), group * L
         q, group = q.reshape(batch + (L, plan.d)), 1
-    out = np.empty(batch + (L, dv), dtype=dt)
-    lse = np.empty(batch + (L,), dtype=dt)
     nb = math.prod(batch)
-    if nb == 0:
-        return out.reshape(shape), lse.reshape(shape[:-1])
-    function, k, v = _reading(plan, "prefill")
     fields, arrays = prefill_operands(q, k, v, group)
-    n = workers(threads, blas=not own)  # BLAS tiles: one thread unless BLAS can be held
     block_q = _fit_rows(block_q, lambda bq: nb * -(-L // bq), n)
-    rule, held = _mask_and_rule(plan, n, isa, gemm, block_q, block_k)
+    rule, masks = _mask_and_rule(plan, n, cap, gemm, block_q, block_k)
     per_head = None
     if counts is not None:  # one per head: each batch row's count over its other batch axes
         per_head = np.ascontiguousarray(np.repeat(counts, nb // counts.size), dtype=np.int64)
         rule["counts"] = address(per_head)
-    rule["products"] = PRODUCTS[products]
-    args = PrefillArgs(
-        nb=nb, L=L, S=plan.S, d=plan.d, dv=dv, out=address(out), lse=address(lse),
-        **fields, **rule,
-    )  # fmt: skip
-    with nullcontext() if own else single_threaded_blas():
-        invoke(function, args, "prefill")
-    del held, arrays, per_head  # what the call read
-    return out.reshape(shape), lse.reshape(shape[:-1])
+    rule["products"] = PRODUCTS["own" if own else "blas"]
+    args = PrefillArgs(nb=nb, L=L, S=plan.S, d=plan.d, dv=dv, **fields, **rule)
+    call = Prefill(args, function, (arrays[3:], masks, per_head), own, shape, batch + (L, dv), dt)
+    return call, arrays[:3]  # type: ignore[return-value]
 
 
 _STORED = {"float16": "f16", "bfloat16": "bf16"}  # K/V forms the float32 kernels read as stored
