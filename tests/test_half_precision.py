@@ -61,13 +61,18 @@ def test_decoding_step_reads_half_precision_kv_in_place(monkeypatch):
     if not native_decode.available():
         pytest.skip("native kernels not built (or QKV_NATIVE=0): K/V are widened instead")
     seen = []
-    step = native_decode.step
 
-    def spy(q, k, v, *rest, **kw):
-        seen.append((k, v))
-        return step(q, k, v, *rest, **kw)
+    def spy_on(name):  # the step on a kept struct (an unmasked call), or the planned step
+        real = getattr(native_decode, name)
 
-    monkeypatch.setattr(native_decode, "step", spy)
+        def spy(q, k, v, *rest, **kw):
+            seen.append((k, v))
+            return real(q, k, v, *rest, **kw)
+
+        monkeypatch.setattr(native_decode, name, spy)
+
+    spy_on("step")
+    spy_on("_plain_step")
     for dtype in (torch.bfloat16, torch.float16):
         q = torch.randn(1, 8, 1, 128).to(dtype)
         k, v = (torch.randn(1, 2, 4096, 128).to(dtype) for _ in range(2))

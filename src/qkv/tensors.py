@@ -120,7 +120,7 @@ def give_plain(result: np.ndarray) -> Any:
     kernel's fresh output) where it can."""
     if result.flags.writeable:
         torch = sys.modules["torch"]
-        if result.dtype.name == "bfloat16":
+        if result.dtype.kind != "f":  # ml_dtypes' bfloat16 (its name is slow to read)
             return torch.from_numpy(result.view(np.int16)).view(torch.bfloat16)
         return torch.from_numpy(result)
     return give(result, _ON_CPU[False])  # pragma: no cover - kernels give writeable arrays

@@ -297,18 +297,31 @@ ONE_THREAD_BYTES = 256 << 10
 
 def _attend_plain(plan: Plan, threads: int | None) -> Any:
     """A plan with no mask in one native call: ``(out, lse)``; None when a result is not
+    finite; :data:`_UNSERVED` when the kernel cannot read the operands as they are."""
+    assert plan.v is not None
+    return _plain_step(plan.q, plan.k, plan.v, plan.scale, plan.softcap, threads)
+
+
+def _plain_step(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    scale: float,
+    softcap: float | None,
+    threads: int | None,
+) -> Any:
+    """One unmasked step of ``q`` against ``k`` and ``v`` (the plan's shapes; K/V in the
+    compute dtype or stored as float16/bfloat16): ``(out, lse)``; None when a result is not
     finite; :data:`_UNSERVED` when the kernel cannot read the operands as they are.
 
     The small call's road: everything the kernel takes but the five addresses (``q``, ``k``,
-    ``v`` and the two results) and the threads follows from the shapes, strides, dtype,
+    ``v`` and the two results) and the threads follows from the shapes, strides, dtypes,
     scale, soft-cap and clone, so it is worked out once per such key (:func:`_constants`)
     and copied per call.
     """
-    q, k, v = plan.q, plan.k, plan.v
-    assert v is not None
     found = _constants(
-        q.dtype, q.shape, q.strides, k.shape, k.strides, v.shape, v.strides, plan.scale,
-        plan.softcap, isa_cap(),
+        q.dtype, k.dtype, q.shape, q.strides, k.shape, k.strides, v.shape, v.strides, scale,
+        softcap, isa_cap(),
     )  # fmt: skip
     if found is None:
         return _UNSERVED
@@ -342,6 +355,7 @@ def _broadcast(shape: tuple[int, ...], strides: tuple[int, ...], want: tuple[int
 @functools.lru_cache(maxsize=256)
 def _constants(
     dt: np.dtype,
+    kt: np.dtype,
     qs: tuple[int, ...],
     qst: tuple[int, ...],
     ks: tuple[int, ...],
@@ -352,19 +366,24 @@ def _constants(
     softcap: float | None,
     isa: int,
 ) -> tuple[bytes, Any, tuple[int, ...], tuple[int, ...], bool] | None:
-    """The decode step's arguments for operands of these shapes and byte strides (addresses
-    left 0, one thread), the library's function to call, the shapes of ``out`` and ``lse``
-    and whether the step is small (below :data:`ONE_THREAD_BYTES`: one thread runs it);
-    None where the kernel cannot read the operands (:func:`layout`)."""
+    """The decode step's arguments for operands of these shapes and byte strides (``q`` of
+    compute dtype ``dt``, K/V of ``kt``: the same, or stored as float16/bfloat16 for float32;
+    addresses left 0, one thread), the library's function to call, the shapes of ``out`` and
+    ``lse`` and whether the step is small (below :data:`ONE_THREAD_BYTES`: one thread runs
+    it); None where the kernel cannot read the operands (:func:`layout`)."""
     if dt not in _DTYPES or len(qs) < 3:
+        return None
+    form = _stored_dtype(dt, kt)
+    if form is None:
         return None
     *outer, hq, L, d = qs
     kvh, S, dv = ks[-3], ks[-2], vs[-1]
-    item = dt.itemsize
     found = []
-    for shape, strides, want in (
-        (qs, qst, qs), (ks, kst, (*outer, kvh, S, d)), (vs, vst, (*outer, kvh, S, dv))
-    ):  # fmt: skip
+    for shape, strides, want, item in (
+        (qs, qst, qs, dt.itemsize),
+        (ks, kst, (*outer, kvh, S, d), kt.itemsize),
+        (vs, vst, (*outer, kvh, S, dv), kt.itemsize),
+    ):
         if any(st % item for st in strides):
             return None
         b = _broadcast(shape, strides, want)
@@ -377,11 +396,23 @@ def _constants(
         return None
     args = DecodeArgs(
         *plan.sizes, None, *ql, None, *kl, None, *vl, None, None, None, None, plan.scale,
-        1, isa, None, plan.softcap or 0.0, None, 0, 0, numerics.SAME_CODE,
+        1, isa, None, plan.softcap or 0.0, None, 0, 0, format_code(form or None),
     )  # fmt: skip
     function = lib.qkv_decode_f64 if plan.f64 else lib.qkv_decode_f32
-    small = n * kvh * S * (d + dv) * item < ONE_THREAD_BYTES
+    small = n * kvh * S * (d + dv) * kt.itemsize < ONE_THREAD_BYTES
     return bytes(args), function, (*outer, hq, L, dv), (*outer, hq, L), small
+
+
+def _stored_dtype(dt: np.dtype, kt: np.dtype) -> str | None:
+    """How K/V of dtype ``kt`` are stored for compute dtype ``dt``: ``""`` (in ``dt``),
+    ``"float16"`` or ``"bfloat16"`` (for float32), or None when the kernel cannot read them."""
+    if kt == dt:
+        return ""
+    if dt == _F32 and kt == np.float16:
+        return "float16"
+    if dt == _F32 and kt.name == "bfloat16":  # ml_dtypes' NumPy bfloat16
+        return "bfloat16"
+    return None
 
 
 def attend_stored(
@@ -392,6 +423,11 @@ def attend_stored(
     then widens them, :meth:`Plan.materialized`, and takes the general path).
     """
     assert plan.stored is not None
+    if plan.mask is None:  # the small call's road, as for K/V in the compute dtype
+        k, v = plan.stored_kv()
+        done = _plain_step(plan.q, k, v, plan.scale, plan.softcap, threads)
+        if done is not _UNSERVED:
+            return done
     found = () if plan.mask is None else (plan_runs(plan),)
     return _attend(plan, *plan.stored, threads, found)
 
@@ -604,13 +640,7 @@ def _stored_form(dt: np.dtype, k: np.ndarray, v: np.ndarray, kv_format: str | No
     if kv_format is not None:
         ok = dt == _F32 and k.dtype == storage_dtype(kv_format)
         return kv_format if ok else None
-    if k.dtype == dt:
-        return ""
-    if dt == _F32 and k.dtype == np.float16:
-        return "float16"
-    if dt == _F32 and k.dtype.name == "bfloat16":  # ml_dtypes' NumPy bfloat16
-        return "bfloat16"
-    return None
+    return _stored_dtype(dt, k.dtype)
 
 
 def _scale_rows(s: np.ndarray | None, outer: tuple[int, ...], kvh: int, S: int) -> Any:
