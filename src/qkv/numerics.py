@@ -211,14 +211,18 @@ def ladder(
     with np.errstate(over="ignore", invalid="ignore"):
         if not scale_fits(plan):
             res = in_float64()
+            ok = finite(res)
         else:
             res = run(plan)
-            if repair is not None and not finite(res):
+            ok = finite(res)  # (once per result: a large one's check is not free)
+            if repair is not None and not ok:
                 res = repair(res)
-            if not finite(res) and plan.acc_dtype != np.float64:
+                ok = finite(res)
+            if not ok and plan.acc_dtype != np.float64:
                 if may_overflow(whole() if whole is not None else plan):
                     res = in_float64()
-    if not finite(res):
+                    ok = finite(res)
+    if not ok:
         check_overflow(whole() if whole is not None else plan)
     return res
 

@@ -53,7 +53,7 @@ Result = tuple[np.ndarray, np.ndarray]
 
 def bare(plan: Plan) -> Plan:
     """``plan`` without its mask (and key counts): what the router chooses a kernel for."""
-    return replace(plan, mask=None, bias=None, key_counts=None)
+    return plan.but(mask=None, bias=None, key_counts=None)
 
 
 def attend_dense(plan: Plan, counts: np.ndarray) -> Result:

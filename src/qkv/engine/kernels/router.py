@@ -20,7 +20,6 @@ path, never change a result: every kernel equals :func:`qkv.reference.attention`
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -726,7 +725,7 @@ def choose(plan: Plan, kernel: str = "auto", counts: bool = True) -> Route:
     if counts and plan.key_counts is not None:
         ask = Ask(plan, kernel)
         if all(cond.test(ask) for cond in ON_KEY_COUNTS):
-            bare = replace(plan, mask=None, bias=None, key_counts=None)
+            bare = plan.but(mask=None, bias=None, key_counts=None)
             twin = Ask(bare)
             ask.base = first(rows(bare, "auto"), twin)
             road = first(KEY_COUNTS, ask)
