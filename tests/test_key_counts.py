@@ -11,7 +11,7 @@ from tests.conftest import tol
 
 import qkv
 from qkv import reference
-from qkv.engine.kernels import native, router
+from qkv.engine.kernels import dispatch, native, router
 from qkv.masks import tail_counts
 from qkv.testing.strategies import values
 from qkv.validate import make_plan
@@ -44,18 +44,18 @@ def forms(keep: np.ndarray, L: int) -> dict[str, np.ndarray]:
 
 @pytest.fixture
 def road(monkeypatch):
-    """The router's walks of its key-count table (plans it may run on their key counts),
-    counted: the road each chose."""
+    """The roads the calls that may run on their key counts took (the router's choice each
+    call ran on, kept by the short road or chosen by the general one)."""
     calls: list[str] = []
-    real = router.choose
+    real = dispatch._attend
 
-    def spy(plan, kernel="auto", counts=True):
-        route = real(plan, kernel, counts)
-        if counts and router.holds(router.ON_KEY_COUNTS, plan, kernel):
-            calls.append(route.counts or "the mask")
-        return route
+    def spy(plan, kernel, choice):
+        if plan.key_counts is not None and router.holds(router.ON_KEY_COUNTS, plan, kernel):
+            ran = choice if choice is not None else dispatch.choose(plan, kernel)
+            calls.append(ran.counts or "the mask")
+        return real(plan, kernel, choice)
 
-    monkeypatch.setattr(router, "choose", spy)
+    monkeypatch.setattr(dispatch, "_attend", spy)
     return calls
 
 

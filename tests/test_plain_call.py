@@ -224,3 +224,41 @@ def test_tensors_that_are_not_plain_keep_their_roads():
     got = qkv.attention(neg, k, v)
     want = reference.attention(-q.numpy(), k.numpy(), v.numpy())
     np.testing.assert_allclose(got.numpy(), want, **tol("fast path", np.float32))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    shape=shapes(batch=(1, 4), heads=(1, 4), L=(1, 20), S=(1, 40), d=(1, 40), dv_differs=True)
+    | shapes(batch=(1, 4), heads=(2, 8), L=(1, 20), S=(1, 40), d=(1, 40), grouped=True),
+    dtype=st.sampled_from([np.float32, np.float64, "bfloat16"]),
+    kind=st.sampled_from(["tail", "tail rows", "middle", "all", "none"]),
+    causal=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_padding_mask_on_the_short_road(shape, dtype, kind, causal, seed):
+    """A boolean padding mask on the short road (its key counts read per call, the road kept
+    per shapes): the general road's bits and the float64 reference, for masks that hide a
+    tail, all keys, none, or a middle run (which is no padding mask: the general road)."""
+    dtype = np.dtype(_bf16()) if dtype == "bfloat16" else np.dtype(dtype)
+    q, k, v = (a.astype(dtype) for a in _arrays(shape, np.float32, seed))
+    rng = np.random.default_rng(seed)
+    S, L = shape.S, shape.L
+    counts = rng.integers(0, S + 1, shape.B)
+    if kind == "all":
+        counts[:] = S
+    elif kind == "none":
+        counts[:] = 0
+    keep = np.arange(S)[None, :] < counts[:, None]
+    if kind == "middle":
+        keep[:, S // 2] = False
+    keep = keep[:, None, None, :]
+    if kind == "tail rows":
+        keep = np.broadcast_to(keep, (shape.B, 1, L, S))
+    got = qkv.attention(q, k, v, mask=keep, causal=causal)
+    assert got.dtype == dtype
+    general = _general(q, k, v, mask=keep, causal=causal)
+    np.testing.assert_array_equal(got.astype(np.float64), general.astype(np.float64))
+    wide = [a.astype(np.float64) for a in (q, k, v)]
+    want = reference.attention(*wide, mask=keep, causal=causal)
+    row = "half precision" if dtype.kind == "V" else "fast path"
+    np.testing.assert_allclose(got.astype(np.float64), want, **tol(row, dtype))

@@ -146,9 +146,11 @@ def test_decode_step_reads_only_the_keys_the_mask_leaves_visible(runs, kind, cal
             seen.append((p.k, p.v, p.mask is not None or p.bias is not None))
         return inner(call)
 
-    def plain_spy(q_, k_, v_, *rest):
-        seen.append((k_, v_, False))
-        return plain(q_, k_, v_, *rest)
+    def plain_spy(q_, k_, v_, *rest):  # (scale, causal[, mask]): None where not served
+        out = plain(q_, k_, v_, *rest)
+        if out is not None:
+            seen.append((k_, v_, len(rest) > 2 and rest[2] is not None))
+        return out
 
     qkv_front._run, qkv_run.plain = spy, plain_spy
     try:

@@ -13,6 +13,7 @@ import pytest
 from tests.conftest import bound, tol
 
 from qkv import reference
+from qkv.masks import tail_counts
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -247,12 +248,13 @@ def test_a_prefill_reads_its_mask_once_per_model_step(padded, monkeypatch):
     monkeypatch.setattr(qkv_front, "_run", run_spy)
     from qkv.engine import run as qkv_run
 
-    plain = qkv_run.plain  # the commonest call's short road: no mask, no counts
+    plain = qkv_run.plain  # the commonest call's short road: no mask, or a padding mask
 
-    def plain_spy(*a):
+    def plain_spy(*a):  # (q, k, v, scale, causal[, mask])
         out = plain(*a)
         if out is not None:
-            counts.append(None)
+            mask = a[5] if len(a) > 5 else None
+            counts.append(None if mask is None else tail_counts(mask, 2).tolist())
         return out
 
     monkeypatch.setattr(qkv_run, "plain", plain_spy)

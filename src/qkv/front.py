@@ -38,6 +38,7 @@ from .tensors import (
     give_plain,
     one_device,
     read_plain,
+    read_plain_mask,
     swap_axes,
     want_of,
     wants_grad,
@@ -284,8 +285,7 @@ def attention(
     True
     """
     if (
-        mask is None
-        and window is None
+        window is None
         and not variants
         and return_lse is False
         and check_finite is False
@@ -293,15 +293,17 @@ def attention(
         and kernel == "auto"
         and type(layout) is str
         and layout == "bhld"
-    ):  # the commonest call: its checked plan and kernel kept per shapes (engine.run.plain)
+    ):  # the commonest call (no mask, or a padding mask): its checked plan and kernel kept
+        # per shapes (engine.run.plain)
         if type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray:
-            out = _engine().plain(q, k, v, scale, causal)
+            out = _engine().plain(q, k, v, scale, causal, mask)
             if out is not None:
                 return out
         else:
             arrays = read_plain(q, k, v)
-            if arrays is not None:
-                out = _engine().plain(*arrays, scale, causal)
+            keep = mask if mask is None or arrays is None else read_plain_mask(mask)
+            if arrays is not None and (mask is None or keep is not None):
+                out = _engine().plain(*arrays, scale, causal, keep)
                 if out is not None:
                     return give_plain(out)
     call = build(

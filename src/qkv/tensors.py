@@ -52,6 +52,7 @@ __all__ = [
     "read",
     "read_cpu",
     "read_plain",
+    "read_plain_mask",
     "read_shadow",
     "refuse_dtype",
     "refuse_grad",
@@ -111,6 +112,23 @@ def read_plain(q: Any, k: Any, v: Any) -> tuple[np.ndarray, np.ndarray, np.ndarr
     try:
         return q.numpy(), k.numpy(), v.numpy()
     except (TypeError, RuntimeError):  # conjugate or negative views, sparse...
+        return None
+
+
+def read_plain_mask(mask: Any) -> np.ndarray | None:
+    """A boolean mask beside :func:`read_plain`'s tensors, as a zero-copy NumPy view: a plain
+    CPU ``torch.bool`` tensor (or a NumPy boolean array, as it is); None for anything else,
+    which then takes the general reading."""
+    if type(mask) is np.ndarray:
+        return mask
+    torch = sys.modules.get("torch")
+    if torch is None or type(mask) is not torch.Tensor:
+        return None
+    if mask.dtype is not torch.bool or not mask.is_cpu:
+        return None
+    try:
+        return mask.numpy()
+    except (TypeError, RuntimeError):
         return None
 
 

@@ -19,7 +19,8 @@ import numpy as np
 from .. import numerics
 from ..checks import check_int
 from ..errors import InputError
-from ..validate import Plan, as_array, plain_plan, stand_in
+from ..masks import tail_counts
+from ..validate import Plan, as_array, broadcasts_to, plain_plan, stand_in
 from .kernels import dense, dispatch, mods
 from .kernels.native_lib import switched_off
 
@@ -76,7 +77,9 @@ def weights(plan: Plan) -> np.ndarray:
     return w
 
 
-def plain(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: Any, causal: Any) -> Any:
+def plain(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: Any, causal: Any, mask: Any = None
+) -> Any:
     """The output of the commonest call — ``qkv.attention(q, k, v)`` on NumPy arrays of one
     dtype (float32, float64, or float16 and ml_dtypes' bfloat16, computed in float32 on K/V
     read as stored), nothing but ``scale`` and ``causal`` given — or None where it is not such
@@ -87,9 +90,16 @@ def plain(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: Any, causal: Any) 
     are worked out once per such key (:func:`_ready`) and the call only puts its arrays into
     the plan. A small call (a decoding step's layer) spends most of its time on this, not on
     its arithmetic.
+
+    A boolean ``mask`` of the rank of ``q`` that only hides a tail of each batch row's keys
+    (a tokenizer's padding, :func:`qkv.masks.tail_counts`) is read as key counts, as the
+    validation reads it, and runs on the road the router keeps for such counts
+    (:func:`_padded`); any other mask takes the general road.
     """
     if causal is not False and causal is not True:
         return None  # (make_plan says what is wrong)
+    if mask is not None:
+        return _padded(q, k, v, scale, causal, mask)
     try:
         found = _ready(q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, scale, causal,
                        switched_off())  # fmt: skip
@@ -130,3 +140,80 @@ def _ready(
     arrays = ("q", "stored") if narrow else ("q", "k", "v")
     fields = {n: x for n, x in plan.__dict__.items() if n not in arrays}
     return fields, dispatch.choose(plan), narrow
+
+
+def _padded(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: Any, causal: bool, mask: Any
+) -> Any:
+    """:func:`plain` with a padding ``mask``: the unmasked call's kept plan with the mask and
+    its key counts put in, run on the key-count road kept for these shapes (:func:`_counted`);
+    None where the mask is not such a mask or the road depends on the counts themselves (the
+    general road then reads it)."""
+    if type(mask) is not np.ndarray or mask.dtype != bool or mask.ndim != q.ndim:
+        return None
+    try:
+        found = _ready(q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, scale, causal,
+                       switched_off())  # fmt: skip
+    except TypeError:
+        return None
+    if found is None:
+        return None
+    fields, _, narrow = found
+    batch = q.shape[:-2]
+    if not broadcasts_to(mask.shape, (*batch, q.shape[-2], k.shape[-2])):
+        return None  # (refused by the general road, by name)
+    counts = tail_counts(mask, len(batch))
+    if counts is None:
+        return None
+    if bool((counts == k.shape[-2]).all()):  # hides nothing: no mask at all
+        return plain(q, k, v, scale, causal)
+    choice = _counted(q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, scale, causal,
+                      switched_off(), mask.shape)  # fmt: skip
+    if choice is None:
+        return None
+    per_row = counts if counts.size == (batch[0] if batch else 1) else None
+    if per_row is None:
+        per_row = np.broadcast_to(counts, (batch[0] if batch else 1,))
+    choice = choice._replace(per_row=per_row)
+    if narrow:
+        plan = Plan.trusted(q=q.astype(np.float32), stored=(k, v), **fields)
+    else:
+        plan = Plan.trusted(q=q, k=k, v=v, **fields)
+    plan.__dict__.update(mask=mask, key_counts=counts)  # (a plan of this call alone)
+    out = dispatch.attend(plan, "auto", choice)[0]
+    return out.astype(q.dtype) if narrow else out
+
+
+#: The key-count roads whose choice does not depend on the counts themselves.
+_COUNTED = ("dense on key counts", "key counts read by the native prefill")
+
+
+@functools.lru_cache(maxsize=256, typed=True)
+def _counted(
+    qs: tuple[int, ...],
+    ks: tuple[int, ...],
+    vs: tuple[int, ...],
+    qt: np.dtype,
+    kt: np.dtype,
+    vt: np.dtype,
+    scale: Any,
+    causal: bool,
+    off: bool,
+    ms: tuple[int, ...],
+) -> dispatch.Choice | None:
+    """The router's choice for :func:`plain`'s key with a padding mask of shape ``ms`` read
+    as key counts, where it is one of :data:`_COUNTED` (the same for any counts); else
+    None. Chosen on stand-ins, one count for every row."""
+    found = _ready(qs, ks, vs, qt, kt, vt, scale, causal, off)
+    assert found is not None  # (_padded asked it first)
+    fields, _, narrow = found
+    q = stand_in(np.float32 if narrow else qt, qs)
+    arrays = {"stored": (stand_in(kt, ks), stand_in(vt, vs))} if narrow else {
+        "k": stand_in(kt, ks), "v": stand_in(vt, vs)
+    }  # fmt: skip
+    rows = ms[0] if len(ms) > 2 else 1
+    counts = np.full(rows, max(ks[-2] - 1, 0), dtype=np.int64)
+    plan = Plan.trusted(**{**fields, **arrays, "q": q, "mask": stand_in(bool, ms),
+                           "key_counts": counts})  # fmt: skip
+    choice = dispatch.choose(plan)
+    return choice if choice.counts in _COUNTED else None
