@@ -19,7 +19,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib.machinery
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ import numpy as np
 
 from ...errors import InputError
 from ...numerics import FAST_CODE, FAST_FORMS, STORED_FORMS
+from .env import setting
 
 __all__ = [
     "BUILD_NOTE",
@@ -220,7 +220,7 @@ def isa_cap(asked: str | int | None = None) -> int:
     :data:`ISAS` or its code), else ``QKV_NATIVE_ISA`` (read on every call; CI runs the
     suite with narrower clones forced), else 0. The library caps it at what the CPU runs."""
     if asked is None:
-        asked = os.environ.get(ISA_ENV, "").strip() or 0
+        asked = setting(ISA_ENV).strip() or 0
     if isinstance(asked, str):
         if asked not in ISAS:
             raise ValueError(f"{ISA_ENV}: expected one of {tuple(ISAS)}, got {asked!r}")
@@ -230,7 +230,7 @@ def isa_cap(asked: str | int | None = None) -> int:
 
 def switched_off() -> bool:
     """Whether ``QKV_NATIVE=0`` switches the native kernels off (read on every call)."""
-    return os.environ.get(ENV, "").strip() == "0"
+    return setting(ENV).strip() == "0"
 
 
 def _capsule_pointer(capsule: Any) -> int:

@@ -20,6 +20,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from .env import setting
+
 __all__ = [
     "compiled_team",
     "blas_limitable",
@@ -52,7 +54,7 @@ _limit: list[int] = []  # worker caps set by limit_threads, innermost last
 def _omp_threads() -> int | None:
     """``OMP_NUM_THREADS`` when it names a positive count, else None."""
     try:
-        omp = int(os.environ.get("OMP_NUM_THREADS", ""))
+        omp = int(setting("OMP_NUM_THREADS"))
     except ValueError:
         return None
     return omp if omp > 0 else None
