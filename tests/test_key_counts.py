@@ -320,3 +320,23 @@ def test_native_prefill_clips_each_rows_keys(monkeypatch, isa, window, causal, d
         assert len(seen) == 3
         assert all(c is not None and c.tolist() == counts.tolist() for c in seen)
     # (else the bfloat16 tile products, which read the mask: AVX512_BF16 machines)
+
+
+@pytest.mark.parametrize("which", ROADS, ids=lambda w: w[1] or w[0])
+@pytest.mark.parametrize(
+    ("B", "H", "L", "S", "d"), [(8, 12, 16, 16, 64), (4, 8, 120, 120, 32), (3, 4, 300, 300, 64)]
+)
+def test_roads_kept_for_any_counts_do_not_depend_on_them(monkeypatch, which, B, H, L, S, d):
+    """A road of router.FOR_ANY_COUNTS chosen for some counts is chosen for any others of the
+    same shapes (the short road keeps it per shapes): one, two, three and B distinct counts."""
+    set_road(monkeypatch, which)
+    rng = np.random.default_rng(B + L)
+    q = values(rng, (B, H, L, d)).astype(np.float32)
+    k = v = values(rng, (B, H, S, d)).astype(np.float32)
+    roads = set()
+    for distinct in (1, 2, 3, B):
+        counts = np.resize(np.arange(S, S - distinct, -1), B)
+        counts[0] = max(S - 1, 1)  # hides something
+        roads.add(dispatch.choose(make_plan(q, k, v, mask=padding(counts, S))).counts)
+    kept = roads & set(router.FOR_ANY_COUNTS)
+    assert not kept or roads == kept, roads

@@ -21,7 +21,7 @@ from ..checks import check_int
 from ..errors import InputError
 from ..masks import tail_counts
 from ..validate import Plan, as_array, broadcasts_to, plain_plan, stand_in
-from .kernels import dense, dispatch, mods
+from .kernels import dense, dispatch, mods, router
 from .kernels.native_lib import switched_off
 
 __all__ = ["attend", "plain", "run", "softmax", "weights"]
@@ -171,21 +171,14 @@ def _padded(
                       switched_off(), mask.shape)  # fmt: skip
     if choice is None:
         return None
-    per_row = counts if counts.size == (batch[0] if batch else 1) else None
-    if per_row is None:
-        per_row = np.broadcast_to(counts, (batch[0] if batch else 1,))
-    choice = choice._replace(per_row=per_row)
     if narrow:
         plan = Plan.trusted(q=q.astype(np.float32), stored=(k, v), **fields)
     else:
         plan = Plan.trusted(q=q, k=k, v=v, **fields)
     plan.__dict__.update(mask=mask, key_counts=counts)  # (a plan of this call alone)
+    choice = choice._replace(per_row=router.key_counts_per_row(plan))
     out = dispatch.attend(plan, "auto", choice)[0]
     return out.astype(q.dtype) if narrow else out
-
-
-#: The key-count roads whose choice does not depend on the counts themselves.
-_COUNTED = ("dense on key counts", "key counts read by the native prefill")
 
 
 @functools.lru_cache(maxsize=256, typed=True)
@@ -202,8 +195,9 @@ def _counted(
     ms: tuple[int, ...],
 ) -> dispatch.Choice | None:
     """The router's choice for :func:`plain`'s key with a padding mask of shape ``ms`` read
-    as key counts, where it is one of :data:`_COUNTED` (the same for any counts); else
-    None. Chosen on stand-ins, one count for every row."""
+    as key counts, where it holds for any counts
+    (:data:`~qkv.engine.kernels.router.FOR_ANY_COUNTS`); else None. Chosen on stand-ins, one
+    count for every row."""
     found = _ready(qs, ks, vs, qt, kt, vt, scale, causal, off)
     assert found is not None  # (_padded asked it first)
     fields, _, narrow = found
@@ -216,4 +210,4 @@ def _counted(
     plan = Plan.trusted(**{**fields, **arrays, "q": q, "mask": stand_in(bool, ms),
                            "key_counts": counts})  # fmt: skip
     choice = dispatch.choose(plan)
-    return choice if choice.counts in _COUNTED else None
+    return choice if choice.counts in router.FOR_ANY_COUNTS else None

@@ -34,6 +34,7 @@ __all__ = [
     "BACKWARD",
     "BF16",
     "CASCADE",
+    "FOR_ANY_COUNTS",
     "KEY_COUNTS",
     "MAX_GROUPS",
     "MIN_SHARED_KEYS",
@@ -688,6 +689,12 @@ KEY_COUNTS: tuple[Kernel, ...] = (
     ),
     Kernel("the mask", "tiled", ()),
 )
+
+
+#: The rows of :data:`KEY_COUNTS` chosen by the unmasked twin's row alone, whatever the counts
+#: are: a choice of one of them may be kept for a shape and run on other counts
+#: (:func:`qkv.engine.run.plain`).
+FOR_ANY_COUNTS = ("dense on key counts", "key counts read by the native prefill")
 
 
 def _counts(a: Ask) -> np.ndarray:
