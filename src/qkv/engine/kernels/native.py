@@ -150,16 +150,18 @@ def info() -> dict[str, Any]:
         "library": None if path is None else path.name,
         "isa": isa,  # the vector clone that runs (capped by QKV_NATIVE_ISA)
         "products": {
-            "prefill, varlen, backward": "BLAS sgemm/dgemm (SciPy's) on float32/float64 tiles",
+            "prefill": "the library's own register-blocked tile products on float32/float64 "
+            "tiles, in the clone that runs (no BLAS call per tile)",
+            "varlen, backward": "BLAS sgemm/dgemm (SciPy's) on float32/float64 tiles",
             "prefill and its backward, bfloat16": (
                 "vdpbf16ps (AVX512_BF16): pairs of bfloat16 products summed into float32"
             )
             if bf16
             else "K/V read as stored and widened to float32 a work item's keys at a time, "
-            "then BLAS sgemm (no AVX512_BF16 here, or a narrower clone forced)",
+            "then the float32 tile products (no AVX512_BF16 here, or a narrower clone forced)",
             "prefill, its backward and varlen, float16": "K/V read as stored and widened to "
-            "float32 a work item's keys at a time, then BLAS sgemm (no float16 products on x86 "
-            "before AVX512_FP16)",
+            "float32 a work item's keys at a time, then the float32 tile products (no float16 "
+            "products on x86 before AVX512_FP16)",
             "decode": "vector FMA in float32/float64; bfloat16, float16, int8 and float8 "
             "e4m3fn K/V widened to float32 in registers (the step is bound by the bytes read)"
             + (
