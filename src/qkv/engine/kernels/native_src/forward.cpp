@@ -127,10 +127,11 @@ QKV_INLINE void exp_neg_lanes(typename Lanes<T, W>::type& y) {
 }
 
 // The softmax step for the own products' score tiles, whose rows are padded to whole vectors
-// of W lanes (lds, a multiple of W). Each row's max goes a vector at a time over its padded
-// row, each lane kept by whether its column is visible ([jl, jh)); then the weights of a run
-// of rows go in one flat loop over their vectors (lanes outside [jl, jh) and the padding come
-// out 0), and last each row's sum, rescaling and new max. On short rows (16 to 64 keys) the
+// of W lanes (lds, a multiple of W). Each row's max goes a vector at a time over the vectors
+// that hold its visible columns ([jl, jh)), each lane kept by whether its column is visible;
+// then the weights of a run of rows go in one flat loop over those vectors (their hidden
+// lanes come out 0; the rows' other vectors and the padding are zeroed), and last each row's
+// sum, rescaling and new max. On short rows (16 to 64 keys) the
 // per-row omp simd loops of row_step spent as long on set-up and remainders as on the
 // exponentials, and each row's few exponentials waited on each other's latency; the flat loop
 // has the vectors of several rows in flight at once. Rows wider than LANES_MAX keys (the long
@@ -151,7 +152,7 @@ QKV_INLINE void tile_step_lanes(const StepArgs& a) {
     T* l = static_cast<T*>(a.l);
     T* acc = static_cast<T*>(a.acc);
     const T* bias = static_cast<const T*>(a.bias);
-    const int64_t lds = a.lds, nv = lds / W;
+    const int64_t lds = a.lds;
     // a run's rows stay in L1 between its passes (16 KiB)
     const int64_t run = std::max<int64_t>(1, std::min<int64_t>(R, (16 << 10) / (lds * sizeof(T))));
     VB iota;
@@ -162,14 +163,21 @@ QKV_INLINE void tile_step_lanes(const StepArgs& a) {
         Bits lo[R], hi[R];
         bool live[R];
         V sums[R];
+        // the vectors to exponentiate: those with a visible column (offsets from the run's
+        // first row, and their rows); the others are zeroed here (under causal, about half of
+        // a short tile)
+        int32_t at[R * (LANES_MAX / W)];
+        int16_t row_of[R * (LANES_MAX / W)];
+        int cnt = 0;
         for (int r = 0; r < nr; ++r) {  // bias and mask, and the new max
             const int64_t i = i0 + r;
             T* row = s + i * lds;
             const int64_t jl = a.jl[i], jh = std::min(a.jh[i], a.n);
             bias_and_mask(row, jl, jh, bias ? bias + i * a.m_rs : nullptr,
                           a.mask ? a.mask + i * a.m_rs : nullptr, a.m_cs);
+            const int64_t vl = jh > jl ? jl / W * W : 0, vh = jh > jl ? (jh + W - 1) / W * W : 0;
             V mx = V{} + ninf;
-            for (int64_t j = 0; j < lds; j += W) {
+            for (int64_t j = vl; j < vh; j += W) {
                 V x;
                 std::memcpy(&x, row + j, sizeof(V));
                 const VB c = iota + Bits(j);
@@ -179,37 +187,39 @@ QKV_INLINE void tile_step_lanes(const StepArgs& a) {
             for (int u = 0; u < W; ++u) rmax = mx[u] > rmax ? mx[u] : rmax;
             const T mnew = std::max(m[i], rmax);
             live[r] = mnew != ninf;
+            sums[r] = V{};
             if (live[r]) {
                 mn[r] = mnew;
                 lo[r] = Bits(jl);
                 hi[r] = Bits(jh);
-            } else {  // nothing visible yet: weights 0 (no lane kept), unless a score is NaN
+                for (int64_t j = vl; j < vh; j += W) {
+                    at[cnt] = int32_t(r * lds + j);
+                    row_of[cnt++] = int16_t(r);
+                }
+                std::fill(row, row + vl, T(0));
+                std::fill(row + vh, row + lds, T(0));
+            } else {  // nothing visible yet: weights 0, unless a score is NaN
                 bool nan = false;
                 for (int64_t j = jl; j < jh; ++j) nan |= row[j] != row[j];
                 if (nan) l[i] = std::numeric_limits<T>::quiet_NaN();
-                mn[r] = 0;
-                lo[r] = hi[r] = 0;
+                std::fill(row, row + lds, T(0));
             }
         }
         T* base = s + i0 * lds;
-        int r = 0;
-        Bits col = 0;  // the vector's first column in its row
-        V sum = V{};   // the row's, kept in a register until the row ends
-        for (int64_t t = 0; t < nr * nv; ++t) {  // the weights exp(s - m), vector by vector
+        V sum = V{};  // the row's, kept in a register until its last vector
+        for (int t = 0; t < cnt; ++t) {  // the weights exp(s - m), vector by vector
+            const int r = row_of[t];
             V p;
-            std::memcpy(&p, base + t * W, sizeof(V));
+            std::memcpy(&p, base + at[t], sizeof(V));
             p -= mn[r];
             exp_neg_lanes<T, W>(p);
-            const VB c = iota + col;
+            const VB c = iota + Bits(at[t] - r * lds);
             p = ((c >= lo[r]) & (c < hi[r])) ? p : V{};
-            std::memcpy(base + t * W, &p, sizeof(V));
+            std::memcpy(base + at[t], &p, sizeof(V));
             sum += p;
-            col += W;
-            if (col == Bits(lds)) {
+            if (t + 1 == cnt || row_of[t + 1] != r) {
                 sums[r] = sum;
                 sum = V{};
-                col = 0;
-                ++r;
             }
         }
         for (int r = 0; r < nr; ++r) {  // sums, rescaling, new max
