@@ -342,8 +342,10 @@ finish_t pick_finish(int isa) {
     return pick_clone<finish_t>(isa, QKV_CLONES(finish, f64));
 }
 
-// Width of the key pieces across the rows' bounds (see forward_block).
-constexpr int64_t EDGE = 64;
+// Width of the key pieces across the rows' bounds (see forward_block): BLAS's, and the own
+// products' (no cost per call: narrower pieces leave fewer hidden keys in the products; a
+// short causal tile of 64 x 64 computed whole did twice the work its rows see).
+constexpr int64_t EDGE = 64, EDGE_OWN = 32;
 
 // One forward work item: query rows [r0, r0 + rows) of one head of one sequence of L queries
 // and S keys, with where its operands are and where its results go. Pointers are at the
@@ -465,8 +467,10 @@ void forward_block(const Block<T>& b, Shared<Gemm> sh, Buffers<T>& buf) {
     if (!first) std::fill(buf.acc.begin(), buf.acc.begin() + rows * ldacc, T(0));
     const int64_t klo = lo[0], khi = hi[rows - 1];  // both nondecreasing in the row
     // Keys in pieces: as wide as bk where every row that sees part of a piece sees all of it;
-    // across the rows' bounds (the causal diagonal, a window's edges) pieces of EDGE keys, so
-    // the products computed for keys a row does not see stay a small part of the work.
+    // across the rows' bounds (the causal diagonal, a window's edges) pieces of EDGE keys
+    // (EDGE_OWN for the own products), so the products computed for keys a row does not see
+    // stay a small part of the work.
+    const int64_t edge = sh.prod.run ? EDGE_OWN : EDGE;
     int64_t ra = 0, rb = 0;  // rows [ra, rb) see some key of the current piece
     int64_t nl = 0;          // the first row whose keys start after c0
     for (int64_t c0 = klo, c1; c0 < khi; c0 = c1) {
@@ -475,7 +479,7 @@ void forward_block(const Block<T>& b, Shared<Gemm> sh, Buffers<T>& buf) {
         while (nl < rows && lo[nl] <= c0) ++nl;
         int64_t full = std::min(hi[ra], khi) - c0;
         if (nl < rows) full = std::min(full, lo[nl] - c0);
-        c1 = std::min(c0 + (full >= EDGE ? std::min(full, bk) : std::min(EDGE, bk)), khi);
+        c1 = std::min(c0 + (full >= edge ? std::min(full, bk) : std::min(edge, bk)), khi);
         const int64_t n = c1 - c0;
         while (rb < rows && lo[rb] < c1) ++rb;
         if (ra >= rb) continue;
