@@ -196,3 +196,45 @@ def test_a_padding_mask_in_any_form_gives_the_same_result_on_the_own_tiles(monke
         np.testing.assert_array_equal(out, outs[0])
     want = reference.attention(*wide(q, k, v), mask=keep)
     np.testing.assert_allclose(outs[0], want, **tol("fast path", np.float32))
+
+
+@native_built
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    problems(),
+    st.sampled_from(["bool", "bias", "window"]),
+    st.sampled_from([0.0, 0.3, 0.9, 1.0]),
+    st.sampled_from(ISAS),
+    st.integers(1, 80),
+    st.integers(1, 80) | st.integers(129, 300),
+    st.booleans(),
+)
+def test_own_products_with_masks_biases_and_windows(problem, kind, hidden, isa, bq, bk, long_rows):
+    """The own tiles' softmax steps (a vector of lanes at a time over each padded row; rows of
+    more than 128 keys one by one) under a boolean mask or float bias hiding none, some or all
+    keys of a row (-inf in the bias), and a sliding window, against the float64 reference;
+    rows with no key give 0 and -inf."""
+    B, H, kv, L, S, d, dv, _, dtype, seed = problem
+    if long_rows:  # keys enough for pieces wider than 128
+        B, H, kv, S = 1, min(H, 2), 1, 129 + seed % 200
+    q, k, v, _ = make((B, H, kv, L, S, d, dv, "none", dtype, seed))
+    rng = np.random.default_rng(seed + 1)
+    opts: dict = {"causal": bool(rng.integers(2))}
+    if kind == "window":
+        opts["window"] = (int(rng.integers(0, 20)), int(rng.integers(0, 20)))
+    else:
+        keep = rng.random((B, 1, L, S)) >= hidden
+        if kind == "bool":
+            opts["mask"] = keep
+        else:
+            bias = values(rng, (B, 1, L, S)).astype(dtype)
+            opts["mask"] = np.where(keep, bias, -np.inf).astype(dtype)
+    plan = make_plan(q, k, v, **opts)
+    run = dict(isa=isa, block_q=bq, block_k=bk, threads=1, products="own")
+    out, lse = native.attend(plan, **run)
+    ref_out, ref_lse = reference.attention(*wide(q, k, v), return_lse=True, **opts)
+    t = TOL[q.dtype.type]
+    np.testing.assert_allclose(out, ref_out, rtol=t, atol=t * max(1.0, float(np.abs(v).max())))
+    assert np.array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    fin = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse[fin], ref_lse[fin], rtol=t, atol=t)

@@ -19,10 +19,12 @@
 // The tile products go through the caller's BLAS, or (products = 1) the library's own
 // register-blocked micro-kernel (tiles.h: no per-call cost, the short rows' and small heads'
 // case), and the softmax step runs in the vector clone the CPU supports (common.h). With the
-// own products the block's queries are copied scaled once, the keys of each piece are packed
-// transposed (d x n, zero-padded to the clone's lane width) for the scores' product, and the
-// accumulator's rows are padded likewise. K and V may also be stored as bfloat16 or float16
-// (float32 compute): each work item then widens the keys its rows see into its own buffers.
+// own products the block's queries are read where they are, the keys of each piece are packed
+// transposed and scaled (d x n, zero-padded to the clone's lane width) for the scores'
+// product, the accumulator's rows are padded likewise, and the softmax step goes a vector of
+// lanes at a time over the padded rows (tile_step_lanes). K and V may also be stored as
+// bfloat16 or float16 (float32 compute): each work item then widens the keys its rows see into
+// its own buffers.
 
 #include "common.h"
 #include "tiles.h"
@@ -61,8 +63,11 @@ QKV_INLINE void row_step(T* __restrict s, int64_t n, int64_t jl, int64_t jh,
         s[j] = p;
         sum += p;
     }
-    T alpha = mold == ninf ? T(0) : exp_neg(mold - mnew);  // mold == mnew: exactly 1
-    if (alpha != T(1)) {
+    // mold == mnew: exactly 1. mold == -inf: 0, and the accumulator is left as it is: every
+    // weight it summed was 0, so it holds 0 (or NaN, from an infinite value), which 0 times it
+    // would not change; the own products' first piece leaves it unwritten (forward_block).
+    T alpha = mold == ninf ? T(0) : exp_neg(mold - mnew);
+    if (alpha != T(1) && mold != ninf) {
 #pragma omp simd
         for (int64_t c = 0; c < dv; ++c) acc[c] *= alpha;
     }
@@ -95,16 +100,252 @@ QKV_INLINE void tile_step(const StepArgs& a) {
 
 QKV_CLONE_SET(step, StepArgs, tile_step)
 
+// exp_neg on W lanes at once, in place (the same steps, so the same results lane by lane;
+// no vector is passed by value: that would change the ABI of a clone's calls).
+template <typename T, int W>
+QKV_INLINE void exp_neg_lanes(typename Lanes<T, W>::type& y) {
+    typedef ExpParts<T> E;
+    typedef typename Lanes<T, W>::type V;
+    typedef typename Lanes<typename E::Bits, W>::type VB;
+    V x = y;
+    const VB under = x < E::low;  // NaN compares false and passes through
+    x = under ? V{} + E::low : x;
+    const V t = x * E::log2e + E::magic;
+    const V n = t - E::magic;
+    V r = x - n * E::ln2_hi;
+    r = r - n * E::ln2_lo;
+    V p = V{} + E::coef[0];
+    for (int i = 1; i < E::terms; ++i) p = p * r + E::coef[i];
+    VB ti;
+    std::memcpy(&ti, &t, sizeof(V));
+    typename E::Bits mi;
+    std::memcpy(&mi, &E::magic, sizeof(T));
+    const VB bits = (ti - mi + E::bias) << E::place;
+    V two_n;
+    std::memcpy(&two_n, &bits, sizeof(V));
+    y = under ? V{} : p * two_n;
+}
+
+// The softmax step for the own products' score tiles, whose rows are padded to whole vectors
+// of W lanes (lds, a multiple of W). Each row's max goes a vector at a time over the vectors
+// that hold its visible columns ([jl, jh)), each lane kept by whether its column is visible;
+// then the weights of a run of rows go in one flat loop over those vectors (their hidden
+// lanes come out 0; the rows' other vectors and the padding are zeroed), and last each row's
+// sum, rescaling and new max. On short rows (16 to 64 keys) the
+// per-row omp simd loops of row_step spent as long on set-up and remainders as on the
+// exponentials, and each row's few exponentials waited on each other's latency; the flat loop
+// has the vectors of several rows in flight at once. Rows wider than LANES_MAX keys (the long
+// prefill's 768-key pieces) go by row_step, whose loops over them were faster (measured: 5%
+// of the long prefill's time).
+constexpr int64_t LANES_MAX = 128;
+
+template <typename T, int W>
+QKV_INLINE void tile_step_lanes(const StepArgs& a) {
+    if (a.lds > LANES_MAX) return tile_step<T>(a);
+    typedef typename Lanes<T, W>::type V;
+    typedef typename ExpParts<T>::Bits Bits;
+    typedef typename Lanes<Bits, W>::type VB;
+    constexpr int R = 16;  // rows per run at most (their sums kept in V's on the stack)
+    const T ninf = -std::numeric_limits<T>::infinity();
+    T* s = static_cast<T*>(a.s);
+    T* m = static_cast<T*>(a.m);
+    T* l = static_cast<T*>(a.l);
+    T* acc = static_cast<T*>(a.acc);
+    const T* bias = static_cast<const T*>(a.bias);
+    const int64_t lds = a.lds;
+    // a run's rows stay in L1 between its passes (16 KiB)
+    const int64_t run = std::max<int64_t>(1, std::min<int64_t>(R, (16 << 10) / (lds * sizeof(T))));
+    VB iota;
+    for (int u = 0; u < W; ++u) iota[u] = Bits(u);
+    for (int64_t i0 = 0; i0 < a.rows; i0 += run) {
+        const int nr = int(std::min<int64_t>(run, a.rows - i0));
+        T mn[R];
+        Bits lo[R], hi[R];
+        bool live[R];
+        V sums[R];
+        // the vectors to exponentiate: those with a visible column (offsets from the run's
+        // first row, and their rows); the others are zeroed here (under causal, about half of
+        // a short tile)
+        int32_t at[R * (LANES_MAX / W)];
+        int16_t row_of[R * (LANES_MAX / W)];
+        int cnt = 0;
+        for (int r = 0; r < nr; ++r) {  // bias and mask, and the new max
+            const int64_t i = i0 + r;
+            T* row = s + i * lds;
+            const int64_t jl = a.jl[i], jh = std::min(a.jh[i], a.n);
+            bias_and_mask(row, jl, jh, bias ? bias + i * a.m_rs : nullptr,
+                          a.mask ? a.mask + i * a.m_rs : nullptr, a.m_cs);
+            const int64_t vl = jh > jl ? jl / W * W : 0, vh = jh > jl ? (jh + W - 1) / W * W : 0;
+            V mx = V{} + ninf;
+            for (int64_t j = vl; j < vh; j += W) {
+                V x;
+                std::memcpy(&x, row + j, sizeof(V));
+                const VB c = iota + Bits(j);
+                mx = ((c >= Bits(jl)) & (c < Bits(jh)) & (x > mx)) ? x : mx;
+            }
+            T rmax = ninf;
+            for (int u = 0; u < W; ++u) rmax = mx[u] > rmax ? mx[u] : rmax;
+            const T mnew = std::max(m[i], rmax);
+            live[r] = mnew != ninf;
+            sums[r] = V{};
+            if (live[r]) {
+                mn[r] = mnew;
+                lo[r] = Bits(jl);
+                hi[r] = Bits(jh);
+                for (int64_t j = vl; j < vh; j += W) {
+                    at[cnt] = int32_t(r * lds + j);
+                    row_of[cnt++] = int16_t(r);
+                }
+                std::fill(row, row + vl, T(0));
+                std::fill(row + vh, row + lds, T(0));
+            } else {  // nothing visible yet: weights 0, unless a score is NaN
+                bool nan = false;
+                for (int64_t j = jl; j < jh; ++j) nan |= row[j] != row[j];
+                if (nan) l[i] = std::numeric_limits<T>::quiet_NaN();
+                std::fill(row, row + lds, T(0));
+            }
+        }
+        T* base = s + i0 * lds;
+        V sum = V{};  // the row's, kept in a register until its last vector
+        for (int t = 0; t < cnt; ++t) {  // the weights exp(s - m), vector by vector
+            const int r = row_of[t];
+            V p;
+            std::memcpy(&p, base + at[t], sizeof(V));
+            p -= mn[r];
+            exp_neg_lanes<T, W>(p);
+            const VB c = iota + Bits(at[t] - r * lds);
+            p = ((c >= lo[r]) & (c < hi[r])) ? p : V{};
+            std::memcpy(base + at[t], &p, sizeof(V));
+            sum += p;
+            if (t + 1 == cnt || row_of[t + 1] != r) {
+                sums[r] = sum;
+                sum = V{};
+            }
+        }
+        for (int r = 0; r < nr; ++r) {  // sums, rescaling, new max
+            if (!live[r]) continue;
+            const int64_t i = i0 + r;
+            T total = 0;  // lanes summed apart, then added
+            for (int u = 0; u < W; ++u) total += sums[r][u];
+            const T mold = m[i], mnew = mn[r];
+            // as row_step: the accumulator of a row that saw nothing yet is left as it is
+            const T alpha = mold == ninf ? T(0) : exp_neg(mold - mnew);
+            if (alpha != T(1) && mold != ninf) {
+                T* __restrict arow = acc + i * a.ldacc;
+#pragma omp simd
+                for (int64_t c = 0; c < a.dv; ++c) arow[c] *= alpha;
+            }
+            l[i] = l[i] * alpha + total;
+            m[i] = mnew;
+        }
+    }
+}
+
+// The lane widths are those of the clones' products (tiles.h), which pad the tile's rows.
+#define QKV_STEP_LANES(attr, clone, W32, W64)                                                  \
+    attr void step_lanes_##clone##_f32(const StepArgs& a) { tile_step_lanes<float, W32>(a); } \
+    attr void step_lanes_##clone##_f64(const StepArgs& a) { tile_step_lanes<double, W64>(a); }
+QKV_STEP_LANES(, base, 4, 2)
+#if QKV_X86
+QKV_STEP_LANES(QKV_AVX2, avx2, 8, 4)
+QKV_STEP_LANES(QKV_AVX512, avx512, 16, 8)
+#endif
+#undef QKV_STEP_LANES
+
 typedef void (*step_t)(const StepArgs&);
 
+// The softmax step of the clone isa; lanes: the own products' padded tiles' (their width
+// being that clone's lane width), else BLAS's.
 template <typename T>
-step_t pick_step(int isa) {
+step_t pick_step(int isa, bool lanes) {
+    if (lanes) {
+        if (sizeof(T) == 4) return pick_clone<step_t>(isa, QKV_CLONES(step_lanes, f32));
+        return pick_clone<step_t>(isa, QKV_CLONES(step_lanes, f64));
+    }
     if (sizeof(T) == 4) return pick_clone<step_t>(isa, QKV_CLONES(step, f32));
     return pick_clone<step_t>(isa, QKV_CLONES(step, f64));
 }
 
-// Width of the key pieces across the rows' bounds (see forward_block).
-constexpr int64_t EDGE = 64;
+// A block's results from its rows' accumulators (stride ldacc), sums l and maxima m:
+// out = acc / l, lse = m + log l; a row with l = 0 saw no key: 0 and -inf, never NaN.
+struct FinishArgs {
+    const void* acc;
+    int64_t ldacc;
+    const void* l;
+    const void* m;
+    void* out;
+    int64_t out_rs;
+    void* lse;
+    int64_t lse_s;
+    int64_t rows, dv;
+    bool* bad;  // set when some output is not finite
+};
+
+// In the clones, W lanes at a time (a short block's normalisation was as much work as its
+// softmax step, half of it summing each row's finiteness check across its lanes).
+template <typename T, int W>
+QKV_INLINE void tile_finish(const FinishArgs& a) {
+    typedef typename Lanes<T, W>::type V;
+    const T ninf = -std::numeric_limits<T>::infinity();
+    const T* l = static_cast<const T*>(a.l);
+    const T* m = static_cast<const T*>(a.m);
+    T* lse = static_cast<T*>(a.lse);
+    const int64_t dv = a.dv, dw = dv / W * W;
+    // 0, or NaN when some output is not finite (0 * inf and NaN are NaN), lane by lane over
+    // all rows, added across lanes once at the end
+    V bad = V{};
+    T bad_tail = 0;
+    for (int64_t i = 0; i < a.rows; ++i) {
+        const T li = l[i];
+        const T* __restrict acc = static_cast<const T*>(a.acc) + i * a.ldacc;
+        T* __restrict out = static_cast<T*>(a.out) + i * a.out_rs;
+        if (li == T(0)) {
+            for (int64_t c = 0; c < dv; ++c) out[c] = 0;
+            lse[i * a.lse_s] = ninf;
+            continue;
+        }
+        const T inv = T(1) / li;
+        int64_t c = 0;
+        for (; c < dw; c += W) {
+            V o;
+            std::memcpy(&o, acc + c, sizeof(V));
+            o *= inv;
+            std::memcpy(out + c, &o, sizeof(V));
+            bad += o * T(0);
+        }
+        for (; c < dv; ++c) {
+            const T o = acc[c] * inv;
+            out[c] = o;
+            bad_tail += o * T(0);
+        }
+        lse[i * a.lse_s] = m[i] + std::log(li);
+    }
+    for (int u = 0; u < W; ++u) bad_tail += bad[u];
+    *a.bad = bad_tail != bad_tail;
+}
+
+#define QKV_FINISH_LANES(attr, clone, W32, W64)                                            \
+    attr void finish_##clone##_f32(const FinishArgs& a) { tile_finish<float, W32>(a); }  \
+    attr void finish_##clone##_f64(const FinishArgs& a) { tile_finish<double, W64>(a); }
+QKV_FINISH_LANES(, base, 4, 2)
+#if QKV_X86
+QKV_FINISH_LANES(QKV_AVX2, avx2, 8, 4)
+QKV_FINISH_LANES(QKV_AVX512, avx512, 16, 8)
+#endif
+#undef QKV_FINISH_LANES
+
+typedef void (*finish_t)(const FinishArgs&);
+
+template <typename T>
+finish_t pick_finish(int isa) {
+    if (sizeof(T) == 4) return pick_clone<finish_t>(isa, QKV_CLONES(finish, f32));
+    return pick_clone<finish_t>(isa, QKV_CLONES(finish, f64));
+}
+
+// Width of the key pieces across the rows' bounds (see forward_block): BLAS's, and the own
+// products' (no cost per call: narrower pieces leave fewer hidden keys in the products; a
+// short causal tile of 64 x 64 computed whole did twice the work its rows see).
+constexpr int64_t EDGE = 64, EDGE_OWN = 32;
 
 // One forward work item: query rows [r0, r0 + rows) of one head of one sequence of L queries
 // and S keys, with where its operands are and where its results go. Pointers are at the
@@ -139,6 +380,7 @@ struct Shared {
     double scale;
     Gemm g;
     step_t step;
+    finish_t finish;
     Products prod;  // run NULL: BLAS (g) runs the tile products
 };
 
@@ -147,8 +389,8 @@ template <typename T>
 struct Buffers {
     std::vector<T> s, acc, m, l;
     std::vector<T> qc, kc, vc;  // contiguous copies of strided operands (the varlen walk)
-    // the own products' scaled queries (bq x d), packed keys (d x bk), values (bk x ldacc)
-    std::vector<T> qs, kt, vp;
+    // the own products' packed scaled keys (d x bk) and padded values (bk x ldacc)
+    std::vector<T> kt, vp;
     std::vector<int64_t> lo, hi, jl, jh;
     int64_t ldacc = 0;
     // width: the own products' lane width (their operands' rows padded to it), or 0 (BLAS)
@@ -160,7 +402,6 @@ struct Buffers {
             s.resize(size_t(bq * bkp));
             acc.resize(size_t(bq * ldacc));
             if (width) {
-                qs.resize(size_t(bq * d));
                 kt.resize(size_t(d * bkp));
                 if (ldacc != dv) vp.resize(size_t(bk * ldacc));
             }
@@ -218,19 +459,18 @@ void forward_block(const Block<T>& b, Shared<Gemm> sh, Buffers<T>& buf) {
     std::fill(buf.m.begin(), buf.m.begin() + rows, ninf);
     std::fill(buf.l.begin(), buf.l.begin() + rows, T(0));
     const int64_t ldacc = buf.ldacc;
-    std::fill(buf.acc.begin(), buf.acc.begin() + rows * ldacc, T(0));
+    // The accumulator's rows start at 0. The own products write the first piece's rows
+    // [ra, rb) without adding (no row of it was scaled: see row_step), and only the rows after
+    // them are zeroed then (rows before ra see no key: never read, their l stays 0). BLAS adds
+    // into zeros.
+    bool first = sh.prod.run != nullptr;
+    if (!first) std::fill(buf.acc.begin(), buf.acc.begin() + rows * ldacc, T(0));
     const int64_t klo = lo[0], khi = hi[rows - 1];  // both nondecreasing in the row
-    if (sh.prod.run) {  // the scale folded into a contiguous copy of the block's queries
-        const T scale = T(sh.scale);
-        for (int64_t i = 0; i < rows; ++i) {
-            const T* q = b.q + i * b.q_rs;
-            T* qs = buf.qs.data() + i * sh.d;
-            for (int64_t c = 0; c < sh.d; ++c) qs[c] = q[c] * scale;
-        }
-    }
     // Keys in pieces: as wide as bk where every row that sees part of a piece sees all of it;
-    // across the rows' bounds (the causal diagonal, a window's edges) pieces of EDGE keys, so
-    // the products computed for keys a row does not see stay a small part of the work.
+    // across the rows' bounds (the causal diagonal, a window's edges) pieces of EDGE keys
+    // (EDGE_OWN for the own products), so the products computed for keys a row does not see
+    // stay a small part of the work.
+    const int64_t edge = sh.prod.run ? EDGE_OWN : EDGE;
     int64_t ra = 0, rb = 0;  // rows [ra, rb) see some key of the current piece
     int64_t nl = 0;          // the first row whose keys start after c0
     for (int64_t c0 = klo, c1; c0 < khi; c0 = c1) {
@@ -239,7 +479,7 @@ void forward_block(const Block<T>& b, Shared<Gemm> sh, Buffers<T>& buf) {
         while (nl < rows && lo[nl] <= c0) ++nl;
         int64_t full = std::min(hi[ra], khi) - c0;
         if (nl < rows) full = std::min(full, lo[nl] - c0);
-        c1 = std::min(c0 + (full >= EDGE ? std::min(full, bk) : std::min(EDGE, bk)), khi);
+        c1 = std::min(c0 + (full >= edge ? std::min(full, bk) : std::min(edge, bk)), khi);
         const int64_t n = c1 - c0;
         while (rb < rows && lo[rb] < c1) ++rb;
         if (ra >= rb) continue;
@@ -251,13 +491,13 @@ void forward_block(const Block<T>& b, Shared<Gemm> sh, Buffers<T>& buf) {
         const int64_t lds = sh.prod.run ? (n + w - 1) / w * w : n;
         if (sh.prod.run) {  // S (nr x lds) = (scale · Q[ra:rb]) · Kᵀ, Kᵀ packed (d x lds)
             T* kt = buf.kt.data();
-            sh.prod.pack(PackArgs{kp, b.k_rs, n, sh.d, kt, lds});
+            sh.prod.pack(PackArgs{kp, b.k_rs, n, sh.d, kt, lds, sh.scale});
             ProdArgs pa;
             pa.m = nr;
             pa.n = lds;
             pa.k = sh.d;
-            pa.a = buf.qs.data() + ra * sh.d;
-            pa.lda = sh.d;
+            pa.a = b.q + ra * b.q_rs;
+            pa.lda = b.q_rs;
             pa.b = kt;
             pa.ldb = lds;
             pa.c = s;
@@ -314,42 +554,39 @@ void forward_block(const Block<T>& b, Shared<Gemm> sh, Buffers<T>& buf) {
             pa.ldb = ldv;
             pa.c = buf.acc.data() + ra * ldacc;
             pa.ldc = ldacc;
-            pa.accumulate = 1;
+            pa.accumulate = first ? 0 : 1;
             sh.prod.run(pa);
+            if (first)
+                std::fill(buf.acc.data() + rb * ldacc, buf.acc.data() + rows * ldacc, T(0));
+            first = false;
         } else {
             // acc[ra:rb] (nr x dv, ld dv) += P · V[c0:c1]; column-major: accᵀ += Vᵀ · Pᵀ
             gemm(sh.g, "N", "N", int(dv), int(nr), int(n), T(1), vt, int(b.v_rs), s, int(n),
                  T(1), buf.acc.data() + ra * ldacc, int(ldacc));
         }
     }
-    T bad = 0;  // 0, or NaN when some output is not finite (0 * inf and NaN are NaN)
-    for (int64_t i = 0; i < rows; ++i) {
-        const T li = buf.l[i];
-        const T* acc = buf.acc.data() + i * ldacc;
-        T* out = b.out + i * b.out_rs;
-        if (li == T(0)) {  // no visible key: 0 and -inf, never NaN
-            for (int64_t c = 0; c < dv; ++c) out[c] = 0;
-            b.lse[i * b.lse_s] = ninf;
-        } else {
-            const T inv = T(1) / li;
-            T row_bad = 0;  // a simd sum: a serial one would wait on each add's latency
-#pragma omp simd reduction(+ : row_bad)
-            for (int64_t c = 0; c < dv; ++c) {
-                const T o = acc[c] * inv;
-                out[c] = o;
-                row_bad += o * T(0);
-            }
-            bad += row_bad;
-            b.lse[i * b.lse_s] = buf.m[i] + std::log(li);
-        }
-    }
-    if (b.bad && bad != bad) __atomic_store_n(b.bad, uint8_t(1), __ATOMIC_RELAXED);
+    bool bad = false;
+    FinishArgs fa;
+    fa.acc = buf.acc.data();
+    fa.ldacc = ldacc;
+    fa.l = buf.l.data();
+    fa.m = buf.m.data();
+    fa.out = b.out;
+    fa.out_rs = b.out_rs;
+    fa.lse = b.lse;
+    fa.lse_s = b.lse_s;
+    fa.rows = rows;
+    fa.dv = dv;
+    fa.bad = &bad;
+    sh.finish(fa);
+    if (b.bad && bad) __atomic_store_n(b.bad, uint8_t(1), __ATOMIC_RELAXED);
 }
 
 template <typename Gemm, typename Args>
-Shared<Gemm> shared_of(const Args& a, int64_t bk, step_t step,
+Shared<Gemm> shared_of(const Args& a, int64_t bk, step_t step, finish_t finish,
                        Products prod = {nullptr, nullptr, 0}) {
     Shared<Gemm> sh;
+    sh.finish = finish;
     sh.prod = prod;
     sh.S = 0;
     sh.d = a.d;
@@ -375,7 +612,8 @@ int run(const qkv_prefill_args& a, int kv_format = 0) {
     const int64_t ntasks = a.nb * nqb;
     const int isa = chosen_isa(a.isa);
     const Products prod = a.products ? pick_products<T>(isa) : Products{nullptr, nullptr, 0};
-    const Shared<Gemm> sh = shared_of<Gemm>(a, bk, pick_step<T>(isa), prod);
+    const step_t step = pick_step<T>(isa, prod.run != nullptr);
+    const Shared<Gemm> sh = shared_of<Gemm>(a, bk, step, pick_finish<T>(isa), prod);
     const widen_t widen = kv_format ? pick_widen(isa, kv_format) : nullptr;
     const T* Q = static_cast<const T*>(a.q);
     const T* K = static_cast<const T*>(a.k);
@@ -442,7 +680,7 @@ template <typename T, typename Gemm>
 int run_varlen(const qkv_varlen_args& a, int kv_format = 0) {
     const int64_t bq = std::max<int64_t>(1, a.block_q), bk = std::max<int64_t>(1, a.block_k);
     const int isa = chosen_isa(a.isa);
-    const Shared<Gemm> sh = shared_of<Gemm>(a, bk, pick_step<T>(isa));
+    const Shared<Gemm> sh = shared_of<Gemm>(a, bk, pick_step<T>(isa, false), pick_finish<T>(isa));
     const widen_t widen = kv_format ? pick_widen(isa, kv_format) : nullptr;
     std::vector<VarlenTask> tasks;
     if (!varlen_tasks(a, bq, tasks)) return 1;

@@ -128,12 +128,15 @@ QKV_PRODUCT_CLONE(QKV_AVX512, avx512, 16, 8, 8, 8)
 typedef void (*prod_t)(const ProdArgs&);
 
 // A piece of keys packed for the scores' product: rows [0, n) of k (row stride k_rs, d
-// columns) into kt (d x lds) transposed, its columns [n, lds) zero.
+// columns) times scale into kt (d x lds) transposed, its columns [n, lds) zero. The scale is
+// applied here, where every key is read and written anyway, so the scores' product reads the
+// queries where they are (a scaled copy of them cost as much as this packing on short rows).
 struct PackArgs {
     const void* k;
     int64_t k_rs, n, d;
     void* kt;
     int64_t lds;
+    double scale;
 };
 
 // The transposition's blocks of B x B (B = 8: AVX2, 4: SSE), then the edges one by one.
@@ -141,30 +144,34 @@ template <typename T, int B, typename Block>
 QKV_INLINE void pack_keys(const PackArgs& p, const Block& block) {
     const T* k = static_cast<const T*>(p.k);
     T* kt = static_cast<T*>(p.kt);
+    const T scale = T(p.scale);
     const int64_t n = p.n, d = p.d, lds = p.lds, nb = B > 1 ? n / B * B : 0;
     const int64_t db = B > 1 ? d / B * B : 0;
     for (int64_t j = 0; j < nb; j += B)
         for (int64_t c = 0; c < db; c += B)
-            block(k + j * p.k_rs + c, p.k_rs, kt + c * lds + j, lds);
+            block(k + j * p.k_rs + c, p.k_rs, kt + c * lds + j, lds, scale);
     for (int64_t j = 0; j < nb; ++j)  // the columns past the blocks
-        for (int64_t c = db; c < d; ++c) kt[c * lds + j] = k[j * p.k_rs + c];
+        for (int64_t c = db; c < d; ++c) kt[c * lds + j] = k[j * p.k_rs + c] * scale;
     for (int64_t c = 0; c < d; ++c) {  // the keys past the blocks, and the zero padding
         T* row = kt + c * lds;
-        for (int64_t j = nb; j < n; ++j) row[j] = k[j * p.k_rs + c];
+        for (int64_t j = nb; j < n; ++j) row[j] = k[j * p.k_rs + c] * scale;
         for (int64_t j = n; j < lds; ++j) row[j] = 0;
     }
 }
 
 template <typename T>
 QKV_INLINE void pack_plain(const PackArgs& p) {
-    pack_keys<T, 1>(p, [](const T*, int64_t, T*, int64_t) {});
+    pack_keys<T, 1>(p, [](const T*, int64_t, T*, int64_t, T) {});
 }
 
 #if QKV_X86
-// 8 x 8 floats: rows of src (stride ss) become rows of dst (stride ds) as its columns.
-QKV_AVX2 inline void transpose8(const float* src, int64_t ss, float* dst, int64_t ds) {
+// 8 x 8 floats times scale: rows of src (stride ss) become rows of dst (stride ds) as its
+// columns.
+QKV_AVX2 inline void transpose8(const float* src, int64_t ss, float* dst, int64_t ds,
+                                float scale) {
     __m256 r[8], t[8], u[8];
-    for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * ss);
+    const __m256 f = _mm256_set1_ps(scale);
+    for (int i = 0; i < 8; ++i) r[i] = _mm256_mul_ps(_mm256_loadu_ps(src + i * ss), f);
     for (int i = 0; i < 4; ++i) {
         t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
         t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
@@ -181,10 +188,12 @@ QKV_AVX2 inline void transpose8(const float* src, int64_t ss, float* dst, int64_
     }
 }
 
-// 4 x 4 floats (SSE, in every x86-64 CPU).
-inline void transpose4(const float* src, int64_t ss, float* dst, int64_t ds) {
-    __m128 r0 = _mm_loadu_ps(src), r1 = _mm_loadu_ps(src + ss);
-    __m128 r2 = _mm_loadu_ps(src + 2 * ss), r3 = _mm_loadu_ps(src + 3 * ss);
+// 4 x 4 floats times scale (SSE, in every x86-64 CPU).
+inline void transpose4(const float* src, int64_t ss, float* dst, int64_t ds, float scale) {
+    const __m128 f = _mm_set1_ps(scale);
+    __m128 r0 = _mm_mul_ps(_mm_loadu_ps(src), f), r1 = _mm_mul_ps(_mm_loadu_ps(src + ss), f);
+    __m128 r2 = _mm_mul_ps(_mm_loadu_ps(src + 2 * ss), f);
+    __m128 r3 = _mm_mul_ps(_mm_loadu_ps(src + 3 * ss), f);
     _MM_TRANSPOSE4_PS(r0, r1, r2, r3);
     _mm_storeu_ps(dst, r0);
     _mm_storeu_ps(dst + ds, r1);
