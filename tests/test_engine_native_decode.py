@@ -55,7 +55,7 @@ def problems(draw):
     group = draw(st.sampled_from([1, 2, 4, 8]))
     L = draw(st.integers(1, 3))
     S = draw(st.integers(1, 700))
-    d = draw(st.sampled_from([8, 16, 24, 64, 128]))
+    d = draw(st.sampled_from([8, 16, 24, 32, 64, 128]))
     dv = d if draw(st.booleans()) else draw(st.sampled_from([8, 40, 64]))
     dtype = draw(st.sampled_from([np.float32, np.float64]))
     capacity = S + draw(st.integers(0, 9))  # the keys: a prefix of a larger cache buffer
@@ -87,6 +87,40 @@ def test_step_equals_reference(problem, threads, isa):
     out, lse = got
     assert not np.shares_memory(out, k)
     _check(out, lse, q, k, v, dtype, mask, softcap=softcap)
+
+
+# The tiles of the unrolled roads (head sizes 32, 64, 128; 32 for float32 and bfloat16 K/V
+# only) and the general loop's sizes around them: runs of keys about the tiles' and the
+# score blocks' edges, rows left over by the row tiles (group times L odd), stored bfloat16.
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.sampled_from([1, 2, 7, 8, 9, 15, 17, 63, 64, 65, 129]),
+    st.sampled_from([8, 16, 24, 32, 40, 64, 96, 128]),
+    st.integers(1, 8),
+    st.integers(1, 2),
+    st.sampled_from(["float32", "bfloat16"]),
+    st.sampled_from([None, 5.0]),
+    st.sampled_from([1, 2]),
+    st.sampled_from(ISAS),
+    st.integers(0, 2**32 - 1),
+)
+def test_short_runs_and_small_heads_equal_reference(
+    S, d, group, L, form, softcap, threads, isa, seed
+):
+    rng = np.random.default_rng(seed)
+    kvh = 2
+    q = (rng.standard_normal((2, kvh * group, L, d)) * 3).astype(np.float32)
+    k, v = (rng.standard_normal((2, kvh, S, d)).astype(np.float32) for _ in range(2))
+    fmt = None
+    if form == "bfloat16":
+        (k, _), (v, _) = qkv.quantize_kv(k, form), qkv.quantize_kv(v, form)
+        fmt = form
+    got = native_decode.step(
+        q, k, v, 1 / np.sqrt(d), threads=threads, isa=isa, kv_format=fmt, softcap=softcap
+    )
+    assert got is not None
+    kd, vd = (qkv.dequantize_kv(x, None, form) if fmt else x for x in (k, v))
+    _check(*got, q, kd, vd, np.float32, softcap=softcap)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -142,13 +176,14 @@ def test_an_empty_run_gives_zero_and_minus_infinity():
     np.testing.assert_allclose(out[:1], ref, **tol("float64 path", np.float64))
 
 
+@pytest.mark.parametrize("d", [8, 32])  # the general loop, and head size 32's road
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf, 1e30])
-def test_infinite_nan_and_overflowing_inputs_follow_qkvs_rules(bad):
+def test_infinite_nan_and_overflowing_inputs_follow_qkvs_rules(bad, d):
     """A NaN result goes back to the general path (None); whatever the step returns, auto
     decode gives the reference's numbers and NaN pattern (an overflow in float32: float64)."""
     rng = np.random.default_rng(4)
-    q = rng.standard_normal((1, 4, 1, 8)).astype(np.float32)
-    k, v = (rng.standard_normal((1, 2, 20_000, 8)).astype(np.float32) for _ in range(2))
+    q = rng.standard_normal((1, 4, 1, d)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 2, 20_000, d)).astype(np.float32) for _ in range(2))
     k[0, 1, 7, 3] = bad
     got = native_decode.step(q, k, v, 0.5)
     if bad != bad:

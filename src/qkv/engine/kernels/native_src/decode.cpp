@@ -677,14 +677,17 @@ QKV_INLINE void lane_sums_narrow(const V* x, float* out) {
     for (int f = 0; f < N; f += L) {
         P* g = y + f;
         if constexpr (L == 8) {
-            for (int k = 0; k < 4; ++k)
-                g[k] = __builtin_shufflevector(g[2 * k], g[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
-                       __builtin_shufflevector(g[2 * k], g[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15);
-            for (int k = 0; k < 2; ++k)
-                g[k] = __builtin_shufflevector(g[2 * k], g[2 * k + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
-                       __builtin_shufflevector(g[2 * k], g[2 * k + 1], 2, 3, 6, 7, 10, 11, 14, 15);
-            g[0] = __builtin_shufflevector(g[0], g[1], 0, 2, 4, 6, 8, 10, 12, 14) +
-                   __builtin_shufflevector(g[0], g[1], 1, 3, 5, 7, 9, 11, 13, 15);
+            // within each 16-byte half first (vshufps), across the halves once at the end
+            // (vperm2f128): crossing them at every level (vpermd, 3 cycles each here) made
+            // the tree cost as much as a d32 tile's 32 FMAs
+            for (int k = 0; k < 4; ++k)  // half h: [a 2h+0..1 + 2h+2..3, b the same]
+                g[k] = __builtin_shufflevector(g[2 * k], g[2 * k + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+                       __builtin_shufflevector(g[2 * k], g[2 * k + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+            for (int k = 0; k < 2; ++k)  // half h: the 4 sources' sums over their half h
+                g[k] = __builtin_shufflevector(g[2 * k], g[2 * k + 1], 0, 2, 8, 10, 4, 6, 12, 14) +
+                       __builtin_shufflevector(g[2 * k], g[2 * k + 1], 1, 3, 9, 11, 5, 7, 13, 15);
+            g[0] = __builtin_shufflevector(g[0], g[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+                   __builtin_shufflevector(g[0], g[1], 4, 5, 6, 7, 12, 13, 14, 15);
         } else {
             static_assert(L == 4, "4 or 8 lanes");
             for (int k = 0; k < 2; ++k)
@@ -753,6 +756,18 @@ QKV_INLINE void score_tile(const T* __restrict q, const A& k, T* __restrict s) {
     constexpr int NVL = int(KV::per_line * 64 / sizeof(V)), LK = int(D * sizeof(E) / 64);
     V x[RB][KB] = {};
     for (int l = 0; l < LK; ++l) {
+        // one key's line widened at a time (the rows' vectors as operands), so that a row
+        // alone (and AVX2's two rows of 64 or fewer) takes 8 keys' sums, not 8 lines' registers
+        if constexpr (!KV::direct && (RB == 1 || (LANES == 8 && D * sizeof(T) <= 256))) {
+            for (int kk = 0; kk < KB; ++kk) {
+                V kv[NVL];
+                read_line<T, E, LANES>(k[kk] + l * EL, kv);
+                for (int p = 0; p < NVL; ++p)
+                    for (int i = 0; i < RB; ++i)
+                        x[i][kk] += load<V>(q + i * D + (l * NVL + p) * W) * kv[p];
+            }
+            continue;
+        }
         V kv[KB][NVL];
         if constexpr (!KV::direct)
             for (int kk = 0; kk < KB; ++kk) read_line<T, E, LANES>(k[kk] + l * EL, kv[kk]);
@@ -999,15 +1014,27 @@ QKV_INLINE void value_rows(T* acc, const T* w, const T* alpha, const A& v, int64
 // keys (two for 8-bit lines, four registers each) and four rows by four registers of values;
 // narrower clones' 16 take two rows, and one where a line fills 8 registers or more. NVL:
 // registers per line; NV: per row of values.
+//
+// AVX2 on rows of 64 floats or fewer (NV <= 8) of float32 or 16-bit K/V (NVL 2 or 4; a
+// 16-bit key's line widened one key at a time: score_tile): two rows by four keys, and a row
+// alone (group 1, or the row left over) by eight keys, so that a tile's lane sums are one
+// halving tree (lane_sums_narrow) and its chains of FMAs (each FMA waiting for the one before
+// it in its chain, a row's registers long) run 8 at a time, not 2 or 4; a row alone adds its
+// values 8 registers at a time. Measured on the float32 step, 1 thread: B1 H8 kv2 S512 d32
+// 70 -> 40 us (with head size 32's road of its own: piece_split), B1 H12 kv12 S512 d64 157 ->
+// 144 us. Longer rows (the memory-bound step, B8 H32 kv8 S4096 d128) keep their tiles.
 template <int LANES, int NVL, int NV>
 struct Tiles {
     static constexpr bool wide = LANES >= 16;
+    static constexpr bool short_rows = LANES == 8 && NVL <= 4 && NV <= 8;
     static constexpr int score_rows = wide ? 4 : 2;
-    static constexpr int keys = wide ? (NVL >= 4 ? 2 : 4) : (NVL >= 8 ? 1 : 2);
+    static constexpr int keys = wide ? (NVL >= 4 ? 2 : 4) : (NVL >= 8 ? 1 : (short_rows ? 4 : 2));
+    // keys per tile of a row alone (a multiple of keys)
+    static constexpr int lone_keys = short_rows ? 8 : keys;
     static constexpr int value_rows = wide ? 4 : (NVL >= 8 ? 1 : 2);
     // registers of values per tile for value_rows rows, and for fewer
     static constexpr int many = wide ? (NV < 4 ? NV : 4) : (NVL > 4 ? NVL : (NV < 4 ? NV : 4));
-    static constexpr int few = wide ? (NV < 8 ? NV : 8) : many;
+    static constexpr int few = wide ? (NV < 8 ? NV : 8) : (short_rows && NVL <= 2 && NV == 8 ? 8 : many);
 };
 
 // The piece of decode_piece_body for head sizes D and DV known at compile time, multiples of
@@ -1036,6 +1063,8 @@ QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h,
     // accumulators, 2 key registers and their magnitudes, within AVX2's 16 registers
     constexpr bool IQ = std::is_same<E, I8q>::value;
     constexpr int RS = IQ ? 4 : TS::score_rows, KB = IQ ? 2 : TS::keys, RV = TS::value_rows;
+    constexpr int K1 = IQ ? KB : TS::lone_keys;
+    static_assert(K1 % KB == 0, "a lone row's tile a multiple of the rows' tiles");
     const int64_t R = a.group * a.L;
     const int64_t NH = Src::all_heads ? a.kv_heads : 1;  // heads of this piece
     const int64_t h0 = Src::all_heads ? 0 : h;
@@ -1067,6 +1096,7 @@ QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h,
     typedef std::integral_constant<int, 1> One;
     typedef std::integral_constant<int, RS> Rows_;
     typedef std::integral_constant<int, KB> Keys_;
+    typedef std::integral_constant<int, K1> Lone_;
     // head i's block of n keys from b0 (its rows listed in `slot`; the next block's in slot ^ 1)
     // (lambdas inlined by force: one left a function of its own would be compiled without
     // the clone's target, its vectors taken a half or a quarter at a time)
@@ -1106,17 +1136,33 @@ QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h,
         const int nslot = same ? slot : slot ^ 1;
         const Ahead<E, int(D * sizeof(E)), A> knext{src.k(nb0, nslot, ni), ahead};
         Ahead<E, int(DV * sizeof(E)), A> vnext{src.v(nb0, nslot, ni), ahead};
+        // keys [j, j + k1): the row groups' tiles of kb keys, a row alone's one tile of k1
+        auto key_tiles = [&](auto kb, auto k1, int64_t j) QKV_LAMBDA_INLINE {
+            constexpr int KBt = decltype(kb)::value, K1t = decltype(k1)::value;
+            for (int64_t t = j; t < j + K1t; ++t) knext.row(t);
+            int64_t r = 0;
+            for (; r + RS <= R; r += RS)
+                for (int64_t jj = j; jj < j + K1t; jj += KBt) scores(Rows_{}, kb, r, K, jj);
+            for (; r < R; ++r) scores(One{}, k1, r, K, j);
+        };
         int64_t j = 0;
-        for (; j + KB <= n; j += KB) {
-            for (int64_t t = j; t < j + KB; ++t) knext.row(t);
-            int64_t r = 0;
-            for (; r + RS <= R; r += RS) scores(Rows_{}, Keys_{}, r, K, j);
-            for (; r < R; ++r) scores(One{}, Keys_{}, r, K, j);
-        }
-        for (; j < n; ++j) {
-            int64_t r = 0;
-            for (; r + RS <= R; r += RS) scores(Rows_{}, One{}, r, K, j);
-            for (; r < R; ++r) scores(One{}, One{}, r, K, j);
+        if constexpr (K1 > KB) {
+            if (R % RS)  // (every row in a group: the rows' tiles in the order of the others)
+                for (; j + K1 <= n; j += K1) key_tiles(Keys_{}, Lone_{}, j);
+            for (; j + KB <= n; j += KB) key_tiles(Keys_{}, Keys_{}, j);
+            for (; j < n; ++j) key_tiles(One{}, One{}, j);
+        } else {  // the other tiles as they were (the memory-bound steps measured no faster)
+            for (; j + KB <= n; j += KB) {
+                for (int64_t t = j; t < j + KB; ++t) knext.row(t);
+                int64_t r = 0;
+                for (; r + RS <= R; r += RS) scores(Rows_{}, Keys_{}, r, K, j);
+                for (; r < R; ++r) scores(One{}, Keys_{}, r, K, j);
+            }
+            for (; j < n; ++j) {
+                int64_t r = 0;
+                for (; r + RS <= R; r += RS) scores(Rows_{}, One{}, r, K, j);
+                for (; r < R; ++r) scores(One{}, One{}, r, K, j);
+            }
         }
         if constexpr (KV::scaled) {  // (score_tile_dp's codes are read as they are: unit 1)
             constexpr T kunit = DP || IQ ? T(1) : KV::unit;
@@ -1180,8 +1226,8 @@ QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h,
         for (int64_t i = 0; i < NH; ++i) strided_order(acc + i * R * DV, R, DV, KV::order, false);
 }
 
-// The piece for head sizes other than 64 and 128 (decode_piece_body; with pages, every head,
-// one after another).
+// The piece for head sizes without a road of their own (decode_piece_body; with pages, every
+// head, one after another).
 template <typename T, typename E, typename Src>
 QKV_INLINE void decode_piece_general(const qkv_decode_args& a, int64_t b, int64_t h, int64_t j0,
                                      int64_t j1, T* sc, T* m, T* l, T* acc) {
@@ -1265,8 +1311,8 @@ QKV_PIECE(QKV_BF16, piece_avx512bf16_e4m3, , , )
 #ifdef QKV_CLONE_LANES
 // A piece's roads, each a function of its own (noinline: a piece function holding all three
 // inlined made GCC's passes that grow faster than the function take most of the compile):
-// head sizes 64 and 128 unrolled (vec), others general (any). One call per piece of >= 256
-// keys, in the clone's target.
+// head sizes 64 and 128 (and 32 for float32 and bfloat16) unrolled (vec), others general
+// (any). One call per piece of >= 256 keys, in the clone's target.
 #if QKV_DECODE_UNIT == 2 && QKV_DECODE_PAGED
 // The AVX2 clone's paged roads without GCC's second scheduling pass (after register
 // allocation): with it, the bfloat16 paged step measured 6-9% slower than when these roads
@@ -1297,6 +1343,11 @@ QKV_INLINE void piece_split(const qkv_decode_args& a, int64_t b, int64_t h, int6
     T* M = static_cast<T*>(m);
     T* L = static_cast<T*>(l);
     T* A = static_cast<T*>(acc);
+    // head size 32 for float32 and bfloat16 K/V only (a small model's heads; the other forms'
+    // rows of 32 are not whole lines, or not worth their compile time)
+    constexpr bool d32 = std::is_same<E, float>::value || std::is_same<E, Bf16>::value;
+    if constexpr (d32)
+        if (a.d == 32 && a.dv == 32) return piece_vec<T, E, 32, Src>(a, b, h, j0, j1, S, M, L, A);
     if (a.d == 64 && a.dv == 64)
         piece_vec<T, E, 64, Src>(a, b, h, j0, j1, S, M, L, A);
     else if (a.d == 128 && a.dv == 128)
@@ -1495,7 +1546,8 @@ int run_decode(const qkv_decode_args& given) {
     const bool paged = a.block_table != nullptr;
     const int64_t items = paged ? a.nseq : units;
     // a few items per thread, so that none waits long for the last; pieces of >= least keys
-    const int64_t want = (4 * threads + items - 1) / items;
+    // (one thread: none split, as it would only add pieces to merge)
+    const int64_t want = threads > 1 ? (4 * threads + items - 1) / items : 1;
     const int64_t splits = std::max<int64_t>(1, std::min(want, longest / least));
     const int64_t ntasks = items * splits, nparts = units * splits;
     // the part of head h of sequence b over its piece c: a paged piece's heads side by side
