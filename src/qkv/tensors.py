@@ -91,26 +91,28 @@ def read_plain(q: Any, k: Any, v: Any) -> tuple[np.ndarray, np.ndarray, np.ndarr
     tensor = torch.Tensor
     if type(q) is not tensor or type(k) is not tensor or type(v) is not tensor:
         return None
+    bf16 = torch.bfloat16
+    if q.dtype is not bf16:  # (.numpy() refuses a tensor that requires grad, is not on the
+        # CPU or strided, or is a conjugate or negative view: reading those attributes here
+        # would cost as much as the call; a refusal, an exception, costs tens of µs, so the
+        # one dtype NumPy lacks is asked first)
+        try:
+            return q.numpy(), k.numpy(), v.numpy()
+        except (TypeError, RuntimeError):
+            return None
+    if k.dtype is not bf16 or v.dtype is not bf16:
+        return None
     if q.requires_grad or k.requires_grad or v.requires_grad:
         return None
-    if not (q.is_cpu and k.is_cpu and v.is_cpu):
+    if not (q.is_cpu and k.is_cpu and v.is_cpu) or _bfloat16() is None:
         return None
-    bf16 = torch.bfloat16
-    if q.dtype is bf16 and k.dtype is bf16 and v.dtype is bf16:  # NumPy has no bfloat16
-        as_numpy = _bfloat16()
-        if as_numpy is None or q.layout != torch.strided or k.layout != torch.strided:
-            return None
-        try:  # ml_dtypes' bfloat16 over the tensors' memory, as read() reads them
-            i16 = torch.int16
-            return (
-                q.view(i16).numpy().view(as_numpy),
-                k.view(i16).numpy().view(as_numpy),
-                v.view(i16).numpy().view(as_numpy),
-            )
-        except (TypeError, RuntimeError):  # conjugate or negative views, sparse...
-            return None
-    try:
-        return q.numpy(), k.numpy(), v.numpy()
+    as_numpy, i16 = _bfloat16(), torch.int16
+    try:  # ml_dtypes' bfloat16 over the tensors' memory, as read() reads them
+        return (
+            q.view(i16).numpy().view(as_numpy),
+            k.view(i16).numpy().view(as_numpy),
+            v.view(i16).numpy().view(as_numpy),
+        )
     except (TypeError, RuntimeError):  # conjugate or negative views, sparse...
         return None
 
