@@ -151,9 +151,9 @@ def _padded(
     general road then reads it)."""
     if type(mask) is not np.ndarray or mask.dtype != bool or mask.ndim != q.ndim:
         return None
+    key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, scale, causal, switched_off())
     try:
-        found = _ready(q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, scale, causal,
-                       switched_off())  # fmt: skip
+        found = _ready(*key)
     except TypeError:
         return None
     if found is None:
@@ -167,8 +167,7 @@ def _padded(
         return None
     if bool((counts == k.shape[-2]).all()):  # hides nothing: no mask at all
         return plain(q, k, v, scale, causal)
-    choice = _counted(q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, scale, causal,
-                      switched_off(), mask.shape)  # fmt: skip
+    choice = _counted(key, mask.shape)
     if choice is None:
         return None
     if narrow:
@@ -181,25 +180,15 @@ def _padded(
     return out.astype(q.dtype) if narrow else out
 
 
-@functools.lru_cache(maxsize=256, typed=True)
-def _counted(
-    qs: tuple[int, ...],
-    ks: tuple[int, ...],
-    vs: tuple[int, ...],
-    qt: np.dtype,
-    kt: np.dtype,
-    vt: np.dtype,
-    scale: Any,
-    causal: bool,
-    off: bool,
-    ms: tuple[int, ...],
-) -> dispatch.Choice | None:
+@functools.lru_cache(maxsize=256)  # (reached after _ready took this key, typed)
+def _counted(key: tuple[Any, ...], ms: tuple[int, ...]) -> dispatch.Choice | None:
     """The router's choice for :func:`plain`'s key with a padding mask of shape ``ms`` read
     as key counts, where it holds for any counts
     (:data:`~qkv.engine.kernels.router.FOR_ANY_COUNTS`); else None. Chosen on stand-ins, one
     count for every row."""
-    found = _ready(qs, ks, vs, qt, kt, vt, scale, causal, off)
+    found = _ready(*key)
     assert found is not None  # (_padded asked it first)
+    qs, ks, vs, qt, kt, vt = key[:6]
     fields, _, narrow = found
     q = stand_in(np.float32 if narrow else qt, qs)
     arrays = {"stored": (stand_in(kt, ks), stand_in(vt, vs))} if narrow else {
