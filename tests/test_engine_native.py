@@ -664,3 +664,29 @@ def test_narrow_pieces_across_the_bounds(L, S, kw):
     t = (x.transpose(1, 0, 2) for x in (q, k, v))
     out_p, lse_p = native.attend_packed(*t, cq, ck, scale=0.25, block_q=200, block_k=160, **kw)
     check(out_p.transpose(1, 0, 2), lse_p.T, q, k, v, **kw)
+
+
+@pytest.mark.parametrize("products", ["own", "blas"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_prefill_on_the_openmp_team_equals_its_own_threads(monkeypatch, products, causal):
+    """With PyTorch imported the prefill's work items run on its OpenMP team (as the decode
+    step's do); in a process without one, on the library's kept threads: the same numbers,
+    equal to the float64 reference."""
+    pytest.importorskip("torch")
+    from qkv.engine.kernels import threads as kernel_threads
+
+    if not native.available()[0]:
+        pytest.skip("native kernels not built (or QKV_NATIVE=0)")
+    rng = np.random.default_rng(21)
+    q = rng.standard_normal((4, 8, 70, 32)).astype(np.float32)
+    k, v = (rng.standard_normal((4, 2, 90, 32)).astype(np.float32) for _ in range(2))
+    plan = make_plan(q, k, v, causal=causal)
+    assert kernel_threads.openmp_parallel()[0] is not None  # PyTorch's runtime is loaded
+    on_team, _ = native.attend(plan, threads=2, products=products)
+    monkeypatch.setattr(kernel_threads, "_PID", -1)  # as in a forked child: no team to share
+    monkeypatch.setattr(kernel_threads, "_shared", [None, None, None])
+    assert kernel_threads.openmp_parallel()[0] is None
+    own, _ = native.attend(plan, threads=2, products=products)
+    np.testing.assert_allclose(on_team, own, **tol("other threads", np.float32))
+    want = reference.attention(q, k, v, causal=causal)
+    np.testing.assert_allclose(on_team, want, **tol("fast path", np.float32))

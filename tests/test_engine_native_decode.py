@@ -19,6 +19,7 @@ from tests.conftest import bound, tol
 import qkv
 from qkv import reference
 from qkv.engine.kernels import decode, dispatch, native, native_decode, router
+from qkv.engine.kernels import threads as kernel_threads
 from qkv.validate import make_plan
 
 pytestmark = pytest.mark.skipif(
@@ -241,8 +242,8 @@ def test_openmp_team_of_the_process_and_fallback_after_fork(monkeypatch):
     q = rng.standard_normal((1, 8, 1, 32)).astype(np.float32)
     k, v = (rng.standard_normal((1, 2, 5000, 32)).astype(np.float32) for _ in range(2))
     on_team = native_decode.step(q, k, v, 0.2, threads=2)
-    monkeypatch.setattr(native_decode, "_PID", -1)  # as in a forked child: native threads
-    monkeypatch.setattr(native_decode, "_shared", [None, None, None])
+    monkeypatch.setattr(kernel_threads, "_PID", -1)  # as in a forked child: native threads
+    monkeypatch.setattr(kernel_threads, "_shared", [None, None, None])
     assert native_decode.openmp_parallel()[0] is None
     native_threads = native_decode.step(q, k, v, 0.2, threads=2)
     np.testing.assert_allclose(on_team[0], native_threads[0], **tol("other threads", np.float32))
@@ -250,8 +251,8 @@ def test_openmp_team_of_the_process_and_fallback_after_fork(monkeypatch):
 
 def _no_team(monkeypatch):
     """As in a process with no OpenMP runtime loaded: the library's own threads run the work."""
-    monkeypatch.setattr(native_decode, "_PID", -1)
-    monkeypatch.setattr(native_decode, "_shared", [None, None, None])
+    monkeypatch.setattr(kernel_threads, "_PID", -1)
+    monkeypatch.setattr(kernel_threads, "_shared", [None, None, None])
     assert native_decode.openmp_parallel()[0] is None
 
 
@@ -311,11 +312,11 @@ def test_with_torch_imported_the_team_is_pytorchs():
 
     if not sys.platform.startswith("linux"):
         pytest.skip("the loaded libraries are read from /proc")
-    native_decode._shared[:] = [None, None, None]
+    kernel_threads._shared[:] = [None, None, None]
     team, threads = native_decode.openmp_parallel()
     assert threads <= torch.get_num_threads()
     if team is not None:  # PyTorch built with an OpenMP runtime: its GOMP_parallel
-        path = native_decode._openmp_library(native_decode._torch_dir(torch))
+        path = kernel_threads._openmp_library(kernel_threads._torch_dir(torch))
         assert path is not None
         assert ctypes.cast(ctypes.CDLL(path).GOMP_parallel, ctypes.c_void_p).value == team
 

@@ -70,7 +70,7 @@ from .native_lib import (
     prefill_operands,
     switched_off,
 )
-from .threads import rescan_blas, single_threaded_blas, workers
+from .threads import openmp_parallel, rescan_blas, single_threaded_blas, workers
 
 __all__ = [
     "BLOCK_K",
@@ -271,17 +271,23 @@ def attend(
         return np.empty(shape, plan.acc_dtype), np.empty(shape[:-1], plan.acc_dtype)
     function, k, v = _reading(plan, "prefill")
     q, n, cap = plan.q, workers(threads, blas=not own), isa_cap(isa)
+    team = None  # the work items on the OpenMP team the process runs (PyTorch's), as decode's
+    if n > 1:
+        team, most = openmp_parallel()
+        if team is not None and threads is None:
+            n = min(n, most)
     key = None
     if counts is None and plan.mask is None and plan.bias is None:  # the struct kept by layout
         key = (
             function, q.shape, q.strides, k.shape, k.strides, v.shape, v.strides, plan.group,
             plan.scale, plan.causal, plan.window, n, cap, gemm, block_q, block_k, own, stack,
+            team,
         )  # fmt: skip
         found = _PREFILLS.get(key)
         if found is not None:
             return found.run(q, k, v)
     call, operands = _prefill(plan, function, q, k, v, n, cap, gemm, block_q, block_k, counts,
-                              own, stack)  # fmt: skip
+                              own, stack, team)  # fmt: skip
     in_place = all(address(a) == address(b) for a, b in zip(operands, (q, k, v), strict=True))
     if key is not None and in_place:  # (no copy for BLAS): kept for the next call of this layout
         if len(_PREFILLS) >= 256:
@@ -327,7 +333,7 @@ _PREFILLS: dict[tuple[Any, ...], Prefill] = {}
 def _prefill(
     plan: Plan, function: str, q: np.ndarray, k: np.ndarray, v: np.ndarray, n: int, cap: int,
     gemm: int | None, block_q: int, block_k: int, counts: np.ndarray | None, own: bool,
-    stack: bool,
+    stack: bool, team: int | None = None,
 ) -> tuple[Prefill, tuple[np.ndarray, np.ndarray, np.ndarray]]:  # fmt: skip
     """:func:`attend`'s struct for ``plan`` and its operands ``q``, ``k``, ``v`` (read in place
     where BLAS can: the operands the struct's offsets were worked out for are returned)."""
@@ -346,6 +352,7 @@ def _prefill(
         per_head = np.ascontiguousarray(np.repeat(counts, nb // counts.size), dtype=np.int64)
         rule["counts"] = address(per_head)
     rule["products"] = PRODUCTS["own" if own else "blas"]
+    rule["parallel"] = team
     args = PrefillArgs(nb=nb, L=L, S=plan.S, d=plan.d, dv=dv, **fields, **rule)
     call = Prefill(args, function, (arrays[3:], masks, per_head), own, shape, batch + (L, dv), dt)
     return call, arrays[:3]  # type: ignore[return-value]

@@ -48,10 +48,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-import os
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -70,7 +67,7 @@ from .native_lib import (
     library,
     switched_off,
 )
-from .threads import workers
+from .threads import openmp_parallel, workers
 
 __all__ = [
     "DecodePlan",
@@ -92,66 +89,11 @@ __all__ = [
 
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _F32, _F64 = _DTYPES
-_PID = os.getpid()  # the process that imported this module: its OpenMP teams are usable
 
 
 def available() -> bool:
     """Whether the native decode kernel runs here (built, of this layout, not switched off)."""
     return not switched_off() and library()[0] is not None
-
-
-@functools.cache
-def _gomp_parallel(path: str) -> int | None:
-    try:
-        fn = ctypes.CDLL(path).GOMP_parallel
-    except (OSError, AttributeError):
-        return None
-    return ctypes.cast(fn, ctypes.c_void_p).value
-
-
-@functools.cache
-def _openmp_library(torch_dir: str | None) -> str | None:
-    """The loaded OpenMP runtime to share: the one in PyTorch's package (``torch_dir``) when
-    PyTorch is imported, else the only one loaded; None when it cannot be told (or not Linux)."""
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if ".so" in line}
-    except OSError:
-        return None
-    names = ("libgomp", "libiomp5", "libomp")
-    found = sorted(p for p in paths if os.path.basename(p).startswith(names))
-    if torch_dir is not None:
-        own = [p for p in found if p.startswith(torch_dir)]
-        if own:
-            return own[0]
-    return found[0] if len(found) == 1 else None
-
-
-def _torch_dir(torch: Any) -> str | None:
-    """The directory of PyTorch's package (``torch`` the module, or None)."""
-    if torch is None or not getattr(torch, "__file__", None):
-        return None
-    return str(Path(torch.__file__).parent)
-
-
-_shared: list[Any] = [None, None, None]  # (pid, the torch module or None, GOMP_parallel)
-
-
-def openmp_parallel() -> tuple[int | None, int]:
-    """``(GOMP_parallel of the OpenMP runtime to share, or None; threads of its team)``.
-
-    With PyTorch imported, its runtime and ``torch.get_num_threads()`` (capped by the
-    threads qkv would use); else the only OpenMP runtime the process has loaded, if one.
-    Looked up again only when the process or the ``torch`` module changes.
-    """
-    threads = workers()
-    pid, torch = os.getpid(), sys.modules.get("torch")
-    if _shared[0] != pid or _shared[1] is not torch:
-        path = _openmp_library(_torch_dir(torch)) if pid == _PID else None
-        _shared[:] = [pid, torch, None if path is None else _gomp_parallel(path)]
-    if torch is not None:
-        threads = max(1, min(threads, torch.get_num_threads()))
-    return _shared[2], threads
 
 
 def layout(shape: Any, strides: Any, outer: int) -> tuple[int, int, int] | None:

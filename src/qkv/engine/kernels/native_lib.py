@@ -99,6 +99,7 @@ class PrefillArgs(ctypes.Structure):
         *_RULE,
         ("counts", _ptr),
         ("products", _i64),
+        ("parallel", _ptr),
     ]  # fmt: skip
 
 

@@ -66,6 +66,9 @@ struct qkv_prefill_args {
     // The float32 and float64 prefill's tile products: 0 BLAS (gemm), 1 the library's own
     // register-blocked micro-kernel in the chosen clone (tiles.h; gemm unused, may be NULL).
     int64_t products;
+    // GOMP_parallel of a running OpenMP runtime whose team runs the work items (PyTorch's,
+    // between whose operations a model calls this), or NULL: the library's kept threads.
+    void* parallel;
 };
 
 // The packed varlen walk (qkv.engine.kernels.packed's layout): q (total_q, heads, d), k and

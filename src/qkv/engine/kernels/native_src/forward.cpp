@@ -623,7 +623,7 @@ int run(const qkv_prefill_args& a, int kv_format = 0) {
     const T* BIAS = static_cast<const T*>(a.bias);
     int no_memory = 0;  // a task could not widen its keys
     const int status = for_tasks<Buffers<T>>(
-        ntasks, a.threads, nullptr,
+        ntasks, a.threads, a.parallel,
         [&](Buffers<T>& buf) { return buf.make(bq, bk, a.d, a.dv, prod.width); },
         [&](Buffers<T>& buf, int64_t t) {
         // latest query blocks first: under causal they cost the most

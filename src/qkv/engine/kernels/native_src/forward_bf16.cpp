@@ -243,7 +243,7 @@ int run_bf16(const qkv_prefill_args& a) {
     const int64_t dvp = (a.dv + 31) / 32 * 32;
     int bad = 0;
     const int status = for_tasks<Tiles>(
-        ntasks, a.threads, nullptr, [&](Tiles& t) { return t.make(a.d, a.dv, dvp); },
+        ntasks, a.threads, a.parallel, [&](Tiles& t) { return t.make(a.d, a.dv, dvp); },
         [&](Tiles& t, int64_t task) {
         // latest query blocks first: under causal they cost the most
         const int64_t qb = nqb - 1 - task / a.nb, h = task % a.nb;
