@@ -162,14 +162,14 @@ def _padded(
     batch = q.shape[:-2]
     if not broadcasts_to(mask.shape, (*batch, q.shape[-2], k.shape[-2])):
         return None  # (refused by the general road, by name)
+    choice = _counted(key, mask.shape)  # (None for shapes no kept road serves: the mask is
+    if choice is None:  # then not read twice)
+        return None
     counts = tail_counts(mask, len(batch))
     if counts is None:
         return None
     if bool((counts == k.shape[-2]).all()):  # hides nothing: no mask at all
         return plain(q, k, v, scale, causal)
-    choice = _counted(key, mask.shape)
-    if choice is None:
-        return None
     if narrow:
         plan = Plan.trusted(q=q.astype(np.float32), stored=(k, v), **fields)
     else:
