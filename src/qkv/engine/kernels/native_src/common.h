@@ -62,6 +62,20 @@
 #define QKV_CLONE_SET(name, Args, body) QKV_CLONE_BODY(, name, base, Args, body)
 #endif
 
+// The same six for a body templated on the clone's lane width too: body<float, W> and
+// body<double, W / 2>, W the clone's floats per vector (4 baseline, 8 AVX2, 16 AVX-512).
+#define QKV_LANE_CLONE_BODY(attr, name, clone, Args, body, W)                      \
+    attr void name##_##clone##_f32(const Args& a) { body<float, W>(a); }          \
+    attr void name##_##clone##_f64(const Args& a) { body<double, W / 2>(a); }
+#if QKV_X86
+#define QKV_LANE_CLONE_SET(name, Args, body)                  \
+    QKV_LANE_CLONE_BODY(, name, base, Args, body, 4)          \
+    QKV_LANE_CLONE_BODY(QKV_AVX2, name, avx2, Args, body, 8)  \
+    QKV_LANE_CLONE_BODY(QKV_AVX512, name, avx512, Args, body, 16)
+#else
+#define QKV_LANE_CLONE_SET(name, Args, body) QKV_LANE_CLONE_BODY(, name, base, Args, body, 4)
+#endif
+
 namespace {
 
 // The clone for the vector extension isa (3 AVX-512, 2 AVX2, else the baseline), where built.

@@ -242,15 +242,7 @@ QKV_INLINE void tile_step_lanes(const StepArgs& a) {
 }
 
 // The lane widths are those of the clones' products (tiles.h), which pad the tile's rows.
-#define QKV_STEP_LANES(attr, clone, W32, W64)                                                  \
-    attr void step_lanes_##clone##_f32(const StepArgs& a) { tile_step_lanes<float, W32>(a); } \
-    attr void step_lanes_##clone##_f64(const StepArgs& a) { tile_step_lanes<double, W64>(a); }
-QKV_STEP_LANES(, base, 4, 2)
-#if QKV_X86
-QKV_STEP_LANES(QKV_AVX2, avx2, 8, 4)
-QKV_STEP_LANES(QKV_AVX512, avx512, 16, 8)
-#endif
-#undef QKV_STEP_LANES
+QKV_LANE_CLONE_SET(step_lanes, StepArgs, tile_step_lanes)
 
 typedef void (*step_t)(const StepArgs&);
 
@@ -324,15 +316,7 @@ QKV_INLINE void tile_finish(const FinishArgs& a) {
     *a.bad = bad_tail != bad_tail;
 }
 
-#define QKV_FINISH_LANES(attr, clone, W32, W64)                                            \
-    attr void finish_##clone##_f32(const FinishArgs& a) { tile_finish<float, W32>(a); }  \
-    attr void finish_##clone##_f64(const FinishArgs& a) { tile_finish<double, W64>(a); }
-QKV_FINISH_LANES(, base, 4, 2)
-#if QKV_X86
-QKV_FINISH_LANES(QKV_AVX2, avx2, 8, 4)
-QKV_FINISH_LANES(QKV_AVX512, avx512, 16, 8)
-#endif
-#undef QKV_FINISH_LANES
+QKV_LANE_CLONE_SET(finish, FinishArgs, tile_finish)
 
 typedef void (*finish_t)(const FinishArgs&);
 
