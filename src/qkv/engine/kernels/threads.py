@@ -57,8 +57,11 @@ _limit: list[int] = []  # worker caps set by limit_threads, innermost last
 
 def _omp_threads() -> int | None:
     """``OMP_NUM_THREADS`` when it names a positive count, else None."""
+    raw = setting("OMP_NUM_THREADS")
+    if not raw:  # (unset, the common case: int("") would raise, which costs microseconds)
+        return None
     try:
-        omp = int(setting("OMP_NUM_THREADS"))
+        omp = int(raw)
     except ValueError:
         return None
     return omp if omp > 0 else None
