@@ -262,3 +262,114 @@ def test_padding_mask_on_the_short_road(shape, dtype, kind, causal, seed):
     want = reference.attention(*wide, mask=keep, causal=causal)
     row = "half precision" if dtype.kind == "V" else "fast path"
     np.testing.assert_allclose(got.astype(np.float64), want, **tol(row, dtype))
+
+
+# The kept road: from a key's second call on, a road that has a kept set-up (the native
+# decode step, the native prefill on its own tiles; dispatch.KEPT) runs without the plan or
+# the dispatcher. It must give the general road's bits, and step aside (to the general road)
+# for other strides, another clone, another thread team, or a result that is not finite.
+
+
+def _dtype(name):
+    return np.dtype(_bf16()) if name == "bfloat16" else np.dtype(name)
+
+
+def _strided(a):
+    """``a``'s values with other strides (its last two axes stored the other way round)."""
+    return np.swapaxes(np.swapaxes(a, -1, -2).copy(), -1, -2)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    shape=shapes(batch=(1, 2), heads=(1, 4), L=(1, 40), S=(1, 48), d=(8, 70), dv_differs=True)
+    | shapes(batch=(1, 2), heads=(2, 8), L=(1, 40), S=(1, 48), d=(8, 70), grouped=True),
+    name=st.sampled_from(["float32", "float64", "float16", "bfloat16"]),
+    causal=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_kept_road_gives_the_general_roads_bits(shape, name, causal, seed):
+    """Three calls of one key (the first keeps its road's set-up), then the same values with
+    other strides: each the general road's bits on the same arrays, and near the float64
+    reference."""
+    dtype = _dtype(name)
+    q, k, v = (a.astype(dtype) for a in _arrays(shape, np.float32, seed))
+    want = _general(q, k, v, causal=causal)
+    for _ in range(3):
+        np.testing.assert_array_equal(qkv.attention(q, k, v, causal=causal), want)
+    sq, sv = _strided(q), _strided(v)
+    got = qkv.attention(sq, k, sv, causal=causal)
+    np.testing.assert_array_equal(got, _general(sq, k, sv, causal=causal))
+    wide = [a.astype(np.float64) for a in (q, k, v)]
+    ref = reference.attention(*wide, causal=causal)
+    kind = "fast path" if name in ("float32", "float64") else "half precision"
+    np.testing.assert_allclose(got.astype(np.float64), ref, **tol(kind, dtype))
+
+
+# (shape, the router's row): a decoding step and a short prompt's grouped heads
+_KEPT_CASES = [
+    ((1, 8, 2, 1, 16, 64, 64), "native decode"),
+    ((1, 8, 2, 16, 16, 64, 64), "native prefill, own tiles"),
+]
+
+
+def _native():
+    from qkv.engine.kernels import native_lib
+
+    if native_lib.library()[0] is None or native_lib.switched_off():
+        pytest.skip("the native kernels are off: no kept road")
+
+
+def _counting(monkeypatch):
+    """Count the general road's runs (the dispatcher's)."""
+    from qkv.engine.kernels import dispatch
+
+    ran = []
+    real = dispatch.attend
+    monkeypatch.setattr(dispatch, "attend", lambda *a, **kw: ran.append(1) or real(*a, **kw))
+    return ran
+
+
+@pytest.mark.parametrize(("shape", "row"), _KEPT_CASES)
+@pytest.mark.parametrize("name", ["float32", "bfloat16"])
+def test_kept_road_is_the_road_taken(monkeypatch, shape, row, name):
+    """The first call of a key runs the general road and keeps its road's set-up; the next
+    ones run only the kept road, with the first one's bits."""
+    _native()
+    ran = _counting(monkeypatch)
+    q, k, v = (a.astype(_dtype(name)) for a in _arrays(shape, np.float32))
+    run._ready.cache_clear()
+    first = qkv.attention(q, k, v)
+    found = run._ready(q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, None, False,
+                       run.switched_off())  # fmt: skip
+    assert found.choice.kernel.startswith(row) and found.kept is not None
+    for _ in range(3):
+        np.testing.assert_array_equal(qkv.attention(q, k, v), first)
+    assert len(ran) == 1
+
+
+@pytest.mark.parametrize(("shape", "row"), _KEPT_CASES)
+def test_kept_road_steps_aside(monkeypatch, shape, row):
+    """Another clone forced, another thread team, or a result that is not finite: the general
+    road runs, with its own bits."""
+    _native()
+    from qkv.engine.kernels import native
+
+    q, k, v = _arrays(shape, np.float32)
+    run._ready.cache_clear()
+    qkv.attention(q, k, v)  # keeps the set-up
+    ran = _counting(monkeypatch)
+    monkeypatch.setenv("QKV_NATIVE_ISA", "baseline")
+    np.testing.assert_array_equal(qkv.attention(q, k, v), _general(q, k, v))
+    assert len(ran) == 2  # (the call and _general)
+    monkeypatch.delenv("QKV_NATIVE_ISA")
+    if row.startswith("native prefill"):
+        real = native._team
+        monkeypatch.setattr(native, "_team", lambda *a: (real(*a)[0] + 1, None))
+        np.testing.assert_array_equal(qkv.attention(q, k, v), _general(q, k, v))
+        assert len(ran) == 4
+        monkeypatch.setattr(native, "_team", real)
+    v = v.copy()
+    v[0, 1, 3, 2] = np.inf
+    got = qkv.attention(q, k, v)
+    np.testing.assert_array_equal(got, _general(q, k, v))
+    assert len(ran) in (6, 4) and not np.isfinite(got).all()

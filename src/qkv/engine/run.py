@@ -107,12 +107,39 @@ def plain(
         return None
     if found is None:
         return None
-    fields, choice, narrow = found
+    narrow, kept = found.narrow, found.kept
     if narrow:  # 16-bit inputs: q widened, K/V read as stored (make_plan's keep_stored)
-        plan = Plan.trusted(q=q.astype(np.float32), stored=(k, v), **fields)
-        return dispatch.attend(plan, "auto", choice)[0].astype(q.dtype)
-    plan = Plan.trusted(q=q, k=k, v=v, **fields)
-    return dispatch.attend(plan, "auto", choice)[0]
+        wide = q.astype(np.float32)
+        if kept is not None:
+            done = kept(wide, k, v)
+            if done is not None:
+                return done[0].astype(q.dtype)
+        plan = Plan.trusted(q=wide, stored=(k, v), **found.fields)
+    else:
+        if kept is not None:
+            done = kept(q, k, v)
+            if done is not None:
+                return done[0]
+        plan = Plan.trusted(q=q, k=k, v=v, **found.fields)
+    if not found.tried:  # the first call of this key keeps its road's set-up, if it has one
+        found.tried = True
+        found.kept = dispatch.keep(plan, found.choice)
+    out = dispatch.attend(plan, "auto", found.choice)[0]
+    return out.astype(q.dtype) if narrow else out
+
+
+class _Ready:
+    """What :func:`plain` works out once per key (:func:`_ready`): the checked plan's fields
+    but its arrays, the router's choice, whether the inputs are 16-bit (their K/V kept as
+    stored) and, from the key's first call on, its road's kept set-up
+    (:func:`qkv.engine.kernels.dispatch.keep`; None where the road has none)."""
+
+    __slots__ = ("choice", "fields", "kept", "narrow", "tried")
+
+    def __init__(self, fields: dict[str, Any], choice: dispatch.Choice, narrow: bool) -> None:
+        self.fields, self.choice, self.narrow = fields, choice, narrow
+        self.kept: Any = None
+        self.tried = False
 
 
 @functools.lru_cache(maxsize=256, typed=True)  # typed: scale=1, 1.0 and True are not one key
@@ -126,7 +153,7 @@ def _ready(
     scale: Any,
     causal: bool,
     off: bool,
-) -> tuple[dict[str, Any], dispatch.Choice, bool] | None:
+) -> _Ready | None:
     """The checked plan's fields but its arrays, the router's choice, and whether the inputs
     are 16-bit (their K/V kept as stored), for :func:`plain`'s key (``off``: ``QKV_NATIVE=0``,
     which the choice depends on); None where the call is not plain
@@ -139,7 +166,7 @@ def _ready(
     narrow = plan.stored is not None  # (its k and v are stand-ins already: kept)
     arrays = ("q", "stored") if narrow else ("q", "k", "v")
     fields = {n: x for n, x in plan.__dict__.items() if n not in arrays}
-    return fields, dispatch.choose(plan), narrow
+    return _Ready(fields, dispatch.choose(plan), narrow)
 
 
 def _padded(
@@ -158,7 +185,7 @@ def _padded(
         return None
     if found is None:
         return None
-    fields, _, narrow = found
+    fields, narrow = found.fields, found.narrow
     batch = q.shape[:-2]
     if not broadcasts_to(mask.shape, (*batch, q.shape[-2], k.shape[-2])):
         return None  # (refused by the general road, by name)
@@ -189,7 +216,7 @@ def _counted(key: tuple[Any, ...], ms: tuple[int, ...]) -> dispatch.Choice | Non
     found = _ready(*key)
     assert found is not None  # (_padded asked it first)
     qs, ks, vs, qt, kt, vt = key[:6]
-    fields, _, narrow = found
+    fields, narrow = found.fields, found.narrow
     q = stand_in(np.float32 if narrow else qt, qs)
     arrays = {"stored": (stand_in(kt, ks), stand_in(vt, vs))} if narrow else {
         "k": stand_in(kt, ks), "v": stand_in(vt, vs)

@@ -40,6 +40,7 @@ from . import (
     tiled,
     tiled_backward,
 )
+from .native_lib import Kept
 from .router import (
     DECODE_MAX_L,
     DECODE_MIN_BYTES,
@@ -61,6 +62,7 @@ __all__ = [
     "check_kernel",
     "Choice",
     "choose",
+    "keep",
     "kv_bytes",
     "weights",
 ]
@@ -147,6 +149,28 @@ SHORT_RUNNERS: dict[str, tuple[Any, str]] = {
     "native decode, checked finite": (native_decode, "attend_finite"),
     "native prefill, own tiles, checked finite": (stacked, "attend_own_finite"),
 }
+
+
+# The roads whose set-up a plain call keeps per shapes (qkv.engine.run.plain), by the
+# router's row, with the function that builds the kept form: a function of (q, k, v) giving
+# (out, lse), or None where the general road must run (other strides, another clone or thread
+# team, a result not finite). The rows on K/V in the compute dtype keep their shorter road,
+# which must apply; the stored rows' runners are already their shorter roads.
+KEPT: dict[str, tuple[Any, str]] = {
+    "native decode": (native_decode, "keep"),
+    "native decode, stored K/V": (native_decode, "keep"),
+    "native prefill, own tiles": (stacked, "keep_own"),
+    "native prefill, own tiles, stored K/V": (native, "keep"),
+}
+
+
+def keep(plan: Plan, choice: Choice) -> Kept | None:
+    """The kept form of ``choice`` for operands laid out as ``plan``'s (:data:`KEPT`), or
+    None where its road has none. It gives the bits :func:`attend` gives on the same plan."""
+    found = KEPT.get(choice.kernel)
+    if found is None or choice.counts is not None or (choice.first is None and not choice.stored):
+        return None
+    return getattr(*found)(plan)
 
 
 def choose(plan: Plan, kernel: str = "auto", counts: bool = True) -> Choice:

@@ -51,10 +51,13 @@ import numpy as np
 
 from ...validate import Plan
 from . import native_bf16
+from .env import setting
 from .native_lib import (
     ENV,
+    ISA_ENV,
     ISAS,
     BackwardArgs,
+    Kept,
     PrefillArgs,
     VarlenArgs,
     address,
@@ -83,6 +86,7 @@ __all__ = [
     "available",
     "backward",
     "info",
+    "keep",
 ]
 
 # Query rows per work item and keys per score tile. Measured on 2 cores (AVX-512, OpenBLAS),
@@ -270,12 +274,8 @@ def attend(
         shape = plan.batch + (plan.L, plan.dv)
         return np.empty(shape, plan.acc_dtype), np.empty(shape[:-1], plan.acc_dtype)
     function, k, v = _reading(plan, "prefill")
-    q, n, cap = plan.q, workers(threads, blas=not own), isa_cap(isa)
-    team = None  # the work items on the OpenMP team the process runs (PyTorch's), as decode's
-    if n > 1:
-        team, most = openmp_parallel()
-        if team is not None and threads is None:
-            n = min(n, most)
+    q, cap = plan.q, isa_cap(isa)
+    n, team = _team(threads, own)
     key = None
     if counts is None and plan.mask is None and plan.bias is None:  # the struct kept by layout
         key = (
@@ -294,6 +294,51 @@ def attend(
             _PREFILLS.clear()
         _PREFILLS[key] = call
     return call.run(*operands)
+
+
+def _team(threads: int | None, own: bool) -> tuple[int, Any]:
+    """``(worker threads, the OpenMP team's GOMP_parallel or None)`` of a prefill call: the
+    work items run on the OpenMP team the process runs (PyTorch's) where there is one, as the
+    decode step's do."""
+    n, team = workers(threads, blas=not own), None
+    if n > 1:
+        team, most = openmp_parallel()
+        if team is not None and threads is None:
+            n = min(n, most)
+    return n, team
+
+
+def keep(plan: Plan, stack: bool = False) -> Kept | None:
+    """A plain call's prefill on the library's own tile products, kept for operands laid out
+    as ``plan``'s (no mask, bias or key counts; K/V in the compute dtype or stored as
+    float16/bfloat16): a function of ``(q, k, v)`` of those shapes and dtypes giving ``(out,
+    lse)``, or None for operands of other strides, when another clone (``QKV_NATIVE_ISA``) or
+    another thread team is in force, or when an output is not finite (the caller then takes
+    the general road). :func:`qkv.engine.run.plain` keeps one per shapes: the call then only
+    puts its addresses into the kept struct (:class:`Prefill`), where :func:`attend` looks the
+    struct up by a key of every field."""
+    if plan.mask is not None or plan.bias is not None or library()[0] is None:
+        return None
+    if math.prod(plan.batch) == 0:
+        return None
+    function, k, v = _reading(plan, "prefill")
+    q, clone = plan.q, setting(ISA_ENV)
+    n, team = _team(None, True)
+    call, operands = _prefill(plan, function, q, k, v, n, isa_cap(), None, BLOCK_Q, BLOCK_K,
+                              None, True, stack, team)  # fmt: skip
+    if not all(address(a) == address(b) for a, b in zip(operands, (q, k, v), strict=True)):
+        return None
+    qst, kst, vst = q.strides, k.strides, v.strides
+
+    def run(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> Any:
+        if q.strides != qst or k.strides != kst or v.strides != vst or setting(ISA_ENV) != clone:
+            return None
+        if _team(None, True) != (n, team):
+            return None
+        out, lse = call.run(q, k, v)
+        return (out, lse) if np.isfinite(out).all() else None
+
+    return run
 
 
 class Prefill:

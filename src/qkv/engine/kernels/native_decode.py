@@ -57,9 +57,12 @@ from ... import numerics
 from ...validate import Plan, view_as
 from ..quant import SCALED, storage_dtype
 from .decode import KeyRuns, plan_runs
+from .env import setting
 from .native_lib import (
+    ISA_ENV,
     KV_FORMATS,
     DecodeArgs,
+    Kept,
     address,
     checked,
     invoke,
@@ -78,6 +81,7 @@ __all__ = [
     "attend_finite",
     "attend_stored",
     "available",
+    "keep",
     "launch",
     "layout",
     "openmp_parallel",
@@ -267,6 +271,18 @@ def _plain_step(
     )  # fmt: skip
     if found is None:
         return _UNSERVED
+    return _run_kept(found, q, k, v, threads)
+
+
+def _run_kept(
+    found: tuple[bytes, Any, tuple[int, ...], tuple[int, ...], bool],
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    threads: int | None,
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """One step on :func:`_constants`' ``found`` arguments for operands of their layout:
+    ``(out, lse)``, or None when a result is not finite."""
     template, function, out_shape, lse_shape, small = found
     out = np.empty(out_shape, dtype=q.dtype)
     lse = np.empty(lse_shape, dtype=q.dtype)
@@ -278,6 +294,36 @@ def _plain_step(
         args.threads, args.parallel = n if threads is None else workers(threads), team
     status = checked(function(ctypes.byref(args)), args, "decode", (3,))
     return None if status else (out, lse)
+
+
+def keep(plan: Plan) -> Kept | None:
+    """A plain call's step kept for operands laid out as ``plan``'s (no mask; K/V in the
+    compute dtype or stored as float16/bfloat16): a function of ``(q, k, v)`` of those shapes
+    and dtypes giving ``(out, lse)``, or None for operands of other strides, when another
+    clone is asked for (``QKV_NATIVE_ISA``) or when a result is not finite (the caller then
+    takes the general road); None where the kernel cannot read ``plan``'s operands as they
+    are. :func:`qkv.engine.run.plain` keeps one per shapes, so that a small call does no
+    more than put its addresses into the kept arguments (:func:`_run_kept`)."""
+    if plan.mask is not None or plan.bias is not None:
+        return None
+    q = plan.q
+    k, v = plan.stored_kv() if plan.stored is not None else (plan.k, plan.v)
+    assert v is not None  # the router asks for values
+    clone = setting(ISA_ENV)
+    found = _constants(
+        q.dtype, k.dtype, q.shape, q.strides, k.shape, k.strides, v.shape, v.strides,
+        plan.scale, plan.softcap, isa_cap(),
+    )  # fmt: skip
+    if found is None:
+        return None
+    qst, kst, vst = q.strides, k.strides, v.strides
+
+    def step(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> Any:
+        if q.strides != qst or k.strides != kst or v.strides != vst or setting(ISA_ENV) != clone:
+            return None
+        return _run_kept(found, q, k, v, None)
+
+    return step
 
 
 def _broadcast(shape: tuple[int, ...], strides: tuple[int, ...], want: tuple[int, ...]) -> Any:

@@ -35,6 +35,7 @@ __all__ = [
     "ISAS",
     "ISA_ENV",
     "KV_FORMATS",
+    "Kept",
     "BackwardArgs",
     "DecodeArgs",
     "PrefillArgs",
@@ -62,6 +63,10 @@ ENV = "QKV_NATIVE"  # "0" switches the native kernels off (read on every call)
 # Why the install built no library (setup.py writes it there: QKV_NATIVE_BUILD=0, the failure)
 BUILD_NOTE = "_native_build.txt"
 ISA_ENV = "QKV_NATIVE_ISA"  # "baseline", "avx2" or "avx512": the widest clone a call may run
+#: A call's kernel set-up kept for operands of one layout
+#: (:func:`qkv.engine.kernels.dispatch.keep`): ``(q, k, v)`` to ``(out, lse)``, or None where
+#: the caller must take the general road.
+Kept = Callable[[np.ndarray, np.ndarray, np.ndarray], Any]
 ISAS = {"baseline": 1, "avx2": 2, "avx512": 3}  # the vector clones, narrowest first
 BF16_ISA = max(ISAS.values()) + 1  # the code above AVX-512: AVX-512 with AVX512_BF16
 # How the decode step finds K and V stored (qkv_decode_args.kv_format; qkv.engine.quant):

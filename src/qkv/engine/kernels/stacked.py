@@ -16,8 +16,9 @@ import numpy as np
 
 from ...validate import Plan
 from . import native
+from .native_lib import Kept
 
-__all__ = ["MAX_ROWS", "attend", "attend_own", "attend_own_finite", "stacks"]
+__all__ = ["MAX_ROWS", "attend", "attend_own", "attend_own_finite", "keep_own", "stacks"]
 
 #: Stacked rows (``group · L``) up to which the heads of a kv head run as one block.
 MAX_ROWS = 512
@@ -57,3 +58,9 @@ def attend_own_finite(plan: Plan) -> tuple[np.ndarray, np.ndarray] | None:
     overflow rules then run): the short road a small call takes."""
     out, lse = attend(plan, products="own")
     return (out, lse) if np.isfinite(out).all() else None
+
+
+def keep_own(plan: Plan) -> Kept | None:
+    """:func:`attend_own_finite` kept for operands laid out as ``plan``'s
+    (:func:`qkv.engine.kernels.native.keep`), its heads stacked where :func:`stacks` says."""
+    return native.keep(plan, stack=stacks(plan))
