@@ -373,3 +373,48 @@ def test_kept_road_steps_aside(monkeypatch, shape, row):
     got = qkv.attention(q, k, v)
     np.testing.assert_array_equal(got, _general(q, k, v))
     assert len(ran) in (6, 4) and not np.isfinite(got).all()
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    shape=shapes(batch=(2, 6), heads=(1, 4), L=(9, 24), S=(9, 40), d=(16, 64), dv_differs=True)
+    | shapes(batch=(2, 6), heads=(2, 8), L=(9, 24), S=(9, 40), d=(16, 64), grouped=True),
+    name=st.sampled_from(["float32", "float64", "bfloat16"]),
+    causal=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_kept_padded_road_gives_the_general_roads_bits(shape, name, causal, seed):
+    """A padded call's key-count road kept per shapes and mask shape: calls with other
+    counts each give the general road's bits, and are near the float64 reference."""
+    q, k, v = (a.astype(_dtype(name)) for a in _arrays(shape, np.float32, seed))
+    rng = np.random.default_rng(seed)
+    S = shape.S
+    for _ in range(3):
+        counts = rng.integers(0, S + 1, shape.B)
+        keep = (np.arange(S)[None, :] < counts[:, None])[:, None, None, :]
+        got = qkv.attention(q, k, v, mask=keep, causal=causal)
+        np.testing.assert_array_equal(got, _general(q, k, v, mask=keep, causal=causal))
+    wide = [a.astype(np.float64) for a in (q, k, v)]
+    want = reference.attention(*wide, mask=keep, causal=causal)
+    kind = "fast path" if name in ("float32", "float64") else "half precision"
+    np.testing.assert_allclose(got.astype(np.float64), want, **tol(kind, _dtype(name)))
+
+
+@pytest.mark.parametrize("name", ["float32", "bfloat16"])
+def test_kept_padded_road_is_the_road_taken(monkeypatch, name):
+    """After the first padded call of a key, calls with other counts run only the kept road
+    (the first one's counts are not kept: each call's are read)."""
+    _native()
+    ran = _counting(monkeypatch)
+    q, k, v = (a.astype(_dtype(name)) for a in _arrays((8, 12, 12, 16, 16, 64, 64), np.float32))
+    run._ready.cache_clear()
+    run._counted.cache_clear()
+    rng = np.random.default_rng(1)
+    outs = []
+    for _ in range(4):
+        counts = rng.integers(1, 17, 8)
+        keep = (np.arange(16)[None, :] < counts[:, None])[:, None, None, :]
+        outs.append((qkv.attention(q, k, v, mask=keep), keep))
+    assert len(ran) == 1
+    for got, keep in outs:
+        np.testing.assert_array_equal(got, _general(q, k, v, mask=keep))

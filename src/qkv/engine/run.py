@@ -189,26 +189,50 @@ def _padded(
     batch = q.shape[:-2]
     if not broadcasts_to(mask.shape, (*batch, q.shape[-2], k.shape[-2])):
         return None  # (refused by the general road, by name)
-    choice = _counted(key, mask.shape)  # (None for shapes no kept road serves: the mask is
-    if choice is None:  # then not read twice)
+    counted = _counted(key, mask.shape)  # (None for shapes no kept road serves: the mask is
+    if counted is None:  # then not read twice)
         return None
     counts = tail_counts(mask, len(batch))
     if counts is None:
         return None
     if bool((counts == k.shape[-2]).all()):  # hides nothing: no mask at all
         return plain(q, k, v, scale, causal)
+    wide = q.astype(np.float32) if narrow else q
+    rows = batch[0] if batch else 1
+    per_row = counts if counts.size == rows else np.broadcast_to(counts, (rows,))
+    kept = counted.kept
+    if kept is not None:
+        done = kept(wide, k, v, per_row)
+        if done is not None:
+            return done[0].astype(q.dtype) if narrow else done[0]
     if narrow:
-        plan = Plan.trusted(q=q.astype(np.float32), stored=(k, v), **fields)
+        plan = Plan.trusted(q=wide, stored=(k, v), **fields)
     else:
         plan = Plan.trusted(q=q, k=k, v=v, **fields)
+    if not counted.tried:  # the first call of this key keeps its road's set-up, if it has one
+        counted.tried = True
+        counted.kept = dispatch.keep_counted(plan, counted.choice)
     plan.__dict__.update(mask=mask, key_counts=counts)  # (a plan of this call alone)
-    choice = choice._replace(per_row=router.key_counts_per_row(plan))
+    choice = counted.choice._replace(per_row=router.key_counts_per_row(plan))
     out = dispatch.attend(plan, "auto", choice)[0]
     return out.astype(q.dtype) if narrow else out
 
 
+class _Counted:
+    """What :func:`_padded` works out once per key and mask shape (:func:`_counted`): the
+    router's key-count choice and, from the first call on, its road's kept set-up
+    (:func:`qkv.engine.kernels.dispatch.keep_counted`; None where the road has none)."""
+
+    __slots__ = ("choice", "kept", "tried")
+
+    def __init__(self, choice: dispatch.Choice) -> None:
+        self.choice = choice
+        self.kept: Any = None
+        self.tried = False
+
+
 @functools.lru_cache(maxsize=256)  # (reached after _ready took this key, typed)
-def _counted(key: tuple[Any, ...], ms: tuple[int, ...]) -> dispatch.Choice | None:
+def _counted(key: tuple[Any, ...], ms: tuple[int, ...]) -> _Counted | None:
     """The router's choice for :func:`plain`'s key with a padding mask of shape ``ms`` read
     as key counts, where it holds for any counts
     (:data:`~qkv.engine.kernels.router.FOR_ANY_COUNTS`); else None. Chosen on stand-ins, one
@@ -226,4 +250,4 @@ def _counted(key: tuple[Any, ...], ms: tuple[int, ...]) -> dispatch.Choice | Non
     plan = Plan.trusted(**{**fields, **arrays, "q": q, "mask": stand_in(bool, ms),
                            "key_counts": counts})  # fmt: skip
     choice = dispatch.choose(plan)
-    return choice if choice.counts in router.FOR_ANY_COUNTS else None
+    return _Counted(choice) if choice.counts in router.FOR_ANY_COUNTS else None

@@ -63,6 +63,7 @@ __all__ = [
     "Choice",
     "choose",
     "keep",
+    "keep_counted",
     "kv_bytes",
     "weights",
 ]
@@ -171,6 +172,20 @@ def keep(plan: Plan, choice: Choice) -> Kept | None:
     if found is None or choice.counts is not None or (choice.first is None and not choice.stored):
         return None
     return getattr(*found)(plan)
+
+
+def keep_counted(plan: Plan, choice: Choice) -> Any:
+    """The kept form of the key-count road ``choice`` (for ``plan``, a padded call's plan
+    without its mask) where its road has one: a function of ``(q, k, v, counts)``
+    (:func:`qkv.engine.kernels.native.keep`), ``counts`` one per index of the first batch
+    axis; else None. It gives the bits :func:`attend` gives on the plan with those counts."""
+    if choice.counts != "key counts read by the native prefill":
+        return None
+    if choice.kernel == "native prefill, own tiles":
+        return native.keep(plan, stack=stacked.stacks(plan), counted=True)
+    if choice.kernel == "native prefill, own tiles, stored K/V":
+        return native.keep(plan, counted=True)
+    return None
 
 
 def choose(plan: Plan, kernel: str = "auto", counts: bool = True) -> Choice:

@@ -57,7 +57,6 @@ from .native_lib import (
     ISA_ENV,
     ISAS,
     BackwardArgs,
-    Kept,
     PrefillArgs,
     VarlenArgs,
     address,
@@ -308,34 +307,42 @@ def _team(threads: int | None, own: bool) -> tuple[int, Any]:
     return n, team
 
 
-def keep(plan: Plan, stack: bool = False) -> Kept | None:
+def keep(plan: Plan, stack: bool = False, counted: bool = False) -> Any:
     """A plain call's prefill on the library's own tile products, kept for operands laid out
-    as ``plan``'s (no mask, bias or key counts; K/V in the compute dtype or stored as
-    float16/bfloat16): a function of ``(q, k, v)`` of those shapes and dtypes giving ``(out,
-    lse)``, or None for operands of other strides, when another clone (``QKV_NATIVE_ISA``) or
-    another thread team is in force, or when an output is not finite (the caller then takes
-    the general road). :func:`qkv.engine.run.plain` keeps one per shapes: the call then only
-    puts its addresses into the kept struct (:class:`Prefill`), where :func:`attend` looks the
-    struct up by a key of every field."""
+    as ``plan``'s (no mask or bias; K/V in the compute dtype or stored as float16/bfloat16):
+    a function of ``(q, k, v)`` of those shapes and dtypes giving ``(out, lse)``
+    (:data:`~qkv.engine.kernels.native_lib.Kept`), or None for operands of other strides, when
+    another clone (``QKV_NATIVE_ISA``) or another thread team is in force, or when an output
+    is not finite (the caller then takes the general road). With ``counted``, a function of
+    ``(q, k, v, counts)``: ``counts`` the keys of each index of the first batch axis, as
+    :func:`attend` takes them (a padding mask read as key counts).
+
+    :func:`qkv.engine.run.plain` keeps one per shapes: the call then only puts its addresses
+    into the kept struct (:class:`Prefill`), where :func:`attend` looks the struct up by a key
+    of every field, or builds it afresh for key counts."""
     if plan.mask is not None or plan.bias is not None or library()[0] is None:
         return None
+    rows = plan.batch[0] if plan.batch else 1
     if math.prod(plan.batch) == 0:
         return None
     function, k, v = _reading(plan, "prefill")
     q, clone = plan.q, setting(ISA_ENV)
     n, team = _team(None, True)
+    counts = np.zeros(rows, np.int64) if counted else None
     call, operands = _prefill(plan, function, q, k, v, n, isa_cap(), None, BLOCK_Q, BLOCK_K,
-                              None, True, stack, team)  # fmt: skip
+                              counts, True, stack, team)  # fmt: skip
     if not all(address(a) == address(b) for a, b in zip(operands, (q, k, v), strict=True)):
         return None
     qst, kst, vst = q.strides, k.strides, v.strides
+    heads = PrefillArgs.from_buffer_copy(call.args).nb // rows  # (the struct's heads per row)
 
-    def run(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> Any:
+    def run(q: np.ndarray, k: np.ndarray, v: np.ndarray, counts: Any = None) -> Any:
         if q.strides != qst or k.strides != kst or v.strides != vst or setting(ISA_ENV) != clone:
             return None
         if _team(None, True) != (n, team):
             return None
-        out, lse = call.run(q, k, v)
+        per_head = None if counts is None else np.repeat(counts.astype(np.int64, copy=False), heads)
+        out, lse = call.run(q, k, v, per_head)
         return (out, lse) if np.isfinite(out).all() else None
 
     return run
@@ -359,13 +366,19 @@ class Prefill:
         self.args, self.function, self.held, self.own = bytes(args), function, held, own
         self.shape, self.rows, self.dtype = shape, rows, dtype
 
-    def run(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(out, lse)`` for operands of the layout this struct was built for."""
+    def run(
+        self, q: np.ndarray, k: np.ndarray, v: np.ndarray, counts: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``(out, lse)`` for operands of the layout this struct was built for; ``counts``
+        (int64, one per head of the struct, contiguous), for a struct built with key counts,
+        replaces those it was built with."""
         out = np.empty(self.rows, dtype=self.dtype)
         lse = np.empty(self.rows[:-1], dtype=self.dtype)
         args = PrefillArgs.from_buffer_copy(self.args)  # one per call: any thread may run it
         args.q, args.k, args.v = address(q), address(k), address(v)
         args.out, args.lse = address(out), address(lse)
+        if counts is not None:
+            args.counts = address(counts)
         with nullcontext() if self.own else single_threaded_blas():
             invoke(self.function, args, "prefill")
         return out.reshape(self.shape), lse.reshape(self.shape[:-1])
