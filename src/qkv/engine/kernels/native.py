@@ -42,6 +42,7 @@ Examples
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 from contextlib import nullcontext
@@ -63,6 +64,7 @@ from .native_lib import (
     backward_operands,
     bf16_products,
     blas_available,
+    checked,
     gemm,
     invoke,
     isa_cap,
@@ -301,7 +303,7 @@ def _team(threads: int | None, own: bool) -> tuple[int, Any]:
     decode step's do."""
     n, team = workers(threads, blas=not own), None
     if n > 1:
-        team, most = openmp_parallel()
+        team, most = openmp_parallel(n if threads is None and own else None)
         if team is not None and threads is None:
             n = min(n, most)
     return n, team
@@ -334,16 +336,29 @@ def keep(plan: Plan, stack: bool = False, counted: bool = False) -> Any:
     if not all(address(a) == address(b) for a, b in zip(operands, (q, k, v), strict=True)):
         return None
     qst, kst, vst = q.strides, k.strides, v.strides
+    fn = getattr(library()[0], function)
     heads = PrefillArgs.from_buffer_copy(call.args).nb // rows  # (the struct's heads per row)
+    rows_out, shape, dt = call.rows, call.shape, call.dtype
+    rows_lse, shape_lse = rows_out[:-1], shape[:-1]
 
     def run(q: np.ndarray, k: np.ndarray, v: np.ndarray, counts: Any = None) -> Any:
         if q.strides != qst or k.strides != kst or v.strides != vst or setting(ISA_ENV) != clone:
             return None
         if _team(None, True) != (n, team):
             return None
-        per_head = None if counts is None else np.repeat(counts.astype(np.int64, copy=False), heads)
-        out, lse = call.run(q, k, v, per_head)
-        return (out, lse) if np.isfinite(out).all() else None
+        out = np.empty(rows_out, dtype=dt)
+        lse = np.empty(rows_lse, dtype=dt)
+        # Prefill.run's steps, inlined (call: the struct, and the arrays its fields point into)
+        args = PrefillArgs.from_buffer_copy(call.args)
+        args.q, args.k, args.v = address(q), address(k), address(v)
+        args.out, args.lse = address(out), address(lse)
+        if counts is not None:
+            per_head = np.repeat(counts.astype(np.int64, copy=False), heads)
+            args.counts = address(per_head)
+        checked(fn(ctypes.byref(args)), args, "prefill")
+        if not np.isfinite(out).all():
+            return None
+        return out.reshape(shape), lse.reshape(shape_lse)
 
     return run
 

@@ -399,14 +399,16 @@ def _torch_dir(torch: Any) -> str | None:
 _shared: list[Any] = [None, None, None]  # (pid, the torch module or None, GOMP_parallel)
 
 
-def openmp_parallel() -> tuple[int | None, int]:
+def openmp_parallel(threads: int | None = None) -> tuple[int | None, int]:
     """``(GOMP_parallel of the OpenMP runtime to share, or None; threads of its team)``.
 
     With PyTorch imported, its runtime and ``torch.get_num_threads()`` (capped by the
-    threads qkv would use); else the only OpenMP runtime the process has loaded, if one.
-    Looked up again only when the process or the ``torch`` module changes.
+    threads qkv would use: ``threads``, a caller's :func:`workers` already worked out, or
+    :func:`workers`); else the only OpenMP runtime the process has loaded, if one. Looked up
+    again only when the process or the ``torch`` module changes.
     """
-    threads = workers()
+    if threads is None:
+        threads = workers()
     pid, torch = os.getpid(), sys.modules.get("torch")
     if _shared[0] != pid or _shared[1] is not torch:
         path = _openmp_library(_torch_dir(torch)) if pid == _PID else None
