@@ -11,6 +11,7 @@ from tests.conftest import tol
 
 import qkv
 from qkv import reference
+from qkv.engine import run
 from qkv.engine.kernels import dispatch, native, router
 from qkv.masks import tail_counts
 from qkv.testing.strategies import values
@@ -45,7 +46,8 @@ def forms(keep: np.ndarray, L: int) -> dict[str, np.ndarray]:
 @pytest.fixture
 def road(monkeypatch):
     """The roads the calls that may run on their key counts took (the router's choice each
-    call ran on, kept by the short road or chosen by the general one)."""
+    call ran on, kept by the short road or chosen by the general one; a padded plain call's
+    kept set-up counts as its road)."""
     calls: list[str] = []
     real = dispatch._attend
 
@@ -55,7 +57,25 @@ def road(monkeypatch):
             calls.append(ran.counts or "the mask")
         return real(plan, kernel, choice)
 
+    real_keep = dispatch.keep_counted
+
+    def keep(plan, choice):
+        kept = real_keep(plan, choice)
+        if kept is None:
+            return None
+
+        def counted(*args):
+            done = kept(*args)
+            if done is not None:  # (else the general road runs: the spy above records it)
+                calls.append(choice.counts)
+            return done
+
+        return counted
+
     monkeypatch.setattr(dispatch, "_attend", spy)
+    monkeypatch.setattr(dispatch, "keep_counted", keep)
+    run._ready.cache_clear()  # (set-ups kept before hold no spy)
+    run._counted.cache_clear()
     return calls
 
 
