@@ -12,6 +12,7 @@ from tests.conftest import bound, tol
 
 import qkv
 from qkv import reference
+from qkv.engine import run
 from qkv.engine.grad import reference_attention_vjp
 from qkv.engine.kernels import dispatch, native, native_lib, router
 from qkv.testing import strategies as qs
@@ -53,6 +54,8 @@ def spy(monkeypatch):
     real = native.attend
     monkeypatch.setattr(native, "attend", lambda plan, **kw: calls.append(plan) or real(plan, **kw))
     monkeypatch.delenv("QKV_NATIVE", raising=False)
+    run._ready.cache_clear()  # (a plain call's kept set-up, from an earlier test, skips attend)
+    run._counted.cache_clear()
     return calls
 
 
