@@ -424,3 +424,28 @@ def test_kept_padded_road_is_the_road_taken(monkeypatch, name):
     assert len(ran) == 1
     for got, keep in outs:
         np.testing.assert_array_equal(got, _general(q, k, v, mask=keep))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+def test_kept_prefill_flags_outputs_that_are_not_finite(dtype, bad):
+    """The native prefill reports an output that is not finite (status 3, the outputs all
+    written) and the kept prefill then steps aside; with finite outputs it gives
+    :func:`native.attend`'s bits."""
+    _native()
+    from qkv.engine.kernels import native
+    from qkv.validate import make_plan
+
+    q, k, v = _arrays((2, 4, 2, 24, 40, 32, 16), dtype)
+    plan = make_plan(q, k, v)
+    kept = native.keep(plan)
+    assert kept is not None
+    out, lse = kept(q, k, v)
+    want, want_lse = native.attend(plan, products="own")
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(lse, want_lse)
+    v = v.copy()
+    v[1, 0, 7, 3] = bad
+    assert kept(q, k, v) is None
+    out, _ = native.attend(make_plan(q, k, v), products="own")  # (written: status 3 allowed)
+    assert not np.isfinite(out[1, :2]).all() and np.isfinite(out[0]).all()

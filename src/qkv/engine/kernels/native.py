@@ -57,6 +57,7 @@ from .native_lib import (
     ENV,
     ISA_ENV,
     ISAS,
+    PREFILL_NOT_FINITE,
     BackwardArgs,
     PrefillArgs,
     VarlenArgs,
@@ -355,9 +356,8 @@ def keep(plan: Plan, stack: bool = False, counted: bool = False) -> Any:
         if counts is not None:
             per_head = np.repeat(counts.astype(np.int64, copy=False), heads)
             args.counts = address(per_head)
-        checked(fn(ctypes.byref(args)), args, "prefill")
-        if not np.isfinite(out).all():
-            return None
+        if checked(fn(ctypes.byref(args)), args, "prefill", (PREFILL_NOT_FINITE,)):
+            return None  # (some output not finite)
         return out.reshape(shape), lse.reshape(shape_lse)
 
     return run
@@ -395,7 +395,7 @@ class Prefill:
         if counts is not None:
             args.counts = address(counts)
         with nullcontext() if self.own else single_threaded_blas():
-            invoke(self.function, args, "prefill")
+            invoke(self.function, args, "prefill", allowed=(PREFILL_NOT_FINITE,))
         return out.reshape(self.shape), lse.reshape(self.shape[:-1])
 
 

@@ -36,6 +36,7 @@ __all__ = [
     "ISA_ENV",
     "KV_FORMATS",
     "Kept",
+    "PREFILL_NOT_FINITE",
     "BackwardArgs",
     "DecodeArgs",
     "PrefillArgs",
@@ -63,6 +64,10 @@ ENV = "QKV_NATIVE"  # "0" switches the native kernels off (read on every call)
 # Why the install built no library (setup.py writes it there: QKV_NATIVE_BUILD=0, the failure)
 BUILD_NOTE = "_native_build.txt"
 ISA_ENV = "QKV_NATIVE_ISA"  # "baseline", "avx2" or "avx512": the widest clone a call may run
+#: The status of the float32/float64 prefill (``qkv_prefill_f32``, ``qkv_prefill_f64`` and
+#: their stored-K/V forms) when some output is not finite: every output is written, and the
+#: caller applies its rules.
+PREFILL_NOT_FINITE = 3
 #: A call's kernel set-up kept for operands of one layout
 #: (:func:`qkv.engine.kernels.dispatch.keep`): ``(q, k, v)`` to ``(out, lse)``, or None where
 #: the caller must take the general road.
@@ -339,6 +344,9 @@ def library() -> tuple[Any, str]:
             for name in functions:
                 getattr(lib, name).argtypes = [ctypes.POINTER(args)]
                 getattr(lib, name).restype = ctypes.c_int
+        lib.qkv_prefill_not_finite_status.restype = ctypes.c_int
+        if lib.qkv_prefill_not_finite_status() != PREFILL_NOT_FINITE:
+            raise AttributeError("qkv_prefill_not_finite_status")
         lib.qkv_best_isa.restype = ctypes.c_int
         lib.qkv_bf16_products.restype = ctypes.c_int
         lib.qkv_kv_format_code.argtypes = [ctypes.c_char_p]

@@ -1,8 +1,9 @@
 // The C ABI of qkv's native library: the argument structs the Python side fills
 // (qkv/engine/kernels/native_lib.py mirrors each one field for field, all 8-byte fields) and
 // the function pointers it hands in. Every exported function takes one struct and returns a
-// status: 0 done; 1 no memory; 2 bad arguments; 3 an output is not finite (decode; the caller's
-// general path applies its rules); 4 a mask row is not one run of keys (decode; nothing done);
+// status: 0 done; 1 no memory; 2 bad arguments; 3 an output is not finite (decode, and the
+// float32/float64 prefill with every output written; the caller's general path applies its
+// rules); 4 a mask row is not one run of keys (decode; nothing done);
 // 5 a sequence's keys [lo, hi) do not lie within [0, S) (decode; nothing read or written);
 // 6 a block table entry a sequence's keys need is not a page of the pool (decode; nothing read
 // or written).

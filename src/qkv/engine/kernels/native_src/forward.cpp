@@ -606,6 +606,7 @@ int run(const qkv_prefill_args& a, int kv_format = 0) {
     T* LSE = static_cast<T*>(a.lse);
     const T* BIAS = static_cast<const T*>(a.bias);
     int no_memory = 0;  // a task could not widen its keys
+    uint8_t bad = 0;    // some output is not finite (each block's normalisation checks)
     const int status = for_tasks<Buffers<T>>(
         ntasks, a.threads, a.parallel,
         [&](Buffers<T>& buf) { return buf.make(bq, bk, a.d, a.dv, prod.width); },
@@ -650,10 +651,10 @@ int run(const qkv_prefill_args& a, int kv_format = 0) {
         b.bias = BIAS ? BIAS + moff : nullptr;
         b.m_rs = a.m_rs;
         b.m_cs = a.m_cs;
-        b.bad = nullptr;
+        b.bad = &bad;
         forward_block<T, Gemm>(b, sh, buf);
     });
-    return status ? status : (no_memory ? 1 : 0);
+    return status ? status : (no_memory ? 1 : (bad ? 3 : 0));
 }
 
 // The packed varlen walk: tasks are (sequence, kv head, query block) triples, costliest
@@ -766,7 +767,8 @@ int run_varlen(const qkv_varlen_args& a, int kv_format = 0) {
 
 extern "C" {
 
-// 0 on success; 1 when memory for the tiles could not be had; 2 for a bad argument.
+// 0 on success; 1 when memory for the tiles could not be had; 2 for a bad argument; 3 when
+// some output is not finite (every output written: the caller applies its rules).
 int qkv_prefill_f32(const qkv_prefill_args* a) {
     if (!a || !(a->gemm || a->products) || a->L < 1 || a->S < 0 || a->d < 1 || a->dv < 0)
         return 2;
@@ -823,5 +825,9 @@ int64_t qkv_varlen_args_size(void) { return int64_t(sizeof(qkv_varlen_args)); }
 
 // The size of the argument struct, so the Python side can check it agrees on the layout.
 int64_t qkv_args_size(void) { return int64_t(sizeof(qkv_prefill_args)); }
+
+// The status the float32/float64 prefill returns when some output is not finite (a library
+// without this function returned 0 then).
+int qkv_prefill_not_finite_status(void) { return 3; }
 
 }  // extern "C"
