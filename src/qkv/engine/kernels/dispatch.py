@@ -174,7 +174,7 @@ def keep(plan: Plan, choice: Choice) -> Kept | None:
     return getattr(*found)(plan)
 
 
-def keep_counted(plan: Plan, choice: Choice) -> Any:
+def keep_counted(plan: Plan, choice: Choice) -> Kept | None:
     """The kept form of the key-count road ``choice`` (for ``plan``, a padded call's plan
     without its mask) where its road has one: a function of ``(q, k, v, counts)``
     (:func:`qkv.engine.kernels.native.keep`), ``counts`` one per index of the first batch

@@ -45,7 +45,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -59,6 +58,7 @@ from .native_lib import (
     ISAS,
     PREFILL_NOT_FINITE,
     BackwardArgs,
+    Kept,
     PrefillArgs,
     VarlenArgs,
     address,
@@ -310,7 +310,7 @@ def _team(threads: int | None, own: bool) -> tuple[int, Any]:
     return n, team
 
 
-def keep(plan: Plan, stack: bool = False, counted: bool = False) -> Any:
+def keep(plan: Plan, stack: bool = False, counted: bool = False) -> Kept | None:
     """A plain call's prefill on the library's own tile products, kept for operands laid out
     as ``plan``'s (no mask or bias; K/V in the compute dtype or stored as float16/bfloat16):
     a function of ``(q, k, v)`` of those shapes and dtypes giving ``(out, lse)``
@@ -337,28 +337,16 @@ def keep(plan: Plan, stack: bool = False, counted: bool = False) -> Any:
     if not all(address(a) == address(b) for a, b in zip(operands, (q, k, v), strict=True)):
         return None
     qst, kst, vst = q.strides, k.strides, v.strides
-    fn = getattr(library()[0], function)
     heads = PrefillArgs.from_buffer_copy(call.args).nb // rows  # (the struct's heads per row)
-    rows_out, shape, dt = call.rows, call.shape, call.dtype
-    rows_lse, shape_lse = rows_out[:-1], shape[:-1]
 
     def run(q: np.ndarray, k: np.ndarray, v: np.ndarray, counts: Any = None) -> Any:
         if q.strides != qst or k.strides != kst or v.strides != vst or setting(ISA_ENV) != clone:
             return None
         if _team(None, True) != (n, team):
             return None
-        out = np.empty(rows_out, dtype=dt)
-        lse = np.empty(rows_lse, dtype=dt)
-        # Prefill.run's steps, inlined (call: the struct, and the arrays its fields point into)
-        args = PrefillArgs.from_buffer_copy(call.args)
-        args.q, args.k, args.v = address(q), address(k), address(v)
-        args.out, args.lse = address(out), address(lse)
-        if counts is not None:
-            per_head = np.repeat(counts.astype(np.int64, copy=False), heads)
-            args.counts = address(per_head)
-        if checked(fn(ctypes.byref(args)), args, "prefill", (PREFILL_NOT_FINITE,)):
-            return None  # (some output not finite)
-        return out.reshape(shape), lse.reshape(shape_lse)
+        per_head = None if counts is None else np.repeat(counts.astype(np.int64, copy=False), heads)
+        out, lse, finite = call.launch(q, k, v, per_head)
+        return (out, lse) if finite else None
 
     return run
 
@@ -372,7 +360,7 @@ class Prefill:
     counts: a small call (a short prompt's layer) spent as long building the struct as in the
     kernel."""
 
-    __slots__ = ("args", "function", "held", "own", "shape", "dtype", "rows")
+    __slots__ = ("args", "function", "held", "own", "shape", "dtype", "rows", "call")
 
     def __init__(
         self, args: PrefillArgs, function: str, held: tuple[Any, ...], own: bool,
@@ -380,11 +368,17 @@ class Prefill:
     ) -> None:  # fmt: skip
         self.args, self.function, self.held, self.own = bytes(args), function, held, own
         self.shape, self.rows, self.dtype = shape, rows, dtype
+        self.call = getattr(library()[0], function)
 
-    def run(
+    def run(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(out, lse)`` for operands of the layout this struct was built for."""
+        out, lse, _ = self.launch(q, k, v)
+        return out, lse
+
+    def launch(
         self, q: np.ndarray, k: np.ndarray, v: np.ndarray, counts: np.ndarray | None = None
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """``(out, lse)`` for operands of the layout this struct was built for; ``counts``
+    ) -> tuple[np.ndarray, np.ndarray, bool]:
+        """:meth:`run`, and whether every output is finite (the kernel checks); ``counts``
         (int64, one per head of the struct, contiguous), for a struct built with key counts,
         replaces those it was built with."""
         out = np.empty(self.rows, dtype=self.dtype)
@@ -394,9 +388,13 @@ class Prefill:
         args.out, args.lse = address(out), address(lse)
         if counts is not None:
             args.counts = address(counts)
-        with nullcontext() if self.own else single_threaded_blas():
-            invoke(self.function, args, "prefill", allowed=(PREFILL_NOT_FINITE,))
-        return out.reshape(self.shape), lse.reshape(self.shape[:-1])
+        if self.own:  # (no BLAS to hold to one thread)
+            status = self.call(ctypes.byref(args))
+        else:
+            with single_threaded_blas():
+                status = self.call(ctypes.byref(args))
+        finite = checked(status, args, "prefill", (PREFILL_NOT_FINITE,)) == 0
+        return out.reshape(self.shape), lse.reshape(self.shape[:-1]), finite
 
 
 # attend()'s structs by operand layout (see Prefill)

@@ -69,9 +69,9 @@ ISA_ENV = "QKV_NATIVE_ISA"  # "baseline", "avx2" or "avx512": the widest clone a
 #: caller applies its rules.
 PREFILL_NOT_FINITE = 3
 #: A call's kernel set-up kept for operands of one layout
-#: (:func:`qkv.engine.kernels.dispatch.keep`): ``(q, k, v)`` to ``(out, lse)``, or None where
-#: the caller must take the general road.
-Kept = Callable[[np.ndarray, np.ndarray, np.ndarray], Any]
+#: (:func:`qkv.engine.kernels.dispatch.keep`): ``(q, k, v)`` (and, for a padded call's, its key
+#: counts) to ``(out, lse)``, or None where the caller must take the general road.
+Kept = Callable[..., Any]
 ISAS = {"baseline": 1, "avx2": 2, "avx512": 3}  # the vector clones, narrowest first
 BF16_ISA = max(ISAS.values()) + 1  # the code above AVX-512: AVX-512 with AVX512_BF16
 # How the decode step finds K and V stored (qkv_decode_args.kv_format; qkv.engine.quant):
