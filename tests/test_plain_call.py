@@ -449,3 +449,110 @@ def test_kept_prefill_flags_outputs_that_are_not_finite(dtype, bad):
     assert kept(q, k, v) is None
     out, _ = native.attend(make_plan(q, k, v), products="own")  # (written: status 3 allowed)
     assert not np.isfinite(out[1, :2]).all() and np.isfinite(out[0]).all()
+
+
+# Plain CPU tensors of float32/float64 reach a kept road by their addresses and strides
+# (tensors.read_at, run.plain_at), without NumPy views: the same bits as the arrays' road.
+
+
+def _viewed(t):
+    """Tensor ``t``'s NumPy view (ml_dtypes' bfloat16 for bfloat16)."""
+    if t.dtype is torch.bfloat16:
+        return t.view(torch.int16).numpy().view(_bf16())
+    return t.numpy()
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    shape=shapes(batch=(1, 2), heads=(1, 4), L=(1, 24), S=(1, 40), d=(8, 70), dv_differs=True)
+    | shapes(batch=(1, 2), heads=(2, 8), L=(1, 24), S=(1, 40), d=(8, 70), grouped=True),
+    name=st.sampled_from(["float32", "float64", "float16", "bfloat16"]),
+    causal=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_tensor_kept_road_gives_the_arrays_bits(shape, name, causal, seed):
+    """Three calls of one key on tensors (the first keeps the road), then the same values with
+    other strides (a transposed copy's view, and a view at an offset): each a tensor with the
+    NumPy arrays' bits on the same strides (16-bit ones narrowed by PyTorch, not ml_dtypes),
+    near the float64 reference."""
+    if name == "bfloat16":
+        pytest.importorskip("ml_dtypes")
+    dtype = getattr(torch, name)
+    q, k, v = (torch.from_numpy(a).to(dtype) for a in _arrays(shape, np.float32, seed))
+    want = qkv.attention(_viewed(q), _viewed(k), _viewed(v), causal=causal)
+    for _ in range(3):
+        got = qkv.attention(q, k, v, causal=causal)
+        assert isinstance(got, torch.Tensor) and got.dtype == dtype
+        np.testing.assert_array_equal(_viewed(got), want)
+    sq = q.transpose(-1, -2).contiguous().transpose(-1, -2)
+    pad = torch.cat([torch.zeros_like(v[..., :1, :]), v], dim=-2)
+    ov = pad[..., 1:, :]  # (a view at an offset into its storage)
+    for _ in range(2):
+        got = qkv.attention(sq, k, ov, causal=causal)
+        strided = qkv.attention(_viewed(sq), _viewed(k), _viewed(ov), causal=causal)
+        np.testing.assert_array_equal(_viewed(got), strided)
+    wide = (a.double().numpy() for a in (q, k, v))
+    ref = reference.attention(*wide, causal=causal)
+    kind = "fast path" if name in ("float32", "float64") else "half precision"
+    np.testing.assert_allclose(got.double().numpy(), ref, **tol(kind, dtype))
+
+
+@pytest.mark.parametrize(("shape", "row"), _KEPT_CASES)
+@pytest.mark.parametrize("name", ["float32", "bfloat16"])
+def test_tensor_kept_road_is_the_road_taken(monkeypatch, shape, row, name):
+    """From a key's second call on, tensors run the kept road on their addresses (no NumPy
+    view of them); what that road cannot read — other strides, a tensor that requires grad,
+    a negative view, dtypes that differ — is read as before, with the right values."""
+    _native()
+    from qkv import tensors
+    from qkv.engine.kernels import native_lib
+
+    ran, viewed = _counting(monkeypatch), []
+    real_at, real_read = native_lib.Kept.at, tensors.read_plain
+    monkeypatch.setattr(native_lib.Kept, "at", lambda *a: viewed.append("at") or real_at(*a))
+    monkeypatch.setattr("qkv.front.read_plain", lambda *a: viewed.append("view") or real_read(*a))
+    if name == "bfloat16":
+        pytest.importorskip("ml_dtypes")
+    q, k, v = (torch.from_numpy(a).to(getattr(torch, name)) for a in _arrays(shape, np.float32))
+    run._ready.cache_clear()
+    first = qkv.attention(q, k, v)
+    assert viewed == ["view"] and len(ran) == 1  # the first call keeps the road
+    for _ in range(2):
+        assert torch.equal(qkv.attention(q, k, v), first)
+    assert viewed == ["view", "at", "at"] and len(ran) == 1
+    viewed.clear()
+    sk = k.transpose(-1, -2).contiguous().transpose(-1, -2)
+    strided = qkv.attention(q, sk, v)
+    assert viewed[:2] == ["at", "view"]
+    want = qkv.attention(_viewed(q), _viewed(sk), _viewed(v))
+    np.testing.assert_array_equal(_viewed(strided), want)
+    qg = q.clone().requires_grad_(True)
+    out = qkv.attention(qg, k, v)
+    out.sum().backward()
+    assert qg.grad is not None
+    kind = "fast path" if name == "float32" else "half precision"
+    np.testing.assert_allclose(out.detach().float(), first.float(), **tol(kind, q.dtype))
+    got = qkv.attention(q._neg_view(), k, v)
+    wide = [a.double().numpy() for a in (q, k, v)]
+    want = reference.attention(-wide[0], *wide[1:])
+    np.testing.assert_allclose(got.double().numpy(), want, **tol(kind, q.dtype))
+    mixed = qkv.attention(q.double(), k, v)
+    assert mixed.dtype == torch.float64
+    np.testing.assert_allclose(mixed.numpy(), reference.attention(*wide), **tol(kind, q.dtype))
+
+
+def test_read_at_refuses_what_it_cannot_read():
+    """read_at gives None for tensors whose addresses the kept road must not read."""
+    from qkv.tensors import read_at
+
+    q = torch.randn(1, 2, 3, 8)
+    assert read_at(q, q, q) is not None
+    assert read_at(q.numpy(), q, q) is None
+    assert read_at(q.int(), q.int(), q.int()) is None
+    assert read_at(q.bfloat16(), q, q) is None
+    assert read_at(q, q.double(), q) is None
+    assert read_at(q.clone().requires_grad_(True), q, q) is None
+    assert read_at(q._neg_view(), q, q) is None
+    assert read_at(q.to_sparse(), q, q) is None
+    assert read_at(q.to("meta"), q, q) is None
+    assert read_at(torch.nn.Parameter(q), q, q) is None  # (a subclass: the general road)

@@ -34,9 +34,11 @@ from .errors import InputError
 from .keywords import near_keywords
 from .tensors import (
     give,
+    give_at,
     give_pair,
     give_plain,
     one_device,
+    read_at,
     read_plain,
     read_plain_mask,
     swap_axes,
@@ -300,6 +302,11 @@ def attention(
             if out is not None:
                 return out
         else:
+            at = read_at(q, k, v) if mask is None else None
+            if at is not None:  # (None before the key's road is kept: its first call)
+                out = _engine().plain_at(*at[:-1], scale, causal)
+                if out is not None:
+                    return give_at(out, q)
             arrays = read_plain(q, k, v)
             keep = mask if mask is None or arrays is None else read_plain_mask(mask)
             if arrays is not None and (mask is None or keep is not None):

@@ -46,11 +46,13 @@ __all__ = [
     "as_dtype",
     "give",
     "give_pair",
+    "give_at",
     "give_plain",
     "is_tensor",
     "one_device",
     "read",
     "read_cpu",
+    "read_at",
     "read_plain",
     "read_plain_mask",
     "read_shadow",
@@ -115,6 +117,71 @@ def read_plain(q: Any, k: Any, v: Any) -> tuple[np.ndarray, np.ndarray, np.ndarr
         )
     except (TypeError, RuntimeError):  # conjugate or negative views, sparse...
         return None
+
+
+def read_at(q: Any, k: Any, v: Any) -> tuple[Any, ...] | None:
+    """``q``, ``k``, ``v`` as :func:`qkv.engine.run.plain_at` takes them — their shapes, their
+    NumPy dtype, their addresses and their strides in elements — when all three are plain CPU
+    tensors of one dtype that :func:`read_plain` would read; None for anything else. No NumPy
+    view is made (three cost about 7 µs, and a small call's kept road about 20).
+
+    For float16 and bfloat16 the address and strides given for ``q`` are those of ``q``
+    widened to float32 (by PyTorch, faster than ml_dtypes), as :func:`qkv.engine.run.plain`
+    widens it; that tensor comes last, to be held for the call.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    tensor = torch.Tensor
+    if type(q) is not tensor or type(k) is not tensor or type(v) is not tensor:
+        return None
+    dtype = q.dtype
+    if k.dtype is not dtype or v.dtype is not dtype:
+        return None
+    found = _AT_DTYPES.get(dtype)
+    if found is None:
+        found = _at_dtype(torch, dtype)
+        if found is None:
+            return None
+    # (what .numpy() refuses: gradients, other devices, negative views; sparse and other
+    # layouts have no data pointer or strides, and raise)
+    if q.requires_grad or k.requires_grad or v.requires_grad:
+        return None
+    if not (q.is_cpu and k.is_cpu and v.is_cpu) or q.is_neg() or k.is_neg() or v.is_neg():
+        return None
+    try:
+        wide = q if found.itemsize > 2 else q.float()
+        strides = (wide.stride(), k.stride(), v.stride())
+        return (q.shape, k.shape, v.shape, found, wide.data_ptr(), k.data_ptr(), v.data_ptr(),
+                strides, wide)  # fmt: skip
+    except (TypeError, RuntimeError):
+        return None
+
+
+_AT_DTYPES: dict[Any, np.dtype] = {}  # torch's floating dtypes to NumPy's, as met
+
+
+def _at_dtype(torch: Any, dtype: Any) -> np.dtype | None:
+    """NumPy's dtype for torch's ``dtype`` of :func:`read_at` (kept in ``_AT_DTYPES``), or
+    None for the others (and for bfloat16 without ml_dtypes)."""
+    if dtype is torch.bfloat16:
+        found = None if _bfloat16() is None else np.dtype(_bfloat16())
+    elif dtype in (torch.float16, torch.float32, torch.float64):
+        found = np.dtype(str(dtype).removeprefix("torch."))
+    else:
+        return None
+    if found is not None:
+        _AT_DTYPES[dtype] = found
+    return found
+
+
+def give_at(result: np.ndarray, like: Any) -> Any:
+    """:func:`qkv.engine.run.plain_at`'s ``result`` for :func:`read_at`'s tensors, ``like``
+    one of them: a CPU tensor of their dtype (a 16-bit one's float32 output narrowed by
+    PyTorch, rounding to nearest even as NumPy and ml_dtypes do)."""
+    out = sys.modules["torch"].from_numpy(result)
+    dtype = like.dtype
+    return out if out.dtype is dtype else out.to(dtype)
 
 
 def read_plain_mask(mask: Any) -> np.ndarray | None:

@@ -24,7 +24,7 @@ from ..validate import Plan, as_array, broadcasts_to, plain_plan, stand_in
 from .kernels import dense, dispatch, mods, router
 from .kernels.native_lib import switched_off
 
-__all__ = ["attend", "plain", "run", "softmax", "weights"]
+__all__ = ["attend", "plain", "plain_at", "run", "softmax", "weights"]
 
 
 def softmax(x: Any, axis: int = -1) -> np.ndarray:
@@ -126,6 +126,42 @@ def plain(
         found.kept = dispatch.keep(plan, found.choice)
     out = dispatch.attend(plan, "auto", found.choice)[0]
     return out.astype(q.dtype) if narrow else out
+
+
+def plain_at(
+    qs: tuple[int, ...], ks: tuple[int, ...], vs: tuple[int, ...], dtype: np.dtype, q: int,
+    k: int, v: int, strides: tuple[Any, ...], scale: Any, causal: Any,
+) -> np.ndarray | None:  # fmt: skip
+    """:func:`plain` on operands given by their shapes, dtype (one for all three), addresses
+    and strides in elements, as a CPU tensor gives them without a NumPy view of it: the output
+    of the road kept for the key, or None where the key has no kept road yet (its first call),
+    or none at all, or the operands' strides are not the kept ones (the caller then reads them
+    as arrays, and calls :func:`plain`). For float16 and bfloat16 ``q`` is the address (and
+    its strides those) of q widened to float32, as :func:`plain` widens it, and the output is
+    float32: the caller narrows it.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> q, k = np.ones((1, 2, 1, 8), np.float32), np.ones((1, 2, 16, 8), np.float32)
+    >>> first = plain(q, k, k, None, False)  # keeps the road (a native one, where built)
+    >>> strides = tuple(tuple(s // 4 for s in a.strides) for a in (q, k, k))
+    >>> at = (q.ctypes.data, k.ctypes.data, k.ctypes.data)
+    >>> out = plain_at(q.shape, k.shape, k.shape, q.dtype, *at, strides, None, False)
+    >>> out is None or bool((out == first).all())
+    True
+    """
+    if causal is not False and causal is not True:
+        return None
+    try:
+        found = _ready(tuple(qs), tuple(ks), tuple(vs), dtype, dtype, dtype, scale, causal,
+                       switched_off())  # fmt: skip
+    except TypeError:
+        return None
+    if found is None or found.kept is None:
+        return None
+    done = found.kept.at(q, k, v, strides)
+    return None if done is None else done[0]
 
 
 class _Ready:

@@ -314,7 +314,7 @@ def keep(plan: Plan, stack: bool = False, counted: bool = False) -> Kept | None:
     """A plain call's prefill on the library's own tile products, kept for operands laid out
     as ``plan``'s (no mask or bias; K/V in the compute dtype or stored as float16/bfloat16):
     a function of ``(q, k, v)`` of those shapes and dtypes giving ``(out, lse)``
-    (:data:`~qkv.engine.kernels.native_lib.Kept`), or None for operands of other strides, when
+    (:class:`~qkv.engine.kernels.native_lib.Kept`), or None for operands of other strides, when
     another clone (``QKV_NATIVE_ISA``) or another thread team is in force, or when an output
     is not finite (the caller then takes the general road). With ``counted``, a function of
     ``(q, k, v, counts)``: ``counts`` the keys of each index of the first batch axis, as
@@ -336,19 +336,16 @@ def keep(plan: Plan, stack: bool = False, counted: bool = False) -> Kept | None:
                               counts, True, stack, team)  # fmt: skip
     if not all(address(a) == address(b) for a, b in zip(operands, (q, k, v), strict=True)):
         return None
-    qst, kst, vst = q.strides, k.strides, v.strides
     heads = PrefillArgs.from_buffer_copy(call.args).nb // rows  # (the struct's heads per row)
 
-    def run(q: np.ndarray, k: np.ndarray, v: np.ndarray, counts: Any = None) -> Any:
-        if q.strides != qst or k.strides != kst or v.strides != vst or setting(ISA_ENV) != clone:
-            return None
+    def run(q: int, k: int, v: int, counts: Any) -> Any:
         if _team(None, True) != (n, team):
             return None
         per_head = None if counts is None else np.repeat(counts.astype(np.int64, copy=False), heads)
         out, lse, finite = call.launch(q, k, v, per_head)
         return (out, lse) if finite else None
 
-    return run
+    return Kept(run, (q, k, v), clone)
 
 
 class Prefill:
@@ -372,19 +369,19 @@ class Prefill:
 
     def run(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(out, lse)`` for operands of the layout this struct was built for."""
-        out, lse, _ = self.launch(q, k, v)
+        out, lse, _ = self.launch(address(q), address(k), address(v))
         return out, lse
 
     def launch(
-        self, q: np.ndarray, k: np.ndarray, v: np.ndarray, counts: np.ndarray | None = None
+        self, q: int, k: int, v: int, counts: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray, bool]:
-        """:meth:`run`, and whether every output is finite (the kernel checks); ``counts``
-        (int64, one per head of the struct, contiguous), for a struct built with key counts,
-        replaces those it was built with."""
+        """:meth:`run` on the operands' addresses, and whether every output is finite (the
+        kernel checks); ``counts`` (int64, one per head of the struct, contiguous), for a
+        struct built with key counts, replaces those it was built with."""
         out = np.empty(self.rows, dtype=self.dtype)
         lse = np.empty(self.rows[:-1], dtype=self.dtype)
         args = PrefillArgs.from_buffer_copy(self.args)  # one per call: any thread may run it
-        args.q, args.k, args.v = address(q), address(k), address(v)
+        args.q, args.k, args.v = q, k, v
         args.out, args.lse = address(out), address(lse)
         if counts is not None:
             args.counts = address(counts)

@@ -283,11 +283,23 @@ def _run_kept(
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """One step on :func:`_constants`' ``found`` arguments for operands of their layout:
     ``(out, lse)``, or None when a result is not finite."""
+    return _run_at(found, address(q), address(k), address(v), q.dtype, threads)
+
+
+def _run_at(
+    found: tuple[bytes, Any, tuple[int, ...], tuple[int, ...], bool],
+    q: int,
+    k: int,
+    v: int,
+    dtype: np.dtype,
+    threads: int | None,
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """:func:`_run_kept` on the operands' addresses (``dtype``: q's)."""
     template, function, out_shape, lse_shape, small = found
-    out = np.empty(out_shape, dtype=q.dtype)
-    lse = np.empty(lse_shape, dtype=q.dtype)
+    out = np.empty(out_shape, dtype=dtype)
+    lse = np.empty(lse_shape, dtype=dtype)
     args = DecodeArgs.from_buffer_copy(template)  # one per call: a call may run in any thread
-    args.q, args.k, args.v = address(q), address(k), address(v)
+    args.q, args.k, args.v = q, k, v
     args.out, args.lse = address(out), address(lse)
     if not small or threads is not None:  # (a small step runs on the calling thread alone)
         team, n = openmp_parallel()
@@ -316,14 +328,12 @@ def keep(plan: Plan) -> Kept | None:
     )  # fmt: skip
     if found is None:
         return None
-    qst, kst, vst = q.strides, k.strides, v.strides
+    dtype = q.dtype
 
-    def step(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> Any:
-        if q.strides != qst or k.strides != kst or v.strides != vst or setting(ISA_ENV) != clone:
-            return None
-        return _run_kept(found, q, k, v, None)
+    def step(q: int, k: int, v: int, counts: None) -> Any:
+        return _run_at(found, q, k, v, dtype, None)
 
-    return step
+    return Kept(step, (q, k, v), clone)
 
 
 def _broadcast(shape: tuple[int, ...], strides: tuple[int, ...], want: tuple[int, ...]) -> Any:

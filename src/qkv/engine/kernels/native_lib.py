@@ -68,10 +68,6 @@ ISA_ENV = "QKV_NATIVE_ISA"  # "baseline", "avx2" or "avx512": the widest clone a
 #: their stored-K/V forms) when some output is not finite: every output is written, and the
 #: caller applies its rules.
 PREFILL_NOT_FINITE = 3
-#: A call's kernel set-up kept for operands of one layout
-#: (:func:`qkv.engine.kernels.dispatch.keep`): ``(q, k, v)`` (and, for a padded call's, its key
-#: counts) to ``(out, lse)``, or None where the caller must take the general road.
-Kept = Callable[..., Any]
 ISAS = {"baseline": 1, "avx2": 2, "avx512": 3}  # the vector clones, narrowest first
 BF16_ISA = max(ISAS.values()) + 1  # the code above AVX-512: AVX-512 with AVX512_BF16
 # How the decode step finds K and V stored (qkv_decode_args.kv_format; qkv.engine.quant):
@@ -224,6 +220,46 @@ def _address_reader() -> Callable[[np.ndarray], int]:
 #: ``address(a)``: the address of NumPy array ``a``'s first element (``a.ctypes.data``, read
 #: quickly: :func:`_address_reader`). The caller keeps ``a`` alive while the address is used.
 address: Callable[[np.ndarray], int] = _address_reader()
+
+
+class Kept:
+    """A call's kernel set-up kept for operands of one layout
+    (:func:`qkv.engine.kernels.dispatch.keep`): called with ``(q, k, v)`` of that layout (and,
+    for a padded call's, its key counts) it gives ``(out, lse)``, or None where the caller must
+    take the general road (operands of other strides, another clone forced by
+    ``QKV_NATIVE_ISA``, or what ``run`` itself refuses).
+
+    :meth:`at` takes the operands' addresses and element strides instead of arrays, as a CPU
+    tensor gives them (``data_ptr()``, ``stride()``) without a NumPy view of it: a small call
+    on tensors spent a third of its time making the three views.
+
+    ``run(q, k, v, counts)`` is the kernel's call on the addresses (``counts`` None, or an
+    int64 array), for operands of ``arrays``' layout; ``clone`` the ``QKV_NATIVE_ISA`` it was
+    set up under.
+    """
+
+    __slots__ = ("clone", "elements", "run", "strides")
+
+    def __init__(self, run: Callable[..., Any], arrays: tuple[np.ndarray, ...], clone: str) -> None:
+        self.run, self.clone = run, clone
+        self.strides = tuple(a.strides for a in arrays)
+        whole = all(s % a.itemsize == 0 for a in arrays for s in a.strides)
+        # (an array whose byte strides are not whole elements has no element strides)
+        self.elements = tuple(
+            tuple(s // a.itemsize for s in a.strides) for a in arrays
+        ) if whole else None  # fmt: skip
+
+    def __call__(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, counts: Any = None) -> Any:
+        if (q.strides, k.strides, v.strides) != self.strides or setting(ISA_ENV) != self.clone:
+            return None
+        return self.run(address(q), address(k), address(v), counts)
+
+    def at(self, q: int, k: int, v: int, strides: tuple[Any, ...], counts: Any = None) -> Any:
+        """As a call, on the operands' addresses and their strides in elements (``strides``:
+        a tuple of q's, k's and v's)."""
+        if strides != self.elements or setting(ISA_ENV) != self.clone:
+            return None
+        return self.run(q, k, v, counts)
 
 
 def isa_cap(asked: str | int | None = None) -> int:
