@@ -304,7 +304,7 @@ def attention(
         else:
             at = read_at(q, k, v) if mask is None else None
             if at is not None:  # (None before the key's road is kept: its first call)
-                out = _engine().plain_at(*at[:-1], scale, causal)
+                out = _engine().plain_at(*at, scale, causal)
                 if out is not None:
                     return give_at(out, q)
             arrays = read_plain(q, k, v)

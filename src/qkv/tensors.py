@@ -125,9 +125,9 @@ def read_at(q: Any, k: Any, v: Any) -> tuple[Any, ...] | None:
     tensors of one dtype that :func:`read_plain` would read; None for anything else. No NumPy
     view is made (three cost about 7 µs, and a small call's kept road about 20).
 
-    For float16 and bfloat16 the address and strides given for ``q`` are those of ``q``
-    widened to float32 (by PyTorch, faster than ml_dtypes), as :func:`qkv.engine.run.plain`
-    widens it; that tensor comes last, to be held for the call.
+    Last comes, for float16 and bfloat16, a function giving ``q`` widened to float32 (by
+    PyTorch, faster than ml_dtypes) as :func:`qkv.engine.run.plain_at` asks for it: its
+    address, its strides and the tensor, to be held for the call; None for the others.
     """
     torch = sys.modules.get("torch")
     if torch is None:
@@ -150,12 +150,17 @@ def read_at(q: Any, k: Any, v: Any) -> tuple[Any, ...] | None:
     if not (q.is_cpu and k.is_cpu and v.is_cpu) or q.is_neg() or k.is_neg() or v.is_neg():
         return None
     try:
-        wide = q if found.itemsize > 2 else q.float()
-        strides = (wide.stride(), k.stride(), v.stride())
-        return (q.shape, k.shape, v.shape, found, wide.data_ptr(), k.data_ptr(), v.data_ptr(),
-                strides, wide)  # fmt: skip
+        strides = (q.stride(), k.stride(), v.stride())
+        return (q.shape, k.shape, v.shape, found, q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                strides, None if found.itemsize > 2 else lambda: _widened(q))  # fmt: skip
     except (TypeError, RuntimeError):
         return None
+
+
+def _widened(q: Any) -> tuple[int, tuple[int, ...], Any]:
+    """16-bit tensor ``q`` widened to float32: its address, strides and itself."""
+    wide = q.float()
+    return wide.data_ptr(), wide.stride(), wide
 
 
 _AT_DTYPES: dict[Any, np.dtype] = {}  # torch's floating dtypes to NumPy's, as met
@@ -178,9 +183,13 @@ def _at_dtype(torch: Any, dtype: Any) -> np.dtype | None:
 def give_at(result: np.ndarray, like: Any) -> Any:
     """:func:`qkv.engine.run.plain_at`'s ``result`` for :func:`read_at`'s tensors, ``like``
     one of them: a CPU tensor of their dtype (a 16-bit one's float32 output narrowed by
-    PyTorch, rounding to nearest even as NumPy and ml_dtypes do)."""
-    out = sys.modules["torch"].from_numpy(result)
+    PyTorch, rounding to nearest even as NumPy and ml_dtypes do; one already in their 16-bit
+    dtype viewed as it is)."""
+    torch = sys.modules["torch"]
     dtype = like.dtype
+    if result.itemsize == 2 and dtype is torch.bfloat16:  # (ml_dtypes' bfloat16)
+        return torch.from_numpy(result.view(np.int16)).view(dtype)
+    out = torch.from_numpy(result)
     return out if out.dtype is dtype else out.to(dtype)
 
 

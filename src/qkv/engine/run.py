@@ -12,6 +12,7 @@ dtypes) are those of :mod:`qkv.reference`, which every path here is tested to eq
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -109,8 +110,12 @@ def plain(
         return None
     narrow, kept = found.narrow, found.kept
     if narrow:  # 16-bit inputs: q widened, K/V read as stored (make_plan's keep_stored)
+        if kept is not None and kept.io:  # (the kernel widens q and narrows the output; it
+            done = kept(np.ascontiguousarray(q), k, v)  # was kept for q as astype gives it)
+            if done is not None:
+                return done[0]
         wide = q.astype(np.float32)
-        if kept is not None:
+        if kept is not None and not kept.io:
             done = kept(wide, k, v)
             if done is not None:
                 return done[0].astype(q.dtype)
@@ -130,15 +135,19 @@ def plain(
 
 def plain_at(
     qs: tuple[int, ...], ks: tuple[int, ...], vs: tuple[int, ...], dtype: np.dtype, q: int,
-    k: int, v: int, strides: tuple[Any, ...], scale: Any, causal: Any,
+    k: int, v: int, strides: tuple[Any, ...], widen: Callable[[], tuple[Any, ...]] | None,
+    scale: Any, causal: Any,
 ) -> np.ndarray | None:  # fmt: skip
     """:func:`plain` on operands given by their shapes, dtype (one for all three), addresses
     and strides in elements, as a CPU tensor gives them without a NumPy view of it: the output
     of the road kept for the key, or None where the key has no kept road yet (its first call),
     or none at all, or the operands' strides are not the kept ones (the caller then reads them
-    as arrays, and calls :func:`plain`). For float16 and bfloat16 ``q`` is the address (and
-    its strides those) of q widened to float32, as :func:`plain` widens it, and the output is
-    float32: the caller narrows it.
+    as arrays, and calls :func:`plain`).
+
+    For float16 and bfloat16, a kept road that takes q and gives its output in that dtype
+    (the prefill's) runs on q as it is; any other is given q widened to float32, as
+    :func:`plain` widens it: ``widen()`` gives that q's address, its strides and an object to
+    hold while it is read, and the output is then float32 (the caller narrows it).
 
     Examples
     --------
@@ -147,7 +156,7 @@ def plain_at(
     >>> first = plain(q, k, k, None, False)  # keeps the road (a native one, where built)
     >>> strides = tuple(tuple(s // 4 for s in a.strides) for a in (q, k, k))
     >>> at = (q.ctypes.data, k.ctypes.data, k.ctypes.data)
-    >>> out = plain_at(q.shape, k.shape, k.shape, q.dtype, *at, strides, None, False)
+    >>> out = plain_at(q.shape, k.shape, k.shape, q.dtype, *at, strides, None, None, False)
     >>> out is None or bool((out == first).all())
     True
     """
@@ -158,9 +167,16 @@ def plain_at(
                        switched_off())  # fmt: skip
     except TypeError:
         return None
-    if found is None or found.kept is None:
+    kept = found.kept if found is not None else None
+    if kept is None:
         return None
-    done = found.kept.at(q, k, v, strides)
+    if widen is not None and not kept.io:
+        q, wide_strides, held = widen()
+        strides = (wide_strides, *strides[1:])
+        done = kept.at(q, k, v, strides)
+        del held  # (read: the call has returned)
+    else:
+        done = kept.at(q, k, v, strides)
     return None if done is None else done[0]
 
 
@@ -233,14 +249,18 @@ def _padded(
         return None
     if bool((counts == k.shape[-2]).all()):  # hides nothing: no mask at all
         return plain(q, k, v, scale, causal)
-    wide = q.astype(np.float32) if narrow else q
     rows = batch[0] if batch else 1
     per_row = counts if counts.size == rows else np.broadcast_to(counts, (rows,))
     kept = counted.kept
-    if kept is not None:
+    if kept is not None and (kept.io or not narrow):  # (q and the output as they are)
+        done = kept(np.ascontiguousarray(q) if narrow else q, k, v, per_row)
+        if done is not None:
+            return done[0]
+    wide = q.astype(np.float32) if narrow else q
+    if kept is not None and narrow and not kept.io:
         done = kept(wide, k, v, per_row)
         if done is not None:
-            return done[0].astype(q.dtype) if narrow else done[0]
+            return done[0].astype(q.dtype)
     if narrow:
         plan = Plan.trusted(q=wide, stored=(k, v), **fields)
     else:

@@ -330,10 +330,14 @@ def keep(plan: Plan, stack: bool = False, counted: bool = False) -> Kept | None:
         return None
     function, k, v = _reading(plan, "prefill")
     q, clone = plan.q, setting(ISA_ENV)
+    io = plan.stored is not None and np.dtype(plan.out_dtype) == k.dtype == v.dtype
+    if io:  # q in K/V's 16-bit dtype, and the output: the kernel widens and narrows them
+        function = f"qkv_prefill_f32_{_STORED[k.dtype.name]}io"
+        q = np.empty(q.shape, k.dtype)  # (the layout of the q the caller gives: contiguous)
     n, team = _team(None, True)
     counts = np.zeros(rows, np.int64) if counted else None
     call, operands = _prefill(plan, function, q, k, v, n, isa_cap(), None, BLOCK_Q, BLOCK_K,
-                              counts, True, stack, team)  # fmt: skip
+                              counts, True, stack, team, k.dtype if io else None)  # fmt: skip
     if not all(address(a) == address(b) for a, b in zip(operands, (q, k, v), strict=True)):
         return None
     heads = PrefillArgs.from_buffer_copy(call.args).nb // rows  # (the struct's heads per row)
@@ -345,7 +349,7 @@ def keep(plan: Plan, stack: bool = False, counted: bool = False) -> Kept | None:
         out, lse, finite = call.launch(q, k, v, per_head)
         return (out, lse) if finite else None
 
-    return Kept(run, (q, k, v), clone)
+    return Kept(run, (q, k, v), clone, io)
 
 
 class Prefill:
@@ -355,16 +359,19 @@ class Prefill:
     sets those addresses and calls the kernel. :func:`attend` keeps one per operand layout
     (shapes, strides, dtypes, scale, rule, threads, clone) of a call without a mask or key
     counts: a small call (a short prompt's layer) spent as long building the struct as in the
-    kernel."""
+    kernel. ``dtype`` is the output's and lse's, ``narrow`` (the 16-bit ``io`` kernels'
+    operand dtype) the output's where it differs."""
 
-    __slots__ = ("args", "function", "held", "own", "shape", "dtype", "rows", "call")
+    __slots__ = ("args", "function", "held", "own", "shape", "dtype", "out_dtype", "rows", "call")
 
     def __init__(
         self, args: PrefillArgs, function: str, held: tuple[Any, ...], own: bool,
         shape: tuple[int, ...], rows: tuple[int, ...], dtype: np.dtype,
+        narrow: np.dtype | None = None,
     ) -> None:  # fmt: skip
         self.args, self.function, self.held, self.own = bytes(args), function, held, own
         self.shape, self.rows, self.dtype = shape, rows, dtype
+        self.out_dtype = dtype if narrow is None else narrow
         self.call = getattr(library()[0], function)
 
     def run(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -378,7 +385,7 @@ class Prefill:
         """:meth:`run` on the operands' addresses, and whether every output is finite (the
         kernel checks); ``counts`` (int64, one per head of the struct, contiguous), for a
         struct built with key counts, replaces those it was built with."""
-        out = np.empty(self.rows, dtype=self.dtype)
+        out = np.empty(self.rows, dtype=self.out_dtype)
         lse = np.empty(self.rows[:-1], dtype=self.dtype)
         args = PrefillArgs.from_buffer_copy(self.args)  # one per call: any thread may run it
         args.q, args.k, args.v = q, k, v
@@ -401,10 +408,11 @@ _PREFILLS: dict[tuple[Any, ...], Prefill] = {}
 def _prefill(
     plan: Plan, function: str, q: np.ndarray, k: np.ndarray, v: np.ndarray, n: int, cap: int,
     gemm: int | None, block_q: int, block_k: int, counts: np.ndarray | None, own: bool,
-    stack: bool, team: int | None = None,
+    stack: bool, team: int | None = None, narrow: np.dtype | None = None,
 ) -> tuple[Prefill, tuple[np.ndarray, np.ndarray, np.ndarray]]:  # fmt: skip
     """:func:`attend`'s struct for ``plan`` and its operands ``q``, ``k``, ``v`` (read in place
-    where BLAS can: the operands the struct's offsets were worked out for are returned)."""
+    where BLAS can: the operands the struct's offsets were worked out for are returned);
+    ``narrow`` the output's dtype for the 16-bit ``io`` kernels."""
     dt = plan.acc_dtype
     batch, L, dv, group = plan.batch, plan.L, plan.dv, plan.group
     shape = batch + (L, dv)
@@ -422,7 +430,8 @@ def _prefill(
     rule["products"] = PRODUCTS["own" if own else "blas"]
     rule["parallel"] = team
     args = PrefillArgs(nb=nb, L=L, S=plan.S, d=plan.d, dv=dv, **fields, **rule)
-    call = Prefill(args, function, (arrays[3:], masks, per_head), own, shape, batch + (L, dv), dt)
+    call = Prefill(args, function, (arrays[3:], masks, per_head), own, shape, batch + (L, dv), dt,
+                   narrow)  # fmt: skip
     return call, arrays[:3]  # type: ignore[return-value]
 
 

@@ -170,6 +170,8 @@ _FAMILIES: tuple[tuple[type[ctypes.Structure], str, tuple[str, ...]], ...] = (
             "qkv_prefill_bf16",
             "qkv_prefill_f32_bf16kv",
             "qkv_prefill_f32_f16kv",
+            "qkv_prefill_f32_bf16io",
+            "qkv_prefill_f32_f16io",
         ),
     ),
     (
@@ -235,13 +237,17 @@ class Kept:
 
     ``run(q, k, v, counts)`` is the kernel's call on the addresses (``counts`` None, or an
     int64 array), for operands of ``arrays``' layout; ``clone`` the ``QKV_NATIVE_ISA`` it was
-    set up under.
+    set up under. ``io``: for float16/bfloat16 operands, whether ``q`` is taken, and the
+    output given, in that 16-bit dtype (the kernel widens and narrows them); otherwise ``q``
+    is the float32 one the caller widened, and the output float32.
     """
 
-    __slots__ = ("clone", "elements", "run", "strides")
+    __slots__ = ("clone", "elements", "io", "run", "strides")
 
-    def __init__(self, run: Callable[..., Any], arrays: tuple[np.ndarray, ...], clone: str) -> None:
-        self.run, self.clone = run, clone
+    def __init__(
+        self, run: Callable[..., Any], arrays: tuple[np.ndarray, ...], clone: str, io: bool = False
+    ) -> None:
+        self.run, self.clone, self.io = run, clone, io
         self.strides = tuple(a.strides for a in arrays)
         whole = all(s % a.itemsize == 0 for a in arrays for s in a.strides)
         # (an array whose byte strides are not whole elements has no element strides)

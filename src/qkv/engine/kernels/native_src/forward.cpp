@@ -373,6 +373,7 @@ template <typename T>
 struct Buffers {
     std::vector<T> s, acc, m, l;
     std::vector<T> qc, kc, vc;  // contiguous copies of strided operands (the varlen walk)
+    std::vector<T> oc;          // a block's output before it is narrowed (16-bit q and out)
     // the own products' packed scaled keys (d x bk) and padded values (bk x ldacc)
     std::vector<T> kt, vp;
     std::vector<int64_t> lo, hi, jl, jh;
@@ -586,9 +587,11 @@ Shared<Gemm> shared_of(const Args& a, int64_t bk, step_t step, finish_t finish,
 }
 
 // kv_format: 0, K/V in T; else (T float) K/V stored as 16-bit floats of that format, each
-// task widening its visible keys into its worker's buffers (widen_rows_body).
+// task widening its visible keys into its worker's buffers (widen_rows_body). io16 (with a
+// kv_format): q and out in that 16-bit form too, each task widening its block's query rows and
+// narrowing its output rows (narrow_rows_body); lse stays float32.
 template <typename T, typename Gemm>
-int run(const qkv_prefill_args& a, int kv_format = 0) {
+int run(const qkv_prefill_args& a, int kv_format = 0, bool io16 = false) {
     // tiles no larger than the problem (a short call's buffers are made, and zeroed, per call)
     const int64_t bq = std::max<int64_t>(1, std::min(a.block_q, a.L));
     const int64_t bk = std::max<int64_t>(1, std::min(a.block_k, a.S));
@@ -599,13 +602,14 @@ int run(const qkv_prefill_args& a, int kv_format = 0) {
     const step_t step = pick_step<T>(isa, prod.run != nullptr);
     const Shared<Gemm> sh = shared_of<Gemm>(a, bk, step, pick_finish<T>(isa), prod);
     const widen_t widen = kv_format ? pick_widen(isa, kv_format) : nullptr;
+    const narrow_t narrow = io16 && kv_format ? pick_narrow(isa, kv_format) : nullptr;
     const T* Q = static_cast<const T*>(a.q);
     const T* K = static_cast<const T*>(a.k);
     const T* V = static_cast<const T*>(a.v);
     T* OUT = static_cast<T*>(a.out);
     T* LSE = static_cast<T*>(a.lse);
     const T* BIAS = static_cast<const T*>(a.bias);
-    int no_memory = 0;  // a task could not widen its keys
+    int no_memory = 0;  // a task could not widen its keys (or its query rows)
     uint8_t bad = 0;    // some output is not finite (each block's normalisation checks)
     const int status = for_tasks<Buffers<T>>(
         ntasks, a.threads, a.parallel,
@@ -615,8 +619,6 @@ int run(const qkv_prefill_args& a, int kv_format = 0) {
         const int64_t qb = nqb - 1 - t / a.nb, h = t % a.nb;
         const int64_t r0 = qb * bq;
         Block<T> b;
-        b.q = Q + a.q_off[h] + r0 * a.q_rs;
-        b.q_rs = a.q_rs;
         b.k = K + a.k_off[h];
         b.k_rs = a.k_rs;
         b.v = V + a.v_off[h];
@@ -627,6 +629,22 @@ int run(const qkv_prefill_args& a, int kv_format = 0) {
         b.kmax = a.counts ? std::max<int64_t>(0, std::min(a.counts[h], a.S)) : a.S;
         b.r0 = r0;
         b.rows = std::min(bq, a.L - r0);
+        if (narrow) {  // the block's query rows widened; its output kept until narrowed
+            try {
+                buf.qc.resize(size_t(b.rows * a.d));
+                buf.oc.resize(size_t(b.rows * std::max<int64_t>(a.dv, 1)));
+            } catch (const std::bad_alloc&) {
+                __atomic_store_n(&no_memory, 1, __ATOMIC_RELAXED);
+                return;
+            }
+            const uint16_t* q16 = static_cast<const uint16_t*>(a.q) + a.q_off[h] + r0 * a.q_rs;
+            widen(q16, a.q_rs, b.rows, a.d, reinterpret_cast<float*>(buf.qc.data()));
+            b.q = buf.qc.data();
+            b.q_rs = a.d;
+        } else {
+            b.q = Q + a.q_off[h] + r0 * a.q_rs;
+            b.q_rs = a.q_rs;
+        }
         if (widen) {  // the keys some row of the block sees, widened
             Shared<Gemm> rule = sh;
             rule.S = a.S;
@@ -642,7 +660,7 @@ int run(const qkv_prefill_args& a, int kv_format = 0) {
                 return;
             }
         }
-        b.out = OUT + (h * a.L + r0) * a.dv;
+        b.out = narrow ? buf.oc.data() : OUT + (h * a.L + r0) * a.dv;
         b.out_rs = a.dv;
         b.lse = LSE + h * a.L + r0;
         b.lse_s = 1;
@@ -653,6 +671,9 @@ int run(const qkv_prefill_args& a, int kv_format = 0) {
         b.m_cs = a.m_cs;
         b.bad = &bad;
         forward_block<T, Gemm>(b, sh, buf);
+        if (narrow)
+            narrow(reinterpret_cast<const float*>(buf.oc.data()), b.rows * a.dv,
+                   static_cast<uint16_t*>(a.out) + (h * a.L + r0) * a.dv);
     });
     return status ? status : (no_memory ? 1 : (bad ? 3 : 0));
 }
@@ -788,6 +809,22 @@ int qkv_prefill_f32_f16kv(const qkv_prefill_args* a) {
     if (!a || !(a->gemm || a->products) || a->L < 1 || a->S < 0 || a->d < 1 || a->dv < 0)
         return 2;
     return run<float, sgemm_t>(*a, KV_F16);
+}
+
+// q, K, V and out all bfloat16 (or all float16), computed in float32 as
+// qkv_prefill_f32_bf16kv (f16kv) computes them on q widened, and the output rounded to nearest
+// even: the bits of that call's output narrowed. lse is float32; q's offsets and row stride in
+// its 16-bit elements. (qkv_prefill_bf16 is the bfloat16 tile products' kernel.)
+int qkv_prefill_f32_bf16io(const qkv_prefill_args* a) {
+    if (!a || !(a->gemm || a->products) || a->L < 1 || a->S < 0 || a->d < 1 || a->dv < 0)
+        return 2;
+    return run<float, sgemm_t>(*a, KV_BF16, true);
+}
+
+int qkv_prefill_f32_f16io(const qkv_prefill_args* a) {
+    if (!a || !(a->gemm || a->products) || a->L < 1 || a->S < 0 || a->d < 1 || a->dv < 0)
+        return 2;
+    return run<float, sgemm_t>(*a, KV_F16, true);
 }
 
 int qkv_prefill_f64(const qkv_prefill_args* a) {
