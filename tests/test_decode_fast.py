@@ -20,12 +20,13 @@ T32 = tol("fast path", np.float32)
 
 
 def _clones() -> list[str]:
-    """The clones this CPU runs (the native library built), narrowest first."""
+    """The clones this CPU runs (the native library built), narrowest first, then "" (none
+    forced: the widest road, which on a CPU with AVX512_VNNI is a piece of its own)."""
     lib = native_lib.library()[0]
     if lib is None or native_lib.switched_off():
         return []
     best = lib.qkv_best_isa()
-    return [name for name, code in native_lib.ISAS.items() if code <= best]
+    return [name for name, code in native_lib.ISAS.items() if code <= best] + [""]
 
 
 CLONES = _clones()

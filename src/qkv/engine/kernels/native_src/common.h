@@ -33,6 +33,11 @@
 #define QKV_BF16                                                                      \
     __attribute__((target("avx512f,avx512vl,avx512dq,avx512bw,avx512bf16,fma," \
                           "prefer-vector-width=512")))
+// AVX-512 with AVX512_VNNI's vpdpbusd: the decode step's fast int8 scores (decode.cpp);
+// cpu_has_vnni() says whether this CPU runs it.
+#define QKV_VNNI                                                                      \
+    __attribute__((target("avx512f,avx512vl,avx512dq,avx512bw,avx512vnni,fma," \
+                          "prefer-vector-width=512")))
 #else
 #define QKV_X86 0
 #endif
@@ -105,6 +110,12 @@ inline int best_isa() {
 inline bool cpu_has_bf16() {
     __builtin_cpu_init();
     return best_isa() == 3 && __builtin_cpu_supports("avx512bf16");
+}
+
+// Whether this CPU runs the QKV_VNNI code: AVX-512 with AVX512_VNNI.
+inline bool cpu_has_vnni() {
+    __builtin_cpu_init();
+    return best_isa() == 3 && __builtin_cpu_supports("avx512vnni");
 }
 #endif
 
