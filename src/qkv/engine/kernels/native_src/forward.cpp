@@ -100,6 +100,22 @@ QKV_INLINE void tile_step(const StepArgs& a) {
 
 QKV_CLONE_SET(step, StepArgs, tile_step)
 
+// The lanes of a where m holds all ones, else those of b (m: a comparison's lanes, all ones or
+// all zeros), by bitwise operations: GCC compiles `m ? a : b` on its 64-byte vector types lane
+// by lane in the AVX-512 clone, as it does their comparisons (lanes_cmp). The same lanes are
+// chosen: the same bits.
+template <typename M, typename V>
+QKV_INLINE V pick_lanes(M m, V a, V b) {
+    static_assert(sizeof(M) == sizeof(V), "a mask of the values' width");
+    M x, y;
+    std::memcpy(&x, &a, sizeof(V));
+    std::memcpy(&y, &b, sizeof(V));
+    const M r = (x & m) | (y & ~m);
+    V out;
+    std::memcpy(&out, &r, sizeof(V));
+    return out;
+}
+
 // exp_neg on W lanes at once, in place (the same steps, so the same results lane by lane;
 // no vector is passed by value: that would change the ABI of a clone's calls).
 template <typename T, int W>
@@ -108,8 +124,8 @@ QKV_INLINE void exp_neg_lanes(typename Lanes<T, W>::type& y) {
     typedef typename Lanes<T, W>::type V;
     typedef typename Lanes<typename E::Bits, W>::type VB;
     V x = y;
-    const VB under = x < E::low;  // NaN compares false and passes through
-    x = under ? V{} + E::low : x;
+    const VB under = lanes_cmp<LANES_LT>(x, V{} + E::low);  // NaN compares false: passes
+    x = pick_lanes(under, V{} + E::low, x);
     const V t = x * E::log2e + E::magic;
     const V n = t - E::magic;
     V r = x - n * E::ln2_hi;
@@ -123,7 +139,7 @@ QKV_INLINE void exp_neg_lanes(typename Lanes<T, W>::type& y) {
     const VB bits = (ti - mi + E::bias) << E::place;
     V two_n;
     std::memcpy(&two_n, &bits, sizeof(V));
-    y = under ? V{} : p * two_n;
+    y = pick_lanes(under, V{}, p * two_n);
 }
 
 // The softmax step for the own products' score tiles, whose rows are padded to whole vectors
@@ -181,7 +197,9 @@ QKV_INLINE void tile_step_lanes(const StepArgs& a) {
                 V x;
                 std::memcpy(&x, row + j, sizeof(V));
                 const VB c = iota + Bits(j);
-                mx = ((c >= Bits(jl)) & (c < Bits(jh)) & (x > mx)) ? x : mx;
+                mx = pick_lanes(lanes_cmp<LANES_GE>(c, VB{} + Bits(jl)) &
+                                    lanes_cmp<LANES_LT>(c, VB{} + Bits(jh)) & lanes_cmp<LANES_GT>(x, mx),
+                                x, mx);
             }
             T rmax = ninf;
             for (int u = 0; u < W; ++u) rmax = mx[u] > rmax ? mx[u] : rmax;
@@ -214,7 +232,8 @@ QKV_INLINE void tile_step_lanes(const StepArgs& a) {
             p -= mn[r];
             exp_neg_lanes<T, W>(p);
             const VB c = iota + Bits(at[t] - r * lds);
-            p = ((c >= lo[r]) & (c < hi[r])) ? p : V{};
+            p = pick_lanes(lanes_cmp<LANES_GE>(c, VB{} + lo[r]) & lanes_cmp<LANES_LT>(c, VB{} + hi[r]),
+                           p, V{});
             std::memcpy(base + at[t], &p, sizeof(V));
             sum += p;
             if (t + 1 == cnt || row_of[t + 1] != r) {

@@ -18,6 +18,9 @@
 
 #pragma once
 
+#include <cstring>
+#include <type_traits>
+
 #include "common.h"
 
 #if QKV_X86
@@ -42,6 +45,71 @@ template <typename T, int W>
 struct Lanes {
     typedef T type __attribute__((vector_size(W * sizeof(T))));
 };
+
+// Lane comparisons of GCC's vector types (`a > b`, `a >= b`, `a < b`): each lane all ones
+// where it holds, else zeros, as the operators give them, NaN comparing false. GCC compiles a
+// 64-byte vector's comparison written in a template without a clone's target lane by lane, a
+// branch per lane, even once the template is inlined into the AVX-512 clone (whose
+// comparisons give mask registers): there the softmax step took three quarters of a short
+// prefill's time, 3 to 4 times the AVX2 clone's. Those are written with the comparison's
+// builtin, which GCC checks against the target only where it is finally compiled, the clone.
+enum { LANES_GT, LANES_GE, LANES_LT };
+template <int OP, typename V>
+QKV_INLINE auto lanes_cmp(V a, V b) {
+    typedef decltype(a > b) M;
+#if QKV_X86
+    if constexpr (sizeof(V) == 64) {
+        typedef std::remove_cv_t<std::remove_reference_t<decltype(a[0])>> E;
+        M out;
+        if constexpr (std::is_floating_point<E>::value) {
+            constexpr int imm = OP == LANES_GT ? 30 : OP == LANES_GE ? 29 : 17;  // _CMP_*_OQ
+            if constexpr (sizeof(E) == 4) {
+                typedef float F __attribute__((vector_size(64)));
+                F x, y;
+                std::memcpy(&x, &a, 64);
+                std::memcpy(&y, &b, 64);
+                const auto r = __builtin_ia32_cvtmask2d512(
+                    __builtin_ia32_cmpps512_mask(x, y, imm, (unsigned short)-1, 4));
+                std::memcpy(&out, &r, 64);
+            } else {
+                typedef double F __attribute__((vector_size(64)));
+                F x, y;
+                std::memcpy(&x, &a, 64);
+                std::memcpy(&y, &b, 64);
+                const auto r = __builtin_ia32_cvtmask2q512(
+                    __builtin_ia32_cmppd512_mask(x, y, imm, (unsigned char)-1, 4));
+                std::memcpy(&out, &r, 64);
+            }
+        } else {
+            constexpr int imm = OP == LANES_GT ? 6 : OP == LANES_GE ? 5 : 1;  // _MM_CMPINT_*
+            if constexpr (sizeof(E) == 4) {
+                typedef int I __attribute__((vector_size(64)));
+                I x, y;
+                std::memcpy(&x, &a, 64);
+                std::memcpy(&y, &b, 64);
+                const auto r = __builtin_ia32_cvtmask2d512(
+                    __builtin_ia32_cmpd512_mask(x, y, imm, (unsigned short)-1));
+                std::memcpy(&out, &r, 64);
+            } else {
+                typedef long long I __attribute__((vector_size(64)));
+                I x, y;
+                std::memcpy(&x, &a, 64);
+                std::memcpy(&y, &b, 64);
+                const auto r = __builtin_ia32_cvtmask2q512(
+                    __builtin_ia32_cmpq512_mask(x, y, imm, (unsigned char)-1));
+                std::memcpy(&out, &r, 64);
+            }
+        }
+        return out;
+    }
+#endif
+    if constexpr (OP == LANES_GT)
+        return M(a > b);
+    else if constexpr (OP == LANES_GE)
+        return M(a >= b);
+    else
+        return M(a < b);
+}
 
 // Rows [0, MR) and vectors [0, NR) of a block of C (MR, NR compile-time: in registers).
 // (No scale factor: one more register held through the k loop spills a vector of B on AVX2.)
