@@ -128,13 +128,14 @@ QKV_INLINE void exp_neg_lanes(typename Lanes<T, W>::type& y) {
 
 // The softmax step for the own products' score tiles, whose rows are padded to whole vectors
 // of W lanes (lds, a multiple of W). Each row's max goes a vector at a time over the vectors
-// that hold its visible columns ([jl, jh)), each lane kept by whether its column is visible;
-// then the weights of a run of rows go in one flat loop over those vectors (their hidden
-// lanes come out 0; the rows' other vectors and the padding are zeroed), and last each row's
-// sum, rescaling and new max. On short rows (16 to 64 keys) the
-// per-row omp simd loops of row_step spent as long on set-up and remainders as on the
-// exponentials, and each row's few exponentials waited on each other's latency; the flat loop
-// has the vectors of several rows in flight at once. Rows wider than LANES_MAX keys (the long
+// that hold its visible columns ([jl, jh)), the lanes of its two edge vectors kept by whether
+// their columns are visible (those between are all visible); then the weights of a run of
+// rows go in one flat loop over those vectors, two at a time (the edge vectors' hidden lanes
+// come out 0; the rows' other vectors and the padding are zeroed), and last each row's sum,
+// rescaling and new max; each row's vectors are added in order. On short rows (16 to 64
+// keys) the per-row omp simd loops of row_step spent as long on set-up and remainders as on
+// the exponentials, and each row's few exponentials waited on each other's latency; the flat
+// loop has the vectors of several rows in flight at once. Rows wider than LANES_MAX keys (the long
 // prefill's 768-key pieces) go by row_step, whose loops over them were faster (measured: 5%
 // of the long prefill's time).
 constexpr int64_t LANES_MAX = 128;
@@ -168,6 +169,7 @@ QKV_INLINE void tile_step_lanes(const StepArgs& a) {
         // a short tile)
         int32_t at[R * (LANES_MAX / W)];
         int16_t row_of[R * (LANES_MAX / W)];
+        bool edge[R * (LANES_MAX / W)];  // whether the vector holds a hidden column
         int cnt = 0;
         for (int r = 0; r < nr; ++r) {  // bias and mask, and the new max
             const int64_t i = i0 + r;
@@ -176,12 +178,21 @@ QKV_INLINE void tile_step_lanes(const StepArgs& a) {
             bias_and_mask(row, jl, jh, bias ? bias + i * a.m_rs : nullptr,
                           a.mask ? a.mask + i * a.m_rs : nullptr, a.m_cs);
             const int64_t vl = jh > jl ? jl / W * W : 0, vh = jh > jl ? (jh + W - 1) / W * W : 0;
+            // the columns past jl's and jh's vector's edges are hidden (the select); those
+            // between are all visible
+            const int64_t el = vl + (vl < jl ? W : 0), eh = vh - (vh > jh ? W : 0);
             V mx = V{} + ninf;
             for (int64_t j = vl; j < vh; j += W) {
                 V x;
                 std::memcpy(&x, row + j, sizeof(V));
-                const VB c = iota + Bits(j);
-                mx = ((c >= Bits(jl)) & (c < Bits(jh)) & (x > mx)) ? x : mx;
+                if (j >= el && j < eh) {
+                    mx = x > mx ? x : mx;
+                } else {  // hidden lanes as -inf, which moves no max (the same maxima as
+                    // one select on both conditions, which AVX-512 code did lane by lane)
+                    const VB c = iota + Bits(j);
+                    x = ((c >= Bits(jl)) & (c < Bits(jh))) ? x : V{} + ninf;
+                    mx = x > mx ? x : mx;
+                }
             }
             T rmax = ninf;
             for (int u = 0; u < W; ++u) rmax = mx[u] > rmax ? mx[u] : rmax;
@@ -194,6 +205,7 @@ QKV_INLINE void tile_step_lanes(const StepArgs& a) {
                 hi[r] = Bits(jh);
                 for (int64_t j = vl; j < vh; j += W) {
                     at[cnt] = int32_t(r * lds + j);
+                    edge[cnt] = j < el || j >= eh;
                     row_of[cnt++] = int16_t(r);
                 }
                 std::fill(row, row + vl, T(0));
@@ -207,20 +219,42 @@ QKV_INLINE void tile_step_lanes(const StepArgs& a) {
         }
         T* base = s + i0 * lds;
         V sum = V{};  // the row's, kept in a register until its last vector
-        for (int t = 0; t < cnt; ++t) {  // the weights exp(s - m), vector by vector
+        // a vector's weights: its hidden lanes zeroed, stored, added to its row's sum
+        const auto put = [&](int t, V& p) __attribute__((always_inline)) {
             const int r = row_of[t];
-            V p;
-            std::memcpy(&p, base + at[t], sizeof(V));
-            p -= mn[r];
-            exp_neg_lanes<T, W>(p);
-            const VB c = iota + Bits(at[t] - r * lds);
-            p = ((c >= lo[r]) & (c < hi[r])) ? p : V{};
+            if (edge[t]) {  // p where visible, else +0 (as a select would): its bits and the
+                // visible lanes' all-ones
+                const VB c = iota + Bits(at[t] - r * lds);
+                VB bits;
+                std::memcpy(&bits, &p, sizeof(V));
+                bits &= (c >= lo[r]) & (c < hi[r]);
+                std::memcpy(&p, &bits, sizeof(V));
+            }
             std::memcpy(base + at[t], &p, sizeof(V));
             sum += p;
             if (t + 1 == cnt || row_of[t + 1] != r) {
                 sums[r] = sum;
                 sum = V{};
             }
+        };
+        int t = 0;
+        for (; t + 2 <= cnt; t += 2) {  // the weights exp(s - m), two vectors at a time
+            V p0, p1;
+            std::memcpy(&p0, base + at[t], sizeof(V));
+            std::memcpy(&p1, base + at[t + 1], sizeof(V));
+            p0 -= mn[row_of[t]];
+            p1 -= mn[row_of[t + 1]];
+            exp_neg_lanes<T, W>(p0);
+            exp_neg_lanes<T, W>(p1);
+            put(t, p0);
+            put(t + 1, p1);
+        }
+        if (t < cnt) {
+            V p;
+            std::memcpy(&p, base + at[t], sizeof(V));
+            p -= mn[row_of[t]];
+            exp_neg_lanes<T, W>(p);
+            put(t, p);
         }
         for (int r = 0; r < nr; ++r) {  // sums, rescaling, new max
             if (!live[r]) continue;
