@@ -126,6 +126,84 @@ QKV_INLINE void exp_neg_lanes(typename Lanes<T, W>::type& y) {
     y = under ? V{} : p * two_n;
 }
 
+// row_step a vector of W lanes at a time, for rows too wide for tile_step_lanes' runs. The
+// same steps on the same inputs as row_step (its bias, mask and max are row_step's own), and
+// its sum in the same order: row_step's omp simd loop, which GCC runs W lanes wide from jl in
+// each clone, adds column jl + k·W + u to lane u (k = 0, 1, ...) over the whole vectors,
+// then the columns past the last whole vector one by one to lane 0, then lanes 0, 1, ...,
+// W - 1 to 0; so here too, with those last columns' exponentials taken as one vector. Two
+// vectors go at a time, so that one vector's exponential does not wait on the other's
+// latency.
+template <typename T, int W>
+QKV_INLINE void row_step_lanes(T* __restrict s, int64_t n, int64_t jl, int64_t jh,
+                               const uint8_t* __restrict mrow, const T* __restrict brow,
+                               int64_t m_cs, T* __restrict m, T* __restrict l, T* __restrict acc,
+                               int64_t dv) {
+    typedef typename Lanes<T, W>::type V;
+    const T ninf = -std::numeric_limits<T>::infinity();
+    bias_and_mask(s, jl, jh, brow, mrow, m_cs);
+    const T mx = lane_max(s, jl, jh);
+    const T mold = *m;
+    const T mnew = std::max(mold, mx);
+    if (jl > 0) std::fill(s, s + jl, T(0));
+    if (jh < n) std::fill(s + std::max(jh, int64_t(0)), s + n, T(0));
+    if (mnew == ninf) {  // nothing visible yet: weights 0, unless a score is NaN
+        bool nan = false;
+        for (int64_t j = jl; j < jh; ++j) {
+            nan |= s[j] != s[j];
+            s[j] = 0;
+        }
+        if (nan) *l = std::numeric_limits<T>::quiet_NaN();
+        return;
+    }
+    const int64_t cnt = jh > jl ? jh - jl : 0;
+    const int64_t nv = cnt / W, rest = cnt - nv * W;
+    T* __restrict p = s + jl;
+    V sum = V{};
+    int64_t k = 0;
+    for (; k + 2 <= nv; k += 2) {
+        V x0, x1;
+        std::memcpy(&x0, p + k * W, sizeof(V));
+        std::memcpy(&x1, p + (k + 1) * W, sizeof(V));
+        x0 -= mnew;
+        x1 -= mnew;
+        exp_neg_lanes<T, W>(x0);
+        exp_neg_lanes<T, W>(x1);
+        std::memcpy(p + k * W, &x0, sizeof(V));
+        std::memcpy(p + (k + 1) * W, &x1, sizeof(V));
+        sum += x0;
+        sum += x1;
+    }
+    if (k < nv) {
+        V x;
+        std::memcpy(&x, p + k * W, sizeof(V));
+        x -= mnew;
+        exp_neg_lanes<T, W>(x);
+        std::memcpy(p + k * W, &x, sizeof(V));
+        sum += x;
+    }
+    T first = sum[0];
+    if (rest) {
+        V x = V{};
+        std::memcpy(&x, p + nv * W, size_t(rest) * sizeof(T));
+        x -= mnew;
+        exp_neg_lanes<T, W>(x);
+        std::memcpy(p + nv * W, &x, size_t(rest) * sizeof(T));
+        for (int u = 0; u < rest; ++u) first += x[u];
+    }
+    T total = 0;
+    total += first;
+    for (int u = 1; u < W; ++u) total += sum[u];
+    // as row_step
+    const T alpha = mold == ninf ? T(0) : exp_neg(mold - mnew);
+    if (alpha != T(1) && mold != ninf) {
+#pragma omp simd
+        for (int64_t c = 0; c < dv; ++c) acc[c] *= alpha;
+    }
+    *l = *l * alpha + total;
+    *m = mnew;
+}
+
 // The softmax step for the own products' score tiles, whose rows are padded to whole vectors
 // of W lanes (lds, a multiple of W). Each row's max goes a vector at a time over the vectors
 // that hold its visible columns ([jl, jh)), the lanes of its two edge vectors kept by whether
@@ -136,13 +214,33 @@ QKV_INLINE void exp_neg_lanes(typename Lanes<T, W>::type& y) {
 // keys) the per-row omp simd loops of row_step spent as long on set-up and remainders as on
 // the exponentials, and each row's few exponentials waited on each other's latency; the flat
 // loop has the vectors of several rows in flight at once. Rows wider than LANES_MAX keys (the long
-// prefill's 768-key pieces) go by row_step, whose loops over them were faster (measured: 5%
-// of the long prefill's time).
+// prefill's 768-key pieces) go one at a time: by row_step_lanes in the AVX2 clone (3-5% faster
+// than row_step's loops there), by row_step in the others (row_step_lanes measured 4-5% slower
+// in the AVX-512 clone, and no faster in the baseline's).
 constexpr int64_t LANES_MAX = 128;
+
+// The rows wider than LANES_MAX, one at a time (row_step_lanes).
+template <typename T, int W>
+QKV_INLINE void tile_step_wide(const StepArgs& a) {
+    T* s = static_cast<T*>(a.s);
+    T* m = static_cast<T*>(a.m);
+    T* l = static_cast<T*>(a.l);
+    T* acc = static_cast<T*>(a.acc);
+    const T* bias = static_cast<const T*>(a.bias);
+    for (int64_t i = 0; i < a.rows; ++i) {
+        row_step_lanes<T, W>(s + i * a.lds, a.n, a.jl[i], a.jh[i],
+                             a.mask ? a.mask + i * a.m_rs : nullptr,
+                             bias ? bias + i * a.m_rs : nullptr, a.m_cs, m + i, l + i,
+                             acc + i * a.ldacc, a.dv);
+    }
+}
 
 template <typename T, int W>
 QKV_INLINE void tile_step_lanes(const StepArgs& a) {
-    if (a.lds > LANES_MAX) return tile_step<T>(a);
+    if (a.lds > LANES_MAX) {
+        if (W * sizeof(T) == 32) return tile_step_wide<T, W>(a);  // the AVX2 clone's
+        return tile_step<T>(a);
+    }
     typedef typename Lanes<T, W>::type V;
     typedef typename ExpParts<T>::Bits Bits;
     typedef typename Lanes<Bits, W>::type VB;
