@@ -252,10 +252,25 @@ QKV_INLINE void tile_step_lanes(const StepArgs& a) {
     T* acc = static_cast<T*>(a.acc);
     const T* bias = static_cast<const T*>(a.bias);
     const int64_t lds = a.lds;
+    Bits ninf_one;
+    std::memcpy(&ninf_one, &ninf, sizeof(T));
+    const VB ninf_bits = VB{} + ninf_one;
     // a run's rows stay in L1 between its passes (16 KiB)
     const int64_t run = std::max<int64_t>(1, std::min<int64_t>(R, (16 << 10) / (lds * sizeof(T))));
-    VB iota;
-    for (int u = 0; u < W; ++u) iota[u] = Bits(u);
+    // the lanes of the vector at column j whose columns lie in [lo, hi), as all-ones: two
+    // loads from these (GCC built the compare of a lane index against lo and hi lane by lane
+    // in the AVX-512 clone)
+    Bits from[2 * W], below[2 * W];  // from: W zeros then W all-ones; below: the reverse
+    for (int u = 0; u < W; ++u) {
+        from[u] = below[W + u] = 0;
+        from[W + u] = below[u] = Bits(-1);
+    }
+    const auto lanes_in = [&](int64_t j, int64_t lo, int64_t hi) __attribute__((always_inline)) {
+        VB a, b;
+        std::memcpy(&a, from + W - std::min<int64_t>(std::max<int64_t>(lo - j, 0), W), sizeof(VB));
+        std::memcpy(&b, below + W - std::min<int64_t>(std::max<int64_t>(hi - j, 0), W), sizeof(VB));
+        return a & b;
+    };
     for (int64_t i0 = 0; i0 < a.rows; i0 += run) {
         const int nr = int(std::min<int64_t>(run, a.rows - i0));
         T mn[R];
@@ -286,9 +301,12 @@ QKV_INLINE void tile_step_lanes(const StepArgs& a) {
                 if (j >= el && j < eh) {
                     mx = x > mx ? x : mx;
                 } else {  // hidden lanes as -inf, which moves no max (the same maxima as
-                    // one select on both conditions, which AVX-512 code did lane by lane)
-                    const VB c = iota + Bits(j);
-                    x = ((c >= Bits(jl)) & (c < Bits(jh))) ? x : V{} + ninf;
+                    // one select on both conditions, which the AVX-512 clone ran lane by lane)
+                    const VB keep = lanes_in(j, jl, jh);
+                    VB xb;
+                    std::memcpy(&xb, &x, sizeof(V));
+                    xb = (xb & keep) | (ninf_bits & ~keep);
+                    std::memcpy(&x, &xb, sizeof(V));
                     mx = x > mx ? x : mx;
                 }
             }
@@ -322,10 +340,9 @@ QKV_INLINE void tile_step_lanes(const StepArgs& a) {
             const int r = row_of[t];
             if (edge[t]) {  // p where visible, else +0 (as a select would): its bits and the
                 // visible lanes' all-ones
-                const VB c = iota + Bits(at[t] - r * lds);
                 VB bits;
                 std::memcpy(&bits, &p, sizeof(V));
-                bits &= (c >= lo[r]) & (c < hi[r]);
+                bits &= lanes_in(at[t] - r * lds, lo[r], hi[r]);
                 std::memcpy(&p, &bits, sizeof(V));
             }
             std::memcpy(base + at[t], &p, sizeof(V));
