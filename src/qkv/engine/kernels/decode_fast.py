@@ -5,10 +5,11 @@ The exact road (the default) widens every stored code to float32 and takes each 
 float32. The fast road rounds each query row to int8 first, symmetric with one scale per
 (query row, head), ``s_q = max|q| / 127``, ``c = rint(q / s_q)`` (halves to even), and takes
 its products with the int8 keys in int32, exactly (AVX2's ``vpmaddubsw``/``vpmaddwd`` in the
-native step); a score is then ``float(c · k) · (s_q · scale) · k_scale``. The weights'
-products with the values stay those of the exact road. As llama.cpp rounds q to K's dot type,
-vLLM's CPU backend widens FP8 to bfloat16, and ONNX Runtime's VNNI road, it changes the
-numbers, so it is opted into, never chosen for a caller.
+native step, AVX512_VNNI's ``vpdpbusd`` where the CPU has it); a score is then
+``float(c · k) · (s_q · scale) · k_scale``. The weights' products with the values stay those
+of the exact road. As llama.cpp rounds q to K's dot type, vLLM's CPU backend widens FP8 to
+bfloat16, and ONNX Runtime's VNNI road, it changes the numbers, so it is opted into, never
+chosen for a caller.
 
 Error bound. ``|q - c · s_q| <= s_q / 2`` per element, so each score moves by at most
 ``ε = scale · (s_q / 2) · Σ_i |k_i|`` (``k`` the key's stored value, its codes times its
