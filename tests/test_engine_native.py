@@ -693,3 +693,16 @@ def test_prefill_on_the_openmp_team_equals_its_own_threads(monkeypatch, products
     np.testing.assert_allclose(on_team, own, **tol("other threads", np.float32))
     want = reference.attention(q, k, v, causal=causal)
     np.testing.assert_allclose(on_team, want, **tol("fast path", np.float32))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_fma_peak_counts_its_clones_flop(isa):
+    """The FMA peak micro-benchmark (bench/machine.py) runs in the clone asked for, capped by
+    the CPU, and returns the FLOP it did: 12 chains of vector FMAs of that clone's float32
+    lanes (4, 8, 16), two FLOP per lane; a negative count is refused (-1)."""
+    lib = native_lib.library()[0]
+    code = min(native_lib.ISAS[isa], lib.qkv_best_isa())
+    lanes = {1: 4, 2: 8, 3: 16}[code]
+    assert lib.qkv_fma_peak(native_lib.ISAS[isa], 1000) == 2 * lanes * 12 * 1000
+    assert lib.qkv_fma_peak(native_lib.ISAS[isa], 0) == 0
+    assert lib.qkv_fma_peak(native_lib.ISAS[isa], -1) == -1

@@ -391,6 +391,8 @@ def library() -> tuple[Any, str]:
             raise AttributeError("qkv_prefill_not_finite_status")
         lib.qkv_best_isa.restype = ctypes.c_int
         lib.qkv_bf16_products.restype = ctypes.c_int
+        lib.qkv_fma_peak.argtypes = [_i64, _i64]
+        lib.qkv_fma_peak.restype = ctypes.c_double
         lib.qkv_kv_format_code.argtypes = [ctypes.c_char_p]
         lib.qkv_kv_format_code.restype = _i64
     except AttributeError:

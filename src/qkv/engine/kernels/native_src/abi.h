@@ -191,5 +191,9 @@ int64_t qkv_backward_args_size(void);
 int64_t qkv_decode_args_size(void);
 // The widest vector clone this CPU runs: 1 baseline, 2 AVX2, 3 AVX-512.
 int qkv_best_isa(void);
+// The float32 FMA peak micro-benchmark (bench/machine.py): `rounds` rounds of register-resident
+// vector FMAs in the clone `isa` asks for (0: the widest), the FLOP done returned for the
+// caller to time (-1 for a negative count).
+double qkv_fma_peak(int64_t isa, int64_t rounds);
 
 }  // extern "C"

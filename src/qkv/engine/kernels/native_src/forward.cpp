@@ -1029,4 +1029,16 @@ int64_t qkv_args_size(void) { return int64_t(sizeof(qkv_prefill_args)); }
 // without this function returned 0 then).
 int qkv_prefill_not_finite_status(void) { return 3; }
 
+// The FMA peak micro-benchmark (tiles.h's fma_rounds) in the clone `isa` asks for (0: the
+// widest this CPU runs, as the kernels'): the float32 FLOP done, for the caller to time.
+double qkv_fma_peak(int64_t isa, int64_t rounds) {
+    if (rounds < 0) return -1;
+#if QKV_X86
+    const fma_t f = pick_clone<fma_t>(chosen_isa(isa), fma_base, fma_avx2, fma_avx512);
+#else
+    const fma_t f = fma_base;
+#endif
+    return f(rounds);
+}
+
 }  // extern "C"
