@@ -36,26 +36,52 @@ namespace {
 // visible to the row by causal/window. Applies bias and mask, moves the running max m,
 // writes the weights exp(s - m) over the visible columns (0 elsewhere) and returns the factor
 // exp(m_old - m_new) by which the row's accumulator and sum must be scaled.
+// The start of a row's step (row_step, row_step_lanes): bias and mask applied, the new max
+// into mnew, the columns outside [jl, jh) zeroed; false when nothing is visible yet (the
+// row's weights then all 0, and l NaN where a visible score is).
+template <typename T>
+QKV_INLINE bool row_start(T* __restrict s, int64_t n, int64_t jl, int64_t jh,
+                          const uint8_t* __restrict mrow, const T* __restrict brow, int64_t m_cs,
+                          T mold, T* __restrict l, T& mnew) {
+    bias_and_mask(s, jl, jh, brow, mrow, m_cs);
+    mnew = std::max(mold, lane_max(s, jl, jh));
+    for (int64_t j = 0; j < jl; ++j) s[j] = 0;
+    for (int64_t j = jh; j < n; ++j) s[j] = 0;
+    if (mnew != -std::numeric_limits<T>::infinity()) return true;
+    bool nan = false;
+    for (int64_t j = jl; j < jh; ++j) {
+        nan |= s[j] != s[j];
+        s[j] = 0;
+    }
+    if (nan) *l = std::numeric_limits<T>::quiet_NaN();
+    return false;
+}
+
+// The end of a row's step: the accumulator rescaled by exp(mold - mnew), the new sum (with the
+// row's weights' `sum`) and max. mold == mnew: exactly 1. mold == -inf: 0, and the accumulator
+// is left as it is: every weight it summed was 0, so it holds 0 (or NaN, from an infinite
+// value), which 0 times it would not change; the own products' first piece leaves it
+// unwritten (forward_block).
+template <typename T>
+QKV_INLINE void row_end(T mold, T mnew, T sum, T* __restrict m, T* __restrict l,
+                        T* __restrict acc, int64_t dv) {
+    const bool unseen = mold == -std::numeric_limits<T>::infinity();
+    const T alpha = unseen ? T(0) : exp_neg(mold - mnew);
+    if (alpha != T(1) && !unseen) {
+#pragma omp simd
+        for (int64_t c = 0; c < dv; ++c) acc[c] *= alpha;
+    }
+    *l = *l * alpha + sum;
+    *m = mnew;
+}
+
 template <typename T>
 QKV_INLINE void row_step(T* __restrict s, int64_t n, int64_t jl, int64_t jh,
                          const uint8_t* __restrict mrow, const T* __restrict brow, int64_t m_cs,
                          T* __restrict m, T* __restrict l, T* __restrict acc, int64_t dv) {
-    const T ninf = -std::numeric_limits<T>::infinity();
-    bias_and_mask(s, jl, jh, brow, mrow, m_cs);
-    const T mx = lane_max(s, jl, jh);
-    T mold = *m;
-    T mnew = std::max(mold, mx);
-    for (int64_t j = 0; j < jl; ++j) s[j] = 0;
-    for (int64_t j = jh; j < n; ++j) s[j] = 0;
-    if (mnew == ninf) {  // nothing visible yet: weights 0, unless a score is NaN
-        bool nan = false;
-        for (int64_t j = jl; j < jh; ++j) {
-            nan |= s[j] != s[j];
-            s[j] = 0;
-        }
-        if (nan) *l = std::numeric_limits<T>::quiet_NaN();
-        return;
-    }
+    const T mold = *m;
+    T mnew;
+    if (!row_start(s, n, jl, jh, mrow, brow, m_cs, mold, l, mnew)) return;
     T sum = 0;  // summed as the weights are written (a simd reduction: lanes, then added)
 #pragma omp simd reduction(+ : sum)
     for (int64_t j = jl; j < jh; ++j) {
@@ -63,16 +89,7 @@ QKV_INLINE void row_step(T* __restrict s, int64_t n, int64_t jl, int64_t jh,
         s[j] = p;
         sum += p;
     }
-    // mold == mnew: exactly 1. mold == -inf: 0, and the accumulator is left as it is: every
-    // weight it summed was 0, so it holds 0 (or NaN, from an infinite value), which 0 times it
-    // would not change; the own products' first piece leaves it unwritten (forward_block).
-    T alpha = mold == ninf ? T(0) : exp_neg(mold - mnew);
-    if (alpha != T(1) && mold != ninf) {
-#pragma omp simd
-        for (int64_t c = 0; c < dv; ++c) acc[c] *= alpha;
-    }
-    *l = *l * alpha + sum;
-    *m = mnew;
+    row_end(mold, mnew, sum, m, l, acc, dv);
 }
 
 // The softmax step over rows [0, rows) of a score tile, stride lds.
@@ -156,22 +173,9 @@ QKV_INLINE void row_step_lanes(T* __restrict s, int64_t n, int64_t jl, int64_t j
                                int64_t m_cs, T* __restrict m, T* __restrict l, T* __restrict acc,
                                int64_t dv) {
     typedef typename Lanes<T, W>::type V;
-    const T ninf = -std::numeric_limits<T>::infinity();
-    bias_and_mask(s, jl, jh, brow, mrow, m_cs);
-    const T mx = lane_max(s, jl, jh);
     const T mold = *m;
-    const T mnew = std::max(mold, mx);
-    if (jl > 0) std::fill(s, s + jl, T(0));
-    if (jh < n) std::fill(s + std::max(jh, int64_t(0)), s + n, T(0));
-    if (mnew == ninf) {  // nothing visible yet: weights 0, unless a score is NaN
-        bool nan = false;
-        for (int64_t j = jl; j < jh; ++j) {
-            nan |= s[j] != s[j];
-            s[j] = 0;
-        }
-        if (nan) *l = std::numeric_limits<T>::quiet_NaN();
-        return;
-    }
+    T mnew;
+    if (!row_start(s, n, jl, jh, mrow, brow, m_cs, mold, l, mnew)) return;
     const int64_t cnt = jh > jl ? jh - jl : 0;
     const int64_t nv = cnt / W, rest = cnt - nv * W;
     T* __restrict p = s + jl;
@@ -210,14 +214,7 @@ QKV_INLINE void row_step_lanes(T* __restrict s, int64_t n, int64_t jl, int64_t j
     T total = 0;
     total += first;
     for (int u = 1; u < W; ++u) total += sum[u];
-    // as row_step
-    const T alpha = mold == ninf ? T(0) : exp_neg(mold - mnew);
-    if (alpha != T(1) && mold != ninf) {
-#pragma omp simd
-        for (int64_t c = 0; c < dv; ++c) acc[c] *= alpha;
-    }
-    *l = *l * alpha + total;
-    *m = mnew;
+    row_end(mold, mnew, total, m, l, acc, dv);
 }
 
 // The softmax step for the own products' score tiles, whose rows are padded to whole vectors
@@ -389,16 +386,7 @@ QKV_INLINE void tile_step_lanes(const StepArgs& a) {
             const int64_t i = i0 + r;
             T total = 0;  // lanes summed apart, then added
             for (int u = 0; u < W; ++u) total += sums[r][u];
-            const T mold = m[i], mnew = mn[r];
-            // as row_step: the accumulator of a row that saw nothing yet is left as it is
-            const T alpha = mold == ninf ? T(0) : exp_neg(mold - mnew);
-            if (alpha != T(1) && mold != ninf) {
-                T* __restrict arow = acc + i * a.ldacc;
-#pragma omp simd
-                for (int64_t c = 0; c < a.dv; ++c) arow[c] *= alpha;
-            }
-            l[i] = l[i] * alpha + total;
-            m[i] = mnew;
+            row_end(m[i], mn[r], total, m + i, l + i, acc + i * a.ldacc, a.dv);
         }
     }
 }
