@@ -82,16 +82,25 @@ def is_tensor(*xs: Any) -> bool:
     return False
 
 
-def read_plain(q: Any, k: Any, v: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """``q``, ``k``, ``v`` read as :func:`read` reads them — zero-copy NumPy views — when all
-    three are plain CPU tensors (``torch.Tensor`` itself, none requiring grad, NumPy-readable
-    as they are); None for anything else, which then takes the general reading (and its
-    refusals by name). The commonest call on tensors, read in a few attribute lookups."""
+def _plain_torch(q: Any, k: Any, v: Any) -> Any:
+    """PyTorch's module when ``q``, ``k`` and ``v`` are all ``torch.Tensor`` itself (no
+    subclass), else None (PyTorch not imported counts as not tensors)."""
     torch = sys.modules.get("torch")
     if torch is None:
         return None
     tensor = torch.Tensor
     if type(q) is not tensor or type(k) is not tensor or type(v) is not tensor:
+        return None
+    return torch
+
+
+def read_plain(q: Any, k: Any, v: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """``q``, ``k``, ``v`` read as :func:`read` reads them — zero-copy NumPy views — when all
+    three are plain CPU tensors (``torch.Tensor`` itself, none requiring grad, NumPy-readable
+    as they are); None for anything else, which then takes the general reading (and its
+    refusals by name). The commonest call on tensors, read in a few attribute lookups."""
+    torch = _plain_torch(q, k, v)
+    if torch is None:
         return None
     bf16 = torch.bfloat16
     if q.dtype is not bf16:  # (.numpy() refuses a tensor that requires grad, is not on the
@@ -129,11 +138,8 @@ def read_at(q: Any, k: Any, v: Any) -> tuple[Any, ...] | None:
     PyTorch, faster than ml_dtypes) as :func:`qkv.engine.run.plain_at` asks for it: its
     address, its strides and the tensor, to be held for the call; None for the others.
     """
-    torch = sys.modules.get("torch")
+    torch = _plain_torch(q, k, v)
     if torch is None:
-        return None
-    tensor = torch.Tensor
-    if type(q) is not tensor or type(k) is not tensor or type(v) is not tensor:
         return None
     dtype = q.dtype
     if k.dtype is not dtype or v.dtype is not dtype:

@@ -101,22 +101,6 @@ struct StepArgs : TileRows {
     int64_t ldacc;  // the accumulator's row stride (dv, or dv padded for the own products)
 };
 
-template <typename T>
-QKV_INLINE void tile_step(const StepArgs& a) {
-    T* s = static_cast<T*>(a.s);
-    T* m = static_cast<T*>(a.m);
-    T* l = static_cast<T*>(a.l);
-    T* acc = static_cast<T*>(a.acc);
-    const T* bias = static_cast<const T*>(a.bias);
-    for (int64_t i = 0; i < a.rows; ++i) {
-        row_step<T>(s + i * a.lds, a.n, a.jl[i], a.jh[i], a.mask ? a.mask + i * a.m_rs : nullptr,
-                    bias ? bias + i * a.m_rs : nullptr, a.m_cs, m + i, l + i, acc + i * a.ldacc,
-                    a.dv);
-    }
-}
-
-QKV_CLONE_SET(step, StepArgs, tile_step)
-
 // The lanes of a where m holds all ones, else those of b (m: a comparison's lanes, all ones or
 // all zeros), by bitwise operations: GCC compiles `m ? a : b` on its 64-byte vector types lane
 // by lane in the AVX-512 clone, as it does their comparisons (lanes_cmp). The same lanes are
@@ -232,26 +216,33 @@ QKV_INLINE void row_step_lanes(T* __restrict s, int64_t n, int64_t jl, int64_t j
 // in the AVX-512 clone, and no faster in the baseline's).
 constexpr int64_t LANES_MAX = 128;
 
-// The rows wider than LANES_MAX, one at a time (row_step_lanes).
-template <typename T, int W>
-QKV_INLINE void tile_step_wide(const StepArgs& a) {
+// The step over a tile's rows one at a time: by row_step, or (W > 0: the rows wider than
+// LANES_MAX in the AVX2 clone) by row_step_lanes.
+template <typename T, int W = 0>
+QKV_INLINE void tile_step(const StepArgs& a) {
     T* s = static_cast<T*>(a.s);
     T* m = static_cast<T*>(a.m);
     T* l = static_cast<T*>(a.l);
     T* acc = static_cast<T*>(a.acc);
     const T* bias = static_cast<const T*>(a.bias);
     for (int64_t i = 0; i < a.rows; ++i) {
-        row_step_lanes<T, W>(s + i * a.lds, a.n, a.jl[i], a.jh[i],
-                             a.mask ? a.mask + i * a.m_rs : nullptr,
-                             bias ? bias + i * a.m_rs : nullptr, a.m_cs, m + i, l + i,
-                             acc + i * a.ldacc, a.dv);
+        const uint8_t* mrow = a.mask ? a.mask + i * a.m_rs : nullptr;
+        const T* brow = bias ? bias + i * a.m_rs : nullptr;
+        if constexpr (W == 0)
+            row_step<T>(s + i * a.lds, a.n, a.jl[i], a.jh[i], mrow, brow, a.m_cs, m + i, l + i,
+                        acc + i * a.ldacc, a.dv);
+        else
+            row_step_lanes<T, W>(s + i * a.lds, a.n, a.jl[i], a.jh[i], mrow, brow, a.m_cs, m + i,
+                                 l + i, acc + i * a.ldacc, a.dv);
     }
 }
+
+QKV_CLONE_SET(step, StepArgs, tile_step)
 
 template <typename T, int W>
 QKV_INLINE void tile_step_lanes(const StepArgs& a) {
     if (a.lds > LANES_MAX) {
-        if (W * sizeof(T) == 32) return tile_step_wide<T, W>(a);  // the AVX2 clone's
+        if (W * sizeof(T) == 32) return tile_step<T, W>(a);  // the AVX2 clone's
         return tile_step<T>(a);
     }
     typedef typename Lanes<T, W>::type V;
