@@ -107,14 +107,7 @@ struct StepArgs : TileRows {
 // chosen: the same bits.
 template <typename M, typename V>
 QKV_INLINE V pick_lanes(M m, V a, V b) {
-    static_assert(sizeof(M) == sizeof(V), "a mask of the values' width");
-    M x, y;
-    std::memcpy(&x, &a, sizeof(V));
-    std::memcpy(&y, &b, sizeof(V));
-    const M r = (x & m) | (y & ~m);
-    V out;
-    std::memcpy(&out, &r, sizeof(V));
-    return out;
+    return same_bits<V>((same_bits<M>(a) & m) | (same_bits<M>(b) & ~m));
 }
 
 // exp_neg on W lanes at once, in place (the same steps, so the same results lane by lane;

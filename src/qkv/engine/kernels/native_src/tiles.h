@@ -54,53 +54,45 @@ struct Lanes {
 // prefill's time, 3 to 4 times the AVX2 clone's. Those are written with the comparison's
 // builtin, which GCC checks against the target only where it is finally compiled, the clone.
 enum { LANES_GT, LANES_GE, LANES_LT };
+
+// x's bytes as a To (of x's size)
+template <typename To, typename From>
+QKV_INLINE To same_bits(const From& x) {
+    static_assert(sizeof(To) == sizeof(From), "the same width");
+    To out;
+    std::memcpy(&out, &x, sizeof(To));
+    return out;
+}
+
 template <int OP, typename V>
 QKV_INLINE auto lanes_cmp(V a, V b) {
     typedef decltype(a > b) M;
 #if QKV_X86
     if constexpr (sizeof(V) == 64) {
         typedef std::remove_cv_t<std::remove_reference_t<decltype(a[0])>> E;
-        M out;
+        typedef float F32 __attribute__((vector_size(64)));
+        typedef double F64 __attribute__((vector_size(64)));
+        typedef int I32 __attribute__((vector_size(64)));
+        typedef long long I64 __attribute__((vector_size(64)));
+        const unsigned short all16 = 0xFFFF;
+        const unsigned char all8 = 0xFF;
         if constexpr (std::is_floating_point<E>::value) {
             constexpr int imm = OP == LANES_GT ? 30 : OP == LANES_GE ? 29 : 17;  // _CMP_*_OQ
-            if constexpr (sizeof(E) == 4) {
-                typedef float F __attribute__((vector_size(64)));
-                F x, y;
-                std::memcpy(&x, &a, 64);
-                std::memcpy(&y, &b, 64);
-                const auto r = __builtin_ia32_cvtmask2d512(
-                    __builtin_ia32_cmpps512_mask(x, y, imm, (unsigned short)-1, 4));
-                std::memcpy(&out, &r, 64);
-            } else {
-                typedef double F __attribute__((vector_size(64)));
-                F x, y;
-                std::memcpy(&x, &a, 64);
-                std::memcpy(&y, &b, 64);
-                const auto r = __builtin_ia32_cvtmask2q512(
-                    __builtin_ia32_cmppd512_mask(x, y, imm, (unsigned char)-1, 4));
-                std::memcpy(&out, &r, 64);
-            }
+            if constexpr (sizeof(E) == 4)
+                return same_bits<M>(__builtin_ia32_cvtmask2d512(__builtin_ia32_cmpps512_mask(
+                    same_bits<F32>(a), same_bits<F32>(b), imm, all16, 4)));
+            else
+                return same_bits<M>(__builtin_ia32_cvtmask2q512(__builtin_ia32_cmppd512_mask(
+                    same_bits<F64>(a), same_bits<F64>(b), imm, all8, 4)));
         } else {
             constexpr int imm = OP == LANES_GT ? 6 : OP == LANES_GE ? 5 : 1;  // _MM_CMPINT_*
-            if constexpr (sizeof(E) == 4) {
-                typedef int I __attribute__((vector_size(64)));
-                I x, y;
-                std::memcpy(&x, &a, 64);
-                std::memcpy(&y, &b, 64);
-                const auto r = __builtin_ia32_cvtmask2d512(
-                    __builtin_ia32_cmpd512_mask(x, y, imm, (unsigned short)-1));
-                std::memcpy(&out, &r, 64);
-            } else {
-                typedef long long I __attribute__((vector_size(64)));
-                I x, y;
-                std::memcpy(&x, &a, 64);
-                std::memcpy(&y, &b, 64);
-                const auto r = __builtin_ia32_cvtmask2q512(
-                    __builtin_ia32_cmpq512_mask(x, y, imm, (unsigned char)-1));
-                std::memcpy(&out, &r, 64);
-            }
+            if constexpr (sizeof(E) == 4)
+                return same_bits<M>(__builtin_ia32_cvtmask2d512(
+                    __builtin_ia32_cmpd512_mask(same_bits<I32>(a), same_bits<I32>(b), imm, all16)));
+            else
+                return same_bits<M>(__builtin_ia32_cvtmask2q512(
+                    __builtin_ia32_cmpq512_mask(same_bits<I64>(a), same_bits<I64>(b), imm, all8)));
         }
-        return out;
     }
 #endif
     if constexpr (OP == LANES_GT)
