@@ -449,7 +449,11 @@ struct Flat {
 // Paged: key position p lies in page block_table[p / page_size] at row p % page_size. A
 // block's rows are listed when it is asked for (one division per block, the pages' runs of
 // rows walked with additions), in two slots: the block being computed and the next one,
-// whose rows are asked for into L2 meanwhile. The inner loops read the listed rows as they
+// whose rows are asked for into L2 meanwhile, their page rows whole (every head's: one head's
+// rows lie a page row apart, and a CPU's prefetchers do not follow them; asked for row by
+// row only, the paged step read int8 at 28-33% and float8 at 47-52% of the contiguous step's
+// rate on a Zen 4 CPU, 2 threads, B8 H32 kv8 S4096 d128; whole, 38-45% and 65-74%, float32
+// 81-86% -> 86-93%, the 16-bit forms unchanged). The inner loops read the listed rows as they
 // read a Strided run, one pointer per row more.
 template <typename E>
 struct Paged {
@@ -488,6 +492,14 @@ struct Paged {
             for (int64_t i = 0; i < take; ++i) {
                 K[j + i] = kp + i * k_rs;
                 V[j + i] = vp + i * v_rs;
+            }
+            {  // the page rows whole, every head's (read in this block, head after head)
+                const char* kc = reinterpret_cast<const char*>(kp);
+                const char* vc = reinterpret_cast<const char*>(vp);
+                const int64_t kb = take * k_rs * int64_t(sizeof(E));
+                const int64_t vb = take * v_rs * int64_t(sizeof(E));
+                for (int64_t c = 0; c < kb; c += 64) __builtin_prefetch(kc + c, 0, 1);
+                for (int64_t c = 0; c < vb; c += 64) __builtin_prefetch(vc + c, 0, 1);
             }
             if (ksh) {
                 const float* kq = ksh + id * ks_ps + off * ks_rs;
