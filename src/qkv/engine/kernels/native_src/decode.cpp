@@ -439,6 +439,7 @@ struct Flat {
         : at(a, b, h), k_rs(a.k_rs), v_rs(a.v_rs), ks_rs(a.ks_rs), vs_rs(a.vs_rs) {}
     static constexpr bool all_heads = false;  // a piece reads one kv head
     QKV_INLINE void list(int64_t, int64_t, int) {}
+    QKV_INLINE void ask(int, int64_t, int64_t) const {}
     QKV_INLINE Kv_ k(int64_t b0, int, int64_t = 0) const { return {at.k + b0 * k_rs, k_rs}; }
     QKV_INLINE Kv_ v(int64_t b0, int, int64_t = 0) const { return {at.v + b0 * v_rs, v_rs}; }
     // (scaled formats only: the scales are there)
@@ -449,12 +450,14 @@ struct Flat {
 // Paged: key position p lies in page block_table[p / page_size] at row p % page_size. A
 // block's rows are listed when it is asked for (one division per block, the pages' runs of
 // rows walked with additions), in two slots: the block being computed and the next one,
-// whose rows are asked for into L2 meanwhile, their page rows whole (every head's: one head's
-// rows lie a page row apart, and a CPU's prefetchers do not follow them; asked for row by
-// row only, the paged step read int8 at 28-33% and float8 at 47-52% of the contiguous step's
-// rate on a Zen 4 CPU, 2 threads, B8 H32 kv8 S4096 d128; whole, 38-45% and 65-74%, float32
-// 81-86% -> 86-93%, the 16-bit forms unchanged). The inner loops read the listed rows as they
-// read a Strided run, one pointer per row more.
+// whose rows are asked for into L2 meanwhile: its page rows whole (every head's: one head's
+// rows lie a page row apart, and a CPU's prefetchers do not follow them), a share while each
+// head of this block is computed (ask). Asked for row by row only, the paged step read int8
+// at 28-33% of the contiguous step's rate on a Zen 4 CPU (2 threads, B8 H32 kv8 S4096 d128,
+// pages of 16), float8 at 47-52%, float32 at 81-86%; whole when listed, 43-47%, 64-81% and
+// 80-92%; in shares, 63-67%, 72-80% and (whole with the first head) 89-90%. The 16-bit forms
+// stayed at 52-71% throughout. The inner loops read the listed rows as they read a Strided
+// run, one pointer per row more.
 template <typename E>
 struct Paged {
     typedef Listed<E> Kv_;
@@ -470,6 +473,11 @@ struct Paged {
     const E* vl[2][DECODE_BK];
     const float* ksl[2][DECODE_BK];
     const float* vsl[2][DECODE_BK];
+    // each slot's runs of page rows (every head's), K's and V's, and their bytes
+    const char* runk[2][DECODE_BK];
+    const char* runv[2][DECODE_BK];
+    int64_t kbytes[2][DECODE_BK], vbytes[2][DECODE_BK];
+    int runs[2] = {0, 0};
     Paged(const qkv_decode_args& a, int64_t b, int64_t h)
         : kh(static_cast<const E*>(a.k) + h * a.k_hs),
           vh(static_cast<const E*>(a.v) + h * a.v_hs),
@@ -481,6 +489,7 @@ struct Paged {
           v_hs(a.v_hs), ks_hs(a.ks_hs), vs_hs(a.vs_hs) {}
     // The rows of keys [b0, b0 + n) (n <= DECODE_BK) into the lists of `slot`.
     QKV_INLINE void list(int64_t b0, int64_t n, int slot) {
+        runs[slot] = 0;
         if (n <= 0) return;
         int64_t page = b0 / ps, off = b0 - page * ps, j = 0;
         const E** K = kl[slot];
@@ -493,14 +502,11 @@ struct Paged {
                 K[j + i] = kp + i * k_rs;
                 V[j + i] = vp + i * v_rs;
             }
-            {  // the page rows whole, every head's (read in this block, head after head)
-                const char* kc = reinterpret_cast<const char*>(kp);
-                const char* vc = reinterpret_cast<const char*>(vp);
-                const int64_t kb = take * k_rs * int64_t(sizeof(E));
-                const int64_t vb = take * v_rs * int64_t(sizeof(E));
-                for (int64_t c = 0; c < kb; c += 64) __builtin_prefetch(kc + c, 0, 1);
-                for (int64_t c = 0; c < vb; c += 64) __builtin_prefetch(vc + c, 0, 1);
-            }
+            const int r = runs[slot]++;  // the page rows whole, every head's (ask)
+            runk[slot][r] = reinterpret_cast<const char*>(kp);
+            runv[slot][r] = reinterpret_cast<const char*>(vp);
+            kbytes[slot][r] = take * k_rs * int64_t(sizeof(E));
+            vbytes[slot][r] = take * v_rs * int64_t(sizeof(E));
             if (ksh) {
                 const float* kq = ksh + id * ks_ps + off * ks_rs;
                 const float* vq = vsh + id * vs_ps + off * vs_rs;
@@ -512,6 +518,17 @@ struct Paged {
             j += take;
             off = 0;
             ++page;
+        }
+    }
+    // Share `part` of `parts` of slot's page rows asked for (into L2), each run's lines in
+    // order: the next block's, a share while each head of this one is computed.
+    QKV_INLINE void ask(int slot, int64_t part, int64_t parts) const {
+        for (int r = 0; r < runs[slot]; ++r) {
+            const int64_t kb = kbytes[slot][r], vb = vbytes[slot][r];
+            for (int64_t c = kb * part / parts / 64 * 64; c < kb * (part + 1) / parts; c += 64)
+                __builtin_prefetch(runk[slot][r] + c, 0, 1);
+            for (int64_t c = vb * part / parts / 64 * 64; c < vb * (part + 1) / parts; c += 64)
+                __builtin_prefetch(runv[slot][r] + c, 0, 1);
         }
     }
     // head h + i's rows (decode_piece_vec's pieces read every head: all_heads)
@@ -541,6 +558,7 @@ QKV_INLINE void decode_piece_body(const qkv_decode_args& a, int64_t b, int64_t h
     for (int64_t b0 = j0; b0 < j1; b0 += DECODE_BK) {
         const int64_t n = std::min<int64_t>(DECODE_BK, j1 - b0);
         src.list(b0, n, 0);
+        src.ask(0, 0, 1);
         const auto K = src.k(b0, 0);
         const auto Vr = src.v(b0, 0);
         for (int64_t j = 0; j < n; ++j) {
@@ -1328,11 +1346,18 @@ QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h,
     };
     int slot = 0;
     src.list(j0, std::min<int64_t>(DECODE_BK, j1 - j0), slot);
+    src.ask(slot, 0, 1);
     for (int64_t b0 = j0; b0 < j1; b0 += DECODE_BK, slot ^= 1) {
         const int64_t n = std::min<int64_t>(DECODE_BK, j1 - b0);
         src.list(b0 + DECODE_BK, std::min<int64_t>(DECODE_BK, j1 - b0 - n), slot ^ 1);
         if constexpr (Src::all_heads) {
-            for (int64_t i = 0; i < NH; ++i) block(i, b0, n, slot);
+            // the next block's page rows: a share while each head is computed, or (4-byte
+            // values, whose rows are few lines apart) all of it with the first
+            const int64_t parts = sizeof(E) >= 4 ? 1 : NH;
+            for (int64_t i = 0; i < NH; ++i) {
+                if (i < parts) src.ask(slot ^ 1, i, parts);
+                block(i, b0, n, slot);
+            }
         } else {
             block(0, b0, n, slot);
         }
