@@ -170,13 +170,10 @@ def plain_at(
     kept = found.kept if found is not None else None
     if kept is None:
         return None
-    if widen is not None and not kept.io:
-        q, wide_strides, held = widen()
-        strides = (wide_strides, *strides[1:])
-        done = kept.at(q, k, v, strides)
-        del held  # (read: the call has returned)
-    else:
-        done = kept.at(q, k, v, strides)
+    if widen is not None and not kept.io:  # (the widened q held until the call returns)
+        q, wide, _held = widen()
+        strides = (wide, *strides[1:])
+    done = kept.at(q, k, v, strides)
     return None if done is None else done[0]
 
 

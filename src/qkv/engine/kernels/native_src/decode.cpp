@@ -1352,7 +1352,7 @@ QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h,
         src.list(b0 + DECODE_BK, std::min<int64_t>(DECODE_BK, j1 - b0 - n), slot ^ 1);
         if constexpr (Src::all_heads) {
             // the next block's page rows: a share while each head is computed, or (4-byte
-            // values, whose rows are few lines apart) all of it with the first
+            // values, for which that measured faster) all of it with the first
             const int64_t parts = sizeof(E) >= 4 ? 1 : NH;
             for (int64_t i = 0; i < NH; ++i) {
                 if (i < parts) src.ask(slot ^ 1, i, parts);
