@@ -137,7 +137,7 @@ QKV_INLINE void exp_neg_lanes(typename Lanes<T, W>::type& y) {
 }
 
 // row_step a vector of W lanes at a time, for rows too wide for tile_step_lanes' runs. The
-// same steps on the same inputs as row_step (its bias, mask and max are row_step's own), and
+// same steps on the same inputs as row_step (row_start and row_end are row_step's own), and
 // its sum in the same order: row_step's omp simd loop, which GCC runs W lanes wide from jl in
 // each clone, adds column jl + k·W + u to lane u (k = 0, 1, ...) over the whole vectors,
 // then the columns past the last whole vector one by one to lane 0, then lanes 0, 1, ...,
@@ -205,8 +205,8 @@ QKV_INLINE void row_step_lanes(T* __restrict s, int64_t n, int64_t jl, int64_t j
 // the exponentials, and each row's few exponentials waited on each other's latency; the flat
 // loop has the vectors of several rows in flight at once. Rows wider than LANES_MAX keys (the long
 // prefill's 768-key pieces) go one at a time: by row_step_lanes in the AVX2 clone (3-5% faster
-// than row_step's loops there), by row_step in the others (row_step_lanes measured 4-5% slower
-// in the AVX-512 clone, and no faster in the baseline's).
+// than row_step's loops there), by row_step in the others (row_step_lanes measured 1-5% slower
+// in the AVX-512 clone, with and without lanes_cmp, and no faster in the baseline's).
 constexpr int64_t LANES_MAX = 128;
 
 // The step over a tile's rows one at a time: by row_step, or (W > 0: the rows wider than
