@@ -167,7 +167,6 @@ def tail_counts(keep: np.ndarray, nbatch: int) -> np.ndarray | None:
         if not np.array_equal(last, rows) or not (keep == rows[..., None, :]).all():
             return None  # query rows that differ: causal-looking, or another structure
     rows = rows.reshape(-1, S)
-    counts = np.count_nonzero(rows, axis=-1)
-    if not np.array_equal(rows, np.arange(S)[None, :] < counts[:, None]):
-        return None  # not a tail hidden
-    return counts.astype(np.int64, copy=False)
+    if (rows[:, 1:] > rows[:, :-1]).any():
+        return None  # a key visible after a hidden one: not a tail hidden
+    return np.add.reduce(rows, axis=-1, dtype=np.int64)  # (a small call's: one pass, 1 µs)

@@ -236,10 +236,8 @@ def _padded(
         return None
     fields, narrow = found.fields, found.narrow
     batch = q.shape[:-2]
-    if not broadcasts_to(mask.shape, (*batch, q.shape[-2], k.shape[-2])):
-        return None  # (refused by the general road, by name)
-    counted = _counted(key, mask.shape)  # (None for shapes no kept road serves: the mask is
-    if counted is None:  # then not read twice)
+    counted = _counted(key, mask.shape)  # (None for a mask shape that does not broadcast, or
+    if counted is None:  # that no kept road serves: the mask is then not read twice)
         return None
     counts = tail_counts(mask, len(batch))
     if counts is None:
@@ -288,11 +286,14 @@ class _Counted:
 def _counted(key: tuple[Any, ...], ms: tuple[int, ...]) -> _Counted | None:
     """The router's choice for :func:`plain`'s key with a padding mask of shape ``ms`` read
     as key counts, where it holds for any counts
-    (:data:`~qkv.engine.kernels.router.FOR_ANY_COUNTS`); else None. Chosen on stand-ins, one
-    count for every row."""
+    (:data:`~qkv.engine.kernels.router.FOR_ANY_COUNTS`); else None, and None for a mask
+    shape that does not broadcast to the scores' (the general road refuses it by name).
+    Chosen on stand-ins, one count for every row."""
     found = _ready(*key)
     assert found is not None  # (_padded asked it first)
     qs, ks, vs, qt, kt, vt = key[:6]
+    if not broadcasts_to(ms, (*qs[:-1], ks[-2])):
+        return None
     fields, narrow = found.fields, found.narrow
     q = stand_in(np.float32 if narrow else qt, qs)
     arrays = {"stored": (stand_in(kt, ks), stand_in(vt, vs))} if narrow else {
