@@ -10,11 +10,13 @@ results as fractions of these numbers.
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import _common  # noqa: F401  (puts ../src on the path)
 import numpy as np
 
+from qkv.engine.kernels import native_lib
 from qkv.engine.kernels.threads import cpu_count, single_threaded_blas
 
 
@@ -53,10 +55,6 @@ def fma_gflops(threads: int | None = None, seconds: float = 0.2) -> float | None
     """Best float32 FMA rate of the native library's widest clone on ``threads`` cores (all by
     default), GFLOP/s: ``qkv_fma_peak`` run once per core at a time for about ``seconds``, best
     of three; None without the library."""
-    import time
-
-    from qkv.engine.kernels import native_lib
-
     lib = native_lib.library()[0]
     if lib is None:
         return None
