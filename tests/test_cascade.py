@@ -18,8 +18,8 @@ from tests.test_paged import FORMS, _check, _expected, _pool
 
 import qkv
 from qkv import flash, reference
-from qkv.engine import cascade
-from qkv.engine.kernels import router
+from qkv.engine import cascade, paged
+from qkv.engine.kernels import native, router
 from qkv.engine.paged import attend_pages
 from qkv.testing import strategies as qst
 
@@ -170,3 +170,53 @@ def test_flash_with_kvcache_reads_a_shared_prefix_once(split):
     np.testing.assert_allclose(
         out.numpy().transpose(0, 2, 1, 3), want, **tol("fast path", np.float32)
     )
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize(("page", "kvh", "d"), [(1, 1, 32), (16, 2, 64), (64, 3, 16)])
+def test_prefix_pages_read_in_place_give_the_gathered_bits(monkeypatch, form, page, kvh, d):
+    """The native prefill reads a shared prefix's pages in place (float32, float64 and the
+    16-bit forms, widened as gathered): the same bits as the prefix gathered first, and equal
+    to the reference. The 8-bit forms and a run without the native kernels gather."""
+    q, k, v, fmt, ks, vs, kd, vd, table, seqlens = _shared_case(
+        form, page, 512, [0, 3, 70], kvh=kvh, H=4 * kvh, d=d, seed=page + kvh
+    )
+    read: list[bool] = []
+    real = native.attend_prefix_pages
+    monkeypatch.setattr(native, "attend_prefix_pages", lambda *a: read.append(True) or real(*a))
+    kw = {"kv_format": fmt, "k_scale": ks, "v_scale": vs, "return_lse": True}
+    got = attend_pages(q, k, v, table, seqlens, **kw)
+    _check(got, _expected(q, kd, vd, table, seqlens), q.dtype)
+    in_place = form not in ("int8", "float8_e4m3fn") and native.available()[0]
+    assert read == ([True] if in_place else [])
+    monkeypatch.setattr(paged, "_IN_PLACE", {})  # the prefix gathered first
+    gathered = attend_pages(q, k, v, table, seqlens, **kw)
+    for a, b in zip(got, gathered, strict=True):
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+def test_prefix_pages_in_place_refuse_what_they_do_not_read():
+    """attend_prefix_pages gives None (the caller gathers) for a pool of another dtype than
+    the compute dtype's, or K and V pools of different dtypes, before reading anything."""
+    if not native.available()[0]:
+        pytest.skip("native kernels not built (or QKV_NATIVE=0)")
+    from qkv.validate import make_plan, stand_in
+
+    rng = np.random.default_rng(5)
+    rows = rng.standard_normal((2, 4, 8))
+    part = make_plan(rows, stand_in(np.float64, (2, 16, 8)), stand_in(np.float64, (2, 16, 8)))
+    pool = rng.standard_normal((3, 16, 2, 8)).astype(np.float32)
+    ids = np.array([2], np.int32)
+    assert native.attend_prefix_pages(part, pool, pool, ids, "own") is None
+    q32 = rows.astype(np.float32)
+    part32 = make_plan(q32, stand_in(np.float32, (2, 16, 8)), stand_in(np.float32, (2, 16, 8)))
+    assert native.attend_prefix_pages(part32, pool, pool.astype(np.float64), ids, "own") is None
+    kv = pool[2].transpose(1, 0, 2).astype(np.float64)  # page 2's rows: (kv_heads, 16, 8)
+    s = q32.astype(np.float64) @ kv.transpose(0, 2, 1) / np.sqrt(8)
+    want = np.log(np.exp(s).sum(-1))
+    for products in ("own", "blas"):
+        out, lse = native.attend_prefix_pages(part32, pool, pool, ids, products)
+        np.testing.assert_allclose(lse, want, **tol("fast path", np.float32))
+        np.testing.assert_allclose(
+            out, reference.attention(q32, kv, kv), **tol("fast path", np.float32)
+        )

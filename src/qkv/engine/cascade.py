@@ -20,14 +20,14 @@ each sequence's keys within the same tolerance as the unsplit step.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
-from ..validate import Plan, make_plan
-from .kernels import dispatch
+from ..validate import Plan, make_plan, stand_in
 from .kernels.blocks import merge_arrays
 
-__all__ = ["attend", "shared_columns"]
+__all__ = ["Prefix", "attend", "shared_columns"]
 
 
 def shared_columns(table: np.ndarray, lengths: np.ndarray, page: int, rows: int) -> int:
@@ -52,29 +52,43 @@ def shared_columns(table: np.ndarray, lengths: np.ndarray, page: int, rows: int)
     return max(n, 0)
 
 
+@dataclass(frozen=True)
+class Prefix:
+    """A prefix's ``keys`` over ``kv_heads`` heads with values of size ``dv``, and ``attend``:
+    the ``(out, lse)`` of a checked plan whose K/V are stand-ins of the prefix's shapes
+    ``(kv_heads, keys, ·)`` (the prefix read where it lies: its pages)."""
+
+    keys: int
+    kv_heads: int
+    dv: int
+    attend: Callable[[Plan], tuple[np.ndarray, np.ndarray]]
+
+
 def attend(
     plan: Plan,
-    prefix: tuple[np.ndarray, np.ndarray],
+    prefix: Prefix,
     own: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]],
     lengths: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(out, lse)`` of a checked paged step ``plan`` (``q (batch, heads, Lq, d)`` in the
-    compute dtype; no window, no position-dependent variant) split at a shared prefix.
+    compute dtype; no window, no position-dependent variant) split at a shared ``prefix``.
 
-    ``prefix`` holds the prefix's keys and values ``(kv_heads, P, ·)`` in the compute dtype;
     ``own(rest)`` runs the paged step on the rest of each sequence's keys (``rest`` of them,
-    after the prefix's ``P``) and gives its ``(out, lse)``; ``lengths`` are the sequences' key
-    counts, all at least ``P + Lq − 1``.
+    after the prefix's) and gives its ``(out, lse)``; ``lengths`` are the sequences' key
+    counts, all at least ``prefix.keys + Lq − 1``.
     """
-    kp, vp = prefix
     q = plan.q
     B, H, Lq, d = q.shape
-    kvh, P, dv = kp.shape[0], kp.shape[1], vp.shape[-1]
+    kvh, P, dv = prefix.kv_heads, prefix.keys, prefix.dv
     g = H // kvh
     # every sequence's queries of kv head h as the rows of one problem: (kv_heads, B·g·Lq, d)
     rows = q.reshape(B, kvh, g * Lq, d).transpose(1, 0, 2, 3).reshape(kvh, B * g * Lq, d)
-    part = make_plan(rows, kp, vp, scale=plan.scale, softcap=plan.softcap)
-    out_p, lse_p = dispatch.attend(part)
+    dt = plan.acc_dtype
+    part = make_plan(
+        rows, stand_in(dt, (kvh, P, d)), stand_in(dt, (kvh, P, dv)), scale=plan.scale,
+        softcap=plan.softcap,
+    )  # fmt: skip
+    out_p, lse_p = prefix.attend(part)
     out_p = out_p.reshape(kvh, B, g * Lq, dv).transpose(1, 0, 2, 3).reshape(B, H, Lq, dv)
     lse_p = lse_p.reshape(kvh, B, g * Lq).transpose(1, 0, 2).reshape(B, H, Lq)
     rest = lengths - P

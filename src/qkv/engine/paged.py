@@ -27,10 +27,10 @@ from ..checks import check_int
 from ..errors import InputError, InputTypeError
 from ..keywords import near_keywords
 from ..options import Options
-from ..validate import as_array, broadcasts_to, check_flag, make_plan, stand_in
+from ..validate import Plan, as_array, broadcasts_to, check_flag, make_plan, stand_in
 from . import cascade
 from .decoding import NATIVE, NATIVE_FAST, NUMPY_FAST, check_table, plan_checked
-from .kernels import decode, dispatch, router
+from .kernels import decode, dispatch, native, router
 from .kernels.decode_fast import check_precision
 from .quant import SCALED, check_format, dequantize_kv, quantize_kv, storage_dtype, storage_of
 
@@ -83,17 +83,22 @@ def _scales(x: Any, name: str, form: str | None, shape: tuple[int, ...]) -> np.n
     return a
 
 
+# The router's prefill kernels that read a shared prefix's pages in place, and their products
+# (qkv.engine.kernels.native.attend_prefix_pages)
+_IN_PLACE = {"native prefill, own tiles": "own", "native prefill": "blas"}
+
+
 def _gathered(
     pages: np.ndarray, scales: np.ndarray | None, form: str | None, row: np.ndarray, n: int
 ) -> np.ndarray:
     """One sequence's ``n`` keys (or values) ``(kv_heads, n, ·)`` gathered from its pages
     (table ``row``), as stored values: float (bfloat16 widened) or a form dequantized."""
-    page = pages.shape[1]
-    pos = np.arange(n)
-    at = (row[pos // page], pos % page)
-    x = pages[at]
+    # whole pages taken (one index per page, not per row), then the first n rows of them
+    ids = row[: -(-n // pages.shape[1])]
+    x = pages.take(ids, axis=0).reshape(-1, *pages.shape[2:])[:n]
     if form not in (None, "float16"):
-        x = dequantize_kv(x, None if scales is None else scales[at], form)
+        s = None if scales is None else scales.take(ids, axis=0).reshape(-1, *scales.shape[2:])[:n]
+        x = dequantize_kv(x, s, form)
     elif x.dtype.name == "bfloat16":
         x = x.astype(np.float32)
     return np.moveaxis(x, 0, 1)
@@ -224,7 +229,8 @@ def attend_pages(
             )
         slopes = np.broadcast_to(slopes, (B, H))
     options = Options(scale, causal, None, window, softcap=softcap, alibi_slopes=slopes)
-    stored = form is not None or kp.dtype.name == "bfloat16"
+    stored_bf16 = form == "bfloat16" or kp.dtype.name == "bfloat16"
+    stored = form is not None or stored_bf16
     value_dtype = _F32 if stored and form != "float16" else vp.dtype
     out_dtype = np.result_type(qa.dtype, value_dtype)
     longest = int(lengths.max()) if B else 0
@@ -240,11 +246,24 @@ def attend_pages(
     cols = cascade.shared_columns(table, lengths, page, Lq)
     if cols and router.cascade(plan, slopes, cols * page, B, precision):
         # a prefix every sequence shares: its pages read once for all of them
-        P = cols * page
-        prefix = (
-            _gathered(kp, ks, form, table[0], P).astype(plan.acc_dtype, copy=False),
-            _gathered(vp, vs, form, table[0], P).astype(plan.acc_dtype, copy=False),
-        )
+        ids = table[0, :cols]
+
+        def prefix_part(part: Plan) -> tuple[np.ndarray, np.ndarray]:
+            # the native prefill reads the prefix's pages in place where the router runs the
+            # part on it; else (8-bit forms, another kernel, an output not finite) the prefix
+            # is gathered first
+            products = _IN_PLACE.get(router.forward(part).name)
+            in_place = form in (None, "bfloat16", "float16") and products is not None
+            if in_place:
+                stored = "bfloat16" if stored_bf16 else form
+                found = native.attend_prefix_pages(part, kp, vp, ids, products, stored)
+                if found is not None:
+                    return found
+            k, v = (_gathered(x, s, form, ids, part.S) for x, s in ((kp, ks), (vp, vs)))
+            dt = plan.acc_dtype
+            full = make_plan(part.q, k.astype(dt, copy=False), v.astype(dt, copy=False),
+                             scale=part.scale, softcap=part.softcap)  # fmt: skip
+            return dispatch.attend(full)
 
         def own(rest: np.ndarray) -> Any:
             return attend_pages(
@@ -253,6 +272,7 @@ def attend_pages(
                 kv_format=kv_format, k_scale=k_scale, v_scale=v_scale,
             )  # fmt: skip
 
+        prefix = cascade.Prefix(cols * page, kvh, dv, prefix_part)
         out, lse = cascade.attend(plan, prefix, own, lengths)
         out = out.astype(out_dtype, copy=False)
         return (out, lse) if return_lse else out

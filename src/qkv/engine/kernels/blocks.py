@@ -156,12 +156,16 @@ def merge_arrays(parts: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.nda
         total += w
     safe_total = np.where(total == 0, dt.type(1), total)
     out = np.zeros(np.shape(parts[0][0]), dtype=dt)
+    term = np.empty_like(out)  # (one product at a time: no temporaries the size of out)
     for (o, _), w in zip(parts, weights, strict=True):
         # Shares that sum to 1: a convex combination cannot overflow where the parts did not.
         # Where the share is 0 the part contributes nothing (also not a NaN from 0 · inf), so a
         # row that no part saw stays 0.
         share = (w / safe_total)[..., None]
         with np.errstate(invalid="ignore"):
-            out += np.where(share != 0, share * o, dt.type(0))
+            np.multiply(share, o, out=term)
+        if not share.all():
+            np.copyto(term, dt.type(0), where=share == 0)
+        out += term
     lse = log_sum(shift, total)
     return out.astype(out_dt, copy=False), lse.astype(lse_dt, copy=False)

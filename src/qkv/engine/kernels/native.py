@@ -409,10 +409,12 @@ def _prefill(
     plan: Plan, function: str, q: np.ndarray, k: np.ndarray, v: np.ndarray, n: int, cap: int,
     gemm: int | None, block_q: int, block_k: int, counts: np.ndarray | None, own: bool,
     stack: bool, team: int | None = None, narrow: np.dtype | None = None,
+    pages: dict[str, Any] | None = None,
 ) -> tuple[Prefill, tuple[np.ndarray, np.ndarray, np.ndarray]]:  # fmt: skip
     """:func:`attend`'s struct for ``plan`` and its operands ``q``, ``k``, ``v`` (read in place
     where BLAS can: the operands the struct's offsets were worked out for are returned);
-    ``narrow`` the output's dtype for the 16-bit ``io`` kernels."""
+    ``narrow`` the output's dtype for the 16-bit ``io`` kernels; ``pages`` the struct's page
+    fields (:func:`attend_prefix_pages`)."""
     dt = plan.acc_dtype
     batch, L, dv, group = plan.batch, plan.L, plan.dv, plan.group
     shape = batch + (L, dv)
@@ -429,13 +431,60 @@ def _prefill(
         rule["counts"] = address(per_head)
     rule["products"] = PRODUCTS["own" if own else "blas"]
     rule["parallel"] = team
-    args = PrefillArgs(nb=nb, L=L, S=plan.S, d=plan.d, dv=dv, **fields, **rule)
+    args = PrefillArgs(nb=nb, L=L, S=plan.S, d=plan.d, dv=dv, **fields, **rule, **(pages or {}))
     call = Prefill(args, function, (arrays[3:], masks, per_head), own, shape, batch + (L, dv), dt,
                    narrow)  # fmt: skip
     return call, arrays[:3]  # type: ignore[return-value]
 
 
 _STORED = {"float16": "f16", "bfloat16": "bf16"}  # K/V forms the float32 kernels read as stored
+
+
+def attend_prefix_pages(
+    plan: Plan, k_pages: np.ndarray, v_pages: np.ndarray, ids: np.ndarray, products: str,
+    stored: str | None = None,
+) -> tuple[np.ndarray, np.ndarray] | None:  # fmt: skip
+    """:func:`attend` on a plan whose keys and values ``(kv_heads, P, ·)`` are the first ``P``
+    rows of pages ``ids`` of a paged pool ``(num_blocks, page_size, kv_heads, ·)``, read there
+    in place (a shared prefix, :mod:`qkv.engine.cascade`): each work item gathers the keys its
+    rows see into its worker's buffers, with no copy of the prefix made first. The pool holds
+    the compute dtype, or (``stored``) float16 or bfloat16 values in 16-bit elements, read as
+    stored (widened as gathered). ``plan``'s K/V are stand-ins of those shapes in the compute
+    dtype (nothing read); no mask, bias or key counts; ``products`` as for :func:`attend`.
+    ``(out, lse)`` in the compute dtype, bits equal to :func:`attend` on the gathered prefix;
+    None for pools it does not read (another dtype) or when some output is not finite (the
+    caller's general road applies its rules).
+    """
+    dt = plan.acc_dtype
+    if plan.mask is not None or plan.bias is not None:
+        return None
+    if stored is None and k_pages.dtype != dt or v_pages.dtype != k_pages.dtype:
+        return None
+    if stored is not None and (stored not in _STORED or dt != np.float32 or k_pages.itemsize != 2):
+        return None
+    form = _SUFFIX[dt] if stored is None else f"f32_{_STORED[stored]}kv"
+    function = f"qkv_prefill_{form}"
+    own = products == "own"
+    gemm = None if own else _blas()[dt]
+    # page 0's rows as (kv_heads, page_size, ·): each head's offset in a page row, and the row
+    # stride; the page fields give the rest
+    k0, v0 = np.moveaxis(k_pages[0], 1, 0), np.moveaxis(v_pages[0], 1, 0)
+    held = np.ascontiguousarray(ids, dtype=np.int32)
+    page_fields = {
+        "pages": address(held),
+        "page_size": k_pages.shape[1],
+        "k_ps": k_pages.strides[0] // k_pages.itemsize,
+        "v_ps": v_pages.strides[0] // v_pages.itemsize,
+    }
+    n, team = _team(None, own)
+    call, operands = _prefill(plan, function, plan.q, k0, v0, n, isa_cap(None), gemm, BLOCK_Q,
+                              BLOCK_K, None, own, False, team, None, page_fields)  # fmt: skip
+    if address(operands[1]) != address(k_pages) or address(operands[2]) != address(v_pages):
+        return None  # (a pool whose rows the struct cannot address in place)
+    q = operands[0]
+    out, lse, finite = call.launch(address(q), address(k_pages), address(v_pages))
+    del held
+    return (out, lse) if finite else None
 
 
 def _reading(plan: Plan, family: str) -> tuple[str, np.ndarray, np.ndarray]:

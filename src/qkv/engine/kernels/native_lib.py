@@ -106,6 +106,7 @@ class PrefillArgs(ctypes.Structure):
         ("counts", _ptr),
         ("products", _i64),
         ("parallel", _ptr),
+        ("pages", _ptr), *_ints("page_size", "k_ps", "v_ps"),
     ]  # fmt: skip
 
 

@@ -70,6 +70,14 @@ struct qkv_prefill_args {
     // GOMP_parallel of a running OpenMP runtime whose team runs the work items (PyTorch's,
     // between whose operations a model calls this), or NULL: the library's kept threads.
     void* parallel;
+    // Keys in pages (a paged cache's shared prefix, read in place): key j of every head lies in
+    // page pages[j / page_size] at its row j % page_size, its K row at k + k_off[h] +
+    // pages[j / page_size] * k_ps + (j % page_size) * k_rs (V likewise with v_ps, v_rs). Each
+    // task copies (or widens) the keys its rows see into its worker's buffers. NULL: key j at
+    // k + k_off[h] + j * k_rs. Read by the float32 and float64 prefill (K/V in their dtype or
+    // stored in 16 bits); the bfloat16 tile products and the io kernels refuse it (status 2).
+    const int32_t* pages;
+    int64_t page_size, k_ps, v_ps;
 };
 
 // The packed varlen walk (qkv.engine.kernels.packed's layout): q (total_q, heads, d), k and

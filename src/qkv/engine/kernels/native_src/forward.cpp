@@ -537,12 +537,23 @@ struct Buffers {
     }
 };
 
-// Stored 16-bit K/V (widen.h): keys [klo, khi) of one kv head, rows k16 + j * k_rs and
-// v16 + j * v_rs, widened into buf's kc and vc, and b pointed at them. False without memory.
+// Where one kv head's key rows lie: K row j at k + (page * k_ps + row * k_rs) elements of es
+// bytes each, (page, row) = (pages[j / page_size], j % page_size) with pages (a paged cache's
+// prefix), else (0, j); V likewise.
+struct KeyRows {
+    const char* k;
+    const char* v;
+    int64_t k_rs, v_rs, es;
+    const int32_t* pages;
+    int64_t page_size, k_ps, v_ps;
+};
+
+// Keys [klo, khi) gathered from `at` into buf's kc and vc (a page's run of rows at a time),
+// copied as they are (T) or widened from 16-bit forms (widen.h's widen), and b pointed at
+// them. False without memory (b unchanged).
 template <typename T>
-bool widen_keys(widen_t widen, const uint16_t* k16, const uint16_t* v16, int64_t k_rs,
-                int64_t v_rs, int64_t klo, int64_t khi, int64_t d, int64_t dv, Buffers<T>& buf,
-                Block<T>& b) {
+bool gather_keys(widen_t widen, const KeyRows& at, int64_t klo, int64_t khi, int64_t d,
+                 int64_t dv, Buffers<T>& buf, Block<T>& b) {
     if (khi <= klo) return true;  // no key: nothing is read
     try {
         buf.kc.resize(size_t((khi - klo) * d));
@@ -550,8 +561,28 @@ bool widen_keys(widen_t widen, const uint16_t* k16, const uint16_t* v16, int64_t
     } catch (const std::bad_alloc&) {
         return false;
     }
-    widen(k16 + klo * k_rs, k_rs, khi - klo, d, reinterpret_cast<float*>(buf.kc.data()));
-    widen(v16 + klo * v_rs, v_rs, khi - klo, dv, reinterpret_cast<float*>(buf.vc.data()));
+    for (int64_t j = klo, take; j < khi; j += take) {
+        int64_t page = 0, row = j;
+        take = khi - j;
+        if (at.pages) {
+            page = at.pages[j / at.page_size];
+            row = j % at.page_size;
+            take = std::min(take, at.page_size - row);
+        }
+        const char* ks = at.k + (page * at.k_ps + row * at.k_rs) * at.es;
+        const char* vs = at.v + (page * at.v_ps + row * at.v_rs) * at.es;
+        T* kd = buf.kc.data() + (j - klo) * d;
+        T* vd = buf.vc.data() + (j - klo) * dv;
+        if (widen) {
+            widen(reinterpret_cast<const uint16_t*>(ks), at.k_rs, take, d, reinterpret_cast<float*>(kd));
+            widen(reinterpret_cast<const uint16_t*>(vs), at.v_rs, take, dv, reinterpret_cast<float*>(vd));
+            continue;
+        }
+        for (int64_t i = 0; i < take; ++i) {
+            std::memcpy(kd + i * d, ks + i * at.k_rs * at.es, size_t(d) * sizeof(T));
+            std::memcpy(vd + i * dv, vs + i * at.v_rs * at.es, size_t(dv) * sizeof(T));
+        }
+    }
     b.k = buf.kc.data();
     b.k_rs = d;
     b.v = buf.vc.data();
@@ -779,7 +810,7 @@ int run(const qkv_prefill_args& a, int kv_format = 0, bool io16 = false) {
             b.q = Q + a.q_off[h] + r0 * a.q_rs;
             b.q_rs = a.q_rs;
         }
-        if (widen) {  // the keys some row of the block sees, widened
+        if (widen || a.pages) {  // the keys some row of the block sees, widened or gathered
             Shared<Gemm> rule = sh;
             rule.S = a.S;
             int64_t klo, khi, unused;
@@ -787,9 +818,11 @@ int run(const qkv_prefill_args& a, int kv_format = 0, bool io16 = false) {
             bounds(rule, a.S - a.L + r0 + b.rows - 1, &unused, &khi);
             khi = std::min(khi, b.kmax);
             klo = std::min(klo, khi);
-            const uint16_t* k16 = static_cast<const uint16_t*>(a.k) + a.k_off[h];
-            const uint16_t* v16 = static_cast<const uint16_t*>(a.v) + a.v_off[h];
-            if (!widen_keys(widen, k16, v16, a.k_rs, a.v_rs, klo, khi, a.d, a.dv, buf, b)) {
+            const int64_t es = widen ? 2 : int64_t(sizeof(T));  // bytes per stored element
+            const KeyRows at{static_cast<const char*>(a.k) + a.k_off[h] * es,
+                             static_cast<const char*>(a.v) + a.v_off[h] * es,
+                             a.k_rs, a.v_rs, es, a.pages, a.page_size, a.k_ps, a.v_ps};
+            if (!gather_keys(widen, at, klo, khi, a.d, a.dv, buf, b)) {
                 __atomic_store_n(&no_memory, 1, __ATOMIC_RELAXED);
                 return;
             }
@@ -859,30 +892,15 @@ int run_varlen(const qkv_varlen_args& a, int kv_format = 0) {
         b.v = V + k0 * a.v_ts + kvh * a.v_hs;
         b.v_rs = a.v_ts;
         b.k_first = 0;
-        if (widen) {
-            const uint16_t* k16 = static_cast<const uint16_t*>(a.k) + k0 * a.k_ts + kvh * a.k_hs;
-            const uint16_t* v16 = static_cast<const uint16_t*>(a.v) + k0 * a.v_ts + kvh * a.v_hs;
-            if (!widen_keys(widen, k16, v16, a.k_ts, a.v_ts, klo, khi, d, dv, buf, b)) {
+        if (widen || (copy_kv && khi > klo)) {
+            const int64_t es = widen ? 2 : int64_t(sizeof(T));  // bytes per stored element
+            const KeyRows at{static_cast<const char*>(a.k) + (k0 * a.k_ts + kvh * a.k_hs) * es,
+                             static_cast<const char*>(a.v) + (k0 * a.v_ts + kvh * a.v_hs) * es,
+                             a.k_ts, a.v_ts, es, nullptr, 0, 0, 0};
+            // (without memory: widened K/V cannot be had; copies are read in place instead)
+            if (!gather_keys(widen, at, klo, khi, d, dv, buf, b) && widen) {
                 __atomic_store_n(&no_memory, 1, __ATOMIC_RELAXED);
                 return;
-            }
-        } else if (copy_kv && khi > klo) {
-            try {
-                buf.kc.resize(size_t((khi - klo) * d));
-                buf.vc.resize(size_t((khi - klo) * dv));
-                for (int64_t j = klo; j < khi; ++j) {
-                    std::memcpy(&buf.kc[size_t((j - klo) * d)], b.k + j * a.k_ts,
-                                size_t(d) * sizeof(T));
-                    std::memcpy(&buf.vc[size_t((j - klo) * dv)], b.v + j * a.v_ts,
-                                size_t(dv) * sizeof(T));
-                }
-                b.k = buf.kc.data();
-                b.k_rs = d;
-                b.v = buf.vc.data();
-                b.v_rs = dv;
-                b.k_first = klo;
-            } catch (const std::bad_alloc&) {
-                // read them in place
             }
         }
         bool q_copied = false;
@@ -950,13 +968,15 @@ int qkv_prefill_f32_f16kv(const qkv_prefill_args* a) {
 // even: the bits of that call's output narrowed. lse is float32; q's offsets and row stride in
 // its 16-bit elements. (qkv_prefill_bf16 is the bfloat16 tile products' kernel.)
 int qkv_prefill_f32_bf16io(const qkv_prefill_args* a) {
-    if (!a || !(a->gemm || a->products) || a->L < 1 || a->S < 0 || a->d < 1 || a->dv < 0)
+    if (!a || !(a->gemm || a->products) || a->L < 1 || a->S < 0 || a->d < 1 || a->dv < 0 ||
+        a->pages)
         return 2;
     return run<float, sgemm_t>(*a, KV_BF16, true);
 }
 
 int qkv_prefill_f32_f16io(const qkv_prefill_args* a) {
-    if (!a || !(a->gemm || a->products) || a->L < 1 || a->S < 0 || a->d < 1 || a->dv < 0)
+    if (!a || !(a->gemm || a->products) || a->L < 1 || a->S < 0 || a->d < 1 || a->dv < 0 ||
+        a->pages)
         return 2;
     return run<float, sgemm_t>(*a, KV_F16, true);
 }

@@ -323,7 +323,8 @@ int qkv_bf16_products(void) {
 // general path applies its rules); 1 no memory; 2 bad arguments, or a CPU without AVX512_BF16.
 int qkv_prefill_bf16(const qkv_prefill_args* a) {
     if (!a || a->L < 1 || a->S < 0 || a->d < 2 || a->d % 2 || a->dv < 1 ||
-        ((a->mask || a->bias) && !a->m_off) || (a->mask && a->bias) || a->S >= (int64_t(1) << 31))
+        ((a->mask || a->bias) && !a->m_off) || (a->mask && a->bias) || a->S >= (int64_t(1) << 31) ||
+        a->pages)
         return 2;
     return QKV_ON_BF16(run_bf16(*a));
 }
