@@ -73,7 +73,7 @@ struct qkv_prefill_args {
     // Keys in pages (a paged cache's shared prefix, read in place): key j of every head lies in
     // page pages[j / page_size] at its row j % page_size, its K row at k + k_off[h] +
     // pages[j / page_size] * k_ps + (j % page_size) * k_rs (V likewise with v_ps, v_rs). Each
-    // task copies (or widens) the keys its rows see into its worker's buffers. NULL: key j at
+    // piece of keys is copied (or widened) into its worker's kept rows. NULL: key j at
     // k + k_off[h] + j * k_rs. Read by the float32 and float64 prefill (K/V in their dtype or
     // stored in 16 bits); the bfloat16 tile products and the io kernels refuse it (status 2).
     const int32_t* pages;

@@ -23,8 +23,9 @@
 // transposed and scaled (d x n, zero-padded to the clone's lane width) for the scores'
 // product, the accumulator's rows are padded likewise, and the softmax step goes a vector of
 // lanes at a time over the padded rows (tile_step_lanes). K and V may also be stored as
-// bfloat16 or float16 (float32 compute): each work item then widens the keys its rows see into
-// its own buffers.
+// bfloat16 or float16 (float32 compute), and lie in pages (a paged cache's shared prefix): each
+// piece's keys are then widened or gathered into the worker's kept rows just before its
+// products read them (gather_rows), so they are read from memory once and used from L2.
 
 #include "common.h"
 #include "tiles.h"
@@ -468,6 +469,17 @@ constexpr int64_t EDGE = 64, EDGE_OWN = 32;
 // One forward work item: query rows [r0, r0 + rows) of one head of one sequence of L queries
 // and S keys, with where its operands are and where its results go. Pointers are at the
 // block's first row (q, out, lse, mask, bias) and at key k_first (k, v; mask and bias at 0).
+// Where one kv head's key rows lie: K row j at k + (page * k_ps + row * k_rs) elements of es
+// bytes each, (page, row) = (pages[j / page_size], j % page_size) with pages (a paged cache's
+// prefix), else (0, j); V likewise.
+struct KeyRows {
+    const char* k;
+    const char* v;
+    int64_t k_rs, v_rs, es;
+    const int32_t* pages;
+    int64_t page_size, k_ps, v_ps;
+};
+
 template <typename T>
 struct Block {
     const T* q;
@@ -487,6 +499,10 @@ struct Block {
     int64_t m_rs, m_cs;
     uint8_t* bad;  // set to 1 when an output is not finite (NULL: not asked)
     int64_t kmax;  // keys [0, kmax) only (a padding mask's key count); S: all
+    // Non-NULL: the keys lie there instead (pages, or 16-bit forms to widen), gathered a piece
+    // at a time into the worker's kept rows (gather_rows); k, v, k_rs, v_rs, k_first unused.
+    const KeyRows* at = nullptr;
+    widen_t widen = nullptr;
 };
 
 // What every work item of one call shares: sizes, visibility rule, the BLAS and softmax step.
@@ -537,30 +553,22 @@ struct Buffers {
     }
 };
 
-// Where one kv head's key rows lie: K row j at k + (page * k_ps + row * k_rs) elements of es
-// bytes each, (page, row) = (pages[j / page_size], j % page_size) with pages (a paged cache's
-// prefix), else (0, j); V likewise.
-struct KeyRows {
-    const char* k;
-    const char* v;
-    int64_t k_rs, v_rs, es;
-    const int32_t* pages;
-    int64_t page_size, k_ps, v_ps;
-};
-
-// Keys [klo, khi) gathered from `at` into buf's kc and vc (a page's run of rows at a time),
-// copied as they are (T) or widened from 16-bit forms (widen.h's widen), and b pointed at
-// them. False without memory (b unchanged).
+// A worker thread's gathered keys and values, kept from call to call: slots 0 and 1 a varlen
+// task's (up to KEEP_ROWS bytes each; larger ones in the call's buffers), 2 and 3 a prefill
+// piece's (at most bk rows). Fresh memory for them every call cost a page fault per 4 KiB,
+// about 1 ms of a shared prefix's 2048-key prefill (H32 kv8 d128, 2 threads).
+constexpr size_t KEEP_ROWS = size_t(4) << 20;
 template <typename T>
-bool gather_keys(widen_t widen, const KeyRows& at, int64_t klo, int64_t khi, int64_t d,
-                 int64_t dv, Buffers<T>& buf, Block<T>& b) {
-    if (khi <= klo) return true;  // no key: nothing is read
-    try {
-        buf.kc.resize(size_t((khi - klo) * d));
-        buf.vc.resize(size_t((khi - klo) * dv));
-    } catch (const std::bad_alloc&) {
-        return false;
-    }
+std::vector<T>* kept_rows() {
+    static thread_local std::vector<T> rows[4];
+    return rows;
+}
+
+// Keys [klo, khi) from `at` into kd (rows of d) and vd (rows of dv), a page's run of rows at a
+// time: copied as they are (T), or widened from 16-bit forms (widen.h's widen).
+template <typename T>
+void gather_rows(widen_t widen, const KeyRows& at, int64_t klo, int64_t khi, int64_t d,
+                 int64_t dv, T* kd, T* vd) {
     for (int64_t j = klo, take; j < khi; j += take) {
         int64_t page = 0, row = j;
         take = khi - j;
@@ -571,21 +579,40 @@ bool gather_keys(widen_t widen, const KeyRows& at, int64_t klo, int64_t khi, int
         }
         const char* ks = at.k + (page * at.k_ps + row * at.k_rs) * at.es;
         const char* vs = at.v + (page * at.v_ps + row * at.v_rs) * at.es;
-        T* kd = buf.kc.data() + (j - klo) * d;
-        T* vd = buf.vc.data() + (j - klo) * dv;
+        T* kr = kd + (j - klo) * d;
+        T* vr = vd + (j - klo) * dv;
         if (widen) {
-            widen(reinterpret_cast<const uint16_t*>(ks), at.k_rs, take, d, reinterpret_cast<float*>(kd));
-            widen(reinterpret_cast<const uint16_t*>(vs), at.v_rs, take, dv, reinterpret_cast<float*>(vd));
+            widen(reinterpret_cast<const uint16_t*>(ks), at.k_rs, take, d, reinterpret_cast<float*>(kr));
+            widen(reinterpret_cast<const uint16_t*>(vs), at.v_rs, take, dv, reinterpret_cast<float*>(vr));
             continue;
         }
         for (int64_t i = 0; i < take; ++i) {
-            std::memcpy(kd + i * d, ks + i * at.k_rs * at.es, size_t(d) * sizeof(T));
-            std::memcpy(vd + i * dv, vs + i * at.v_rs * at.es, size_t(dv) * sizeof(T));
+            std::memcpy(kr + i * d, ks + i * at.k_rs * at.es, size_t(d) * sizeof(T));
+            std::memcpy(vr + i * dv, vs + i * at.v_rs * at.es, size_t(dv) * sizeof(T));
         }
     }
-    b.k = buf.kc.data();
+}
+
+// A varlen task's keys [klo, khi) gathered from `at` into the thread's kept rows (or buf's kc
+// and vc) and b pointed at them. False without memory (b unchanged).
+template <typename T>
+bool gather_keys(widen_t widen, const KeyRows& at, int64_t klo, int64_t khi, int64_t d,
+                 int64_t dv, Buffers<T>& buf, Block<T>& b) {
+    if (khi <= klo) return true;  // no key: nothing is read
+    const size_t nk = size_t((khi - klo) * d), nv = size_t((khi - klo) * dv);
+    const bool keep = std::max(nk, nv) * sizeof(T) <= KEEP_ROWS;
+    std::vector<T>& kc = keep ? kept_rows<T>()[0] : buf.kc;
+    std::vector<T>& vc = keep ? kept_rows<T>()[1] : buf.vc;
+    try {
+        if (kc.size() < nk) kc.resize(nk);
+        if (vc.size() < nv) vc.resize(nv);
+    } catch (const std::bad_alloc&) {
+        return false;
+    }
+    gather_rows(widen, at, klo, khi, d, dv, kc.data(), vc.data());
+    b.k = kc.data();
     b.k_rs = d;
-    b.v = buf.vc.data();
+    b.v = vc.data();
     b.v_rs = dv;
     b.k_first = klo;
     return true;
@@ -637,11 +664,21 @@ void forward_block(const Block<T>& b, Shared<Gemm> sh, Buffers<T>& buf) {
         T* s = buf.s.data();
         const T* kp = b.k + (c0 - b.k_first) * b.k_rs;
         const T* vt = b.v + (c0 - b.k_first) * b.v_rs;
+        int64_t k_rs = b.k_rs, v_rs = b.v_rs;
+        if (b.at) {  // the piece's keys gathered (or widened) where its products read them
+            T* kd = kept_rows<T>()[2].data();
+            T* vd = kept_rows<T>()[3].data();
+            gather_rows(b.widen, *b.at, c0, c1, sh.d, dv, kd, vd);
+            kp = kd;
+            vt = vd;
+            k_rs = sh.d;
+            v_rs = dv;
+        }
         const int64_t w = sh.prod.width;
         const int64_t lds = sh.prod.run ? (n + w - 1) / w * w : n;
         if (sh.prod.run) {  // S (nr x lds) = (scale · Q[ra:rb]) · Kᵀ, Kᵀ packed (d x lds)
             T* kt = buf.kt.data();
-            sh.prod.pack(PackArgs{kp, b.k_rs, n, sh.d, kt, lds, sh.scale});
+            sh.prod.pack(PackArgs{kp, k_rs, n, sh.d, kt, lds, sh.scale});
             ProdArgs pa;
             pa.m = nr;
             pa.n = lds;
@@ -657,7 +694,7 @@ void forward_block(const Block<T>& b, Shared<Gemm> sh, Buffers<T>& buf) {
         } else {
             // S (nr x n, row-major, ld n) = scale · Q[ra:rb] · K[c0:c1]ᵀ; in BLAS's
             // column-major terms Sᵀ = Kᵀᵀ · Qᵀ.
-            gemm(sh.g, "T", "N", int(n), int(nr), int(sh.d), T(sh.scale), kp, int(b.k_rs),
+            gemm(sh.g, "T", "N", int(n), int(nr), int(sh.d), T(sh.scale), kp, int(k_rs),
                  b.q + ra * b.q_rs, int(b.q_rs), T(0), s, int(n));
         }
         for (int64_t i = ra; i < rb; ++i) {
@@ -684,11 +721,11 @@ void forward_block(const Block<T>& b, Shared<Gemm> sh, Buffers<T>& buf) {
         sh.step(sa);
         if (sh.prod.run) {  // acc[ra:rb] (nr x ldacc) += P · V[c0:c1], V's rows padded
             const T* vb = vt;
-            int64_t ldv = b.v_rs;
+            int64_t ldv = v_rs;
             if (ldacc != dv) {
                 T* vp = buf.vp.data();
                 for (int64_t j = 0; j < n; ++j) {
-                    std::memcpy(vp + j * ldacc, vt + j * b.v_rs, size_t(dv) * sizeof(T));
+                    std::memcpy(vp + j * ldacc, vt + j * v_rs, size_t(dv) * sizeof(T));
                     std::fill(vp + j * ldacc + dv, vp + (j + 1) * ldacc, T(0));
                 }
                 vb = vp;
@@ -711,7 +748,7 @@ void forward_block(const Block<T>& b, Shared<Gemm> sh, Buffers<T>& buf) {
             first = false;
         } else {
             // acc[ra:rb] (nr x dv, ld dv) += P · V[c0:c1]; column-major: accᵀ += Vᵀ · Pᵀ
-            gemm(sh.g, "N", "N", int(dv), int(nr), int(n), T(1), vt, int(b.v_rs), s, int(n),
+            gemm(sh.g, "N", "N", int(dv), int(nr), int(n), T(1), vt, int(v_rs), s, int(n),
                  T(1), buf.acc.data() + ra * ldacc, int(ldacc));
         }
     }
@@ -752,7 +789,7 @@ Shared<Gemm> shared_of(const Args& a, int64_t bk, step_t step, finish_t finish,
 }
 
 // kv_format: 0, K/V in T; else (T float) K/V stored as 16-bit floats of that format, each
-// task widening its visible keys into its worker's buffers (widen_rows_body). io16 (with a
+// piece's keys widened into the worker's kept rows (gather_rows, widen_rows_body). io16 (with a
 // kv_format): q and out in that 16-bit form too, each task widening its block's query rows and
 // narrowing its output rows (narrow_rows_body); lse stays float32.
 template <typename T, typename Gemm>
@@ -774,15 +811,28 @@ int run(const qkv_prefill_args& a, int kv_format = 0, bool io16 = false) {
     T* OUT = static_cast<T*>(a.out);
     T* LSE = static_cast<T*>(a.lse);
     const T* BIAS = static_cast<const T*>(a.bias);
-    int no_memory = 0;  // a task could not widen its keys (or its query rows)
+    const bool gathered = widen || a.pages;
+    int no_memory = 0;  // a task could not widen its query rows
     uint8_t bad = 0;    // some output is not finite (each block's normalisation checks)
     const int status = for_tasks<Buffers<T>>(
         ntasks, a.threads, a.parallel,
-        [&](Buffers<T>& buf) { return buf.make(bq, bk, a.d, a.dv, prod.width); },
+        [&](Buffers<T>& buf) {
+            if (gathered) {  // a piece's gathered rows (the thread's kept ones)
+                std::vector<T>* kept = kept_rows<T>();
+                if (kept[2].size() < size_t(bk * a.d)) kept[2].resize(size_t(bk * a.d));
+                if (kept[3].size() < size_t(bk * a.dv)) kept[3].resize(size_t(bk * a.dv));
+            }
+            return buf.make(bq, bk, a.d, a.dv, prod.width);
+        },
         [&](Buffers<T>& buf, int64_t t) {
         // latest query blocks first: under causal they cost the most
         const int64_t qb = nqb - 1 - t / a.nb, h = t % a.nb;
         const int64_t r0 = qb * bq;
+        // stored 16-bit K/V or pages: each piece's keys gathered (widened) where they are used
+        const int64_t es = widen ? 2 : int64_t(sizeof(T));  // bytes per stored element
+        const KeyRows at{static_cast<const char*>(a.k) + a.k_off[h] * es,
+                         static_cast<const char*>(a.v) + a.v_off[h] * es,
+                         a.k_rs, a.v_rs, es, a.pages, a.page_size, a.k_ps, a.v_ps};
         Block<T> b;
         b.k = K + a.k_off[h];
         b.k_rs = a.k_rs;
@@ -810,23 +860,8 @@ int run(const qkv_prefill_args& a, int kv_format = 0, bool io16 = false) {
             b.q = Q + a.q_off[h] + r0 * a.q_rs;
             b.q_rs = a.q_rs;
         }
-        if (widen || a.pages) {  // the keys some row of the block sees, widened or gathered
-            Shared<Gemm> rule = sh;
-            rule.S = a.S;
-            int64_t klo, khi, unused;
-            bounds(rule, a.S - a.L + r0, &klo, &unused);
-            bounds(rule, a.S - a.L + r0 + b.rows - 1, &unused, &khi);
-            khi = std::min(khi, b.kmax);
-            klo = std::min(klo, khi);
-            const int64_t es = widen ? 2 : int64_t(sizeof(T));  // bytes per stored element
-            const KeyRows at{static_cast<const char*>(a.k) + a.k_off[h] * es,
-                             static_cast<const char*>(a.v) + a.v_off[h] * es,
-                             a.k_rs, a.v_rs, es, a.pages, a.page_size, a.k_ps, a.v_ps};
-            if (!gather_keys(widen, at, klo, khi, a.d, a.dv, buf, b)) {
-                __atomic_store_n(&no_memory, 1, __ATOMIC_RELAXED);
-                return;
-            }
-        }
+        b.at = widen || a.pages ? &at : nullptr;  // (gathered a piece at a time)
+        b.widen = widen;
         b.out = narrow ? buf.oc.data() : OUT + (h * a.L + r0) * a.dv;
         b.out_rs = a.dv;
         b.lse = LSE + h * a.L + r0;
