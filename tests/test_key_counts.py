@@ -108,6 +108,42 @@ def test_tail_counts_reads_only_a_tail_per_batch_row():
     assert tail_counts(np.ones((3, 1, 1, 0), bool), 2) is None  # no key: nothing to read
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    B=st.integers(1, 20),
+    L=st.integers(1, 4),
+    S=st.integers(1, 40),
+    seed=st.integers(0, 2**16),
+    spoil=st.sampled_from(["none", "middle", "query row", "head"]),
+)
+def test_tail_counts_few_and_many_rows_agree_with_the_definition(B, L, S, seed, spoil):
+    """Up to 8 batch rows the mask's bytes are read row by row, past that in vectorized
+    passes: both give each row's count where every query row of a batch row shows the same
+    run of leading keys, and None for anything else (the definition, row by row below)."""
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(0, S + 1, size=B)
+    keep = np.broadcast_to(padding(counts, S), (B, 1, L, S)).copy()
+    if spoil == "middle" and S > 2:
+        keep[rng.integers(B), :, :, rng.integers(S - 1)] ^= True
+    elif spoil == "query row" and L > 1:
+        keep[rng.integers(B), 0, rng.integers(1, L), rng.integers(S)] ^= True
+    elif spoil == "head":
+        keep = np.concatenate([keep, keep], axis=1)
+        keep[rng.integers(B), 1, :, rng.integers(S)] ^= True
+    want = []
+    for b in range(B):
+        first = keep[b, 0, 0]
+        n = int(first.sum())
+        if not (keep[b] == first).all() or not first[:n].all():
+            want = None
+            break
+        want.append(n)
+    got = tail_counts(keep, 2)
+    assert (got is None) == (want is None)
+    if want is not None:
+        assert got.dtype == np.int64 and got.tolist() == want
+
+
 def test_plan_carries_counts_and_drops_a_mask_that_hides_nothing():
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((3, 2, 5, 8)) for _ in range(3))

@@ -579,6 +579,46 @@ def test_tensor_kept_road_is_the_road_taken(monkeypatch, shape, row, name):
     np.testing.assert_allclose(mixed.numpy(), reference.attention(*wide), **tol(kind, q.dtype))
 
 
+@pytest.mark.parametrize("name", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("B", [1, 3, 12])
+def test_tensor_padded_call_runs_the_kept_road_on_addresses(monkeypatch, name, B):
+    """A padding mask beside plain tensors: from the key's second call on, its key counts
+    (read from the mask tensor's view, a mask that hides nothing read as none) run the kept
+    key-count road on the tensors' addresses, with the arrays' bits; a mask that is not a
+    padding mask takes the arrays' road, with its values."""
+    _native()
+    if name == "bfloat16":
+        pytest.importorskip("ml_dtypes")
+    from qkv.engine.kernels import native_lib
+
+    viewed = []
+    real_at = native_lib.Kept.at
+    monkeypatch.setattr(native_lib.Kept, "at", lambda *a: viewed.append("at") or real_at(*a))
+    dtype = getattr(torch, name)
+    shape = (B, 8, 8, 16, 16, 32, 32)
+    q, k, v = (torch.from_numpy(a).to(dtype) for a in _arrays(shape, np.float32, B))
+    run._ready.cache_clear()
+    run._counted.cache_clear()
+    rng = np.random.default_rng(B)
+    for i in range(4):
+        counts = rng.integers(1, 17, B) if i else np.full(B, 16)
+        keep = torch.from_numpy((np.arange(16)[None, :] < counts[:, None])[:, None, None, :])
+        got = qkv.attention(q, k, v, mask=keep, causal=True)
+        want = qkv.attention(_viewed(q), _viewed(k), _viewed(v), mask=keep.numpy(), causal=True)
+        assert isinstance(got, torch.Tensor) and got.dtype == dtype
+        np.testing.assert_array_equal(_viewed(got), want)
+    assert viewed[-2:] == ["at", "at"]  # (calls 2 and 3: kept from calls 0 and 1)
+    viewed.clear()
+    middle = keep.clone()
+    middle[0, 0, 0, 0] = False  # the first key hidden: not a padding mask
+    got = qkv.attention(q, k, v, mask=middle)
+    assert viewed == []
+    wide = [a.double().numpy() for a in (q, k, v)]
+    ref = reference.attention(*wide, mask=middle.numpy())
+    kind = "fast path" if name == "float32" else "half precision"
+    np.testing.assert_allclose(got.double().numpy(), ref, **tol(kind, dtype))
+
+
 def test_read_at_refuses_what_it_cannot_read():
     """read_at gives None for tensors whose addresses the kept road must not read."""
     from qkv.tensors import read_at

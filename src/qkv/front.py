@@ -302,13 +302,13 @@ def attention(
             if out is not None:
                 return out
         else:
-            at = read_at(q, k, v) if mask is None else None
-            if at is not None:  # (None before the key's road is kept: its first call)
-                out = _engine().plain_at(*at, scale, causal)
-                if out is not None:
+            at = read_at(q, k, v)
+            keep = mask if mask is None else read_plain_mask(mask)
+            if at is not None and (mask is None or keep is not None):
+                out = _engine().plain_at(*at, scale, causal, keep)
+                if out is not None:  # (None before the key's road is kept: its first call)
                     return give_at(out, q)
             arrays = read_plain(q, k, v)
-            keep = mask if mask is None or arrays is None else read_plain_mask(mask)
             if arrays is not None and (mask is None or keep is not None):
                 out = _engine().plain(*arrays, scale, causal, keep)
                 if out is not None:

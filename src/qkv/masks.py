@@ -134,6 +134,28 @@ def allowed(
     return (j >= lo[:, None]) & (j < hi[:, None])
 
 
+# Up to this many batch rows, tail_counts reads a mask's bytes one row at a time in Python
+# (about 0.3 µs a row) instead of its vectorized passes (about 4 µs whatever the rows).
+_FEW_ROWS = 8
+
+
+def _few_tail_counts(raw: bytes, L: int, S: int) -> np.ndarray | None:
+    """:func:`tail_counts` of a mask's bytes ``raw`` (C order, 0 or 1 each) in batch rows of
+    ``L`` query rows of ``S`` keys: each batch row's count of ones, where its query rows are
+    one and the same and their ones lead (the first zero right after them); else None."""
+    counts = []
+    block = L * S
+    for at in range(0, len(raw), block):
+        row = raw[at : at + S]
+        if L > 1 and raw[at : at + block] != row * L:
+            return None  # query rows that differ: causal-looking, or another structure
+        n = row.count(1)
+        if n < S and row.find(0) != n:
+            return None  # a key visible after a hidden one: not a tail hidden
+        counts.append(n)
+    return np.array(counts, dtype=np.int64)
+
+
 def tail_counts(keep: np.ndarray, nbatch: int) -> np.ndarray | None:
     """Key counts per batch row when a boolean mask only hides a tail of keys: what a
     tokenizer's padding mask does.
@@ -161,6 +183,8 @@ def tail_counts(keep: np.ndarray, nbatch: int) -> np.ndarray | None:
     if any(n != 1 for n in shape[1 if nbatch >= 2 else 0 : nbatch]):
         return None  # varies along the heads (or another axis than the first)
     S = shape[-1]
+    if keep.size <= _FEW_ROWS * shape[-2] * S:
+        return _few_tail_counts(keep.tobytes(), shape[-2], S)
     rows = keep[..., 0, :]
     if shape[-2] > 1:
         last = keep[..., -1, :]

@@ -136,7 +136,7 @@ def plain(
 def plain_at(
     qs: tuple[int, ...], ks: tuple[int, ...], vs: tuple[int, ...], dtype: np.dtype, q: int,
     k: int, v: int, strides: tuple[Any, ...], widen: Callable[[], tuple[Any, ...]] | None,
-    scale: Any, causal: Any,
+    scale: Any, causal: Any, mask: np.ndarray | None = None,
 ) -> np.ndarray | None:  # fmt: skip
     """:func:`plain` on operands given by their shapes, dtype (one for all three), addresses
     and strides in elements, as a CPU tensor gives them without a NumPy view of it: the output
@@ -148,6 +148,10 @@ def plain_at(
     (the prefill's) runs on q as it is; any other is given q widened to float32, as
     :func:`plain` widens it: ``widen()`` gives that q's address, its strides and an object to
     hold while it is read, and the output is then float32 (the caller narrows it).
+
+    A boolean ``mask`` (a NumPy array, the tensor's view) is read as :func:`plain` reads it:
+    a padding mask's key counts go to the key-count road kept for these shapes; None for any
+    other mask.
 
     Examples
     --------
@@ -162,18 +166,26 @@ def plain_at(
     """
     if causal is not False and causal is not True:
         return None
+    key = (tuple(qs), tuple(ks), tuple(vs), dtype, dtype, dtype, scale, causal, switched_off())
     try:
-        found = _ready(tuple(qs), tuple(ks), tuple(vs), dtype, dtype, dtype, scale, causal,
-                       switched_off())  # fmt: skip
+        found = _ready(*key)
     except TypeError:
         return None
-    kept = found.kept if found is not None else None
+    if found is None:
+        return None
+    kept, per_row = found.kept, None
+    if mask is not None:
+        read = _mask_counts(key, mask)
+        if read is None:
+            return None
+        if read[1] is not None:  # (else it hides nothing: no mask at all)
+            kept, per_row = read[0].kept, read[1]
     if kept is None:
         return None
     if widen is not None and not kept.io:  # (the widened q held until the call returns)
         q, wide, _held = widen()
         strides = (wide, *strides[1:])
-    done = kept.at(q, k, v, strides)
+    done = kept.at(q, k, v, strides, per_row)
     return None if done is None else done[0]
 
 
@@ -225,8 +237,6 @@ def _padded(
     its key counts put in, run on the key-count road kept for these shapes (:func:`_counted`);
     None where the mask is not such a mask or the road depends on the counts themselves (the
     general road then reads it)."""
-    if type(mask) is not np.ndarray or mask.dtype != bool or mask.ndim != q.ndim:
-        return None
     key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, scale, causal, switched_off())
     try:
         found = _ready(*key)
@@ -235,17 +245,12 @@ def _padded(
     if found is None:
         return None
     fields, narrow = found.fields, found.narrow
-    batch = q.shape[:-2]
-    counted = _counted(key, mask.shape)  # (None for a mask shape that does not broadcast, or
-    if counted is None:  # that no kept road serves: the mask is then not read twice)
+    read = _mask_counts(key, mask)
+    if read is None:
         return None
-    counts = tail_counts(mask, len(batch))
-    if counts is None:
-        return None
-    if bool((counts == k.shape[-2]).all()):  # hides nothing: no mask at all
+    counted, per_row, counts = read
+    if per_row is None:  # hides nothing: no mask at all
         return plain(q, k, v, scale, causal)
-    rows = batch[0] if batch else 1
-    per_row = counts if counts.size == rows else np.broadcast_to(counts, (rows,))
     kept = counted.kept
     if kept is not None and (kept.io or not narrow):  # (q and the output as they are)
         done = kept(np.ascontiguousarray(q) if narrow else q, k, v, per_row)
@@ -267,6 +272,31 @@ def _padded(
     choice = counted.choice._replace(per_row=router.key_counts_per_row(plan))
     out = dispatch.attend(plan, "auto", choice)[0]
     return out.astype(q.dtype) if narrow else out
+
+
+def _mask_counts(
+    key: tuple[Any, ...], mask: Any
+) -> tuple[_Counted, np.ndarray | None, np.ndarray] | None:
+    """``(counted, per_row, counts)`` of ``mask`` beside :func:`plain`'s key (after
+    :func:`_ready` took it): the kept key-count choice for its shape (:func:`_counted`), the
+    key counts per index of the first batch axis and as :func:`qkv.masks.tail_counts` reads
+    them; ``per_row`` None where it hides nothing. None where it is not a boolean padding mask
+    of q's rank, or no kept road serves its shape (the mask is then not read twice)."""
+    qs = key[0]
+    if type(mask) is not np.ndarray or mask.dtype != bool or mask.ndim != len(qs):
+        return None
+    counted = _counted(key, mask.shape)  # (None for a mask shape that does not broadcast)
+    if counted is None:
+        return None
+    batch = qs[:-2]
+    counts = tail_counts(mask, len(batch))
+    if counts is None:
+        return None
+    # (a few counts compared as Python ints: numpy's comparison and all() cost 1.5 µs)
+    if min(counts.tolist() if counts.size <= 8 else [counts.min()]) == key[1][-2]:
+        return counted, None, counts
+    rows = batch[0] if batch else 1
+    return counted, counts if counts.size == rows else np.broadcast_to(counts, (rows,)), counts
 
 
 class _Counted:
