@@ -183,7 +183,13 @@ def test_prefix_pages_read_in_place_give_the_gathered_bits(monkeypatch, form, pa
     )
     read: list[bool] = []
     real = native.attend_prefix_pages
-    monkeypatch.setattr(native, "attend_prefix_pages", lambda *a: read.append(True) or real(*a))
+
+    def spy(*a):
+        found = real(*a)
+        read.append(found is not None)  # (None: the caller gathers after all)
+        return found
+
+    monkeypatch.setattr(native, "attend_prefix_pages", spy)
     kw = {"kv_format": fmt, "k_scale": ks, "v_scale": vs, "return_lse": True}
     got = attend_pages(q, k, v, table, seqlens, **kw)
     _check(got, _expected(q, kd, vd, table, seqlens), q.dtype)

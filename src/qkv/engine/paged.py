@@ -255,7 +255,9 @@ def attend_pages(
             products = _IN_PLACE.get(router.forward(part).name)
             in_place = form in (None, "bfloat16", "float16") and products is not None
             if in_place:
-                stored = "bfloat16" if stored_bf16 else form
+                stored = (
+                    "bfloat16" if stored_bf16 else "float16" if kp.dtype == np.float16 else None
+                )
                 found = native.attend_prefix_pages(part, kp, vp, ids, products, stored)
                 if found is not None:
                     return found

@@ -446,8 +446,9 @@ def attend_prefix_pages(
 ) -> tuple[np.ndarray, np.ndarray] | None:  # fmt: skip
     """:func:`attend` on a plan whose keys and values ``(kv_heads, P, ·)`` are the first ``P``
     rows of pages ``ids`` of a paged pool ``(num_blocks, page_size, kv_heads, ·)``, read there
-    in place (a shared prefix, :mod:`qkv.engine.cascade`): each work item gathers the keys its
-    rows see into its worker's buffers, with no copy of the prefix made first. The pool holds
+    in place (a shared prefix, :mod:`qkv.engine.cascade`): each piece of keys is gathered into
+    the worker's kept rows as its products need it, with no copy of the prefix made first. The
+    pool holds
     the compute dtype, or (``stored``) float16 or bfloat16 values in 16-bit elements, read as
     stored (widened as gathered). ``plan``'s K/V are stand-ins of those shapes in the compute
     dtype (nothing read); no mask, bias or key counts; ``products`` as for :func:`attend`.
