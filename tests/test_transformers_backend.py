@@ -59,6 +59,15 @@ def calls(monkeypatch):
         return out
 
     monkeypatch.setattr(qkv_run, "plain", plain_spy)
+    plain_at = qkv_run.plain_at  # ... or the same road on a tensor's address (run.plain_at)
+
+    def plain_at_spy(qs, *rest):
+        out = plain_at(qs, *rest)
+        if out is not None:
+            seen.append(tuple(qs))
+        return out
+
+    monkeypatch.setattr(qkv_run, "plain_at", plain_at_spy)
     step = hf._decode_step  # ... or a decoding step's short road (one native call)
 
     def step_spy(query, *rest):
