@@ -253,8 +253,7 @@ def attend_pages(
             # part on it; else (8-bit forms, another kernel, an output not finite) the prefix
             # is gathered first
             products = _IN_PLACE.get(router.forward(part).name)
-            in_place = form in (None, "bfloat16", "float16") and products is not None
-            if in_place:
+            if form in (None, "bfloat16", "float16") and products is not None:
                 stored = (
                     "bfloat16" if stored_bf16 else "float16" if kp.dtype == np.float16 else None
                 )
