@@ -464,13 +464,16 @@ struct Flat {
 // bfloat16 went from 59-63% to 75-84%, float16 from 54-56% to 74-80%, int8 to 77%, float8 to
 // 80-87% and float32 to 92-99% (1 thread: bfloat16 and float16 from 53-58% to 67-74%). Parts
 // of 8 keys measured the same as 16, of 4 slower (bfloat16 63%, 1 thread), of 32 much slower
-// (53-57%: a part's rows of every head, 64 KiB of bfloat16 K, no longer fit in L1). Asked
+// (53-57%: a part's rows of every head, 64 KiB of bfloat16 K, no longer fit in a 32 KiB
+// L1); the scores in parts and the values a block per head, 44-52% (1 thread). Asked
 // for into L1 (prefetcht0), or as non-temporal, 51-54% (1 thread); every other line or
 // fewer (the CPU left to fetch the rest), 47-51%; nothing asked for, 40-50%; the next
 // block's rows of the same head asked for by the tiles (Ahead) rather than in shares, the
-// same as the shares. What remains looks like the rate at which software prefetches alone
-// fetch (one core's reads: 15-16 GB/s against the contiguous step's 21). The inner loops
-// read the listed rows as they read a Strided run, one pointer per row more.
+// same as the shares; each share's lines found without ask's two divisions per run, slower
+// (bfloat16 59-61% against 72-73%, 1 thread: the requests then come in tighter bursts). With
+// K/V that lie in L3 (B1 S2048, 1 thread) the paged step ran at 74-81% of the contiguous
+// one, so part of what remains is the work of the paged walk itself, not the memory. The
+// inner loops read the listed rows as they read a Strided run, one pointer per row more.
 template <typename E>
 struct Paged {
     typedef Listed<E> Kv_;
