@@ -21,6 +21,9 @@
 namespace {
 
 constexpr int64_t DECODE_BK = 64;  // keys per score block
+// keys per part of a block where a piece reads every kv head (pages: decode_piece_vec), a
+// multiple of every clone's score tiles' keys
+constexpr int64_t DECODE_PK = 16;
 
 #define QKV_LAMBDA_INLINE __attribute__((always_inline))
 
@@ -452,12 +455,25 @@ struct Flat {
 // rows walked with additions), in two slots: the block being computed and the next one,
 // whose rows are asked for into L2 meanwhile: its page rows whole (every head's: one head's
 // rows lie a page row apart, and a CPU's prefetchers do not follow them), a share while each
-// head of this block is computed (ask). Asked for row by row only, the paged step read int8
+// part of this block is computed (ask). Asked for row by row only, the paged step read int8
 // at 28-33% of the contiguous step's rate on a Zen 4 CPU (2 threads, B8 H32 kv8 S4096 d128,
 // pages of 16), float8 at 47-52%, float32 at 81-86%; whole when listed, 43-47%, 64-81% and
 // 80-92%; in shares, 63-67%, 72-80% and (whole with the first head) 89-90%. The 16-bit forms
-// stayed at 52-71% throughout. The inner loops read the listed rows as they read a Strided
-// run, one pointer per row more.
+// stayed at 52-71% throughout, read a block of 64 keys per head, head after head; read
+// DECODE_PK keys at a time, every head's (decode_piece_vec), with a share asked for per part,
+// bfloat16 went from 59-63% to 75-84%, float16 from 54-56% to 74-80%, int8 to 77%, float8 to
+// 80-87% and float32 to 92-99% (1 thread: bfloat16 and float16 from 53-58% to 67-74%). Parts
+// of 8 keys measured the same as 16, of 4 slower (bfloat16 63%, 1 thread), of 32 much slower
+// (53-57%: a part's rows of every head, 64 KiB of bfloat16 K, no longer fit in a 32 KiB
+// L1); the scores in parts and the values a block per head, 44-52% (1 thread). Asked
+// for into L1 (prefetcht0), or as non-temporal, 51-54% (1 thread); every other line or
+// fewer (the CPU left to fetch the rest), 47-51%; nothing asked for, 40-50%; the next
+// block's rows of the same head asked for by the tiles (Ahead) rather than in shares, the
+// same as the shares; each share's lines found without ask's two divisions per run, slower
+// (bfloat16 59-61% against 72-73%, 1 thread: the requests then come in tighter bursts). With
+// K/V that lie in L3 (B1 S2048, 1 thread) the paged step ran at 74-81% of the contiguous
+// one, so part of what remains is the work of the paged walk itself, not the memory. The
+// inner loops read the listed rows as they read a Strided run, one pointer per row more.
 template <typename E>
 struct Paged {
     typedef Listed<E> Kv_;
@@ -1154,11 +1170,14 @@ struct Tiles {
 // same recurrence as decode_piece_body.
 //
 // Src::all_heads (pages): the piece takes every kv head of sequence b (h is ignored), head i's
-// m, l and acc at m + i * R, l + i * R, acc + i * R * DV, and walks the heads within each
-// block: a page row holds every head's keys side by side (NHD), so one head's rows lie a
-// whole page row apart (4 KiB for 8 float32 heads of 128), each in a page of memory of its
-// own; walked head after head within a block, a page's memory is read whole while its
-// translation and neighbouring lines are at hand.
+// m, l and acc at m + i * R, l + i * R, acc + i * R * DV, and its scores, weights and values
+// in parts of DECODE_PK keys with the heads inside: a page row holds every head's keys side
+// by side (NHD), so one head's rows lie a whole page row apart (2 KiB for 8 bfloat16 heads of
+// 128); taken a part at a time, every head's, the part's rows (32 KiB of bfloat16 K at most)
+// are read whole while they are in L1. Each head's block keeps its recurrence: the scores of
+// all its parts, then one step of m and l for the block, then the values part after part,
+// each accumulator taking the same operations in the same order as the block taken whole
+// (the bits of a block read head after head).
 template <typename T, typename E, int D, int DV, int LANES, bool DP = false, typename Src = Flat<E>>
 QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h, int64_t j0,
                                  int64_t j1, T* __restrict scratch, T* __restrict m,
@@ -1183,9 +1202,13 @@ QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h,
     const int64_t NH = Src::all_heads ? a.kv_heads : 1;  // heads of this piece
     const int64_t h0 = Src::all_heads ? 0 : h;
     T* __restrict qall = scratch;  // each head's scaled rows
-    T* __restrict s = qall + NH * R * D;
-    T* __restrict alpha = s + R * DECODE_BK;
-    T* __restrict vsc = alpha + R;  // a block's value scales (scaled formats)
+    T* __restrict s = qall + NH * R * D;  // each head's block of scores
+    T* __restrict alpha = s + NH * R * DECODE_BK;  // each head's factors
+    T* __restrict ones = alpha + NH * R;  // R factors of 1
+    T* __restrict vsc = ones + R;  // a block's value scales (scaled formats)
+    for (int64_t r = 0; r < R; ++r) ones[r] = T(1);
+    constexpr int64_t PK = DECODE_PK;
+    static_assert(PK % K1 == 0 && PK % KB == 0 && DECODE_BK % PK == 0, "whole tiles per part");
     for (int64_t i = 0; i < NH; ++i) {
         T* qs = qall + i * R * D;
         decode_start(a, b, h0 + i, D, DV, qs, m + i * R, l + i * R, acc + i * R * DV);
@@ -1211,18 +1234,29 @@ QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h,
     typedef std::integral_constant<int, RS> Rows_;
     typedef std::integral_constant<int, KB> Keys_;
     typedef std::integral_constant<int, K1> Lone_;
-    // head i's block of n keys from b0 (its rows listed in `slot`; the next block's in slot ^ 1)
     // (lambdas inlined by force: one left a function of its own would be compiled without
     // the clone's target, its vectors taken a half or a quarter at a time)
-    auto block = [&](int64_t i, int64_t b0, int64_t n, int slot) QKV_LAMBDA_INLINE {
+    // The rows read after the keys or values of the block from b0 (n keys, listed in `slot`),
+    // asked for while they are computed (Ahead) into L2 (into L1 they measured slower: the
+    // rows of this block compete with them there): the next block's. Pages ask for theirs
+    // whole, a share per part (Src::ask), and take no Ahead's.
+    auto next = [&](auto bytes, int64_t b0, int64_t n, int slot, auto rows) QKV_LAMBDA_INLINE {
+        constexpr int B = decltype(bytes)::value;
+        const int64_t ahead = Src::all_heads ? 0 : std::min<int64_t>(DECODE_BK, j1 - b0 - n);
+        return Ahead<E, B, A>{rows(b0 + DECODE_BK, slot ^ 1), ahead};
+    };
+    typedef std::integral_constant<int, int(D * sizeof(E))> KBytes;
+    typedef std::integral_constant<int, int(DV * sizeof(E))> VBytes;
+    // head i's scores of keys [c0, c1) of the block of n keys from b0 (its rows listed in
+    // `slot`), into si: c0 a multiple of the tiles' keys (K1), so that a block taken in parts
+    // is taken in the tiles it is taken in whole
+    auto scores_of = [&](int64_t i, int64_t b0, int64_t n, int64_t c0, int64_t c1, int slot) QKV_LAMBDA_INLINE {
         const T* qs = qall + i * R * D;
-        T* mi = m + i * R;
-        T* li = l + i * R;
-        T* acci = acc + i * R * DV;
+        T* si = s + i * R * DECODE_BK;
         // score_tile, or score_tile_dp on the rows' bits, for RB rows from r by KB keys from j
         auto scores = [&](auto rb, auto kb, int64_t r, const A& K, int64_t j) QKV_LAMBDA_INLINE {
             constexpr int RB = decltype(rb)::value, KBt = decltype(kb)::value;
-            T* out = s + r * DECODE_BK + j;
+            T* out = si + r * DECODE_BK + j;
 #if QKV_X86
             if constexpr (BF) {
                 score_tile_dp<D, RB, KBt, E>(reinterpret_cast<const uint16_t*>(qs) + r * D,
@@ -1243,18 +1277,7 @@ QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h,
             score_tile<T, E, V, D, RB, KBt, LANES>(qs + r * D, K.from(j), out);
         };
         const A K = src.k(b0, slot, i);
-        const A Vb = src.v(b0, slot, i);
-        // the next block's rows are asked for while this one is computed (Ahead), into L2
-        // (into L1 they measured slower: the rows of this block compete with them there)
-        // (all_heads: the rows read next are the next head's in this block, else the first
-        // head's in the next: asked for a block earlier, they would be evicted by the other
-        // heads' rows before their turn)
-        const bool same = Src::all_heads && i + 1 < NH;
-        const int64_t ahead = same ? n : std::min<int64_t>(DECODE_BK, j1 - b0 - n);
-        const int64_t nb0 = same ? b0 : b0 + DECODE_BK, ni = same ? i + 1 : 0;
-        const int nslot = same ? slot : slot ^ 1;
-        const Ahead<E, int(D * sizeof(E)), A> knext{src.k(nb0, nslot, ni), ahead};
-        Ahead<E, int(DV * sizeof(E)), A> vnext{src.v(nb0, nslot, ni), ahead};
+        const auto knext = next(KBytes{}, b0, n, slot, [&](int64_t nb0, int ns) { return src.k(nb0, ns, i); });
         // keys [j, j + k1): the row groups' tiles of kb keys, a row alone's one tile of k1
         auto key_tiles = [&](auto kb, auto k1, int64_t j) QKV_LAMBDA_INLINE {
             constexpr int KBt = decltype(kb)::value, K1t = decltype(k1)::value;
@@ -1264,85 +1287,102 @@ QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h,
                 for (int64_t jj = j; jj < j + K1t; jj += KBt) scores(Rows_{}, kb, r, K, jj);
             for (; r < R; ++r) scores(One{}, k1, r, K, j);
         };
-        int64_t j = 0;
+        int64_t j = c0;
         if constexpr (K1 > KB) {
             if (R % RS)  // (every row in a group: the rows' tiles in the order of the others)
-                for (; j + K1 <= n; j += K1) key_tiles(Keys_{}, Lone_{}, j);
-            for (; j + KB <= n; j += KB) key_tiles(Keys_{}, Keys_{}, j);
-            for (; j < n; ++j) key_tiles(One{}, One{}, j);
+                for (; j + K1 <= c1; j += K1) key_tiles(Keys_{}, Lone_{}, j);
+            for (; j + KB <= c1; j += KB) key_tiles(Keys_{}, Keys_{}, j);
+            for (; j < c1; ++j) key_tiles(One{}, One{}, j);
         } else {  // the other tiles as they were (the memory-bound steps measured no faster)
-            for (; j + KB <= n; j += KB) {
+            for (; j + KB <= c1; j += KB) {
                 for (int64_t t = j; t < j + KB; ++t) knext.row(t);
                 int64_t r = 0;
                 for (; r + RS <= R; r += RS) scores(Rows_{}, Keys_{}, r, K, j);
                 for (; r < R; ++r) scores(One{}, Keys_{}, r, K, j);
             }
-            for (; j < n; ++j) {
+            for (; j < c1; ++j) {
                 int64_t r = 0;
                 for (; r + RS <= R; r += RS) scores(Rows_{}, One{}, r, K, j);
                 for (; r < R; ++r) scores(One{}, One{}, r, K, j);
             }
         }
+    };
+    // head i's block's scores (scaled, capped) made weights: its rows' m and l updated, and
+    // the factors of their accumulators at alpha + i * R
+    auto weights_of = [&](int64_t i, int64_t b0, int64_t n, int slot) QKV_LAMBDA_INLINE {
+        T* si = s + i * R * DECODE_BK;
+        T* alphai = alpha + i * R;
         if constexpr (KV::scaled) {  // (score_tile_dp's codes are read as they are: unit 1)
             constexpr T kunit = DP || IQ ? T(1) : KV::unit;
             const auto KS = src.ks(b0, slot, i);
             for (int64_t t = 0; t < n; ++t) vsc[t] = T(*KS[t]) * kunit;
             for (int64_t r = 0; r < R; ++r)
 #pragma omp simd
-                for (int64_t t = 0; t < n; ++t) s[r * DECODE_BK + t] *= vsc[t];
+                for (int64_t t = 0; t < n; ++t) si[r * DECODE_BK + t] *= vsc[t];
         }
-        if (a.softcap > 0) softcap_block(s, R, n, T(a.softcap));
-        for (int64_t r = 0; r < R; ++r) alpha[r] = decode_row_step(s + r * DECODE_BK, n, mi + r, li + r);
+        if (a.softcap > 0) softcap_block(si, R, n, T(a.softcap));
+        for (int64_t r = 0; r < R; ++r)
+            alphai[r] = decode_row_step(si + r * DECODE_BK, n, m + i * R + r, l + i * R + r);
         if constexpr (KV::scaled) {  // the weights times each value row's scale
             const auto VS = src.vs(b0, slot, i);
             for (int64_t t = 0; t < n; ++t) vsc[t] = T(*VS[t]) * KV::unit;
             for (int64_t r = 0; r < R; ++r)
 #pragma omp simd
-                for (int64_t t = 0; t < n; ++t) s[r * DECODE_BK + t] *= vsc[t];
+                for (int64_t t = 0; t < n; ++t) si[r * DECODE_BK + t] *= vsc[t];
         }
-        // the values' tiles, from rows `at` (each row group's tiles read the block again)
-        auto values = [&](const A& at) QKV_LAMBDA_INLINE {
-            int64_t r = 0;  // the first row group's tiles ask for the next block's values
-            for (; r + RV <= R; r += RV, vnext.n = 0)
-                value_rows<T, E, V, DV, RV, TS::many>(acci + r * DV, s + r * DECODE_BK, alpha + r, at, n, vnext);
-            if (RV > 2 && r + 2 <= R) {
-                value_rows<T, E, V, DV, 2, TS::few>(acci + r * DV, s + r * DECODE_BK, alpha + r, at, n, vnext);
-                r += 2;
-                vnext.n = 0;
-            }
-            for (; r < R; ++r, vnext.n = 0)
-                value_rows<T, E, V, DV, 1, TS::few>(acci + r * DV, s + r * DECODE_BK, alpha + r, at, n, vnext);
-        };
+    };
+    // head i's weighted values of keys [c0, c1) of the block added to its accumulators, which
+    // the first part (c0 0) scales by alpha; the later ones by 1 (exact: each accumulator takes
+    // the operations, in the order, of the block taken whole)
+    auto values_of = [&](int64_t i, int64_t b0, int64_t n, int64_t c0, int64_t c1, int slot) QKV_LAMBDA_INLINE {
+        T* acci = acc + i * R * DV;
+        const T* w = s + i * R * DECODE_BK + c0;
+        const T* al = c0 == 0 ? alpha + i * R : ones;
+        const A Vb = src.v(b0, slot, i).from(c0);
+        const int64_t nc = c1 - c0;
+        auto vnext = next(VBytes{}, b0, n, slot, [&](int64_t nb0, int ns) { return src.v(nb0, ns, i).from(c0); });
+        vnext.n = std::max<int64_t>(0, vnext.n - c0);  // (rows from c0 on)
 #if QKV_X86
         if constexpr (IQ && LANES >= 16) {  // the same, 16 lanes a register
             constexpr int C8 = DV / 16 < 8 ? DV / 16 : 8;
             int64_t r = 0;
             for (; r + 4 <= R; r += 4, vnext.n = 0)
-                value_rows_i8_avx512<DV, 4, 4>(acci + r * DV, s + r * DECODE_BK, alpha + r, Vb, n, vnext);
+                value_rows_i8_avx512<DV, 4, 4>(acci + r * DV, w + r * DECODE_BK, al + r, Vb, nc, vnext);
             if (r + 2 <= R) {
-                value_rows_i8_avx512<DV, 2, C8>(acci + r * DV, s + r * DECODE_BK, alpha + r, Vb, n, vnext);
+                value_rows_i8_avx512<DV, 2, C8>(acci + r * DV, w + r * DECODE_BK, al + r, Vb, nc, vnext);
                 r += 2;
                 vnext.n = 0;
             }
             for (; r < R; ++r, vnext.n = 0)
-                value_rows_i8_avx512<DV, 1, C8>(acci + r * DV, s + r * DECODE_BK, alpha + r, Vb, n, vnext);
+                value_rows_i8_avx512<DV, 1, C8>(acci + r * DV, w + r * DECODE_BK, al + r, Vb, nc, vnext);
             return;
         }
         if constexpr (IQ && LANES >= 8) {  // four rows (two, one) share each widened register
             int64_t r = 0;
             for (; r + 4 <= R; r += 4, vnext.n = 0)
-                value_rows_i8_avx2<DV, 4, 2>(acci + r * DV, s + r * DECODE_BK, alpha + r, Vb, n, vnext);
+                value_rows_i8_avx2<DV, 4, 2>(acci + r * DV, w + r * DECODE_BK, al + r, Vb, nc, vnext);
             if (r + 2 <= R) {
-                value_rows_i8_avx2<DV, 2, 4>(acci + r * DV, s + r * DECODE_BK, alpha + r, Vb, n, vnext);
+                value_rows_i8_avx2<DV, 2, 4>(acci + r * DV, w + r * DECODE_BK, al + r, Vb, nc, vnext);
                 r += 2;
                 vnext.n = 0;
             }
             for (; r < R; ++r, vnext.n = 0)
-                value_rows_i8_avx2<DV, 1, 4>(acci + r * DV, s + r * DECODE_BK, alpha + r, Vb, n, vnext);
+                value_rows_i8_avx2<DV, 1, 4>(acci + r * DV, w + r * DECODE_BK, al + r, Vb, nc, vnext);
             return;
         }
 #endif
-        values(Vb);
+        // the values' tiles (each row group's tiles read the block again; the first row
+        // group's ask for the next block's values)
+        int64_t r = 0;
+        for (; r + RV <= R; r += RV, vnext.n = 0)
+            value_rows<T, E, V, DV, RV, TS::many>(acci + r * DV, w + r * DECODE_BK, al + r, Vb, nc, vnext);
+        if (RV > 2 && r + 2 <= R) {
+            value_rows<T, E, V, DV, 2, TS::few>(acci + r * DV, w + r * DECODE_BK, al + r, Vb, nc, vnext);
+            r += 2;
+            vnext.n = 0;
+        }
+        for (; r < R; ++r, vnext.n = 0)
+            value_rows<T, E, V, DV, 1, TS::few>(acci + r * DV, w + r * DECODE_BK, al + r, Vb, nc, vnext);
     };
     int slot = 0;
     src.list(j0, std::min<int64_t>(DECODE_BK, j1 - j0), slot);
@@ -1351,15 +1391,26 @@ QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h,
         const int64_t n = std::min<int64_t>(DECODE_BK, j1 - b0);
         src.list(b0 + DECODE_BK, std::min<int64_t>(DECODE_BK, j1 - b0 - n), slot ^ 1);
         if constexpr (Src::all_heads) {
-            // the next block's page rows: a share while each head is computed, or (4-byte
-            // values, for which that measured faster) all of it with the first
-            const int64_t parts = sizeof(E) >= 4 ? 1 : NH;
-            for (int64_t i = 0; i < NH; ++i) {
-                if (i < parts) src.ask(slot ^ 1, i, parts);
-                block(i, b0, n, slot);
-            }
+            // PK keys at a time, every head's (a page row holds every head's keys side by
+            // side: its lines read close in time), first the scores, then the weights, then
+            // the values; the next block's page rows asked for a share per part
+            const int64_t chunks = (n + PK - 1) / PK, parts = 2 * chunks * NH;
+            int64_t part = 0;
+            for (int64_t c0 = 0; c0 < n; c0 += PK)
+                for (int64_t i = 0; i < NH; ++i) {
+                    src.ask(slot ^ 1, part++, parts);
+                    scores_of(i, b0, n, c0, std::min(c0 + PK, n), slot);
+                }
+            for (int64_t i = 0; i < NH; ++i) weights_of(i, b0, n, slot);
+            for (int64_t c0 = 0; c0 < n; c0 += PK)
+                for (int64_t i = 0; i < NH; ++i) {
+                    src.ask(slot ^ 1, part++, parts);
+                    values_of(i, b0, n, c0, std::min(c0 + PK, n), slot);
+                }
         } else {
-            block(0, b0, n, slot);
+            scores_of(0, b0, n, 0, n, slot);
+            weights_of(0, b0, n, slot);
+            values_of(0, b0, n, 0, n, slot);
         }
     }
     if constexpr (KV::order > 1)
@@ -1737,8 +1788,8 @@ int run_decode(const qkv_decode_args& given) {
     T* PM = parts.data();  // per item: R maxima, then R sums, then R x dv accumulators
     T* PL = PM + nparts * R;
     T* PA = PL + nparts * R;
-    // see decode_piece_vec (a paged piece holds every head's scaled rows)
-    const int64_t scratch = R * ((paged ? a.kv_heads : 1) * a.d + DECODE_BK + 1) + DECODE_BK;
+    // see decode_piece_vec (a paged piece holds every head's scaled rows, scores and factors)
+    const int64_t scratch = R * ((paged ? a.kv_heads : 1) * (a.d + DECODE_BK + 1) + 1) + DECODE_BK;
     auto init = [&](std::vector<T>& sc) {
         sc.resize(size_t(scratch));
         return true;
