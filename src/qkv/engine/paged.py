@@ -243,6 +243,34 @@ def attend_pages(
         stand_in(stand, (B, kvh, longest, dv)),
         options,
     )
+
+    def step_over(tab: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        # (out, lse) of the paged step over rows `tab` of the table, `lens` keys each: the
+        # router decides the road (step.route): the native step, the fast road, or neither
+        lo = np.zeros(B, np.int64)
+        if plan.window is not None and plan.window[0] is not None:
+            lo = np.maximum(lens - 1 - plan.window[0], 0)  # the one query sits at length - 1
+        step = plan_checked(
+            plan, qa, kp, vp, form=form if form != "float16" else None,
+            runs=decode.KeyRuns(lo, lens), table=tab, out_dtype=out_dtype,
+            scales=None if ks is None else (ks, vs), precision=precision,
+        )  # fmt: skip
+        if step.route in (NATIVE, NATIVE_FAST, NUMPY_FAST):
+            return step.run(qa, kp, vp, k_scale=ks, v_scale=vs, return_lse=True)
+        out = np.zeros((B, H, Lq, dv), dtype=out_dtype)
+        lse = np.full((B, H, Lq), -np.inf, dtype=plan.acc_dtype)
+        for b in range(B):
+            n = int(lens[b])
+            if n == 0:
+                continue
+            kb = _gathered(kp, ks, form, tab[b], n)
+            vb = _gathered(vp, vs, form, tab[b], n)
+            opts = options if slopes is None else options.replace(alibi_slopes=slopes[b])
+            o, s = dispatch.attend(make_plan(qa[b], kb, vb, opts))
+            out[b] = o
+            lse[b] = s
+        return out, lse
+
     cols = cascade.shared_columns(table, lengths, page, Lq)
     if cols and router.cascade(plan, slopes, cols * page, B, precision):
         # a prefix every sequence shares: its pages read once for all of them
@@ -266,40 +294,14 @@ def attend_pages(
                              scale=part.scale, softcap=part.softcap)  # fmt: skip
             return dispatch.attend(full)
 
-        def own(rest: np.ndarray) -> Any:
-            return attend_pages(
-                plan.q, k_pages, v_pages, table[:, cols:], rest, scale=plan.scale,
-                causal=causal, window=window, softcap=plan.softcap, return_lse=True,
-                kv_format=kv_format, k_scale=k_scale, v_scale=v_scale,
-            )  # fmt: skip
-
+        # the own pages: the step above over the rest of each row of the table (checked
+        # already, with this call's plan)
         prefix = cascade.Prefix(cols * page, kvh, dv, prefix_part)
-        out, lse = cascade.attend(plan, prefix, own, lengths)
+        out, lse = cascade.attend(plan, prefix, lambda rest: step_over(table[:, cols:], rest),
+                                  lengths)  # fmt: skip
         out = out.astype(out_dtype, copy=False)
         return (out, lse) if return_lse else out
-    # the router decides the road (step.route): the native step, the fast road, or neither
-    lo = np.zeros(B, np.int64)
-    if plan.window is not None and plan.window[0] is not None:
-        lo = np.maximum(lengths - 1 - plan.window[0], 0)  # the one query sits at length - 1
-    step = plan_checked(
-        plan, qa, kp, vp, form=form if form != "float16" else None,
-        runs=decode.KeyRuns(lo, lengths), table=table, out_dtype=out_dtype,
-        scales=None if ks is None else (ks, vs), precision=precision,
-    )  # fmt: skip
-    if step.route in (NATIVE, NATIVE_FAST, NUMPY_FAST):
-        return step.run(qa, kp, vp, k_scale=ks, v_scale=vs, return_lse=return_lse)
-    out = np.zeros((B, H, Lq, dv), dtype=out_dtype)
-    lse = np.full((B, H, Lq), -np.inf, dtype=plan.acc_dtype)
-    for b in range(B):
-        n = int(lengths[b])
-        if n == 0:
-            continue
-        kb = _gathered(kp, ks, form, table[b], n)
-        vb = _gathered(vp, vs, form, table[b], n)
-        opts = options if slopes is None else options.replace(alibi_slopes=slopes[b])
-        o, s = dispatch.attend(make_plan(qa[b], kb, vb, opts))
-        out[b] = o
-        lse[b] = s
+    out, lse = step_over(table, lengths)
     return (out, lse) if return_lse else out
 
 
