@@ -106,6 +106,8 @@ def test_tail_counts_reads_only_a_tail_per_batch_row():
     assert tail_counts(padding([4], S)[0], 1).tolist() == [4]  # (1, 1, S): one count
     assert tail_counts(np.broadcast_to(keep[:, :, 0], (3, 2, S)), 1) is None  # per head
     assert tail_counts(np.ones((3, 1, 1, 0), bool), 2) is None  # no key: nothing to read
+    odd = np.array([2, 2, 1, 0], np.uint8).view(bool).reshape(1, 1, 1, 4)  # True stored as 2
+    assert tail_counts(odd, 2).tolist() == [3]
 
 
 @settings(max_examples=200, deadline=None)

@@ -184,7 +184,9 @@ def tail_counts(keep: np.ndarray, nbatch: int) -> np.ndarray | None:
         return None  # varies along the heads (or another axis than the first)
     S = shape[-1]
     if keep.size <= _FEW_ROWS * shape[-2] * S:
-        return _few_tail_counts(keep.tobytes(), shape[-2], S)
+        raw = keep.tobytes()
+        if not raw.translate(None, b"\x00\x01"):  # (a bool view of other bytes: below)
+            return _few_tail_counts(raw, shape[-2], S)
     rows = keep[..., 0, :]
     if shape[-2] > 1:
         last = keep[..., -1, :]
