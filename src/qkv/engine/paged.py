@@ -83,11 +83,6 @@ def _scales(x: Any, name: str, form: str | None, shape: tuple[int, ...]) -> np.n
     return a
 
 
-# The router's prefill kernels that read a shared prefix's pages in place, and their products
-# (qkv.engine.kernels.native.attend_prefix_pages)
-_IN_PLACE = {"native prefill, own tiles": "own", "native prefill": "blas"}
-
-
 def _gathered(
     pages: np.ndarray, scales: np.ndarray | None, form: str | None, row: np.ndarray, n: int
 ) -> np.ndarray:
@@ -280,8 +275,8 @@ def attend_pages(
             # the native prefill reads the prefix's pages in place where the router runs the
             # part on it; else (8-bit forms, another kernel, an output not finite) the prefix
             # is gathered first
-            products = _IN_PLACE.get(router.forward(part).name)
-            if form in (None, "bfloat16", "float16") and products is not None:
+            products = router.prefix_in_place(part, form)
+            if products is not None:
                 stored = (
                     "bfloat16" if stored_bf16 else "float16" if kp.dtype == np.float16 else None
                 )

@@ -44,6 +44,7 @@ __all__ = [
     "Route",
     "cascade",
     "choose",
+    "prefix_in_place",
     "count_groups",
     "key_counts_per_row",
     "short",
@@ -771,6 +772,21 @@ def cascade(
     ``shared_keys`` keys that its ``sequences`` all share (:data:`CASCADE`)."""
     ask = Ask((plan, slopes, shared_keys, sequences, precision))
     return all(cond.test(ask) for cond in CASCADE)
+
+
+# The prefill kernels that read a shared prefix's pages in place, and their tile products
+# (qkv.engine.kernels.native.attend_prefix_pages), and the forms of pool they read
+_PAGES_IN_PLACE = {"native prefill, own tiles": "own", "native prefill": "blas"}
+_PAGE_FORMS = (None, "bfloat16", "float16")
+
+
+def prefix_in_place(part: Plan, form: str | None) -> str | None:
+    """The tile products (``"own"`` or ``"blas"``) with which the native prefill reads a shared
+    prefix's pages in place for the split step's prefix ``part`` (a checked plan on stand-ins
+    of the prefix's shapes), on a pool stored as ``form`` (None: the compute dtype, or float16
+    arrays); None where the prefix is gathered first: the 8-bit forms, and parts that
+    :func:`forward` gives another kernel."""
+    return _PAGES_IN_PLACE.get(forward(part).name) if form in _PAGE_FORMS else None
 
 
 def first(table: Sequence[Kernel], ask: Ask) -> Kernel:
