@@ -1236,14 +1236,25 @@ QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h,
     typedef std::integral_constant<int, K1> Lone_;
     // (lambdas inlined by force: one left a function of its own would be compiled without
     // the clone's target, its vectors taken a half or a quarter at a time)
-    // The rows read after the keys or values of the block from b0 (n keys, listed in `slot`),
-    // asked for while they are computed (Ahead) into L2 (into L1 they measured slower: the
-    // rows of this block compete with them there): the next block's. Pages ask for theirs
-    // whole, a share per part (Src::ask), and take no Ahead's.
-    auto next = [&](auto bytes, int64_t b0, int64_t n, int slot, auto rows) QKV_LAMBDA_INLINE {
+    // Pages in parts (PARTS): PK keys at a time, every head's, in the AVX-512 clones. In the
+    // AVX2 clone that walk measured slower than a block per head, head after head (Zen 4, 2
+    // threads, B8 H32 kv8 S4096 d128, pages of 16, old and new alternating: bfloat16 10.3-10.8
+    // against 12.6-13.5 ms, int8 10.8-12.9 against 13.3-19.2), so the narrower clones keep
+    // the block per head.
+    constexpr bool PARTS = Src::all_heads && LANES >= 16;
+    // The rows read after the keys or values of head i's block from b0 (n keys, listed in
+    // `slot`), asked for while they are computed (Ahead) into L2 (into L1 they measured
+    // slower: the rows of this block compete with them there): the next block's, or (pages
+    // a block per head) the next head's in this block. Pages in parts ask for the next
+    // block's page rows whole, a share per part (Src::ask), and take no Ahead's.
+    // rows(b0, slot, i): head i's rows of the block from b0 listed in slot.
+    auto next = [&](auto bytes, int64_t i, int64_t b0, int64_t n, int slot, auto rows) QKV_LAMBDA_INLINE {
         constexpr int B = decltype(bytes)::value;
-        const int64_t ahead = Src::all_heads ? 0 : std::min<int64_t>(DECODE_BK, j1 - b0 - n);
-        return Ahead<E, B, A>{rows(b0 + DECODE_BK, slot ^ 1), ahead};
+        if constexpr (PARTS) return Ahead<E, B, A>{rows(b0 + DECODE_BK, slot ^ 1, 0), 0};
+        const bool same = Src::all_heads && i + 1 < NH;
+        const int64_t ahead = same ? n : std::min<int64_t>(DECODE_BK, j1 - b0 - n);
+        return same ? Ahead<E, B, A>{rows(b0, slot, i + 1), ahead}
+                    : Ahead<E, B, A>{rows(b0 + DECODE_BK, slot ^ 1, 0), ahead};
     };
     typedef std::integral_constant<int, int(D * sizeof(E))> KBytes;
     typedef std::integral_constant<int, int(DV * sizeof(E))> VBytes;
@@ -1277,7 +1288,7 @@ QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h,
             score_tile<T, E, V, D, RB, KBt, LANES>(qs + r * D, K.from(j), out);
         };
         const A K = src.k(b0, slot, i);
-        const auto knext = next(KBytes{}, b0, n, slot, [&](int64_t nb0, int ns) { return src.k(nb0, ns, i); });
+        const auto knext = next(KBytes{}, i, b0, n, slot, [&](int64_t nb0, int ns, int64_t ni) { return src.k(nb0, ns, ni); });
         // keys [j, j + k1): the row groups' tiles of kb keys, a row alone's one tile of k1
         auto key_tiles = [&](auto kb, auto k1, int64_t j) QKV_LAMBDA_INLINE {
             constexpr int KBt = decltype(kb)::value, K1t = decltype(k1)::value;
@@ -1340,7 +1351,7 @@ QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h,
         const T* al = c0 == 0 ? alpha + i * R : ones;
         const A Vb = src.v(b0, slot, i).from(c0);
         const int64_t nc = c1 - c0;
-        auto vnext = next(VBytes{}, b0, n, slot, [&](int64_t nb0, int ns) { return src.v(nb0, ns, i).from(c0); });
+        auto vnext = next(VBytes{}, i, b0, n, slot, [&](int64_t nb0, int ns, int64_t ni) { return src.v(nb0, ns, ni).from(c0); });
         vnext.n = std::max<int64_t>(0, vnext.n - c0);  // (rows from c0 on)
 #if QKV_X86
         if constexpr (IQ && LANES >= 16) {  // the same, 16 lanes a register
@@ -1390,7 +1401,18 @@ QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h,
     for (int64_t b0 = j0; b0 < j1; b0 += DECODE_BK, slot ^= 1) {
         const int64_t n = std::min<int64_t>(DECODE_BK, j1 - b0);
         src.list(b0 + DECODE_BK, std::min<int64_t>(DECODE_BK, j1 - b0 - n), slot ^ 1);
-        if constexpr (Src::all_heads) {
+        if constexpr (Src::all_heads && !PARTS) {
+            // a block per head, head after head; the next block's page rows: a share while
+            // each head is computed, or (4-byte values, for which that measured faster) all
+            // of it with the first
+            const int64_t parts = sizeof(E) >= 4 ? 1 : NH;
+            for (int64_t i = 0; i < NH; ++i) {
+                if (i < parts) src.ask(slot ^ 1, i, parts);
+                scores_of(i, b0, n, 0, n, slot);
+                weights_of(i, b0, n, slot);
+                values_of(i, b0, n, 0, n, slot);
+            }
+        } else if constexpr (PARTS) {
             // PK keys at a time, every head's (a page row holds every head's keys side by
             // side: its lines read close in time), first the scores, then the weights, then
             // the values; the next block's page rows asked for a share per part
