@@ -518,6 +518,15 @@ struct Shared {
     Products prod;  // run NULL: BLAS (g) runs the tile products
 };
 
+// The row pitch of the packed keys (d rows of lds): lds, or one cache line more where lds
+// would be a multiple of two lines. The scores' product reads a strip of every row of them
+// for each block of query rows; rows a multiple of 128 bytes apart share a few of L1's sets
+// (768 keys: 3 KiB apart, all 64 rows of d = 64 in 8 sets), more lines than their ways.
+template <typename T>
+constexpr int64_t kt_pitch(int64_t lds) {
+    return lds * int64_t(sizeof(T)) % 128 ? lds : lds + 64 / int64_t(sizeof(T));
+}
+
 // A worker's tiles, allocated once per thread.
 template <typename T>
 struct Buffers {
@@ -537,7 +546,7 @@ struct Buffers {
             s.resize(size_t(bq * bkp));
             acc.resize(size_t(bq * ldacc));
             if (width) {
-                kt.resize(size_t(d * bkp));
+                kt.resize(size_t(d * (bkp + 64 / int64_t(sizeof(T)))));  // kt_pitch's at most
                 if (ldacc != dv) vp.resize(size_t(bk * ldacc));
             }
             m.resize(size_t(bq));
@@ -678,7 +687,8 @@ void forward_block(const Block<T>& b, Shared<Gemm> sh, Buffers<T>& buf) {
         const int64_t lds = sh.prod.run ? (n + w - 1) / w * w : n;
         if (sh.prod.run) {  // S (nr x lds) = (scale · Q[ra:rb]) · Kᵀ, Kᵀ packed (d x lds)
             T* kt = buf.kt.data();
-            sh.prod.pack(PackArgs{kp, k_rs, n, sh.d, kt, lds, sh.scale});
+            const int64_t ktp = kt_pitch<T>(lds);
+            sh.prod.pack(PackArgs{kp, k_rs, n, sh.d, kt, ktp, sh.scale});
             ProdArgs pa;
             pa.m = nr;
             pa.n = lds;
@@ -686,7 +696,7 @@ void forward_block(const Block<T>& b, Shared<Gemm> sh, Buffers<T>& buf) {
             pa.a = b.q + ra * b.q_rs;
             pa.lda = b.q_rs;
             pa.b = kt;
-            pa.ldb = lds;
+            pa.ldb = ktp;
             pa.c = s;
             pa.ldc = lds;
             pa.accumulate = 0;
