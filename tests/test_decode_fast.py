@@ -1,6 +1,8 @@
 """The decode step's opt-in fast road (precision="fast"): int8 K scored against the query rows
-rounded to int8. Within its stated bound of the exact road, never silently the exact road,
-the same scores on every clone and in the NumPy emulation, refused by name for bad values."""
+rounded to int8, the weights rounded to int16 for the values' integer products. Within its
+stated bound of the exact road, never silently the exact road, the same scores on every clone
+and in the NumPy emulation, the same outputs on the clones whose integers and float32
+operations are the same, refused by name for bad values."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from qkv.engine.kernels import decode_fast, native_decode, native_lib
 
 FAST, EXACT = decoding.NATIVE_FAST, decoding.NATIVE
 T32 = tol("fast path", np.float32)
+EMUL = 2.0**-13  # the emulation against the native step: four units of a block's weights
 
 
 def _clones() -> list[str]:
@@ -52,12 +55,12 @@ def _paged(x, page, order):
     return out
 
 
-def _run(precision, q, kc, ks, vc, vs, lengths=None, paged=None):
+def _run(precision, q, kc, ks, vc, vs, lengths=None, paged=None, threads=None):
     """``(out, lse, plan)`` of one planned step."""
     if paged is None:
         plan = qkv.plan_decode(
             q, kc, vc, kv_format="int8", k_scale=ks, v_scale=vs, seqlens=lengths,
-            precision=precision,
+            precision=precision, threads=threads,
         )  # fmt: skip
         out, lse = plan.run(q, kc, vc, k_scale=ks, v_scale=vs, return_lse=True)
         return out, lse, plan
@@ -65,7 +68,7 @@ def _run(precision, q, kc, ks, vc, vs, lengths=None, paged=None):
     kp, vp, ksp, vsp = (_paged(x, page, table) for x in (kc, vc, ks, vs))
     plan = qkv.plan_decode(
         q, kp, vp, kv_format="int8", k_scale=ksp, v_scale=vsp, seqlens=lengths,
-        block_table=table, precision=precision,
+        block_table=table, precision=precision, threads=threads,
     )  # fmt: skip
     out, lse = plan.run(q, kp, vp, k_scale=ksp, v_scale=vsp, return_lse=True)
     return out, lse, plan
@@ -132,11 +135,14 @@ def test_fast_road_within_its_bound_of_the_exact_road_on_every_clone(case):
         codes, s = decode_fast.quantize_rows(q)
         if keys.any() and not np.array_equal(codes * s[..., None], q):
             assert not np.array_equal(lse_f, lse_e)
-        # the emulation: the same scores, the rest in float64
+        # the emulation: the same scores, the softmax in float64, the weights rounded alike
+        # (a weight whose float32 value times 32767 / max lies within float32's rounding of a
+        # half may round a unit the other way: EMUL's allowance, far below the bound's)
         k = qkv.dequantize_kv(kc, ks, "int8")
         v = qkv.dequantize_kv(vc, vs, "int8")
-        o64, l64 = decode_fast.attend(q, kc, ks, v, scale, keys=keys)
-        np.testing.assert_allclose(fast, o64, **T32)
+        o64, l64 = decode_fast.attend(q, kc, ks, vc, vs, scale, keys=keys)
+        vmax = float(np.abs(v).max(initial=0.0))
+        np.testing.assert_allclose(fast, o64, rtol=T32["rtol"], atol=T32["atol"] + EMUL * vmax)
         np.testing.assert_allclose(lse_f, l64, **T32)
         # and the exact road still equals the float64 reference on the stored values
         want = np.zeros_like(o64)
@@ -171,8 +177,7 @@ def test_the_emulation_runs_where_the_native_step_is_off(monkeypatch):
     monkeypatch.setenv("QKV_NATIVE", "0")
     out, lse, plan = _run("fast", q, kc, ks, vc, vs, [70, 33])
     assert plan.route == decoding.NUMPY_FAST
-    v = qkv.dequantize_kv(vc, vs, "int8")
-    o64, l64 = decode_fast.attend(q, kc, ks, v, 0.125, keys=_keys([70, 33], 2, 70))
+    o64, l64 = decode_fast.attend(q, kc, ks, vc, vs, 0.125, keys=_keys([70, 33], 2, 70))
     np.testing.assert_allclose(out, o64, **T32)
     np.testing.assert_allclose(lse, l64, **T32)
     exact, _, plan_e = _run("exact", q, kc, ks, vc, vs, [70, 33])
@@ -188,7 +193,7 @@ def test_bound_holds_for_the_emulation_against_the_exact_road_with_large_logits(
     q *= 8
     k = qkv.dequantize_kv(kc, ks, "int8")
     v = qkv.dequantize_kv(vc, vs, "int8")
-    o, _ = decode_fast.attend(q, kc, ks, v, 1 / np.sqrt(32))
+    o, _ = decode_fast.attend(q, kc, ks, vc, vs, 1 / np.sqrt(32))
     exact = reference.attention(q, k, v)
     b = decode_fast.bound(q, k, v, 1 / np.sqrt(32))
     assert (np.abs(o - exact) <= b + 1e-12).all()
@@ -289,3 +294,133 @@ def test_the_native_plan_carries_the_fast_code():
     assert native_decode.format_code("int8", "fast") == native_lib.KV_FORMATS["int8"] | 256
     assert native_decode.format_code("bfloat16", "fast") == native_lib.KV_FORMATS["bfloat16"]
     assert native_decode.format_code(None, "fast") == 0
+
+
+@st.composite
+def long_shapes(draw):
+    """Runs of keys past one block and past a piece (256 keys: with 2 threads a run of 512 or
+    more is split), block lengths of any remainder, odd counts, head sizes with a road of
+    their own (64, 128) and without (40), query rows scaled large (sharp weights: most of a
+    block rounds to 0) or small (flat ones)."""
+    d = draw(st.sampled_from([40, 64, 128]))
+    group = draw(st.sampled_from([1, 3, 4]))
+    S = draw(st.integers(60, 700))
+    lengths = [S, draw(st.integers(1, S))]
+    lo = min(draw(st.integers(0, 70)), lengths[1] - 1)  # (a mask of one run per sequence)
+    return (
+        d,
+        group,
+        S,
+        lengths,
+        lo,
+        draw(st.sampled_from([1e-3, 1.0, 8.0])),
+        draw(st.integers(1, 2)),
+    )
+
+
+@pytest.mark.skipif(not CLONES, reason="the native library is not built or is switched off")
+@settings(max_examples=25, deadline=None)
+@given(long_shapes(), st.integers(0, 2**31 - 1))
+def test_fast_road_within_its_bound_over_many_blocks_and_pieces(case, seed):
+    d, group, S, lengths, lo, qs, threads = case
+    rng = np.random.default_rng(seed)
+    q, kc, ks, vc, vs = _case(rng, 2, 2 * group, 2, 1, d, S)
+    q *= qs
+    vs[:, :, ::7] *= 1e-4  # some value rows tiny: their weights round to few units
+    keys = _keys(lengths, 2, S)
+    keys[:, :lo] = False  # runs that start past 0: blocks from lo
+    mask = keys[:, None, None, :]
+    k = qkv.dequantize_kv(kc, ks, "int8").astype(np.float64)
+    v = qkv.dequantize_kv(vc, vs, "int8").astype(np.float64)
+    # the exact road's output on the stored K/V in float64
+    s = np.einsum("bhd,bhsd->bhs", q.reshape(2, 2, group, d)[:, :, :, :].reshape(2, 2 * group, d),
+                  np.repeat(k, group, axis=1)) / np.sqrt(d)  # fmt: skip
+    s = np.where(mask[:, :, 0], s, -np.inf)
+    m = s.max(axis=-1, keepdims=True, initial=-np.inf)
+    p = np.where(np.isfinite(m), np.exp(s - np.where(np.isfinite(m), m, 0.0)), 0.0)
+    tot = p.sum(axis=-1, keepdims=True)
+    want = np.einsum("bhs,bhsd->bhd", p, np.repeat(v, group, axis=1))
+    want = np.where(tot > 0, want / np.where(tot > 0, tot, 1.0), 0.0)[:, :, None, :]
+    b = decode_fast.bound(q, k, v, 1 / np.sqrt(d), keys)
+    vmax = float(np.abs(v).max(initial=0.0))
+    for clone in CLONES:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("QKV_NATIVE_ISA", clone)
+            plan = qkv.plan_decode(
+                q, kc, vc, kv_format="int8", k_scale=ks, v_scale=vs, mask=mask,
+                precision="fast", threads=threads,
+            )  # fmt: skip
+            fast = plan.run(q, kc, vc, k_scale=ks, v_scale=vs)
+        assert plan.route == FAST
+        slack = T32["atol"] * vmax + T32["rtol"] * np.abs(want)
+        err = np.abs(fast.astype(np.float64) - want)
+        assert (err <= b + slack).all(), (
+            f"{clone}: worst excess {float((err - b - slack).max()):.3g}"
+        )
+
+
+def _direct(rng, B, kvh, S, d, tiny=None):
+    """int8 K/V codes and scales drawn directly (codes in [-127, 127], each value row's
+    largest 127, as quantize_kv stores them; rows in ``tiny`` scaled by 1e-5)."""
+    kc = rng.integers(-127, 128, (B, kvh, S, d)).astype(np.int8)
+    vc = rng.integers(-127, 128, (B, kvh, S, d)).astype(np.int8)
+    vc[..., 0] = 127
+    ks = rng.uniform(0.005, 0.02, (B, kvh, S)).astype(np.float32)
+    vs = rng.uniform(0.005, 0.02, (B, kvh, S)).astype(np.float32)
+    if tiny is not None:
+        vs[:, :, tiny] *= np.float32(1e-5)
+    return kc, ks, vc, vs
+
+
+@pytest.mark.skipif(not CLONES, reason="the native library is not built or is switched off")
+def test_a_weight_below_half_a_unit_of_its_blocks_largest_rounds_to_zero():
+    # q 0: every score 0, every weight 1, the weights u = the value rows' scales; row 1's is
+    # 1e-5 of row 0's, so 32767 · u / max|u| < 1/2 rounds it to 0: its values drop out of the
+    # fast road's output (column 1, where row 0's code is 0), not of the exact road's
+    kc = np.zeros((1, 1, 2, 64), np.int8)
+    vc = np.zeros((1, 1, 2, 64), np.int8)
+    vc[0, 0, 0, 0] = 127
+    vc[0, 0, 1, 1] = 127
+    ks = np.ones((1, 1, 2), np.float32)
+    vs = np.array([[[1.0, 1e-5]]], np.float32)
+    q = np.zeros((1, 4, 1, 64), np.float32)
+    o64, _ = decode_fast.attend(q, kc, ks, vc, vs, 0.125)
+    assert o64[0, 0, 0, 1] == 0 and o64[0, 0, 0, 0] == 127 / 2
+    for clone in CLONES:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("QKV_NATIVE_ISA", clone)
+            fast, _, _ = _run("fast", q, kc, ks, vc, vs)
+            exact, _, _ = _run("exact", q, kc, ks, vc, vs)
+        assert (fast[..., 1] == 0).all() and (fast[..., 0] == np.float32(127 / 2)).all(), clone
+        assert (exact[..., 1] > 0).all()
+        v = qkv.dequantize_kv(vc, vs, "int8")
+        bound = decode_fast.bound(q, qkv.dequantize_kv(kc, ks, "int8"), v, 0.125)
+        assert (np.abs(fast - exact) <= bound).all()
+
+
+@pytest.mark.skipif(len(CLONES) < 2, reason="one clone or none")
+@pytest.mark.parametrize("d", [40, 64, 128])
+@pytest.mark.parametrize("paged", [False, True])
+def test_the_vector_clones_give_the_same_outputs_where_the_weights_sum_exactly(d, paged):
+    # q 0: every weight exactly 1 and every denominator an exact count, so each output is
+    # the block sums of integer products taken into float32 by the same operations: the
+    # AVX2, AVX-512 and VNNI roads give the same bits (the baseline clone, without FMA, takes
+    # the last step with two roundings: within float32's rounding of them)
+    rng = np.random.default_rng(d)
+    S = 16 * 13
+    kc, ks, vc, vs = _direct(rng, 2, 2, S, d, tiny=slice(3, None, 5))
+    q = np.zeros((2, 8, 1, d), np.float32)
+    table = rng.permutation(2 * (S // 16)).reshape(2, -1).astype(np.int32)
+    lengths = [S, 131]
+    got = {}
+    for clone in CLONES:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("QKV_NATIVE_ISA", clone)
+            got[clone], _, _ = _run(
+                "fast", q, kc, ks, vc, vs, lengths, (16, table) if paged else None, threads=1
+            )
+    o64, _ = decode_fast.attend(q, kc, ks, vc, vs, 1.0, keys=_keys(lengths, 2, S))
+    for clone, out in got.items():
+        np.testing.assert_allclose(out, o64, **T32, err_msg=clone)
+        if clone != "baseline":
+            np.testing.assert_array_equal(out, got[CLONES[-1]], err_msg=clone)

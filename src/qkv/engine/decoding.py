@@ -341,7 +341,7 @@ class DecodePlan:
         vs = None if v_scale is None else _raw(v_scale, "v_scale")
         if self._table is not None:
             ka, va, ks, vs = (self._gather(x) for x in (ka, va, ks, vs))
-        codes = ka
+        codes, vcodes = ka, va
         if self.kv_format is not None:
             ka, va = dequantize_kv(ka, ks, self.kv_format), dequantize_kv(va, vs, self.kv_format)
         mask = self._keep
@@ -354,9 +354,9 @@ class DecodePlan:
                 None if mask is None else np.broadcast_to(mask[:, 0, 0, :], (self.batch, self.keys))
             )
             q32 = qa.astype(np.float32)
-            assert ks is not None  # (int8 K carries its row scales)
+            assert ks is not None and vs is not None  # (int8 K/V carry their row scales)
             o64, l64 = decode_fast.attend(
-                q32, codes, ks, va, self.scale, keys=keys, softcap=self.softcap
+                q32, codes, ks, vcodes, vs, self.scale, keys=keys, softcap=self.softcap
             )
             out = o64.astype(self.dtype)
             lse = l64.astype(self._acc[0])
