@@ -122,6 +122,54 @@ def test_attention_function_equals_transformers_sdpa(L, S, is_causal, mask_kind)
     torch.testing.assert_close(out, expect, **tol("torch peer", torch.float32))
 
 
+def _left_padded(starts, L, S):
+    """A causal mask (bottom-right) cut to each sequence's keys [start, S), as transformers
+    builds it for a batch of left-padded prompts: (B, 1, L, S) booleans."""
+    tri = torch.ones(L, S, dtype=torch.bool).tril(S - L)
+    keys = torch.arange(S)[None, :] >= torch.tensor(starts)[:, None]
+    return (tri[None] & keys[:, None, :])[:, None]
+
+
+@pytest.mark.parametrize(
+    ("starts", "L", "S", "softcap"),
+    [
+        ([4, 0, 9], 9, 9, None),  # a prompt batch: rows before a start see no key
+        ([2, 7, 0, 5], 6, 11, None),  # queries after a cached part (L < S)
+        ([3, 1], 8, 8, 5.0),  # with soft-capping
+        ([7, 7], 8, 8, None),  # every sequence all padding but its last token
+    ],
+)
+def test_left_padded_prefill_runs_each_sequence_on_its_own_keys(monkeypatch, starts, L, S, softcap):
+    B, H, kvh, d = len(starts), 4, 2, 16
+    q, k, v = rand(B, H, L, d, seed=4), rand(B, kvh, S, d, seed=5), rand(B, kvh, S, d, seed=6)
+    mask = _left_padded(starts, L, S)
+    runs = []
+    inner = hf._causal_runs
+    monkeypatch.setattr(hf, "_causal_runs", lambda *a: runs.append(a[3].starts) or inner(*a))
+    kw = {} if softcap is None else {"softcap": softcap}
+    out, _ = attention_forward(Layer(True, groups=2), q, k, v, mask, scaling=0.3, **kw)
+    assert [r.tolist() for r in runs] == [starts]  # the road was taken, with these starts
+    ref = reference.attention(
+        q.numpy(), np.repeat(k.numpy(), 2, 1), np.repeat(v.numpy(), 2, 1),
+        scale=0.3, mask=mask.numpy(), **kw,
+    )  # fmt: skip
+    # a query row that sees no key gives 0, as qkv.attention gives it on the mask itself
+    np.testing.assert_allclose(out.numpy(), ref.transpose(0, 2, 1, 3), **tol(dtype=np.float32))
+    general = qkv.attention(q, k, v, mask=mask, scale=0.3, **kw).transpose(1, 2)
+    np.testing.assert_allclose(out.numpy(), general.numpy(), **tol(dtype=np.float32))
+
+
+def test_a_mask_not_exactly_causal_in_runs_keeps_the_mask_road(monkeypatch):
+    starts, L, S = [3, 0], 6, 6
+    mask = _left_padded(starts, L, S)
+    mask[1, 0, 2, 4] = True  # one key past the diagonal: not causal
+    q, k, v = rand(2, 2, L, 8, seed=7), rand(2, 2, S, 8, seed=8), rand(2, 2, S, 8, seed=9)
+    monkeypatch.setattr(hf, "_causal_runs", lambda *a: pytest.fail("took the causal road"))
+    out, _ = attention_forward(Layer(True), q, k, v, mask, scaling=0.5)
+    ref = reference.attention(q.numpy(), k.numpy(), v.numpy(), scale=0.5, mask=mask.numpy())
+    np.testing.assert_allclose(out.numpy(), ref.transpose(0, 2, 1, 3), **tol(dtype=np.float32))
+
+
 @pytest.mark.parametrize(
     ("runs", "kind"),
     [

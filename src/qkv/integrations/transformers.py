@@ -363,11 +363,78 @@ def _read_prefill_mask(mask: Any) -> Any:
     rows = keep.numpy()
     counts = tail_counts(rows, 2)
     if counts is None:
+        starts = _causal_starts(rows)
+        if starts is not None:
+            return _CausalRuns(rows, starts)
         return rows  # booleans: not read from floats again by each layer
     S = rows.shape[-1]
     if bool((counts == S).all()):
         return None  # hides nothing
     return (np.arange(S)[None, :] < counts[:, None])[:, None, None, :]
+
+
+class _CausalRuns(NamedTuple):
+    """A prefill's mask that is causal (bottom-right) within each sequence's trailing run of
+    keys ``[starts[b], S)``: what a batch of left-padded prompts gets. ``rows`` is the mask as
+    booleans, for the roads that read it as it is."""
+
+    rows: np.ndarray
+    starts: np.ndarray
+
+
+def _causal_starts(rows: np.ndarray) -> np.ndarray | None:
+    """Each sequence's first key when boolean ``rows`` ``(B, 1, L, S)`` is exactly the causal
+    mask (query ``i`` sees keys up to ``S - L + i``) cut to the keys ``[start, S)`` of each
+    sequence, with some start above 0 (left padding); None for any other mask. A query row
+    before its sequence's start sees no key. One pass over the mask, once per model step.
+
+    >>> import numpy as np
+    >>> tri = np.tri(4, 4, dtype=bool)
+    >>> m = np.stack([tri, tri & (np.arange(4) >= 2)])[:, None]
+    >>> _causal_starts(m).tolist()
+    [0, 2]
+    >>> m[1, 0, 3, 1] = True  # a key before the run: not this mask
+    >>> _causal_starts(m) is None
+    True
+    """
+    B, h, L, S = rows.shape
+    if h != 1 or L < 2 or L > S or rows.dtype != np.bool_:
+        return None
+    starts = S - np.count_nonzero(rows[:, 0, -1, :], axis=-1)  # the last query sees [start, S)
+    if not starts.any():
+        return None
+    keys = np.arange(S)
+    expected = np.tri(L, S, S - L, dtype=bool)[None] & (keys >= starts[:, None])[:, None, :]
+    return starts if np.array_equal(rows[:, 0], expected) else None
+
+
+def _causal_runs(
+    query: Any, key: Any, value: Any, runs: _CausalRuns, options: dict[str, Any]
+) -> Any:
+    """The attention of a left-padded prefill (:class:`_CausalRuns`), sequence by sequence on
+    its own keys, causal, with no mask: ``(batch, L, heads, dv)``, 0 for the query rows that
+    see no key (as :func:`qkv.attention` gives a row that sees none). The mask's elementwise
+    road took about twice as long on 8 prompts of 33-512 tokens (H8 kv2 d32)."""
+    from ..front import attention as qkv_attention
+
+    B, H, L, _ = query.shape
+    S = key.shape[-2]
+    out = query.new_zeros((B, L, H, value.shape[-1]))
+    for b in range(B):
+        start = int(runs.starts[b])
+        first = max(0, start - (S - L))  # the first query row that sees a key
+        if start >= S or first >= L:
+            continue
+        with compiled_team():
+            o = qkv_attention(
+                query[b : b + 1, :, first:],
+                key[b : b + 1, :, start:],
+                value[b : b + 1, :, start:],
+                causal=True,
+                **options,
+            )
+        out[b, first:] = o[0].transpose(0, 1)
+    return out
 
 
 def attention_forward(
@@ -462,6 +529,12 @@ def _general(
     if L > 1 and mask is attention_mask and mask is not None and not OBSERVERS:
         mask = _prefill_mask(mask)  # read once per model step, for every layer (observers
         # such as qkv.integrations.capture see the model's own mask)
+    if isinstance(mask, _CausalRuns):
+        sinks = kwargs.get("s_aux", kwargs.get("sinks"))
+        if sinks is None and not kwargs.get("output_attentions") and kernel == "auto":
+            extra = {} if kwargs.get("softcap") is None else {"softcap": kwargs["softcap"]}
+            return _causal_runs(query, key, value, mask, {"scale": scaling, **extra}), None
+        mask = mask.rows
     causal, window, skipped = False, None, 0  # skipped: keys left out before those read
     if attention_mask is None and is_causal and L > 1:
         # transformers left the mask out because PyTorch's top-left `is_causal` covers it: either
