@@ -334,8 +334,9 @@ def _prefill_mask(mask: Any) -> Any:
     step (kept on the mask; read again if it is changed in place): a padding mask (each
     sequence's keys a leading run, the same for every query) as a ``(batch, 1, 1, S)`` boolean
     array, which the validation reads as key counts at the cost of one row per sequence, or
-    None where it hides nothing; a float mask of only ``0`` and ``-inf`` as booleans; any
-    other mask as it is."""
+    None where it hides nothing; the causal mask of a left-padded prompt batch as each
+    sequence's first key (:class:`_CausalRuns`); a float mask of only ``0`` and ``-inf`` as
+    booleans; any other mask as it is."""
     version = getattr(mask, "_version", None)
     kept = getattr(mask, _ON_PREFILL_MASK, None)
     if kept is not None and kept[0] == version:
@@ -529,8 +530,10 @@ def _general(
     if L > 1 and mask is attention_mask and mask is not None and not OBSERVERS:
         mask = _prefill_mask(mask)  # read once per model step, for every layer (observers
         # such as qkv.integrations.capture see the model's own mask)
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        sinks = kwargs.get("sinks")
     if isinstance(mask, _CausalRuns):
-        sinks = kwargs.get("s_aux", kwargs.get("sinks"))
         if sinks is None and not kwargs.get("output_attentions") and kernel == "auto":
             extra = {} if kwargs.get("softcap") is None else {"softcap": kwargs["softcap"]}
             return _causal_runs(query, key, value, mask, {"scale": scaling, **extra}), None
@@ -548,9 +551,6 @@ def _general(
         sliding = kwargs.get("sliding_window")
         if sliding:
             window = (int(sliding) - 1, 0)
-    sinks = kwargs.get("s_aux")
-    if sinks is None:
-        sinks = kwargs.get("sinks")
     options = {"scale": scaling, "causal": causal, "mask": mask, "window": window}
     if kwargs.get("softcap") is not None:
         options["softcap"] = kwargs["softcap"]
