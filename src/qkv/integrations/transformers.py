@@ -421,12 +421,12 @@ def _causal_runs(
     B, H, L, _ = query.shape
     S = key.shape[-2]
     out = query.new_zeros((B, L, H, value.shape[-1]))
-    for b in range(B):
-        start = int(runs.starts[b])
-        first = max(0, start - (S - L))  # the first query row that sees a key
-        if start >= S or first >= L:
-            continue
-        with compiled_team():
+    with compiled_team():  # between PyTorch's operations: see threads.compiled_team
+        for b in range(B):
+            start = int(runs.starts[b])
+            first = max(0, start - (S - L))  # the first query row that sees a key
+            if start >= S or first >= L:
+                continue
             o = qkv_attention(
                 query[b : b + 1, :, first:],
                 key[b : b + 1, :, start:],
@@ -434,7 +434,7 @@ def _causal_runs(
                 causal=True,
                 **options,
             )
-        out[b, first:] = o[0].transpose(0, 1)
+            out[b, first:] = o[0].transpose(0, 1)
     return out
 
 
@@ -533,10 +533,12 @@ def _general(
     sinks = kwargs.get("s_aux")
     if sinks is None:
         sinks = kwargs.get("sinks")
+    variants: dict[str, Any] = {"scale": scaling}
+    if kwargs.get("softcap") is not None:
+        variants["softcap"] = kwargs["softcap"]
     if isinstance(mask, _CausalRuns):
         if sinks is None and not kwargs.get("output_attentions") and kernel == "auto":
-            extra = {} if kwargs.get("softcap") is None else {"softcap": kwargs["softcap"]}
-            return _causal_runs(query, key, value, mask, {"scale": scaling, **extra}), None
+            return _causal_runs(query, key, value, mask, variants), None
         mask = mask.rows
     causal, window, skipped = False, None, 0  # skipped: keys left out before those read
     if attention_mask is None and is_causal and L > 1:
@@ -551,9 +553,7 @@ def _general(
         sliding = kwargs.get("sliding_window")
         if sliding:
             window = (int(sliding) - 1, 0)
-    options = {"scale": scaling, "causal": causal, "mask": mask, "window": window}
-    if kwargs.get("softcap") is not None:
-        options["softcap"] = kwargs["softcap"]
+    options = {**variants, "causal": causal, "mask": mask, "window": window}
     if sinks is not None:
         options["sinks"] = sinks
     seen = None
