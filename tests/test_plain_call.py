@@ -453,12 +453,14 @@ def test_kept_prefill_flags_outputs_that_are_not_finite(dtype, bad):
 
 @pytest.mark.parametrize("name", ["float16", "bfloat16"])
 @pytest.mark.parametrize("size", [1.0, 1e-6])  # (1e-6: float16's subnormals)
-def test_16_bit_kept_prefill_narrows_in_the_kernel(monkeypatch, name, size):
-    """A 16-bit prefill's kept road takes q and gives its output in that dtype (the kernel
-    widens q and narrows its float32 output, rounding to nearest even): on outputs that lie
-    exactly halfway between two 16-bit values (each query sees 8 copies of x and 8 of the next
-    value after x, with equal scores) the even one of the two, float16's subnormals included,
-    and the general road's bits; NumPy arrays (a strided q too) and tensors alike."""
+@pytest.mark.parametrize("L", [16, 1])  # the prefill's road, the decode step's
+def test_16_bit_kept_road_narrows_in_the_kernel(monkeypatch, name, size, L):
+    """A 16-bit call's kept road, the prefill's or the decode step's, takes q and gives its
+    output in that dtype (the kernel widens q and narrows its float32 output, rounding to
+    nearest even): on outputs that lie exactly halfway between two 16-bit values (each query
+    sees 8 copies of x and 8 of the next value after x, with equal scores) the even one of
+    the two, float16's subnormals included, and the general road's bits; NumPy arrays (a
+    strided q too) and tensors alike."""
     _native()
     dtype = _dtype(name)
     rng = np.random.default_rng(3)
@@ -467,7 +469,7 @@ def test_16_bit_kept_prefill_narrows_in_the_kernel(monkeypatch, name, size):
     after = (bits + 1).view(dtype)  # (the next value away from zero)
     v = np.concatenate([x, after] * 8, axis=2)
     k = np.zeros((1, 2, 16, 64), dtype)
-    q = rng.standard_normal((1, 8, 16, 64)).astype(dtype)
+    q = rng.standard_normal((1, 8, L, 64)).astype(dtype)
     run._ready.cache_clear()
     first = qkv.attention(q, k, v)
     found = run._ready(q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, None, False,
@@ -478,7 +480,7 @@ def test_16_bit_kept_prefill_narrows_in_the_kernel(monkeypatch, name, size):
     assert got.dtype == dtype and len(ran) == 0  # (the kept road ran)
     even = np.where(bits % 2 == 0, bits, bits + 1)  # each head's values, 4 query heads each
     np.testing.assert_array_equal(got.view(np.uint16), np.repeat(even, 4, axis=1)[..., :1, :]
-                                  .repeat(16, axis=2))  # fmt: skip
+                                  .repeat(L, axis=2))  # fmt: skip
     np.testing.assert_array_equal(got.view(np.uint16), first.view(np.uint16))
     strided = qkv.attention(_strided(q), k, v)  # (q made contiguous for the kept road)
     np.testing.assert_array_equal(strided.view(np.uint16), got.view(np.uint16))

@@ -112,6 +112,8 @@ def plain(
     if narrow:  # 16-bit inputs: q widened, K/V read as stored (make_plan's keep_stored)
         if kept is not None and kept.io:  # (the kernel widens q and narrows the output; it
             done = kept(np.ascontiguousarray(q), k, v)  # was kept for q as astype gives it)
+            if done is None and q.flags.c_contiguous:  # (a contiguous q whose axes of
+                done = kept(q.copy(), k, v)  # length 1 have other strides: a copy's)
             if done is not None:
                 return done[0]
         wide = q.astype(np.float32)

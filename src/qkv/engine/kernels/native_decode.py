@@ -93,6 +93,11 @@ __all__ = [
 
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _F32, _F64 = _DTYPES
+#: The suffix of the library's decode step on 16-bit q and out, per stored form.
+_STORED_NAMES = {"bfloat16": "bf16", "float16": "f16"}
+#: :func:`_constants`' answer: the struct's bytes, the function, out's and lse's shapes,
+#: whether the step is small, lse's dtype and out's.
+Constants = tuple[bytes, Any, tuple[int, ...], tuple[int, ...], bool, np.dtype, np.dtype]
 
 
 def available() -> bool:
@@ -275,7 +280,7 @@ def _plain_step(
 
 
 def _run_kept(
-    found: tuple[bytes, Any, tuple[int, ...], tuple[int, ...], bool],
+    found: Constants,
     q: np.ndarray,
     k: np.ndarray,
     v: np.ndarray,
@@ -283,20 +288,15 @@ def _run_kept(
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """One step on :func:`_constants`' ``found`` arguments for operands of their layout:
     ``(out, lse)``, or None when a result is not finite."""
-    return _run_at(found, address(q), address(k), address(v), q.dtype, threads)
+    return _run_at(found, address(q), address(k), address(v), threads)
 
 
 def _run_at(
-    found: tuple[bytes, Any, tuple[int, ...], tuple[int, ...], bool],
-    q: int,
-    k: int,
-    v: int,
-    dtype: np.dtype,
-    threads: int | None,
+    found: Constants, q: int, k: int, v: int, threads: int | None
 ) -> tuple[np.ndarray, np.ndarray] | None:
-    """:func:`_run_kept` on the operands' addresses (``dtype``: q's)."""
-    template, function, out_shape, lse_shape, small = found
-    out = np.empty(out_shape, dtype=dtype)
+    """:func:`_run_kept` on the operands' addresses."""
+    template, function, out_shape, lse_shape, small, dtype, out_dtype = found
+    out = np.empty(out_shape, dtype=out_dtype)
     lse = np.empty(lse_shape, dtype=dtype)
     args = DecodeArgs.from_buffer_copy(template)  # one per call: a call may run in any thread
     args.q, args.k, args.v = q, k, v
@@ -322,18 +322,20 @@ def keep(plan: Plan) -> Kept | None:
     k, v = plan.stored_kv() if plan.stored is not None else (plan.k, plan.v)
     assert v is not None  # the router asks for values
     clone = setting(ISA_ENV)
+    io = plan.stored is not None and np.dtype(plan.out_dtype) == k.dtype == v.dtype
+    if io:  # q in K/V's 16-bit dtype, and the output: the kernel widens and narrows them
+        q = np.empty(q.shape, k.dtype)  # (the layout of the q the caller gives: contiguous)
     found = _constants(
         q.dtype, k.dtype, q.shape, q.strides, k.shape, k.strides, v.shape, v.strides,
         plan.scale, plan.softcap, isa_cap(),
     )  # fmt: skip
     if found is None:
         return None
-    dtype = q.dtype
 
     def step(q: int, k: int, v: int, counts: None) -> Any:
-        return _run_at(found, q, k, v, dtype, None)
+        return _run_at(found, q, k, v, None)
 
-    return Kept(step, (q, k, v), clone)
+    return Kept(step, (q, k, v), clone, io)
 
 
 def _broadcast(shape: tuple[int, ...], strides: tuple[int, ...], want: tuple[int, ...]) -> Any:
@@ -363,12 +365,19 @@ def _constants(
     scale: float,
     softcap: float | None,
     isa: int,
-) -> tuple[bytes, Any, tuple[int, ...], tuple[int, ...], bool] | None:
+) -> Constants | None:
     """The decode step's arguments for operands of these shapes and byte strides (``q`` of
     compute dtype ``dt``, K/V of ``kt``: the same, or stored as float16/bfloat16 for float32;
     addresses left 0, one thread), the library's function to call, the shapes of ``out`` and
-    ``lse`` and whether the step is small (below :data:`ONE_THREAD_BYTES`: one thread runs
-    it); None where the kernel cannot read the operands (:func:`layout`)."""
+    ``lse``, whether the step is small (below :data:`ONE_THREAD_BYTES`: one thread runs it),
+    lse's dtype and out's; None where the kernel cannot read the operands (:func:`layout`).
+
+    ``q`` of a 16-bit dtype ``dt`` with K/V stored in the same one: computed in float32, the
+    kernel widening ``q`` and narrowing the output into ``dt`` (lse float32), as a call on
+    ``q`` widened gives them narrowed."""
+    out_dtype = dt
+    if dt == kt and kt.itemsize == 2 and _stored_dtype(_F32, kt):  # (16-bit q and out)
+        dt = _F32
     if dt not in _DTYPES or len(qs) < 3:
         return None
     form = _stored_dtype(dt, kt)
@@ -378,7 +387,7 @@ def _constants(
     kvh, S, dv = ks[-3], ks[-2], vs[-1]
     found = []
     for shape, strides, want, item in (
-        (qs, qst, qs, dt.itemsize),
+        (qs, qst, qs, out_dtype.itemsize),
         (ks, kst, (*outer, kvh, S, d), kt.itemsize),
         (vs, vst, (*outer, kvh, S, dv), kt.itemsize),
     ):
@@ -397,8 +406,10 @@ def _constants(
         1, isa, None, plan.softcap or 0.0, None, 0, 0, format_code(form or None),
     )  # fmt: skip
     function = lib.qkv_decode_f64 if plan.f64 else lib.qkv_decode_f32
+    if out_dtype != dt:
+        function = getattr(lib, f"qkv_decode_f32_{_STORED_NAMES[form]}io")
     small = n * kvh * S * (d + dv) * kt.itemsize < ONE_THREAD_BYTES
-    return bytes(args), function, (*outer, hq, L, dv), (*outer, hq, L), small
+    return bytes(args), function, (*outer, hq, L, dv), (*outer, hq, L), small, dt, out_dtype
 
 
 def _stored_dtype(dt: np.dtype, kt: np.dtype) -> str | None:

@@ -197,7 +197,11 @@ _FAMILIES: tuple[tuple[type[ctypes.Structure], str, tuple[str, ...]], ...] = (
             "qkv_varlen_f32_f16kv",
         ),
     ),
-    (DecodeArgs, "qkv_decode_args_size", ("qkv_decode_f32", "qkv_decode_f64")),
+    (
+        DecodeArgs,
+        "qkv_decode_args_size",
+        ("qkv_decode_f32", "qkv_decode_f64", "qkv_decode_f32_bf16io", "qkv_decode_f32_f16io"),
+    ),
 )
 
 

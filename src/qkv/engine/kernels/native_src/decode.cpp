@@ -1886,6 +1886,8 @@ QKV_VNNI void QKV_PIECE_NAME(piece_avx512vnni_i8q)(const qkv_decode_args& a, int
 }  // namespace qkv_native
 
 #if QKV_DECODE_UNIT == 0 && !QKV_DECODE_PAGED
+#include "widen.h"
+
 namespace {
 
 using namespace qkv_native;
@@ -2073,9 +2075,54 @@ int run_decode(const qkv_decode_args& given) {
     return bad == bad ? 0 : 3;
 }
 
+// q and out in the 16-bit form `format` (KV_BF16 or KV_F16; q's strides in its elements),
+// computed in float32 as run_decode<float> computes them on q widened (exactly), and the
+// output narrowed to nearest even: the bits of that call's output narrowed as NumPy, ml_dtypes
+// and PyTorch narrow it. lse stays float32. A small call on 16-bit tensors spent as long in
+// PyTorch's widening of q and narrowing of the output as in the step.
+int run_decode_io16(const qkv_decode_args& a, int format) {
+    const int64_t H = a.kv_heads * a.group, rows = a.nseq * H * a.L;
+    std::vector<float> qw, ow;
+    try {
+        qw.resize(size_t(rows * a.d));
+        ow.resize(size_t(rows * a.dv));
+    } catch (...) {
+        return 1;
+    }
+    const int isa = chosen_isa(a.isa);
+    const widen_t widen = pick_widen(isa, format);
+    const uint16_t* q = static_cast<const uint16_t*>(a.q);
+    for (int64_t b = 0; b < a.nseq; ++b)
+        for (int64_t h = 0; h < H; ++h)
+            widen(q + b * a.q_bs + h * a.q_hs, a.q_ls, a.L, a.d, qw.data() + (b * H + h) * a.L * a.d);
+    qkv_decode_args w = a;
+    w.q = qw.data();
+    w.q_bs = H * a.L * a.d;
+    w.q_hs = a.L * a.d;
+    w.q_ls = a.d;
+    w.out = ow.data();
+    const int status = run_decode<float>(w);
+    if (status == 0) pick_narrow(isa, format)(ow.data(), rows * a.dv, static_cast<uint16_t*>(a.out));
+    return status;
+}
+
 }  // namespace
 
 extern "C" {
+
+int qkv_decode_f32_bf16io(const qkv_decode_args* a) {
+    if (!a || a->nseq < 0 || a->kv_heads < 1 || a->group < 1 || a->L < 1 || a->d < 1 ||
+        a->dv < 1 || a->S < 0)
+        return 2;
+    return run_decode_io16(*a, KV_BF16);
+}
+
+int qkv_decode_f32_f16io(const qkv_decode_args* a) {
+    if (!a || a->nseq < 0 || a->kv_heads < 1 || a->group < 1 || a->L < 1 || a->d < 1 ||
+        a->dv < 1 || a->S < 0)
+        return 2;
+    return run_decode_io16(*a, KV_F16);
+}
 
 int qkv_decode_f32(const qkv_decode_args* a) {
     if (!a || a->nseq < 0 || a->kv_heads < 1 || a->group < 1 || a->L < 1 || a->d < 1 ||
