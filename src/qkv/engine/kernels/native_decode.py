@@ -288,24 +288,32 @@ def _run_kept(
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """One step on :func:`_constants`' ``found`` arguments for operands of their layout:
     ``(out, lse)``, or None when a result is not finite."""
-    return _run_at(found, address(q), address(k), address(v), threads)
+    done = _run_at(found, address(q), address(k), address(v), threads)
+    if done is None:
+        return None
+    assert done[1] is not None  # (asked for)
+    return done[0], done[1]
 
 
 def _run_at(
-    found: Constants, q: int, k: int, v: int, threads: int | None
-) -> tuple[np.ndarray, np.ndarray] | None:
-    """:func:`_run_kept` on the operands' addresses."""
+    found: Constants, q: int, k: int, v: int, threads: int | None, lse: bool = True
+) -> tuple[np.ndarray, np.ndarray | None] | None:
+    """:func:`_run_kept` on the operands' addresses; without ``lse`` the log-sum-exp is not
+    written (None in its place: the kept road's callers read the output alone)."""
     template, function, out_shape, lse_shape, small, dtype, out_dtype = found
     out = np.empty(out_shape, dtype=out_dtype)
-    lse = np.empty(lse_shape, dtype=dtype)
     args = DecodeArgs.from_buffer_copy(template)  # one per call: a call may run in any thread
     args.q, args.k, args.v = q, k, v
-    args.out, args.lse = address(out), address(lse)
+    args.out = address(out)
+    sums = None
+    if lse:
+        sums = np.empty(lse_shape, dtype=dtype)
+        args.lse = address(sums)
     if not small or threads is not None:  # (a small step runs on the calling thread alone)
         team, n = openmp_parallel()
         args.threads, args.parallel = n if threads is None else workers(threads), team
     status = checked(function(ctypes.byref(args)), args, "decode", (3,))
-    return None if status else (out, lse)
+    return None if status else (out, sums)
 
 
 def keep(plan: Plan) -> Kept | None:
@@ -333,7 +341,7 @@ def keep(plan: Plan) -> Kept | None:
         return None
 
     def step(q: int, k: int, v: int, counts: None) -> Any:
-        return _run_at(found, q, k, v, None)
+        return _run_at(found, q, k, v, None, lse=False)
 
     return Kept(step, (q, k, v), clone, io)
 

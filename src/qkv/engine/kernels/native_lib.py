@@ -232,8 +232,9 @@ address: Callable[[np.ndarray], int] = _address_reader()
 class Kept:
     """A call's kernel set-up kept for operands of one layout
     (:func:`qkv.engine.kernels.dispatch.keep`): called with ``(q, k, v)`` of that layout (and,
-    for a padded call's, its key counts) it gives ``(out, lse)``, or None where the caller must
-    take the general road (operands of other strides, another clone forced by
+    for a padded call's, its key counts) it gives ``(out, lse)`` (``lse`` None where the road
+    does not write it: the decode step's, whose callers read ``out`` alone), or None where the
+    caller must take the general road (operands of other strides, another clone forced by
     ``QKV_NATIVE_ISA``, or what ``run`` itself refuses).
 
     :meth:`at` takes the operands' addresses and element strides instead of arrays, as a CPU
