@@ -369,11 +369,11 @@ def test_kept_road_steps_aside(monkeypatch, shape, row):
     else:
         monkeypatch.setenv("QKV_NATIVE_ISA", forced)
     if row.startswith("native prefill"):
-        real = native._team
-        monkeypatch.setattr(native, "_team", lambda *a: (real(*a)[0] + 1, None))
+        real = native.prefill_team
+        monkeypatch.setattr(native, "prefill_team", lambda *a: (real(*a)[0] + 1, None))
         np.testing.assert_array_equal(qkv.attention(q, k, v), _general(q, k, v))
         assert len(ran) == 4
-        monkeypatch.setattr(native, "_team", real)
+        monkeypatch.setattr(native, "prefill_team", real)
     v = v.copy()
     v[0, 1, 3, 2] = np.inf
     got = qkv.attention(q, k, v)
@@ -489,6 +489,52 @@ def test_16_bit_kept_road_narrows_in_the_kernel(monkeypatch, name, size, L):
     for _ in range(2):  # (the first keeps the tensors' key)
         out = qkv.attention(tq, tk, tv)
     np.testing.assert_array_equal(_viewed(out).view(np.uint16), got.view(np.uint16))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(8, 12, 12, 53, 53, 64, 64), (2, 8, 2, 130, 130, 64, 64)])
+def test_bfloat16_prefill_kept_road_reads_q_as_it_is(monkeypatch, shape, causal):
+    """The bfloat16 prefill (vdpbf16ps) keeps its set-up too, taking q as the bfloat16 it is
+    (no float32 copy): from the second call on only the kept road runs, with the general
+    road's bits, on NumPy arrays (a strided q too) and on tensors, near the float64
+    reference."""
+    _native()
+    from qkv.engine.kernels import native_bf16
+
+    if not native_bf16.available():
+        pytest.skip("no AVX512_BF16 here: the bfloat16 prefill does not run")
+    bf16 = _bf16()
+    q, k, v = (a.astype(bf16) for a in _arrays(shape, np.float32))
+    run._ready.cache_clear()
+    first = qkv.attention(q, k, v, causal=causal)
+    found = run._ready(q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, None, causal,
+                       run.switched_off())  # fmt: skip
+    assert found.choice.kernel == "native bfloat16 prefill"
+    assert found.kept is not None and found.kept.io
+    ran = _counting(monkeypatch)
+    got = qkv.attention(q, k, v, causal=causal)
+    strided = qkv.attention(_strided(q), k, v, causal=causal)
+    assert got.dtype == bf16 and len(ran) == 0
+    np.testing.assert_array_equal(got.view(np.uint16), first.view(np.uint16))
+    np.testing.assert_array_equal(strided.view(np.uint16), got.view(np.uint16))
+    general = _general(q, k, v, causal=causal)
+    np.testing.assert_array_equal(general.view(np.uint16), got.view(np.uint16))
+    wide = [a.astype(np.float64) for a in (q, k, v)]
+    want = reference.attention(*wide, causal=causal)
+    # (the bfloat16 prefill's bound, tests/test_engine_native_bf16.py's _bound: its weights
+    # rounded to bfloat16, then the output)
+    bound = 2.0**-8 * (np.abs(wide[2]).max() + np.abs(want).max()) + 1e-5
+    np.testing.assert_allclose(got.astype(np.float64), want, atol=bound)
+    tq, tk, tv = (torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) for a in (q, k, v))
+    ran.clear()
+    out = qkv.attention(tq, tk, tv, causal=causal)  # (the arrays' key: kept already)
+    assert len(ran) == 0 and out.dtype is torch.bfloat16
+    np.testing.assert_array_equal(_viewed(out).view(np.uint16), got.view(np.uint16))
+    real = native_bf16.prefill_team  # another thread team: the general road, the same bits
+    monkeypatch.setattr(native_bf16, "prefill_team", lambda *a: (real(*a)[0] + 1, None))
+    again = qkv.attention(q, k, v, causal=causal)
+    assert len(ran) == 1
+    np.testing.assert_array_equal(again.view(np.uint16), got.view(np.uint16))
 
 
 # Plain CPU tensors of float32/float64 reach a kept road by their addresses and strides

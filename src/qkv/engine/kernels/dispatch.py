@@ -162,6 +162,7 @@ KEPT: dict[str, tuple[Any, str]] = {
     "native decode, stored K/V": (native_decode, "keep"),
     "native prefill, own tiles": (stacked, "keep_own"),
     "native prefill, own tiles, stored K/V": (native, "keep"),
+    "native bfloat16 prefill": (native_bf16, "keep"),
 }
 
 

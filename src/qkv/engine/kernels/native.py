@@ -75,7 +75,7 @@ from .native_lib import (
     prefill_operands,
     switched_off,
 )
-from .threads import openmp_parallel, rescan_blas, single_threaded_blas, workers
+from .threads import prefill_team, rescan_blas, single_threaded_blas, workers
 
 __all__ = [
     "BLOCK_K",
@@ -277,7 +277,7 @@ def attend(
         return np.empty(shape, plan.acc_dtype), np.empty(shape[:-1], plan.acc_dtype)
     function, k, v = _reading(plan, "prefill")
     q, cap = plan.q, isa_cap(isa)
-    n, team = _team(threads, own)
+    n, team = prefill_team(threads, own)
     key = None
     if counts is None and plan.mask is None and plan.bias is None:  # the struct kept by layout
         key = (
@@ -296,18 +296,6 @@ def attend(
             _PREFILLS.clear()
         _PREFILLS[key] = call
     return call.run(*operands)
-
-
-def _team(threads: int | None, own: bool) -> tuple[int, Any]:
-    """``(worker threads, the OpenMP team's GOMP_parallel or None)`` of a prefill call: the
-    work items run on the OpenMP team the process runs (PyTorch's) where there is one, as the
-    decode step's do."""
-    n, team = workers(threads, blas=not own), None
-    if n > 1:
-        team, most = openmp_parallel(n if threads is None and own else None)
-        if team is not None and threads is None:
-            n = min(n, most)
-    return n, team
 
 
 def keep(plan: Plan, stack: bool = False, counted: bool = False) -> Kept | None:
@@ -334,7 +322,7 @@ def keep(plan: Plan, stack: bool = False, counted: bool = False) -> Kept | None:
     if io:  # q in K/V's 16-bit dtype, and the output: the kernel widens and narrows them
         function = f"qkv_prefill_f32_{_STORED[k.dtype.name]}io"
         q = np.empty(q.shape, k.dtype)  # (the layout of the q the caller gives: contiguous)
-    n, team = _team(None, True)
+    n, team = prefill_team(None, True)
     counts = np.zeros(rows, np.int64) if counted else None
     call, operands = _prefill(plan, function, q, k, v, n, isa_cap(), None, BLOCK_Q, BLOCK_K,
                               counts, True, stack, team, k.dtype if io else None)  # fmt: skip
@@ -343,7 +331,7 @@ def keep(plan: Plan, stack: bool = False, counted: bool = False) -> Kept | None:
     heads = PrefillArgs.from_buffer_copy(call.args).nb // rows  # (the struct's heads per row)
 
     def run(q: int, k: int, v: int, counts: Any) -> Any:
-        if _team(None, True) != (n, team):
+        if prefill_team(None, True) != (n, team):
             return None
         per_head = None if counts is None else np.repeat(counts.astype(np.int64, copy=False), heads)
         out, lse, finite = call.launch(q, k, v, per_head)
@@ -477,7 +465,7 @@ def attend_prefix_pages(
         "k_ps": k_pages.strides[0] // k_pages.itemsize,
         "v_ps": v_pages.strides[0] // v_pages.itemsize,
     }
-    n, team = _team(None, own)
+    n, team = prefill_team(None, own)
     call, operands = _prefill(plan, function, plan.q, k0, v0, n, isa_cap(None), gemm, BLOCK_Q,
                               BLOCK_K, None, own, False, team, None, page_fields)  # fmt: skip
     if address(operands[1]) != address(k_pages) or address(operands[2]) != address(v_pages):
@@ -652,7 +640,10 @@ def attend_packed(
     q = _packed_operand(q, q.dtype if bf16 else dt)
     k, v = (_packed_operand(x, x.dtype if bf16 or stored else dt) for x in (k, v))
     left, right = window if window is not None else (None, None)
-    n_workers = workers(threads, blas=True)
+    # (on PyTorch's OpenMP team where there is one: a continuous-batching step's packed walk
+    # on threads of the library's own, right after PyTorch's operations, shared the cores
+    # with that team's spinning threads)
+    n_workers, team = prefill_team(threads, bf16)
     lq = np.diff(cq)[chosen]
     lq = lq[lq > 0]
     block_q = _fit_rows(block_q, lambda bq: kv_heads * int(np.sum(-(-lq // bq))), n_workers)
@@ -687,6 +678,7 @@ def attend_packed(
         gemm=gemm[dt],
         block_q=block_q,
         block_k=block_k,
+        parallel=team,
     )
     with single_threaded_blas():
         suffix = "bf16" if bf16 else f"f32_{stored}kv" if stored else _SUFFIX[dt]

@@ -16,7 +16,9 @@ AVX512_BF16. ``QKV_NATIVE_ISA`` naming a clone
 (``avx512`` and narrower) forces the widening road instead: K and V widened to float32 for
 the float32 kernels, as on a CPU without the instruction. Threads: work items are (head, 64
 query rows), or (kv head, 64 keys) in the backward, on as many threads as
-:func:`~qkv.engine.kernels.threads.workers` gives (no BLAS is involved).
+:func:`~qkv.engine.kernels.threads.workers` gives (no BLAS is involved); the prefill's and the
+packed walk's on PyTorch's OpenMP team where PyTorch runs one
+(:func:`~qkv.engine.kernels.threads.prefill_team`).
 
 Examples
 --------
@@ -35,29 +37,37 @@ Examples
 
 from __future__ import annotations
 
+import ctypes
+import math
 from typing import Any
 
 import numpy as np
 
 from ...validate import Plan
+from .env import setting
 from .native_lib import (
     BF16_ISA,
+    ISA_ENV,
     BackwardArgs,
+    Kept,
     PrefillArgs,
     address,
     backward_operands,
     bf16_products,
+    checked,
     invoke,
+    library,
     mask_operand,
     prefill_operands,
 )
-from .threads import workers
+from .threads import prefill_team, workers
 
 __all__ = [
     "ISA",
     "attend",
     "available",
     "backward",
+    "keep",
 ]
 
 ISA = BF16_ISA  # the clone code above AVX-512: AVX-512 with AVX512_BF16
@@ -92,11 +102,57 @@ def attend(plan: Plan, *, threads: int | None = None) -> tuple[np.ndarray, np.nd
     masking, masks = mask_operand(plan.mask, plan.bias, batch + (L, plan.S))
     args = PrefillArgs(
         nb=nb, L=L, S=plan.S, d=plan.d, dv=dv, out=address(out), lse=address(lse),
-        **fields, **masking, **_rule(plan, threads),
+        **fields, **masking, **_rule(plan, threads, team=True),
     )  # fmt: skip
     status = invoke("qkv_prefill_bf16", args, "bfloat16 prefill", allowed=(3,))
     del arrays, masks  # what the call read
     return None if status == 3 else (out, lse)
+
+
+def keep(plan: Plan) -> Kept | None:
+    """A plain call's bfloat16 prefill kept for operands laid out as ``plan``'s (no mask or
+    bias; q, K, V and the output bfloat16; q contiguous): a function of ``(q, k, v)`` giving
+    ``(out, lse)`` with :func:`attend`'s bits, ``q`` read as the bfloat16 it is (the library's
+    ``qkv_prefill_bf16io``) rather than widened to float32 first; None for operands of other
+    strides, another clone (``QKV_NATIVE_ISA``) or thread team, or when an output is not
+    finite (the caller then takes the general road). None where the kernel does not serve
+    ``plan``'s operands as they are.
+
+    The struct is built once per shapes: a short bfloat16 call (B8 H12 L = S = 53 d64) spent
+    as long widening q, allocating the copy and building the struct as in the kernel.
+    """
+    if plan.mask is not None or plan.bias is not None or plan.stored is None:
+        return None
+    if not available() or math.prod(plan.batch) == 0:
+        return None
+    k, v = plan.stored_kv()
+    if np.dtype(plan.out_dtype) != k.dtype:
+        return None
+    q = np.empty(plan.q.shape, k.dtype)  # (the layout of the q the caller gives: contiguous)
+    fields, arrays = prefill_operands(q, k, v, plan.group)
+    if any(address(a) != address(b) for a, b in zip(arrays, (q, k, v), strict=False)):
+        return None  # (an operand BLAS-style rows would copy: not kept)
+    held = arrays[3:]  # the offsets the struct points into
+    rule = _rule(plan, None, team=True)
+    nb = math.prod(plan.batch)
+    template = bytes(PrefillArgs(nb=nb, L=plan.L, S=plan.S, d=plan.d, dv=plan.dv, **fields, **rule))
+    out_shape, lse_shape = (*plan.batch, plan.L, plan.dv), (*plan.batch, plan.L)
+    function, dtype = library()[0].qkv_prefill_bf16io, k.dtype
+    team = (rule["threads"], rule["parallel"])
+
+    def run(q: int, k: int, v: int, counts: Any) -> Any:
+        if counts is not None or prefill_team(None, True) != team:
+            return None
+        out = np.empty(out_shape, dtype)
+        lse = np.empty(lse_shape, np.float32)
+        args = PrefillArgs.from_buffer_copy(template)  # one per call: any thread may run it
+        args.q, args.k, args.v = q, k, v
+        args.out, args.lse = address(out), address(lse)
+        status = checked(function(ctypes.byref(args)), args, "bfloat16 prefill", (3,))
+        assert held is not None  # (kept alive with the struct)
+        return None if status == 3 else (out, lse)
+
+    return Kept(run, (q, k, v), setting(ISA_ENV), io=True)
 
 
 def backward(
@@ -137,11 +193,14 @@ def backward(
     return dq, dk, dvv
 
 
-def _rule(plan: Plan, threads: int | None) -> dict[str, Any]:
+def _rule(plan: Plan, threads: int | None, team: bool = False) -> dict[str, Any]:
     """The fields both structs take from the plan and the call: scale, visibility, threads and
-    the clone (the bfloat16 one)."""
+    the clone (the bfloat16 one); with ``team`` (the prefill's struct) also the OpenMP team
+    its work items run on (:func:`~qkv.engine.kernels.threads.prefill_team`: after a PyTorch
+    operation a short call on a pool of its own ran at half speed, B32 H8 L = S = 53 d64
+    2.0 against 1.4 ms on 2 threads)."""
     left, right = plan.window if plan.window is not None else (None, None)
-    return {
+    rule = {
         "scale": plan.scale,
         "causal": int(plan.causal),
         "left": -1 if left is None else left,
@@ -149,3 +208,6 @@ def _rule(plan: Plan, threads: int | None) -> dict[str, Any]:
         "threads": workers(threads),
         "isa": ISA,
     }
+    if team:
+        rule["threads"], rule["parallel"] = prefill_team(threads, True)
+    return rule

@@ -135,6 +135,7 @@ class VarlenArgs(ctypes.Structure):
         ("cq", _ptr), ("ck", _ptr), ("seqs", _ptr),
         ("out", _ptr), ("lse", _ptr), ("bad", _ptr),
         *_RULE,
+        ("parallel", _ptr),
     ]  # fmt: skip
 
 
@@ -169,6 +170,7 @@ _FAMILIES: tuple[tuple[type[ctypes.Structure], str, tuple[str, ...]], ...] = (
             "qkv_prefill_f32",
             "qkv_prefill_f64",
             "qkv_prefill_bf16",
+            "qkv_prefill_bf16io",
             "qkv_prefill_f32_bf16kv",
             "qkv_prefill_f32_f16kv",
             "qkv_prefill_f32_bf16io",

@@ -28,6 +28,7 @@ from .env import setting
 __all__ = [
     "compiled_team",
     "openmp_parallel",
+    "prefill_team",
     "blas_limitable",
     "cpu_count",
     "default_threads",
@@ -397,6 +398,20 @@ def _torch_dir(torch: Any) -> str | None:
 
 
 _shared: list[Any] = [None, None, None]  # (pid, the torch module or None, GOMP_parallel)
+
+
+def prefill_team(threads: int | None, own: bool) -> tuple[int, Any]:
+    """``(worker threads, the OpenMP team's GOMP_parallel or None)`` of a prefill call
+    (``own``: on the library's own tile products, no BLAS): the work items run on the OpenMP
+    team the process runs (PyTorch's) where there is one, as the decode step's do. A pool of
+    the library's own beside PyTorch's team shares the cores with that team's threads, which
+    spin for milliseconds after each of PyTorch's operations."""
+    n, team = workers(threads, blas=not own), None
+    if n > 1:
+        team, most = openmp_parallel(n if threads is None and own else None)
+        if team is not None and threads is None:
+            n = min(n, most)
+    return n, team
 
 
 def openmp_parallel(threads: int | None = None) -> tuple[int | None, int]:

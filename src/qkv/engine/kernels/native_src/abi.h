@@ -101,6 +101,9 @@ struct qkv_varlen_args {
     void* lse;
     uint8_t* bad;  // per sequence (batch entries), set to 1 where an output is not finite; or NULL
     QKV_RULE_FIELDS
+    // GOMP_parallel of a running OpenMP runtime whose team runs the work items (PyTorch's,
+    // between whose operations a serving model calls this), or NULL: the library's kept threads.
+    void* parallel;
 };
 
 // The FlashAttention-2 backward. q, k, v as above but k_off/v_off are per kv head (nkv of

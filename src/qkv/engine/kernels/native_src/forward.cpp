@@ -916,7 +916,7 @@ int run_varlen(const qkv_varlen_args& a, int kv_format = 0) {
     const bool copy_q = a.q_ts != d, copy_kv = a.k_ts != d || a.v_ts != dv;
     int no_memory = 0;  // a task could not widen its keys
     const int status = for_tasks<Buffers<T>>(
-        ntasks, a.threads, nullptr, [&](Buffers<T>& buf) { return buf.make(bq, bk, d, dv, 0); },
+        ntasks, a.threads, a.parallel, [&](Buffers<T>& buf) { return buf.make(bq, bk, d, dv, 0); },
         [&](Buffers<T>& buf, int64_t t) {
         const VarlenTask& task = tasks[size_t(t / nkv)];
         const int64_t kvh = t % nkv;

@@ -238,6 +238,9 @@ Rule rule_of(const Args& a) {
     return Rule{0, a.causal, a.left, a.right};
 }
 
+// QT: q's element, float (bfloat16 values) or uint16_t (bfloat16 bits; its offsets and row
+// stride in those elements)
+template <typename QT>
 int run_bf16(const qkv_prefill_args& a) {
     const int64_t nqb = (a.L + BQ - 1) / BQ, ntasks = a.nb * nqb;
     const int64_t dvp = (a.dv + 31) / 32 * 32;
@@ -247,10 +250,10 @@ int run_bf16(const qkv_prefill_args& a) {
         [&](Tiles& t, int64_t task) {
         // latest query blocks first: under causal they cost the most
         const int64_t qb = nqb - 1 - task / a.nb, h = task % a.nb;
-        Item<float> it;
+        Item<QT> it;
         it.r0 = qb * BQ;
         it.rows = std::min(BQ, a.L - it.r0);
-        it.q = static_cast<const float*>(a.q) + a.q_off[h] + it.r0 * a.q_rs;
+        it.q = static_cast<const QT*>(a.q) + a.q_off[h] + it.r0 * a.q_rs;
         it.q_rs = a.q_rs;
         it.k = static_cast<const uint16_t*>(a.k) + a.k_off[h];
         it.k_rs = a.k_rs;
@@ -282,7 +285,7 @@ int run_varlen_bf16(const qkv_varlen_args& a) {
     const int64_t ntasks = int64_t(tasks.size()) * H;
     const uint16_t* Q = static_cast<const uint16_t*>(a.q);
     return for_tasks<Tiles>(
-        ntasks, a.threads, nullptr, [&](Tiles& t) { return t.make(a.d, dv, dvp); },
+        ntasks, a.threads, a.parallel, [&](Tiles& t) { return t.make(a.d, dv, dvp); },
         [&](Tiles& t, int64_t n) {
         const VarlenTask& task = tasks[size_t(n / H)];
         const int64_t h = n % H, q0 = a.cq[task.b], k0 = a.ck[task.b];
@@ -326,7 +329,19 @@ int qkv_prefill_bf16(const qkv_prefill_args* a) {
         ((a->mask || a->bias) && !a->m_off) || (a->mask && a->bias) || a->S >= (int64_t(1) << 31) ||
         a->pages)
         return 2;
-    return QKV_ON_BF16(run_bf16(*a));
+    return QKV_ON_BF16(run_bf16<float>(*a));
+}
+
+// qkv_prefill_bf16 on q given as bfloat16 (uint16 bits; its offsets and row stride in those
+// elements), as the packed walk takes it: the same bits as q widened to float32, read without
+// the widened copy (a short bfloat16 call on NumPy arrays or tensors spent as long widening q
+// and allocating the copy as in the kernel).
+int qkv_prefill_bf16io(const qkv_prefill_args* a) {
+    if (!a || a->L < 1 || a->S < 0 || a->d < 2 || a->d % 2 || a->dv < 1 ||
+        ((a->mask || a->bias) && !a->m_off) || (a->mask && a->bias) || a->S >= (int64_t(1) << 31) ||
+        a->pages)
+        return 2;
+    return QKV_ON_BF16(run_bf16<uint16_t>(*a));
 }
 
 // q, k, v and out bfloat16 (uint16 bits) in the packed layout of qkv_varlen_f32; lse float32
