@@ -311,6 +311,14 @@ int run_varlen_bf16(const qkv_varlen_args& a) {
 
 #endif  // QKV_X86
 
+// Whether the bfloat16 prefill refuses a's fields (status 2): sizes out of range, an odd d,
+// a mask or bias without offsets, both at once, 2^31 keys or more, pages.
+inline bool bad_prefill_args(const qkv_prefill_args* a) {
+    return !a || a->L < 1 || a->S < 0 || a->d < 2 || a->d % 2 || a->dv < 1 ||
+           ((a->mask || a->bias) && !a->m_off) || (a->mask && a->bias) ||
+           a->S >= (int64_t(1) << 31) || a->pages;
+}
+
 }  // namespace
 
 extern "C" {
@@ -325,10 +333,7 @@ int qkv_bf16_products(void) {
 // type; gemm and the block sizes unused). 0 done; 3 some output is not finite (the caller's
 // general path applies its rules); 1 no memory; 2 bad arguments, or a CPU without AVX512_BF16.
 int qkv_prefill_bf16(const qkv_prefill_args* a) {
-    if (!a || a->L < 1 || a->S < 0 || a->d < 2 || a->d % 2 || a->dv < 1 ||
-        ((a->mask || a->bias) && !a->m_off) || (a->mask && a->bias) || a->S >= (int64_t(1) << 31) ||
-        a->pages)
-        return 2;
+    if (bad_prefill_args(a)) return 2;
     return QKV_ON_BF16(run_bf16<float>(*a));
 }
 
@@ -337,10 +342,7 @@ int qkv_prefill_bf16(const qkv_prefill_args* a) {
 // the widened copy (a short bfloat16 call on NumPy arrays or tensors spent as long widening q
 // and allocating the copy as in the kernel).
 int qkv_prefill_bf16io(const qkv_prefill_args* a) {
-    if (!a || a->L < 1 || a->S < 0 || a->d < 2 || a->d % 2 || a->dv < 1 ||
-        ((a->mask || a->bias) && !a->m_off) || (a->mask && a->bias) || a->S >= (int64_t(1) << 31) ||
-        a->pages)
-        return 2;
+    if (bad_prefill_args(a)) return 2;
     return QKV_ON_BF16(run_bf16<uint16_t>(*a));
 }
 
