@@ -151,8 +151,16 @@ def test_fast_road_within_its_bound_of_the_exact_road_on_every_clone(case):
             if n:
                 want[b] = reference.attention(q[b], k[b, :, :n], v[b, :, :n])
         np.testing.assert_allclose(exact, want, **T32)
-    for fast, lse in seen[1:]:  # every clone: the same outputs to float32's rounding
-        np.testing.assert_allclose(fast, seen[0][0], **T32)
+    # every clone: the same outputs to float32's rounding, and to a weight that lies within
+    # float32's rounding of a half rounding a unit one way in one clone and the other way in
+    # another (each clone lies within EMUL of the emulation: twice that between two; found by
+    # a case of 3 keys, d 24, pages of 16, where the baseline clone's float32 weights differed
+    # in their last bits from the vector clones')
+    vmax = float(np.abs(qkv.dequantize_kv(vc, vs, "int8")).max(initial=0.0))
+    for fast, lse in seen[1:]:
+        np.testing.assert_allclose(
+            fast, seen[0][0], rtol=T32["rtol"], atol=T32["atol"] + 2 * EMUL * vmax
+        )
         np.testing.assert_array_equal(np.isinf(lse), np.isinf(seen[0][1]))
 
 
