@@ -2038,7 +2038,10 @@ int run_decode(const qkv_decode_args& given) {
     const T ninf = -std::numeric_limits<T>::infinity();
     T* OUT = static_cast<T*>(a.out);
     T* LSE = static_cast<T*>(a.lse);
-    T bad = 0;  // becomes NaN if an output is not finite
+    // set where an output is not finite: an integer flag per element, or-ed (a float sum of
+    // o · 0, NaN for an infinite or NaN o, chained one dependent addition per output element:
+    // a fifth of a B8 H8 S16 d64 step's time)
+    int32_t bad = 0;
     for (int64_t u = 0; u < units; ++u) {
         const int64_t ub = u / a.kv_heads, uh = u % a.kv_heads;
         for (int64_t r = 0; r < R; ++r) {
@@ -2065,14 +2068,17 @@ int run_decode(const qkv_decode_args& given) {
                 continue;
             }
             const T inv = T(1) / lsum;
+            int32_t row_bad = 0;
+#pragma omp simd reduction(| : row_bad)
             for (int64_t e = 0; e < a.dv; ++e) {
                 o[e] *= inv;
-                bad += o[e] * T(0);
+                row_bad |= int32_t(!(std::fabs(o[e]) <= std::numeric_limits<T>::max()));
             }
+            bad |= row_bad;
             if (LSE) LSE[u * R + r] = M + std::log(lsum);
         }
     }
-    return bad == bad ? 0 : 3;
+    return bad ? 3 : 0;
 }
 
 // q and out in the 16-bit form `format` (KV_BF16 or KV_F16; q's strides in its elements),

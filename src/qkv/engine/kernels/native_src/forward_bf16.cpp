@@ -213,7 +213,9 @@ QKV_BF16 bool forward_item(const Item<QT>& it, Rule rule, int64_t d, int64_t dv,
         dp_rows(dv, t.pp, BQ, reinterpret_cast<const uint16_t*>(t.vp), 2, 2 * dvp, (n + 1) / 2,
                 t.acc, BQ, FROM_SCALED, t.alpha);
     }
-    float bad = 0;  // 0, or NaN when some output is not finite (0 * inf and NaN are NaN)
+    // set when some output is not finite (an integer flag: a float sum of o · 0 chained one
+    // dependent addition per output element)
+    int32_t bad = 0;
     for (int64_t r = 0; r < rows; ++r) {
         uint16_t* out = it.out + r * it.out_rs;
         const float li = t.l[r];
@@ -226,11 +228,11 @@ QKV_BF16 bool forward_item(const Item<QT>& it, Rule rule, int64_t d, int64_t dv,
         for (int64_t c = 0; c < dv; ++c) {
             const float o = t.acc[c * BQ + r] * inv;
             out[c] = uint16_t(bf16_bits(o));
-            bad += o * 0.0f;
+            bad |= int32_t(!(std::fabs(o) <= std::numeric_limits<float>::max()));
         }
         it.lse[r * it.lse_s] = t.m[r] + std::log(li);
     }
-    return bad == bad;
+    return !bad;
 }
 
 template <typename Args>
