@@ -2112,35 +2112,33 @@ int run_decode_io16(const qkv_decode_args& a, int format) {
     return status;
 }
 
+// Whether the decode step refuses a's sizes (status 2).
+inline bool bad_decode_args(const qkv_decode_args* a) {
+    return !a || a->nseq < 0 || a->kv_heads < 1 || a->group < 1 || a->L < 1 || a->d < 1 ||
+           a->dv < 1 || a->S < 0;
+}
+
 }  // namespace
 
 extern "C" {
 
 int qkv_decode_f32_bf16io(const qkv_decode_args* a) {
-    if (!a || a->nseq < 0 || a->kv_heads < 1 || a->group < 1 || a->L < 1 || a->d < 1 ||
-        a->dv < 1 || a->S < 0)
-        return 2;
+    if (bad_decode_args(a)) return 2;
     return run_decode_io16(*a, KV_BF16);
 }
 
 int qkv_decode_f32_f16io(const qkv_decode_args* a) {
-    if (!a || a->nseq < 0 || a->kv_heads < 1 || a->group < 1 || a->L < 1 || a->d < 1 ||
-        a->dv < 1 || a->S < 0)
-        return 2;
+    if (bad_decode_args(a)) return 2;
     return run_decode_io16(*a, KV_F16);
 }
 
 int qkv_decode_f32(const qkv_decode_args* a) {
-    if (!a || a->nseq < 0 || a->kv_heads < 1 || a->group < 1 || a->L < 1 || a->d < 1 ||
-        a->dv < 1 || a->S < 0)
-        return 2;
+    if (bad_decode_args(a)) return 2;
     return run_decode<float>(*a);
 }
 
 int qkv_decode_f64(const qkv_decode_args* a) {
-    if (!a || a->nseq < 0 || a->kv_heads < 1 || a->group < 1 || a->L < 1 || a->d < 1 ||
-        a->dv < 1 || a->S < 0)
-        return 2;
+    if (bad_decode_args(a)) return 2;
     return run_decode<double>(*a);
 }
 
