@@ -266,6 +266,30 @@ def test_padding_mask_on_the_short_road(shape, dtype, kind, causal, seed):
     np.testing.assert_allclose(got.astype(np.float64), want, **tol(row, dtype))
 
 
+@pytest.mark.parametrize("rows", [1, 4, 300])
+def test_padding_mask_that_hides_nothing_is_no_mask(monkeypatch, rows):
+    """A padding mask that hides no key (one sentence's, a batch of full ones) runs as no mask:
+    the bits of the call without it. A small one is seen whole in its bytes, without its key
+    counts read, whatever nonzero bytes say True; a large one (300 x 16 elements) is read as
+    before."""
+    q, k, v = _arrays((rows, 4, 4, 3, 16, 32, 32), np.float32)
+    want = qkv.attention(q, k, v)
+    counted = []
+    real = run.tail_counts
+    monkeypatch.setattr(run, "tail_counts", lambda *a: counted.append(1) or real(*a))
+    keep = np.ones((rows, 1, 1, 16), bool)
+    twos = np.full((rows, 1, 1, 16), 2, np.uint8).view(bool)
+    for mask in (keep, twos, keep, twos):
+        np.testing.assert_array_equal(qkv.attention(q, k, v, mask=mask), want)
+    if rows * 16 <= run._SEEN_WHOLE:
+        assert counted == []
+    one_hidden = keep.copy()
+    one_hidden[-1, ..., -1] = False  # the last row's last key: hidden, whichever road reads it
+    got = qkv.attention(q, k, v, mask=one_hidden)
+    ref = reference.attention(*(a.astype(np.float64) for a in (q, k, v)), mask=one_hidden)
+    np.testing.assert_allclose(got, ref, **tol("fast path", np.float32))
+
+
 # The kept road: from a key's second call on, a road that has a kept set-up (the native
 # decode step, the native prefill on its own tiles; dispatch.KEPT) runs without the plan or
 # the dispatcher. It must give the general road's bits, and step aside (to the general road)
@@ -342,7 +366,7 @@ def test_kept_road_is_the_road_taken(monkeypatch, shape, row, name):
     run._ready.cache_clear()
     first = qkv.attention(q, k, v)
     found = run._ready(q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, None, False,
-                       run.switched_off())  # fmt: skip
+                       run.switched_off(), type(None))  # fmt: skip
     assert found.choice.kernel.startswith(row) and found.kept is not None
     for _ in range(3):
         np.testing.assert_array_equal(qkv.attention(q, k, v), first)
@@ -473,7 +497,7 @@ def test_16_bit_kept_road_narrows_in_the_kernel(monkeypatch, name, size, L):
     run._ready.cache_clear()
     first = qkv.attention(q, k, v)
     found = run._ready(q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, None, False,
-                       run.switched_off())  # fmt: skip
+                       run.switched_off(), type(None))  # fmt: skip
     assert found.kept is not None and found.kept.io
     ran = _counting(monkeypatch)
     got = qkv.attention(q, k, v)
@@ -508,7 +532,7 @@ def test_bfloat16_prefill_kept_road_reads_q_as_it_is(monkeypatch, shape, causal)
     run._ready.cache_clear()
     first = qkv.attention(q, k, v, causal=causal)
     found = run._ready(q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, None, causal,
-                       run.switched_off())  # fmt: skip
+                       run.switched_off(), type(None))  # fmt: skip
     assert found.choice.kernel == "native bfloat16 prefill"
     assert found.kept is not None and found.kept.io
     ran = _counting(monkeypatch)

@@ -99,15 +99,21 @@ def plain(
     """
     if causal is not False and causal is not True:
         return None  # (make_plan says what is wrong)
-    if mask is not None:
-        return _padded(q, k, v, scale, causal, mask)
+    key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, scale, causal, switched_off(),
+           type(scale))  # fmt: skip
     try:
-        found = _ready(q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, scale, causal,
-                       switched_off())  # fmt: skip
+        found = _ready(*key)
     except TypeError:  # an unhashable scale: the general road says what it is
         return None
     if found is None:
         return None
+    if mask is not None:
+        return _padded(q, k, v, key, found, mask)
+    return _unmasked(q, k, v, found)
+
+
+def _unmasked(q: np.ndarray, k: np.ndarray, v: np.ndarray, found: _Ready) -> Any:
+    """:func:`plain` without a mask, ``found`` its key's :func:`_ready`."""
     narrow, kept = found.narrow, found.kept
     if narrow:  # 16-bit inputs: q widened, K/V read as stored (make_plan's keep_stored)
         if kept is not None and kept.io:  # (the kernel widens q and narrows the output; it
@@ -168,7 +174,8 @@ def plain_at(
     """
     if causal is not False and causal is not True:
         return None
-    key = (tuple(qs), tuple(ks), tuple(vs), dtype, dtype, dtype, scale, causal, switched_off())
+    # (a tensor's shapes are torch.Size, tuples that hash and compare as theirs)
+    key = (qs, ks, vs, dtype, dtype, dtype, scale, causal, switched_off(), type(scale))
     try:
         found = _ready(*key)
     except TypeError:
@@ -205,7 +212,7 @@ class _Ready:
         self.tried = False
 
 
-@functools.lru_cache(maxsize=256, typed=True)  # typed: scale=1, 1.0 and True are not one key
+@functools.lru_cache(maxsize=256)
 def _ready(
     qs: tuple[int, ...],
     ks: tuple[int, ...],
@@ -216,10 +223,13 @@ def _ready(
     scale: Any,
     causal: bool,
     off: bool,
+    scale_type: type,
 ) -> _Ready | None:
     """The checked plan's fields but its arrays, the router's choice, and whether the inputs
     are 16-bit (their K/V kept as stored), for :func:`plain`'s key (``off``: ``QKV_NATIVE=0``,
-    which the choice depends on); None where the call is not plain
+    which the choice depends on; ``scale_type``: ``scale``'s, so that 1, 1.0 and True, equal
+    as keys, are not one call: the cache is not typed, which would part a tensor's shapes,
+    torch.Size, from the tuples they equal); None where the call is not plain
     (:func:`qkv.validate.plain_plan`). Worked out on stand-ins of the shapes (no data); a bad
     ``scale`` raises as the general road would."""
     q, k, v = stand_in(qt, qs), stand_in(kt, ks), stand_in(vt, vs)
@@ -233,26 +243,19 @@ def _ready(
 
 
 def _padded(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: Any, causal: bool, mask: Any
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, key: tuple[Any, ...], found: _Ready, mask: Any
 ) -> Any:
-    """:func:`plain` with a padding ``mask``: the unmasked call's kept plan with the mask and
-    its key counts put in, run on the key-count road kept for these shapes (:func:`_counted`);
-    None where the mask is not such a mask or the road depends on the counts themselves (the
-    general road then reads it)."""
-    key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, scale, causal, switched_off())
-    try:
-        found = _ready(*key)
-    except TypeError:
-        return None
-    if found is None:
-        return None
+    """:func:`plain` with a padding ``mask`` (``found``: its ``key``'s :func:`_ready`): the
+    unmasked call's kept plan with the mask and its key counts put in, run on the key-count
+    road kept for these shapes (:func:`_counted`); None where the mask is not such a mask or
+    the road depends on the counts themselves (the general road then reads it)."""
     fields, narrow = found.fields, found.narrow
     read = _mask_counts(key, mask)
     if read is None:
         return None
     counted, per_row, counts = read
     if per_row is None:  # hides nothing: no mask at all
-        return plain(q, k, v, scale, causal)
+        return _unmasked(q, k, v, found)
     kept = counted.kept
     if kept is not None and (kept.io or not narrow):  # (q and the output as they are)
         done = kept(np.ascontiguousarray(q) if narrow else q, k, v, per_row)
@@ -276,20 +279,29 @@ def _padded(
     return out.astype(q.dtype) if narrow else out
 
 
+#: masks of at most this many elements are first looked at whole (their bytes): one that hides
+#: nothing, the commonest padding mask (a single sentence's, a batch of full ones), is then no
+#: mask at all without its counts read (:func:`qkv.masks.tail_counts` costs a few µs)
+_SEEN_WHOLE = 4096
+
+
 def _mask_counts(
     key: tuple[Any, ...], mask: Any
-) -> tuple[_Counted, np.ndarray | None, np.ndarray] | None:
+) -> tuple[_Counted, np.ndarray | None, np.ndarray | None] | None:
     """``(counted, per_row, counts)`` of ``mask`` beside :func:`plain`'s key (after
     :func:`_ready` took it): the kept key-count choice for its shape (:func:`_counted`), the
     key counts per index of the first batch axis and as :func:`qkv.masks.tail_counts` reads
-    them; ``per_row`` None where it hides nothing. None where it is not a boolean padding mask
-    of q's rank, or no kept road serves its shape (the mask is then not read twice)."""
+    them; ``per_row`` None where it hides nothing (and ``counts`` then None where that was
+    seen without reading them). None where it is not a boolean padding mask of q's rank, or no
+    kept road serves its shape (the mask is then not read twice)."""
     qs = key[0]
     if type(mask) is not np.ndarray or mask.dtype != bool or mask.ndim != len(qs):
         return None
     counted = _counted(key, mask.shape)  # (None for a mask shape that does not broadcast)
     if counted is None:
         return None
+    if mask.size <= _SEEN_WHOLE and b"\x00" not in mask.tobytes():
+        return counted, None, None  # hides no key (one sentence's mask): no mask at all
     batch = qs[:-2]
     counts = tail_counts(mask, len(batch))
     if counts is None:

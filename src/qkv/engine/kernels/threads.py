@@ -400,6 +400,17 @@ def _torch_dir(torch: Any) -> str | None:
 _shared: list[Any] = [None, None, None]  # (pid, the torch module or None, GOMP_parallel)
 
 
+def _forked() -> None:
+    """In a forked child: the parent's team is not this process's (looked up again, it is
+    refused: the pid is not :data:`_PID`). Asked at the fork, not on every call: a small call
+    spent a fifth of a microsecond on ``os.getpid()``."""
+    _shared[:] = [None, None, None]
+
+
+if hasattr(os, "register_at_fork"):  # (POSIX; elsewhere no fork)
+    os.register_at_fork(after_in_child=_forked)
+
+
 def prefill_team(threads: int | None, own: bool) -> tuple[int, Any]:
     """``(worker threads, the OpenMP team's GOMP_parallel or None)`` of a prefill call
     (``own``: on the library's own tile products, no BLAS): the work items run on the OpenMP
@@ -420,12 +431,13 @@ def openmp_parallel(threads: int | None = None) -> tuple[int | None, int]:
     With PyTorch imported, its runtime and ``torch.get_num_threads()`` (capped by the
     threads qkv would use: ``threads``, a caller's :func:`workers` already worked out, or
     :func:`workers`); else the only OpenMP runtime the process has loaded, if one. Looked up
-    again only when the process or the ``torch`` module changes.
+    again only when the process (a fork: :func:`_forked`) or the ``torch`` module changes.
     """
     if threads is None:
         threads = workers()
-    pid, torch = os.getpid(), sys.modules.get("torch")
-    if _shared[0] != pid or _shared[1] is not torch:
+    torch = sys.modules.get("torch")
+    if _shared[0] is None or _shared[1] is not torch:
+        pid = os.getpid()
         path = _openmp_library(_torch_dir(torch)) if pid == _PID else None
         _shared[:] = [pid, torch, None if path is None else _gomp_parallel(path)]
     if torch is not None:
