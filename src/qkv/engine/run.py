@@ -99,8 +99,8 @@ def plain(
     """
     if causal is not False and causal is not True:
         return None  # (make_plan says what is wrong)
-    key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, scale, causal, switched_off(),
-           type(scale))  # fmt: skip
+    key: tuple[Any, ...] = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, scale, causal,
+                            switched_off(), type(scale))  # fmt: skip
     try:
         found = _ready(*key)
     except TypeError:  # an unhashable scale: the general road says what it is
@@ -175,7 +175,8 @@ def plain_at(
     if causal is not False and causal is not True:
         return None
     # (a tensor's shapes are torch.Size, tuples that hash and compare as theirs)
-    key = (qs, ks, vs, dtype, dtype, dtype, scale, causal, switched_off(), type(scale))
+    key: tuple[Any, ...] = (qs, ks, vs, dtype, dtype, dtype, scale, causal, switched_off(),
+                            type(scale))  # fmt: skip
     try:
         found = _ready(*key)
     except TypeError:

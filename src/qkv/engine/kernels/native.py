@@ -301,8 +301,9 @@ def attend(
 def keep(plan: Plan, stack: bool = False, counted: bool = False) -> Kept | None:
     """A plain call's prefill on the library's own tile products, kept for operands laid out
     as ``plan``'s (no mask or bias; K/V in the compute dtype or stored as float16/bfloat16):
-    a function of ``(q, k, v)`` of those shapes and dtypes giving ``(out, lse)``
-    (:class:`~qkv.engine.kernels.native_lib.Kept`), or None for operands of other strides, when
+    a function of ``(q, k, v)`` of those shapes and dtypes giving ``(out, None)``
+    (the log-sum-exp is not written: its callers read the output;
+    :class:`~qkv.engine.kernels.native_lib.Kept`), or None for operands of other strides, when
     another clone (``QKV_NATIVE_ISA``) or another thread team is in force, or when an output
     is not finite (the caller then takes the general road). With ``counted``, a function of
     ``(q, k, v, counts)``: ``counts`` the keys of each index of the first batch axis, as
@@ -334,8 +335,8 @@ def keep(plan: Plan, stack: bool = False, counted: bool = False) -> Kept | None:
         if prefill_team(None, True) != (n, team):
             return None
         per_head = None if counts is None else np.repeat(counts.astype(np.int64, copy=False), heads)
-        out, lse, finite = call.launch(q, k, v, per_head)
-        return (out, lse) if finite else None
+        out, _, finite = call.launch(q, k, v, per_head, lse=False)  # (its callers read out)
+        return (out, None) if finite else None
 
     return Kept(run, (q, k, v), clone, io)
 
@@ -365,19 +366,25 @@ class Prefill:
     def run(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(out, lse)`` for operands of the layout this struct was built for."""
         out, lse, _ = self.launch(address(q), address(k), address(v))
+        assert lse is not None  # (asked for)
         return out, lse
 
     def launch(
-        self, q: int, k: int, v: int, counts: np.ndarray | None = None
-    ) -> tuple[np.ndarray, np.ndarray, bool]:
+        self, q: int, k: int, v: int, counts: np.ndarray | None = None, lse: bool = True
+    ) -> tuple[np.ndarray, np.ndarray | None, bool]:
         """:meth:`run` on the operands' addresses, and whether every output is finite (the
         kernel checks); ``counts`` (int64, one per head of the struct, contiguous), for a
-        struct built with key counts, replaces those it was built with."""
+        struct built with key counts, replaces those it was built with. Without ``lse`` the
+        log-sum-exp is not written (None in its place: a caller that reads the output alone).
+        """
         out = np.empty(self.rows, dtype=self.out_dtype)
-        lse = np.empty(self.rows[:-1], dtype=self.dtype)
         args = PrefillArgs.from_buffer_copy(self.args)  # one per call: any thread may run it
         args.q, args.k, args.v = q, k, v
-        args.out, args.lse = address(out), address(lse)
+        args.out = address(out)
+        sums = None
+        if lse:
+            sums = np.empty(self.rows[:-1], dtype=self.dtype)
+            args.lse = address(sums)
         if counts is not None:
             args.counts = address(counts)
         if self.own:  # (no BLAS to hold to one thread)
@@ -386,7 +393,8 @@ class Prefill:
             with single_threaded_blas():
                 status = self.call(ctypes.byref(args))
         finite = checked(status, args, "prefill", (PREFILL_NOT_FINITE,)) == 0
-        return out.reshape(self.shape), lse.reshape(self.shape[:-1]), finite
+        shape = self.shape
+        return out.reshape(shape), None if sums is None else sums.reshape(shape[:-1]), finite
 
 
 # attend()'s structs by operand layout (see Prefill)
@@ -473,6 +481,7 @@ def attend_prefix_pages(
     q = operands[0]
     out, lse, finite = call.launch(address(q), address(k_pages), address(v_pages))
     del held
+    assert lse is not None  # (asked for)
     return (out, lse) if finite else None
 
 

@@ -112,7 +112,8 @@ def attend(plan: Plan, *, threads: int | None = None) -> tuple[np.ndarray, np.nd
 def keep(plan: Plan) -> Kept | None:
     """A plain call's bfloat16 prefill kept for operands laid out as ``plan``'s (no mask or
     bias; q, K, V and the output bfloat16; q contiguous): a function of ``(q, k, v)`` giving
-    ``(out, lse)`` with :func:`attend`'s bits, ``q`` read as the bfloat16 it is (the library's
+    ``(out, None)`` (the log-sum-exp is not written: its callers read the output) with
+    :func:`attend`'s bits, ``q`` read as the bfloat16 it is (the library's
     ``qkv_prefill_bf16io``) rather than widened to float32 first; None for operands of other
     strides, another clone (``QKV_NATIVE_ISA``) or thread team, or when an output is not
     finite (the caller then takes the general road). None where the kernel does not serve
@@ -136,7 +137,7 @@ def keep(plan: Plan) -> Kept | None:
     rule = _rule(plan, None, team=True)
     nb = math.prod(plan.batch)
     template = bytes(PrefillArgs(nb=nb, L=plan.L, S=plan.S, d=plan.d, dv=plan.dv, **fields, **rule))
-    out_shape, lse_shape = (*plan.batch, plan.L, plan.dv), (*plan.batch, plan.L)
+    out_shape = (*plan.batch, plan.L, plan.dv)
     function, dtype = library()[0].qkv_prefill_bf16io, k.dtype
     team = (rule["threads"], rule["parallel"])
 
@@ -144,13 +145,12 @@ def keep(plan: Plan) -> Kept | None:
         if counts is not None or prefill_team(None, True) != team:
             return None
         out = np.empty(out_shape, dtype)
-        lse = np.empty(lse_shape, np.float32)
         args = PrefillArgs.from_buffer_copy(template)  # one per call: any thread may run it
         args.q, args.k, args.v = q, k, v
-        args.out, args.lse = address(out), address(lse)
+        args.out = address(out)  # (lse NULL: not written, its callers read the output)
         status = checked(function(ctypes.byref(args)), args, "bfloat16 prefill", (3,))
         assert held is not None  # (kept alive with the struct)
-        return None if status == 3 else (out, lse)
+        return None if status == 3 else (out, None)
 
     return Kept(run, (q, k, v), setting(ISA_ENV), io=True)
 

@@ -53,7 +53,7 @@ struct qkv_prefill_args {
     int64_t nb, L, S, d, dv;
     QKV_OPERAND_FIELDS
     void* out;  // (nb, L, dv) contiguous
-    void* lse;  // (nb, L) contiguous
+    void* lse;  // (nb, L) contiguous, or NULL: not written (the caller reads out alone)
     const uint8_t* mask;  // bool mask (1 = may attend) or NULL
     const void* bias;     // float bias in the compute dtype or NULL
     const int64_t* m_off;

@@ -394,7 +394,8 @@ step_t pick_step(int isa, bool lanes) {
 }
 
 // A block's results from its rows' accumulators (stride ldacc), sums l and maxima m:
-// out = acc / l, lse = m + log l; a row with l = 0 saw no key: 0 and -inf, never NaN.
+// out = acc / l, lse = m + log l; a row with l = 0 saw no key: 0 and -inf, never NaN. lse
+// NULL: not written (nor its log taken: a call whose caller reads the output alone).
 struct FinishArgs {
     const void* acc;
     int64_t ldacc;
@@ -428,7 +429,7 @@ QKV_INLINE void tile_finish(const FinishArgs& a) {
         T* __restrict out = static_cast<T*>(a.out) + i * a.out_rs;
         if (li == T(0)) {
             for (int64_t c = 0; c < dv; ++c) out[c] = 0;
-            lse[i * a.lse_s] = ninf;
+            if (lse) lse[i * a.lse_s] = ninf;
             continue;
         }
         const T inv = T(1) / li;
@@ -445,7 +446,7 @@ QKV_INLINE void tile_finish(const FinishArgs& a) {
             out[c] = o;
             bad_tail += o * T(0);
         }
-        lse[i * a.lse_s] = m[i] + std::log(li);
+        if (lse) lse[i * a.lse_s] = m[i] + std::log(li);
     }
     for (int u = 0; u < W; ++u) bad_tail += bad[u];
     *a.bad = bad_tail != bad_tail;
@@ -874,7 +875,7 @@ int run(const qkv_prefill_args& a, int kv_format = 0, bool io16 = false) {
         b.widen = widen;
         b.out = narrow ? buf.oc.data() : OUT + (h * a.L + r0) * a.dv;
         b.out_rs = a.dv;
-        b.lse = LSE + h * a.L + r0;
+        b.lse = LSE ? LSE + h * a.L + r0 : nullptr;
         b.lse_s = 1;
         const int64_t moff = a.m_off ? a.m_off[h] + r0 * a.m_rs : 0;
         b.mask = a.mask ? a.mask + moff : nullptr;

@@ -221,7 +221,7 @@ QKV_BF16 bool forward_item(const Item<QT>& it, Rule rule, int64_t d, int64_t dv,
         const float li = t.l[r];
         if (li == 0.0f) {  // no visible key: 0 and −inf, never NaN
             for (int64_t c = 0; c < dv; ++c) out[c] = 0;
-            it.lse[r * it.lse_s] = ninf;
+            if (it.lse) it.lse[r * it.lse_s] = ninf;
             continue;
         }
         const float inv = 1.0f / li;
@@ -230,7 +230,7 @@ QKV_BF16 bool forward_item(const Item<QT>& it, Rule rule, int64_t d, int64_t dv,
             out[c] = uint16_t(bf16_bits(o));
             bad |= int32_t(!(std::fabs(o) <= std::numeric_limits<float>::max()));
         }
-        it.lse[r * it.lse_s] = t.m[r] + std::log(li);
+        if (it.lse) it.lse[r * it.lse_s] = t.m[r] + std::log(li);  // (NULL: not asked for)
     }
     return !bad;
 }
@@ -265,7 +265,7 @@ int run_bf16(const qkv_prefill_args& a) {
         it.S = a.S;
         it.out = static_cast<uint16_t*>(a.out) + (h * a.L + it.r0) * a.dv;
         it.out_rs = a.dv;
-        it.lse = static_cast<float*>(a.lse) + h * a.L + it.r0;
+        it.lse = a.lse ? static_cast<float*>(a.lse) + h * a.L + it.r0 : nullptr;
         it.lse_s = 1;
         const int64_t moff = a.m_off ? a.m_off[h] + it.r0 * a.m_rs : 0;
         it.mask = a.mask ? a.mask + moff : nullptr;
