@@ -138,11 +138,8 @@ def read_at(q: Any, k: Any, v: Any) -> tuple[Any, ...] | None:
     PyTorch, faster than ml_dtypes) as :func:`qkv.engine.run.plain_at` asks for it: its
     address, its strides and the tensor, to be held for the call; None for the others.
     """
-    torch = sys.modules.get("torch")  # (_plain_torch's test, inline: a small call's road)
+    torch = _plain_torch(q, k, v)
     if torch is None:
-        return None
-    tensor = torch.Tensor
-    if type(q) is not tensor or type(k) is not tensor or type(v) is not tensor:
         return None
     dtype = q.dtype
     if k.dtype is not dtype or v.dtype is not dtype:
