@@ -274,6 +274,8 @@ def test_padding_mask_that_hides_nothing_is_no_mask(monkeypatch, rows):
     before."""
     q, k, v = _arrays((rows, 4, 4, 3, 16, 32, 32), np.float32)
     want = qkv.attention(q, k, v)
+    wide = [a.astype(np.float64) for a in (q, k, v)]
+    np.testing.assert_allclose(want, reference.attention(*wide), **tol("fast path", np.float32))
     counted = []
     real = run.tail_counts
     monkeypatch.setattr(run, "tail_counts", lambda *a: counted.append(1) or real(*a))
@@ -286,7 +288,7 @@ def test_padding_mask_that_hides_nothing_is_no_mask(monkeypatch, rows):
     one_hidden = keep.copy()
     one_hidden[-1, ..., -1] = False  # the last row's last key: hidden, whichever road reads it
     got = qkv.attention(q, k, v, mask=one_hidden)
-    ref = reference.attention(*(a.astype(np.float64) for a in (q, k, v)), mask=one_hidden)
+    ref = reference.attention(*wide, mask=one_hidden)
     np.testing.assert_allclose(got, ref, **tol("fast path", np.float32))
 
 
