@@ -490,6 +490,8 @@ def wants_grad(*xs: Any) -> bool:
 def refuse_grad(fn: str, **named: Any) -> None:
     """Raise :class:`InputError` when one of ``named`` requires grad (with gradients enabled)
     in a function ``fn`` that has no gradient: the caller hears of it, never a silent detach."""
+    if not is_tensor(*named.values()):
+        return  # (NumPy arrays: nothing to ask, on every step of a decoding loop)
     for name, x in named.items():
         if wants_grad(x):
             raise InputError(

@@ -77,6 +77,8 @@ def as_array(x: Any, name: str, *, narrow: bool = False) -> np.ndarray:
     they are with ``narrow`` (for the attention plan, which reads K/V in their own dtype).
     Raises :class:`InputTypeError` for anything that is not real numbers.
     """
+    if type(x) is np.ndarray and x.dtype.kind == "f":
+        return x  # (NumPy's own floats, returned as they are below: the commonest input)
     x = from_foreign(x, name)
     try:
         a = np.asarray(x)

@@ -236,12 +236,14 @@ class KVCache:
         if T < 1:
             raise InputError(f"k: expected at least one token (T >= 1), got shape {ka.shape}")
         if seq is None:
-            self._reserve(int(self._lengths.max()) + T)
-            if np.all(self._lengths == self._lengths[0]):
-                n = int(self._lengths[0])
+            lengths = self._lengths.tolist()  # (as Python ints: NumPy's max and all on a few
+            # lengths cost more than the copy of one token)
+            self._reserve(max(lengths) + T)
+            if lengths.count(lengths[0]) == len(lengths):
+                n = lengths[0]
                 self._write((slice(None), slice(None), slice(n, n + T)), ka, va)
             else:
-                for b, n in enumerate(self._lengths.tolist()):
+                for b, n in enumerate(lengths):
                     self._write((b, slice(None), slice(n, n + T)), ka[b], va[b])
             self._lengths += T
         else:
