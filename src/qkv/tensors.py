@@ -384,7 +384,7 @@ def want_of(*xs: Any) -> Want | None:
 
     bf16 = all(t.dtype == torch.bfloat16 for t in tensors)
     first = tensors[0]
-    return Want(bfloat16=bf16, device=None if first.is_cpu else first.device)
+    return _ON_CPU[bf16] if first.is_cpu else Want(bfloat16=bf16, device=first.device)
 
 
 def give(result: Any, want: Want | None, *, exact: bool = False) -> Any:
@@ -431,7 +431,7 @@ def _tensor_of(result: Any) -> Any:
     a = np.asarray(result)
     if not (a.flags.writeable and a.flags.c_contiguous):
         a = np.array(a, order="C")
-    if a.dtype.name == "bfloat16":
+    if a.dtype.kind == "V" and a.dtype.name == "bfloat16":  # (kind first: the name is slow)
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(a)
 

@@ -86,6 +86,8 @@ def as_array(x: Any, name: str, *, narrow: bool = False) -> np.ndarray:
         raise not_rectangular(x, name) or InputError(
             f"{name}: cannot be read as a rectangular array ({exc})"
         ) from None
+    if a.dtype.kind == "f":
+        return a  # (a tensor's view, say: NumPy's floats as they are, as below)
     if a.dtype.name == "bfloat16":  # ml_dtypes' type (not a NumPy floating subtype)
         return a if narrow else a.astype(np.float32)
     if a.dtype.kind not in "iuf":  # not bool, complex, datetime64/timedelta64, objects...
