@@ -271,6 +271,39 @@ def test_varlen_and_cache_give_the_lse_in_float32_for_bfloat16():
     np.testing.assert_allclose(lse[0].numpy(), want, **tol("float32 lse", np.float32))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+def test_cache_decoding_loop_on_tensors(dtype):
+    """A decoding loop's tensors through KVCache (one token appended and one query attended
+    per step): tensors of the query's dtype back, the float64 reference's values, the same
+    bits as the arrays' loop; a tensor that requires grad is refused by name (with gradients
+    enabled) or read detached (under no_grad); a tensor beside an array is read too."""
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(1, 2, 12, 8, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(12, 1, 4, 1, 8, generator=g).to(dtype)
+    tensors, arrays = qkv.KVCache(1, 2, 8), qkv.KVCache(1, 2, 8)
+    for t in range(12):
+        tensors.append(k[:, :, t : t + 1], v[:, :, t : t + 1])
+        arrays.append(k[:, :, t : t + 1].numpy(), v[:, :, t : t + 1].numpy())
+        out = tensors.attend(q[t])
+        assert isinstance(out, torch.Tensor) and out.shape == (1, 4, 1, 8)
+        np.testing.assert_array_equal(out.numpy(), arrays.attend(q[t].numpy()))
+        wide = [x.double().numpy() for x in (q[t], k[:, :, : t + 1], v[:, :, : t + 1])]
+        kind = "fast path" if dtype != torch.float16 else "half precision"
+        np.testing.assert_allclose(
+            out.double().numpy(), reference.attention(*wide), **tol(kind, np.dtype(str(dtype)[6:]))
+        )
+    grad = k[:, :, :1].clone().requires_grad_()
+    with pytest.raises(qkv.InputError, match="^k: requires grad"):
+        tensors.append(grad, v[:, :, :1])
+    with pytest.raises(qkv.InputError, match="^q: requires grad"):
+        tensors.attend(q[0].clone().requires_grad_())
+    with torch.no_grad():
+        got = tensors.attend(q[0].clone().requires_grad_())
+    np.testing.assert_array_equal(got.numpy(), tensors.attend(q[0]).numpy())
+    tensors.append(k[:, :, :1], v[:, :, :1].numpy())  # a tensor beside an array
+    assert tensors.lengths.tolist() == [13]
+
+
 FLOAT8 = [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)]
 
 

@@ -54,6 +54,7 @@ __all__ = [
     "read_cpu",
     "read_at",
     "read_plain",
+    "read_plain_float",
     "read_plain_mask",
     "read_shadow",
     "refuse_dtype",
@@ -126,6 +127,21 @@ def read_plain(q: Any, k: Any, v: Any) -> tuple[np.ndarray, np.ndarray, np.ndarr
         )
     except (TypeError, RuntimeError):  # conjugate or negative views, sparse...
         return None
+
+
+def read_plain_float(x: Any) -> np.ndarray | None:
+    """``x`` as :func:`read` reads it — a zero-copy NumPy view — when it is a plain CPU
+    float16/32/64 tensor (``torch.Tensor`` itself, not requiring grad); None for anything else,
+    which then takes the general reading (and its refusals by name). A decoding loop's
+    per-step tensors (:class:`qkv.KVCache`'s ``append`` and ``attend``) in one call."""
+    torch = sys.modules.get("torch")
+    if torch is None or type(x) is not torch.Tensor or x.dtype is torch.bfloat16:
+        return None
+    try:  # (.numpy() refuses what read() refuses: grad, other devices, negative views)
+        a = x.numpy()
+    except (TypeError, RuntimeError):
+        return None
+    return a if a.dtype.kind == "f" else None
 
 
 def read_at(q: Any, k: Any, v: Any) -> tuple[Any, ...] | None:

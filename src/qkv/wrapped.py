@@ -27,11 +27,22 @@ from collections.abc import Sequence
 from functools import wraps
 from typing import Any
 
+import numpy as np
+
 from . import torch_bridge
 from .engine import cache, grad, paged, varlen
 from .engine import merge as merging
 from .keywords import near_keywords
-from .tensors import give, give_pair, read, refuse_grad, want_of, wants_grad
+from .tensors import (
+    give,
+    give_pair,
+    give_plain,
+    read,
+    read_plain_float,
+    refuse_grad,
+    want_of,
+    wants_grad,
+)
 from .validate import VARIANTS
 
 __all__ = ["KVCache", "PagedKVCache", "attention_varlen", "attention_vjp", "merge"]
@@ -75,6 +86,9 @@ class KVCache(cache.KVCache):
 
     @near_keywords()
     def append(self, k: Any, v: Any, seq: int | None = None) -> None:
+        ka, va = read_plain_float(k), read_plain_float(v)  # (a decoding loop's tensors)
+        if ka is not None and va is not None:
+            return super().append(ka, va, seq)
         refuse_grad("KVCache.append", k=k, v=v)
         super().append(k, v, seq)
 
@@ -82,6 +96,10 @@ class KVCache(cache.KVCache):
 
     @near_keywords(VARIANTS, like=cache.KVCache.attend)
     def attend(self, q: Any, **options: Any) -> Any:
+        qa = read_plain_float(q)  # (a decoding loop's float tensor: its view, given back)
+        if qa is not None:
+            res = super().attend(qa, **options)
+            return give_plain(res) if type(res) is np.ndarray else _give(res, want_of(q))
         refuse_grad("KVCache.attend", q=q)
         # a CPU tensor as its NumPy view, so that a decoding loop's calls run the cache's
         # planned step again as NumPy ones do (the checks read it the same way)
