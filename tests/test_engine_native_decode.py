@@ -397,3 +397,44 @@ def test_the_small_call_road_hands_a_result_that_is_not_finite_to_the_general_ru
     out = qkv.attention(big, big, v)
     ref = reference.attention(*(x.astype(np.float64) for x in (big, big, v)))
     np.testing.assert_allclose(out, ref, **tol("fast path", np.float32))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    batch=st.sampled_from([(), (1,), (2,), (2, 3)]),
+    kvh=st.integers(1, 3),
+    group=st.integers(1, 4),
+    L=st.integers(1, 3),
+    d=st.sampled_from([8, 32, 64]),
+    dv=st.sampled_from([8, 64]),
+    room=st.integers(1, 600),
+    keys=st.lists(st.integers(0, 600), min_size=2, max_size=4),
+    dtype=st.sampled_from(["float32", "float64", "float16", "bfloat16"]),
+    contiguous=st.booleans(),
+)
+def test_step_arguments_for_a_growing_slice_equal_built_ones(
+    batch, kvh, group, L, d, dv, room, keys, dtype, contiguous
+):
+    """The decode step's arguments for slices of one buffer with other numbers of keys (a
+    decoding loop's growing cache) are derived from the first slice's by setting S: they equal,
+    byte for byte, those built afresh; contiguous operands (other strides) are built."""
+    from qkv.engine.kernels import native_lib
+
+    if native_lib.library()[0] is None:
+        pytest.skip("the native library is not built")
+    kt = np.dtype(pytest.importorskip("ml_dtypes").bfloat16 if dtype == "bfloat16" else dtype)
+    dt = np.dtype(np.float32) if kt.itemsize == 2 else kt
+    qt = kt if kt.itemsize == 2 else dt
+    q = np.zeros((*batch, kvh * group, L, d), qt)
+    kbuf = np.zeros((*batch, kvh, max(keys) + room, d), kt)
+    vbuf = np.zeros((*batch, kvh, max(keys) + room, dv), kt)
+    native_decode._constants.cache_clear()
+    native_decode._FAMILIES.clear()
+    for S in keys:
+        k, v = kbuf[..., :S, :], vbuf[..., :S, :]
+        if contiguous:
+            k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)
+        args = (qt, kt, q.shape, q.strides, k.shape, k.strides, v.shape, v.strides, 0.125, None, 0)
+        got = native_decode._constants(*args)
+        assert got == native_decode._built(*args)
+    assert len(native_decode._FAMILIES) <= (len(set(keys)) if contiguous else 1)

@@ -256,12 +256,16 @@ class Kept:
         self, run: Callable[..., Any], arrays: tuple[np.ndarray, ...], clone: str, io: bool = False
     ) -> None:
         self.run, self.clone, self.io = run, clone, io
-        self.strides = tuple(a.strides for a in arrays)
-        whole = all(s % a.itemsize == 0 for a in arrays for s in a.strides)
+        strides, elements = [], []
+        for a in arrays:  # (plain loops: a decoding loop over a growing slice keeps one a step)
+            st, item = a.strides, a.itemsize
+            strides.append(st)
+            elements.append(
+                tuple([s // item for s in st]) if all([s % item == 0 for s in st]) else None
+            )
+        self.strides = tuple(strides)
         # (an array whose byte strides are not whole elements has no element strides)
-        self.elements = tuple(
-            tuple(s // a.itemsize for s in a.strides) for a in arrays
-        ) if whole else None  # fmt: skip
+        self.elements = None if None in elements else tuple(elements)
 
     def __call__(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, counts: Any = None) -> Any:
         if (q.strides, k.strides, v.strides) != self.strides or setting(ISA_ENV) != self.clone:
