@@ -367,26 +367,16 @@ _FAMILIES_MAX = 256
 
 
 @functools.lru_cache(maxsize=256)
-def _constants(
-    dt: np.dtype,
-    kt: np.dtype,
-    qs: tuple[int, ...],
-    qst: tuple[int, ...],
-    ks: tuple[int, ...],
-    kst: tuple[int, ...],
-    vs: tuple[int, ...],
-    vst: tuple[int, ...],
-    scale: float,
-    softcap: float | None,
-    isa: int,
-) -> Constants | None:
-    """:func:`_built`, from the result for the same operands with another number of keys
-    where there is one: a decoding loop over a slice of its own buffers that grows a key a
-    step asks for a new S every step, with the same strides. The number of keys enters the
-    arguments as their field S and the choice of one thread (the rest depends on the shapes
-    but S, and on the strides: see :func:`_built`), so the arguments are those with S set."""
+def _constants(*key: Any) -> Constants | None:
+    """:func:`_built` on ``key`` (its arguments, in its order), from the result for the same
+    operands with another number of keys where there is one: a decoding loop over a slice of
+    its own buffers that grows a key a step asks for a new S every step, with the same strides.
+    The number of keys enters the arguments as their field S and the choice of one thread (the
+    rest depends on the shapes but S, and on the strides: see :func:`_built`), so the arguments
+    are those with S set."""
+    dt, kt, qs, qst, ks, kst, vs, vst, scale, softcap, isa = key
     if len(ks) < 3 or len(vs) < 3:
-        return _built(dt, kt, qs, qst, ks, kst, vs, vst, scale, softcap, isa)
+        return _built(*key)
     family = (dt, kt, qs, qst, ks[:-2], ks[-1], kst, vs[:-2], vs[-1], vst, scale, softcap, isa)
     known = _FAMILIES.get(family)
     S = ks[-2]
@@ -396,7 +386,7 @@ def _constants(
         args.S = S
         small = S * per_key < ONE_THREAD_BYTES
         return bytes(args), function, out_shape, lse_shape, small, dt_, out_dtype
-    found = _built(dt, kt, qs, qst, ks, kst, vs, vst, scale, softcap, isa)
+    found = _built(*key)
     if found is not None and len(_FAMILIES) < _FAMILIES_MAX:
         n = math.prod(qs[:-3])
         _FAMILIES[family] = (found, n * ks[-3] * (qs[-1] + vs[-1]) * kt.itemsize)
