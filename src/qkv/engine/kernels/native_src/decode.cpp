@@ -2001,9 +2001,13 @@ int run_decode(const qkv_decode_args& given) {
     auto part = [&](int64_t b, int64_t h, int64_t c) {
         return paged ? (b * splits + c) * a.kv_heads + h : (b * a.kv_heads + h) * splits + c;
     };
+    // One piece per head (one thread, or short runs of keys): its accumulators are the
+    // output's rows (part(b, h, 0) = b · kv_heads + h, the output's head), normalised in place
+    // below; else every piece's go to `parts`, merged into the output.
+    const bool whole = splits == 1;
     std::vector<T> parts;
     try {
-        parts.resize(size_t(nparts * R * (2 + a.dv)));
+        parts.resize(size_t(nparts * R * (whole ? 2 : 2 + a.dv)));
     } catch (...) {
         return 1;
     }
@@ -2013,7 +2017,7 @@ int run_decode(const qkv_decode_args& given) {
     if (scaled && !(a.k_scale && a.v_scale)) return 2;
     T* PM = parts.data();  // per item: R maxima, then R sums, then R x dv accumulators
     T* PL = PM + nparts * R;
-    T* PA = PL + nparts * R;
+    T* PA = whole ? static_cast<T*>(a.out) : PL + nparts * R;
     // see decode_piece_vec (a paged piece holds every head's scaled rows, scores and factors)
     const int64_t NH = paged ? a.kv_heads : 1;
     // (the fast road's integer values: each head's rows' int16 weights, weight scales and
@@ -2042,7 +2046,27 @@ int run_decode(const qkv_decode_args& given) {
     // o · 0, NaN for an infinite or NaN o, chained one dependent addition per output element:
     // a fifth of a B8 H8 S16 d64 step's time)
     int32_t bad = 0;
-    for (int64_t u = 0; u < units; ++u) {
+    for (int64_t u = 0; whole && u < units; ++u) {
+        for (int64_t r = 0; r < R; ++r) {
+            const T M = PM[u * R + r], lsum = PL[u * R + r];
+            T* o = OUT + (u * R + r) * a.dv;
+            if (M == ninf && lsum == T(0)) {  // no key at all
+                for (int64_t c = 0; c < a.dv; ++c) o[c] = 0;
+                if (LSE) LSE[u * R + r] = ninf;
+                continue;
+            }
+            const T inv = T(1) / lsum;  // (NaN carried from the piece: the row NaN)
+            int32_t row_bad = 0;
+#pragma omp simd reduction(| : row_bad)
+            for (int64_t e = 0; e < a.dv; ++e) {
+                o[e] *= inv;
+                row_bad |= int32_t(!(std::fabs(o[e]) <= std::numeric_limits<T>::max()));
+            }
+            bad |= row_bad;
+            if (LSE) LSE[u * R + r] = M + std::log(lsum);
+        }
+    }
+    for (int64_t u = 0; !whole && u < units; ++u) {
         const int64_t ub = u / a.kv_heads, uh = u % a.kv_heads;
         for (int64_t r = 0; r < R; ++r) {
             T M = ninf;
