@@ -129,10 +129,10 @@ def near_keywords(
 
     ``variants`` are the keywords a function with ``**variants`` accepts beyond its named
     parameters; ``like`` is the function whose parameters it takes when it passes its own on
-    (``**options``) without :func:`functools.wraps`. Only a failing call looks at the
-    keywords: when it was given one the function does not take, that is reported (an
-    :class:`~qkv.InputTypeError` naming it), in place of whatever else went wrong; otherwise
-    the original error is raised unchanged.
+    (``**options``) without :func:`functools.wraps`, and whose name an error gives. Only a
+    failing call looks at the keywords: when it was given one the function does not take,
+    that is reported (an :class:`~qkv.InputTypeError` naming it), in place of whatever else
+    went wrong; otherwise the original error is raised unchanged.
     """
     extra = tuple(variants)
 
@@ -144,7 +144,7 @@ def near_keywords(
             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"
         )
         takes = named + tuple(v for v in extra if v not in named)
-        where = fn.__qualname__.replace(".__init__", "")
+        where = (like or fn).__qualname__.replace(".__init__", "")
 
         @functools.wraps(fn)
         def checked(*args: Any, **kwargs: Any) -> Any:
