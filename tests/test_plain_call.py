@@ -715,3 +715,31 @@ def test_read_at_refuses_what_it_cannot_read():
     assert read_at(q.to_sparse(), q, q) is None
     assert read_at(q.to("meta"), q, q) is None
     assert read_at(torch.nn.Parameter(q), q, q) is None  # (a subclass: the general road)
+
+
+@pytest.mark.parametrize("L", [1, 16])  # the decode step's kept road, the prefill's
+def test_kept_call_serves_calls_from_many_threads(L):
+    """A kept small call hands the library its operands' addresses, and the library fills a
+    copy of the kept arguments per call (``qkv_decode_at``, ``qkv_prefill_at``): calls on other
+    operands from several threads at once each get their own operands' answer, the bits of the
+    same call made alone, equal to the float64 reference."""
+    _native()
+    from concurrent.futures import ThreadPoolExecutor
+
+    from qkv.engine.kernels import native_lib
+
+    shape = (1, 8, 2, L, 16, 32, 32)
+    q, k, v = _arrays(shape, np.float32)
+    qkv.attention(q, k, v)  # (the key's first call keeps its road)
+    dt, off = q.dtype, native_lib.switched_off()
+    kept = run._ready(q.shape, k.shape, v.shape, dt, dt, dt, None, False, off, type(None)).kept
+    assert kept is not None
+    inputs = [_arrays(shape, np.float32, seed) for seed in range(1, 9)]
+    alone = [kept(*x)[0] for x in inputs]
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(lambda x: kept(*x)[0], inputs * 8))
+    for i, got in enumerate(together):
+        np.testing.assert_array_equal(got, alone[i % len(inputs)])
+    for x, got in zip(inputs, alone, strict=True):
+        want = reference.attention(*(a.astype(np.float64) for a in x))
+        np.testing.assert_allclose(got, want, **tol("fast path", np.float32))

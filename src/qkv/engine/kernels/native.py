@@ -65,6 +65,7 @@ from .native_lib import (
     backward_operands,
     bf16_products,
     blas_available,
+    call_at,
     checked,
     gemm,
     invoke,
@@ -329,14 +330,24 @@ def keep(plan: Plan, stack: bool = False, counted: bool = False) -> Kept | None:
                               counts, True, stack, team, k.dtype if io else None)  # fmt: skip
     if not all(address(a) == address(b) for a, b in zip(operands, (q, k, v), strict=True)):
         return None
-    heads = PrefillArgs.from_buffer_copy(call.args).nb // rows  # (the struct's heads per row)
+    args = PrefillArgs.from_buffer_copy(call.args)
+    heads = args.nb // rows  # (the struct's heads per row)
+    at, kept = call_at(call.call, args)  # (lse NULL: not written, its callers read the output)
+    pointed, rows_shape, shape, out_dtype = call.held, call.rows, call.shape, call.out_dtype
 
     def run(q: int, k: int, v: int, counts: Any) -> Any:
         if prefill_team(None, True) != (n, team):
             return None
-        per_head = None if counts is None else np.repeat(counts.astype(np.int64, copy=False), heads)
-        out, _, finite = call.launch(q, k, v, per_head, lse=False)  # (its callers read out)
-        return (out, None) if finite else None
+        out = np.empty(rows_shape, dtype=out_dtype)
+        if counts is None:
+            status = at(q, k, v, address(out), None)
+        else:
+            per_head = np.repeat(counts.astype(np.int64, copy=False), heads)
+            status = at(q, k, v, address(out), address(per_head))
+        assert pointed is not None  # (the arrays the struct points into, kept alive with it)
+        if status and checked(status, kept, "prefill", (PREFILL_NOT_FINITE,)):
+            return None
+        return out.reshape(shape), None
 
     return Kept(run, (q, k, v), clone, io)
 

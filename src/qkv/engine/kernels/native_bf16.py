@@ -37,7 +37,6 @@ Examples
 
 from __future__ import annotations
 
-import ctypes
 import math
 from typing import Any
 
@@ -54,6 +53,7 @@ from .native_lib import (
     address,
     backward_operands,
     bf16_products,
+    call_at,
     checked,
     invoke,
     library,
@@ -136,21 +136,22 @@ def keep(plan: Plan) -> Kept | None:
     held = arrays[3:]  # the offsets the struct points into
     rule = _rule(plan, None, team=True)
     nb = math.prod(plan.batch)
-    template = bytes(PrefillArgs(nb=nb, L=plan.L, S=plan.S, d=plan.d, dv=plan.dv, **fields, **rule))
+    args = PrefillArgs(nb=nb, L=plan.L, S=plan.S, d=plan.d, dv=plan.dv, **fields, **rule)
     out_shape = (*plan.batch, plan.L, plan.dv)
-    function, dtype = library()[0].qkv_prefill_bf16io, k.dtype
+    dtype = k.dtype
+    # (lse NULL: not written, its callers read the output)
+    at, kept = call_at(library()[0].qkv_prefill_bf16io, args)
     team = (rule["threads"], rule["parallel"])
 
     def run(q: int, k: int, v: int, counts: Any) -> Any:
         if counts is not None or prefill_team(None, True) != team:
             return None
         out = np.empty(out_shape, dtype)
-        args = PrefillArgs.from_buffer_copy(template)  # one per call: any thread may run it
-        args.q, args.k, args.v = q, k, v
-        args.out = address(out)  # (lse NULL: not written, its callers read the output)
-        status = checked(function(ctypes.byref(args)), args, "bfloat16 prefill", (3,))
+        status = at(q, k, v, address(out), None)
         assert held is not None  # (kept alive with the struct)
-        return None if status == 3 else (out, None)
+        if status and checked(status, kept, "bfloat16 prefill", (3,)):
+            return None
+        return out, None
 
     return Kept(run, (q, k, v), setting(ISA_ENV), io=True)
 

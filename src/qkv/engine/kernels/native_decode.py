@@ -64,6 +64,7 @@ from .native_lib import (
     DecodeArgs,
     Kept,
     address,
+    call_at,
     checked,
     invoke,
     isa_cap,
@@ -339,11 +340,25 @@ def keep(plan: Plan) -> Kept | None:
     )  # fmt: skip
     if found is None:
         return None
+    template, function, out_shape, _, small, _, out_dtype = found
+    if not small:  # (a call on the team: its threads are asked for per call)
 
-    def step(q: int, k: int, v: int, counts: None) -> Any:
-        return _run_at(found, q, k, v, None, lse=False)
+        def step(q: int, k: int, v: int, counts: None) -> Any:
+            return _run_at(found, q, k, v, None, lse=False)
 
-    return Kept(step, (q, k, v), clone, io)
+        return Kept(step, (q, k, v), clone, io)
+    # a small step runs on the calling thread: the library fills the kept arguments
+    at, kept = call_at(function, DecodeArgs.from_buffer_copy(template))
+
+    def small_step(q: int, k: int, v: int, counts: None) -> Any:
+        out = np.empty(out_shape, dtype=out_dtype)
+        status = at(q, k, v, address(out))
+        if status:
+            checked(status, kept, "decode", (3,))
+            return None
+        return out, None
+
+    return Kept(small_step, (q, k, v), clone, io)
 
 
 def _broadcast(shape: tuple[int, ...], strides: tuple[int, ...], want: tuple[int, ...]) -> Any:

@@ -280,6 +280,22 @@ class Kept:
         return self.run(q, k, v, counts)
 
 
+def call_at(
+    function: Any, args: DecodeArgs | PrefillArgs
+) -> tuple[Callable[..., int], DecodeArgs | PrefillArgs]:
+    """``(call, kept)``: ``call(q, k, v, out)`` (a prefill's also ``counts``, or None) gives
+    the status of the library's decode or prefill ``function`` on a copy of ``kept`` with those
+    addresses put in, made by the library (``qkv_decode_at``, ``qkv_prefill_at``: see
+    ``abi.h``). A kept small call's road: no struct of its own per call. ``kept`` is ``args``
+    copied once, here; the caller holds it while it calls ``call`` (and passes it to
+    :func:`checked`). Its ``lse`` (NULL in a kept call) is what every call gets."""
+    lib = library()[0]
+    kept = type(args).from_buffer_copy(args)
+    at = lib.qkv_decode_at if isinstance(args, DecodeArgs) else lib.qkv_prefill_at
+    call = functools.partial(at, ctypes.cast(function, _ptr).value, ctypes.addressof(kept))
+    return call, kept
+
+
 def isa_cap(asked: str | int | None = None) -> int:
     """The clone code a call passes (0: the widest the CPU runs): ``asked`` (a name of
     :data:`ISAS` or its code), else ``QKV_NATIVE_ISA`` (read on every call; CI runs the
@@ -407,6 +423,9 @@ def library() -> tuple[Any, str]:
         lib.qkv_fma_peak.restype = ctypes.c_double
         lib.qkv_kv_format_code.argtypes = [ctypes.c_char_p]
         lib.qkv_kv_format_code.restype = _i64
+        lib.qkv_decode_at.argtypes = [_ptr] * 6
+        lib.qkv_prefill_at.argtypes = [_ptr] * 7
+        lib.qkv_decode_at.restype = lib.qkv_prefill_at.restype = ctypes.c_int
     except AttributeError:
         return None, "the library is from another version of qkv (argument layout differs)"
     codes = {**KV_FORMATS, **{f"{n} fast": KV_FORMATS[n] | FAST_CODE for n in FAST_FORMS}}

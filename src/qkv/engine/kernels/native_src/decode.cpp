@@ -2166,6 +2166,19 @@ int qkv_decode_f64(const qkv_decode_args* a) {
     return run_decode<double>(*a);
 }
 
+// A kept small call (see abi.h): fn on a copy of the kept arguments t, the call's four
+// addresses put in (t itself may serve another thread's call at the same time).
+int qkv_decode_at(qkv_decode_fn fn, const qkv_decode_args* t, const void* q, const void* k,
+                  const void* v, void* out) {
+    if (!fn || !t) return 2;
+    qkv_decode_args a = *t;
+    a.q = q;
+    a.k = k;
+    a.v = v;
+    a.out = out;
+    return fn(&a);
+}
+
 int64_t qkv_decode_args_size(void) { return int64_t(sizeof(qkv_decode_args)); }
 
 int64_t qkv_kv_format_code(const char* name) {

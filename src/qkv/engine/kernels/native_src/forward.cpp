@@ -1060,6 +1060,20 @@ int qkv_varlen_f64(const qkv_varlen_args* a) {
 
 int64_t qkv_varlen_args_size(void) { return int64_t(sizeof(qkv_varlen_args)); }
 
+// A kept small call (see abi.h): fn on a copy of the kept arguments t with the call's
+// addresses put in (t itself may serve another thread's call at the same time).
+int qkv_prefill_at(qkv_prefill_fn fn, const qkv_prefill_args* t, const void* q, const void* k,
+                   const void* v, void* out, const int64_t* counts) {
+    if (!fn || !t) return 2;
+    qkv_prefill_args a = *t;
+    a.q = q;
+    a.k = k;
+    a.v = v;
+    a.out = out;
+    if (counts) a.counts = counts;
+    return fn(&a);
+}
+
 // The size of the argument struct, so the Python side can check it agrees on the layout.
 int64_t qkv_args_size(void) { return int64_t(sizeof(qkv_prefill_args)); }
 
