@@ -417,9 +417,16 @@ def prefill_team(threads: int | None, own: bool) -> tuple[int, Any]:
     team the process runs (PyTorch's) where there is one, as the decode step's do. A pool of
     the library's own beside PyTorch's team shares the cores with that team's threads, which
     spin for milliseconds after each of PyTorch's operations."""
+    if threads is None and own:  # (the kept roads' question, asked on every call: as below,
+        # without workers()'s rules that do not apply to it, a third of its cost)
+        n = default_threads()
+        if n == 1:
+            return 1, None
+        team, most = openmp_parallel(n)
+        return (n if team is None or most >= n else most), team
     n, team = workers(threads, blas=not own), None
     if n > 1:
-        team, most = openmp_parallel(n if threads is None and own else None)
+        team, most = openmp_parallel(None)
         if team is not None and threads is None:
             n = min(n, most)
     return n, team
@@ -441,5 +448,7 @@ def openmp_parallel(threads: int | None = None) -> tuple[int | None, int]:
         path = _openmp_library(_torch_dir(torch)) if pid == _PID else None
         _shared[:] = [pid, torch, None if path is None else _gomp_parallel(path)]
     if torch is not None:
-        threads = max(1, min(threads, torch.get_num_threads()))
+        most = torch.get_num_threads()
+        if most < threads:
+            threads = most if most > 1 else 1
     return _shared[2], threads
