@@ -54,7 +54,7 @@ def spy(monkeypatch):
     real = native.attend
     monkeypatch.setattr(native, "attend", lambda plan, **kw: calls.append(plan) or real(plan, **kw))
     monkeypatch.delenv("QKV_NATIVE", raising=False)
-    run._ready.cache_clear()  # (a plain call's kept set-up, from an earlier test, skips attend)
+    run.forget()  # (a plain call's kept set-up, from an earlier test, skips attend)
     run._counted.cache_clear()
     return calls
 

@@ -74,7 +74,7 @@ def road(monkeypatch):
 
     monkeypatch.setattr(dispatch, "_attend", spy)
     monkeypatch.setattr(dispatch, "keep_counted", keep)
-    run._ready.cache_clear()  # (set-ups kept before hold no spy)
+    run.forget()  # (set-ups kept before hold no spy)
     run._counted.cache_clear()
     return calls
 

@@ -60,7 +60,7 @@ def test_plain_call_is_the_road_taken(monkeypatch):
     real = run.plain
     monkeypatch.setattr(run, "plain", lambda *a: calls.append(a) or real(*a))
     q, k, v = _arrays((1, 8, 2, 1, 16, 64, 64), np.float32)
-    run._ready.cache_clear()
+    run.forget()
     for _ in range(3):
         qkv.attention(q, k, v)
     assert len(calls) == 3
@@ -81,7 +81,7 @@ def test_plain_call_follows_qkv_native(monkeypatch):
         native_decode, "attend_finite", lambda *a, **kw: ran.append(1) or real(*a, **kw)
     )
     monkeypatch.setenv("QKV_NATIVE", "0")
-    run._ready.cache_clear()
+    run.forget()
     second = qkv.attention(q, k, v)
     assert not ran
     np.testing.assert_allclose(second, first, **tol("fast path", np.float32))
@@ -142,7 +142,7 @@ def test_16_bit_plain_call_equals_general_road_and_reference(shape, narrow, caus
 def test_16_bit_plain_call_is_the_road_taken(monkeypatch):
     """A bfloat16 call is kept as a float32 one is: one plan per shapes, reused."""
     q, k, v = (a.astype(_bf16()) for a in _arrays((1, 8, 2, 16, 16, 64, 64), np.float32))
-    run._ready.cache_clear()
+    run.forget()
     for _ in range(3):
         qkv.attention(q, k, v)
     info = run._ready.cache_info()
@@ -365,7 +365,7 @@ def test_kept_road_is_the_road_taken(monkeypatch, shape, row, name):
     _native()
     ran = _counting(monkeypatch)
     q, k, v = (a.astype(_dtype(name)) for a in _arrays(shape, np.float32))
-    run._ready.cache_clear()
+    run.forget()
     first = qkv.attention(q, k, v)
     found = run._ready(q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, None, False,
                        run.switched_off(), type(None))  # fmt: skip
@@ -387,7 +387,7 @@ def test_kept_road_steps_aside(monkeypatch, shape, row):
     from qkv.engine.kernels import native
 
     q, k, v = _arrays(shape, np.float32)
-    run._ready.cache_clear()
+    run.forget()
     qkv.attention(q, k, v)  # keeps the set-up
     ran = _counting(monkeypatch)
     forced = os.environ.get("QKV_NATIVE_ISA")  # (CI forces narrower clones on the suite)
@@ -443,7 +443,7 @@ def test_kept_padded_road_is_the_road_taken(monkeypatch, name):
     _native()
     ran = _counting(monkeypatch)
     q, k, v = (a.astype(_dtype(name)) for a in _arrays((8, 12, 12, 16, 16, 64, 64), np.float32))
-    run._ready.cache_clear()
+    run.forget()
     run._counted.cache_clear()
     rng = np.random.default_rng(1)
     outs = []
@@ -500,7 +500,7 @@ def test_16_bit_kept_road_narrows_in_the_kernel(monkeypatch, name, size, L):
     v = np.concatenate([x, after] * 8, axis=2)
     k = np.zeros((1, 2, 16, 64), dtype)
     q = rng.standard_normal((1, 8, L, 64)).astype(dtype)
-    run._ready.cache_clear()
+    run.forget()
     first = qkv.attention(q, k, v)
     found = run._ready(q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, None, False,
                        run.switched_off(), type(None))  # fmt: skip
@@ -535,7 +535,7 @@ def test_bfloat16_prefill_kept_road_reads_q_as_it_is(monkeypatch, shape, causal)
         pytest.skip("no AVX512_BF16 here: the bfloat16 prefill does not run")
     bf16 = _bf16()
     q, k, v = (a.astype(bf16) for a in _arrays(shape, np.float32))
-    run._ready.cache_clear()
+    run.forget()
     first = qkv.attention(q, k, v, causal=causal)
     found = run._ready(q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, None, causal,
                        run.switched_off(), type(None))  # fmt: skip
@@ -633,7 +633,7 @@ def test_tensor_kept_road_is_the_road_taken(monkeypatch, shape, row, name):
     if name == "bfloat16":
         pytest.importorskip("ml_dtypes")
     q, k, v = (torch.from_numpy(a).to(getattr(torch, name)) for a in _arrays(shape, np.float32))
-    run._ready.cache_clear()
+    run.forget()
     first = qkv.attention(q, k, v)
     assert viewed == ["view"] and len(ran) == 1  # the first call keeps the road
     for _ in range(2):
@@ -678,7 +678,7 @@ def test_tensor_padded_call_runs_the_kept_road_on_addresses(monkeypatch, name, B
     dtype = getattr(torch, name)
     shape = (B, 8, 8, 16, 16, 32, 32)
     q, k, v = (torch.from_numpy(a).to(dtype) for a in _arrays(shape, np.float32, B))
-    run._ready.cache_clear()
+    run.forget()
     run._counted.cache_clear()
     rng = np.random.default_rng(B)
     for i in range(4):
@@ -743,3 +743,88 @@ def test_kept_call_serves_calls_from_many_threads(L):
     for x, got in zip(inputs, alone, strict=True):
         want = reference.attention(*(a.astype(np.float64) for a in x))
         np.testing.assert_allclose(got, want, **tol("fast path", np.float32))
+
+
+def _fields_alike(a, b):
+    """Two plans' fields equal, stand-in arrays compared by dtype and shape."""
+    assert a.keys() == b.keys()
+    for name in a:
+        x, y = a[name], b[name]
+        if isinstance(x, np.ndarray):
+            assert x.dtype == y.dtype and x.shape == y.shape, name
+        else:
+            assert x == y, name
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shape=shapes(batch=(1, 2), heads=(1, 4), L=(1, 4), S=(1, 300), d=(1, 70), dv_differs=True)
+    | shapes(batch=(1, 2), heads=(2, 8), L=(1, 3), S=(1, 300), d=(1, 70), grouped=True),
+    S=st.integers(0, 700),
+    name=st.sampled_from(["float32", "float64", "float16", "bfloat16"]),
+    causal=st.booleans(),
+    scale=st.sampled_from([None, 0.3, 1]),
+)
+def test_a_new_number_of_keys_is_planned_from_the_last_one(shape, S, name, causal, scale):
+    """A call whose shapes differ from a known one's in the number of keys alone (a decoding
+    loop over a slice of its own buffers) is planned from the known answer: the same fields
+    (but the shapes they record) and the router's choice for the new number, equal to what
+    a call never seen before gets; the kept road grown to it where the road is the same."""
+    from unittest import mock
+
+    dt = np.dtype(_bf16()) if name == "bfloat16" else np.dtype(name)
+    B, Hq, Hkv, L, S0, d, dv = shape
+    off = qkv.engine.kernels.native_lib.switched_off()
+
+    def key(n):
+        return ((B, Hq, L, d), (B, Hkv, n, d), (B, Hkv, n, dv), dt, dt, dt, scale, causal, off,
+                type(scale))  # fmt: skip
+
+    with mock.patch.object(run, "_FAMILIES", {}):
+        known = run._ready.__wrapped__(*key(S0))
+        if known is None:
+            return
+        q, k, v = _arrays((B, Hq, Hkv, L, S0, d, dv), dt)
+        run._unmasked(q, k, v, known)  # (its first call keeps its road, if it has one)
+        grown = run._ready.__wrapped__(*key(S))
+    with mock.patch.object(run, "_FAMILIES", {}):
+        fresh = run._ready.__wrapped__(*key(S))
+    _fields_alike(grown.fields, fresh.fields)
+    assert grown.choice == fresh.choice and grown.narrow == fresh.narrow
+    q, k, v = _arrays((B, Hq, Hkv, L, S, d, dv), dt, seed=1)
+    if grown.kept is not None:  # the grown road gives the general road's bits
+        assert grown.kept.grow is not None
+        done = grown.kept(q.astype(np.float32) if grown.narrow and not grown.kept.io else q, k, v)
+        if done is not None:
+            want = _general(q, k, v, causal=causal, scale=scale)
+            np.testing.assert_array_equal(done[0].astype(dt), want)
+
+
+@pytest.mark.parametrize("tensors", [False, True])
+def test_decoding_loop_over_a_growing_slice(tensors):
+    """A decoding loop over a slice of its own buffers, one key longer each step: every step
+    runs on the road kept for it (grown from the step before, no general road after the
+    first) and equals the general road's bits and the float64 reference."""
+    _native()
+    from qkv.engine.kernels import dispatch
+
+    rng = np.random.default_rng(3)
+    K = values(rng, (1, 2, 600, 64)).astype(np.float32)
+    V = values(rng, (1, 2, 600, 64)).astype(np.float32)
+    qs = values(rng, (40, 1, 8, 1, 64)).astype(np.float32)
+    if tensors:
+        torch = pytest.importorskip("torch")
+        K, V, qs = torch.from_numpy(K), torch.from_numpy(V), torch.from_numpy(qs)
+    ran = []
+    real = dispatch.attend
+    try:
+        dispatch.attend = lambda *a, **kw: ran.append(1) or real(*a, **kw)
+        outs = [qkv.attention(qs[i], K[:, :, : 230 + i], V[:, :, : 230 + i]) for i in range(40)]
+    finally:
+        dispatch.attend = real
+    assert len(ran) <= 1  # (the loop's first shape, unless an earlier test kept it)
+    for i, got in enumerate(outs):
+        args = (np.asarray(qs[i]), np.asarray(K[:, :, : 230 + i]), np.asarray(V[:, :, : 230 + i]))
+        np.testing.assert_array_equal(np.asarray(got), _general(*args))
+        want = reference.attention(*(a.astype(np.float64) for a in args))
+        np.testing.assert_allclose(np.asarray(got), want, **tol("fast path", np.float32))

@@ -62,7 +62,7 @@ def test_grouped_heads_share_their_key_tiles(monkeypatch, sinks):
     want = reference.attention(*(x.astype(np.float64) for x in (q, k, v)), **extra)
     np.testing.assert_allclose(got, want, **tol("fast path", np.float32))
     seen.clear()
-    run._ready.cache_clear()  # (a set-up kept by an earlier call would skip native.attend)
+    run.forget()  # (a set-up kept by an earlier call would skip native.attend)
     qkv.attention(q, k, v, causal=True)  # causal: each head's rows on their own
     assert seen == [False]
     assert not stacked.stacks(make_plan(q, k, v, causal=True))

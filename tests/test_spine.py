@@ -226,7 +226,7 @@ def _first_of_its_shapes(*args, **options):
     """A plain call whose shapes were not seen before (the kept checks cleared)."""
     from qkv.engine import run
 
-    run._ready.cache_clear()
+    run.forget()
     return qkv.attention(*args, **options)
 
 

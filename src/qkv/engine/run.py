@@ -233,14 +233,75 @@ def _ready(
     torch.Size, from the tuples they equal); None where the call is not plain
     (:func:`qkv.validate.plain_plan`). Worked out on stand-ins of the shapes (no data); a bad
     ``scale`` raises as the general road would."""
-    q, k, v = stand_in(qt, qs), stand_in(kt, ks), stand_in(vt, vs)
-    plan = plain_plan(q, k, v, scale, causal, keep_stored=True)
-    if plan is None:
+    key = (qs, ks, vs, qt, kt, vt, scale, causal, off, scale_type)
+    family = _family(key)
+    known = _FAMILIES.get(family) if family is not None else None
+    ready = None if known is None else _grown(known, key)
+    if ready is None:
+        q, k, v = stand_in(qt, qs), stand_in(kt, ks), stand_in(vt, vs)
+        plan = plain_plan(q, k, v, scale, causal, keep_stored=True)
+        if plan is None:
+            return None
+        narrow = plan.stored is not None  # (its k and v are stand-ins already: kept)
+        arrays = ("q", "stored") if narrow else ("q", "k", "v")
+        fields = {n: x for n, x in plan.__dict__.items() if n not in arrays}
+        ready = _Ready(fields, dispatch.choose(plan), narrow)
+    if family is not None:
+        if len(_FAMILIES) >= 256 and family not in _FAMILIES:
+            _FAMILIES.clear()
+        _FAMILIES[family] = ready
+    return ready
+
+
+# _ready's latest answer per key without the number of keys (see _grown)
+_FAMILIES: dict[tuple[Any, ...], _Ready] = {}
+
+
+def forget() -> None:
+    """Forget every plan and road the plain call kept (:func:`_ready`, its answers by
+    number of keys, :func:`_counted`): the next call of any key is its first."""
+    _ready.cache_clear()
+    _FAMILIES.clear()
+    _counted.cache_clear()
+
+
+def _family(key: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """:func:`_ready`'s ``key`` without the number of keys S (K's and V's next-to-last
+    sizes), or None where K or V has fewer than two dimensions."""
+    ks, vs = key[1], key[2]
+    if len(ks) < 2 or len(vs) < 2:
         return None
-    narrow = plan.stored is not None  # (its k and v are stand-ins already: kept)
-    arrays = ("q", "stored") if narrow else ("q", "k", "v")
-    fields = {n: x for n, x in plan.__dict__.items() if n not in arrays}
-    return _Ready(fields, dispatch.choose(plan), narrow)
+    return (key[0], (*ks[:-2], ks[-1]), (*vs[:-2], vs[-1]), *key[3:])
+
+
+def _grown(known: _Ready, key: tuple[Any, ...]) -> _Ready | None:
+    """:func:`_ready` for ``key`` from ``known``, its answer for the same call with another
+    number of keys S (a decoding loop over a slice of its own buffers asks for one more key
+    each step, each a new key): the checked plan's fields are the same but for the shapes
+    they record (the checks passed for ``known`` hold for any S, and its fields follow from
+    the other sizes), the router chooses again for the new S, and where it chooses the same
+    road, ``known``'s kept set-up grown to S (:attr:`Kept.grow`) is kept for the first call
+    to try (a call whose operands it does not fit keeps its own, as a first call does).
+    None where K and V have different numbers of keys (not a plain call: the checks say so)."""
+    qs, ks, vs, qt, kt, vt = key[:6]
+    S, narrow = ks[-2], known.narrow
+    if vs[-2] != S:
+        return None
+    fields = {**known.fields, "given": ((qt, tuple(qs)), (kt, tuple(ks)), (vt, tuple(vs)))}
+    q = stand_in(np.float32 if narrow else qt, qs)
+    if narrow:  # (the plan's k and v: float32 stand-ins, the 16-bit ones stored)
+        fields.update(k=stand_in(np.float32, ks), v=stand_in(np.float32, vs))
+        plan = Plan.trusted(q=q, stored=(stand_in(kt, ks), stand_in(vt, vs)), **fields)
+    else:
+        plan = Plan.trusted(q=q, k=stand_in(kt, ks), v=stand_in(vt, vs), **fields)
+    ready = _Ready(fields, dispatch.choose(plan), narrow)
+    grow = None if known.kept is None else known.kept.grow
+    # (the same road: the choice but the sizes it was chosen by)
+    if grow is not None and ready.choice._replace(kv_bytes=0, scores=0) == known.choice._replace(
+        kv_bytes=0, scores=0
+    ):
+        ready.kept = grow(S)
+    return ready
 
 
 def _padded(

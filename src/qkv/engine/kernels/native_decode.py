@@ -48,6 +48,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -334,19 +335,57 @@ def keep(plan: Plan) -> Kept | None:
     io = plan.stored is not None and np.dtype(plan.out_dtype) == k.dtype == v.dtype
     if io:  # q in K/V's 16-bit dtype, and the output: the kernel widens and narrows them
         q = np.empty(q.shape, k.dtype)  # (the layout of the q the caller gives: contiguous)
-    found = _constants(
+    key = (
         q.dtype, k.dtype, q.shape, q.strides, k.shape, k.strides, v.shape, v.strides,
         plan.scale, plan.softcap, isa_cap(),
     )  # fmt: skip
+    found = _constants(*key)
     if found is None:
         return None
+    kept = Kept(_kept_step(found), (q, k, v), clone, io)
+    kept.grow = _grower(key, kept)
+    return kept
+
+
+def _grower(key: tuple[Any, ...], kept: Kept) -> Callable[[int], Kept | None]:
+    """``kept``'s ``grow``: the step kept for its operands with another number of keys ``S``
+    (``key``: its :func:`_constants` key), what :func:`keep` gives a plan of those shapes
+    laid out as ``kept``'s operands; its arguments derived as :func:`_constants` derives them,
+    on its first call (a call whose operands have other strides, such as a cache grown by
+    concatenation, never makes them)."""
+
+    def grow(S: int) -> Kept | None:
+        ks, vs = key[4], key[6]
+        if len(ks) < 3 or len(vs) < 3:
+            return None
+        other = (*key[:4], (*ks[:-2], S, ks[-1]), key[5], (*vs[:-2], S, vs[-1]), *key[7:])
+
+        def first(q: int, k: int, v: int, counts: None) -> Any:
+            found = _constants(*other)
+            if found is None:  # (the kernel cannot read them: the general road, every call)
+                grown.run = lambda *_: None
+                return None
+            grown.run = _kept_step(found)
+            return grown.run(q, k, v, counts)
+
+        grown = kept.like(first)
+        grown.grow = _grower(other, grown)
+        return grown
+
+    return grow
+
+
+def _kept_step(found: Constants) -> Callable[..., Any]:
+    """:func:`keep`'s step on :func:`_constants`' ``found`` arguments: ``step(q, k, v,
+    counts)`` on the operands' addresses (``counts`` None) giving ``(out, None)``, or None
+    when a result is not finite."""
     template, function, out_shape, _, small, _, out_dtype = found
     if not small:  # (a call on the team: its threads are asked for per call)
 
         def step(q: int, k: int, v: int, counts: None) -> Any:
             return _run_at(found, q, k, v, None, lse=False)
 
-        return Kept(step, (q, k, v), clone, io)
+        return step
     # a small step runs on the calling thread: the library fills the kept arguments
     at, kept = call_at(function, DecodeArgs.from_buffer_copy(template))
 
@@ -358,7 +397,7 @@ def keep(plan: Plan) -> Kept | None:
             return None
         return out, None
 
-    return Kept(small_step, (q, k, v), clone, io)
+    return small_step
 
 
 def _broadcast(shape: tuple[int, ...], strides: tuple[int, ...], want: tuple[int, ...]) -> Any:

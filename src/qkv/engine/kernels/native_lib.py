@@ -250,12 +250,17 @@ class Kept:
     is the float32 one the caller widened, and the output float32.
     """
 
-    __slots__ = ("clone", "elements", "io", "run", "strides")
+    __slots__ = ("clone", "elements", "grow", "io", "run", "strides")
 
     def __init__(
         self, run: Callable[..., Any], arrays: tuple[np.ndarray, ...], clone: str, io: bool = False
     ) -> None:
         self.run, self.clone, self.io = run, clone, io
+        #: ``grow(S)``: the set-up kept for the same operands with ``S`` keys (a decoding
+        #: loop over a slice of its own buffers asks for one more key each step), or None;
+        #: None where the road has no such rule (:func:`qkv.engine.run.plain` then keeps the
+        #: new shapes' road as for any first call)
+        self.grow: Callable[[int], Kept | None] | None = None
         strides, elements = [], []
         for a in arrays:  # (plain loops: a decoding loop over a growing slice keeps one a step)
             st, item = a.strides, a.itemsize
@@ -271,6 +276,13 @@ class Kept:
         if (q.strides, k.strides, v.strides) != self.strides or setting(ISA_ENV) != self.clone:
             return None
         return self.run(address(q), address(k), address(v), counts)
+
+    def like(self, run: Callable[..., Any]) -> Kept:
+        """A set-up for operands of this one's strides, clone and ``io``, calling ``run``."""
+        other = Kept.__new__(Kept)
+        other.run, other.clone, other.io, other.grow = run, self.clone, self.io, None
+        other.strides, other.elements = self.strides, self.elements
+        return other
 
     def at(self, q: int, k: int, v: int, strides: tuple[Any, ...], counts: Any = None) -> Any:
         """As a call, on the operands' addresses and their strides in elements (``strides``:
