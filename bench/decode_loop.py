@@ -12,7 +12,7 @@ timing (a fresh set of loops is timed):
 - ``qkv.KVCache`` on NumPy arrays and on CPU tensors: ``append`` then ``attend``; the cache
   plans its step once and reads the lengths as it runs;
 - ``qkv.attention`` on a growing slice of a buffer of one's own (``k[:, :, :t]``): a new shape
-  every step, each planned as a first call;
+  every step, each planned from the step before (the same call with one key fewer);
 - PyTorch's ``scaled_dot_product_attention`` (the peer) on a cache grown by ``torch.cat``, and
   on a slice of a preallocated buffer written in place.
 

@@ -12,6 +12,7 @@ dtypes) are those of :mod:`qkv.reference`, which every path here is tested to eq
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -296,12 +297,15 @@ def _grown(known: _Ready, key: tuple[Any, ...]) -> _Ready | None:
         plan = Plan.trusted(q=q, k=stand_in(kt, ks), v=stand_in(vt, vs), **fields)
     ready = _Ready(fields, dispatch.choose(plan), narrow)
     grow = None if known.kept is None else known.kept.grow
-    # (the same road: the choice but the sizes it was chosen by)
-    if grow is not None and ready.choice._replace(kv_bytes=0, scores=0) == known.choice._replace(
-        kv_bytes=0, scores=0
-    ):
+    if grow is not None and _road(ready.choice) == _road(known.choice):
         ready.kept = grow(S)
     return ready
+
+
+#: a choice's road: every field but the sizes it was chosen by
+_road = operator.itemgetter(
+    *(i for i, f in enumerate(dispatch.Choice._fields) if f not in ("kv_bytes", "scores"))
+)
 
 
 def _padded(
