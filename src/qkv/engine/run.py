@@ -233,7 +233,8 @@ def _ready(
     as keys, are not one call: the cache is not typed, which would part a tensor's shapes,
     torch.Size, from the tuples they equal); None where the call is not plain
     (:func:`qkv.validate.plain_plan`). Worked out on stand-ins of the shapes (no data); a bad
-    ``scale`` raises as the general road would."""
+    ``scale`` raises as the general road would. A key that differs from one answered before
+    in the number of keys alone is worked out from that answer (:func:`_grown`)."""
     key = (qs, ks, vs, qt, kt, vt, scale, causal, off, scale_type)
     family = _family(key)
     known = _FAMILIES.get(family) if family is not None else None

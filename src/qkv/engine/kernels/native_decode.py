@@ -343,36 +343,42 @@ def keep(plan: Plan) -> Kept | None:
     if found is None:
         return None
     kept = Kept(_kept_step(found), (q, k, v), clone, io)
-    kept.grow = _grower(key, kept)
+    kept.grow = _grower(key, kept.like(kept.run))
     return kept
 
 
-def _grower(key: tuple[Any, ...], kept: Kept) -> Callable[[int], Kept | None]:
-    """``kept``'s ``grow``: the step kept for its operands with another number of keys ``S``
-    (``key``: its :func:`_constants` key), what :func:`keep` gives a plan of those shapes
-    laid out as ``kept``'s operands; its arguments derived as :func:`_constants` derives them,
-    on its first call (a call whose operands have other strides, such as a cache grown by
-    concatenation, never makes them)."""
+def _grower(key: tuple[Any, ...], model: Kept) -> Callable[[int], Kept | None]:
+    """The ``grow`` of a kept step for operands laid out as ``model``'s (``key``: its
+    :func:`_constants` key): the step kept for them with another number of keys ``S``, what
+    :func:`keep` gives a plan of those shapes, its arguments derived as :func:`_constants`
+    derives them on its first call (a call whose operands have other strides, such as a
+    cache grown by concatenation, never makes them). ``model`` has no ``grow`` of its own,
+    so that no step kept holds itself."""
 
     def grow(S: int) -> Kept | None:
         ks, vs = key[4], key[6]
         if len(ks) < 3 or len(vs) < 3:
             return None
         other = (*key[:4], (*ks[:-2], S, ks[-1]), key[5], (*vs[:-2], S, vs[-1]), *key[7:])
+        step: Callable[..., Any] | None = None
 
-        def first(q: int, k: int, v: int, counts: None) -> Any:
-            found = _constants(*other)
-            if found is None:  # (the kernel cannot read them: the general road, every call)
-                grown.run = lambda *_: None
-                return None
-            grown.run = _kept_step(found)
-            return grown.run(q, k, v, counts)
+        def run(q: int, k: int, v: int, counts: None) -> Any:
+            nonlocal step
+            if step is None:
+                found = _constants(*other)
+                step = _refused if found is None else _kept_step(found)
+            return step(q, k, v, counts)
 
-        grown = kept.like(first)
-        grown.grow = _grower(other, grown)
+        grown = model.like(run)
+        grown.grow = _grower(other, model)
         return grown
 
     return grow
+
+
+def _refused(*_: Any) -> None:
+    """A kept step for operands the kernel cannot read: the general road, every call."""
+    return None
 
 
 def _kept_step(found: Constants) -> Callable[..., Any]:
