@@ -2046,32 +2046,35 @@ int run_decode(const qkv_decode_args& given) {
     // o · 0, NaN for an infinite or NaN o, chained one dependent addition per output element:
     // a fifth of a B8 H8 S16 d64 step's time)
     int32_t bad = 0;
-    for (int64_t u = 0; whole && u < units; ++u) {
-        for (int64_t r = 0; r < R; ++r) {
-            const T M = PM[u * R + r], lsum = PL[u * R + r];
-            T* o = OUT + (u * R + r) * a.dv;
-            if (M == ninf && lsum == T(0)) {  // no key at all
-                for (int64_t c = 0; c < a.dv; ++c) o[c] = 0;
-                if (LSE) LSE[u * R + r] = ninf;
-                continue;
-            }
-            const T inv = T(1) / lsum;  // (NaN carried from the piece: the row NaN)
-            int32_t row_bad = 0;
-#pragma omp simd reduction(| : row_bad)
-            for (int64_t e = 0; e < a.dv; ++e) {
-                o[e] *= inv;
-                row_bad |= int32_t(!(std::fabs(o[e]) <= std::numeric_limits<T>::max()));
-            }
-            bad |= row_bad;
-            if (LSE) LSE[u * R + r] = M + std::log(lsum);
+    // row `at`'s output o, its weighted sum of values, divided by the sum of its weights
+    // lsum, and its lse M + log(lsum); a row with no key at all (M -inf, lsum 0): output 0,
+    // lse -inf (a NaN lsum carried from a piece makes the row NaN)
+    auto finish_row = [&](T* o, T M, T lsum, int64_t at) {
+        if (M == ninf && lsum == T(0)) {
+            for (int64_t c = 0; c < a.dv; ++c) o[c] = 0;
+            if (LSE) LSE[at] = ninf;
+            return;
         }
-    }
-    for (int64_t u = 0; !whole && u < units; ++u) {
+        const T inv = T(1) / lsum;
+        int32_t row_bad = 0;
+#pragma omp simd reduction(| : row_bad)
+        for (int64_t e = 0; e < a.dv; ++e) {
+            o[e] *= inv;
+            row_bad |= int32_t(!(std::fabs(o[e]) <= std::numeric_limits<T>::max()));
+        }
+        bad |= row_bad;
+        if (LSE) LSE[at] = M + std::log(lsum);
+    };
+    for (int64_t u = 0; u < units; ++u) {
         const int64_t ub = u / a.kv_heads, uh = u % a.kv_heads;
         for (int64_t r = 0; r < R; ++r) {
+            T* o = OUT + (u * R + r) * a.dv;
+            if (whole) {  // (the piece's accumulators are the row already)
+                finish_row(o, PM[u * R + r], PL[u * R + r], u * R + r);
+                continue;
+            }
             T M = ninf;
             for (int64_t c = 0; c < splits; ++c) M = std::max(M, PM[part(ub, uh, c) * R + r]);
-            T* o = OUT + (u * R + r) * a.dv;
             T lsum = 0;
             for (int64_t c = 0; c < a.dv; ++c) o[c] = 0;
             for (int64_t c = 0; c < splits; ++c) {
@@ -2087,19 +2090,7 @@ int run_decode(const qkv_decode_args& given) {
                 const T* ai = PA + (t * R + r) * a.dv;
                 for (int64_t e = 0; e < a.dv; ++e) o[e] += ai[e] * w;
             }
-            if (M == ninf && lsum == T(0)) {  // no key at all
-                if (LSE) LSE[u * R + r] = ninf;
-                continue;
-            }
-            const T inv = T(1) / lsum;
-            int32_t row_bad = 0;
-#pragma omp simd reduction(| : row_bad)
-            for (int64_t e = 0; e < a.dv; ++e) {
-                o[e] *= inv;
-                row_bad |= int32_t(!(std::fabs(o[e]) <= std::numeric_limits<T>::max()));
-            }
-            bad |= row_bad;
-            if (LSE) LSE[u * R + r] = M + std::log(lsum);
+            finish_row(o, M, lsum, u * R + r);
         }
     }
     return bad ? 3 : 0;
