@@ -331,4 +331,16 @@ int for_tasks(int64_t ntasks, int64_t threads, void* parallel, const Init& init,
     return failed ? 1 : 0;
 }
 
+// A kept small call's arguments (qkv_decode_at, qkv_prefill_at: see abi.h): a copy of the
+// kept ones t with the call's operand and output addresses put in.
+template <typename Args>
+Args with_addresses(const Args& t, const void* q, const void* k, const void* v, void* out) {
+    Args a = t;
+    a.q = q;
+    a.k = k;
+    a.v = v;
+    a.out = out;
+    return a;
+}
+
 }  // namespace

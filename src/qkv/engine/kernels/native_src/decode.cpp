@@ -2162,11 +2162,7 @@ int qkv_decode_f64(const qkv_decode_args* a) {
 int qkv_decode_at(qkv_decode_fn fn, const qkv_decode_args* t, const void* q, const void* k,
                   const void* v, void* out) {
     if (!fn || !t) return 2;
-    qkv_decode_args a = *t;
-    a.q = q;
-    a.k = k;
-    a.v = v;
-    a.out = out;
+    const qkv_decode_args a = with_addresses(*t, q, k, v, out);
     return fn(&a);
 }
 

@@ -1065,11 +1065,7 @@ int64_t qkv_varlen_args_size(void) { return int64_t(sizeof(qkv_varlen_args)); }
 int qkv_prefill_at(qkv_prefill_fn fn, const qkv_prefill_args* t, const void* q, const void* k,
                    const void* v, void* out, const int64_t* counts) {
     if (!fn || !t) return 2;
-    qkv_prefill_args a = *t;
-    a.q = q;
-    a.k = k;
-    a.v = v;
-    a.out = out;
+    qkv_prefill_args a = with_addresses(*t, q, k, v, out);
     if (counts) a.counts = counts;
     return fn(&a);
 }
