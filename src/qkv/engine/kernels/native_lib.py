@@ -298,14 +298,14 @@ def call_at(
     """``(call, kept)``: ``call(q, k, v, out)`` (a prefill's also ``counts``, or None) gives
     the status of the library's decode or prefill ``function`` on a copy of ``kept`` with those
     addresses put in, made by the library (``qkv_decode_at``, ``qkv_prefill_at``: see
-    ``abi.h``). A kept small call's road: no struct of its own per call. ``kept`` is ``args``
-    copied once, here; the caller holds it while it calls ``call`` (and passes it to
-    :func:`checked`). Its ``lse`` (NULL in a kept call) is what every call gets."""
+    ``abi.h``). A kept small call's road: no struct of its own per call. ``kept`` is ``args``,
+    a struct the caller gives up to it (nothing else may write it); the caller holds it while
+    it calls ``call`` (and passes it to :func:`checked`). Its ``lse`` (NULL in a kept call) is
+    what every call gets."""
     lib = library()[0]
-    kept = type(args).from_buffer_copy(args)
     at = lib.qkv_decode_at if isinstance(args, DecodeArgs) else lib.qkv_prefill_at
-    call = functools.partial(at, ctypes.cast(function, _ptr).value, ctypes.addressof(kept))
-    return call, kept
+    call = functools.partial(at, ctypes.cast(function, _ptr).value, ctypes.addressof(args))
+    return call, args
 
 
 def isa_cap(asked: str | int | None = None) -> int:
