@@ -108,3 +108,40 @@ def test_non_sequence_and_non_numeric_raise_type_errors():
         qkv.merge(None)
     with pytest.raises(qkv.InputTypeError, match="parts"):
         qkv.merge([(np.array(["a"]), np.zeros(()))])
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    shape=st.tuples(st.integers(1, 4), st.integers(1, 5), st.integers(1, 9)),
+    dtype=st.sampled_from([np.float32, np.float64]),
+    seed=st.integers(0, 2**16),
+    zeros=st.sampled_from(["none", "some", "all"]),
+    strided=st.booleans(),
+)
+def test_a_pair_merged_in_its_own_memory_gives_merge_arrays_bits(
+    shape, dtype, seed, zeros, strided
+):
+    # The cascade's merge (merge_pair_into) against merge_arrays, byte for byte: lse -inf
+    # (weight 0, whatever the output holds), NaN lse, infinite outputs, and -0 outputs (which
+    # merge_arrays sums to +0), with the first part a strided view as the cascade gives it.
+    from qkv.engine.kernels.blocks import merge_arrays, merge_pair_into
+
+    rng = np.random.default_rng(seed)
+    rows, n = shape[:2], shape[2]
+    a, b = (rng.standard_normal((*rows, n)).astype(dtype) for _ in range(2))
+    la, lb = (dtype(30) * rng.standard_normal(rows).astype(dtype) for _ in range(2))
+    la[rng.random(rows) < 0.3] = -np.inf
+    lb[rng.random(rows) < 0.3] = -np.inf
+    a[rng.random(a.shape) < 0.1] = np.inf
+    if rng.random() < 0.3:
+        lb.flat[0] = np.nan
+    if zeros != "none":
+        where = rng.random(a.shape) < (1.0 if zeros == "all" else 0.3)
+        a[where] = -0.0
+        b[where] = -0.0
+    want_out, want_lse = merge_arrays([(a, la), (b, lb)])
+    first = np.swapaxes(np.ascontiguousarray(np.swapaxes(a, 0, 1)), 0, 1) if strided else a.copy()
+    got_out, got_lse = merge_pair_into((first, la.copy()), (b.copy(), lb.copy()))
+    assert got_out.dtype == want_out.dtype and got_lse.dtype == want_lse.dtype
+    assert got_out.tobytes() == want_out.tobytes()
+    assert got_lse.tobytes() == want_lse.tobytes()

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..validate import Plan, make_plan, stand_in
-from .kernels.blocks import merge_arrays
+from .kernels.blocks import merge_arrays, merge_pair_into
 
 __all__ = ["Prefix", "attend", "shared_columns"]
 
@@ -56,7 +56,8 @@ def shared_columns(table: np.ndarray, lengths: np.ndarray, page: int, rows: int)
 class Prefix:
     """A prefix's ``keys`` over ``kv_heads`` heads with values of size ``dv``, and ``attend``:
     the ``(out, lse)`` of a checked plan whose K/V are stand-ins of the prefix's shapes
-    ``(kv_heads, keys, ·)`` (the prefix read where it lies: its pages)."""
+    ``(kv_heads, keys, ·)`` (the prefix read where it lies: its pages), arrays of its own
+    that :func:`attend` may overwrite."""
 
     keys: int
     kv_heads: int
@@ -74,8 +75,9 @@ def attend(
     compute dtype; no window, no position-dependent variant) split at a shared ``prefix``.
 
     ``own(rest)`` runs the paged step on the rest of each sequence's keys (``rest`` of them,
-    after the prefix's) and gives its ``(out, lse)``; ``lengths`` are the sequences' key
-    counts, all at least ``prefix.keys + Lq − 1``.
+    after the prefix's) and gives its ``(out, lse)``, arrays of its own, as ``prefix.attend``
+    gives them: the two parts are merged in their memory where they are of the compute dtype.
+    ``lengths`` are the sequences' key counts, all at least ``prefix.keys + Lq − 1``.
     """
     q = plan.q
     B, H, Lq, d = q.shape
@@ -89,10 +91,19 @@ def attend(
         softcap=plan.softcap,
     )  # fmt: skip
     out_p, lse_p = prefix.attend(part)
-    out_p = out_p.reshape(kvh, B, g * Lq, dv).transpose(1, 0, 2, 3).reshape(B, H, Lq, dv)
-    lse_p = lse_p.reshape(kvh, B, g * Lq).transpose(1, 0, 2).reshape(B, H, Lq)
+    # (batch, kv_heads, g·Lq, ·) views of the prefix part's rows
+    out_p = out_p.reshape(kvh, B, g * Lq, dv).transpose(1, 0, 2, 3)
+    lse_p = lse_p.reshape(kvh, B, g * Lq).transpose(1, 0, 2)
     rest = lengths - P
     if not rest.any():
-        return out_p, lse_p
+        return out_p.reshape(B, H, Lq, dv), lse_p.reshape(B, H, Lq)
     out_o, lse_o = own(rest)
-    return merge_arrays([(out_p, lse_p), (out_o, lse_o)])
+    owned = out_p.flags.writeable and out_o.flags.writeable and out_o.flags.c_contiguous
+    if out_p.dtype == dt and out_o.dtype == dt and owned:
+        # both parts' outputs are this call's own: merged in their memory, in the own part's
+        # (batch, heads, Lq, dv) layout
+        out, lse = merge_pair_into(
+            (out_p, lse_p), (out_o.reshape(out_p.shape), lse_o.reshape(lse_p.shape))
+        )
+        return out.reshape(B, H, Lq, dv), lse.reshape(B, H, Lq)
+    return merge_arrays([(out_p.reshape(B, H, Lq, dv), lse_p.reshape(B, H, Lq)), (out_o, lse_o)])

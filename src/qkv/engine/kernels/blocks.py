@@ -29,6 +29,7 @@ __all__ = [
     "key_pieces",
     "log_sum",
     "merge_arrays",
+    "merge_pair_into",
     "split_range",
 ]
 
@@ -134,6 +135,36 @@ def finish(acc: np.ndarray, denom: np.ndarray, offset: np.ndarray) -> tuple[np.n
     return acc, log_sum(offset, denom)
 
 
+def _shares(
+    lses: Sequence[np.ndarray], dt: np.dtype
+) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    """Each part's share of the merged rows ``(..., 1)``, the rows' offset and their summed
+    weights (from which :func:`log_sum` gives the merged lse), in ``dt``."""
+    lses = [np.asarray(lse, dtype=dt) for lse in lses]
+    top = lses[0]
+    for lse in lses[1:]:
+        top = np.maximum(top, lse)  # NaN propagates
+    shift = np.where(np.isneginf(top), dt.type(0), top)
+    weights = [np.exp(lse - shift) for lse in lses]
+    total = np.zeros(top.shape, dtype=dt)
+    for w in weights:
+        total += w
+    safe_total = np.where(total == 0, dt.type(1), total)
+    return [(w / safe_total)[..., None] for w in weights], shift, total
+
+
+def _scaled(share: np.ndarray, o: np.ndarray, term: np.ndarray) -> np.ndarray:
+    """``share · o`` into ``term`` (which may be ``o``), 0 where the share is 0."""
+    # Shares that sum to 1: a convex combination cannot overflow where the parts did not.
+    # Where the share is 0 the part contributes nothing (also not a NaN from 0 · inf), so a
+    # row that no part saw stays 0.
+    with np.errstate(invalid="ignore"):
+        np.multiply(share, o, out=term)
+    if not share.all():
+        np.copyto(term, term.dtype.type(0), where=share == 0)
+    return term
+
+
 def merge_arrays(parts: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
     """Attention over the union of disjoint key sets from each set's ``(out, lse)``.
 
@@ -145,27 +176,34 @@ def merge_arrays(parts: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.nda
     out_dt = np.result_type(*(o for o, _ in parts))
     lse_dt = np.result_type(*(lse for _, lse in parts))
     dt = np.result_type(np.float32, out_dt, lse_dt)
-    lses = [np.asarray(lse, dtype=dt) for _, lse in parts]
-    top = lses[0]
-    for lse in lses[1:]:
-        top = np.maximum(top, lse)  # NaN propagates
-    shift = np.where(np.isneginf(top), dt.type(0), top)
-    weights = [np.exp(lse - shift) for lse in lses]
-    total = np.zeros(top.shape, dtype=dt)
-    for w in weights:
-        total += w
-    safe_total = np.where(total == 0, dt.type(1), total)
+    shares, shift, total = _shares([lse for _, lse in parts], dt)
     out = np.zeros(np.shape(parts[0][0]), dtype=dt)
     term = np.empty_like(out)  # (one product at a time: no temporaries the size of out)
-    for (o, _), w in zip(parts, weights, strict=True):
-        # Shares that sum to 1: a convex combination cannot overflow where the parts did not.
-        # Where the share is 0 the part contributes nothing (also not a NaN from 0 · inf), so a
-        # row that no part saw stays 0.
-        share = (w / safe_total)[..., None]
-        with np.errstate(invalid="ignore"):
-            np.multiply(share, o, out=term)
-        if not share.all():
-            np.copyto(term, dt.type(0), where=share == 0)
-        out += term
+    for (o, _), share in zip(parts, shares, strict=True):
+        out += _scaled(share, o, term)
     lse = log_sum(shift, total)
     return out.astype(out_dt, copy=False), lse.astype(lse_dt, copy=False)
+
+
+def merge_pair_into(
+    first: tuple[np.ndarray, np.ndarray], second: tuple[np.ndarray, np.ndarray]
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`merge_arrays` of two parts whose outputs the caller gives up: the same bits,
+    computed in their memory, the merged output in ``second``'s.
+
+    Both outputs must be writable arrays of the compute dtype (``float32`` or ``float64``) and
+    of one shape (``first``'s may be a strided view); both are overwritten. No array the size
+    of the output is allocated: fresh memory is a page fault per 4 KiB at first touch, which
+    cost a shared prefix's merge (32 requests, 32 heads of 128) more than its arithmetic.
+    """
+    (a, lse_a), (b, lse_b) = first, second
+    dt = b.dtype
+    shares, shift, total = _shares([lse_a, lse_b], dt)
+    _scaled(shares[0], a, a)
+    _scaled(shares[1], b, b)
+    # merge_arrays sums (0 + a) + b. That equals b + a, except where both are -0: it is +0
+    # there (0 + a is never -0, and so is no sum with it in round-to-nearest), which adding +0
+    # once more gives without changing any other value.
+    b += a
+    b += dt.type(0)
+    return b, log_sum(shift, total)
