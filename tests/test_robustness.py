@@ -236,6 +236,17 @@ def test_cache_dtype_none_is_refused():
         qkv.KVCache(1, 1, 4, dtype=None)
 
 
+@pytest.mark.parametrize(("given", "read"), [("i4", "int32"), ("c8", "complex64")])
+def test_cache_dtype_code_is_named_as_given(given, read):
+    # A type code NumPy reads as another dtype ("f16" is 16 bytes: float128 where it exists):
+    # the message names what was written, and what NumPy made of it
+    want = re.escape(f"got '{given}' (NumPy's {read})")
+    with pytest.raises(qkv.InputTypeError, match=want):
+        qkv.KVCache(1, 1, 4, dtype=given)
+    with pytest.raises(qkv.InputTypeError, match=want):
+        qkv.PagedKVCache(4, 16, 1, 4, dtype=given)
+
+
 @pytest.mark.parametrize("flag", ["return_lse", "check_finite"])
 @pytest.mark.parametrize("value", ["no", 0, 1, None, [True]])
 def test_flags_must_be_bool(flag, value):

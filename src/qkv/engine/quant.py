@@ -307,7 +307,9 @@ def storage_of(dtype: Any) -> tuple[np.dtype | str, str | None]:
     except TypeError:
         raise InputTypeError(f"{_WANTED}, got {dtype!r}{_hint(dtype)}") from None
     if dt not in (np.float16, np.float32, np.float64):
-        raise InputTypeError(f"{_WANTED}, got {dt}{_hint(dtype)}")
+        # a code NumPy reads as another dtype ("f16": 16 bytes, float128) is named as given
+        given = f"{dtype!r} (NumPy's {dt})" if isinstance(dtype, str) and dtype != dt.name else dt
+        raise InputTypeError(f"{_WANTED}, got {given}{_hint(dtype)}")
     return dt, "float16" if dt == np.float16 else None
 
 
