@@ -99,7 +99,7 @@ def attend(
         return out_p.reshape(B, H, Lq, dv), lse_p.reshape(B, H, Lq)
     out_o, lse_o = own(rest)
     owned = out_p.flags.writeable and out_o.flags.writeable and out_o.flags.c_contiguous
-    if out_p.dtype == dt and out_o.dtype == dt and owned:
+    if all(x.dtype == dt for x in (out_p, lse_p, out_o, lse_o)) and owned:
         # both parts' outputs are this call's own: merged in their memory, in the own part's
         # (batch, heads, Lq, dv) layout
         out, lse = merge_pair_into(

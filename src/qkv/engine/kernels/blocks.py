@@ -191,10 +191,11 @@ def merge_pair_into(
     """:func:`merge_arrays` of two parts whose outputs the caller gives up: the same bits,
     computed in their memory, the merged output in ``second``'s.
 
-    Both outputs must be writable arrays of the compute dtype (``float32`` or ``float64``) and
-    of one shape (``first``'s may be a strided view); both are overwritten. No array the size
-    of the output is allocated: fresh memory is a page fault per 4 KiB at first touch, which
-    cost a shared prefix's merge (32 requests, 32 heads of 128) more than its arithmetic.
+    Both outputs must be writable arrays of the compute dtype (``float32`` or ``float64``),
+    the lse too, and of one shape (``first``'s may be a strided view); both are overwritten.
+    No array the size of the output is allocated: fresh memory is a page fault per 4 KiB at
+    first touch, which cost a shared prefix's merge (32 requests, 32 heads of 128) more than
+    its arithmetic.
     """
     (a, lse_a), (b, lse_b) = first, second
     dt = b.dtype
