@@ -50,13 +50,14 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from ... import numerics
 from ...validate import Plan, view_as
 from ..quant import SCALED, storage_dtype
+from . import router
 from .decode import KeyRuns, plan_runs
 from .env import setting
 from .native_lib import (
@@ -100,6 +101,14 @@ _STORED_NAMES = {"bfloat16": "bf16", "float16": "f16"}
 #: :func:`_constants`' answer: the struct's bytes, the function, out's and lse's shapes,
 #: whether the step is small, lse's dtype and out's.
 Constants = tuple[bytes, Any, tuple[int, ...], tuple[int, ...], bool, np.dtype, np.dtype]
+
+
+class EveryHead(NamedTuple):
+    """:func:`_constants`' answer for K/V whose rows interleave the kv heads, which the step
+    reads every head at a time (:func:`qkv.engine.kernels.router.every_head`): the clone
+    code the call asked for."""
+
+    isa: int
 
 
 def available() -> bool:
@@ -272,13 +281,41 @@ def _plain_step(
     scale, soft-cap and clone, so it is worked out once per such key (:func:`_constants`)
     and copied per call.
     """
-    found = _constants(
+    key = (
         q.dtype, k.dtype, q.shape, q.strides, k.shape, k.strides, v.shape, v.strides, scale,
         softcap, isa_cap(),
     )  # fmt: skip
+    found = _constants(*key)
     if found is None:
         return _UNSERVED
+    if isinstance(found, EveryHead):
+        done = _every_head_step(q, k, v, scale, softcap, threads, found.isa)
+        if done is not None:
+            return done
+        found = _built(*key)  # (a refusal, or a result not finite: the walk by heads says)
+        if found is None:
+            return _UNSERVED
     return _run_kept(found, q, k, v, threads)
+
+
+def _every_head_step(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    scale: float,
+    softcap: float | None,
+    threads: int | None,
+    isa: int,
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """:func:`_plain_step` for ``(sequences, kv_heads, keys, ·)`` views ``k`` and ``v`` whose
+    rows interleave the heads (:class:`EveryHead`), on the paged walk: each sequence's keys
+    one page of the views as ``(sequences, keys, kv_heads, ·)`` pages. ``(out, lse)``, or None
+    where that walk refuses them or a result is not finite."""
+    n, S = k.shape[0], k.shape[2]
+    table = np.arange(n, dtype=np.int32)[:, None]
+    lo, hi = np.zeros(n, np.int64), np.full(n, S, np.int64)
+    pages = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    return paged_step(q, *pages, table, lo, hi, scale, threads=threads, isa=isa, softcap=softcap)
 
 
 def _run_kept(
@@ -340,7 +377,7 @@ def keep(plan: Plan) -> Kept | None:
         plan.scale, plan.softcap, isa_cap(),
     )  # fmt: skip
     found = _constants(*key)
-    if found is None:
+    if found is None or isinstance(found, EveryHead):  # (the latter: every call on the plan)
         return None
     kept = Kept(_kept_step(found), (q, k, v), clone, io)
     kept.grow = _grower(key, kept.like(kept.run))
@@ -366,7 +403,10 @@ def _grower(key: tuple[Any, ...], model: Kept) -> Callable[[int], Kept | None]:
             nonlocal step
             if step is None:
                 found = _constants(*other)
-                step = _refused if found is None else _kept_step(found)
+                if found is None or isinstance(found, EveryHead):  # (see keep)
+                    step = _refused
+                else:
+                    step = _kept_step(found)
             return step(q, k, v, counts)
 
         grown = model.like(run)
@@ -427,14 +467,17 @@ _FAMILIES_MAX = 256
 
 
 @functools.lru_cache(maxsize=256)
-def _constants(*key: Any) -> Constants | None:
+def _constants(*key: Any) -> Constants | EveryHead | None:
     """:func:`_built` on ``key`` (its arguments, in its order), from the result for the same
     operands with another number of keys where there is one: a decoding loop over a slice of
     its own buffers that grows a key a step asks for a new S every step, with the same strides.
     The number of keys enters the arguments as their field S and the choice of one thread (the
     rest depends on the shapes but S, and on the strides: see :func:`_built`), so the arguments
-    are those with S set."""
+    are those with S set. :class:`EveryHead` where the step reads K/V every head at a time
+    (:func:`_reads_every_head`)."""
     dt, kt, qs, qst, ks, kst, vs, vst, scale, softcap, isa = key
+    if _reads_every_head(dt, kt, qs, ks, kst, vs, vst):
+        return EveryHead(isa)
     if len(ks) < 3 or len(vs) < 3:
         return _built(*key)
     family = (dt, kt, qs, qst, ks[:-2], ks[-1], kst, vs[:-2], vs[-1], vst, scale, softcap, isa)
@@ -451,6 +494,27 @@ def _constants(*key: Any) -> Constants | None:
         n = math.prod(qs[:-3])
         _FAMILIES[family] = (found, n * ks[-3] * (qs[-1] + vs[-1]) * kt.itemsize)
     return found
+
+
+def _reads_every_head(
+    dt: np.dtype,
+    kt: np.dtype,
+    qs: tuple[int, ...],
+    ks: tuple[int, ...],
+    kst: tuple[int, ...],
+    vs: tuple[int, ...],
+    vst: tuple[int, ...],
+) -> bool:
+    """Whether :func:`_plain_step` runs operands of these shapes, byte strides and dtypes
+    (``q`` of ``dt``, K/V of ``kt``) on the paged walk (:func:`_every_head_step`): one batch
+    axis, ``q`` in a compute dtype and K/V in it or stored as float16/bfloat16, and where the
+    router has K/V read every head at a time (:func:`qkv.engine.kernels.router.every_head`)."""
+    if len(qs) != 4 or len(ks) != 4 or len(vs) != 4 or dt not in _DTYPES:
+        return False
+    if _stored_dtype(dt, kt) is None:
+        return False
+    nbytes = (math.prod(ks) + math.prod(vs)) * kt.itemsize
+    return router.every_head(ks[1], kst, vst, nbytes)
 
 
 def _built(
