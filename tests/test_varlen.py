@@ -237,3 +237,108 @@ def test_bfloat16_input_of_the_wrong_rank_is_named():
     q = np.array(1.0, dtype=ml_dtypes.bfloat16)
     with pytest.raises(qkv.InputError, match=r"q: expected shape \(total_q, heads, d\), got \(\)"):
         qkv.attention_varlen(q, np.ones((3, 1, 2)), np.ones((3, 1, 2)), [0, 3], [0, 3])
+
+
+# --- a decoding batch: one query per sequence, on the native decode step ---
+
+_DECODE_TOL = {"float64": 1e-10, "float32": 2e-5, "float16": 2e-3, "bfloat16": 2e-2}
+
+
+def _taken(monkeypatch):
+    """The results the decode step gave attention_varlen (None: not finite, the walks ran)."""
+    from qkv.engine import varlen
+
+    given_back = []
+    step = varlen._decode_step
+
+    def spy(*args, **kwargs):
+        given_back.append(step(*args, **kwargs))
+        return given_back[-1]
+
+    monkeypatch.setattr(varlen, "_decode_step", spy)
+    return given_back
+
+
+def _native_decode() -> bool:
+    from qkv.engine.kernels import native_decode
+
+    return native_decode.available()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lk=st.lists(st.integers(1, 300), min_size=1, max_size=6),
+    group=st.sampled_from([1, 2, 4]),
+    kv_heads=st.integers(1, 3),
+    d=st.sampled_from([8, 64, 128]),
+    dv_same=st.booleans(),
+    dtype=st.sampled_from(["float64", "float32", "float16", "bfloat16"]),
+    causal=st.booleans(),
+    window=st.sampled_from([None, (0, None), (5, None), (40, 0), (None, 3)]),
+    scale=st.sampled_from([None, 0.05]),
+    seed=st.integers(0, 2**16),
+)
+def test_a_decoding_batch_equals_the_reference_on_the_decode_step(
+    lk, group, kv_heads, d, dv_same, dtype, causal, window, scale, seed
+):
+    import ml_dtypes
+
+    from qkv.engine import varlen
+
+    rng = np.random.default_rng(seed)
+    lq = [1] * len(lk)
+    dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+    q, k, v, cq, ck = packed(rng, lq, lk, kv_heads * group, kv_heads, d, d if dv_same else 16, dt)
+    calls = []
+    step = varlen._decode_step
+    varlen._decode_step = lambda *a, **kw: calls.append(step(*a, **kw)) or calls[-1]
+    try:
+        out, lse = qkv.attention_varlen(
+            q, k, v, cq, ck, causal=causal, window=window, scale=scale, return_lse=True
+        )
+    finally:
+        varlen._decode_step = step
+    if _native_decode():
+        assert len(calls) == 1 and calls[0] is not None, "the decode step did not serve it"
+    assert out.dtype == np.result_type(q, k, v)
+    wide = [x.astype(np.float64) for x in (q, k, v)]
+    kw = dict(causal=causal, window=window, scale=scale)
+    want, want_lse = per_sequence(reference.attention, *wide, cq, ck, **kw)
+    tol = _DECODE_TOL[dtype]
+    np.testing.assert_allclose(out.astype(np.float64), want, rtol=tol, atol=tol)
+    np.testing.assert_allclose(lse, want_lse, rtol=tol, atol=tol)
+
+
+def test_only_one_query_and_some_keys_per_sequence_take_the_decode_step():
+    from qkv.engine.kernels import router
+
+    q = np.zeros((3, 4, 8), np.float32)
+    k = np.zeros((9, 2, 8), np.float32)
+    one, mixed, empty = np.ones(3, np.int64), np.array([1, 2, 1]), np.array([4, 0, 5])
+    name = "native decode step"
+    expected = _native_decode()
+    assert (
+        router.packed(q, k, k, np.dtype(np.float32), (one, np.array([3, 3, 3]))).name == name
+    ) is expected
+    assert router.packed(q, k, k, np.dtype(np.float32), (mixed, np.array([3, 3, 3]))).name != name
+    assert router.packed(q, k, k, np.dtype(np.float32), (one, empty)).name != name
+    assert router.packed(q, k, k, np.dtype(np.float32)).name != name  # (rows not asked)
+    k16 = k.astype(np.float16)  # 16-bit K/V are read as stored in float32 only
+    assert router.packed(q, k16, k16, np.dtype(np.float64), (one, np.array([3, 3, 3]))).name != name
+
+
+def test_a_decoding_batch_that_overflows_goes_back_to_the_walks(monkeypatch):
+    given_back = _taken(monkeypatch)
+    rng = np.random.default_rng(5)
+    q, k, v, cq, ck = packed(rng, [1, 1], [30, 12], 4, 2, 8, 8, np.float32)
+    k[:30, 1] = 0  # sequence 0, kv head 1: every weight 1 before the division by their sum...
+    v[3:5, 1, 0] = np.float32(3e38)  # ... whose values' sum is past float32's largest
+    out, lse = qkv.attention_varlen(q, k, v, cq, ck, return_lse=True)
+    if _native_decode():
+        assert given_back == [None], "the decode step did not give the overflow back"
+    want, want_lse = per_sequence(
+        reference.attention, *(x.astype(np.float64) for x in (q, k, v)), cq, ck
+    )
+    assert np.isfinite(out).all() and out[0, 2, 0] > 1e37
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)

@@ -5,7 +5,10 @@ stacked along one axis, ``q (total_q, heads, d)``, and ``cu_seqlens_q`` holds th
 offsets (sequence ``b`` is rows ``cu_seqlens_q[b] : cu_seqlens_q[b + 1]``); the same for the
 keys and values. Each sequence equals :func:`qkv.attention` on it alone.
 
-How it runs fast: where the optional native kernels are active
+How it runs fast: a batch of one query per sequence (a server's decoding step) runs where the
+native kernels are active on their decode step, the packed keys one page that each sequence
+reads its run of (:func:`qkv.engine.kernels.native_decode.paged_step`). Otherwise, where the
+optional native kernels are active
 (:func:`qkv.engine.kernels.native.attend_packed`, float32/float64), every sequence runs in one
 call of their packed walk: (sequence, query head, query block) tasks on native threads, read
 straight from the packed arrays. Otherwise the sequences with some work run in one call of the
@@ -41,7 +44,7 @@ from ..errors import InputError, InputTypeError
 from ..keywords import near_keywords
 from ..masks import Window
 from ..validate import as_array, block_plan, check_scale, check_window, from_foreign
-from .kernels import dispatch, native, packed, router
+from .kernels import dispatch, native, native_decode, packed, router
 
 __all__ = ["CALL_FLOPS", "PAD_FRACTION", "WALK_FLOPS", "attention_varlen", "check_offsets"]
 
@@ -207,14 +210,21 @@ def attention_varlen(
         )
     out_dt = np.result_type(qa, ka, va)
     acc_dt = numerics.acc_dtype(out_dt)  # float16, bfloat16: float32
-    walker = router.packed(qa, ka, va, acc_dt)
+    fscale = check_scale(scale, qa.shape[2])
+    window = check_window(window)
+    lq, lk = np.diff(cq), np.diff(ck)
+    walker = router.packed(qa, ka, va, acc_dt, (lq, lk))
+    if walker.name == "native decode step" and numerics.scale_in_range(fscale, acc_dt):
+        done = _decode_step(qa, ka, va, ck, fscale, window, acc_dt)
+        if done is not None:
+            o, lse = done
+            out = o if o.dtype == out_dt else o.astype(out_dt)
+            return (out, lse) if return_lse else out
+        walker = router.packed(qa, ka, va, acc_dt)  # (a result not finite: the walks say)
     bf16 = walker.stored  # bfloat16 is read in place by that kernel only
     if not bf16:
         qa, ka, va = (_widened(x) for x in (qa, ka, va))
-    fscale = check_scale(scale, qa.shape[2])
-    window = check_window(window)
 
-    lq, lk = np.diff(cq), np.diff(ck)
     unit = heads * 2 * (qa.shape[2] + va.shape[2])  # flops per score
     live = (lq > 0) & (lk > 0)  # the others give zeros and -inf
     fused = walker.name != "packed walk"  # its work items cost microseconds: all go there
@@ -240,6 +250,34 @@ def attention_varlen(
         for idx in _buckets(lq[short], lk[short], unit):
             _bucket(batch, short[idx], lq, lk)
     return (out, lse) if return_lse else out
+
+
+def _decode_step(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    ck: np.ndarray,
+    scale: float,
+    window: Window | None,
+    dtype: np.dtype,
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """A packed batch of one query per sequence (the router's ``native decode step``) in one
+    native decoding step: the packed keys are one page, which sequence ``b`` reads from
+    ``ck[b]`` (or, with a window, ``left`` keys before its last) to ``ck[b + 1]``: its query
+    sits at its last key, bottom-right, so causal hides nothing and a window's right side
+    neither. ``(out (total_q, heads, dv), lse (total_q, heads))`` in ``dtype``, or None where
+    a result is not finite (or the step refuses the arrays)."""
+    n = ck.size - 1
+    rows = q.astype(dtype, copy=False)[:, :, None, :]  # (sequences, heads, 1, d)
+    table = np.zeros((n, 1), np.int32)
+    starts, ends = ck[:-1].astype(np.int64), ck[1:].astype(np.int64)
+    if window is not None and window[0] is not None:
+        starts = np.maximum(starts, ends - 1 - window[0])
+    found = native_decode.paged_step(rows, k[None], v[None], table, starts, ends, scale)
+    if found is None:
+        return None
+    out, lse = found
+    return out[:, :, 0], lse[:, :, 0]
 
 
 @dataclass(frozen=True)
