@@ -9,7 +9,9 @@ qkv runs ``qkv.attention(q, k, v, layout="blhd")`` on the interleaved buffers (f
 ``router.EVERY_HEAD_MIN_BYTES`` of K/V: the paged walk, every head's rows of a run of keys at
 a time, one page a sequence) and, as ``qkv, walk by heads``, the same call with that size
 set out of reach (the walk smaller K/V take: head after head down rows a whole key's row
-apart); ``qkv.attention(q, k, v)`` on head-major copies. PyTorch's SDPA (``enable_gqa``) gets
+apart); ``flash_attn_varlen_func`` on the same buffers packed ``(B · S, kv_heads, d)`` with
+``cu_seqlens`` (one query per sequence: the native decode step, the packed keys one page);
+``qkv.attention(q, k, v)`` on head-major copies. PyTorch's SDPA (``enable_gqa``) gets
 the same buffers as (batch, heads, keys, d) views, and head-major copies. Each contender
 cycles over a few layers of K/V of its own (at least 96 MiB together), so that every call
 reads its K/V from memory, as a model's decoding step does; the contenders take turns within
@@ -34,6 +36,7 @@ import numpy as np
 import qkv
 from qkv.engine import run
 from qkv.engine.kernels import native_decode, router
+from qkv.flash import flash_attn_varlen_func
 
 LAYER_BYTES = 96 << 20
 
@@ -88,8 +91,17 @@ def contenders(
     want = sdpa(tq, t_blhd[0][0], t_blhd[0][1], enable_gqa=True).transpose(1, 2).float().numpy()
     tol = 2e-2 if dtype == "bfloat16" else 1e-4
     np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=tol, atol=tol)
+    cu_q = np.arange(B + 1, dtype=np.int32)
+    cu_k = cu_q * S
+    q1 = q[:, 0]  # (B, H, d): one query row per sequence, packed
+
+    def varlen(kk: np.ndarray, vv: np.ndarray) -> Any:
+        kp, vp = kk.reshape(B * S, kvh, d), vv.reshape(B * S, kvh, d)
+        return flash_attn_varlen_func(q1, kp, vp, cu_q, cu_k, 1, S, causal=True)
+
     return {
         "qkv, (B, S, kv, d)": cycling(lambda kk, vv: qkv.attention(q, kk, vv, layout="blhd"), blhd),
+        "flash_attn_varlen_func": cycling(varlen, blhd),
         "qkv, walk by heads": cycling(lambda kk, vv: qkv.attention(q, kk, vv, layout="blhd"), blhd),
         "torch, (B, S, kv, d)": cycling(lambda kk, vv: sdpa(tq, kk, vv, enable_gqa=True), t_blhd),
         "qkv, (B, kv, S, d)": cycling(lambda kk, vv: qkv.attention(qh, kk, vv), bhld),

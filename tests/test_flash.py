@@ -351,6 +351,49 @@ def test_varlen_reads_keys_through_a_block_table(page):
     np.testing.assert_allclose(got, want, **tol("packed walk", np.float32))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", [dict(causal=True), dict(window_size=(6, 0), softcap=3.0)])
+def test_varlen_decoding_batch_through_a_block_table_is_one_step(monkeypatch, dtype, case):
+    import qkv.flash as flash
+
+    calls = []
+    pages = flash._attend_pages
+    monkeypatch.setattr(flash, "_attend_pages", lambda *a, **kw: calls.append(1) or pages(*a, **kw))
+    lk, page, H, Hkv, d = [7, 0, 33, 16, 1], 4, 4, 2, 8
+    q, cu_q = _pack([1] * len(lk), (H, d), dtype)
+    k, cu_k = _pack(lk, (Hkv, d), dtype)
+    v, _ = _pack(lk, (Hkv, d), dtype)
+    blocks = [-(-n // page) for n in lk]
+    perm = RNG.permutation(sum(blocks) + 2)
+    table = np.zeros((len(lk), max(blocks)), np.int32)
+    kp, vp = (np.zeros((perm.size, page, Hkv, d), k.dtype) for _ in range(2))
+    at = 0
+    for b, n in enumerate(lk):
+        for i in range(blocks[b]):
+            table[b, i] = perm[at]
+            rows = slice(cu_k[b] + i * page, cu_k[b] + min((i + 1) * page, n))
+            kp[perm[at], : rows.stop - rows.start] = k[rows]
+            vp[perm[at], : rows.stop - rows.start] = v[rows]
+            at += 1
+    got, lse, _ = flash_attn_varlen_func(
+        q, kp, vp, cu_q, cu_k, 1, 33, block_table=table, return_attn_probs=True, **case
+    )
+    assert calls == [1], "not one call for the whole batch"
+    assert got.dtype == q.dtype and lse.shape == (H, len(lk))
+    for b, n in enumerate(lk):  # each sequence against flash_attn_func on its keys
+        if n == 0:
+            assert not got[b].astype(np.float32).any() and np.isneginf(lse[:, b]).all()
+            continue
+        keys = slice(cu_k[b], cu_k[b + 1])
+        want, want_lse, _ = flash_attn_func(
+            q[b : b + 1, None].astype(np.float64), k[None, keys].astype(np.float64),
+            v[None, keys].astype(np.float64), return_attn_probs=True, **case,
+        )  # fmt: skip
+        t = 2e-2 if dtype == "bfloat16" else 1e-5
+        np.testing.assert_allclose(got[b].astype(np.float64), want[0, 0], rtol=t, atol=t)
+        np.testing.assert_allclose(lse[:, b], want_lse[0, :, 0], rtol=t, atol=t)
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     lq=st.lists(st.integers(0, 9), min_size=1, max_size=4),

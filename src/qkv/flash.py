@@ -8,8 +8,10 @@ Code written for FlashAttention runs on qkv by changing its import::
 - :func:`flash_attn_func`: ``(batch, seqlen, heads, d)`` arrays, on :func:`qkv.attention`'s
   checked call (``layout="blhd"``), with its autograd for tensors that require grad;
 - :func:`flash_attn_varlen_func`: packed ``(total, heads, d)`` with ``cu_seqlens``, on qkv's
-  packed walk (:func:`qkv.attention_varlen`); per sequence on :func:`qkv.attention` where the
-  walk lacks a feature (soft-capping, ALiBi, gradients); K/V in pages with ``block_table``;
+  packed walk (:func:`qkv.attention_varlen`; one query per sequence, a decoding batch, on its
+  native decode step); per sequence on :func:`qkv.attention` where the walk lacks a feature
+  (soft-capping, ALiBi, gradients); K/V in pages with ``block_table`` (a decoding batch in
+  one paged step);
 - :func:`flash_attn_with_kvcache`: a contiguous ``(batch, seqlen, kv_heads, d)`` or paged
   ``(num_blocks, page_size, kv_heads, d)`` K/V cache; new ``k``/``v`` are written into it in
   place, then the queries (one or several per sequence) attend to it.
@@ -474,6 +476,12 @@ def _varlen_pages(
         raise InputError(f"q, k: feature size d differs: q has shape {qa.shape}, k {kp.shape}")
     _check_heads(qa.shape, kp.shape)
     bt = _block_table(block_table, B, kp.shape[0], kp.shape[1], lk, np.zeros(B, np.int64))
+    if B and slopes is None and (np.diff(cq) == 1).all():  # a decoding step: one call for all
+        o, s = _attend_pages(
+            qa[:, :, None], kp, vp, bt, lk, scale=scale, causal=causal, window=window,
+            softcap=cap, alibi_slopes=None, return_lse=True,
+        )  # fmt: skip
+        return give_pair(o[:, :, 0], np.ascontiguousarray(s[:, :, 0].T), want_of(q, k, v))
     out_dt = np.result_type(qa, kp, vp)
     out = np.zeros((qa.shape[0], H, vp.shape[3]), out_dt)
     lse = np.full((H, qa.shape[0]), -np.inf, numerics.acc_dtype(out_dt))
