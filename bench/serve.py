@@ -3,9 +3,12 @@
     python bench/serve.py [--requests 8,32,128] [--new-tokens 16] [--threads 2]
                           [--num-blocks 64 --max-batch-tokens 2048 --page-size 256]
                           [--hidden 1024 --layers 2 --heads 8 --kv-heads 2] [--seed 0]
+                          [--dtype float32|bfloat16]
     python bench/serve.py --quick   # 8 requests of 33..160 tokens, 8 new tokens: under a minute
 
-A Llama built from a config (random weights, float32, no download; issue 43's shape: 2 layers,
+A Llama built from a config (random weights, float32 or ``--dtype bfloat16``, no download;
+greedy tokens of a bfloat16 model may part where two kernels round differently; issue 43's
+shape: 2 layers,
 hidden 1024, 8 query heads over 2 kv heads of size 128, MLP 4096, vocabulary 4096) serves
 ``R`` requests of 33..512 prompt tokens (seeded), ``--new-tokens`` greedy tokens each, three
 ways, in the same process:
@@ -100,7 +103,7 @@ def build(args: argparse.Namespace) -> Any:
     )
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(args.seed)
-    return transformers.LlamaForCausalLM(cfg).eval()
+    return transformers.LlamaForCausalLM(cfg).to(getattr(torch, args.dtype)).eval()
 
 
 def prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
@@ -148,6 +151,7 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--ways", default="qkv cb,sdpa cb,generate 1x1")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeat", type=int, default=1, help="rounds; the best run of each way")
     p.add_argument("--quick", action="store_true", help="8 requests of 33..160 tokens, 8 new")
