@@ -309,22 +309,62 @@ def test_a_decoding_batch_equals_the_reference_on_the_decode_step(
     np.testing.assert_allclose(lse, want_lse, rtol=tol, atol=tol)
 
 
-def test_only_one_query_and_some_keys_per_sequence_take_the_decode_step():
+def test_sequences_of_one_query_and_some_keys_take_the_decode_step():
     from qkv.engine.kernels import router
 
     q = np.zeros((3, 4, 8), np.float32)
     k = np.zeros((9, 2, 8), np.float32)
-    one, mixed, empty = np.ones(3, np.int64), np.array([1, 2, 1]), np.array([4, 0, 5])
-    name = "native decode step"
-    expected = _native_decode()
-    assert (
-        router.packed(q, k, k, np.dtype(np.float32), (one, np.array([3, 3, 3]))).name == name
-    ) is expected
-    assert router.packed(q, k, k, np.dtype(np.float32), (mixed, np.array([3, 3, 3]))).name != name
-    assert router.packed(q, k, k, np.dtype(np.float32), (one, empty)).name != name
-    assert router.packed(q, k, k, np.dtype(np.float32)).name != name  # (rows not asked)
+    f32, name, keys = np.dtype(np.float32), "native decode step", np.array([3, 3, 3])
+    ask = {
+        "one each": (np.ones(3, np.int64), keys),
+        "mixed": (np.array([1, 2, 1]), keys),
+        "none of one": (np.array([2, 2, 0]), keys),
+        "one but no keys": (np.array([1, 2, 1]), np.array([0, 4, 0])),
+    }
+    got = {what: router.packed(q, k, k, f32, rows).name == name for what, rows in ask.items()}
+    on = _native_decode()
+    assert got == {"one each": on, "mixed": on, "none of one": False, "one but no keys": False}
+    assert router.packed(q, k, k, f32).name != name  # (rows not asked)
     k16 = k.astype(np.float16)  # 16-bit K/V are read as stored in float32 only
-    assert router.packed(q, k16, k16, np.dtype(np.float64), (one, np.array([3, 3, 3]))).name != name
+    assert router.packed(q, k16, k16, np.dtype(np.float64), ask["one each"]).name != name
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    lq=st.lists(st.sampled_from([0, 1, 1, 2, 7]), min_size=1, max_size=7),
+    extra=st.lists(st.integers(0, 90), min_size=7, max_size=7),
+    group=st.sampled_from([1, 4]),
+    dtype=st.sampled_from(["float64", "float32", "bfloat16"]),
+    causal=st.booleans(),
+    window=st.sampled_from([None, (3, None), (20, 2)]),
+    seed=st.integers(0, 2**16),
+)
+def test_a_mixed_batch_splits_its_decoding_steps_off(lq, extra, group, dtype, causal, window, seed):
+    import ml_dtypes
+
+    from qkv.engine import varlen
+
+    lk = [a + b for a, b in zip(lq, extra, strict=False)]  # some sequences with no key
+    rng = np.random.default_rng(seed)
+    dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+    q, k, v, cq, ck = packed(rng, lq, lk, 2 * group, 2, 16, 16, dt)
+    served = []
+    step = varlen._decode_step
+    varlen._decode_step = lambda *a, **kw: served.append(a[3]) or step(*a, **kw)
+    try:
+        out, lse = qkv.attention_varlen(
+            q, k, v, cq, ck, causal=causal, window=window, return_lse=True
+        )
+    finally:
+        varlen._decode_step = step
+    ones = [cq[b] for b in range(len(lq)) if lq[b] == 1 and lk[b] >= 1]
+    if _native_decode() and ones:
+        assert len(served) == 1 and served[0].tolist() == ones
+    wide = [x.astype(np.float64) for x in (q, k, v)]
+    want, want_lse = per_sequence(reference.attention, *wide, cq, ck, causal=causal, window=window)
+    tol = _DECODE_TOL[dtype]
+    np.testing.assert_allclose(out.astype(np.float64), want, rtol=tol, atol=tol)
+    np.testing.assert_allclose(lse, want_lse, rtol=tol, atol=tol)
 
 
 def test_a_decoding_batch_that_overflows_goes_back_to_the_walks(monkeypatch):

@@ -8,7 +8,7 @@ Code written for FlashAttention runs on qkv by changing its import::
 - :func:`flash_attn_func`: ``(batch, seqlen, heads, d)`` arrays, on :func:`qkv.attention`'s
   checked call (``layout="blhd"``), with its autograd for tensors that require grad;
 - :func:`flash_attn_varlen_func`: packed ``(total, heads, d)`` with ``cu_seqlens``, on qkv's
-  packed walk (:func:`qkv.attention_varlen`; one query per sequence, a decoding batch, on its
+  packed walk (:func:`qkv.attention_varlen`; sequences of one query, decoding steps, on its
   native decode step); per sequence on :func:`qkv.attention` where the walk lacks a feature
   (soft-capping, ALiBi, gradients); K/V in pages with ``block_table`` (a decoding batch in
   one paged step);

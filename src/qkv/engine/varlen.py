@@ -5,10 +5,10 @@ stacked along one axis, ``q (total_q, heads, d)``, and ``cu_seqlens_q`` holds th
 offsets (sequence ``b`` is rows ``cu_seqlens_q[b] : cu_seqlens_q[b + 1]``); the same for the
 keys and values. Each sequence equals :func:`qkv.attention` on it alone.
 
-How it runs fast: a batch of one query per sequence (a server's decoding step) runs where the
-native kernels are active on their decode step, the packed keys one page that each sequence
-reads its run of (:func:`qkv.engine.kernels.native_decode.paged_step`). Otherwise, where the
-optional native kernels are active
+How it runs fast: sequences of one query (a server's decoding steps, alone or beside prompts)
+run where the native kernels are active on their decode step, the packed keys one page that
+each reads its run of (:func:`qkv.engine.kernels.native_decode.paged_step`). For the others,
+where the optional native kernels are active
 (:func:`qkv.engine.kernels.native.attend_packed`, float32/float64), every sequence runs in one
 call of their packed walk: (sequence, query head, query block) tasks on native threads, read
 straight from the packed arrays. Otherwise the sequences with some work run in one call of the
@@ -214,19 +214,25 @@ def attention_varlen(
     window = check_window(window)
     lq, lk = np.diff(cq), np.diff(ck)
     walker = router.packed(qa, ka, va, acc_dt, (lq, lk))
+    decoded = None  # the sequences of one query the decode step served, and their rows
     if walker.name == "native decode step" and numerics.scale_in_range(fscale, acc_dt):
-        done = _decode_step(qa, ka, va, ck, fscale, window, acc_dt)
-        if done is not None:
+        one = np.flatnonzero((lq == 1) & (lk >= 1))
+        done = _decode_step(qa, ka, va, cq[one], ck[one], ck[one + 1], fscale, window, acc_dt)
+        if done is not None and one.size == lq.size:  # (a decoding batch: nothing else)
             o, lse = done
             out = o if o.dtype == out_dt else o.astype(out_dt)
             return (out, lse) if return_lse else out
-        walker = router.packed(qa, ka, va, acc_dt)  # (a result not finite: the walks say)
+        if done is not None:
+            decoded = (one, *done)
+        walker = router.packed(qa, ka, va, acc_dt)  # the others (or a result not finite)
     bf16 = walker.stored  # bfloat16 is read in place by that kernel only
     if not bf16:
         qa, ka, va = (_widened(x) for x in (qa, ka, va))
 
     unit = heads * 2 * (qa.shape[2] + va.shape[2])  # flops per score
     live = (lq > 0) & (lk > 0)  # the others give zeros and -inf
+    if decoded is not None:
+        live[decoded[0]] = False
     fused = walker.name != "packed walk"  # its work items cost microseconds: all go there
     walk = live if fused else live & (lq * lk * (unit // kv_heads) >= WALK_FLOPS)
     if not numerics.scale_in_range(fscale, acc_dt):
@@ -242,6 +248,9 @@ def attention_varlen(
         else:
             o, lse = packed.attend(qa, ka, va, cq, ck, seqs=seqs, bad=redo, **rule)
     out = o if o.dtype == out_dt else o.astype(out_dt)
+    if decoded is not None:
+        rows = cq[decoded[0]]
+        out[rows], lse[rows] = decoded[1], decoded[2]
     batch = _Batch(qa, ka, va, cq, ck, out, lse, fscale, causal, window)
     for b in sorted(redo):
         _alone(batch, b)
@@ -256,24 +265,27 @@ def _decode_step(
     q: np.ndarray,
     k: np.ndarray,
     v: np.ndarray,
-    ck: np.ndarray,
+    rows: np.ndarray,
+    starts: np.ndarray,
+    ends: np.ndarray,
     scale: float,
     window: Window | None,
     dtype: np.dtype,
 ) -> tuple[np.ndarray, np.ndarray] | None:
-    """A packed batch of one query per sequence (the router's ``native decode step``) in one
-    native decoding step: the packed keys are one page, which sequence ``b`` reads from
-    ``ck[b]`` (or, with a window, ``left`` keys before its last) to ``ck[b + 1]``: its query
-    sits at its last key, bottom-right, so causal hides nothing and a window's right side
-    neither. ``(out (total_q, heads, dv), lse (total_q, heads))`` in ``dtype``, or None where
-    a result is not finite (or the step refuses the arrays)."""
-    n = ck.size - 1
-    rows = q.astype(dtype, copy=False)[:, :, None, :]  # (sequences, heads, 1, d)
+    """Sequences of one query each (the router's ``native decode step``) in one native
+    decoding step: query row ``rows[i]`` of ``q`` against keys ``starts[i]`` (or, with a
+    window, ``left`` keys before its last) to ``ends[i]`` of the packed ``k`` and ``v``, which
+    are one page: the query sits at its last key, bottom-right, so causal hides nothing and a
+    window's right side neither. ``(out (len(rows), heads, dv), lse (len(rows), heads))`` in
+    ``dtype``, or None where a result is not finite (or the step refuses the arrays)."""
+    n = rows.size
+    one = q if n == q.shape[0] else q[rows]  # (a decoding batch: every row, in order)
+    queries = one.astype(dtype, copy=False)[:, :, None, :]  # (sequences, heads, 1, d)
     table = np.zeros((n, 1), np.int32)
-    starts, ends = ck[:-1].astype(np.int64), ck[1:].astype(np.int64)
+    starts, ends = starts.astype(np.int64), ends.astype(np.int64)
     if window is not None and window[0] is not None:
         starts = np.maximum(starts, ends - 1 - window[0])
-    found = native_decode.paged_step(rows, k[None], v[None], table, starts, ends, scale)
+    found = native_decode.paged_step(queries, k[None], v[None], table, starts, ends, scale)
     if found is None:
         return None
     out, lse = found

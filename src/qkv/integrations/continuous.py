@@ -40,7 +40,9 @@ What runs where
   bottom-right causal. Never a dense mask across requests, which is what ``"sdpa"`` gets.
   A batch of decoding steps only (one query per request) runs on qkv's native decode step
   instead, each request reading its own run of the packed keys in place
-  (:func:`flash_attn_varlen_func` here: :mod:`qkv.flash`'s, with that one road added).
+  (:func:`flash_attn_varlen_func` here: :mod:`qkv.flash`'s, with that one road added); in a
+  mixed batch, and in bfloat16, :func:`qkv.attention_varlen` gives its requests of one query
+  to that step and the others to the walk.
 - Decoding batches where transformers hands over its pages (its fast decode path, which it
   enables on CUDA and XPU only): ``flash_attn_with_kvcache`` with ``block_table``, qkv's paged
   step reading the pages in place (:func:`qkv.flash.flash_attn_with_kvcache`).

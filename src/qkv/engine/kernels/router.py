@@ -448,30 +448,31 @@ BACKWARD: tuple[Kernel, ...] = (
 )
 
 
-def _one_query_each(a: Ask) -> bool:
+def _one_query_some(a: Ask) -> bool:
     """Whether a packed batch's ask (``plan[4]``: its sequences' ``(query rows, keys)``, or
-    None) is a decoding step: one query row and at least one key per sequence (a window,
-    or causal, then leaves each query one run of keys that ends with its last)."""
+    None) holds decoding steps: sequences of one query row and at least one key (a window,
+    or causal, then leaves each such query one run of keys that ends with its last)."""
     rows = a.plan[4]
     if rows is None:
         return False
     lq, lk = rows
-    return lq.size >= 1 and bool((lq == 1).all() and (lk >= 1).all())
+    return bool(((lq == 1) & (lk >= 1)).any())
 
 
 # A packed varlen batch (qkv.attention_varlen); its ask's plan is ``(q, k, v, compute dtype,
 # rows)``, ``rows`` the sequences' ``(query rows, keys)`` (None: not asked).
 PACKED: tuple[Kernel, ...] = (
-    # One query per sequence (a server's decoding batch): the native decode step, the packed
-    # keys one page that each sequence reads its run of (native_decode.paged_step), every
-    # head's rows at a time. Measured on 2 cores (Zen 4), B8 H32 kv8 S4096 d128: the packed
-    # walk took 33 ms in float32 and 108 ms in bfloat16 (its products made for many rows, the
-    # keys packed for them per sequence), the step 11 and 5.6 ms.
+    # Sequences of one query (a server's decoding steps, alone or beside prefill chunks):
+    # the native decode step for them, the packed keys one page that each reads its run of
+    # (native_decode.paged_step), every head's rows at a time; the other sequences then ask
+    # this table again without them. Measured on 2 cores (Zen 4), B8 H32 kv8 S4096 d128: the
+    # packed walk took 33 ms in float32 and 108 ms in bfloat16 (its products made for many
+    # rows, the keys packed for them per sequence), the step 11 and 5.6 ms.
     Kernel(
         "native decode step",
         "decode",
         (
-            _c(_one_query_each, "not one query row and a key or more per sequence"),
+            _c(_one_query_some, "no sequence of one query row and a key or more"),
             _c(
                 lambda a: a.plan[3] in (_F32, _F64),
                 lambda a: f"computed in {a.plan[3]}, not float32 or float64",
