@@ -309,6 +309,40 @@ def test_varlen_against_each_sequence(mha, case, dtype):
         judge(lse[:, sq], want_lse, dtype, "lse")
 
 
+@pytest.mark.parametrize("tensors", [False, True])
+def test_varlen_soft_capped_decoding_steps_take_one_decode_step(monkeypatch, tensors):
+    import qkv.flash as flash
+
+    served = []
+    step = flash.decode_steps
+    monkeypatch.setattr(
+        flash, "decode_steps", lambda *a, **kw: served.append(a[3].tolist()) or step(*a, **kw)
+    )
+    lq, lk = [1, 6, 1, 0, 1], [40, 9, 1, 3, 0]  # decoding steps beside a prompt, and empties
+    H, Hkv, d = 4, 2, 16
+    q, cu_q = _pack(lq, (H, d))
+    k, cu_k = _pack(lk, (Hkv, d))
+    v, _ = _pack(lk, (Hkv, d))
+    args = (q, k, v, cu_q, cu_k)
+    if tensors:
+        args = tuple(torch.from_numpy(np.ascontiguousarray(x)) for x in args)
+    out, lse, _ = flash_attn_varlen_func(
+        *args, max(lq), max(lk), causal=True, softcap=2.5, return_attn_probs=True
+    )
+    from qkv.engine.kernels import native_decode
+
+    if native_decode.available():
+        assert served == [[0, 7]], "the decoding steps were not one call"
+    out, lse = (np.asarray(x) for x in (out, lse))
+    for b in range(len(lq)):
+        sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if sq.stop == sq.start:
+            continue
+        want, want_lse = ref_one(q[sq], k[sk], v[sk], causal=True, softcap=2.5)
+        judge(out[sq], want, "float32")
+        judge(lse[:, sq], want_lse, "float32", "lse")
+
+
 def test_varlen_tensors_in_tensors_out():
     q, cu = _pack([3, 4], (2, 8))
     t = torch.from_numpy(q)

@@ -249,13 +249,13 @@ def _taken(monkeypatch):
     from qkv.engine import varlen
 
     given_back = []
-    step = varlen._decode_step
+    step = varlen.decode_steps
 
     def spy(*args, **kwargs):
         given_back.append(step(*args, **kwargs))
         return given_back[-1]
 
-    monkeypatch.setattr(varlen, "_decode_step", spy)
+    monkeypatch.setattr(varlen, "decode_steps", spy)
     return given_back
 
 
@@ -290,14 +290,14 @@ def test_a_decoding_batch_equals_the_reference_on_the_decode_step(
     dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
     q, k, v, cq, ck = packed(rng, lq, lk, kv_heads * group, kv_heads, d, d if dv_same else 16, dt)
     calls = []
-    step = varlen._decode_step
-    varlen._decode_step = lambda *a, **kw: calls.append(step(*a, **kw)) or calls[-1]
+    step = varlen.decode_steps
+    varlen.decode_steps = lambda *a, **kw: calls.append(step(*a, **kw)) or calls[-1]
     try:
         out, lse = qkv.attention_varlen(
             q, k, v, cq, ck, causal=causal, window=window, scale=scale, return_lse=True
         )
     finally:
-        varlen._decode_step = step
+        varlen.decode_steps = step
     if _native_decode():
         assert len(calls) == 1 and calls[0] is not None, "the decode step did not serve it"
     assert out.dtype == np.result_type(q, k, v)
@@ -349,14 +349,14 @@ def test_a_mixed_batch_splits_its_decoding_steps_off(lq, extra, group, dtype, ca
     dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
     q, k, v, cq, ck = packed(rng, lq, lk, 2 * group, 2, 16, 16, dt)
     served = []
-    step = varlen._decode_step
-    varlen._decode_step = lambda *a, **kw: served.append(a[3]) or step(*a, **kw)
+    step = varlen.decode_steps
+    varlen.decode_steps = lambda *a, **kw: served.append(a[3]) or step(*a, **kw)
     try:
         out, lse = qkv.attention_varlen(
             q, k, v, cq, ck, causal=causal, window=window, return_lse=True
         )
     finally:
-        varlen._decode_step = step
+        varlen.decode_steps = step
     ones = [cq[b] for b in range(len(lq)) if lq[b] == 1 and lk[b] >= 1]
     if _native_decode() and ones:
         assert len(served) == 1 and served[0].tolist() == ones

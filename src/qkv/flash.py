@@ -62,8 +62,8 @@ from . import numerics, torch_bridge
 from .call import Call, build
 from .checks import check_int, check_real
 from .engine import run as core
-from .engine.kernels import dispatch
-from .engine.varlen import attention_varlen, check_offsets
+from .engine.kernels import dispatch, router
+from .engine.varlen import attention_varlen, check_offsets, decode_steps
 from .errors import InputError, InputTypeError
 from .keywords import near_keywords
 from .options import Options
@@ -417,7 +417,9 @@ def flash_attn_varlen_func(
             q, k, v, cq, ck, scale=scale, causal=causal, window=window, return_lse=True
         )
         out, lse = give_pair(o, np.ascontiguousarray(s.T), want_of(q, k, v))
-    else:  # a variant the walk lacks, or gradients: qkv.attention's call, sequence by sequence
+    elif slopes is None and not wants_grad(q, k, v):  # soft-capping, which the walk lacks
+        out, lse = _varlen_capped(q, k, v, cq, ck, scale, causal, window, cap)
+    else:  # ALiBi, or gradients: qkv.attention's call, sequence by sequence
         out, lse = _varlen_each(q, k, v, cq, ck, scale, causal, window, cap, slopes)
     return (out, lse, None) if return_attn_probs else out
 
@@ -453,6 +455,47 @@ def _varlen_each(
 
         return torch.cat(outs, 0), torch.cat(lses, -1)
     return np.concatenate(outs, 0), np.concatenate(lses, -1)
+
+
+def _varlen_capped(
+    q: Any,
+    k: Any,
+    v: Any,
+    cq: np.ndarray,
+    ck: np.ndarray,
+    scale: float,
+    causal: bool,
+    window: Window | None,
+    cap: float | None,
+) -> tuple[Any, Any]:
+    """Packed soft-capped sequences, no gradient: those of one query (decoding steps) in one
+    native decode step where the router gives them one (:func:`qkv.engine.varlen.decode_steps`),
+    the others through :func:`qkv.attention`'s checked call one by one, as
+    :func:`_varlen_each`: ``(out (total_q, heads, dv), lse (heads, total_q))``."""
+    qa, ka, va = (as_array(x, n, narrow=True) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    out_dt = np.result_type(qa, ka, va)
+    acc = numerics.acc_dtype(out_dt)
+    lq, lk = np.diff(cq), np.diff(ck)
+    out = np.zeros((qa.shape[0], qa.shape[1], va.shape[2]), out_dt)
+    lse = np.full((qa.shape[1], qa.shape[0]), -np.inf, acc)
+    rest = np.arange(lq.size)
+    walker = router.packed(qa, ka, va, acc, (lq, lk))
+    if walker.name == "native decode step" and numerics.scale_in_range(scale, acc):
+        steps = (lq == 1) & (lk >= 1)
+        one = np.flatnonzero(steps)
+        done = decode_steps(qa, ka, va, cq[one], ck[one], ck[one + 1], scale, window, acc, cap)
+        if done is not None:
+            out[cq[one]], lse[:, cq[one]] = done[0], done[1].T
+            rest = np.flatnonzero(~steps)
+    for b in rest.tolist():
+        sq, sk = slice(int(cq[b]), int(cq[b + 1])), slice(int(ck[b]), int(ck[b + 1]))
+        opts = _options(
+            scale, causal, window, cap, None, sq.stop - sq.start, sk.stop - sk.start, acc
+        )
+        call = build("attention", qa[sq], ka[sk], va[sk], opts, return_lse=True, layout="blhd")
+        o, s = _run(call)  # (heads, L, dv), (heads, L)
+        out[sq], lse[:, sq] = np.swapaxes(o, 0, 1), s
+    return give_pair(out, lse, want_of(q, k, v))
 
 
 def _varlen_pages(

@@ -46,7 +46,14 @@ from ..masks import Window
 from ..validate import as_array, block_plan, check_scale, check_window, from_foreign
 from .kernels import dispatch, native, native_decode, packed, router
 
-__all__ = ["CALL_FLOPS", "PAD_FRACTION", "WALK_FLOPS", "attention_varlen", "check_offsets"]
+__all__ = [
+    "CALL_FLOPS",
+    "PAD_FRACTION",
+    "WALK_FLOPS",
+    "attention_varlen",
+    "check_offsets",
+    "decode_steps",
+]
 
 CALL_FLOPS = 4e6  # a call's fixed cost (about 0.1 ms) in flops of attention work
 PAD_FRACTION = 0.05  # padding allowed beyond that, as a fraction of a group's work
@@ -217,7 +224,7 @@ def attention_varlen(
     decoded = None  # the sequences of one query the decode step served, and their rows
     if walker.name == "native decode step" and numerics.scale_in_range(fscale, acc_dt):
         one = np.flatnonzero((lq == 1) & (lk >= 1))
-        done = _decode_step(qa, ka, va, cq[one], ck[one], ck[one + 1], fscale, window, acc_dt)
+        done = decode_steps(qa, ka, va, cq[one], ck[one], ck[one + 1], fscale, window, acc_dt)
         if done is not None and one.size == lq.size:  # (a decoding batch: nothing else)
             o, lse = done
             out = o if o.dtype == out_dt else o.astype(out_dt)
@@ -261,7 +268,7 @@ def attention_varlen(
     return (out, lse) if return_lse else out
 
 
-def _decode_step(
+def decode_steps(
     q: np.ndarray,
     k: np.ndarray,
     v: np.ndarray,
@@ -271,13 +278,16 @@ def _decode_step(
     scale: float,
     window: Window | None,
     dtype: np.dtype,
+    softcap: float | None = None,
 ) -> tuple[np.ndarray, np.ndarray] | None:
-    """Sequences of one query each (the router's ``native decode step``) in one native
-    decoding step: query row ``rows[i]`` of ``q`` against keys ``starts[i]`` (or, with a
-    window, ``left`` keys before its last) to ``ends[i]`` of the packed ``k`` and ``v``, which
-    are one page: the query sits at its last key, bottom-right, so causal hides nothing and a
-    window's right side neither. ``(out (len(rows), heads, dv), lse (len(rows), heads))`` in
-    ``dtype``, or None where a result is not finite (or the step refuses the arrays)."""
+    """Packed sequences of one query each (the router's ``native decode step``: the caller
+    asked :func:`qkv.engine.kernels.router.packed`) in one native decoding step: query row
+    ``rows[i]`` of ``q`` against keys ``starts[i]`` (or, with a window, ``left`` keys before
+    its last) to ``ends[i]`` of the packed ``k`` and ``v``, which are one page: the query sits
+    at its last key, bottom-right, so causal hides nothing and a window's right side neither;
+    ``softcap`` as in :func:`qkv.attention`. ``(out (len(rows), heads, dv), lse (len(rows),
+    heads))`` in ``dtype``, or None where a result is not finite (or the step refuses the
+    arrays)."""
     n = rows.size
     one = q if n == q.shape[0] else q[rows]  # (a decoding batch: every row, in order)
     queries = one.astype(dtype, copy=False)[:, :, None, :]  # (sequences, heads, 1, d)
@@ -285,7 +295,9 @@ def _decode_step(
     starts, ends = starts.astype(np.int64), ends.astype(np.int64)
     if window is not None and window[0] is not None:
         starts = np.maximum(starts, ends - 1 - window[0])
-    found = native_decode.paged_step(queries, k[None], v[None], table, starts, ends, scale)
+    found = native_decode.paged_step(
+        queries, k[None], v[None], table, starts, ends, scale, softcap=softcap
+    )
     if found is None:
         return None
     out, lse = found
