@@ -90,13 +90,13 @@ def test_step_equals_reference(problem, threads, isa):
     _check(out, lse, q, k, v, dtype, mask, softcap=softcap)
 
 
-# The tiles of the unrolled roads (head sizes 32, 64, 128; 32 for float32 and bfloat16 K/V
-# only) and the general loop's sizes around them: runs of keys about the tiles' and the
+# The tiles of the unrolled roads (head sizes 32, 64, 128, 256; 32 and 256 for float32 and
+# bfloat16 K/V only) and the general loop's sizes around them: runs of keys about the tiles' and the
 # score blocks' edges, rows left over by the row tiles (group times L odd), stored bfloat16.
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     st.sampled_from([1, 2, 7, 8, 9, 15, 17, 63, 64, 65, 129]),
-    st.sampled_from([8, 16, 24, 32, 40, 64, 96, 128]),
+    st.sampled_from([8, 16, 24, 32, 40, 64, 96, 128, 256]),
     st.integers(1, 8),
     st.integers(1, 2),
     st.sampled_from(["float32", "bfloat16"]),

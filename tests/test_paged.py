@@ -110,7 +110,13 @@ def _case(form, page, d=64, kvh=2, H=4, seqlens=(0, 1, 37, 300), seed=0):
 @pytest.mark.parametrize("form", FORMS)
 def test_native_paged_step_equals_reference(monkeypatch, form, page, isa):
     monkeypatch.setenv("QKV_NATIVE_ISA", isa)
-    for d in (64, 128, 32, 40):  # unrolled head sizes (32: float32 and bfloat16), the general loop
+    for d in (
+        64,
+        128,
+        32,
+        256,
+        40,
+    ):  # unrolled head sizes (32, 256: float32 and bfloat16), the general loop
         q, k, v, fmt, ks, vs, kd, vd, table, seqlens = _case(form, page, d=d)
         n = np.array(seqlens)
         got = native_decode.paged_step(

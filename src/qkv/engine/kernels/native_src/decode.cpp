@@ -1761,6 +1761,8 @@ QKV_INLINE void piece_split(const qkv_decode_args& a, int64_t b, int64_t h, int6
     constexpr bool d32 = std::is_same<E, float>::value || std::is_same<E, Bf16>::value;
     if constexpr (d32)
         if (a.d == 32 && a.dv == 32) return piece_vec<T, E, 32, Src>(a, b, h, j0, j1, S, M, L, A);
+    if constexpr (d32)
+        if (a.d == 256 && a.dv == 256) return piece_vec<T, E, 256, Src>(a, b, h, j0, j1, S, M, L, A);
     if (a.d == 64 && a.dv == 64)
         piece_vec<T, E, 64, Src>(a, b, h, j0, j1, S, M, L, A);
     else if (a.d == 128 && a.dv == 128)
