@@ -129,7 +129,8 @@ QKV_NARROW(QKV_AVX2, avx2, narrow_f16c)
 QKV_NARROW(QKV_AVX512, avx512, narrow_f16c)
 #endif
 
-narrow_t pick_narrow(int isa, int format) {
+// ([[maybe_unused]]: the backward's unit includes this header and narrows nothing)
+[[maybe_unused]] narrow_t pick_narrow(int isa, int format) {
     if (format == KV_BF16) return pick_clone<narrow_t>(isa, QKV_CLONES(narrow, bf16));
     return pick_clone<narrow_t>(isa, QKV_CLONES(narrow, f16));
 }
