@@ -400,7 +400,7 @@ def flash_attn_varlen_func(
         raise InputError(
             f"cu_seqlens_q, cu_seqlens_k: batch sizes differ: shapes {cq.shape} and {ck.shape}"
         )
-    lq, lk = np.diff(cq), np.diff(ck)
+    lq, lk = cq[1:] - cq[:-1], ck[1:] - ck[:-1]
     _longest(max_seqlen_q, "max_seqlen_q", lq, "query")
     _longest(max_seqlen_k, "max_seqlen_k", lk, "key")
     B = lq.size
@@ -475,7 +475,7 @@ def _varlen_capped(
     qa, ka, va = (as_array(x, n, narrow=True) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     out_dt = np.result_type(qa, ka, va)
     acc = numerics.acc_dtype(out_dt)
-    lq, lk = np.diff(cq), np.diff(ck)
+    lq, lk = cq[1:] - cq[:-1], ck[1:] - ck[:-1]
     out = np.zeros((qa.shape[0], qa.shape[1], va.shape[2]), out_dt)
     lse = np.full((qa.shape[1], qa.shape[0]), -np.inf, acc)
     rest = np.arange(lq.size)
