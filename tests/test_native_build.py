@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -313,13 +314,16 @@ def test_the_kernels_headers_compile_without_a_warning_with_the_build_flags(tmp_
     # (GCC 12 printed a few hundred false "may be used uninitialized" reports from its own
     # avx512fintrin.h into every build's log, and -Wpsabi notes; common.h reads the header with
     # those two warnings off, and the build passes -Wno-psabi)
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
+    # (CXX as the build reads it: a command with its own words, e.g. "ccache g++"; one that
+    # does not run means no compiler, as for the build)
+    found = shutil.which("g++") or shutil.which("c++") or ""
+    cxx = shlex.split(os.environ.get("CXX", "")) or [found]
+    if not cxx[0] or shutil.which(cxx[0]) is None:
         pytest.skip("no C++ compiler here (the library is not built either)")
     (tmp_path / "probe.cpp").write_text(PROBE)
     flags = [f for f in native_ext().extra_compile_args if f != "-g0"]
     done = subprocess.run(
-        [cxx, *flags, "-Wall", "-Werror", f"-I{ROOT / KERNELS / 'native_src'}", "-c",
+        [*cxx, *flags, "-Wall", "-Werror", f"-I{ROOT / KERNELS / 'native_src'}", "-c",
          "probe.cpp", "-o", "probe.o"],
         cwd=tmp_path, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
