@@ -110,7 +110,7 @@ def _window(window_size: Any, causal: bool) -> Window | None:
         sides.append(None if n < 0 else n)
     if causal:
         sides[1] = 0
-    if sides == [None, None]:
+    if sides == [None, None] or (causal and sides[0] is None):  # (causal alone says (None, 0))
         return None
     return (sides[0], sides[1])
 
@@ -574,12 +574,14 @@ def _attend_pages(
     ``result_type`` of the inputs, and ``lse (B, H, Lq)`` in the accumulation dtype with
     ``return_lse``.
 
-    A decoding step (one query per sequence, no ALiBi) is :func:`qkv.engine.paged.attend_pages`,
-    which the native decode step serves reading the pages in place. Otherwise each sequence's
+    A decoding step (one query per sequence, or up to ``DECODE_MAX_L`` with no window's left
+    side; no ALiBi) is :func:`qkv.engine.paged.attend_pages`, which the native decode step
+    serves reading the pages in place. Otherwise each sequence's
     pages are gathered into a contiguous copy for the ordinary kernels (the decode ones
     together, :func:`qkv.engine.kernels.dispatch.attend_many`).
     """
-    if alibi_slopes is None and q.shape[2] == 1:  # a decoding step: the pages read in place
+    few = q.shape[2] == 1 or (q.shape[2] <= router.DECODE_MAX_L and window is None)
+    if alibi_slopes is None and few:  # a decoding step: the pages read in place
         from .engine import paged
 
         found = paged.attend_pages(

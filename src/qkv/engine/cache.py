@@ -16,6 +16,7 @@ stored values are widened and the call takes the general road.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -36,8 +37,8 @@ from ..validate import (
     make_plan,
     stand_in,
 )
-from .decoding import NATIVE, NATIVE_FAST, NUMPY_FAST, DecodePlan, plan_checked
-from .kernels import decode, dispatch, mods, native_decode
+from .decoding import NATIVE, NATIVE_FAST, NUMPY_FAST, DecodePlan, causal_rows, plan_checked
+from .kernels import decode, dispatch, mods, native_decode, router
 from .kernels.decode_fast import check_precision
 from .quant import SCALED, dequantize_kv, quantize_kv, storage_dtype
 from .quant import storage_of as _storage
@@ -304,7 +305,8 @@ class KVCache:
         precision : {"exact", "fast"}, optional
             ``"fast"`` opts an int8 cache into the decode step's fast road
             (:func:`qkv.plan_decode`: q rounded to int8, its error bound there), where the
-            decode step serves the call (one query row, or ``causal=False``); elsewhere, and
+            decode step serves the call (one query row, several with ``causal=False``, or up
+            to 8 causal ones, whose last keys are taken exactly); elsewhere, and
             on caches of any other dtype, the exact road runs.
         **variants
             ``softcap``, ``sinks``, ``alibi_slopes``, ``score_mod``, ``mask_mod`` as in
@@ -410,6 +412,17 @@ class KVCache:
             options,
         )
         hi, lo = self._lengths, self._first  # read by the kernel as it runs
+        if plan.causal and 1 < qa.shape[2] <= router.DECODE_MAX_L and plan.window is None:
+            # several causal rows: their common keys on the step, the last ones merged in
+            found = causal_rows(
+                plan, qa, self._k, self._v, lo, hi, self._last_keys(stand),
+                form=self._form if self._form != "float16" else None,
+                scales=None if self._ks is None else (self._ks, self._vs), precision=precision,
+            )  # fmt: skip
+            if found is None:
+                return None, plan
+            out = found[0].astype(out_dtype, copy=False)
+            return mods.with_sinks(plan, out, found[1]), plan
         if plan.window is not None and plan.window[0] is not None:
             lo = np.maximum(hi - 1 - plan.window[0], 0)  # the one query sits at length - 1
         step = plan_checked(
@@ -425,6 +438,19 @@ class KVCache:
         if again is not None and lo is self._first:  # (a window's starts depend on the lengths)
             self._planned = (again, step)  # q is the caller's array (no copy)
         return mods.with_sinks(plan, out, lse), plan
+
+    def _last_keys(
+        self, acc: np.dtype
+    ) -> Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+        """The keys and values at ``positions (batch, n)`` of each sequence, ``(batch,
+        kv_heads, n, ·)`` in the compute dtype ``acc`` (:func:`causal_rows`'s ``last``)."""
+
+        def last(valid: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            at = (np.arange(self.batch)[:, None], slice(None), pos)  # -> (batch, n, kv_heads, ·)
+            k, v = self._values(self._k, self._ks, at), self._values(self._v, self._vs, at)
+            return np.moveaxis(k, 1, 2).astype(acc), np.moveaxis(v, 1, 2).astype(acc)
+
+        return last
 
     def _per_head_variants(self, variants: dict[str, Any], heads: int) -> dict[str, Any]:
         """``sinks`` and ``alibi_slopes`` as arrays checked against ``(batch, heads)``, so that

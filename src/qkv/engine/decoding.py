@@ -17,6 +17,7 @@ backend's run through it.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -26,13 +27,14 @@ from ..errors import InputError, InputTypeError
 from ..keywords import near_keywords
 from ..options import Options
 from ..validate import Plan, as_array, make_plan, stand_in
+from .kernels import causal_rows as kernels_causal_rows
 from .kernels import decode, decode_fast, dispatch, native_decode, router
 from .kernels.native_lib import address
 from .quant import SCALED, check_format, dequantize_kv, storage_dtype
 
 __all__ = [
-    "NATIVE", "NATIVE_FAST", "NUMPY", "NUMPY_FAST", "DecodePlan", "check_table", "plan_checked",
-    "plan_decode",
+    "NATIVE", "NATIVE_FAST", "NUMPY", "NUMPY_FAST", "DecodePlan", "causal_rows", "check_table",
+    "plan_checked", "plan_decode",
 ]  # fmt: skip
 
 #: The router's names of the roads a plan may take: the native step (exact, or the fast road
@@ -706,6 +708,48 @@ def plan_checked(
         _pages=table is not None, _table=table, _template=template,
         _convert=qa.dtype != acc, _cast_out=out_dtype != acc,
     )  # fmt: skip
+
+
+def causal_rows(
+    plan: Plan,
+    q: np.ndarray,
+    k: Any,
+    v: Any,
+    lo: np.ndarray,
+    hi: np.ndarray,
+    last: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]],
+    *,
+    form: str | None = None,
+    table: np.ndarray | None = None,
+    scales: tuple[Any, Any] | None = None,
+    precision: str = "exact",
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """A checked causal ``plan`` of several query rows ``q (batch, heads, L, d)`` on the
+    decode step (:mod:`qkv.engine.kernels.causal_rows`), sequence ``b`` seeing keys
+    ``[lo[b], hi[b])`` from its last row: the keys all its rows see in one unmasked step
+    (:func:`plan_checked` on ``k`` and ``v``, pages with ``table``), merged with its last
+    ``L − 1`` keys, which ``last(valid, positions)`` gives: the keys and values at
+    ``positions (batch, L − 1)`` (any finite stand-in where ``valid`` is False) as
+    ``(batch, kv_heads, L − 1, ·)`` arrays in the compute dtype. ``(out, lse)`` in the
+    compute dtype; None where the step has no native road (nor the NumPy emulation of the
+    fast one) or a result is not finite: the caller's general road then runs."""
+    rows = q.shape[2]
+    acc = plan.acc_dtype
+    step = plan_checked(
+        plan.but(causal=False), q, k, v, form=form,
+        runs=decode.KeyRuns(lo, np.maximum(hi - (rows - 1), lo)), table=table,
+        out_dtype=acc, scales=scales, precision=precision,
+    )  # fmt: skip
+    if step.route not in (NATIVE, NATIVE_FAST, NUMPY_FAST):
+        return None
+    ks, vs = (None, None) if scales is None else scales
+    found = step.run(q, k, v, k_scale=ks, v_scale=vs, return_lse=True)
+    pos, seen = kernels_causal_rows.last_keys(lo, hi, rows)
+    kt, vt = last(seen[:, 0, -1], pos)
+    out, lse = kernels_causal_rows.with_tail(
+        found, q.astype(acc, copy=False), kt, vt, seen, plan.scale, plan.softcap
+    )
+    return (out, lse) if np.isfinite(out).all() else None
 
 
 def _contiguous(shape: tuple[int, ...], item: int) -> tuple[int, ...]:

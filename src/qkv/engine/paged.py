@@ -29,7 +29,7 @@ from ..keywords import near_keywords
 from ..options import Options
 from ..validate import Plan, as_array, broadcasts_to, check_flag, make_plan, stand_in
 from . import cascade
-from .decoding import NATIVE, NATIVE_FAST, NUMPY_FAST, check_table, plan_checked
+from .decoding import NATIVE, NATIVE_FAST, NUMPY_FAST, causal_rows, check_table, plan_checked
 from .kernels import decode, dispatch, native, router
 from .kernels.decode_fast import check_precision
 from .quant import SCALED, check_format, dequantize_kv, quantize_kv, storage_dtype, storage_of
@@ -99,6 +99,22 @@ def _gathered(
     return np.moveaxis(x, 0, 1)
 
 
+def _rows(
+    pages: np.ndarray,
+    scales: np.ndarray | None,
+    form: str | None,
+    ids: np.ndarray,
+    rows: np.ndarray,
+    acc: np.dtype,
+) -> np.ndarray:
+    """Rows ``rows`` of pages ``ids`` (both ``(batch, n)``) as ``(batch, kv_heads, n, ·)`` in
+    the compute dtype ``acc``: their stored values (a form dequantized)."""
+    x = pages[ids, rows]
+    if form not in (None, "float16"):
+        x = dequantize_kv(x, None if scales is None else scales[ids, rows], form)
+    return np.moveaxis(x, 2, 1).astype(acc)
+
+
 @near_keywords()
 def attend_pages(
     q: Any,
@@ -157,9 +173,10 @@ def attend_pages(
     precision : {"exact", "fast"}, optional
         ``"fast"`` opts int8 pages into the decode step's fast road (:func:`qkv.plan_decode`:
         q rounded to int8, its error bound there), where the decode step serves the call (one
-        query row per sequence, or ``causal=False``; no ``alibi_slopes``); elsewhere, and on
-        pages of any other form, the exact road runs (a shared prefix is then not split off:
-        the fast road reads every page).
+        query row per sequence, several with ``causal=False``, or up to 8 causal ones, whose
+        last keys are taken exactly; no ``alibi_slopes``); elsewhere, and on pages of any
+        other form, the exact road runs (a shared prefix is then not split off: the fast road
+        reads every page).
 
     Returns
     -------
@@ -242,6 +259,21 @@ def attend_pages(
     def step_over(tab: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         # (out, lse) of the paged step over rows `tab` of the table, `lens` keys each: the
         # router decides the road (step.route): the native step, the fast road, or neither
+        if plan.causal and 1 < Lq <= router.DECODE_MAX_L and plan.window is None and tab.size:
+            # several causal rows: their common keys on the step, the last Lq - 1 merged in
+
+            def last(valid: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                ids = np.where(valid, tab[np.arange(B)[:, None], pos // page], 0)
+                at, acc = pos % page, plan.acc_dtype
+                return _rows(kp, ks, form, ids, at, acc), _rows(vp, vs, form, ids, at, acc)
+
+            found = causal_rows(
+                plan, qa, kp, vp, np.zeros(B, np.int64), lens, last,
+                form=form if form != "float16" else None, table=tab,
+                scales=None if ks is None else (ks, vs), precision=precision,
+            )  # fmt: skip
+            if found is not None:
+                return found[0].astype(out_dtype, copy=False), found[1]
         lo = np.zeros(B, np.int64)
         if plan.window is not None and plan.window[0] is not None:
             lo = np.maximum(lens - 1 - plan.window[0], 0)  # the one query sits at length - 1

@@ -27,6 +27,7 @@ from ... import numerics
 from ...errors import InputError, InputTypeError
 from ...validate import Plan
 from . import (
+    causal_rows,
     decode,
     dense,
     key_counts,
@@ -130,6 +131,7 @@ _new = tuple.__new__  # builds a Choice without the named tuple's keyword handli
 # (looked up on each call, so that a test may stand in for a kernel).
 RUNNERS: dict[str, tuple[Any, str]] = {
     "native decode, stored K/V": (native_decode, "attend_stored"),
+    "native decode, causal rows, stored K/V": (causal_rows, "attend_stored"),
     "native bfloat16 prefill": (native_bf16, "attend"),
     "native prefill, own tiles, stored K/V": (native, "attend_stored_own"),
     "native prefill, stored K/V": (native, "attend_stored"),
@@ -137,6 +139,7 @@ RUNNERS: dict[str, tuple[Any, str]] = {
     "tiled (forced)": (tiled, "attend"),
     "decode (forced)": (decode, "attend"),
     "native decode": (native_decode, "attend"),
+    "native decode, causal rows": (causal_rows, "attend"),
     "decode": (decode, "attend"),
     "dense": (dense, "attend"),
     "native prefill, own tiles": (stacked, "attend_own"),

@@ -243,6 +243,23 @@ def attend(plan: Plan, *, threads: int | None = None) -> tuple[np.ndarray, np.nd
 _UNSERVED: Any = ()  # what _attend_plain gives for a plan it does not read as it is
 
 
+def plain(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    scale: float,
+    softcap: float | None,
+    threads: int | None = None,
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """One step of ``q (..., heads, L, d)`` against all of ``k`` and ``v`` (``(...,
+    kv_heads, S, ·)``, in the compute dtype or stored as float16/bfloat16; a view of a
+    cache's first keys is read in place): ``(out, lse)`` in the compute dtype, arrays of
+    their own; None where the kernel cannot read the operands as they are or a result is not
+    finite."""
+    found = _plain_step(q, k, v, scale, softcap, threads)
+    return None if found is _UNSERVED else found
+
+
 def attend_finite(
     plan: Plan, *, threads: int | None = None
 ) -> tuple[np.ndarray, np.ndarray] | None:

@@ -256,14 +256,42 @@ _NONEMPTY = _c(
 
 # The native decode step on a plan (qkv.engine.kernels.native_decode.attend): every sequence's
 # keys, or the one run of them a boolean mask row leaves, streamed once in C++.
+_NO_BIAS = _c(lambda a: a.plan.bias is None, "a float mask (bias) given")
+_NO_WINDOW = _c(
+    lambda a: a.plan.window is None, "a window given (it reads a mask's runs of keys only)"
+)
+_HEADS_AXIS = _c(lambda a: a.plan.q.ndim >= 3, "no heads axis (q of rank 2)")
 DECODE_STEP = (
-    _c(lambda a: a.plan.bias is None, "a float mask (bias) given"),
-    _c(lambda a: a.plan.window is None, "a window given (it reads a mask's runs of keys only)"),
+    _NO_BIAS,
+    _NO_WINDOW,
     _NO_TILE_VARIANT,
     _c(lambda a: not (a.plan.causal and a.plan.L != 1), "causal with more than one query row"),
     _c(lambda a: a.plan.mask is None or a.plan.L == 1, "a mask with more than one query row"),
     _F32_OR_F64,
-    _c(lambda a: a.plan.q.ndim >= 3, "no heads axis (q of rank 2)"),
+    _HEADS_AXIS,
+    _NONEMPTY,
+    _NATIVE,
+)
+CAUSAL_ROWS_KEYS_PER_ROW = 8  # keys per query row from which the split pays (measured)
+# Causal plans of a few query rows on the native decode step
+# (qkv.engine.kernels.causal_rows): the keys every row sees in one unmasked step, the last
+# L - 1 keys as a triangle in NumPy, merged.
+CAUSAL_ROWS = (
+    _c(lambda a: a.plan.causal and a.plan.L > 1, "not causal with more than one query row"),
+    _FEW_ROWS,
+    _c(
+        lambda a: a.plan.S >= CAUSAL_ROWS_KEYS_PER_ROW * a.plan.L,
+        lambda a: (
+            f"{a.plan.S} keys, fewer than {CAUSAL_ROWS_KEYS_PER_ROW} a query row (the dense "
+            "kernel's products run them faster)"
+        ),
+    ),
+    _c(lambda a: a.plan.mask is None, "a mask given"),
+    _NO_BIAS,
+    _NO_WINDOW,
+    _NO_TILE_VARIANT,
+    _F32_OR_F64,
+    _HEADS_AXIS,
     _NONEMPTY,
     _NATIVE,
 )
@@ -347,6 +375,12 @@ FORWARD: tuple[Kernel, ...] = (
         ),
         stored=True,
     ),
+    Kernel(
+        "native decode, causal rows, stored K/V",
+        "decode",
+        (_STORED_KV, _AUTO, *CAUSAL_ROWS),
+        stored=True,
+    ),
     Kernel("native bfloat16 prefill", "tiled", (_PREFILL_SHAPE, *BF16), stored=True),
     Kernel(
         "native prefill, own tiles, stored K/V",
@@ -379,6 +413,7 @@ FORWARD: tuple[Kernel, ...] = (
             *DECODE_STEP,
         ),
     ),
+    Kernel("native decode, causal rows", "decode", (_AUTO, *CAUSAL_ROWS)),
     Kernel(
         "decode",
         "decode",

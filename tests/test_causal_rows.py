@@ -1,0 +1,271 @@
+"""Several causal query rows on the decode step (:mod:`qkv.engine.kernels.causal_rows`):
+speculative decoding's draft tokens and short prompt chunks against a cache.
+
+Every road is compared with the float64 reference on the stored (dequantized) K/V: the keys all
+rows see run on the native step, the last ``L - 1`` keys as a triangle in NumPy, merged. The
+tolerance is the ``fast path`` row's (float32 computation from the stored values; float64 for
+float64), as in ``test_paged``.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tests.conftest import tol
+
+import qkv
+from qkv import reference
+from qkv.engine.kernels import causal_rows, native_decode, router
+from qkv.engine.paged import attend_pages
+from qkv.flash import flash_attn_with_kvcache
+from qkv.testing import strategies as qst
+
+TOL32, TOL64 = tol("fast path", np.float32), tol("fast path", np.float64)
+FORMS = ["float32", "float64", "bfloat16", "float16", "int8", "float8_e4m3fn"]
+native = pytest.mark.skipif(
+    not native_decode.available(), reason="native kernels not built (or QKV_NATIVE=0)"
+)
+
+
+def _reference(q, k, v, lengths, **options):
+    """The float64 reference per sequence on its first ``lengths[b]`` keys of ``k (B, kvh, S,
+    d)``, grouped heads repeated: ``(out, lse)``."""
+    B, H, L, _ = q.shape
+    g = H // k.shape[1]
+    out = np.zeros((B, H, L, v.shape[-1]))
+    lse = np.full((B, H, L), -np.inf)
+    for b, n in enumerate(lengths):
+        kb = np.repeat(np.asarray(k[b, :, :n], np.float64), g, axis=0)
+        vb = np.repeat(np.asarray(v[b, :, :n], np.float64), g, axis=0)
+        out[b], lse[b] = reference.attention(
+            np.asarray(q[b], np.float64), kb, vb, causal=True, return_lse=True, **options
+        )
+    return out, lse
+
+
+def _close(got, want, dtype=np.float32):
+    t = TOL64 if dtype == np.float64 else TOL32
+    np.testing.assert_allclose(np.asarray(got[0], np.float64), want[0], **t)
+    finite = np.isfinite(want[1])
+    assert np.array_equal(np.isfinite(got[1]), finite)
+    np.testing.assert_allclose(np.asarray(got[1], np.float64)[finite], want[1][finite], **t)
+
+
+# --- the two pieces ---------------------------------------------------------------------------
+
+
+@given(
+    rows=st.integers(2, 8),
+    lo=st.integers(0, 6),
+    n=st.integers(0, 20),
+)
+def test_last_keys_are_the_keys_not_every_row_sees(rows, lo, n):
+    hi = lo + n
+    pos, seen = causal_rows.last_keys(np.array([lo]), np.array([hi]), rows)
+    common = max(hi - rows + 1, lo)
+    for i in range(rows):  # row i sits at position hi - rows + i and sees [lo, that]
+        sees = set(range(lo, hi - rows + i + 1))
+        from_tail = {int(pos[0, t]) for t in range(rows - 1) if seen[0, 0, i, t]}
+        assert from_tail == sees - set(range(lo, common))
+        assert all(p >= common for p in from_tail)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    group=st.sampled_from([1, 2, 4]),
+    rows=st.integers(2, 8),
+    first=st.integers(0, 40),
+    softcap=st.sampled_from([None, 3.0]),
+)
+def test_with_tail_equals_attention_over_both_key_sets(seed, group, rows, first, softcap):
+    """A part over ``first`` keys (rows that see none of them included) merged with the last
+    keys' triangle equals the reference over all keys under the causal mask."""
+    rng = np.random.default_rng(seed)
+    B, kvh, d = 2, 2, 16
+    S = first + rows - 1
+    q = qst.values(rng, (B, kvh * group, rows, d))
+    k, v = qst.values(rng, (B, kvh, S, d)), qst.values(rng, (B, kvh, S, d))
+    kr, vr = np.repeat(k, group, 1), np.repeat(v, group, 1)
+    scale = d**-0.5
+    head = reference.attention(q, kr[:, :, :first], vr[:, :, :first], return_lse=True,
+                               scale=scale, softcap=softcap)  # fmt: skip
+    seen = np.tri(rows, rows - 1, -1, dtype=bool)
+    got = causal_rows.with_tail(
+        (head[0].copy(), head[1].copy()), q, k[:, :, first:], v[:, :, first:], seen, scale, softcap
+    )
+    want = reference.attention(q, kr, vr, causal=True, return_lse=True, scale=scale,
+                               softcap=softcap)  # fmt: skip
+    _close(got, want, np.float64)
+
+
+# --- qkv.attention: the router's rows -------------------------------------------------------
+
+
+@native
+@settings(max_examples=80, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    batch=st.integers(1, 3),
+    kvh=st.integers(1, 3),
+    group=st.sampled_from([1, 2, 4]),
+    rows=st.integers(2, 8),
+    extra=st.integers(0, 200),
+    d=st.sampled_from([8, 32, 64, 128]),
+    dtype=st.sampled_from(["float32", "float64", "bfloat16", "float16"]),
+    softcap=st.sampled_from([None, 5.0]),
+)
+def test_attention_with_a_few_causal_rows_equals_reference(
+    seed, batch, kvh, group, rows, extra, d, dtype, softcap
+):
+    rng = np.random.default_rng(seed)
+    S = router.CAUSAL_ROWS_KEYS_PER_ROW * rows + extra
+    dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+    q = qst.values(rng, (batch, kvh * group, rows, d)).astype(dt)
+    k = qst.values(rng, (batch, kvh, S, d)).astype(dt)
+    v = qst.values(rng, (batch, kvh, S, d)).astype(dt)
+    route = qkv.route(q, k, v, causal=True, softcap=softcap)
+    assert route.kernel.startswith("native decode, causal rows"), route
+    out = qkv.attention(q, k, v, causal=True, softcap=softcap)
+    want = _reference(q, k, v, [S] * batch, softcap=softcap)
+    if dtype in ("bfloat16", "float16"):  # the float32 result, rounded once to the output
+        np.testing.assert_allclose(out.astype(np.float64), want[0], **tol("tensor dtypes", dt))
+    else:
+        np.testing.assert_allclose(out, want[0], **(TOL64 if dtype == "float64" else TOL32))
+
+
+@native
+@pytest.mark.parametrize("isa", ["baseline", "avx2", ""])
+def test_every_clone_runs_the_split(monkeypatch, isa):
+    monkeypatch.setenv("QKV_NATIVE_ISA", isa)
+    rng = np.random.default_rng(3)
+    q = qst.values(rng, (2, 8, 4, 64)).astype(np.float32)
+    k, v = (qst.values(rng, (2, 2, 300, 64)).astype(np.float32) for _ in range(2))
+    out, lse = qkv.attention(q, k, v, causal=True, return_lse=True)
+    _close((out, lse), _reference(q, k, v, [300, 300]))
+
+
+def test_short_rows_and_other_masks_keep_their_roads():
+    rng = np.random.default_rng(4)
+    q = qst.values(rng, (1, 4, 4, 16))
+    short = qst.values(rng, (1, 4, 8, 16))  # fewer keys than 8 a row: the dense kernel
+    assert not qkv.route(q, short, short, causal=True).kernel.startswith("native decode, causal")
+    k = qst.values(rng, (1, 4, 200, 16))
+    for options in ({"causal": False}, {"causal": True, "window": (50, 0)}):
+        assert "causal rows" not in qkv.route(q, k, k, **options).kernel
+
+
+# --- paged and cached steps, every stored form --------------------------------------------------
+
+
+def _pool(rng, form, nb, page, kvh, d):
+    kx = qst.values(rng, (nb, page, kvh, d)).astype(np.float32)
+    vx = qst.values(rng, (nb, page, kvh, d)).astype(np.float32)
+    if form in ("float32", "float64", "float16"):
+        k, v = kx.astype(form), vx.astype(form)
+        return k, v, {}, k.astype(np.float64), v.astype(np.float64)
+    (k, ks), (v, vs) = qkv.quantize_kv(kx, form), qkv.quantize_kv(vx, form)
+    kd = qkv.dequantize_kv(k, ks, form).astype(np.float64)
+    vd = qkv.dequantize_kv(v, vs, form).astype(np.float64)
+    extra = {"kv_format": form}
+    if ks is not None:
+        extra.update(k_scale=ks, v_scale=vs)
+    return k, v, extra, kd, vd
+
+
+@native
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    form=st.sampled_from(FORMS),
+    page=st.sampled_from([1, 3, 16, 64]),
+    rows=st.integers(2, 8),
+    lengths=st.lists(st.integers(0, 150), min_size=1, max_size=4),
+    softcap=st.sampled_from([None, 4.0]),
+    fast=st.booleans(),
+)
+def test_paged_step_with_a_few_causal_rows_equals_reference(
+    seed, form, page, rows, lengths, softcap, fast
+):
+    """Sequences shorter than the rows (some rows see nothing) and empty ones included."""
+    rng = np.random.default_rng(seed)
+    B, kvh, H, d = len(lengths), 2, 4, 32
+    nb = sum(-(-n // page) for n in lengths) + 2
+    k, v, extra, kd, vd = _pool(rng, form, nb, page, kvh, d)
+    width = max(max(-(-n // page) for n in lengths), 1)
+    table = np.full((B, width), -1, np.int64)
+    ids, at = rng.permutation(nb), 0
+    for b, n in enumerate(lengths):
+        p = -(-n // page)
+        table[b, :p] = ids[at : at + p]
+        at += p
+    dt = np.float64 if form == "float64" else np.float32
+    q = qst.values(rng, (B, H, rows, d)).astype(dt)
+    precision = "fast" if fast and form == "int8" else "exact"
+    got = attend_pages(q, k, v, table, lengths, softcap=softcap, return_lse=True,
+                       precision=precision, **extra)  # fmt: skip
+    S = width * page
+    pos = np.arange(S)
+    kg = np.moveaxis(kd[table[:, pos // page], pos % page], 2, 1)  # (B, kvh, S, d)
+    vg = np.moveaxis(vd[table[:, pos // page], pos % page], 2, 1)
+    want = _reference(q, kg, vg, lengths, softcap=softcap)
+    if precision == "fast":  # q rounded to int8: the fast road's own bound, loosely
+        np.testing.assert_allclose(got[0], want[0], atol=0.15)
+    else:
+        _close(got, want, dt)
+
+
+@native
+@pytest.mark.parametrize("form", ["float32", "bfloat16", "int8", "float8_e4m3fn", "float16"])
+def test_cache_step_with_a_few_causal_rows_equals_reference(form):
+    rng = np.random.default_rng(5)
+    B, kvh, H, d, rows = 3, 2, 8, 64, 4
+    cache = qkv.KVCache(B, kvh, d, dtype=form)
+    for n in (90, 7):  # a prompt, then a few draft tokens: the rows that attend
+        cache.append(qst.values(rng, (B, kvh, n, d)), qst.values(rng, (B, kvh, n, d)))
+    cache.append(qst.values(rng, (kvh, 5, d)), qst.values(rng, (kvh, 5, d)), seq=1)
+    q = qst.values(rng, (B, H, rows, d)).astype(np.float32)
+    got = cache.attend(q, return_lse=True)
+    lengths = [97, 102, 97]
+    k = np.zeros((B, kvh, 102, d))
+    v = np.zeros((B, kvh, 102, d))
+    for b, n in enumerate(lengths):
+        k[b, :, :n], v[b, :, :n] = cache.keys(b), cache.values(b)
+    _close(got, _reference(q, k, v, lengths))
+
+
+@native
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_flash_kvcache_with_draft_tokens_equals_reference(paged, dtype):
+    """``flash_attn_with_kvcache`` with new k/v of 4 tokens per sequence (written, then
+    attended causally), on a contiguous and a paged cache."""
+    rng = np.random.default_rng(6)
+    B, kvh, H, d, rows, page = 2, 2, 4, 64, 4, 16
+    dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
+    seqlens = np.array([100, 43])
+    cap = 128
+    k_new = qst.values(rng, (B, rows, kvh, d)).astype(dt)
+    v_new = qst.values(rng, (B, rows, kvh, d)).astype(dt)
+    q = qst.values(rng, (B, rows, H, d)).astype(dt)
+    if paged:
+        nb = B * cap // page
+        kc = qst.values(rng, (nb, page, kvh, d)).astype(dt)
+        vc = qst.values(rng, (nb, page, kvh, d)).astype(dt)
+        table = rng.permutation(nb).reshape(B, cap // page).astype(np.int32)
+        out = flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=seqlens,
+                                      block_table=table, causal=True)  # fmt: skip
+        pos = np.arange(cap)
+        kg, vg = kc[table[:, pos // page], pos % page], vc[table[:, pos // page], pos % page]
+    else:
+        kc = qst.values(rng, (B, cap, kvh, d)).astype(dt)
+        vc = qst.values(rng, (B, cap, kvh, d)).astype(dt)
+        out = flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=seqlens, causal=True)
+        kg, vg = kc, vc
+    want = _reference(q.transpose(0, 2, 1, 3), np.moveaxis(kg, 2, 1), np.moveaxis(vg, 2, 1),
+                      (seqlens + rows).tolist())  # fmt: skip
+    t = tol("tensor dtypes" if dtype == "bfloat16" else "fast path", dt)
+    np.testing.assert_allclose(np.asarray(out, np.float64), want[0].transpose(0, 2, 1, 3), **t)
