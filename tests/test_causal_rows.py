@@ -238,16 +238,19 @@ def test_cache_step_with_a_few_causal_rows_equals_reference(form):
 
 
 @native
+@pytest.mark.parametrize("rows", [4, 24])
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_flash_kvcache_with_draft_tokens_equals_reference(paged, dtype):
+def test_flash_kvcache_with_draft_tokens_equals_reference(paged, dtype, rows):
     """``flash_attn_with_kvcache`` with new k/v of 4 tokens per sequence (written, then
-    attended causally), on a contiguous and a paged cache."""
+    attended causally: the decode step), or a chunk of 24 (each sequence's full pages that
+    every row sees read in place by the prefill; a contiguous cache's rows viewed as pages
+    of 256), on a contiguous and a paged cache."""
     rng = np.random.default_rng(6)
-    B, kvh, H, d, rows, page = 2, 2, 4, 64, 4, 16
+    B, kvh, H, d, page = 2, 2, 4, 64, 16
     dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
-    seqlens = np.array([100, 43])
-    cap = 128
+    seqlens = np.array([400, 300])
+    cap = 512
     k_new = qst.values(rng, (B, rows, kvh, d)).astype(dt)
     v_new = qst.values(rng, (B, rows, kvh, d)).astype(dt)
     q = qst.values(rng, (B, rows, H, d)).astype(dt)
@@ -269,3 +272,66 @@ def test_flash_kvcache_with_draft_tokens_equals_reference(paged, dtype):
                       (seqlens + rows).tolist())  # fmt: skip
     t = tol("tensor dtypes" if dtype == "bfloat16" else "fast path", dt)
     np.testing.assert_allclose(np.asarray(out, np.float64), want[0].transpose(0, 2, 1, 3), **t)
+
+
+@native
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    form=st.sampled_from(FORMS),
+    page=st.sampled_from([16, 64]),
+    rows=st.integers(9, 40),
+    lengths=st.lists(st.integers(0, 700), min_size=1, max_size=3),
+    softcap=st.sampled_from([None, 4.0]),
+)
+def test_paged_chunks_read_their_full_pages_in_place_and_equal_reference(
+    seed, form, page, rows, lengths, softcap
+):
+    """A chunk of more rows than a decoding step's: each sequence's full pages that every row
+    sees whole (from 256 keys) split off to the prefill that reads them in place, the rest
+    gathered; sequences shorter than the chunk included."""
+    rng = np.random.default_rng(seed)
+    B, kvh, H, d = len(lengths), 2, 4, 32
+    nb = sum(-(-n // page) for n in lengths) + 2
+    k, v, extra, kd, vd = _pool(rng, form, nb, page, kvh, d)
+    width = max(max(-(-n // page) for n in lengths), 1)
+    table = np.full((B, width), -1, np.int64)
+    ids, at = rng.permutation(nb), 0
+    for b, n in enumerate(lengths):
+        p = -(-n // page)
+        table[b, :p] = ids[at : at + p]
+        at += p
+    dt = np.float64 if form == "float64" else np.float32
+    q = qst.values(rng, (B, H, rows, d)).astype(dt)
+    got = attend_pages(q, k, v, table, lengths, softcap=softcap, return_lse=True, **extra)
+    S = width * page
+    pos = np.arange(S)
+    kg = np.moveaxis(kd[table[:, pos // page], pos % page], 2, 1)
+    vg = np.moveaxis(vd[table[:, pos // page], pos % page], 2, 1)
+    _close(got, _reference(q, kg, vg, lengths, softcap=softcap), dt)
+
+
+@native
+def test_a_paged_chunk_splits_at_its_own_full_pages(monkeypatch):
+    """The prefill reads the pages every row sees whole, in place, once per sequence."""
+    from qkv.engine.kernels import native
+
+    seen = []
+    real = native.attend_prefix_pages
+
+    def spy(part, k_pages, v_pages, ids, *args, **kwargs):
+        seen.append((part.S, ids.tolist()))
+        return real(part, k_pages, v_pages, ids, *args, **kwargs)
+
+    monkeypatch.setattr(native, "attend_prefix_pages", spy)
+    rng = np.random.default_rng(7)
+    k, v, _, kd, vd = _pool(rng, "float32", 80, 16, 2, 32)
+    table = rng.permutation(80)[:76].reshape(2, 38)
+    q = qst.values(rng, (2, 4, 32, 32)).astype(np.float32)
+    got = attend_pages(q, k, v, table, [600, 400], return_lse=True)
+    # every row sees keys up to length - 32; whole pages of them: 35 and 23
+    assert seen == [(35 * 16, table[0, :35].tolist()), (23 * 16, table[1, :23].tolist())]
+    pos = np.arange(38 * 16)
+    kg = np.moveaxis(kd[table[:, pos // 16], pos % 16], 2, 1)
+    vg = np.moveaxis(vd[table[:, pos // 16], pos % 16], 2, 1)
+    _close(got, _reference(q, kg, vg, [600, 400]))

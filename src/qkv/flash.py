@@ -574,14 +574,19 @@ def _attend_pages(
     ``result_type`` of the inputs, and ``lse (B, H, Lq)`` in the accumulation dtype with
     ``return_lse``.
 
-    A decoding step (one query per sequence, or up to ``DECODE_MAX_L`` with no window's left
-    side; no ALiBi) is :func:`qkv.engine.paged.attend_pages`, which the native decode step
-    serves reading the pages in place. Otherwise each sequence's
+    A decoding step (one query per sequence), a few rows with no window, and a chunk of
+    more rows with no window on a table of several pages a sequence (no ALiBi) is
+    :func:`qkv.engine.paged.attend_pages`, which reads the pages in place where its kernels
+    can (the native decode step; for chunks, the prefill over each sequence's full pages). A
+    contiguous cache's chunk takes the road below on views of its rows. Otherwise each sequence's
     pages are gathered into a contiguous copy for the ordinary kernels (the decode ones
     together, :func:`qkv.engine.kernels.dispatch.attend_many`).
     """
-    few = q.shape[2] == 1 or (q.shape[2] <= router.DECODE_MAX_L and window is None)
-    if alibi_slopes is None and few:  # a decoding step: the pages read in place
+    rows = q.shape[2]
+    paged = block_table.shape[1] > 1  # (a contiguous cache is one page a sequence)
+    if alibi_slopes is None and (
+        rows == 1 or (window is None and (rows <= router.DECODE_MAX_L or paged))
+    ):  # a decoding step, a few draft rows, a chunk against pages: the pages read in place
         from .engine import paged
 
         found = paged.attend_pages(
@@ -622,6 +627,18 @@ def _attend_pages(
     for b, (o, s) in enumerate(dispatch.attend_many(plans)):
         out[b], lse[b] = o, s
     return (out, lse) if return_lse else out
+
+
+def _pages_of(k_cache: np.ndarray, v_cache: np.ndarray) -> int:
+    """The rows of pages that a contiguous cache ``(batch, seqlen_cache, kv_heads, ·)`` is,
+    viewed without a copy (the largest of 256, 128, 64, 32, 16 dividing ``seqlen_cache``),
+    so that a chunk of queries reads its sequences' full pages in place
+    (:func:`qkv.engine.paged.attend_pages`); 0 where none fits or the rows are not
+    contiguous."""
+    cap = k_cache.shape[1]
+    if not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
+        return 0
+    return next((p for p in (256, 128, 64, 32, 16) if cap % p == 0 and cap > p), 0)
 
 
 def _wide(a: np.ndarray) -> np.ndarray:
@@ -1032,8 +1049,16 @@ def flash_attn_with_kvcache(
         scale=scale, causal=causal, window=window, softcap=cap, alibi_slopes=slopes,
         return_lse=True,
     )  # fmt: skip
+    chunk = Lq > router.DECODE_MAX_L and window is None and slopes is None
+    page = _pages_of(kc, vc) if chunk and not paged and not leftpad.any() else 0
     if paged:
         out, lse = _attend_pages(qb, kc, vc, bt, total, **rule)
+    elif page:  # a chunk against a contiguous cache: its rows as pages, each sequence's own
+        assert rows_of is not None
+        per = P // page
+        table = rows_of[:, None] * per + np.arange(per)
+        kp, vp = (x.reshape(-1, page, *x.shape[2:]) for x in (kc, vc))
+        out, lse = _attend_pages(qb, kp, vp, table, total, **rule)
     elif not leftpad.any():  # a contiguous cache is pages of seqlen_cache, one per sequence
         assert rows_of is not None
         out, lse = _attend_pages(qb, kc, vc, rows_of[:, None], total, **rule)

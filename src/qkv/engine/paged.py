@@ -140,8 +140,11 @@ def attend_pages(
     Must equal :func:`qkv.reference.attention` on each sequence ``b``'s keys and values
     (positions ``0 .. seqlens[b] - 1``, gathered from its pages; the stored values,
     :func:`qkv.dequantize_kv`, for a quantized pool). One query per sequence with nothing but
-    ``softcap`` or ``window`` runs on the native decode kernel, which reads the pages in place;
-    anything else gathers each sequence's pages and takes the general road.
+    ``softcap`` or ``window``, or up to 8 with ``softcap`` alone, runs on the native decode
+    kernel, which reads the pages in place. A chunk of more rows (causal, no ALiBi, no
+    window's left side) reads its sequence's full pages that every row sees whole in place,
+    by the native prefill, and gathers the rest. Anything else gathers each sequence's pages
+    and takes the general road.
 
     Parameters
     ----------
@@ -299,6 +302,21 @@ def attend_pages(
         return out, lse
 
     cols = cascade.shared_columns(table, lengths, page, Lq)
+    if not cols and B > 1 and Lq > router.DECODE_MAX_L:
+        # chunks of prompts: each sequence alone, its own full pages that every row sees
+        # whole split off and read in place (below), the rest gathered
+        parts = [
+            attend_pages(
+                qa[b : b + 1], k_pages, v_pages, table[b : b + 1], lengths[b : b + 1],
+                scale=plan.scale, causal=causal, window=window, softcap=softcap,
+                alibi_slopes=None if slopes is None else slopes[b : b + 1], return_lse=True,
+                kv_format=kv_format, k_scale=k_scale, v_scale=v_scale, precision=precision,
+            )
+            for b in range(B)
+        ]  # fmt: skip
+        out = np.concatenate([o for o, _ in parts]).astype(out_dtype, copy=False)
+        lse = np.concatenate([s for _, s in parts])
+        return (out, lse) if return_lse else out
     if cols and router.cascade(plan, slopes, cols * page, B, precision):
         # a prefix every sequence shares: its pages read once for all of them
         ids = table[0, :cols]

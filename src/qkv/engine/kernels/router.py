@@ -835,12 +835,17 @@ def choose(plan: Plan, kernel: str = "auto", counts: bool = True) -> Route:
 
 # A paged step whose block table starts with the same pages in every row (requests forked from
 # one prompt) may split there (qkv.engine.cascade): the prefix once for all requests as one
-# prefill-shaped call, merged with each request's own pages by their lse. Ask.plan here is
-# (plan, ALiBi slopes, shared keys, sequences, precision).
+# prefill-shaped call, merged with each request's own pages by their lse. So may one sequence's
+# chunk of more than DECODE_MAX_L query rows (a prompt fed a chunk at a time) at its own full
+# pages that every row sees whole: read in place by the prefill. Ask.plan here is (plan, ALiBi
+# slopes, shared keys, sequences, precision).
 MIN_SHARED_KEYS = 256
 CASCADE = (
     _c(lambda a: a.plan[4] == "exact", "precision='fast' (its road reads every page itself)"),
-    _c(lambda a: a.plan[3] >= 2, "fewer than two sequences"),
+    _c(
+        lambda a: a.plan[3] >= 2 or a.plan[0].L > DECODE_MAX_L,
+        "one sequence with a decoding step's few query rows (its pages read by the step)",
+    ),
     _c(
         lambda a: a.plan[2] >= MIN_SHARED_KEYS,
         lambda a: f"{a.plan[2]} shared keys, fewer than {MIN_SHARED_KEYS}",
