@@ -338,8 +338,12 @@ class Plan:
         """Sequences ``batch`` (axis 0) of this checked plan against their first ``n_keys``
         keys (a KV cache's sequences of one length), not checked again; ``variants``
         replaces user functions (whose batch index the caller offsets)."""
-        if self.stored is not None:
-            return self.materialized().sequences(batch, n_keys, **variants)
+        stored = self.stored
+        if stored is not None:
+            if any(x.shape != self.k.shape[:-1] + x.shape[-1:] for x in stored):
+                return self.materialized().sequences(batch, n_keys, **variants)
+            # (K/V as given, of the plan's shapes: the same rows of them)
+            stored = tuple(x[batch, ..., :n_keys, :] for x in stored)  # type: ignore[assignment]
         per_head: dict[str, Any] = {
             name: None if a is None else a[batch]
             for name, a in (("sinks", self.sinks), ("alibi", self.alibi))
@@ -351,6 +355,7 @@ class Plan:
             k=self.k[batch, ..., :n_keys, :],
             v=self.v[batch, ..., :n_keys, :],
             given=(),
+            stored=stored,
             **per_head,
             **variants,
         )

@@ -16,6 +16,7 @@ stored values are widened and the call takes the general road.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -268,9 +269,20 @@ class KVCache:
         b = self._check_seq(seq)
         return self._values(self._v, self._vs, (b, slice(None), slice(0, self._lengths[b])))
 
-    def _values(self, codes: np.ndarray, scales: np.ndarray | None, where: Any) -> np.ndarray:
+    def _values(
+        self, codes: np.ndarray, scales: np.ndarray | None, where: Any, like: Any = None
+    ) -> np.ndarray:
+        """The stored values at ``where``: a view of a float dtype's buffer, a copy of another
+        form's dequantized, or, for bfloat16 codes and a ``like`` dtype that says where
+        ml_dtypes' bfloat16 type is (q's own, or the module if imported), a view as that type
+        (the same numbers, read in place by the kernels that take stored K/V)."""
         if not self._form or self._form == "float16":
             return codes[where]
+        if self._form == "bfloat16" and like is not None:
+            bf16 = like if np.dtype(like).name == "bfloat16" else None
+            bf16 = bf16 or getattr(sys.modules.get("ml_dtypes"), "bfloat16", None)
+            if bf16 is not None:
+                return codes[where].view(bf16)
         return dequantize_kv(codes[where], None if scales is None else scales[where], self._form)
 
     @near_keywords(VARIANTS)
@@ -362,13 +374,13 @@ class KVCache:
         # One check, over every sequence against the longest; then one part of that checked
         # plan per run of neighbouring sequences of equal length (one part when all are equal),
         # which the kernels run together, the decode ones in one parallel pass.
-        keys = self._values(self._k, self._ks, np.s_[:, :, :longest])
-        vals = self._values(self._v, self._vs, np.s_[:, :, :longest])
+        keys = self._values(self._k, self._ks, np.s_[:, :, :longest], qa.dtype)
+        vals = self._values(self._v, self._vs, np.s_[:, :, :longest], qa.dtype)
         if checked is not None and checked.k.dtype == keys.dtype == vals.dtype:
             # the native road's plan, checked against stand-ins of these very shapes and dtype
             whole = replace(checked, k=keys, v=vals)  # (no second check: one make_plan a call)
-        else:
-            whole = make_plan(qa, keys, vals, options)
+        else:  # (bfloat16 codes as bfloat16 views: the kernels read them as stored)
+            whole = make_plan(qa, keys, vals, options, keep_stored=True)
         out = np.zeros((self.batch, heads, Lq, self.value_dim), dtype=whole.out_dtype)
         lse = np.full((self.batch, heads, Lq), -np.inf, dtype=whole.acc_dtype)
         runs, start = [], 0
