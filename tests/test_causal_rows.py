@@ -339,3 +339,23 @@ def test_a_paged_chunk_splits_at_its_own_full_pages(monkeypatch):
     kg = np.moveaxis(kd[table[:, pos // 16], pos % 16], 2, 1)
     vg = np.moveaxis(vd[table[:, pos // 16], pos % 16], 2, 1)
     _close(got, _reference(q, kg, vg, [600, 400]))
+
+
+def test_the_router_says_which_steps_split_and_which_chunks_run_alone():
+    from qkv.validate import make_plan
+
+    rng = np.random.default_rng(8)
+    k = qst.values(rng, (2, 2, 64, 8))
+
+    def plan(rows, **options):
+        return make_plan(qst.values(rng, (2, 4, rows, 8)), k, k, **options)
+
+    assert router.causal_rows_step(plan(4, causal=True))
+    assert not router.causal_rows_step(plan(1, causal=True))  # one row: the step as it is
+    assert not router.causal_rows_step(plan(4, causal=False))  # every row sees every key
+    assert not router.causal_rows_step(plan(9, causal=True))  # a chunk: the prefill's
+    assert not router.causal_rows_step(plan(4, causal=True, window=(10, 0)))
+    assert router.chunks_alone(plan(9, causal=True), 2, 0)
+    assert not router.chunks_alone(plan(9, causal=True), 1, 0)
+    assert not router.chunks_alone(plan(9, causal=True), 2, 256)  # a shared prefix first
+    assert not router.chunks_alone(plan(8, causal=True), 2, 0)

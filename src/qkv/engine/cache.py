@@ -424,7 +424,7 @@ class KVCache:
             options,
         )
         hi, lo = self._lengths, self._first  # read by the kernel as it runs
-        if plan.causal and 1 < qa.shape[2] <= router.DECODE_MAX_L and plan.window is None:
+        if router.causal_rows_step(plan):
             # several causal rows: their common keys on the step, the last ones merged in
             found = causal_rows(
                 plan, qa, self._k, self._v, lo, hi, self._last_keys(stand),

@@ -262,7 +262,7 @@ def attend_pages(
     def step_over(tab: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         # (out, lse) of the paged step over rows `tab` of the table, `lens` keys each: the
         # router decides the road (step.route): the native step, the fast road, or neither
-        if plan.causal and 1 < Lq <= router.DECODE_MAX_L and plan.window is None and tab.size:
+        if tab.size and router.causal_rows_step(plan):
             # several causal rows: their common keys on the step, the last Lq - 1 merged in
 
             def last(valid: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -302,7 +302,7 @@ def attend_pages(
         return out, lse
 
     cols = cascade.shared_columns(table, lengths, page, Lq)
-    if not cols and B > 1 and Lq > router.DECODE_MAX_L:
+    if router.chunks_alone(plan, B, cols * page):
         # chunks of prompts: each sequence alone, its own full pages that every row sees
         # whole split off and read in place (below), the rest gathered
         parts = [

@@ -858,6 +858,45 @@ CASCADE = (
 )
 
 
+# A planned step of a few causal query rows per sequence (KVCache's, the paged step's) splits
+# at its last L - 1 keys (qkv.engine.decoding.causal_rows): the keys every row sees on the
+# decode step, the rest as a triangle. Ask.plan here is the checked plan.
+STEP_CAUSAL_ROWS = (
+    _c(lambda a: a.plan.causal and a.plan.L > 1, "not causal with more than one query row"),
+    _FEW_ROWS,
+    _c(lambda a: a.plan.window is None, "a window given (its left side moves with each row)"),
+)
+
+
+def causal_rows_step(plan: Plan) -> bool:
+    """Whether a checked step of ``plan`` (K/V a cache's or a pool's, each sequence its run
+    of keys) splits its causal rows at the last ``L − 1`` keys (:data:`STEP_CAUSAL_ROWS`).
+    Whether the decode step then serves it is :func:`decode_plan`'s call on the unmasked
+    plan."""
+    ask = Ask(plan)
+    return all(cond.test(ask) for cond in STEP_CAUSAL_ROWS)
+
+
+# A paged batch of chunks (more query rows than a decoding step) with no prefix its sequences
+# share runs sequence by sequence, so that each sequence's own full pages split off as a
+# prefix (CASCADE). Ask.plan here is (plan, sequences, shared keys).
+CHUNKS_ALONE = (
+    _c(
+        lambda a: a.plan[0].L > DECODE_MAX_L,
+        lambda a: f"{a.plan[0].L} query rows per sequence: a decoding step's",
+    ),
+    _c(lambda a: a.plan[1] > 1, "one sequence"),
+    _c(lambda a: a.plan[2] == 0, "a prefix the sequences share (split once for all)"),
+)
+
+
+def chunks_alone(plan: Plan, sequences: int, shared_keys: int) -> bool:
+    """Whether a checked paged call of ``sequences`` sequences sharing ``shared_keys`` keys
+    runs sequence by sequence (:data:`CHUNKS_ALONE`)."""
+    ask = Ask((plan, sequences, shared_keys))
+    return all(cond.test(ask) for cond in CHUNKS_ALONE)
+
+
 def cascade(
     plan: Plan, slopes: Any, shared_keys: int, sequences: int, precision: str = "exact"
 ) -> bool:
