@@ -159,6 +159,24 @@ def test_left_padded_prefill_runs_each_sequence_on_its_own_keys(monkeypatch, sta
     np.testing.assert_allclose(out.numpy(), general.numpy(), **tol(dtype=np.float32))
 
 
+def test_the_plain_causal_mask_of_a_chunk_runs_as_causal_without_a_mask(monkeypatch):
+    """A few queries against a cache (draft tokens, a chunk): transformers builds the causal
+    mask itself; it runs as ``causal=True`` (the decode step's causal rows), not as a mask."""
+    B, H, kvh, L, S, d = 2, 4, 2, 4, 60, 16
+    q, k, v = rand(B, H, L, d, seed=10), rand(B, kvh, S, d, seed=11), rand(B, kvh, S, d, seed=12)
+    mask = torch.from_numpy(np.broadcast_to(np.tri(L, S, S - L, dtype=bool), (B, 1, L, S)).copy())
+    seen = []
+    inner = qkv_front.attention
+    monkeypatch.setattr(qkv_front, "attention", lambda *a, **kw: seen.append(kw) or inner(*a, **kw))
+    out, _ = attention_forward(Layer(True, groups=2), q, k, v, mask, scaling=0.3)
+    assert [(kw["causal"], kw["mask"]) for kw in seen] == [(True, None)]
+    ref = reference.attention(
+        q.numpy(), np.repeat(k.numpy(), 2, 1), np.repeat(v.numpy(), 2, 1), scale=0.3,
+        mask=mask.numpy(),
+    )  # fmt: skip
+    np.testing.assert_allclose(out.numpy(), ref.transpose(0, 2, 1, 3), **tol(dtype=np.float32))
+
+
 def test_a_mask_not_exactly_causal_in_runs_keeps_the_mask_road(monkeypatch):
     starts, L, S = [3, 0], 6, 6
     mask = _left_padded(starts, L, S)
@@ -314,6 +332,20 @@ def test_llama_greedy_generate_with_kv_cache_gives_identical_tokens(llamas, call
     assert got.tolist() == expect.tolist()
     assert calls[:2] == [(1, 4, 7, 8)] * 2  # the prefill
     assert set(calls[2:]) == {(1, 4, 1, 8)}  # then one query at a time from the cache
+
+
+def test_llama_draft_tokens_against_the_cache_equal_sdpa(llamas, calls):
+    """A speculative step's 4 draft tokens after a 12-token prompt, from the KV cache: the
+    causal mask transformers builds runs as causal rows, and the logits equal sdpa's."""
+    ours, ref = llamas
+    ids = tokens(2, 16, seed=3)
+    got = []
+    for model in (ours, ref):
+        with torch.no_grad():
+            cache = model(ids[:, :12], use_cache=True).past_key_values
+            got.append(model(ids[:, 12:], cache=cache, use_cache=True).logits)
+    assert calls[2:] == [(2, 4, 4, 8)] * 2  # the draft tokens, through qkv in both layers
+    torch.testing.assert_close(got[0], got[1], **tol("model logits", torch.float32))
 
 
 def test_llama_left_padded_batch_equal_on_real_tokens(llamas):

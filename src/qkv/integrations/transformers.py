@@ -386,14 +386,18 @@ class _CausalRuns(NamedTuple):
 def _causal_starts(rows: np.ndarray) -> np.ndarray | None:
     """Each sequence's first key when boolean ``rows`` ``(B, 1, L, S)`` is exactly the causal
     mask (query ``i`` sees keys up to ``S - L + i``) cut to the keys ``[start, S)`` of each
-    sequence, with some start above 0 (left padding); None for any other mask. A query row
-    before its sequence's start sees no key. One pass over the mask, once per model step.
+    sequence: some start above 0 is left padding, all of them 0 the plain causal mask (a
+    chunk of queries, or a speculative step's draft tokens, against a cache); None for any
+    other mask. A query row before its sequence's start sees no key. One pass over the mask,
+    once per model step.
 
     >>> import numpy as np
     >>> tri = np.tri(4, 4, dtype=bool)
     >>> m = np.stack([tri, tri & (np.arange(4) >= 2)])[:, None]
     >>> _causal_starts(m).tolist()
     [0, 2]
+    >>> _causal_starts(np.tri(2, 5, 3, dtype=bool)[None, None]).tolist()  # 2 rows, 5 keys
+    [0]
     >>> m[1, 0, 3, 1] = True  # a key before the run: not this mask
     >>> _causal_starts(m) is None
     True
@@ -402,8 +406,6 @@ def _causal_starts(rows: np.ndarray) -> np.ndarray | None:
     if h != 1 or L < 2 or L > S or rows.dtype != np.bool_:
         return None
     starts = S - np.count_nonzero(rows[:, 0, -1, :], axis=-1)  # the last query sees [start, S)
-    if not starts.any():
-        return None
     keys = np.arange(S)
     expected = np.tri(L, S, S - L, dtype=bool)[None] & (keys >= starts[:, None])[:, None, :]
     return starts if np.array_equal(rows[:, 0], expected) else None
@@ -536,11 +538,13 @@ def _general(
     variants: dict[str, Any] = {"scale": scaling}
     if kwargs.get("softcap") is not None:
         variants["softcap"] = kwargs["softcap"]
-    if isinstance(mask, _CausalRuns):
+    causal, window, skipped = False, None, 0  # skipped: keys left out before those read
+    if isinstance(mask, _CausalRuns) and not mask.starts.any():
+        mask, causal = None, True  # the causal mask itself, bottom-right: no mask to read
+    elif isinstance(mask, _CausalRuns):
         if sinks is None and not kwargs.get("output_attentions") and kernel == "auto":
             return _causal_runs(query, key, value, mask, variants), None
         mask = mask.rows
-    causal, window, skipped = False, None, 0  # skipped: keys left out before those read
     if attention_mask is None and is_causal and L > 1:
         # transformers left the mask out because PyTorch's top-left `is_causal` covers it: either
         # L == S (same as bottom-right) or a prefill into an empty, larger static cache whose
