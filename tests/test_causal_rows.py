@@ -359,3 +359,57 @@ def test_the_router_says_which_steps_split_and_which_chunks_run_alone():
     assert not router.chunks_alone(plan(9, causal=True), 1, 0)
     assert not router.chunks_alone(plan(9, causal=True), 2, 256)  # a shared prefix first
     assert not router.chunks_alone(plan(8, causal=True), 2, 0)
+
+
+@native
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    seqs=st.lists(
+        st.tuples(st.sampled_from([0, 1, 2, 3, 5, 8, 12]), st.integers(0, 120)),
+        min_size=1,
+        max_size=5,
+    ),
+    dtype=st.sampled_from(["float32", "bfloat16"]),
+)
+def test_packed_sequences_of_a_few_causal_rows_equal_reference(seed, seqs, dtype):
+    """``attention_varlen`` with sequences of 2-8 rows (draft tokens) beside decoding steps,
+    longer chunks and empty sequences: the few-row ones on the decode step as causal rows."""
+    from qkv.engine import varlen
+
+    rng = np.random.default_rng(seed)
+    H, kvh, d = 4, 2, 32
+    lq = np.array([n for n, _ in seqs])
+    lk = np.array([n + extra for n, extra in seqs])  # at least as many keys as rows
+    cq, ck = np.concatenate([[0], np.cumsum(lq)]), np.concatenate([[0], np.cumsum(lk)])
+    dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
+    q = qst.values(rng, (int(cq[-1]), H, d)).astype(dt)
+    k = qst.values(rng, (int(ck[-1]), kvh, d)).astype(dt)
+    v = qst.values(rng, (int(ck[-1]), kvh, d)).astype(dt)
+    served: list[int] = []
+    real = varlen.causal_rows_steps
+
+    def spy(*args):
+        found = real(*args)
+        served.extend(int(b) for group, *_ in found for b in group)
+        return found
+
+    varlen.causal_rows_steps = spy
+    try:
+        out, lse = qkv.attention_varlen(q, k, v, cq, ck, causal=True, return_lse=True)
+    finally:
+        varlen.causal_rows_steps = real
+    few = (lq >= 2) & (lq <= router.DECODE_MAX_L) & (lk >= router.CAUSAL_ROWS_KEYS_PER_ROW * lq)
+    assert sorted(served) == np.flatnonzero(few).tolist()  # the road serves exactly those
+    for b in range(len(seqs)):
+        if lq[b] == 0:
+            continue
+        rows, keys = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        want = _reference(q[rows].transpose(1, 0, 2)[None], k[keys].transpose(1, 0, 2)[None],
+                          v[keys].transpose(1, 0, 2)[None], [int(lk[b])])  # fmt: skip
+        got = (out[rows].transpose(1, 0, 2)[None], lse[rows].T[None])
+        if dtype == "bfloat16":
+            t = tol("tensor dtypes", dt)
+            np.testing.assert_allclose(got[0].astype(np.float64), want[0], **t)
+        else:
+            _close(got, want)

@@ -44,13 +44,14 @@ from ..errors import InputError, InputTypeError
 from ..keywords import near_keywords
 from ..masks import Window
 from ..validate import as_array, block_plan, check_scale, check_window, from_foreign
-from .kernels import dispatch, native, native_decode, packed, router
+from .kernels import causal_rows, dispatch, native, native_decode, packed, router
 
 __all__ = [
     "CALL_FLOPS",
     "PAD_FRACTION",
     "WALK_FLOPS",
     "attention_varlen",
+    "causal_rows_steps",
     "check_offsets",
     "decode_steps",
 ]
@@ -221,7 +222,8 @@ def attention_varlen(
     window = check_window(window)
     lq, lk = cq[1:] - cq[:-1], ck[1:] - ck[:-1]
     walker = router.packed(qa, ka, va, acc_dt, (lq, lk))
-    decoded = None  # the sequences of one query the decode step served, and their rows
+    # the sequences the decode step served: (sequences, their query rows, out, lse) each
+    decoded: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
     if walker.name == "native decode step" and numerics.scale_in_range(fscale, acc_dt):
         one = np.flatnonzero((lq == 1) & (lk >= 1))
         done = decode_steps(qa, ka, va, cq[one], ck[one], ck[one + 1], fscale, window, acc_dt)
@@ -230,16 +232,19 @@ def attention_varlen(
             out = o if o.dtype == out_dt else o.astype(out_dt)
             return (out, lse) if return_lse else out
         if done is not None:
-            decoded = (one, *done)
+            decoded.append((one, cq[one], *done))
         walker = router.packed(qa, ka, va, acc_dt)  # the others (or a result not finite)
+    few = router.packed_causal_rows(qa, ka, va, acc_dt, (lq, lk), causal, window)
+    if few.size and numerics.scale_in_range(fscale, acc_dt):  # draft tokens: causal rows
+        decoded += causal_rows_steps(qa, ka, va, cq, ck, few, fscale, acc_dt)
     bf16 = walker.stored  # bfloat16 is read in place by that kernel only
     if not bf16:
         qa, ka, va = (_widened(x) for x in (qa, ka, va))
 
     unit = heads * 2 * (qa.shape[2] + va.shape[2])  # flops per score
     live = (lq > 0) & (lk > 0)  # the others give zeros and -inf
-    if decoded is not None:
-        live[decoded[0]] = False
+    for served, *_ in decoded:
+        live[served] = False
     fused = walker.name != "packed walk"  # its work items cost microseconds: all go there
     walk = live if fused else live & (lq * lk * (unit // kv_heads) >= WALK_FLOPS)
     if not numerics.scale_in_range(fscale, acc_dt):
@@ -255,9 +260,8 @@ def attention_varlen(
         else:
             o, lse = packed.attend(qa, ka, va, cq, ck, seqs=seqs, bad=redo, **rule)
     out = o if o.dtype == out_dt else o.astype(out_dt)
-    if decoded is not None:
-        rows = cq[decoded[0]]
-        out[rows], lse[rows] = decoded[1], decoded[2]
+    for _, rows, o_rows, lse_rows in decoded:
+        out[rows], lse[rows] = o_rows, lse_rows
     batch = _Batch(qa, ka, va, cq, ck, out, lse, fscale, causal, window)
     for b in sorted(redo):
         _alone(batch, b)
@@ -302,6 +306,47 @@ def decode_steps(
         return None
     out, lse = found
     return out[:, :, 0], lse[:, :, 0]
+
+
+def causal_rows_steps(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    cq: np.ndarray,
+    ck: np.ndarray,
+    seqs: np.ndarray,
+    scale: float,
+    dtype: np.dtype,
+) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """Packed sequences ``seqs`` of a few causal query rows each (the router's
+    :func:`~qkv.engine.kernels.router.packed_causal_rows`), those of one row count at a time,
+    as causal rows (:mod:`qkv.engine.kernels.causal_rows`): the keys all of a sequence's rows
+    see in one native step over the packed keys as one page, the last ``L − 1`` merged in.
+    ``[(sequences, their query rows, out (rows, heads, dv), lse (rows, heads))]`` in
+    ``dtype``, one entry per row count whose step served it (none where a result is not
+    finite: the caller's walk takes those)."""
+    found = []
+    lq = cq[1:] - cq[:-1]
+    for rows in np.unique(lq[seqs]):
+        group = seqs[lq[seqs] == rows]
+        at = cq[group][:, None] + np.arange(rows)  # (sequences, rows): their query rows
+        queries = np.moveaxis(q[at], 2, 1).astype(dtype)  # (sequences, heads, rows, d)
+        lo, hi = ck[group].astype(np.int64), ck[group + 1].astype(np.int64)
+        table = np.zeros((group.size, 1), np.int32)
+        step = native_decode.paged_step(
+            queries, k[None], v[None], table, lo, np.maximum(hi - (rows - 1), lo), scale
+        )
+        if step is None:
+            continue
+        pos, seen = causal_rows.last_keys(lo, hi, int(rows))
+        kt, vt = (np.moveaxis(x[pos], 2, 1).astype(dtype) for x in (k, v))
+        out, lse = causal_rows.with_tail(step, queries, kt, vt, seen, scale, None)
+        if not np.isfinite(out).all():
+            continue
+        flat = at.reshape(-1)
+        found.append((group, flat, np.moveaxis(out, 1, 2).reshape(flat.size, *out.shape[1::2]),
+                      np.moveaxis(lse, 1, 2).reshape(flat.size, -1)))  # fmt: skip
+    return found
 
 
 @dataclass(frozen=True)

@@ -984,6 +984,37 @@ def backward(plan: Plan) -> Kernel:
     return first(BACKWARD, Ask(plan))
 
 
+# Packed sequences of 2 to DECODE_MAX_L causal query rows (draft tokens beside decoding steps)
+# on the decode step as causal rows (qkv.engine.varlen.causal_rows_steps): what the "native
+# decode step" row asks of the arrays, causal with no window, and at least
+# CAUSAL_ROWS_KEYS_PER_ROW keys a row. Ask.plan here is (q, k, v, dtype, None, causal, window).
+PACKED_CAUSAL_ROWS = (
+    _c(lambda a: a.plan[5], "not causal (the rows' keys would be the same: one step)"),
+    _c(lambda a: a.plan[6] is None, "a window (its left side moves with each row)"),
+    *PACKED[0].conditions[1:],
+)
+
+
+def packed_causal_rows(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    dtype: np.dtype,
+    rows: tuple[np.ndarray, np.ndarray],
+    causal: bool,
+    window: Any,
+) -> np.ndarray:
+    """The sequences of a packed batch (``rows``: their query rows and keys) that the decode
+    step serves as causal rows (:data:`PACKED_CAUSAL_ROWS`): their indices, none where the
+    conditions do not hold."""
+    lq, lk = rows
+    ask = Ask((q, k, v, np.dtype(dtype), None, causal, window))
+    if not all(cond.test(ask) for cond in PACKED_CAUSAL_ROWS):
+        return np.zeros(0, np.int64)
+    few = (lq >= 2) & (lq <= DECODE_MAX_L) & (lk >= CAUSAL_ROWS_KEYS_PER_ROW * lq)
+    return np.flatnonzero(few)
+
+
 def packed(
     q: np.ndarray,
     k: np.ndarray,
