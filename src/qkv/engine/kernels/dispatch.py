@@ -317,8 +317,8 @@ def attend_many(plans: list[Plan], kernel: str = "auto") -> list[tuple[np.ndarra
     at = [i for i, c in enumerate(choices) if c.run is decode.attend]  # NumPy decode, together
     results: list[Any] = [None] * len(plans)
     if at:
-        with np.errstate(over="ignore", invalid="ignore"):
-            done = decode.attend_many([plans[i] for i in at])
+        with np.errstate(over="ignore", invalid="ignore"):  # (it reads K/V widened)
+            done = decode.attend_many([plans[i].materialized() for i in at])
         for i, (out, lse) in zip(at, done, strict=True):
             plan = plans[i]
             assert plan.v is not None  # outputs: the plan carries values
