@@ -176,6 +176,25 @@ def _pool(rng, form, nb, page, kvh, d):
     return k, v, extra, kd, vd
 
 
+def _paged(rng, form, page, lengths, kvh, d):
+    """A shuffled pool holding ``lengths`` keys per sequence: ``(k_pages, v_pages, the
+    attend_pages keywords of the form, block table, gathered stored K, V (B, kvh, S, d))``."""
+    B = len(lengths)
+    nb = sum(-(-n // page) for n in lengths) + 2
+    k, v, extra, kd, vd = _pool(rng, form, nb, page, kvh, d)
+    width = max(max(-(-n // page) for n in lengths), 1)
+    table = np.full((B, width), -1, np.int64)  # unused entries: not pages
+    ids, at = rng.permutation(nb), 0
+    for b, n in enumerate(lengths):
+        p = -(-n // page)
+        table[b, :p] = ids[at : at + p]
+        at += p
+    pos = np.arange(width * page)
+    kg = np.moveaxis(kd[table[:, pos // page], pos % page], 2, 1)
+    vg = np.moveaxis(vd[table[:, pos // page], pos % page], 2, 1)
+    return k, v, extra, table, kg, vg
+
+
 @native
 @settings(max_examples=60, deadline=None)
 @given(
@@ -193,24 +212,12 @@ def test_paged_step_with_a_few_causal_rows_equals_reference(
     """Sequences shorter than the rows (some rows see nothing) and empty ones included."""
     rng = np.random.default_rng(seed)
     B, kvh, H, d = len(lengths), 2, 4, 32
-    nb = sum(-(-n // page) for n in lengths) + 2
-    k, v, extra, kd, vd = _pool(rng, form, nb, page, kvh, d)
-    width = max(max(-(-n // page) for n in lengths), 1)
-    table = np.full((B, width), -1, np.int64)
-    ids, at = rng.permutation(nb), 0
-    for b, n in enumerate(lengths):
-        p = -(-n // page)
-        table[b, :p] = ids[at : at + p]
-        at += p
+    k, v, extra, table, kg, vg = _paged(rng, form, page, lengths, kvh, d)
     dt = np.float64 if form == "float64" else np.float32
     q = qst.values(rng, (B, H, rows, d)).astype(dt)
     precision = "fast" if fast and form == "int8" else "exact"
     got = attend_pages(q, k, v, table, lengths, softcap=softcap, return_lse=True,
                        precision=precision, **extra)  # fmt: skip
-    S = width * page
-    pos = np.arange(S)
-    kg = np.moveaxis(kd[table[:, pos // page], pos % page], 2, 1)  # (B, kvh, S, d)
-    vg = np.moveaxis(vd[table[:, pos // page], pos % page], 2, 1)
     want = _reference(q, kg, vg, lengths, softcap=softcap)
     if precision == "fast":  # q rounded to int8: the fast road's own bound, loosely
         np.testing.assert_allclose(got[0], want[0], atol=0.15)
@@ -296,22 +303,10 @@ def test_paged_chunks_read_their_full_pages_in_place_and_equal_reference(
     gathered; sequences shorter than the chunk included."""
     rng = np.random.default_rng(seed)
     B, kvh, H, d = len(lengths), 2, 4, 32
-    nb = sum(-(-n // page) for n in lengths) + 2
-    k, v, extra, kd, vd = _pool(rng, form, nb, page, kvh, d)
-    width = max(max(-(-n // page) for n in lengths), 1)
-    table = np.full((B, width), -1, np.int64)
-    ids, at = rng.permutation(nb), 0
-    for b, n in enumerate(lengths):
-        p = -(-n // page)
-        table[b, :p] = ids[at : at + p]
-        at += p
+    k, v, extra, table, kg, vg = _paged(rng, form, page, lengths, kvh, d)
     dt = np.float64 if form == "float64" else np.float32
     q = qst.values(rng, (B, H, rows, d)).astype(dt)
     got = attend_pages(q, k, v, table, lengths, softcap=softcap, return_lse=True, **extra)
-    S = width * page
-    pos = np.arange(S)
-    kg = np.moveaxis(kd[table[:, pos // page], pos % page], 2, 1)
-    vg = np.moveaxis(vd[table[:, pos // page], pos % page], 2, 1)
     _close(got, _reference(q, kg, vg, lengths, softcap=softcap), dt)
 
 

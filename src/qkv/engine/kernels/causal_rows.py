@@ -76,11 +76,7 @@ def tail(
     ([[0.0, 0.0, 0.0], [2.0, 2.0, 2.0]], [-inf, 2.0])
     """
     group = q.shape[-3] // k.shape[-3]
-    s = grouped_matmul(q, np.swapaxes(k, -1, -2), group)
-    s *= s.dtype.type(scale)
-    if softcap is not None:
-        s = s.dtype.type(softcap) * np.tanh(s / s.dtype.type(softcap))
-    s = np.where(seen, s, s.dtype.type(-np.inf))
+    s = _scores(q, k, seen, scale, softcap, group)
     top = s.max(axis=-1)
     offset = np.where(np.isneginf(top), top.dtype.type(0), top)
     with np.errstate(invalid="ignore"):  # (a score of inf: not finite, for the caller's rules)
@@ -117,11 +113,7 @@ def with_tail(
     out, lse = found
     group = q.shape[-3] // k.shape[-3]
     with np.errstate(over="ignore", invalid="ignore"):
-        s = grouped_matmul(q, np.swapaxes(k, -1, -2), group)
-        s *= s.dtype.type(scale)
-        if softcap is not None:
-            s = s.dtype.type(softcap) * np.tanh(s / s.dtype.type(softcap))
-        s = np.where(seen, s, s.dtype.type(-np.inf))
+        s = _scores(q, k, seen, scale, softcap, group)
         top = np.maximum(lse, s.max(axis=-1))
         if not np.isfinite(top).all():  # rows that see nothing, or a score not finite
             return merge_pair_into(tail(q, k, v, seen, scale, softcap), found)
@@ -132,6 +124,23 @@ def with_tail(
         out *= (share / denom)[..., None]
         _add_weighted(out, p, v, group)
         return out, top + np.log(denom)
+
+
+def _scores(
+    q: np.ndarray,
+    k: np.ndarray,
+    seen: np.ndarray,
+    scale: float,
+    softcap: float | None,
+    group: int,
+) -> np.ndarray:
+    """The scaled, soft-capped scores of ``q`` against ``k``, ``−inf`` where ``seen`` is
+    False."""
+    s = grouped_matmul(q, np.swapaxes(k, -1, -2), group)
+    s *= s.dtype.type(scale)
+    if softcap is not None:
+        s = s.dtype.type(softcap) * np.tanh(s / s.dtype.type(softcap))
+    return np.where(seen, s, s.dtype.type(-np.inf))
 
 
 #: The bytes of output :func:`_add_weighted` adds at a time: temporaries this small are
