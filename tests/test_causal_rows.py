@@ -228,10 +228,9 @@ def test_paged_step_with_a_few_causal_rows_equals_reference(
 @pytest.mark.parametrize("rows", [4, 24])
 @pytest.mark.parametrize("form", ["float32", "bfloat16", "int8", "float8_e4m3fn", "float16"])
 def test_cache_step_with_a_few_causal_rows_equals_reference(form, rows):
-    """A few rows: the decode step's split; a chunk of 24: the general road, bfloat16 and
-    float16 caches read as stored (sequences of equal length together)."""
-    if rows <= router.DECODE_MAX_L and not native_decode.available():
-        pytest.skip("the decode step's split needs the native kernels")
+    """A few rows: the decode step's split (the NumPy kernels without the native library);
+    a chunk of 24: the general road, bfloat16 and float16 caches read as stored (sequences
+    of equal length together)."""
     rng = np.random.default_rng(5)
     B, kvh, H, d = 3, 2, 8, 64
     cache = qkv.KVCache(B, kvh, d, dtype=form)

@@ -582,11 +582,7 @@ def _attend_pages(
     pages are gathered into a contiguous copy for the ordinary kernels (the decode ones
     together, :func:`qkv.engine.kernels.dispatch.attend_many`).
     """
-    rows = q.shape[2]
-    paged = block_table.shape[1] > 1  # (a contiguous cache is one page a sequence)
-    if alibi_slopes is None and (
-        rows == 1 or (window is None and (rows <= router.DECODE_MAX_L or paged))
-    ):  # a decoding step, a few draft rows, a chunk against pages: the pages read in place
+    if router.flash_pages(q.shape[2], window, alibi_slopes is not None, block_table.shape[1]):
         from .engine import paged
 
         found = paged.attend_pages(
@@ -1049,7 +1045,7 @@ def flash_attn_with_kvcache(
         scale=scale, causal=causal, window=window, softcap=cap, alibi_slopes=slopes,
         return_lse=True,
     )  # fmt: skip
-    chunk = Lq > router.DECODE_MAX_L and window is None and slopes is None
+    chunk = router.cache_as_pages(Lq, window, slopes is not None)
     page = _pages_of(kc, vc) if chunk and not paged and not leftpad.any() else 0
     if paged:
         out, lse = _attend_pages(qb, kc, vc, bt, total, **rule)

@@ -1015,6 +1015,25 @@ def packed_causal_rows(
     return np.flatnonzero(few)
 
 
+def flash_pages(rows: int, window: Any, alibi: bool, pages_per_sequence: int) -> bool:
+    """Whether a call of FlashAttention's interface on pages (a contiguous cache: one page a
+    sequence, or its rows viewed as pages, :func:`cache_as_pages`) with ``rows`` query rows
+    per sequence runs on the engine's paged step (:func:`qkv.engine.paged.attend_pages`,
+    which reads pages in place where its kernels can): a decoding step; a few rows with no
+    window; a chunk with no window on a table of several pages a sequence. Never with
+    ``alibi`` (flash-attn's reaches both sides of the query: the interface's own road)."""
+    if alibi:
+        return False
+    return rows == 1 or (window is None and (rows <= DECODE_MAX_L or pages_per_sequence > 1))
+
+
+def cache_as_pages(rows: int, window: Any, alibi: bool) -> bool:
+    """Whether a contiguous cache's rows are viewed as pages for a call of ``rows`` query rows
+    per sequence (a chunk, whose full pages the prefill then reads in place:
+    :data:`CASCADE`)."""
+    return rows > DECODE_MAX_L and window is None and not alibi
+
+
 def packed(
     q: np.ndarray,
     k: np.ndarray,
