@@ -5,9 +5,9 @@ tokens, a short prompt chunk) against a cache, qkv's roads and PyTorch's SDPA, i
     python bench/draft_rows.py --dtype bfloat16 --rows 4 --threads 1
 
 Row ``i`` of ``L`` sits at position ``S − L + i`` (bottom-right causal): every row sees the
-first ``S − L + 1`` keys, and the last ``L − 1`` only from its own on. qkv reads those common
-keys once for all rows of a kv head on the native decode step and adds the last keys as a
-small triangle (``qkv.engine.kernels.causal_rows``). Contenders, each cycling over layers of
+first ``S − L + 1`` keys, and the last ``L − 1`` only from its own on. qkv reads every key
+once for all rows of a kv head on the native decode step, each row's weights stopping at its
+own last key (``qkv.engine.kernels.causal_rows``). Contenders, each cycling over layers of
 its own K/V (at least 96 MiB together, so every call reads its K/V from memory):
 
 - ``qkv.attention``: head-major ``(B, kv, S, d)`` K/V, ``causal=True``;

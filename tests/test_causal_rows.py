@@ -1,10 +1,11 @@
 """Several causal query rows on the decode step (:mod:`qkv.engine.kernels.causal_rows`):
 speculative decoding's draft tokens and short prompt chunks against a cache.
 
-Every road is compared with the float64 reference on the stored (dequantized) K/V: the keys all
-rows see run on the native step, the last ``L - 1`` keys as a triangle in NumPy, merged. The
-tolerance is the ``fast path`` row's (float32 computation from the stored values; float64 for
-float64), as in ``test_paged``.
+Every road is compared with the float64 reference on the stored (dequantized) K/V: the native
+step with its rows causal, or (the NumPy emulation of the fast road) the keys all rows see on
+the step and the last ``L - 1`` keys as a triangle in NumPy, merged. The tolerance is the
+``fast path`` row's (float32 computation from the stored values; float64 for float64), as in
+``test_paged``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from tests.conftest import tol
 
 import qkv
 from qkv import reference
-from qkv.engine.kernels import causal_rows, native_decode, router
+from qkv.engine.kernels import causal_rows, decode_fast, native_decode, router
+from qkv.engine.kernels.native_lib import ISAS
 from qkv.engine.paged import attend_pages
 from qkv.flash import flash_attn_with_kvcache
 from qkv.testing import strategies as qst
@@ -138,8 +140,49 @@ def test_attention_with_a_few_causal_rows_equals_reference(
 
 
 @native
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    rows=st.integers(2, 8),
+    runs=st.lists(st.tuples(st.integers(0, 1300), st.integers(0, 1300)), min_size=1, max_size=3),
+    form=st.sampled_from(["float32", "float64", "bfloat16", "float16"]),
+    group=st.sampled_from([1, 3]),
+    isa=st.sampled_from(["baseline", "avx2", "avx512"]),
+)
+def test_the_step_takes_its_rows_causal(seed, rows, runs, form, group, isa):
+    """The native step's causal rows on each sequence's run of keys ``[lo, hi)``: row ``i``
+    sees ``[lo, hi - (L - 1) + i)``, none for a row before ``lo`` (output 0, lse -inf);
+    runs long enough to be split among the threads, in every clone."""
+    rng = np.random.default_rng(seed)
+    B, kvh, d, S = len(runs), 2, 64, 1300
+    lo = np.array([min(a, b) for a, b in runs], np.int64)
+    hi = np.array([max(a, b) for a, b in runs], np.int64)
+    dt = np.float64 if form == "float64" else np.float32
+    kt = ml_dtypes.bfloat16 if form == "bfloat16" else np.dtype(form)
+    q = qst.values(rng, (B, kvh * group, rows, d)).astype(dt)
+    k, v = (qst.values(rng, (B, S, kvh, d)).astype(kt) for _ in range(2))  # a page a sequence
+    table = np.arange(B, dtype=np.int32)[:, None]
+    got = native_decode.paged_step(q, k, v, table, lo, hi, 0.125, threads=2,
+                                   isa=ISAS[isa], causal=True)  # fmt: skip
+    assert got is not None
+    out = np.zeros((B, kvh * group, rows, d))
+    lse = np.full((B, kvh * group, rows), -np.inf)
+    for b in range(B):
+        for i in range(rows):
+            end = hi[b] - (rows - 1) + i
+            if end <= lo[b]:
+                continue
+            kb, vb = (np.repeat(x[b, lo[b] : end].astype(np.float64).transpose(1, 0, 2), group,
+                                axis=0) for x in (k, v))  # fmt: skip
+            o, s = reference.attention(q[b, :, i : i + 1].astype(np.float64), kb, vb,
+                                       scale=0.125, return_lse=True)  # fmt: skip
+            out[b, :, i], lse[b, :, i] = o[:, 0], s[:, 0]
+    _close(got, (out, lse), dt)
+
+
+@native
 @pytest.mark.parametrize("isa", ["baseline", "avx2", ""])
-def test_every_clone_runs_the_split(monkeypatch, isa):
+def test_every_clone_runs_the_causal_rows(monkeypatch, isa):
     monkeypatch.setenv("QKV_NATIVE_ISA", isa)
     rng = np.random.default_rng(3)
     q = qst.values(rng, (2, 8, 4, 64)).astype(np.float32)
@@ -151,7 +194,7 @@ def test_every_clone_runs_the_split(monkeypatch, isa):
 def test_short_rows_and_other_masks_keep_their_roads():
     rng = np.random.default_rng(4)
     q = qst.values(rng, (1, 4, 4, 16))
-    short = qst.values(rng, (1, 4, 8, 16))  # fewer keys than 8 a row: the dense kernel
+    short = qst.values(rng, (1, 4, 3, 16))  # fewer keys than rows: the general kernels
     assert not qkv.route(q, short, short, causal=True).kernel.startswith("native decode, causal")
     k = qst.values(rng, (1, 4, 200, 16))
     for options in ({"causal": False}, {"causal": True, "window": (50, 0)}):
@@ -245,6 +288,34 @@ def test_cache_step_with_a_few_causal_rows_equals_reference(form, rows):
     for b, n in enumerate(lengths):
         k[b, :, :n], v[b, :, :n] = cache.keys(b), cache.values(b)
     _close(got, _reference(q, k, v, lengths))
+
+
+@pytest.mark.parametrize("rows", [2, 5, 8])
+def test_cache_fast_road_with_a_few_causal_rows_is_near_reference(rows):
+    """The fast road of an int8 cache: the native step's causal rows, or without the native
+    library its NumPy emulation with the last keys merged (the only road that still splits),
+    within the fast road's stated bound (over all the keys: at least each row's) of the
+    reference on the stored values."""
+    rng = np.random.default_rng(rows)
+    B, kvh, H, d = 2, 2, 8, 32
+    cache = qkv.KVCache(B, kvh, d, dtype="int8")
+    cache.append(qst.values(rng, (B, kvh, 40, d)), qst.values(rng, (B, kvh, 40, d)))
+    q = qst.values(rng, (B, H, rows, d)).astype(np.float32)
+    got = cache.attend(q, precision="fast")
+    exact = cache.attend(q)
+    k = np.stack([cache.keys(b) for b in range(B)])
+    v = np.stack([cache.values(b) for b in range(B)])
+    want = _reference(q, k, v, [40, 40])[0]
+    slack = TOL32["atol"] * np.abs(v).max() + TOL32["rtol"] * np.abs(want)
+    assert (np.abs(got - want) <= decode_fast.bound(q, k, v, d**-0.5) + slack).all()
+    np.testing.assert_allclose(exact, want, **TOL32)
+    if native_decode.available():  # each row: the fast step of that row alone on its keys
+        for i in range(rows):
+            alone = qkv.KVCache(B, kvh, d, dtype="int8")
+            n = 40 - (rows - 1) + i
+            alone.append(k[..., :n, :], v[..., :n, :])  # (the same codes, quantized again)
+            one = alone.attend(q[:, :, i : i + 1], precision="fast")
+            np.testing.assert_allclose(got[:, :, i : i + 1], one, rtol=1e-5, atol=1e-6)
 
 
 @native

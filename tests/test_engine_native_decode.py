@@ -430,7 +430,8 @@ def test_step_arguments_for_a_growing_slice_equal_built_ones(
         k, v = kbuf[..., :S, :], vbuf[..., :S, :]
         if contiguous:
             k, v = np.ascontiguousarray(k), np.ascontiguousarray(v)
-        args = (qt, kt, q.shape, q.strides, k.shape, k.strides, v.shape, v.strides, 0.125, None, 0)
+        args = (qt, kt, q.shape, q.strides, k.shape, k.strides, v.shape, v.strides, 0.125, None,
+                0, False)  # fmt: skip
         got = native_decode._constants(*args)
         assert got == native_decode._built(*args)
     assert len(native_decode._FAMILIES) <= (len(set(keys)) if contiguous else 1)

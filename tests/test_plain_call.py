@@ -379,6 +379,41 @@ def test_kept_road_is_the_road_taken(monkeypatch, shape, row, name):
         np.testing.assert_array_equal(done[0], first)
 
 
+@pytest.mark.parametrize("shape", [(1, 8, 2, 2, 16, 64, 64), (2, 8, 8, 8, 300, 32, 32)])
+@pytest.mark.parametrize("name", ["float32", "bfloat16"])
+@pytest.mark.parametrize("tensors", [False, True])
+def test_kept_causal_rows_are_the_road_taken(monkeypatch, shape, name, tensors):
+    """A few causal rows (draft tokens): from a key's second call on, the native step with its
+    rows causal runs kept, on arrays and on tensors' addresses, with the first call's bits
+    near the reference; a row that would see no key (fewer keys than rows) keeps no road."""
+    _native()
+    ran = _counting(monkeypatch)
+    q, k, v = (a.astype(_dtype(name)) for a in _arrays(shape, np.float32))
+    run.forget()
+    first = qkv.attention(q, k, v, causal=True)
+    found = run._ready(q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, None, True,
+                       run.switched_off(), type(None))  # fmt: skip
+    assert found.choice.kernel.startswith("native decode, causal rows") and found.kept is not None
+    given = (q, k, v)
+    if tensors:  # (the same values: float32 rounds to bfloat16 alike in both)
+        tdt = getattr(torch, name)
+        given = tuple(torch.from_numpy(a.astype(np.float32)).to(tdt) for a in given)
+    for _ in range(3):
+        got = qkv.attention(*given, causal=True)
+        np.testing.assert_array_equal(_viewed(got) if tensors else got, first)
+    assert len(ran) == 1
+    wide = [a.astype(np.float64) for a in (q, k, v)]
+    kind = "fast path" if name == "float32" else "half precision"
+    ref = reference.attention(*wide, causal=True)
+    np.testing.assert_allclose(first.astype(np.float64), ref, **tol(kind, q.dtype))
+    short = k[..., : shape[3] - 1, :]
+    run.forget()
+    got = qkv.attention(q, short, v[..., : shape[3] - 1, :], causal=True)
+    found = run._ready(q.shape, short.shape, short.shape, q.dtype, k.dtype, v.dtype, None, True,
+                       run.switched_off(), type(None))  # fmt: skip
+    assert found is None or found.kept is None
+
+
 @pytest.mark.parametrize(("shape", "row"), _KEPT_CASES)
 def test_kept_road_steps_aside(monkeypatch, shape, row):
     """Another clone forced, another thread team, or a result that is not finite: the general

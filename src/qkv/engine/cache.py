@@ -425,7 +425,7 @@ class KVCache:
         )
         hi, lo = self._lengths, self._first  # read by the kernel as it runs
         if router.causal_rows_step(plan):
-            # several causal rows: their common keys on the step, the last ones merged in
+            # several causal rows on the step (see causal_rows)
             found = causal_rows(
                 plan, qa, self._k, self._v, lo, hi, self._last_keys(stand),
                 form=self._form if self._form != "float16" else None,

@@ -259,6 +259,17 @@ class DecodePlan:
             same = False
         if not same or want[3] is not None:
             self._check((q, k, v) if want[3] is None else (q, k, v, k_scale, v_scale))
+        found = self._native(q, k, v, k_scale, v_scale, return_lse)
+        if found is not None:
+            return found if return_lse else found[0]
+        return self._numpy(q, k, v, k_scale, v_scale, return_lse)
+
+    def _native(
+        self, q: Any, k: Any, v: Any, k_scale: Any, v_scale: Any, return_lse: bool
+    ) -> tuple[Any, Any] | None:
+        """:meth:`run` on the native step of checked operands: ``(out, lse)`` (lse None
+        without ``return_lse``), or None where the plan has no native step or its result is
+        not finite."""
         template = self._template
         if template is not None:
             acc = self._acc
@@ -280,8 +291,8 @@ class DecodePlan:
             if status == 0:
                 if self._cast_out:
                     out = self._cast(out)
-                return (out, lse) if return_lse else out
-        return self._numpy(q, k, v, k_scale, v_scale, return_lse)
+                return out, lse
+        return None
 
     def for_runs(self, lo: Any, hi: Any) -> DecodePlan:
         """This plan with sequence ``b`` seeing keys ``[lo[b], hi[b])`` (int arrays of shape
@@ -620,12 +631,15 @@ def plan_checked(
     threads: int | None = None,
     read: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
     precision: str = "exact",
+    causal: bool = False,
 ) -> DecodePlan:
     """:func:`plan_decode` for a call its caller checked (``plan``, made against stand-ins
     of the K/V's shapes in the compute dtype; a cache's own options): ``q``, ``k``, ``v``
     (pages with ``table``) the operands to run on (``read``: as NumPy views, when the caller
     has them), ``runs`` each sequence's keys, ``precision`` checked
-    (:func:`qkv.engine.kernels.decode_fast.check_precision`)."""
+    (:func:`qkv.engine.kernels.decode_fast.check_precision`). ``causal``: the native step's
+    ``L`` rows bottom-right causal on each sequence's keys (its other roads ignore it: see
+    :func:`causal_rows`)."""
     qa, ka, va = read or (_raw(q, "q"), _raw(k, "k"), _raw(v, "v"))
     acc = plan.acc_dtype
     out_dtype = np.dtype(plan.out_dtype if out_dtype is None else out_dtype)
@@ -679,7 +693,7 @@ def plan_checked(
         native = native_decode.DecodePlan.plan(
             (B, H, kvh, L, d, dv, S), f64=acc == np.float64, scale=plan.scale,
             softcap=plan.softcap, kv_format=stored or None, runs=runs, threads=threads,
-            precision="fast" if route == NATIVE_FAST else "exact",
+            precision="fast" if route == NATIVE_FAST else "exact", causal=causal,
         )  # fmt: skip
         pages = None
         if table is not None:
@@ -726,23 +740,30 @@ def causal_rows(
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """A checked causal ``plan`` of several query rows ``q (batch, heads, L, d)`` on the
     decode step (:mod:`qkv.engine.kernels.causal_rows`), sequence ``b`` seeing keys
-    ``[lo[b], hi[b])`` from its last row: the keys all its rows see in one unmasked step
-    (:func:`plan_checked` on ``k`` and ``v``, pages with ``table``), merged with its last
-    ``L − 1`` keys, which ``last(valid, positions)`` gives: the keys and values at
+    ``[lo[b], hi[b])`` from its last row, ``k`` and ``v`` pages with ``table``: the native
+    step with its rows causal (:func:`plan_checked`). The NumPy emulation of the fast road
+    has no causal rows: there the keys all rows see go in one unmasked step, merged with the
+    last ``L − 1`` keys, which ``last(valid, positions)`` gives: the keys and values at
     ``positions (batch, L − 1)`` (any finite stand-in where ``valid`` is False) as
     ``(batch, kv_heads, L − 1, ·)`` arrays in the compute dtype. ``(out, lse)`` in the
     compute dtype; None where the step has no native road (nor the NumPy emulation of the
     fast one) or a result is not finite: the caller's general road then runs."""
     rows = q.shape[2]
     acc = plan.acc_dtype
+    ks, vs = (None, None) if scales is None else scales
+    step = plan_checked(
+        plan.but(causal=False), q, k, v, form=form, runs=decode.KeyRuns(lo, hi), table=table,
+        out_dtype=acc, scales=scales, precision=precision, causal=True,
+    )  # fmt: skip
+    if step.route in (NATIVE, NATIVE_FAST):
+        return step._native(q, k, v, ks, vs, True)
+    if step.route != NUMPY_FAST:
+        return None
     step = plan_checked(
         plan.but(causal=False), q, k, v, form=form,
         runs=decode.KeyRuns(lo, np.maximum(hi - (rows - 1), lo)), table=table,
         out_dtype=acc, scales=scales, precision=precision,
     )  # fmt: skip
-    if step.route not in (NATIVE, NATIVE_FAST, NUMPY_FAST):
-        return None
-    ks, vs = (None, None) if scales is None else scales
     found = step.run(q, k, v, k_scale=ks, v_scale=vs, return_lse=True)
     pos, seen = kernels_causal_rows.last_keys(lo, hi, rows)
     kt, vt = last(seen[:, 0, -1], pos)

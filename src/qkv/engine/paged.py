@@ -263,7 +263,8 @@ def attend_pages(
         # (out, lse) of the paged step over rows `tab` of the table, `lens` keys each: the
         # router decides the road (step.route): the native step, the fast road, or neither
         if tab.size and router.causal_rows_step(plan):
-            # several causal rows: their common keys on the step, the last Lq - 1 merged in
+            # several causal rows on the step (`last`: the last Lq - 1 keys, for the NumPy
+            # emulation of the fast road, which runs the common keys and merges those in)
 
             def last(valid: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
                 ids = np.where(valid, tab[np.arange(B)[:, None], pos // page], 0)

@@ -44,7 +44,7 @@ from ..errors import InputError, InputTypeError
 from ..keywords import near_keywords
 from ..masks import Window
 from ..validate import as_array, block_plan, check_scale, check_window, from_foreign
-from .kernels import causal_rows, dispatch, native, native_decode, packed, router
+from .kernels import dispatch, native, native_decode, packed, router
 
 __all__ = [
     "CALL_FLOPS",
@@ -320,8 +320,8 @@ def causal_rows_steps(
 ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
     """Packed sequences ``seqs`` of a few causal query rows each (the router's
     :func:`~qkv.engine.kernels.router.packed_causal_rows`), those of one row count at a time,
-    as causal rows (:mod:`qkv.engine.kernels.causal_rows`): the keys all of a sequence's rows
-    see in one native step over the packed keys as one page, the last ``L − 1`` merged in.
+    as causal rows (:mod:`qkv.engine.kernels.causal_rows`): one native step over the packed
+    keys as one page, each sequence's rows causal on its keys.
     ``[(sequences, their query rows, out (rows, heads, dv), lse (rows, heads))]`` in
     ``dtype``, one entry per row count whose step served it (none where a result is not
     finite: the caller's walk takes those)."""
@@ -333,16 +333,11 @@ def causal_rows_steps(
         queries = np.moveaxis(q[at], 2, 1).astype(dtype)  # (sequences, heads, rows, d)
         lo, hi = ck[group].astype(np.int64), ck[group + 1].astype(np.int64)
         table = np.zeros((group.size, 1), np.int32)
-        step = native_decode.paged_step(
-            queries, k[None], v[None], table, lo, np.maximum(hi - (rows - 1), lo), scale
-        )
-        if step is None:
+        step = native_decode.paged_step(queries, k[None], v[None], table, lo, hi, scale,
+                                        causal=True)  # fmt: skip
+        if step is None:  # (a result not finite)
             continue
-        pos, seen = causal_rows.last_keys(lo, hi, int(rows))
-        kt, vt = (np.moveaxis(x[pos], 2, 1).astype(dtype) for x in (k, v))
-        out, lse = causal_rows.with_tail(step, queries, kt, vt, seen, scale, None)
-        if not np.isfinite(out).all():
-            continue
+        out, lse = step
         flat = at.reshape(-1)
         found.append((group, flat, np.moveaxis(out, 1, 2).reshape(flat.size, *out.shape[1::2]),
                       np.moveaxis(lse, 1, 2).reshape(flat.size, -1)))  # fmt: skip

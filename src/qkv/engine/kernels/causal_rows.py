@@ -1,34 +1,32 @@
-"""Several causal query rows on the decode step: the keys every row sees, then a small triangle.
+"""Several causal query rows on the decode step.
 
 A decoding step that checks several tokens at once (speculative decoding's draft tokens, a
 short chunk of a prompt against its cache) has ``L`` query rows under bottom-right causal
-alignment: row ``i`` of a sequence of ``n`` keys sits at position ``n − L + i``. Its first
-``n − L + 1`` keys are seen by every row; only the last ``L − 1`` differ, row ``i`` seeing the
-first ``i`` of them. So the step splits there (as :func:`qkv.merge` splits any key set):
+alignment: row ``i`` of a sequence of ``n`` keys sits at position ``n − L + i`` and sees its
+first ``n − L + i + 1`` keys. The native decode step takes such rows as they are (its
+``causal`` argument: each row's weights stop at its own last key), reading each kv head's
+keys once for all its ``group · L`` rows. :func:`attend` and :func:`attend_stored` run a
+checked plan that way (the router's "native decode, causal rows"); the cache's, the paged
+and the packed steps ask the native step for it themselves.
 
-- the common keys, read once for all ``group · L`` rows of a kv head by the native decode step
-  with no mask (:func:`qkv.engine.kernels.native_decode.plain`), and
-- the ``L − 1`` last keys against the rows, a triangle of at most ``L (L − 1) / 2`` scores a
-  head (:func:`tail`), in NumPy,
-
-merged by their log-sum-exp (:func:`qkv.engine.kernels.blocks.merge_pair_into`). Both parts
-are exact attention over their keys, so the result equals the reference within the tolerance
-of the unsplit kernels. :func:`attend` and :func:`attend_stored` run a checked plan that way
-(the router's "native decode, causal rows"); the paged step and the cache split their own
-steps with :func:`last_keys` and :func:`tail`.
+The NumPy emulation of the step's fast road has no causal rows. There the step splits at the
+last ``L − 1`` keys (as :func:`qkv.merge` splits any key set): the first ``n − L + 1`` keys,
+which every row sees, on the unmasked step, and the last ones against the rows, a triangle
+of at most ``L (L − 1) / 2`` scores a head (:func:`tail`, :func:`last_keys`), merged by
+their log-sum-exp (:func:`with_tail`). Both parts are exact attention over their keys, so
+the result equals the reference within the tolerance of the unsplit kernels.
 """
 
 from __future__ import annotations
-
-import functools
 
 import numpy as np
 
 from ...validate import Plan
 from . import native_decode
 from .blocks import finish, grouped_matmul, merge_pair_into
+from .native_lib import Kept
 
-__all__ = ["attend", "attend_stored", "last_keys", "tail", "with_tail"]
+__all__ = ["attend", "attend_finite", "attend_stored", "keep", "last_keys", "tail", "with_tail"]
 
 
 def last_keys(lo: np.ndarray, hi: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray]:
@@ -173,41 +171,24 @@ def _outer(p: np.ndarray, v: np.ndarray) -> np.ndarray:
     return np.einsum("...rt,...td->...rd", p, v)
 
 
-def _split(plan: Plan, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+def _native_step(plan: Plan, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     """A causal plan of several rows on ``k`` and ``v`` (its K/V in the compute dtype, or
-    stored in 16 bits) split at its last ``L − 1`` keys; None where the native step does not
-    serve the common keys or a result is not finite."""
-    rows, S = plan.L, plan.S
-    common = S - (rows - 1)
-    if common < 1:  # (a row that sees no key at all: the general kernels' rules)
+    stored in 16 bits) in one native step with its rows causal; None where the native step
+    does not serve it, a row sees no key at all (the general kernels' rules) or a result is
+    not finite."""
+    if plan.S < plan.L:
         return None
-    found = native_decode.plain(plan.q, k[..., :common, :], v[..., :common, :], plan.scale,
-                                plan.softcap)  # fmt: skip
-    if found is None:
-        return None
-    acc = plan.acc_dtype
-    last = np.s_[..., common:, :]
-    out, lse = with_tail(found, plan.q.astype(acc, copy=False), k[last].astype(acc),
-                         v[last].astype(acc), _seen(rows), plan.scale, plan.softcap)  # fmt: skip
-    return (out, lse) if np.isfinite(out).all() else None
-
-
-@functools.lru_cache(maxsize=16)
-def _seen(rows: int) -> np.ndarray:
-    """Whether row ``i`` of ``rows`` sees key ``t`` of the last ``rows − 1``: ``t < i``."""
-    seen = np.tri(rows, rows - 1, -1, dtype=bool)
-    seen.flags.writeable = False
-    return seen
+    return native_decode.plain(plan.q, k, v, plan.scale, plan.softcap, causal=True)
 
 
 def attend(plan: Plan) -> tuple[np.ndarray, np.ndarray]:
     """The router's "native decode, causal rows": a causal plan of ``2 … DECODE_MAX_L`` query
-    rows with K/V in the compute dtype, split as the module says; where the native step does
-    not serve it (or a result is not finite), the NumPy decode kernel
+    rows with K/V in the compute dtype, on the native step with its rows causal; where that
+    step does not serve it (or a result is not finite), the NumPy decode kernel
     (:func:`qkv.engine.kernels.decode.attend`), whose results the dispatcher checks as for
     every kernel."""
     assert plan.v is not None  # (the router asks for values)
-    found = _split(plan, plan.k, plan.v)
+    found = _native_step(plan, plan.k, plan.v)
     if found is not None:
         return found
     from . import decode
@@ -215,8 +196,23 @@ def attend(plan: Plan) -> tuple[np.ndarray, np.ndarray]:
     return decode.attend(plan)
 
 
+def attend_finite(plan: Plan) -> tuple[np.ndarray, np.ndarray] | None:
+    """:func:`attend` where the native step serves the plan and its result is finite; else
+    None (the shorter road the router tries first: the dispatcher then runs :func:`attend`
+    with the overflow retries every kernel shares)."""
+    assert plan.v is not None  # (the router asks for values)
+    return _native_step(plan, plan.k, plan.v)
+
+
+def keep(plan: Plan) -> Kept | None:
+    """The native step with its rows causal kept for operands laid out as ``plan``'s
+    (:func:`qkv.engine.kernels.native_decode.keep`): what a plain call of a few causal rows
+    keeps per shapes (:func:`qkv.engine.run.plain`). None where a row sees no key."""
+    return None if plan.S < plan.L else native_decode.keep(plan, causal=True)
+
+
 def attend_stored(plan: Plan) -> tuple[np.ndarray, np.ndarray] | None:
     """:func:`attend` on a plan's float16/bfloat16 K/V read as stored (:attr:`Plan.stored`):
     float32 ``(out, lse)``, or None where not served (the dispatcher then widens them)."""
     assert plan.stored is not None
-    return _split(plan, *plan.stored_kv())
+    return _native_step(plan, *plan.stored_kv())

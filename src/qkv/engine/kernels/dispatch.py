@@ -152,6 +152,7 @@ SHORT_RUNNERS: dict[str, tuple[Any, str]] = {
     "dense, every key seen": (dense, "attend_plain_finite"),
     "native decode, checked finite": (native_decode, "attend_finite"),
     "native prefill, own tiles, checked finite": (stacked, "attend_own_finite"),
+    "native decode, causal rows, checked finite": (causal_rows, "attend_finite"),
 }
 
 
@@ -163,6 +164,8 @@ SHORT_RUNNERS: dict[str, tuple[Any, str]] = {
 KEPT: dict[str, tuple[Any, str]] = {
     "native decode": (native_decode, "keep"),
     "native decode, stored K/V": (native_decode, "keep"),
+    "native decode, causal rows": (causal_rows, "keep"),
+    "native decode, causal rows, stored K/V": (causal_rows, "keep"),
     "native prefill, own tiles": (stacked, "keep_own"),
     "native prefill, own tiles, stored K/V": (native, "keep"),
     "native bfloat16 prefill": (native_bf16, "keep"),

@@ -175,6 +175,7 @@ def launch(
     scales: tuple[tuple[int, tuple[int, int, int]], tuple[int, tuple[int, int, int]]] | None = None,
     pages: tuple[int, int, int, int] | None = None,
     precision: str = "exact",
+    causal: bool = False,
 ) -> int:
     """Run the kernel on raw memory: ``sizes = (sequences, kv_heads, group, L, d, dv, S)``;
     ``q``, ``k``, ``v`` each ``(address, (sequence, head, row) strides in elements)``; ``runs``
@@ -192,7 +193,10 @@ def launch(
     a block table: ``(address of the int32 table, its row stride, page_size, num_blocks)``,
     ``k``/``v``/``scales`` then given with ``(page, head, row)`` strides and ``S`` the table's
     capacity (its columns times ``page_size``); ``precision="fast"`` takes the fast road
-    of int8 K/V (:mod:`qkv.engine.kernels.decode_fast`; the exact road for any other form).
+    of int8 K/V (:mod:`qkv.engine.kernels.decode_fast`; the exact road for any other form);
+    ``causal`` makes the ``L`` rows of each head causal, bottom-right aligned on each
+    sequence's keys ``[lo, hi)``: row ``i`` sees ``[lo, hi − (L − 1) + i)`` (a row that sees
+    none: output 0, lse ``−inf``).
 
     Returns the kernel's status: 0; 3 when an output is not finite, 4 when a mask row is not
     one run of keys (then take the general path). The caller guarantees the memory matches;
@@ -210,7 +214,7 @@ def launch(
         isa or isa_cap(),
         team, softcap or 0.0, *(mask or (None, 0, 0)),
         format_code(kv_format, precision), ks, *kss, vs, *vss,
-        *(pages or (None, 0, 0, 0)),
+        *(pages or (None, 0, 0, 0)), int(causal),
     )  # fmt: skip
     return invoke("qkv_decode_f64" if f64 else "qkv_decode_f32", args, "decode", allowed=(3, 4))
 
@@ -250,13 +254,15 @@ def plain(
     scale: float,
     softcap: float | None,
     threads: int | None = None,
+    *,
+    causal: bool = False,
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """One step of ``q (..., heads, L, d)`` against all of ``k`` and ``v`` (``(...,
     kv_heads, S, ·)``, in the compute dtype or stored as float16/bfloat16; a view of a
     cache's first keys is read in place): ``(out, lse)`` in the compute dtype, arrays of
     their own; None where the kernel cannot read the operands as they are or a result is not
-    finite."""
-    found = _plain_step(q, k, v, scale, softcap, threads)
+    finite. ``causal``: the ``L`` rows bottom-right causal on the ``S`` keys (:func:`launch`)."""
+    found = _plain_step(q, k, v, scale, softcap, threads, causal)
     return None if found is _UNSERVED else found
 
 
@@ -288,10 +294,12 @@ def _plain_step(
     scale: float,
     softcap: float | None,
     threads: int | None,
+    causal: bool = False,
 ) -> Any:
     """One unmasked step of ``q`` against ``k`` and ``v`` (the plan's shapes; K/V in the
-    compute dtype or stored as float16/bfloat16): ``(out, lse)``; None when a result is not
-    finite; :data:`_UNSERVED` when the kernel cannot read the operands as they are.
+    compute dtype or stored as float16/bfloat16), its rows ``causal`` or not (:func:`launch`):
+    ``(out, lse)``; None when a result is not finite; :data:`_UNSERVED` when the kernel cannot
+    read the operands as they are.
 
     The small call's road: everything the kernel takes but the five addresses (``q``, ``k``,
     ``v`` and the two results) and the threads follows from the shapes, strides, dtypes,
@@ -300,13 +308,13 @@ def _plain_step(
     """
     key = (
         q.dtype, k.dtype, q.shape, q.strides, k.shape, k.strides, v.shape, v.strides, scale,
-        softcap, isa_cap(),
+        softcap, isa_cap(), causal,
     )  # fmt: skip
     found = _constants(*key)
     if found is None:
         return _UNSERVED
     if isinstance(found, EveryHead):
-        done = _every_head_step(q, k, v, scale, softcap, threads, found.isa)
+        done = _every_head_step(q, k, v, scale, softcap, threads, found.isa, causal)
         if done is not None:
             return done
         found = _built(*key)  # (a refusal, or a result not finite: the walk by heads says)
@@ -323,6 +331,7 @@ def _every_head_step(
     softcap: float | None,
     threads: int | None,
     isa: int,
+    causal: bool = False,
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """:func:`_plain_step` for ``(sequences, kv_heads, keys, ·)`` views ``k`` and ``v`` whose
     rows interleave the heads (:class:`EveryHead`), on the paged walk: each sequence's keys
@@ -332,7 +341,8 @@ def _every_head_step(
     table = np.arange(n, dtype=np.int32)[:, None]
     lo, hi = np.zeros(n, np.int64), np.full(n, S, np.int64)
     pages = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-    return paged_step(q, *pages, table, lo, hi, scale, threads=threads, isa=isa, softcap=softcap)
+    return paged_step(q, *pages, table, lo, hi, scale, threads=threads, isa=isa, softcap=softcap,
+                      causal=causal)  # fmt: skip
 
 
 def _run_kept(
@@ -372,14 +382,15 @@ def _run_at(
     return None if status else (out, sums)
 
 
-def keep(plan: Plan) -> Kept | None:
+def keep(plan: Plan, causal: bool = False) -> Kept | None:
     """A plain call's step kept for operands laid out as ``plan``'s (no mask; K/V in the
     compute dtype or stored as float16/bfloat16): a function of ``(q, k, v)`` of those shapes
     and dtypes giving ``(out, lse)``, or None for operands of other strides, when another
     clone is asked for (``QKV_NATIVE_ISA``) or when a result is not finite (the caller then
     takes the general road); None where the kernel cannot read ``plan``'s operands as they
     are. :func:`qkv.engine.run.plain` keeps one per shapes, so that a small call does no
-    more than put its addresses into the kept arguments (:func:`_run_kept`)."""
+    more than put its addresses into the kept arguments (:func:`_run_kept`). ``causal``: the
+    step's rows causal (:func:`launch`; a causal plan of a few rows, every row seeing a key)."""
     if plan.mask is not None or plan.bias is not None:
         return None
     q = plan.q
@@ -391,7 +402,7 @@ def keep(plan: Plan) -> Kept | None:
         q = np.empty(q.shape, k.dtype)  # (the layout of the q the caller gives: contiguous)
     key = (
         q.dtype, k.dtype, q.shape, q.strides, k.shape, k.strides, v.shape, v.strides,
-        plan.scale, plan.softcap, isa_cap(),
+        plan.scale, plan.softcap, isa_cap(), causal,
     )  # fmt: skip
     found = _constants(*key)
     if found is None or isinstance(found, EveryHead):  # (the latter: every call on the plan)
@@ -492,12 +503,13 @@ def _constants(*key: Any) -> Constants | EveryHead | None:
     rest depends on the shapes but S, and on the strides: see :func:`_built`), so the arguments
     are those with S set. :class:`EveryHead` where the step reads K/V every head at a time
     (:func:`_reads_every_head`)."""
-    dt, kt, qs, qst, ks, kst, vs, vst, scale, softcap, isa = key
+    dt, kt, qs, qst, ks, kst, vs, vst, scale, softcap, isa, causal = key
     if _reads_every_head(dt, kt, qs, ks, kst, vs, vst):
         return EveryHead(isa)
     if len(ks) < 3 or len(vs) < 3:
         return _built(*key)
-    family = (dt, kt, qs, qst, ks[:-2], ks[-1], kst, vs[:-2], vs[-1], vst, scale, softcap, isa)
+    family = (dt, kt, qs, qst, ks[:-2], ks[-1], kst, vs[:-2], vs[-1], vst, scale, softcap, isa,
+              causal)  # fmt: skip
     known = _FAMILIES.get(family)
     S = ks[-2]
     if known is not None:
@@ -546,6 +558,7 @@ def _built(
     scale: float,
     softcap: float | None,
     isa: int,
+    causal: bool = False,
 ) -> Constants | None:
     """The decode step's arguments for operands of these shapes and byte strides (``q`` of
     compute dtype ``dt``, K/V of ``kt``: the same, or stored as float16/bfloat16 for float32;
@@ -586,6 +599,7 @@ def _built(
         *plan.sizes, None, *ql, None, *kl, None, *vl, None, None, None, None, plan.scale,
         1, isa, None, plan.softcap or 0.0, None, 0, 0, format_code(form or None),
     )  # fmt: skip
+    args.causal = int(causal)
     function = lib.qkv_decode_f64 if plan.f64 else lib.qkv_decode_f32
     if out_dtype != dt:
         function = getattr(lib, f"qkv_decode_f32_{_STORED_NAMES[form]}io")
@@ -695,6 +709,7 @@ class DecodePlan:
     isa: int = 0
     runs_at: tuple[int, int] | None = None  # the runs' addresses, taken once
     precision: str = "exact"  # "fast": the fast road of int8 K/V (launch)
+    causal: bool = False  # the L rows causal, bottom-right on each sequence's keys (launch)
 
     @classmethod
     def plan(
@@ -710,6 +725,7 @@ class DecodePlan:
         threads: int | None = None,
         isa: int = 0,
         precision: str = "exact",
+        causal: bool = False,
     ) -> DecodePlan | None:
         """The plan of a step of ``sizes = (sequences, heads, kv_heads, L, d, dv, S)``, or
         None where the kernel does not take it: not built here, heads not a multiple of the kv
@@ -736,7 +752,7 @@ class DecodePlan:
             (n, kvh, heads // kvh, L, d, dv, S), f64,
             numerics.default_scale(d) if scale is None else float(scale),
             None if softcap is None else float(softcap), kv_format, runs, mask, threads, isa, at,
-            precision,
+            precision, causal,
         )  # fmt: skip
 
     def run(
@@ -755,7 +771,7 @@ class DecodePlan:
         return launch(
             self.f64, self.sizes, q, k, v, self.runs_at, out, lse, self.scale,
             threads=self.threads, isa=self.isa, softcap=self.softcap, mask=self.mask,
-            kv_format=self.kv_format, scales=scales, precision=self.precision,
+            kv_format=self.kv_format, scales=scales, precision=self.precision, causal=self.causal,
         )  # fmt: skip
 
 
@@ -816,7 +832,7 @@ def template(
         *plan.sizes, None, *q, None, *k, None, *v, lo, hi, None, None, plan.scale, 1,
         plan.isa or isa_cap(), None, plan.softcap or 0.0, *(plan.mask or (None, 0, 0)),
         format_code(plan.kv_format, plan.precision), None, *kss,
-        None, *vss, *(pages or (None, 0, 0, 0)),
+        None, *vss, *(pages or (None, 0, 0, 0)), int(plan.causal),
     )  # fmt: skip
     function = lib.qkv_decode_f64 if plan.f64 else lib.qkv_decode_f32
     return Template(bytes(args), function, plan.threads, plan.kv_format)
@@ -1001,6 +1017,7 @@ def paged_step(
     k_scale: np.ndarray | None = None,
     v_scale: np.ndarray | None = None,
     precision: str = "exact",
+    causal: bool = False,
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """One decoding step reading K/V pages in place through a block table: ``(out, lse)``
     in the compute dtype, or None where the kernel does not take these arrays (or a result is
@@ -1014,7 +1031,8 @@ def paged_step(
     sees key positions ``lo[b]:hi[b]`` (int64), position ``p`` in page
     ``block_table[b, p // page_size]`` at row ``p % page_size``. Callers pass checked arrays:
     the kernel itself refuses (:class:`~qkv.errors.InputError`, nothing read) a run past the
-    table's capacity or a needed entry outside ``[0, num_blocks)``.
+    table's capacity or a needed entry outside ``[0, num_blocks)``. ``causal``: the ``L``
+    rows bottom-right causal on those keys (:func:`launch`).
     """
     dt = q.dtype
     if q.ndim != 4 or k_pages.ndim != 4 or v_pages.ndim != 4 or dt not in _DTYPES:
@@ -1031,7 +1049,7 @@ def paged_step(
     S = block_table.shape[1] * ps
     plan = DecodePlan.plan(
         (n, hq, kvh, L, d, dv, S), f64=dt == _F64, scale=scale, softcap=softcap,
-        kv_format=form or None, threads=threads, isa=isa, precision=precision,
+        kv_format=form or None, threads=threads, isa=isa, precision=precision, causal=causal,
     )  # fmt: skip
     if plan is None:
         return None
@@ -1062,6 +1080,6 @@ def paged_step(
         (address(v_pages), vl), (address(lo), address(hi)), address(out),
         address(lse), plan.scale, threads=threads, isa=isa, softcap=plan.softcap,
         kv_format=plan.kv_format, scales=scales,
-        pages=(address(block_table), bt_rs, ps, nb), precision=precision,
+        pages=(address(block_table), bt_rs, ps, nb), precision=precision, causal=causal,
     )  # fmt: skip
     return None if status else (out, lse)

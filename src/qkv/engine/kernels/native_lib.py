@@ -157,6 +157,7 @@ class DecodeArgs(ctypes.Structure):
         ("k_scale", _ptr), *_ints("ks_bs", "ks_hs", "ks_rs"),
         ("v_scale", _ptr), *_ints("vs_bs", "vs_hs", "vs_rs"),
         ("block_table", _ptr), *_ints("bt_rs", "page_size", "num_blocks"),
+        ("causal", _i64),
     ]  # fmt: skip
 
 

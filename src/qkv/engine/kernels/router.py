@@ -272,18 +272,21 @@ DECODE_STEP = (
     _NONEMPTY,
     _NATIVE,
 )
-CAUSAL_ROWS_KEYS_PER_ROW = 8  # keys per query row from which the split pays (measured)
-# Causal plans of a few query rows on the native decode step
-# (qkv.engine.kernels.causal_rows): the keys every row sees in one unmasked step, the last
-# L - 1 keys as a triangle in NumPy, merged.
+# Keys per query row from which the decode step takes causal rows: one, so that every row sees
+# a key (a row that sees none takes the general kernels' rules). With the rows causal in the
+# step itself it measured faster than the dense kernel from S = L on (2 threads, Zen 4: B1 H8
+# kv2 d64 S8-48 L2-8 15-29 against 63-89 us; B8-B32, d32-128, the same or faster).
+CAUSAL_ROWS_KEYS_PER_ROW = 1
+# Causal plans of a few query rows on the native decode step with its rows causal
+# (qkv.engine.kernels.causal_rows).
 CAUSAL_ROWS = (
     _c(lambda a: a.plan.causal and a.plan.L > 1, "not causal with more than one query row"),
     _FEW_ROWS,
     _c(
         lambda a: a.plan.S >= CAUSAL_ROWS_KEYS_PER_ROW * a.plan.L,
         lambda a: (
-            f"{a.plan.S} keys, fewer than {CAUSAL_ROWS_KEYS_PER_ROW} a query row (the dense "
-            "kernel's products run them faster)"
+            f"{a.plan.S} keys, fewer than the {a.plan.L} query rows (a row would see none: "
+            "the general kernels' rules)"
         ),
     ),
     _c(lambda a: a.plan.mask is None, "a mask given"),
@@ -694,6 +697,9 @@ SHORT: dict[str, Kernel] = {
     "native prefill, own tiles": Kernel(
         "native prefill, own tiles, checked finite", "tiled", (_SCALE_FITS,)
     ),
+    "native decode, causal rows": Kernel(
+        "native decode, causal rows, checked finite", "decode", ()
+    ),
 }
 
 
@@ -858,9 +864,9 @@ CASCADE = (
 )
 
 
-# A planned step of a few causal query rows per sequence (KVCache's, the paged step's) splits
-# at its last L - 1 keys (qkv.engine.decoding.causal_rows): the keys every row sees on the
-# decode step, the rest as a triangle. Ask.plan here is the checked plan.
+# A planned step of a few causal query rows per sequence (KVCache's, the paged step's) runs
+# them on the decode step with its rows causal (qkv.engine.decoding.causal_rows). Ask.plan
+# here is the checked plan.
 STEP_CAUSAL_ROWS = (
     _c(lambda a: a.plan.causal and a.plan.L > 1, "not causal with more than one query row"),
     _FEW_ROWS,
@@ -870,7 +876,7 @@ STEP_CAUSAL_ROWS = (
 
 def causal_rows_step(plan: Plan) -> bool:
     """Whether a checked step of ``plan`` (K/V a cache's or a pool's, each sequence its run
-    of keys) splits its causal rows at the last ``L − 1`` keys (:data:`STEP_CAUSAL_ROWS`).
+    of keys) runs its causal rows as such on the decode step (:data:`STEP_CAUSAL_ROWS`).
     Whether the decode step then serves it is :func:`decode_plan`'s call on the unmasked
     plan."""
     ask = Ask(plan)
@@ -987,7 +993,8 @@ def backward(plan: Plan) -> Kernel:
 # Packed sequences of 2 to DECODE_MAX_L causal query rows (draft tokens beside decoding steps)
 # on the decode step as causal rows (qkv.engine.varlen.causal_rows_steps): what the "native
 # decode step" row asks of the arrays, causal with no window, and at least
-# CAUSAL_ROWS_KEYS_PER_ROW keys a row. Ask.plan here is (q, k, v, dtype, None, causal, window).
+# CAUSAL_ROWS_KEYS_PER_ROW keys a row (each sequence's: packed_causal_rows). Ask.plan here
+# is (q, k, v, dtype, None, causal, window).
 PACKED_CAUSAL_ROWS = (
     _c(lambda a: a.plan[5], "not causal (the rows' keys would be the same: one step)"),
     _c(lambda a: a.plan[6] is None, "a window (its left side moves with each row)"),

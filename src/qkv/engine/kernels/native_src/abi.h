@@ -180,6 +180,11 @@ struct qkv_decode_args {
     // read (else status 6).
     const int32_t* block_table;
     int64_t bt_rs, page_size, num_blocks;
+    // Nonzero: the L query rows of each head are causal, bottom-right aligned on each
+    // sequence's keys [lo, hi): row i sees [lo, hi - (L - 1) + i) (speculative decoding's
+    // draft tokens, a chunk of a prompt against its cache). A row that sees no key gets output
+    // 0 and lse -inf. 0: every row sees [lo, hi).
+    int64_t causal;
 };
 
 // The codes of qkv_decode_args::kv_format, and the 16-bit forms the float32 prefill, varlen

@@ -105,6 +105,25 @@ QKV_INLINE T decode_row_step(T* __restrict sr, int64_t n, T* __restrict m, T* __
     return alpha;
 }
 
+// Row r's keys among the n of the block from key b0 of a sequence whose keys end at hi: all
+// n, or (a.causal) those before its causal limit hi - (L - 1) + r % L (row r of a kv head is
+// row r % L of its query head).
+QKV_INLINE int64_t row_keys(const qkv_decode_args& a, int64_t hi, int64_t r, int64_t b0,
+                            int64_t n) {
+    if (!a.causal) return n;
+    return std::max<int64_t>(0, std::min<int64_t>(n, hi - (a.L - 1) + r % a.L - b0));
+}
+
+// decode_row_step on the first nr of the block's n scores (row_keys), the weights of the others
+// 0: a row that sees none of the block keeps its max and sum (factor 1).
+template <typename T>
+QKV_INLINE T decode_row_step_upto(T* __restrict sr, int64_t n, int64_t nr, T* __restrict m,
+                                  T* __restrict l) {
+    if (nr == n) return decode_row_step(sr, n, m, l);
+    for (int64_t j = nr; j < n; ++j) sr[j] = 0;
+    return nr > 0 ? decode_row_step(sr, nr, m, l) : T(1);
+}
+
 struct Bf16 {
     uint16_t bits;
 };
@@ -632,6 +651,7 @@ QKV_INLINE void decode_piece_body(const qkv_decode_args& a, int64_t b, int64_t h
     float* __restrict qf = reinterpret_cast<float*>(s + R * DECODE_BK);
     if constexpr (IQ) quantize_rows(a, b, h, d, reinterpret_cast<int8_t*>(qs), qf);
     Src src(a, b, h);
+    const int64_t hi = a.hi ? a.hi[b] : a.S;  // (the causal rows' limits: row_keys)
     for (int64_t b0 = j0; b0 < j1; b0 += DECODE_BK) {
         const int64_t n = std::min<int64_t>(DECODE_BK, j1 - b0);
         src.list(b0, n, 0);
@@ -667,7 +687,7 @@ QKV_INLINE void decode_piece_body(const qkv_decode_args& a, int64_t b, int64_t h
             int32_t* __restrict sum = reinterpret_cast<int32_t*>(al + R);  // dv
             for (int64_t r = 0; r < R; ++r) {
                 T* __restrict sr = s + r * DECODE_BK;
-                al[r] = decode_row_step(sr, n, m + r, l + r);
+                al[r] = decode_row_step_upto(sr, n, row_keys(a, hi, r, b0, n), m + r, l + r);
                 for (int64_t j = 0; j < n; ++j) sr[j] *= T(*src.vs(b0, 0)[j]);
                 wsc[r] = round_weights(sr, n, wq + r * DECODE_BK);
             }
@@ -677,7 +697,7 @@ QKV_INLINE void decode_piece_body(const qkv_decode_args& a, int64_t b, int64_t h
         for (int64_t r = 0; r < R; ++r) {
             T* __restrict sr = s + r * DECODE_BK;
             T* __restrict ar = acc + r * dv;
-            const T alpha = decode_row_step(sr, n, m + r, l + r);
+            const T alpha = decode_row_step_upto(sr, n, row_keys(a, hi, r, b0, n), m + r, l + r);
             if (alpha != T(1)) {
 #pragma omp simd
                 for (int64_t c = 0; c < dv; ++c) ar[c] *= alpha;
@@ -1415,6 +1435,7 @@ QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h,
         }
     }
     Src src(a, b, h0);
+    const int64_t hi = a.hi ? a.hi[b] : a.S;  // (the causal rows' limits: row_keys)
     typedef typename Src::Kv_ A;
     typedef std::integral_constant<int, 1> One;
     typedef std::integral_constant<int, RS> Rows_;
@@ -1521,7 +1542,8 @@ QKV_INLINE void decode_piece_vec(const qkv_decode_args& a, int64_t b, int64_t h,
         }
         if (a.softcap > 0) softcap_block(si, R, n, T(a.softcap));
         for (int64_t r = 0; r < R; ++r)
-            alphai[r] = decode_row_step(si + r * DECODE_BK, n, m + i * R + r, l + i * R + r);
+            alphai[r] = decode_row_step_upto(si + r * DECODE_BK, n, row_keys(a, hi, r, b0, n),
+                                             m + i * R + r, l + i * R + r);
         if constexpr (KV::scaled) {  // the weights times each value row's scale
             const auto VS = src.vs(b0, slot, i);
             for (int64_t t = 0; t < n; ++t) vsc[t] = T(*VS[t]) * KV::unit;
