@@ -4,13 +4,16 @@
     python bench/small.py                          # the whole grid (float32 and bfloat16)
     python bench/small.py --dtype float32 --mask padding --B 32 --L 53 --d 32
     python bench/small.py --only decode --S 128,1024
+    python bench/small.py --only draft --rows 4 --S 128
 
 The grid (issue 42): batch B in {1, 8, 32}, heads H in {8, 12}, kv heads H or H/4 (``--group``
 1 or 4), L = S in {16, 37, 53, 120, 256, 512}, head size d in {32, 64}, and three masks:
 ``none``, ``causal`` and ``padding`` (a boolean (B, 1, 1, S) mask hiding a random tail of
 each batch row, as a tokenizer's padding does; the lengths are drawn so that some rows are
-full); plus decode cells, one query over S in {16, 128, 512, 1024} keys (no mask). Every cell
-runs in float32 and bfloat16 (``--dtype``).
+full); plus decode cells, one query over S in {16, 128, 512, 1024} keys (no mask), and draft
+cells, a few causal queries (``--rows`` 2, 4, 8: speculative decoding's draft tokens, a short
+chunk against a cache) over those S keys, bottom-right aligned (PyTorch's peer gets that
+boolean mask). Every cell runs in float32 and bfloat16 (``--dtype``).
 
 For each cell, in one process with the contenders taking turns round by round (the shared
 machine's drifting load meets them alike): ``qkv.attention`` on the torch tensors, on NumPy
@@ -44,12 +47,13 @@ GRID = {
     "L": (16, 37, 53, 120, 256, 512),
     "d": (32, 64),
     "mask": ("none", "causal", "padding"),
-    "S": (16, 128, 512, 1024),  # decode: one query over S keys
+    "S": (16, 128, 512, 1024),  # decode: one query over S keys (draft: a few)
+    "rows": (2, 4, 8),  # draft: causal queries over S keys
     "dtype": ("float32", "bfloat16"),
 }
 
 # --quick: the issue's rows and a spread over batch, heads, lengths and masks, in both dtypes.
-# (B, H, group, L, S, d, mask); L == 1 is a decode cell.
+# (B, H, group, L, S, d, mask); L == 1 is a decode cell, 1 < L < S a draft cell.
 QUICK = [
     (32, 12, 1, 53, 53, 32, "none"),
     (32, 12, 1, 53, 53, 32, "padding"),
@@ -69,6 +73,9 @@ QUICK = [
     (1, 12, 1, 1, 512, 64, "none"),
     (8, 12, 1, 1, 16, 64, "none"),
     (32, 8, 4, 1, 1024, 32, "none"),
+    (1, 8, 4, 4, 128, 64, "causal"),
+    (1, 12, 4, 2, 16, 32, "causal"),
+    (8, 12, 1, 8, 512, 64, "causal"),
 ]
 
 
@@ -80,14 +87,15 @@ def cells(args: argparse.Namespace) -> list[tuple[int, int, int, int, int, int, 
         return GRID[name] if given is None else tuple(cast(x) for x in given.split(","))
 
     Bs, Hs, groups, Ls, ds = pick("B"), pick("H"), pick("group"), pick("L"), pick("d")
-    Ss, masks, dtypes = pick("S"), pick("mask", str), pick("dtype", str)
+    Ss, rows, masks, dtypes = pick("S"), pick("rows"), pick("mask", str), pick("dtype", str)
     shapes: list[tuple[int, int, int, int, int, int, str]] = []
     if args.quick:
         shapes = [
             c
             for c in QUICK
             if c[0] in Bs and c[1] in Hs and c[2] in groups and c[5] in ds and c[6] in masks
-            and (c[3] == 1 and c[4] in Ss or c[3] != 1 and c[3] in Ls)
+            and (c[3] == c[4] and c[3] in Ls or c[3] != c[4] and c[4] in Ss
+                 and (c[3] == 1 or c[3] in rows))
         ]  # fmt: skip
     else:
         if args.only in (None, "grid"):
@@ -96,10 +104,14 @@ def cells(args: argparse.Namespace) -> list[tuple[int, int, int, int, int, int, 
         if args.only in (None, "decode") and "none" in masks:
             for B, H, g, S, d in itertools.product(Bs, Hs, groups, Ss, ds):
                 shapes.append((B, H, g, 1, S, d, "none"))
-    if args.only == "grid":
-        shapes = [c for c in shapes if c[3] != 1]
-    elif args.only == "decode":
-        shapes = [c for c in shapes if c[3] == 1]
+        if args.only in (None, "draft") and "causal" in masks:
+            for B, H, g, n, S, d in itertools.product(Bs, Hs, groups, rows, Ss, ds):
+                if n < S:
+                    shapes.append((B, H, g, n, S, d, "causal"))
+    kinds = {"grid": lambda c: c[3] == c[4], "decode": lambda c: c[3] == 1}
+    kinds["draft"] = lambda c: 1 < c[3] < c[4]
+    if args.only is not None:
+        shapes = [c for c in shapes if kinds[args.only](c)]
     return [(*c, dt) for dt in dtypes for c in shapes]
 
 
@@ -135,8 +147,11 @@ def inputs(cell: tuple, rng: np.random.Generator) -> dict[str, Any]:
     torch_kw: dict[str, Any] = {"enable_gqa": g > 1}
     qkv_t: dict[str, Any] = {}
     qkv_n: dict[str, Any] = {}
-    if mask == "causal":  # L == S: PyTorch's top-left causal is the bottom-right one
+    if mask == "causal" and L == S:  # PyTorch's top-left causal is the bottom-right one
         torch_kw["is_causal"] = True
+        qkv_t["causal"] = qkv_n["causal"] = True
+    elif mask == "causal":  # draft rows: PyTorch's peer gets the bottom-right mask
+        torch_kw["attn_mask"] = torch.ones(L, S, dtype=torch.bool).tril(S - L)
         qkv_t["causal"] = qkv_n["causal"] = True
     elif mask == "padding":
         n = padding_lengths(B, S, rng)
@@ -193,15 +208,16 @@ def run_cell(cell: tuple, args: argparse.Namespace) -> dict[str, float]:
 
 def label(cell: tuple) -> str:
     B, H, g, L, S, d, mask, dtype = cell
-    shape = f"B{B} H{H} kv{H // g} " + (f"L1 S{S}" if L == 1 else f"L=S={L}") + f" d{d}"
+    shape = f"B{B} H{H} kv{H // g} " + (f"L=S={L}" if L == S else f"L{L} S{S}") + f" d{d}"
     return shape
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a representative subset (~1 minute)")
-    p.add_argument("--only", choices=("grid", "decode"), help="the L = S cells or the decode ones")
-    for name in ("B", "H", "group", "L", "S", "d"):
+    p.add_argument("--only", choices=("grid", "decode", "draft"),
+                   help="the L = S cells, the decode ones or the draft ones")  # fmt: skip
+    for name in ("B", "H", "group", "L", "S", "d", "rows"):
         p.add_argument(f"--{name}", help=f"comma-separated (default {GRID[name]})")
     p.add_argument("--mask", help="none, causal, padding (comma-separated)")
     p.add_argument("--dtype", help="float32, bfloat16 (comma-separated)")
