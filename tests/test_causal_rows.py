@@ -114,7 +114,7 @@ def test_with_tail_equals_attention_over_both_key_sets(seed, group, rows, first,
     batch=st.integers(1, 3),
     kvh=st.integers(1, 3),
     group=st.sampled_from([1, 2, 4]),
-    rows=st.integers(2, 8),
+    rows=st.integers(2, 32),
     extra=st.integers(0, 200),
     d=st.sampled_from([8, 32, 64, 128]),
     dtype=st.sampled_from(["float32", "float64", "bfloat16", "float16"]),
@@ -123,6 +123,8 @@ def test_with_tail_equals_attention_over_both_key_sets(seed, group, rows, first,
 def test_attention_with_a_few_causal_rows_equals_reference(
     seed, batch, kvh, group, rows, extra, d, dtype, softcap
 ):
+    """Up to 8 rows, and chunks of up to 32 on 16-bit K/V (small K/V in other dtypes: the
+    prefill's)."""
     rng = np.random.default_rng(seed)
     S = router.CAUSAL_ROWS_KEYS_PER_ROW * rows + extra
     dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
@@ -130,7 +132,10 @@ def test_attention_with_a_few_causal_rows_equals_reference(
     k = qst.values(rng, (batch, kvh, S, d)).astype(dt)
     v = qst.values(rng, (batch, kvh, S, d)).astype(dt)
     route = qkv.route(q, k, v, causal=True, softcap=softcap)
-    assert route.kernel.startswith("native decode, causal rows"), route
+    steps = rows <= router.DECODE_MAX_L or (
+        dtype in ("bfloat16", "float16") and S >= router.CAUSAL_CHUNK_KEYS_PER_ROW * rows
+    )
+    assert route.kernel.startswith("native decode, causal rows") == steps, route
     out = qkv.attention(q, k, v, causal=True, softcap=softcap)
     want = _reference(q, k, v, [S] * batch, softcap=softcap)
     if dtype in ("bfloat16", "float16"):  # the float32 result, rounded once to the output
@@ -410,20 +415,40 @@ def test_the_router_says_which_steps_split_and_which_chunks_run_alone():
     from qkv.validate import make_plan
 
     rng = np.random.default_rng(8)
-    k = qst.values(rng, (2, 2, 64, 8))
+    k = qst.values(rng, (2, 2, 300, 8))
 
-    def plan(rows, **options):
-        return make_plan(qst.values(rng, (2, 4, rows, 8)), k, k, **options)
+    def plan(rows, keys=64, **options):
+        return make_plan(qst.values(rng, (2, 4, rows, 8)), k[:, :, :keys], k[:, :, :keys],
+                         **options)  # fmt: skip
 
     assert router.causal_rows_step(plan(4, causal=True))
     assert not router.causal_rows_step(plan(1, causal=True))  # one row: the step as it is
     assert not router.causal_rows_step(plan(4, causal=False))  # every row sees every key
     assert not router.causal_rows_step(plan(9, causal=True))  # a chunk: the prefill's
     assert not router.causal_rows_step(plan(4, causal=True, window=(10, 0)))
+    # a chunk of up to 32 rows against 8 keys a row and more, on K/V stored in 16 bits or of
+    # 16 MiB and more: the step's
+    assert router.causal_rows_step(plan(32, 256, causal=True), True, 0)
+    assert not router.causal_rows_step(plan(32, 255, causal=True), True, 0)
+    assert router.causal_rows_step(plan(8, 8, causal=True), False, 0)
+    assert router.causal_rows_step(plan(9, 72, causal=True), False, 16 << 20)
+    assert not router.causal_rows_step(plan(9, 72, causal=True), False, (16 << 20) - 1)
+    assert not router.causal_rows_step(plan(33, 300, causal=True), True, 1 << 30)
     assert router.chunks_alone(plan(9, causal=True), 2, 0)
+    assert not router.chunks_alone(plan(9, causal=True), 2, 0, steps=True)
     assert not router.chunks_alone(plan(9, causal=True), 1, 0)
     assert not router.chunks_alone(plan(9, causal=True), 2, 256)  # a shared prefix first
     assert not router.chunks_alone(plan(8, causal=True), 2, 0)
+    assert router.cascade(plan(9, causal=True), None, 256, 1)  # its own full pages in place
+    assert not router.cascade(plan(9, causal=True), None, 256, 1, steps=True)
+    assert router.cascade(plan(9, causal=True), None, 256, 2, steps=True)  # a shared prefix
+    kb = qst.values(rng, (2, 2, 128, 8))
+    bf16 = [a.astype(ml_dtypes.bfloat16) for a in (qst.values(rng, (2, 8, 16, 8)), kb, kb)]
+    assert qkv.route(*bf16, causal=True).kernel == "native decode, causal rows, stored K/V"
+    f32 = [a.astype(np.float32) for a in bf16]
+    assert "causal rows" not in qkv.route(*f32, causal=True).kernel  # (K/V in cache)
+    square = [a[:, :, :16] for a in bf16]  # a prompt's own causal block: the prefill's
+    assert "causal rows" not in qkv.route(*square, causal=True).kernel
 
 
 @native

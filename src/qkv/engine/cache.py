@@ -317,8 +317,8 @@ class KVCache:
         precision : {"exact", "fast"}, optional
             ``"fast"`` opts an int8 cache into the decode step's fast road
             (:func:`qkv.plan_decode`: q rounded to int8, its error bound there), where the
-            decode step serves the call (one query row, several with ``causal=False``, or up
-            to 8 causal ones, whose last keys are taken exactly); elsewhere, and
+            decode step serves the call (one query row, several with ``causal=False``, or a
+            few causal ones, :func:`qkv.engine.kernels.router.causal_chunk_fits`); elsewhere, and
             on caches of any other dtype, the exact road runs.
         **variants
             ``softcap``, ``sinks``, ``alibi_slopes``, ``score_mod``, ``mask_mod`` as in
@@ -424,7 +424,8 @@ class KVCache:
             options,
         )
         hi, lo = self._lengths, self._first  # read by the kernel as it runs
-        if router.causal_rows_step(plan):
+        nbytes = int(hi.sum()) * self.kv_heads * (self.head_dim + self.value_dim)
+        if router.causal_rows_step(plan, self._form is not None, nbytes * self._k.itemsize):
             # several causal rows on the step (see causal_rows)
             found = causal_rows(
                 plan, qa, self._k, self._v, lo, hi, self._last_keys(stand),

@@ -176,10 +176,10 @@ def attend_pages(
     precision : {"exact", "fast"}, optional
         ``"fast"`` opts int8 pages into the decode step's fast road (:func:`qkv.plan_decode`:
         q rounded to int8, its error bound there), where the decode step serves the call (one
-        query row per sequence, several with ``causal=False``, or up to 8 causal ones, whose
-        last keys are taken exactly; no ``alibi_slopes``); elsewhere, and on pages of any
-        other form, the exact road runs (a shared prefix is then not split off: the fast road
-        reads every page).
+        query row per sequence, several with ``causal=False``, or a few causal ones,
+        :func:`qkv.engine.kernels.router.causal_chunk_fits`; no ``alibi_slopes``); elsewhere,
+        and on pages of any other form, the exact road runs (a shared prefix is then not
+        split off: the fast road reads every page).
 
     Returns
     -------
@@ -259,10 +259,16 @@ def attend_pages(
         options,
     )
 
+    # whether the decode step takes these causal rows (K/V stored narrower than the compute
+    # dtype, or their bytes, decide how many)
+    narrow = stored or kp.dtype.itemsize < np.dtype(stand).itemsize
+    nbytes = int(lengths.sum()) * kvh * (d + dv) * kp.dtype.itemsize
+    rows_step = router.causal_rows_step(plan, narrow, nbytes)
+
     def step_over(tab: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         # (out, lse) of the paged step over rows `tab` of the table, `lens` keys each: the
         # router decides the road (step.route): the native step, the fast road, or neither
-        if tab.size and router.causal_rows_step(plan):
+        if tab.size and rows_step:
             # several causal rows on the step (`last`: the last Lq - 1 keys, for the NumPy
             # emulation of the fast road, which runs the common keys and merges those in)
 
@@ -303,7 +309,7 @@ def attend_pages(
         return out, lse
 
     cols = cascade.shared_columns(table, lengths, page, Lq)
-    if router.chunks_alone(plan, B, cols * page):
+    if router.chunks_alone(plan, B, cols * page, rows_step):
         # chunks of prompts: each sequence alone, its own full pages that every row sees
         # whole split off and read in place (below), the rest gathered
         parts = [
@@ -318,7 +324,7 @@ def attend_pages(
         out = np.concatenate([o for o, _ in parts]).astype(out_dtype, copy=False)
         lse = np.concatenate([s for _, s in parts])
         return (out, lse) if return_lse else out
-    if cols and router.cascade(plan, slopes, cols * page, B, precision):
+    if cols and router.cascade(plan, slopes, cols * page, B, precision, rows_step):
         # a prefix every sequence shares: its pages read once for all of them
         ids = table[0, :cols]
 

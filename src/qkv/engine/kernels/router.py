@@ -277,11 +277,48 @@ DECODE_STEP = (
 # step itself it measured faster than the dense kernel from S = L on (2 threads, Zen 4: B1 H8
 # kv2 d64 S8-48 L2-8 15-29 against 63-89 us; B8-B32, d32-128, the same or faster).
 CAUSAL_ROWS_KEYS_PER_ROW = 1
+# Causal query rows per head up to which a chunk against a cache (at least
+# CAUSAL_CHUNK_KEYS_PER_ROW keys a row) runs on the decode step where its K/V are stored in 16
+# bits or take at least CAUSAL_ROWS_MIN_BYTES (beyond DECODE_MAX_L, the decoding step's). The
+# prefill kernels take a causal chunk head by head (no stacking of grouped heads under causal)
+# and the bfloat16 one in work items of 64 rows, so a short chunk uses few of their lanes; the
+# step takes a kv head's group · L rows together. Measured (bench/draft_rows.py, B8 H32 kv8
+# S2048 d128, 2 threads, Zen 4; qkv.attention against the prefill chosen before): float32 16
+# rows 37 -> 26 ms, 32 rows 58 -> 52; bfloat16 16 rows 55 -> 19, 32 rows 50 -> 39; the
+# bfloat16 prefill wins from 64 rows (54 against 81 ms). With K/V in cache the float32 prefill
+# wins (B1 H8 kv2 S512 d64, L16: 0.13 against 0.16 ms).
+CAUSAL_ROWS_MAX_L = 32
+CAUSAL_ROWS_MIN_BYTES = 16 << 20
+CAUSAL_CHUNK_KEYS_PER_ROW = 8  # (a prompt's own square causal block stays the prefill's)
+
+
+def causal_chunk_fits(L: int, S: int, stored: bool, nbytes: int) -> bool:
+    """Whether ``L`` causal query rows per head over ``S`` keys run on the decode step
+    (:data:`CAUSAL_ROWS`, :data:`STEP_CAUSAL_ROWS`): up to :data:`DECODE_MAX_L`, or a chunk
+    against a cache (:data:`CAUSAL_CHUNK_KEYS_PER_ROW` keys a row and more) of up to
+    :data:`CAUSAL_ROWS_MAX_L` where the K/V are ``stored`` in 16 bits or take ``nbytes`` of
+    at least :data:`CAUSAL_ROWS_MIN_BYTES`."""
+    return L <= DECODE_MAX_L or (
+        L <= CAUSAL_ROWS_MAX_L
+        and S >= CAUSAL_CHUNK_KEYS_PER_ROW * L
+        and (stored or nbytes >= CAUSAL_ROWS_MIN_BYTES)
+    )
+
+
+_CAUSAL_FEW_ROWS = _c(
+    lambda a: causal_chunk_fits(a.plan.L, a.plan.S, a.plan.stored is not None, a.size),
+    lambda a: (
+        f"{a.plan.L} query rows per head, more than {DECODE_MAX_L} (or than "
+        f"{CAUSAL_ROWS_MAX_L} against {CAUSAL_CHUNK_KEYS_PER_ROW} keys a row and more, with "
+        f"K/V stored in 16 bits or of {CAUSAL_ROWS_MIN_BYTES >> 20} MiB and more; {a.mib} "
+        "here)"
+    ),
+)
 # Causal plans of a few query rows on the native decode step with its rows causal
 # (qkv.engine.kernels.causal_rows).
 CAUSAL_ROWS = (
     _c(lambda a: a.plan.causal and a.plan.L > 1, "not causal with more than one query row"),
-    _FEW_ROWS,
+    _CAUSAL_FEW_ROWS,
     _c(
         lambda a: a.plan.S >= CAUSAL_ROWS_KEYS_PER_ROW * a.plan.L,
         lambda a: (
@@ -843,14 +880,15 @@ def choose(plan: Plan, kernel: str = "auto", counts: bool = True) -> Route:
 # one prompt) may split there (qkv.engine.cascade): the prefix once for all requests as one
 # prefill-shaped call, merged with each request's own pages by their lse. So may one sequence's
 # chunk of more than DECODE_MAX_L query rows (a prompt fed a chunk at a time) at its own full
-# pages that every row sees whole: read in place by the prefill. Ask.plan here is (plan, ALiBi
-# slopes, shared keys, sequences, precision).
+# pages that every row sees whole: read in place by the prefill, unless the decode step takes
+# the chunk (causal_rows_step). Ask.plan here is (plan, ALiBi slopes, shared keys, sequences,
+# precision, whether the decode step takes the rows).
 MIN_SHARED_KEYS = 256
 CASCADE = (
     _c(lambda a: a.plan[4] == "exact", "precision='fast' (its road reads every page itself)"),
     _c(
-        lambda a: a.plan[3] >= 2 or a.plan[0].L > DECODE_MAX_L,
-        "one sequence with a decoding step's few query rows (its pages read by the step)",
+        lambda a: a.plan[3] >= 2 or (a.plan[0].L > DECODE_MAX_L and not a.plan[5]),
+        "one sequence with rows the decode step takes (its pages read by the step)",
     ),
     _c(
         lambda a: a.plan[2] >= MIN_SHARED_KEYS,
@@ -866,20 +904,29 @@ CASCADE = (
 
 # A planned step of a few causal query rows per sequence (KVCache's, the paged step's) runs
 # them on the decode step with its rows causal (qkv.engine.decoding.causal_rows). Ask.plan
-# here is the checked plan.
+# here is (the checked plan, K/V stored in 16 bits, the K/V's bytes).
 STEP_CAUSAL_ROWS = (
-    _c(lambda a: a.plan.causal and a.plan.L > 1, "not causal with more than one query row"),
-    _FEW_ROWS,
-    _c(lambda a: a.plan.window is None, "a window given (its left side moves with each row)"),
+    _c(
+        lambda a: a.plan[0].causal and a.plan[0].L > 1,
+        "not causal with more than one query row",
+    ),
+    _c(
+        lambda a: causal_chunk_fits(a.plan[0].L, a.plan[0].S, a.plan[1], a.plan[2]),
+        lambda a: f"{a.plan[0].L} query rows per head: a chunk for the prefill kernels",
+    ),
+    _c(
+        lambda a: a.plan[0].window is None,
+        "a window given (its left side moves with each row)",
+    ),
 )
 
 
-def causal_rows_step(plan: Plan) -> bool:
+def causal_rows_step(plan: Plan, stored: bool = False, nbytes: int = 0) -> bool:
     """Whether a checked step of ``plan`` (K/V a cache's or a pool's, each sequence its run
-    of keys) runs its causal rows as such on the decode step (:data:`STEP_CAUSAL_ROWS`).
-    Whether the decode step then serves it is :func:`decode_plan`'s call on the unmasked
-    plan."""
-    ask = Ask(plan)
+    of keys; ``stored`` in 16 bits, ``nbytes`` of them) runs its causal rows as such on the
+    decode step (:data:`STEP_CAUSAL_ROWS`). Whether the decode step then serves it is
+    :func:`decode_plan`'s call on the unmasked plan."""
+    ask = Ask((plan, stored, nbytes))
     return all(cond.test(ask) for cond in STEP_CAUSAL_ROWS)
 
 
@@ -888,27 +935,30 @@ def causal_rows_step(plan: Plan) -> bool:
 # prefix (CASCADE). Ask.plan here is (plan, sequences, shared keys).
 CHUNKS_ALONE = (
     _c(
-        lambda a: a.plan[0].L > DECODE_MAX_L,
-        lambda a: f"{a.plan[0].L} query rows per sequence: a decoding step's",
+        lambda a: a.plan[0].L > DECODE_MAX_L and not a.plan[3],
+        lambda a: f"{a.plan[0].L} query rows per sequence: the decode step's",
     ),
     _c(lambda a: a.plan[1] > 1, "one sequence"),
     _c(lambda a: a.plan[2] == 0, "a prefix the sequences share (split once for all)"),
 )
 
 
-def chunks_alone(plan: Plan, sequences: int, shared_keys: int) -> bool:
+def chunks_alone(plan: Plan, sequences: int, shared_keys: int, steps: bool = False) -> bool:
     """Whether a checked paged call of ``sequences`` sequences sharing ``shared_keys`` keys
-    runs sequence by sequence (:data:`CHUNKS_ALONE`)."""
-    ask = Ask((plan, sequences, shared_keys))
+    runs sequence by sequence (:data:`CHUNKS_ALONE`); ``steps``: the decode step takes its
+    rows (:func:`causal_rows_step`)."""
+    ask = Ask((plan, sequences, shared_keys, steps))
     return all(cond.test(ask) for cond in CHUNKS_ALONE)
 
 
 def cascade(
-    plan: Plan, slopes: Any, shared_keys: int, sequences: int, precision: str = "exact"
-) -> bool:
+    plan: Plan, slopes: Any, shared_keys: int, sequences: int, precision: str = "exact",
+    steps: bool = False,
+) -> bool:  # fmt: skip
     """Whether a checked paged step on the road ``precision`` names splits at a prefix of
-    ``shared_keys`` keys that its ``sequences`` all share (:data:`CASCADE`)."""
-    ask = Ask((plan, slopes, shared_keys, sequences, precision))
+    ``shared_keys`` keys that its ``sequences`` all share (:data:`CASCADE`); ``steps``: the
+    decode step takes its rows (:func:`causal_rows_step`)."""
+    ask = Ask((plan, slopes, shared_keys, sequences, precision, steps))
     return all(cond.test(ask) for cond in CASCADE)
 
 
