@@ -444,7 +444,8 @@ def test_the_router_says_which_steps_split_and_which_chunks_run_alone():
     assert router.cascade(plan(9, causal=True), None, 256, 2, steps=True)  # a shared prefix
     kb = qst.values(rng, (2, 2, 128, 8))
     bf16 = [a.astype(ml_dtypes.bfloat16) for a in (qst.values(rng, (2, 8, 16, 8)), kb, kb)]
-    assert qkv.route(*bf16, causal=True).kernel == "native decode, causal rows, stored K/V"
+    if native_decode.available():  # (else no native row at all)
+        assert qkv.route(*bf16, causal=True).kernel == "native decode, causal rows, stored K/V"
     f32 = [a.astype(np.float32) for a in bf16]
     assert "causal rows" not in qkv.route(*f32, causal=True).kernel  # (K/V in cache)
     square = [a[:, :, :16] for a in bf16]  # a prompt's own causal block: the prefill's
