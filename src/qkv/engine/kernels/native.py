@@ -74,6 +74,7 @@ from .native_lib import (
     library_path,
     mask_operand,
     prefill_operands,
+    running_isa,
     switched_off,
 )
 from .threads import prefill_team, rescan_blas, single_threaded_blas, workers
@@ -146,11 +147,7 @@ def info() -> dict[str, Any]:
     path = library_path()
     decode_ok = lib is not None and not switched_off()
     bf16 = bf16_products()[0]
-    isa = None
-    if lib is not None:
-        cap = isa_cap()
-        best = lib.qkv_best_isa()
-        isa = _ISA_NAMES.get(min(best, cap) if cap else best)
+    isa = None if lib is None else _ISA_NAMES.get(running_isa())
     return {
         "active": ok,
         "reason": why or f"built; {ENV} is not 0; SciPy's BLAS found",

@@ -368,6 +368,16 @@ def blas_available() -> tuple[bool, str]:
     return found is not None, why
 
 
+def running_isa() -> int:
+    """The code (:data:`ISAS`) of the vector clone the library's kernels run: the widest this
+    CPU runs, capped by ``QKV_NATIVE_ISA``; 0 where the library is not loaded."""
+    lib = library()[0]
+    if lib is None:
+        return 0
+    cap, best = isa_cap(), int(lib.qkv_best_isa())
+    return min(best, cap) if cap else best
+
+
 def bf16_products() -> tuple[bool, str]:
     """``(True, "")`` when the bfloat16 tile products (``vdpbf16ps``) run: the library built
     and on, this CPU with AVX512_BF16 and no narrower clone forced; else ``(False, why not)``."""

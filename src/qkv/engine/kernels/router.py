@@ -27,7 +27,7 @@ import numpy as np
 from ...numerics import FAST_FORMS, normal_range, scale_in_range
 from ...validate import Plan
 from .jit import enabled as jit_enabled
-from .native_lib import bf16_products, blas_available, library, switched_off
+from .native_lib import ISAS, bf16_products, blas_available, library, running_isa, switched_off
 from .threads import team_preferred
 
 __all__ = [
@@ -286,7 +286,9 @@ CAUSAL_ROWS_KEYS_PER_ROW = 1
 # S2048 d128, 2 threads, Zen 4; qkv.attention against the prefill chosen before): float32 16
 # rows 37 -> 26 ms, 32 rows 58 -> 52; bfloat16 16 rows 55 -> 19, 32 rows 50 -> 39; the
 # bfloat16 prefill wins from 64 rows (54 against 81 ms). With K/V in cache the float32 prefill
-# wins (B1 H8 kv2 S512 d64, L16: 0.13 against 0.16 ms).
+# wins (B1 H8 kv2 S512 d64, L16: 0.13 against 0.16 ms). Only in the AVX-512 clone: in the AVX2
+# one (16 registers) the step's many rows ran slower than the prefill (the same 16-row chunk,
+# QKV_NATIVE_ISA=avx2: float32 0.99x -> 1.12x SDPA's time, bfloat16 0.90x -> 1.19x).
 CAUSAL_ROWS_MAX_L = 32
 CAUSAL_ROWS_MIN_BYTES = 16 << 20
 CAUSAL_CHUNK_KEYS_PER_ROW = 8  # (a prompt's own square causal block stays the prefill's)
@@ -297,11 +299,12 @@ def causal_chunk_fits(L: int, S: int, stored: bool, nbytes: int) -> bool:
     (:data:`CAUSAL_ROWS`, :data:`STEP_CAUSAL_ROWS`): up to :data:`DECODE_MAX_L`, or a chunk
     against a cache (:data:`CAUSAL_CHUNK_KEYS_PER_ROW` keys a row and more) of up to
     :data:`CAUSAL_ROWS_MAX_L` where the K/V are ``stored`` in 16 bits or take ``nbytes`` of
-    at least :data:`CAUSAL_ROWS_MIN_BYTES`."""
+    at least :data:`CAUSAL_ROWS_MIN_BYTES`, in the AVX-512 clone."""
     return L <= DECODE_MAX_L or (
         L <= CAUSAL_ROWS_MAX_L
         and S >= CAUSAL_CHUNK_KEYS_PER_ROW * L
         and (stored or nbytes >= CAUSAL_ROWS_MIN_BYTES)
+        and running_isa() >= ISAS["avx512"]
     )
 
 
@@ -310,8 +313,8 @@ _CAUSAL_FEW_ROWS = _c(
     lambda a: (
         f"{a.plan.L} query rows per head, more than {DECODE_MAX_L} (or than "
         f"{CAUSAL_ROWS_MAX_L} against {CAUSAL_CHUNK_KEYS_PER_ROW} keys a row and more, with "
-        f"K/V stored in 16 bits or of {CAUSAL_ROWS_MIN_BYTES >> 20} MiB and more; {a.mib} "
-        "here)"
+        f"K/V stored in 16 bits or of {CAUSAL_ROWS_MIN_BYTES >> 20} MiB and more, in the "
+        f"AVX-512 clone; {a.mib} here)"
     ),
 )
 # Causal plans of a few query rows on the native decode step with its rows causal
