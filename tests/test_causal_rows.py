@@ -296,6 +296,34 @@ def test_cache_step_with_a_few_causal_rows_equals_reference(form, rows):
     _close(got, _reference(q, k, v, lengths))
 
 
+@pytest.mark.parametrize("form", ["bfloat16", "float16", "int8", "float8_e4m3fn", "float32"])
+def test_cache_chunk_of_16_rows_equals_reference(monkeypatch, form):
+    """A 16-row chunk against a cache of 8 keys a row and more: on the decode step where the
+    cache is stored in 16 or 8 bits and the AVX-512 clone runs (the codes read in place),
+    else the general road; both equal the reference on the stored values."""
+    from qkv.engine import cache as cache_module
+
+    taken = []
+    real = cache_module.causal_rows
+    monkeypatch.setattr(cache_module, "causal_rows",
+                        lambda *a, **kw: taken.append(1) or real(*a, **kw))  # fmt: skip
+    rng = np.random.default_rng(11)
+    B, kvh, H, d, rows = 2, 2, 8, 32, 16
+    cache = qkv.KVCache(B, kvh, d, dtype=form)
+    cache.append(qst.values(rng, (B, kvh, 300, d)), qst.values(rng, (B, kvh, 300, d)))
+    cache.append(qst.values(rng, (kvh, 20, d)), qst.values(rng, (kvh, 20, d)), seq=0)
+    q = qst.values(rng, (B, H, rows, d)).astype(np.float32)
+    got = cache.attend(q, return_lse=True)
+    lengths = [320, 300]
+    k = np.zeros((B, kvh, 320, d))
+    v = np.zeros((B, kvh, 320, d))
+    for b, n in enumerate(lengths):
+        k[b, :, :n], v[b, :, :n] = cache.keys(b), cache.values(b)
+    _close(got, _reference(q, k, v, lengths))
+    wide = running_isa() >= ISAS["avx512"]  # (with QKV_NATIVE=0 the step declines it)
+    assert bool(taken) == (wide and form != "float32")
+
+
 @pytest.mark.parametrize("rows", [2, 5, 8])
 def test_cache_fast_road_with_a_few_causal_rows_is_near_reference(rows):
     """The fast road of an int8 cache: the native step's causal rows, or without the native

@@ -279,14 +279,16 @@ DECODE_STEP = (
 CAUSAL_ROWS_KEYS_PER_ROW = 1
 # Causal query rows per head up to which a chunk against a cache (at least
 # CAUSAL_CHUNK_KEYS_PER_ROW keys a row) runs on the decode step where its K/V are stored in 16
-# bits or take at least CAUSAL_ROWS_MIN_BYTES (beyond DECODE_MAX_L, the decoding step's). The
+# or 8 bits or take at least CAUSAL_ROWS_MIN_BYTES (beyond DECODE_MAX_L, the decoding step's). The
 # prefill kernels take a causal chunk head by head (no stacking of grouped heads under causal)
 # and the bfloat16 one in work items of 64 rows, so a short chunk uses few of their lanes; the
 # step takes a kv head's group · L rows together. Measured (bench/draft_rows.py, B8 H32 kv8
 # S2048 d128, 2 threads, Zen 4; qkv.attention against the prefill chosen before): float32 16
 # rows 37 -> 26 ms, 32 rows 58 -> 52; bfloat16 16 rows 55 -> 19, 32 rows 50 -> 39; the
 # bfloat16 prefill wins from 64 rows (54 against 81 ms). With K/V in cache the float32 prefill
-# wins (B1 H8 kv2 S512 d64, L16: 0.13 against 0.16 ms). Only in the AVX-512 clone: in the AVX2
+# wins (B1 H8 kv2 S512 d64, L16: 0.13 against 0.16 ms). A KVCache of 8-bit codes had its chunk
+# widened into a float32 copy first: int8 16 rows 106 -> 34 ms, float8 853 -> 45 ms (the same
+# shapes, 2 threads). Only in the AVX-512 clone: in the AVX2
 # one (16 registers) the step's many rows ran slower than the prefill (the same 16-row chunk,
 # QKV_NATIVE_ISA=avx2: float32 0.99x -> 1.12x SDPA's time, bfloat16 0.90x -> 1.19x).
 CAUSAL_ROWS_MAX_L = 32
@@ -298,7 +300,7 @@ def causal_chunk_fits(L: int, S: int, stored: bool, nbytes: int) -> bool:
     """Whether ``L`` causal query rows per head over ``S`` keys run on the decode step
     (:data:`CAUSAL_ROWS`, :data:`STEP_CAUSAL_ROWS`): up to :data:`DECODE_MAX_L`, or a chunk
     against a cache (:data:`CAUSAL_CHUNK_KEYS_PER_ROW` keys a row and more) of up to
-    :data:`CAUSAL_ROWS_MAX_L` where the K/V are ``stored`` in 16 bits or take ``nbytes`` of
+    :data:`CAUSAL_ROWS_MAX_L` where the K/V are ``stored`` in 16 or 8 bits or take ``nbytes`` of
     at least :data:`CAUSAL_ROWS_MIN_BYTES`, in the AVX-512 clone."""
     return L <= DECODE_MAX_L or (
         L <= CAUSAL_ROWS_MAX_L
@@ -313,7 +315,7 @@ _CAUSAL_FEW_ROWS = _c(
     lambda a: (
         f"{a.plan.L} query rows per head, more than {DECODE_MAX_L} (or than "
         f"{CAUSAL_ROWS_MAX_L} against {CAUSAL_CHUNK_KEYS_PER_ROW} keys a row and more, with "
-        f"K/V stored in 16 bits or of {CAUSAL_ROWS_MIN_BYTES >> 20} MiB and more, in the "
+        f"K/V stored in 16 or 8 bits or of {CAUSAL_ROWS_MIN_BYTES >> 20} MiB and more, in the "
         f"AVX-512 clone; {a.mib} here)"
     ),
 )
@@ -907,7 +909,7 @@ CASCADE = (
 
 # A planned step of a few causal query rows per sequence (KVCache's, the paged step's) runs
 # them on the decode step with its rows causal (qkv.engine.decoding.causal_rows). Ask.plan
-# here is (the checked plan, K/V stored in 16 bits, the K/V's bytes).
+# here is (the checked plan, K/V stored in 16 or 8 bits, the K/V's bytes).
 STEP_CAUSAL_ROWS = (
     _c(
         lambda a: a.plan[0].causal and a.plan[0].L > 1,
@@ -926,7 +928,7 @@ STEP_CAUSAL_ROWS = (
 
 def causal_rows_step(plan: Plan, stored: bool = False, nbytes: int = 0) -> bool:
     """Whether a checked step of ``plan`` (K/V a cache's or a pool's, each sequence its run
-    of keys; ``stored`` in 16 bits, ``nbytes`` of them) runs its causal rows as such on the
+    of keys; ``stored`` in 16 or 8 bits, ``nbytes`` of them) runs its causal rows as such on the
     decode step (:data:`STEP_CAUSAL_ROWS`). Whether the decode step then serves it is
     :func:`decode_plan`'s call on the unmasked plan."""
     ask = Ask((plan, stored, nbytes))
