@@ -487,7 +487,7 @@ def test_the_router_says_which_steps_split_and_which_chunks_run_alone():
 @given(
     seed=st.integers(0, 2**32 - 1),
     seqs=st.lists(
-        st.tuples(st.sampled_from([0, 1, 2, 3, 5, 8, 12]), st.integers(0, 120)),
+        st.tuples(st.sampled_from([0, 1, 2, 3, 5, 8, 12, 16]), st.integers(0, 160)),
         min_size=1,
         max_size=5,
     ),
@@ -495,7 +495,9 @@ def test_the_router_says_which_steps_split_and_which_chunks_run_alone():
 )
 def test_packed_sequences_of_a_few_causal_rows_equal_reference(seed, seqs, dtype):
     """``attention_varlen`` with sequences of 2-8 rows (draft tokens) beside decoding steps,
-    longer chunks and empty sequences: the few-row ones on the decode step as causal rows."""
+    longer chunks and empty sequences: the few-row ones on the decode step as causal rows, and
+    in bfloat16 (K/V stored in 16 bits) chunks of up to 32 rows against 8 keys a row and more
+    where the AVX-512 clone runs."""
     from qkv.engine import varlen
 
     rng = np.random.default_rng(seed)
@@ -521,6 +523,8 @@ def test_packed_sequences_of_a_few_causal_rows_equal_reference(seed, seqs, dtype
     finally:
         varlen.causal_rows_steps = real
     few = (lq >= 2) & (lq <= router.DECODE_MAX_L) & (lk >= router.CAUSAL_ROWS_KEYS_PER_ROW * lq)
+    if dtype == "bfloat16" and running_isa() >= ISAS["avx512"]:
+        few |= (lq > router.DECODE_MAX_L) & (lq <= 32) & (lk >= 8 * lq)
     assert sorted(served) == np.flatnonzero(few).tolist()  # the road serves exactly those
     for b in range(len(seqs)):
         if lq[b] == 0:
