@@ -132,17 +132,62 @@ def test_attention_with_a_few_causal_rows_equals_reference(
     k = qst.values(rng, (batch, kvh, S, d)).astype(dt)
     v = qst.values(rng, (batch, kvh, S, d)).astype(dt)
     route = qkv.route(q, k, v, causal=True, softcap=softcap)
+    wide = running_isa() >= ISAS["avx512"]
     steps = rows <= router.DECODE_MAX_L or (
-        dtype in ("bfloat16", "float16") and S >= router.CAUSAL_CHUNK_KEYS_PER_ROW * rows
-        and running_isa() >= ISAS["avx512"]
+        dtype in ("bfloat16", "float16") and S >= router.CAUSAL_CHUNK_KEYS_PER_ROW * rows and wide
     )  # fmt: skip
-    assert route.kernel.startswith("native decode, causal rows") == steps, route
+    # a kv head's rows in the compute dtype, enough of them, against a cache: the prefill, the
+    # grouped heads stacked (in cache here: K/V of a few hundred KiB)
+    stacked = (
+        dtype in ("float32", "float64") and softcap is None
+        and S >= router.CAUSAL_CHUNK_KEYS_PER_ROW * rows
+        and group * rows >= (8 if running_isa() == ISAS["avx2"] else 32)
+        and batch * kvh * group * rows * S * 2 * d >= router.OWN_TILES_MIN_WORK
+    )  # fmt: skip
+    assert route.kernel.startswith("native decode, causal rows") == (steps and not stacked), route
+    if stacked:
+        assert route.kernel == "native prefill, own tiles", route
     out = qkv.attention(q, k, v, causal=True, softcap=softcap)
     want = _reference(q, k, v, [S] * batch, softcap=softcap)
     if dtype in ("bfloat16", "float16"):  # the float32 result, rounded once to the output
         np.testing.assert_allclose(out.astype(np.float64), want[0], **tol("tensor dtypes", dt))
     else:
         np.testing.assert_allclose(out, want[0], **(TOL64 if dtype == "float64" else TOL32))
+
+
+@native
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    batch=st.integers(1, 2),
+    kvh=st.integers(1, 3),
+    group=st.integers(2, 6),
+    rows=st.integers(1, 40),
+    extra=st.integers(0, 300),
+    d=st.sampled_from([8, 32, 64, 80]),
+    dtype=st.sampled_from(["float32", "float64"]),
+    products=st.sampled_from(["own", "blas"]),
+    isa=st.sampled_from(["baseline", "avx2", "avx512"]),
+)
+def test_stacked_causal_rows_equal_reference(
+    seed, batch, kvh, group, rows, extra, d, dtype, products, isa
+):
+    """The native prefill with a kv head's grouped heads stacked under the causal rule, its
+    rows taken position by position (``per_pos``): each row's keys those of its position,
+    bottom-right aligned, in every clone, on either tile products (``S`` from ``L`` up)."""
+    from qkv.engine.kernels import native
+    from qkv.validate import make_plan
+
+    if products == "blas" and not native.available()[0]:
+        products = "own"  # (no BLAS found: the own products alone)
+    rng = np.random.default_rng(seed)
+    S = rows + extra
+    q = qst.values(rng, (batch, kvh * group, rows, d)).astype(dtype)
+    k = qst.values(rng, (batch, kvh, S, d)).astype(dtype)
+    v = qst.values(rng, (batch, kvh, S, d)).astype(dtype)
+    plan = make_plan(q, k, v, causal=True)
+    got = native.attend(plan, products=products, stack=True, isa=isa)
+    _close(got, _reference(q, k, v, [S] * batch), np.dtype(dtype))
 
 
 @native

@@ -263,7 +263,8 @@ def attend(
         heads' choice, :data:`~qkv.engine.kernels.router.OWN_TILES`).
     stack : bool, optional
         Run the query heads of each kv head as one block of rows (a plan with grouped heads and
-        no causal rule, window or mask: :func:`qkv.engine.kernels.stacked.stacks`).
+        no mask or bias: :func:`qkv.engine.kernels.stacked.stacks`); under a causal rule or a
+        window, position by position (the g heads' rows of a position side by side).
     """
     own = products == "own"
     gemm = None if own else _blas()[plan.acc_dtype]
@@ -422,9 +423,12 @@ def _prefill(
     dt = plan.acc_dtype
     batch, L, dv, group = plan.batch, plan.L, plan.dv, plan.group
     shape = batch + (L, dv)
+    per_pos = 1
     if stack and group > 1:  # the g query heads of a kv head: one (g · L)-row block
         batch, L = (*batch[:-1], batch[-1] // group), group * L
         q, group = q.reshape(batch + (L, plan.d)), 1
+        if plan.causal or plan.window is not None:  # the rule's: the kernel takes the rows
+            per_pos = plan.group  # position by position, the g heads' rows side by side
     nb = math.prod(batch)
     fields, arrays = prefill_operands(q, k, v, group)
     block_q = _fit_rows(block_q, lambda bq: nb * -(-L // bq), n)
@@ -435,7 +439,8 @@ def _prefill(
         rule["counts"] = address(per_head)
     rule["products"] = PRODUCTS["own" if own else "blas"]
     rule["parallel"] = team
-    args = PrefillArgs(nb=nb, L=L, S=plan.S, d=plan.d, dv=dv, **fields, **rule, **(pages or {}))
+    args = PrefillArgs(nb=nb, L=L, S=plan.S, d=plan.d, dv=dv, **fields, **rule, **(pages or {}),
+                       per_pos=per_pos)  # fmt: skip
     call = Prefill(args, function, (arrays[3:], masks, per_head), own, shape, batch + (L, dv), dt,
                    narrow)  # fmt: skip
     return call, arrays[:3]  # type: ignore[return-value]

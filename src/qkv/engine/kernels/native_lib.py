@@ -107,6 +107,7 @@ class PrefillArgs(ctypes.Structure):
         ("products", _i64),
         ("parallel", _ptr),
         ("pages", _ptr), *_ints("page_size", "k_ps", "v_ps"),
+        ("per_pos", _i64),
     ]  # fmt: skip
 
 

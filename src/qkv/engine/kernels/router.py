@@ -309,6 +309,60 @@ def causal_chunk_fits(L: int, S: int, stored: bool, nbytes: int) -> bool:
     )
 
 
+# Causal rows per kv head (group · L) from which a few causal rows or a short chunk against a
+# cache run on the native prefill's own tiles, a kv head's grouped heads stacked position by
+# position (qkv.engine.kernels.stacked.stacks), rather than on the decode step, whose
+# scores are dot products summed across lanes, a tile of rows by keys at a time: in the
+# narrower clones (16 registers) from 8 rows, in the AVX-512 clone from 32. Measured with
+# qkv.attention against the decode step (float32, 2 threads, Zen 4, bench/small.py's draft
+# cells' shapes and chunks): with the AVX2 clone forced, B1 H8 kv2 d64 L8 S128 60 -> 28 us,
+# L8 S1024 248 -> 156, L2 S128 18 -> 14, B8 H12 kv3 d32 L8 S512 812 -> 423 (SDPA's 776); in
+# the AVX-512 clone L8 S128 34 -> 29, B8 H12 kv3 L8 S512 433 -> 402, chunks of 16 and 32 rows
+# 5-9% faster, but 16 rows (L4 S512 36 -> 41) and 8 (L2 S128 12 -> 14) slower. With K/V of
+# CAUSAL_ROWS_MIN_BYTES and more (read from memory) the AVX-512 clone keeps the step, which
+# streams them (bench/draft_rows.py, B8 H32 kv8 S2048 d128, 128 MiB: 8 rows 14 against 31
+# ms); the AVX2 one gains there too (16 rows 53 -> 34 ms, 8 rows 29 -> 25, 32 rows 66 -> 61),
+# but not with a kv head per query head (no heads to stack: B8 H8 kv8 L8 S512 d64, 16 MiB,
+# 1.0 against 1.1 ms; B1 of it in cache 124 -> 93 us), which keeps the step there.
+STACK_CAUSAL_MIN_ROWS = {"baseline": 32, "avx2": 8, "avx512": 32}
+
+
+def _stacks_rows(plan: Plan) -> bool:
+    """Whether the clone the native kernels run gives the prefill ``plan``'s ``group · L``
+    causal rows a kv head (:data:`STACK_CAUSAL_MIN_ROWS`; in the AVX-512 clone, and for one
+    query head a kv head, on K/V below :data:`CAUSAL_ROWS_MIN_BYTES` only)."""
+    isa = running_isa()
+    name = next((k for k, v in ISAS.items() if v == isa), "baseline")
+    if plan.group * plan.L < STACK_CAUSAL_MIN_ROWS.get(name, STACK_CAUSAL_MIN_ROWS["baseline"]):
+        return False
+    # (the step streams K/V from memory faster there: AVX-512's, and one head's rows alone)
+    step_streams = isa >= ISAS["avx512"] or plan.group == 1
+    return not step_streams or kv_bytes(plan) < CAUSAL_ROWS_MIN_BYTES
+
+
+def causal_rows_on_prefill(plan: Plan) -> bool:
+    """Whether a causal ``plan``'s few rows against a cache (2 to :data:`CAUSAL_ROWS_MAX_L`
+    query rows per head, :data:`CAUSAL_CHUNK_KEYS_PER_ROW` keys a row and more) run on the
+    native prefill's own tiles, a kv head's ``group · L`` rows in one block (grouped heads
+    stacked position by position), rather than on the decode step: as many rows as the
+    running clone stacks (:func:`_stacks_rows`), K/V in the compute dtype, float32 or float64,
+    no window, mask, bias or variant, and enough work for a native call."""
+    return (
+        plan.causal
+        and 2 <= plan.L <= CAUSAL_ROWS_MAX_L
+        and plan.S >= CAUSAL_CHUNK_KEYS_PER_ROW * plan.L
+        and plan.window is None
+        and plan.mask is None
+        and plan.bias is None
+        and plan.stored is None
+        and not plan.modded
+        and np.dtype(plan.acc_dtype) in (_F32, _F64)
+        and len(plan.batch) >= 1
+        and plan.q.size // max(plan.d, 1) * plan.S * (plan.d + plan.dv) >= OWN_TILES_MIN_WORK
+        and _stacks_rows(plan)
+    )
+
+
 def chunks_on_step(stored: bool, nbytes: int) -> bool:
     """Whether causal chunks of more than :data:`DECODE_MAX_L` rows may run on the decode step
     at all (:func:`causal_chunk_fits`): K/V ``stored`` in 16 or 8 bits or of ``nbytes`` at
@@ -330,6 +384,10 @@ _CAUSAL_FEW_ROWS = _c(
 CAUSAL_ROWS = (
     _c(lambda a: a.plan.causal and a.plan.L > 1, "not causal with more than one query row"),
     _CAUSAL_FEW_ROWS,
+    _c(
+        lambda a: not causal_rows_on_prefill(a.plan),
+        "grouped heads' rows the native prefill stacks (router.causal_rows_on_prefill)",
+    ),
     _c(
         lambda a: a.plan.S >= CAUSAL_ROWS_KEYS_PER_ROW * a.plan.L,
         lambda a: (
@@ -357,8 +415,11 @@ PREFILL = (
 # what PREFILL asks but BLAS, and enough work to pay for a native call.
 OWN_TILES = (
     _c(
-        lambda a: a.plan.L > DECODE_MAX_L,
-        lambda a: f"{a.plan.L} query rows per head, a decoding step's {DECODE_MAX_L} or fewer",
+        lambda a: a.plan.L > DECODE_MAX_L or causal_rows_on_prefill(a.plan),
+        lambda a: (
+            f"{a.plan.L} query rows per head, a decoding step's {DECODE_MAX_L} or fewer (and "
+            "not grouped heads' causal rows it stacks)"
+        ),
     ),
     _F32_OR_F64,
     _NOT_MODDED,
@@ -471,6 +532,10 @@ FORWARD: tuple[Kernel, ...] = (
         (
             _AUTO,
             _FEW_ROWS,
+            _c(
+                lambda a: not causal_rows_on_prefill(a.plan),
+                "causal rows the native prefill takes (router.causal_rows_on_prefill)",
+            ),
             _STREAMS,
             _c(
                 lambda a: a.size >= _least_decode_bytes(a),

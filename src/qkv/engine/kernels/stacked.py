@@ -8,6 +8,13 @@ of ``g`` products of ``L`` rows (the per-product cost dominates short rows). Mea
 against the heads run one by one: B8 H8 kv2 L = S = 16 d64 0.38 against 0.46 ms, B8 H12 kv3
 L = S = 37 d32 0.92 against 1.10 ms (one thread each). Longer rows gain nothing
 (:data:`MAX_ROWS`). Must equal :func:`qkv.reference.attention`, as the native prefill it calls.
+
+Under a causal rule the rows of one position see the same keys, so the stack takes them
+position by position (row ``r`` of a kv head's block: head ``r % group`` at position ``r //
+group``): its rows' keys then grow with the row, as the kernel's pieces need. It does so for a
+few rows against a cache (draft tokens, a short chunk:
+:func:`qkv.engine.kernels.router.causal_rows_on_prefill`); a square causal prompt keeps its heads
+apart (stacked, B1 H8 kv2 L = S = 53..128 ran 5-12% slower).
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...validate import Plan
-from . import native
+from . import native, router
 from .native_lib import Kept
 
 __all__ = ["MAX_ROWS", "attend", "attend_own", "attend_own_finite", "keep_own", "stacks"]
@@ -25,11 +32,12 @@ MAX_ROWS = 512
 
 
 def stacks(plan: Plan) -> bool:
-    """Whether ``plan``'s query heads are stacked per kv head (see the module's text)."""
+    """Whether ``plan``'s query heads are stacked per kv head (see the module's text): with no
+    causal rule, or causal rows against a cache (:func:`router.causal_rows_on_prefill`)."""
     return (
         plan.group > 1
         and plan.group * plan.L <= MAX_ROWS
-        and not plan.causal
+        and (not plan.causal or router.causal_rows_on_prefill(plan))
         and plan.window is None
         and plan.mask is None
         and plan.bias is None

@@ -500,6 +500,7 @@ struct Block {
     int64_t m_rs, m_cs;
     uint8_t* bad;  // set to 1 when an output is not finite (NULL: not asked)
     int64_t kmax;  // keys [0, kmax) only (a padding mask's key count); S: all
+    int64_t per_pos = 1;  // rows per query position: row r is at position r / per_pos of L / per_pos
     // Non-NULL: the keys lie there instead (pages, or 16-bit forms to widen), gathered a piece
     // at a time into the worker's kept rows (gather_rows); k, v, k_rs, v_rs, k_first unused.
     const KeyRows* at = nullptr;
@@ -534,6 +535,8 @@ struct Buffers {
     std::vector<T> s, acc, m, l;
     std::vector<T> qc, kc, vc;  // contiguous copies of strided operands (the varlen walk)
     std::vector<T> oc;          // a block's output before it is narrowed (16-bit q and out)
+                                // or put back (rows per position)
+    std::vector<T> lc;          // and its lse (rows per position)
     // the own products' packed scaled keys (d x bk) and padded values (bk x ldacc)
     std::vector<T> kt, vp;
     std::vector<int64_t> lo, hi, jl, jh;
@@ -636,7 +639,8 @@ void forward_block(const Block<T>& b, Shared<Gemm> sh, Buffers<T>& buf) {
     sh.S = b.S;
     int64_t* lo = buf.lo.data();
     int64_t* hi = buf.hi.data();
-    for (int64_t i = 0; i < rows; ++i) bounds(sh, b.S - b.L + b.r0 + i, &lo[i], &hi[i]);
+    const int64_t at0 = b.S - b.L / b.per_pos;  // the first position's
+    for (int64_t i = 0; i < rows; ++i) bounds(sh, at0 + (b.r0 + i) / b.per_pos, &lo[i], &hi[i]);
     if (b.kmax < b.S) {  // a key count: the positions stay those of all S keys
         for (int64_t i = 0; i < rows; ++i) {
             hi[i] = std::min(hi[i], b.kmax);
@@ -823,6 +827,10 @@ int run(const qkv_prefill_args& a, int kv_format = 0, bool io16 = false) {
     T* LSE = static_cast<T*>(a.lse);
     const T* BIAS = static_cast<const T*>(a.bias);
     const bool gathered = widen || a.pages;
+    const int64_t per_pos = std::max<int64_t>(1, a.per_pos);  // (rows per query position)
+    if (per_pos > 1 && (a.L % per_pos || a.mask || a.bias || a.counts || narrow)) return 2;
+    // the row of the stack's operands, head after head, for row r taken position by position
+    auto stacked_row = [&](int64_t r) { return r % per_pos * (a.L / per_pos) + r / per_pos; };
     int no_memory = 0;  // a task could not widen its query rows
     uint8_t bad = 0;    // some output is not finite (each block's normalisation checks)
     const int status = for_tasks<Buffers<T>>(
@@ -855,6 +863,7 @@ int run(const qkv_prefill_args& a, int kv_format = 0, bool io16 = false) {
         b.kmax = a.counts ? std::max<int64_t>(0, std::min(a.counts[h], a.S)) : a.S;
         b.r0 = r0;
         b.rows = std::min(bq, a.L - r0);
+        b.per_pos = per_pos;
         if (narrow) {  // the block's query rows widened; its output kept until narrowed
             try {
                 buf.qc.resize(size_t(b.rows * a.d));
@@ -867,15 +876,34 @@ int run(const qkv_prefill_args& a, int kv_format = 0, bool io16 = false) {
             widen(q16, a.q_rs, b.rows, a.d, reinterpret_cast<float*>(buf.qc.data()));
             b.q = buf.qc.data();
             b.q_rs = a.d;
+        } else if (per_pos > 1) {
+            // rows position by position (row r: head r % per_pos of the stack, position r /
+            // per_pos), which the stack's operands hold head by head (that head's row at its
+            // j-major index, stacked_row): the block's query rows gathered, its output and lse
+            // kept until put back
+            try {
+                buf.qc.resize(size_t(b.rows * a.d));
+                buf.oc.resize(size_t(b.rows * std::max<int64_t>(a.dv, 1)));
+                buf.lc.resize(size_t(b.rows));
+            } catch (const std::bad_alloc&) {
+                __atomic_store_n(&no_memory, 1, __ATOMIC_RELAXED);
+                return;
+            }
+            for (int64_t i = 0; i < b.rows; ++i)
+                std::memcpy(buf.qc.data() + i * a.d, Q + a.q_off[h] + stacked_row(r0 + i) * a.q_rs,
+                            size_t(a.d) * sizeof(T));
+            b.q = buf.qc.data();
+            b.q_rs = a.d;
         } else {
             b.q = Q + a.q_off[h] + r0 * a.q_rs;
             b.q_rs = a.q_rs;
         }
         b.at = widen || a.pages ? &at : nullptr;  // (gathered a piece at a time)
         b.widen = widen;
-        b.out = narrow ? buf.oc.data() : OUT + (h * a.L + r0) * a.dv;
+        const bool kept = narrow || per_pos > 1;
+        b.out = kept ? buf.oc.data() : OUT + (h * a.L + r0) * a.dv;
         b.out_rs = a.dv;
-        b.lse = LSE ? LSE + h * a.L + r0 : nullptr;
+        b.lse = LSE ? (per_pos > 1 ? buf.lc.data() : LSE + h * a.L + r0) : nullptr;
         b.lse_s = 1;
         const int64_t moff = a.m_off ? a.m_off[h] + r0 * a.m_rs : 0;
         b.mask = a.mask ? a.mask + moff : nullptr;
@@ -887,6 +915,12 @@ int run(const qkv_prefill_args& a, int kv_format = 0, bool io16 = false) {
         if (narrow)
             narrow(reinterpret_cast<const float*>(buf.oc.data()), b.rows * a.dv,
                    static_cast<uint16_t*>(a.out) + (h * a.L + r0) * a.dv);
+        if (per_pos > 1)
+            for (int64_t i = 0; i < b.rows; ++i) {
+                const int64_t at = h * a.L + stacked_row(r0 + i);
+                std::memcpy(OUT + at * a.dv, buf.oc.data() + i * a.dv, size_t(a.dv) * sizeof(T));
+                if (LSE) LSE[at] = buf.lc[size_t(i)];
+            }
     });
     return status ? status : (no_memory ? 1 : (bad ? 3 : 0));
 }

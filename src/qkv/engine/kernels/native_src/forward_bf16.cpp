@@ -314,11 +314,11 @@ int run_varlen_bf16(const qkv_varlen_args& a) {
 #endif  // QKV_X86
 
 // Whether the bfloat16 prefill refuses a's fields (status 2): sizes out of range, an odd d,
-// a mask or bias without offsets, both at once, 2^31 keys or more, pages.
+// a mask or bias without offsets, both at once, 2^31 keys or more, pages, stacked rows.
 inline bool bad_prefill_args(const qkv_prefill_args* a) {
     return !a || a->L < 1 || a->S < 0 || a->d < 2 || a->d % 2 || a->dv < 1 ||
            ((a->mask || a->bias) && !a->m_off) || (a->mask && a->bias) ||
-           a->S >= (int64_t(1) << 31) || a->pages;
+           a->S >= (int64_t(1) << 31) || a->pages || a->per_pos > 1;
 }
 
 }  // namespace
