@@ -136,17 +136,18 @@ def test_attention_with_a_few_causal_rows_equals_reference(
     steps = rows <= router.DECODE_MAX_L or (
         dtype in ("bfloat16", "float16") and S >= router.CAUSAL_CHUNK_KEYS_PER_ROW * rows and wide
     )  # fmt: skip
-    # a kv head's rows in the compute dtype, enough of them, against a cache: the prefill, the
-    # grouped heads stacked (in cache here: K/V of a few hundred KiB)
+    # a kv head's rows, enough of them, against a cache: the prefill, the grouped heads
+    # stacked (in cache here: K/V of a few hundred KiB), with K/V in 16 bits in the narrower
+    # clones only
     stacked = (
-        dtype in ("float32", "float64") and softcap is None
+        (dtype in ("float32", "float64") or not wide) and softcap is None
         and S >= router.CAUSAL_CHUNK_KEYS_PER_ROW * rows
         and group * rows >= (8 if running_isa() == ISAS["avx2"] else 32)
         and batch * kvh * group * rows * S * 2 * d >= router.OWN_TILES_MIN_WORK
     )  # fmt: skip
     assert route.kernel.startswith("native decode, causal rows") == (steps and not stacked), route
     if stacked:
-        assert route.kernel == "native prefill, own tiles", route
+        assert route.kernel.startswith("native prefill, own tiles"), route
     out = qkv.attention(q, k, v, causal=True, softcap=softcap)
     want = _reference(q, k, v, [S] * batch, softcap=softcap)
     if dtype in ("bfloat16", "float16"):  # the float32 result, rounded once to the output
@@ -583,3 +584,28 @@ def test_packed_sequences_of_a_few_causal_rows_equal_reference(seed, seqs, dtype
             np.testing.assert_allclose(got[0].astype(np.float64), want[0], **t)
         else:
             _close(got, want)
+
+
+@native
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("isa", ["avx2", "baseline"])
+def test_16_bit_rows_stacked_on_the_kept_road(monkeypatch, dtype, isa):
+    """Grouped heads' draft rows on 16-bit arrays in the narrower clones: the prefill with the
+    heads stacked, then (a plain call's second call) its kept road, which reads q and writes
+    the output in 16 bits row by row: the same bits, near the reference."""
+    from qkv.engine import run
+
+    monkeypatch.setenv("QKV_NATIVE_ISA", isa)
+    run.forget()
+    rng = np.random.default_rng(5)
+    dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+    q = qst.values(rng, (2, 8, 8, 32)).astype(dt)  # 4 heads a kv head, 8 rows: 32 a kv head
+    k = qst.values(rng, (2, 2, 200, 32)).astype(dt)
+    v = qst.values(rng, (2, 2, 200, 32)).astype(dt)
+    assert qkv.route(q, k, v, causal=True).kernel == "native prefill, own tiles, stored K/V"
+    first = qkv.attention(q, k, v, causal=True)
+    again = qkv.attention(q, k, v, causal=True)
+    np.testing.assert_array_equal(again, first)
+    want = _reference(q, k, v, [200, 200])[0]
+    np.testing.assert_allclose(first.astype(np.float64), want, **tol("tensor dtypes", dt))
+    run.forget()

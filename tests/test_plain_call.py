@@ -21,9 +21,7 @@ from tests.conftest import tol
 import qkv
 from qkv import reference
 from qkv.engine import run
-from qkv.engine.kernels import router
 from qkv.testing.strategies import shapes, values
-from qkv.validate import make_plan
 
 
 def _arrays(shape, dtype, seed=0):
@@ -395,11 +393,10 @@ def test_kept_causal_rows_are_the_road_taken(monkeypatch, shape, name, tensors):
     first = qkv.attention(q, k, v, causal=True)
     found = run._ready(q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, None, True,
                        run.switched_off(), type(None))  # fmt: skip
-    # (float32 K/V: the prefill's own tiles where the running clone gives them these rows)
-    road = "native decode, causal rows"
-    if name == "float32" and router.causal_rows_on_prefill(make_plan(q, k, v, causal=True)):
-        road = "native prefill, own tiles"
-    assert found.choice.kernel.startswith(road) and found.kept is not None
+    # (the prefill's own tiles where the running clone gives them these rows)
+    road = qkv.route(q, k, v, causal=True).kernel
+    assert road.startswith(("native decode, causal rows", "native prefill, own tiles"))
+    assert found.choice.kernel == road and found.kept is not None
     given = (q, k, v)
     if tensors:  # (the same values: float32 rounds to bfloat16 alike in both)
         tdt = getattr(torch, name)

@@ -133,7 +133,7 @@ RUNNERS: dict[str, tuple[Any, str]] = {
     "native decode, stored K/V": (native_decode, "attend_stored"),
     "native decode, causal rows, stored K/V": (causal_rows, "attend_stored"),
     "native bfloat16 prefill": (native_bf16, "attend"),
-    "native prefill, own tiles, stored K/V": (native, "attend_stored_own"),
+    "native prefill, own tiles, stored K/V": (stacked, "attend_stored_own"),
     "native prefill, stored K/V": (native, "attend_stored"),
     "dense (forced)": (dense, "attend"),
     "tiled (forced)": (tiled, "attend"),
@@ -167,7 +167,7 @@ KEPT: dict[str, tuple[Any, str]] = {
     "native decode, causal rows": (causal_rows, "keep"),
     "native decode, causal rows, stored K/V": (causal_rows, "keep"),
     "native prefill, own tiles": (stacked, "keep_own"),
-    "native prefill, own tiles, stored K/V": (native, "keep"),
+    "native prefill, own tiles, stored K/V": (stacked, "keep_stored"),
     "native bfloat16 prefill": (native_bf16, "keep"),
 }
 

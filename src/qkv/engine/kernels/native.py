@@ -516,22 +516,24 @@ def attend_stored(
     isa: str | None = None,
     counts: np.ndarray | None = None,
     products: str = "blas",
+    stack: bool = False,
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """:func:`attend` on a plan whose float16 or bfloat16 K/V are read as stored (the router's
     "native prefill, stored K/V"): float32 output and lse;
     ``None`` when some output is not finite (the caller's general path applies its rules, on
-    the widened K/V). ``counts`` and ``products`` as for :func:`attend`."""
+    the widened K/V). ``counts``, ``products`` and ``stack`` as for :func:`attend`."""
     with np.errstate(over="ignore", invalid="ignore"):
-        out, lse = attend(plan, threads=threads, isa=isa, counts=counts, products=products)
+        out, lse = attend(plan, threads=threads, isa=isa, counts=counts, products=products,
+                          stack=stack)  # fmt: skip
     return (out, lse) if np.isfinite(out).all() else None
 
 
 def attend_stored_own(
-    plan: Plan, counts: np.ndarray | None = None
+    plan: Plan, counts: np.ndarray | None = None, stack: bool = False
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """:func:`attend_stored` on the library's own tile products (the router's "native
     prefill, own tiles, stored K/V")."""
-    return attend_stored(plan, counts=counts, products="own")
+    return attend_stored(plan, counts=counts, products="own", stack=stack)
 
 
 def backward(

@@ -340,13 +340,28 @@ def _stacks_rows(plan: Plan) -> bool:
     return not step_streams or kv_bytes(plan) < CAUSAL_ROWS_MIN_BYTES
 
 
+def _stored_rows_on_prefill(plan: Plan) -> bool:
+    """K/V stored as float16 or bfloat16 (computed in float32), which the own tiles read as
+    stored: in the narrower clones only (the AVX-512 step, or its bfloat16 prefill, serve
+    them there)."""
+    assert plan.stored is not None
+    k, v = plan.stored
+    return (
+        k.dtype.name in _STORED
+        and v.dtype == k.dtype
+        and plan.acc_dtype == _F32
+        and running_isa() < ISAS["avx512"]
+    )
+
+
 def causal_rows_on_prefill(plan: Plan) -> bool:
     """Whether a causal ``plan``'s few rows against a cache (2 to :data:`CAUSAL_ROWS_MAX_L`
     query rows per head, :data:`CAUSAL_CHUNK_KEYS_PER_ROW` keys a row and more) run on the
     native prefill's own tiles, a kv head's ``group · L`` rows in one block (grouped heads
     stacked position by position), rather than on the decode step: as many rows as the
-    running clone stacks (:func:`_stacks_rows`), K/V in the compute dtype, float32 or float64,
-    no window, mask, bias or variant, and enough work for a native call."""
+    running clone stacks (:func:`_stacks_rows`), K/V in the compute dtype (float32 or float64)
+    or, in the narrower clones, stored in 16 bits, no window, mask, bias or variant, and
+    enough work for a native call."""
     return (
         plan.causal
         and 2 <= plan.L <= CAUSAL_ROWS_MAX_L
@@ -354,7 +369,7 @@ def causal_rows_on_prefill(plan: Plan) -> bool:
         and plan.window is None
         and plan.mask is None
         and plan.bias is None
-        and plan.stored is None
+        and (plan.stored is None or _stored_rows_on_prefill(plan))
         and not plan.modded
         and np.dtype(plan.acc_dtype) in (_F32, _F64)
         and len(plan.batch) >= 1

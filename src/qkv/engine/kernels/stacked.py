@@ -25,7 +25,16 @@ from ...validate import Plan
 from . import native, router
 from .native_lib import Kept
 
-__all__ = ["MAX_ROWS", "attend", "attend_own", "attend_own_finite", "keep_own", "stacks"]
+__all__ = [
+    "MAX_ROWS",
+    "attend",
+    "attend_own",
+    "attend_own_finite",
+    "attend_stored_own",
+    "keep_own",
+    "keep_stored",
+    "stacks",
+]
 
 #: Stacked rows (``group · L``) up to which the heads of a kv head run as one block.
 MAX_ROWS = 512
@@ -33,17 +42,18 @@ MAX_ROWS = 512
 
 def stacks(plan: Plan) -> bool:
     """Whether ``plan``'s query heads are stacked per kv head (see the module's text): with no
-    causal rule, or causal rows against a cache (:func:`router.causal_rows_on_prefill`)."""
-    return (
+    causal rule (K/V in the compute dtype), or causal rows against a cache that the router
+    gives the prefill (:func:`router.causal_rows_on_prefill`, K/V stored in 16 bits too)."""
+    if not (
         plan.group > 1
         and plan.group * plan.L <= MAX_ROWS
-        and (not plan.causal or router.causal_rows_on_prefill(plan))
         and plan.window is None
         and plan.mask is None
         and plan.bias is None
-        and plan.stored is None
         and len(plan.batch) >= 1
-    )
+    ):
+        return False
+    return router.causal_rows_on_prefill(plan) if plan.causal else plan.stored is None
 
 
 def attend(
@@ -66,6 +76,20 @@ def attend_own_finite(plan: Plan) -> tuple[np.ndarray, np.ndarray] | None:
     overflow rules then run): the short road a small call takes."""
     out, lse = attend(plan, products="own")
     return (out, lse) if np.isfinite(out).all() else None
+
+
+def attend_stored_own(
+    plan: Plan, counts: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """:func:`qkv.engine.kernels.native.attend_stored_own` (K/V stored in 16 bits), its heads
+    stacked where :func:`stacks` says."""
+    return native.attend_stored_own(plan, counts=counts, stack=stacks(plan))
+
+
+def keep_stored(plan: Plan) -> Kept | None:
+    """:func:`attend_stored_own` kept for operands laid out as ``plan``'s
+    (:func:`qkv.engine.kernels.native.keep`), its heads stacked where :func:`stacks` says."""
+    return native.keep(plan, stack=stacks(plan))
 
 
 def keep_own(plan: Plan) -> Kept | None:

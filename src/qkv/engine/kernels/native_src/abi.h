@@ -80,8 +80,9 @@ struct qkv_prefill_args {
     int64_t page_size, k_ps, v_ps;
     // Query rows per position (a kv head's grouped query heads stacked under a causal rule or
     // window, position by position): row r of a head is at position r / per_pos of L / per_pos
-    // (L a multiple of per_pos), which the rule reads. 0 or 1: a row per position. Not with a
-    // mask, bias or key counts (status 2), nor by the bfloat16 tile products.
+    // (L a multiple of per_pos), which the rule reads (key counts: the head's, for all its
+    // rows). 0 or 1: a row per position. Not with a mask or bias (status 2), nor by the
+    // bfloat16 tile products.
     int64_t per_pos;
 };
 

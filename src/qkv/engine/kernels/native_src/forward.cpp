@@ -828,7 +828,7 @@ int run(const qkv_prefill_args& a, int kv_format = 0, bool io16 = false) {
     const T* BIAS = static_cast<const T*>(a.bias);
     const bool gathered = widen || a.pages;
     const int64_t per_pos = std::max<int64_t>(1, a.per_pos);  // (rows per query position)
-    if (per_pos > 1 && (a.L % per_pos || a.mask || a.bias || a.counts || narrow)) return 2;
+    if (per_pos > 1 && (a.L % per_pos || a.mask || a.bias)) return 2;
     // the row of the stack's operands, head after head, for row r taken position by position
     auto stacked_row = [&](int64_t r) { return r % per_pos * (a.L / per_pos) + r / per_pos; };
     int no_memory = 0;  // a task could not widen its query rows
@@ -864,23 +864,11 @@ int run(const qkv_prefill_args& a, int kv_format = 0, bool io16 = false) {
         b.r0 = r0;
         b.rows = std::min(bq, a.L - r0);
         b.per_pos = per_pos;
-        if (narrow) {  // the block's query rows widened; its output kept until narrowed
-            try {
-                buf.qc.resize(size_t(b.rows * a.d));
-                buf.oc.resize(size_t(b.rows * std::max<int64_t>(a.dv, 1)));
-            } catch (const std::bad_alloc&) {
-                __atomic_store_n(&no_memory, 1, __ATOMIC_RELAXED);
-                return;
-            }
-            const uint16_t* q16 = static_cast<const uint16_t*>(a.q) + a.q_off[h] + r0 * a.q_rs;
-            widen(q16, a.q_rs, b.rows, a.d, reinterpret_cast<float*>(buf.qc.data()));
-            b.q = buf.qc.data();
-            b.q_rs = a.d;
-        } else if (per_pos > 1) {
-            // rows position by position (row r: head r % per_pos of the stack, position r /
-            // per_pos), which the stack's operands hold head by head (that head's row at its
-            // j-major index, stacked_row): the block's query rows gathered, its output and lse
-            // kept until put back
+        if (narrow || per_pos > 1) {
+            // the block's query rows copied here (widened from 16 bits), its output (and, rows
+            // per position, its lse) kept until narrowed or put back. Rows per position: row r
+            // is head r % per_pos of the stack at position r / per_pos, which the stack's
+            // operands hold head by head (that head's row at stacked_row(r))
             try {
                 buf.qc.resize(size_t(b.rows * a.d));
                 buf.oc.resize(size_t(b.rows * std::max<int64_t>(a.dv, 1)));
@@ -889,9 +877,19 @@ int run(const qkv_prefill_args& a, int kv_format = 0, bool io16 = false) {
                 __atomic_store_n(&no_memory, 1, __ATOMIC_RELAXED);
                 return;
             }
-            for (int64_t i = 0; i < b.rows; ++i)
-                std::memcpy(buf.qc.data() + i * a.d, Q + a.q_off[h] + stacked_row(r0 + i) * a.q_rs,
-                            size_t(a.d) * sizeof(T));
+            if (narrow && per_pos == 1) {
+                const uint16_t* q16 = static_cast<const uint16_t*>(a.q) + a.q_off[h] + r0 * a.q_rs;
+                widen(q16, a.q_rs, b.rows, a.d, reinterpret_cast<float*>(buf.qc.data()));
+            } else {
+                for (int64_t i = 0; i < b.rows; ++i) {
+                    const int64_t at = a.q_off[h] + stacked_row(r0 + i) * a.q_rs;
+                    if (narrow)
+                        widen(static_cast<const uint16_t*>(a.q) + at, a.q_rs, 1, a.d,
+                              reinterpret_cast<float*>(buf.qc.data() + i * a.d));
+                    else
+                        std::memcpy(buf.qc.data() + i * a.d, Q + at, size_t(a.d) * sizeof(T));
+                }
+            }
             b.q = buf.qc.data();
             b.q_rs = a.d;
         } else {
@@ -912,13 +910,17 @@ int run(const qkv_prefill_args& a, int kv_format = 0, bool io16 = false) {
         b.m_cs = a.m_cs;
         b.bad = &bad;
         forward_block<T, Gemm>(b, sh, buf);
-        if (narrow)
+        if (narrow && per_pos == 1)
             narrow(reinterpret_cast<const float*>(buf.oc.data()), b.rows * a.dv,
                    static_cast<uint16_t*>(a.out) + (h * a.L + r0) * a.dv);
         if (per_pos > 1)
             for (int64_t i = 0; i < b.rows; ++i) {
                 const int64_t at = h * a.L + stacked_row(r0 + i);
-                std::memcpy(OUT + at * a.dv, buf.oc.data() + i * a.dv, size_t(a.dv) * sizeof(T));
+                if (narrow)
+                    narrow(reinterpret_cast<const float*>(buf.oc.data() + i * a.dv), a.dv,
+                           static_cast<uint16_t*>(a.out) + at * a.dv);
+                else
+                    std::memcpy(OUT + at * a.dv, buf.oc.data() + i * a.dv, size_t(a.dv) * sizeof(T));
                 if (LSE) LSE[at] = buf.lc[size_t(i)];
             }
     });
