@@ -311,33 +311,34 @@ def causal_chunk_fits(L: int, S: int, stored: bool, nbytes: int) -> bool:
 
 # Causal rows per kv head (group · L) from which a few causal rows or a short chunk against a
 # cache run on the native prefill's own tiles, a kv head's grouped heads stacked position by
-# position (qkv.engine.kernels.stacked.stacks), rather than on the decode step, whose
-# scores are dot products summed across lanes, a tile of rows by keys at a time: in the
-# narrower clones (16 registers) from 8 rows, in the AVX-512 clone from 32. Measured with
-# qkv.attention against the decode step (float32, 2 threads, Zen 4, bench/small.py's draft
-# cells' shapes and chunks): with the AVX2 clone forced, B1 H8 kv2 d64 L8 S128 60 -> 28 us,
-# L8 S1024 248 -> 156, L2 S128 18 -> 14, B8 H12 kv3 d32 L8 S512 812 -> 423 (SDPA's 776); in
-# the AVX-512 clone L8 S128 34 -> 29, B8 H12 kv3 L8 S512 433 -> 402, chunks of 16 and 32 rows
-# 5-9% faster, but 16 rows (L4 S512 36 -> 41) and 8 (L2 S128 12 -> 14) slower. With K/V of
-# CAUSAL_ROWS_MIN_BYTES and more (read from memory) the AVX-512 clone keeps the step, which
-# streams them (bench/draft_rows.py, B8 H32 kv8 S2048 d128, 128 MiB: 8 rows 14 against 31
-# ms); the AVX2 one gains there too (16 rows 53 -> 34 ms, 8 rows 29 -> 25, 32 rows 66 -> 61),
-# but not with a kv head per query head (no heads to stack: B8 H8 kv8 L8 S512 d64, 16 MiB,
-# 1.0 against 1.1 ms; B1 of it in cache 124 -> 93 us), which keeps the step there.
-STACK_CAUSAL_MIN_ROWS = {"baseline": 32, "avx2": 8, "avx512": 32}
+# position (qkv.engine.kernels.stacked.stacks), rather than on the decode step, whose scores
+# are dot products summed across lanes, a tile of rows by keys at a time, which the narrower
+# clones' 16 registers hold few of. Measured with qkv.attention, float32, 2 threads, Zen 4, on
+# K/V in cache (bench/small.py's draft cells) and on K/V evicted before each call (as a
+# model's layers find their cache; a Llama's draft step, bench/draft_rows.py --model): with
+# the AVX2 clone forced, B1 H8 kv2 d128 S2056, 8 rows (32 a kv head) 950 -> 612 us in cache,
+# 1299 -> 1057 evicted; d64 406 -> 297 and 588 -> 464; B1 H8 kv2 d64 L8 S128 60 -> 28 us; but
+# 4 rows (16 a kv head) 490 -> 362 in cache and 779 -> 883 evicted, and in the model 16 rows
+# 0.65-0.81 -> 0.85-1.10 ms a layer, so fewer rows keep the step. In the AVX-512 clone the
+# step keeps its rows up to DECODE_MAX_L: 8 rows of d128 S2056 tie in cache (408 against 413
+# us) and lose evicted (608 against 977; in the model 1.7-2.0 against 2.6-2.9 ms a step); its
+# chunks, which the prefill takes below CAUSAL_ROWS_MIN_BYTES (chunks_on_step), are stacked
+# (16 and 32 rows 5-9% faster). With the AVX2 clone K/V of 128 MiB gain too (bench/draft_rows.py,
+# B8 H32 kv8 S2048 d128: 8 rows 29 -> 25 ms, 16 rows 53 -> 34, 32 rows 66 -> 61).
+STACK_CAUSAL_MIN_ROWS = 32
 
 
 def _stacks_rows(plan: Plan) -> bool:
     """Whether the clone the native kernels run gives the prefill ``plan``'s ``group · L``
-    causal rows a kv head (:data:`STACK_CAUSAL_MIN_ROWS`; in the AVX-512 clone, and for one
-    query head a kv head, on K/V below :data:`CAUSAL_ROWS_MIN_BYTES` only)."""
-    isa = running_isa()
-    name = next((k for k, v in ISAS.items() if v == isa), "baseline")
-    if plan.group * plan.L < STACK_CAUSAL_MIN_ROWS.get(name, STACK_CAUSAL_MIN_ROWS["baseline"]):
+    causal rows a kv head rather than the decode step: at least
+    :data:`STACK_CAUSAL_MIN_ROWS`, and in the AVX-512 clone only a chunk the prefill takes
+    anyway (more than :data:`DECODE_MAX_L` rows per head, K/V below
+    :data:`CAUSAL_ROWS_MIN_BYTES`)."""
+    if plan.group * plan.L < STACK_CAUSAL_MIN_ROWS:
         return False
-    # (the step streams K/V from memory faster there: AVX-512's, and one head's rows alone)
-    step_streams = isa >= ISAS["avx512"] or plan.group == 1
-    return not step_streams or kv_bytes(plan) < CAUSAL_ROWS_MIN_BYTES
+    if running_isa() >= ISAS["avx512"]:
+        return plan.L > DECODE_MAX_L and kv_bytes(plan) < CAUSAL_ROWS_MIN_BYTES
+    return True
 
 
 def _stored_rows_on_prefill(plan: Plan) -> bool:
