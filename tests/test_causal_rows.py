@@ -169,13 +169,15 @@ def test_attention_with_a_few_causal_rows_equals_reference(
     dtype=st.sampled_from(["float32", "float64"]),
     products=st.sampled_from(["own", "blas"]),
     isa=st.sampled_from(["baseline", "avx2", "avx512"]),
+    rule=st.sampled_from([(True, None), (True, (5, 0)), (False, (7, 3)), (False, (None, 2))]),
 )
 def test_stacked_causal_rows_equal_reference(
-    seed, batch, kvh, group, rows, extra, d, dtype, products, isa
+    seed, batch, kvh, group, rows, extra, d, dtype, products, isa, rule
 ):
-    """The native prefill with a kv head's grouped heads stacked under the causal rule, its
-    rows taken position by position (``per_pos``): each row's keys those of its position,
-    bottom-right aligned, in every clone, on either tile products (``S`` from ``L`` up)."""
+    """The native prefill with a kv head's grouped heads stacked under the causal rule or a
+    window, its rows taken position by position (``per_pos``): each row's keys those of its
+    position, bottom-right aligned, in every clone, on either tile products (``S`` from ``L``
+    up; blocks of rows split among the threads may cut a position's rows)."""
     from qkv.engine.kernels import native
     from qkv.validate import make_plan
 
@@ -186,9 +188,13 @@ def test_stacked_causal_rows_equal_reference(
     q = qst.values(rng, (batch, kvh * group, rows, d)).astype(dtype)
     k = qst.values(rng, (batch, kvh, S, d)).astype(dtype)
     v = qst.values(rng, (batch, kvh, S, d)).astype(dtype)
-    plan = make_plan(q, k, v, causal=True)
+    causal, window = rule
+    plan = make_plan(q, k, v, causal=causal, window=window)
     got = native.attend(plan, products=products, stack=True, isa=isa)
-    _close(got, _reference(q, k, v, [S] * batch), np.dtype(dtype))
+    kr, vr = (np.repeat(x.astype(np.float64), group, axis=1) for x in (k, v))
+    want = reference.attention(q.astype(np.float64), kr, vr, causal=causal, window=window,
+                               return_lse=True)  # fmt: skip
+    _close(got, want, np.dtype(dtype))
 
 
 @native

@@ -402,7 +402,7 @@ CAUSAL_ROWS = (
     _CAUSAL_FEW_ROWS,
     _c(
         lambda a: not causal_rows_on_prefill(a.plan),
-        "grouped heads' rows the native prefill stacks (router.causal_rows_on_prefill)",
+        "causal rows the native prefill takes (router.causal_rows_on_prefill)",
     ),
     _c(
         lambda a: a.plan.S >= CAUSAL_ROWS_KEYS_PER_ROW * a.plan.L,
@@ -434,7 +434,7 @@ OWN_TILES = (
         lambda a: a.plan.L > DECODE_MAX_L or causal_rows_on_prefill(a.plan),
         lambda a: (
             f"{a.plan.L} query rows per head, a decoding step's {DECODE_MAX_L} or fewer (and "
-            "not grouped heads' causal rows it stacks)"
+            "not causal rows router.causal_rows_on_prefill gives it)"
         ),
     ),
     _F32_OR_F64,
