@@ -615,3 +615,30 @@ def test_16_bit_rows_stacked_on_the_kept_road(monkeypatch, dtype, isa):
     want = _reference(q, k, v, [200, 200])[0]
     np.testing.assert_allclose(first.astype(np.float64), want, **tol("tensor dtypes", dt))
     run.forget()
+
+
+@native
+@pytest.mark.parametrize("lengths", [(300, 300), (300, 211)])
+def test_cache_rows_on_the_prefill_in_the_avx2_clone(monkeypatch, lengths):
+    """A float32 ``KVCache``'s 32 causal rows a kv head in the AVX2 clone leave its decode step
+    for the general road, where the prefill stacks them (``router.cache_rows_on_prefill``):
+    each sequence's rows against its own keys, equal to the reference, lengths equal or not."""
+    from qkv.engine.kernels import native
+
+    monkeypatch.setenv("QKV_NATIVE_ISA", "avx2")
+    stacks: list[bool] = []
+    real = native.attend
+    monkeypatch.setattr(
+        native, "attend", lambda p, **kw: stacks.append(kw.get("stack", False)) or real(p, **kw)
+    )
+    rng = np.random.default_rng(9)
+    B, kvh, g, L, d = len(lengths), 2, 4, 8, 64
+    k = qst.values(rng, (B, kvh, max(lengths), d)).astype(np.float32)
+    v = qst.values(rng, (B, kvh, max(lengths), d)).astype(np.float32)
+    cache = qkv.KVCache(B, kvh, d)
+    for b, n in enumerate(lengths):
+        cache.append(k[b, :, :n], v[b, :, :n], seq=b)
+    q = qst.values(rng, (B, kvh * g, L, d)).astype(np.float32)
+    out = cache.attend(q)
+    assert stacks and all(stacks), stacks
+    np.testing.assert_allclose(out, _reference(q, k, v, lengths)[0], **TOL32)

@@ -426,6 +426,8 @@ class KVCache:
         hi, lo = self._lengths, self._first  # read by the kernel as it runs
         nbytes = int(hi.sum()) * self.kv_heads * (self.head_dim + self.value_dim)
         if router.causal_rows_step(plan, self._form is not None, nbytes * self._k.itemsize):
+            if router.cache_rows_on_prefill(plan, self._form is not None):
+                return None, plan  # (the general road below: the prefill takes these rows)
             # several causal rows on the step (see causal_rows)
             found = causal_rows(
                 plan, qa, self._k, self._v, lo, hi, self._last_keys(stand),

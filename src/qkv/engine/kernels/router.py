@@ -379,6 +379,15 @@ def causal_rows_on_prefill(plan: Plan) -> bool:
     )
 
 
+def cache_rows_on_prefill(plan: Plan, stored: bool) -> bool:
+    """Whether a contiguous cache's step of causal rows (``plan`` checked on stand-ins of its
+    buffers in the compute dtype) leaves the decode step for the general road, which gives the
+    prefill these rows (:func:`causal_rows_on_prefill`): a cache that holds the compute dtype
+    (not ``stored`` in 16 or 8 bits, which that road would widen first). A pool of pages keeps
+    its step (that road gathers its pages)."""
+    return not stored and causal_rows_on_prefill(plan)
+
+
 def chunks_on_step(stored: bool, nbytes: int) -> bool:
     """Whether causal chunks of more than :data:`DECODE_MAX_L` rows may run on the decode step
     at all (:func:`causal_chunk_fits`): K/V ``stored`` in 16 or 8 bits or of ``nbytes`` at
