@@ -618,11 +618,13 @@ def test_16_bit_rows_stacked_on_the_kept_road(monkeypatch, dtype, isa):
 
 
 @native
-@pytest.mark.parametrize("lengths", [(300, 300), (300, 211)])
+@pytest.mark.parametrize("lengths", [(300, 300), (300, 211), (8192, 8192)])
 def test_cache_rows_on_the_prefill_in_the_avx2_clone(monkeypatch, lengths):
     """A float32 ``KVCache``'s 32 causal rows a kv head in the AVX2 clone leave its decode step
     for the general road, where the prefill stacks them (``router.cache_rows_on_prefill``):
-    each sequence's rows against its own keys, equal to the reference, lengths equal or not."""
+    each sequence's rows against its own keys, equal to the reference, lengths equal or not,
+    and K/V of 16 MiB, which the general road's runs would otherwise take to the NumPy decode
+    kernel together (``router.decode_together``)."""
     from qkv.engine.kernels import native
 
     monkeypatch.setenv("QKV_NATIVE_ISA", "avx2")

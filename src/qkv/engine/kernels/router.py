@@ -1249,11 +1249,13 @@ def decode_together(plans: Sequence[Plan], kernel: str, sizes: Sequence[int]) ->
     """Whether a batch of plans (a cache's runs of sequences of equal length) all run on the
     decode kernel in one parallel pass: under ``"auto"``, when every plan has few queries
     and their K/V together (``sizes``, :func:`kv_bytes`) are large enough -- a batch of
-    short caches is one large memory-bound job, not many small ones."""
+    short caches is one large memory-bound job, not many small ones. Causal rows the native
+    prefill takes (:func:`causal_rows_on_prefill`) stay its."""
     return (
         kernel == "auto"
         and all(p.L <= DECODE_MAX_L for p in plans)
         and sum(sizes) >= DECODE_MIN_BYTES
+        and not any(causal_rows_on_prefill(p) for p in plans)
     )
 
 
