@@ -230,10 +230,14 @@ _NO_TILE_VARIANT = _c(
 _STORED_KV = _c(lambda a: a.plan.stored is not None, "K/V not stored in 16 bits")
 
 
-def _batch_work(a: Ask) -> int:
+def _plan_work(p: Plan) -> int:
     """``batch · heads · L · S · (d + dv)``: the work of a plan's two products."""
-    p = a.plan
     return p.q.size // max(p.d, 1) * p.S * (p.d + p.dv)
+
+
+def _batch_work(a: Ask) -> int:
+    """:func:`_plan_work` of the ask's plan."""
+    return _plan_work(a.plan)
 
 
 def _prefill_sized(a: Ask) -> bool:
@@ -374,7 +378,7 @@ def causal_rows_on_prefill(plan: Plan) -> bool:
         and not plan.modded
         and np.dtype(plan.acc_dtype) in (_F32, _F64)
         and len(plan.batch) >= 1
-        and plan.q.size // max(plan.d, 1) * plan.S * (plan.d + plan.dv) >= OWN_TILES_MIN_WORK
+        and _plan_work(plan) >= OWN_TILES_MIN_WORK
         and _stacks_rows(plan)
     )
 
