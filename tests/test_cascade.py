@@ -226,3 +226,114 @@ def test_prefix_pages_in_place_refuse_what_they_do_not_read():
         np.testing.assert_allclose(
             out, reference.attention(q32, kv, kv), **tol("fast path", np.float32)
         )
+
+
+def _merged_reference(prior, q, k, v, seqlens):
+    """The float64 merge of ``prior`` (grouped rows, as :meth:`DecodePlan.run_after` takes it)
+    with the reference on each sequence's first ``seqlens[b]`` keys: ``(out, lse)`` as
+    ``(batch, heads, L, ·)``."""
+    po, pl = (np.asarray(x, np.float64) for x in prior)
+    B, H, L, _ = q.shape
+    kvh = k.shape[1]
+    po = po.reshape(B, kvh, H // kvh, L, -1).reshape(B, H, L, -1)
+    pl = pl.reshape(B, kvh, H // kvh, L).reshape(B, H, L)
+    out, lse = np.empty(po.shape), np.empty(pl.shape)
+    for b, n in enumerate(seqlens):
+        if n:
+            o, s = reference.attention(
+                q[b].astype(np.float64), k[b, :, :n].astype(np.float64),
+                v[b, :, :n].astype(np.float64), return_lse=True,
+            )  # fmt: skip
+        else:
+            o, s = np.zeros(po[b].shape), np.full(pl[b].shape, -np.inf)
+        out[b], lse[b] = qkv.merge([(po[b], pl[b]), (o, s)])
+    return out, lse
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    B=st.integers(1, 4),
+    kvh=st.integers(1, 3),
+    group=st.integers(1, 4),
+    L=st.integers(1, 3),
+    d=st.sampled_from([8, 32, 64, 128]),
+    S=st.integers(1, 700),
+    f64=st.booleans(),
+    threads=st.sampled_from([1, 2]),
+    empty=st.sampled_from(["none", "prior", "own", "both"]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_native_step_merges_a_prior_part(B, kvh, group, L, d, S, f64, threads, empty, seed):
+    """DecodePlan.run_after: the step's own keys merged with a prior part (a shared prefix's)
+    in the native step's finish, equal to qkv.merge of the prior and the float64 reference on
+    each sequence's keys. Rows whose prior has no key (lse -inf) take the step's part alone,
+    sequences with no key of their own the prior alone, and both empty give 0 and -inf; one
+    thread (each row's piece is its result) and two (pieces merged)."""
+    if not native.available()[0]:
+        pytest.skip("native kernels not built (or QKV_NATIVE=0)")
+    rng = np.random.default_rng(seed)
+    dt = np.float64 if f64 else np.float32
+    H, R = kvh * group, group * L
+    q = qst.values(rng, (B, H, L, d)).astype(dt)
+    k, v = (qst.values(rng, (B, kvh, S, d)).astype(dt) for _ in range(2))
+    seqlens = rng.integers(0, S + 1, B)
+    if empty in ("own", "both"):
+        seqlens[0] = 0
+    # the prior as the cascade holds it: (kv_heads, B, R, ·) rows seen as (B, kv_heads, R, ·)
+    po = qst.values(rng, (kvh, B, R, d)).astype(dt).transpose(1, 0, 2, 3)
+    pl = (3 * rng.standard_normal((kvh, B, R))).astype(dt).transpose(1, 0, 2)
+    if empty in ("prior", "both"):
+        pl[0, :, :1] = -np.inf
+        po[0, :, :1] = 0
+    plan = qkv.plan_decode(q, k, v, seqlens=seqlens, threads=threads)
+    got = plan.run_after((po, pl), q, k, v)
+    assert got is not None
+    _check(got, _merged_reference((po, pl), q, k, v, seqlens), dt)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dt", [np.float32, np.float64])
+def test_a_prior_part_merges_with_a_long_step_split_among_threads(threads, dt):
+    """Long runs of keys with two threads: each row's keys in several pieces, merged with the
+    prior in one pass (one thread: the row's one piece and the prior); a sequence with no key
+    of its own and rows whose prior has none among them."""
+    if not native.available()[0]:
+        pytest.skip("native kernels not built (or QKV_NATIVE=0)")
+    rng = np.random.default_rng(threads)
+    B, kvh, group, L, d, S = 3, 2, 3, 2, 64, 3000
+    q = qst.values(rng, (B, kvh * group, L, d)).astype(dt)
+    k, v = (qst.values(rng, (B, kvh, S, d)).astype(dt) for _ in range(2))
+    seqlens = np.array([S, 0, 1777])
+    po = qst.values(rng, (B, kvh, group * L, d)).astype(dt)
+    pl = (3 * rng.standard_normal((B, kvh, group * L))).astype(dt)
+    pl[::2, 1, 1::2] = -np.inf
+    plan = qkv.plan_decode(q, k, v, seqlens=seqlens, threads=threads)
+    got = plan.run_after((po, pl), q, k, v)
+    assert got is not None
+    _check(got, _merged_reference((po, pl), q, k, v, seqlens), dt)
+
+
+def test_run_after_leaves_what_it_cannot_merge_to_the_caller():
+    """A prior of another dtype or layout, tensors, or a NaN that makes the result not finite:
+    None, nothing merged (the cascade merges the parts itself); a NaN prior lse makes the
+    row NaN in the kernel, which then gives the step back (status 3)."""
+    if not native.available()[0]:
+        pytest.skip("native kernels not built (or QKV_NATIVE=0)")
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((2, 4, 1, 16)).astype(np.float32)
+    k, v = (rng.standard_normal((2, 2, 40, 16)).astype(np.float32) for _ in range(2))
+    plan = qkv.plan_decode(q, k, v)
+    po = rng.standard_normal((2, 2, 2, 16)).astype(np.float32)
+    pl = rng.standard_normal((2, 2, 2)).astype(np.float32)
+    assert plan.run_after((po, pl), q, k, v) is not None
+    assert plan.run_after((po.astype(np.float64), pl), q, k, v) is None
+    assert plan.run_after((po[..., ::2], pl), q, k, v) is None  # rows not contiguous
+    assert plan.run_after((po[:, :1], pl[:, :1]), q, k, v) is None  # not the plan's rows
+    bad = pl.copy()
+    bad[1, 0, 1] = np.nan
+    assert plan.run_after((po, bad), q, k, v) is None
+    torch = pytest.importorskip("torch")
+    tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+    assert qkv.plan_decode(tq, tk, tv).run_after((po, pl), tq, tk, tv) is None

@@ -267,9 +267,9 @@ def test_quantized_cache_decodes_on_its_codes_in_place(form, monkeypatch):
     launches = []
     run = native_decode.Template.run  # a planned step's one native call
 
-    def run_spy(self, q, k, v, out, lse, scales=None):
+    def run_spy(self, q, k, v, out, lse, scales=None, *rest):
         launches.append((k, self.kv_format, scales))
-        return run(self, q, k, v, out, lse, scales)
+        return run(self, q, k, v, out, lse, scales, *rest)
 
     monkeypatch.setattr(native_decode.Template, "run", run_spy)
     cache = QuantizedKVCache(cfg, form)

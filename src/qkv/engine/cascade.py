@@ -68,16 +68,19 @@ class Prefix:
 def attend(
     plan: Plan,
     prefix: Prefix,
-    own: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]],
+    own: Callable[[np.ndarray, tuple[np.ndarray, np.ndarray]], tuple[np.ndarray, np.ndarray, bool]],
     lengths: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(out, lse)`` of a checked paged step ``plan`` (``q (batch, heads, Lq, d)`` in the
     compute dtype; no window, no position-dependent variant) split at a shared ``prefix``.
 
-    ``own(rest)`` runs the paged step on the rest of each sequence's keys (``rest`` of them,
-    after the prefix's) and gives its ``(out, lse)``, arrays of its own, as ``prefix.attend``
-    gives them: the two parts are merged in their memory where they are of the compute dtype.
-    ``lengths`` are the sequences' key counts, all at least ``prefix.keys + Lq − 1``.
+    ``own(rest, prior)`` runs the paged step on the rest of each sequence's keys (``rest`` of
+    them, after the prefix's) and gives ``(out, lse, merged)``: with ``merged``, its result
+    with the prefix part ``prior`` merged in (the native step's :meth:`DecodePlan.run_after
+    <qkv.engine.decoding.DecodePlan.run_after>`); else its own part, arrays of its own, as
+    ``prefix.attend`` gives them, and the two parts are merged here, in their memory where they
+    are of the compute dtype. ``lengths`` are the sequences' key counts, all at least
+    ``prefix.keys + Lq − 1``.
     """
     q = plan.q
     B, H, Lq, d = q.shape
@@ -97,7 +100,9 @@ def attend(
     rest = lengths - P
     if not rest.any():
         return out_p.reshape(B, H, Lq, dv), lse_p.reshape(B, H, Lq)
-    out_o, lse_o = own(rest)
+    out_o, lse_o, merged = own(rest, (out_p, lse_p))
+    if merged:
+        return out_o, lse_o
     owned = out_p.flags.writeable and out_o.flags.writeable and out_o.flags.c_contiguous
     if all(x.dtype == dt for x in (out_p, lse_p, out_o, lse_o)) and owned:
         # both parts' outputs are this call's own: merged in their memory, in the own part's

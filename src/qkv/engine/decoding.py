@@ -252,6 +252,49 @@ class DecodePlan:
         InputError
             An operand whose type, dtype, shape or strides differ from the plan's, naming it.
         """
+        self._operands(q, k, v, k_scale, v_scale)
+        found = self._native(q, k, v, k_scale, v_scale, return_lse)
+        if found is not None:
+            return found if return_lse else found[0]
+        return self._numpy(q, k, v, k_scale, v_scale, return_lse)
+
+    def run_after(
+        self, prior: tuple[np.ndarray, np.ndarray], q: Any, k: Any, v: Any, *,
+        k_scale: Any = None, v_scale: Any = None,
+    ) -> tuple[np.ndarray, np.ndarray] | None:  # fmt: skip
+        """:meth:`run` with ``return_lse`` merged with ``prior``, the ``(out, lse)`` of the
+        same query rows over other keys (:func:`qkv.merge` of the two parts): a cascade step's
+        own keys after the prefix its sequences share (:mod:`qkv.engine.cascade`). The native
+        step merges ``prior`` as it merges its own pieces, so no third array is written.
+
+        ``prior``'s output is ``(batch, kv_heads, group · L, value_dim)`` and its lse
+        ``(batch, kv_heads, group · L)``, NumPy arrays of the compute dtype (float64 for a
+        float64 plan, else float32), each kv head's rows in the order of ``q``'s heads of that
+        kv head and then its positions, each row's elements contiguous. Returns None, with
+        nothing merged, where the native step does not run the plan (the NumPy road, tensors,
+        a ``prior`` of another dtype or layout, a result that is not finite): the caller then
+        runs :meth:`run` and merges the parts itself.
+        """
+        po, pl = prior
+        R = self.heads // self.kv_heads * self.L
+        acc = self._acc[0]
+        if type(q) is not np.ndarray or self._template is None:
+            return None
+        if po.dtype != acc or pl.dtype != acc or type(po) is not np.ndarray:
+            return None
+        n = acc.itemsize
+        if po.shape != (self.batch, self.kv_heads, R, self.value_dim) or pl.shape != po.shape[:3]:
+            return None
+        if po.strides[2:] != (self.value_dim * n, n) or pl.strides[2] != n:
+            return None
+        if any(x % n for x in po.strides[:2] + pl.strides[:2]):
+            return None
+        self._operands(q, k, v, k_scale, v_scale)
+        return self._native(q, k, v, k_scale, v_scale, True, prior)
+
+    def _operands(self, q: Any, k: Any, v: Any, k_scale: Any, v_scale: Any) -> None:
+        """Refuse operands that differ from the plan's (:meth:`_check`), after a quick look
+        at the common case: q, k and v as planned and no scales."""
         want = self._keys
         try:
             same = _key(q) == want[0] and _key(k) == want[1] and _key(v) == want[2]
@@ -259,17 +302,14 @@ class DecodePlan:
             same = False
         if not same or want[3] is not None:
             self._check((q, k, v) if want[3] is None else (q, k, v, k_scale, v_scale))
-        found = self._native(q, k, v, k_scale, v_scale, return_lse)
-        if found is not None:
-            return found if return_lse else found[0]
-        return self._numpy(q, k, v, k_scale, v_scale, return_lse)
 
     def _native(
-        self, q: Any, k: Any, v: Any, k_scale: Any, v_scale: Any, return_lse: bool
-    ) -> tuple[Any, Any] | None:
+        self, q: Any, k: Any, v: Any, k_scale: Any, v_scale: Any, return_lse: bool,
+        prior: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> tuple[Any, Any] | None:  # fmt: skip
         """:meth:`run` on the native step of checked operands: ``(out, lse)`` (lse None
         without ``return_lse``), or None where the plan has no native step or its result is
-        not finite."""
+        not finite; ``prior`` merged in (:meth:`run_after`)."""
         template = self._template
         if template is not None:
             acc = self._acc
@@ -286,7 +326,7 @@ class DecodePlan:
             scales = None if k_scale is None else (_address(k_scale), _address(v_scale))
             status = template.run(
                 _address(qc), _address(k), _address(v), _address(out),
-                0 if lse is None else _address(lse), scales,
+                0 if lse is None else _address(lse), scales, prior,
             )  # fmt: skip
             if status == 0:
                 if self._cast_out:

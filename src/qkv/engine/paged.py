@@ -265,9 +265,13 @@ def attend_pages(
     nbytes = int(lengths.sum()) * kvh * (d + dv) * kp.dtype.itemsize
     rows_step = router.causal_rows_step(plan, narrow, nbytes)
 
-    def step_over(tab: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        # (out, lse) of the paged step over rows `tab` of the table, `lens` keys each: the
-        # router decides the road (step.route): the native step, the fast road, or neither
+    def step_over(
+        tab: np.ndarray, lens: np.ndarray, prior: tuple[np.ndarray, np.ndarray] | None = None
+    ) -> tuple[np.ndarray, np.ndarray, bool]:
+        # (out, lse, merged) of the paged step over rows `tab` of the table, `lens` keys each:
+        # the router decides the road (step.route): the native step, the fast road, or
+        # neither; `merged`: with the part `prior` over other keys merged in (the native step
+        # merges it: DecodePlan.run_after), else without it
         if tab.size and rows_step:
             # several causal rows on the step (`last`: the last Lq - 1 keys, for the NumPy
             # emulation of the fast road, which runs the common keys and merges those in)
@@ -283,7 +287,7 @@ def attend_pages(
                 scales=None if ks is None else (ks, vs), precision=precision,
             )  # fmt: skip
             if found is not None:
-                return found[0].astype(out_dtype, copy=False), found[1]
+                return found[0].astype(out_dtype, copy=False), found[1], False
         lo = np.zeros(B, np.int64)
         if plan.window is not None and plan.window[0] is not None:
             lo = np.maximum(lens - 1 - plan.window[0], 0)  # the one query sits at length - 1
@@ -292,8 +296,12 @@ def attend_pages(
             runs=decode.KeyRuns(lo, lens), table=tab, out_dtype=out_dtype,
             scales=None if ks is None else (ks, vs), precision=precision,
         )  # fmt: skip
+        if prior is not None and step.route in (NATIVE, NATIVE_FAST):
+            merged = step.run_after(prior, qa, kp, vp, k_scale=ks, v_scale=vs)
+            if merged is not None:
+                return merged[0], merged[1], True
         if step.route in (NATIVE, NATIVE_FAST, NUMPY_FAST):
-            return step.run(qa, kp, vp, k_scale=ks, v_scale=vs, return_lse=True)
+            return (*step.run(qa, kp, vp, k_scale=ks, v_scale=vs, return_lse=True), False)
         out = np.zeros((B, H, Lq, dv), dtype=out_dtype)
         lse = np.full((B, H, Lq), -np.inf, dtype=plan.acc_dtype)
         for b in range(B):
@@ -306,7 +314,7 @@ def attend_pages(
             o, s = dispatch.attend(make_plan(qa[b], kb, vb, opts))
             out[b] = o
             lse[b] = s
-        return out, lse
+        return out, lse, False
 
     cols = cascade.shared_columns(table, lengths, page, Lq)
     if router.chunks_alone(plan, B, cols * page, rows_step):
@@ -349,11 +357,12 @@ def attend_pages(
         # the own pages: the step above over the rest of each row of the table (checked
         # already, with this call's plan)
         prefix = cascade.Prefix(cols * page, kvh, dv, prefix_part)
-        out, lse = cascade.attend(plan, prefix, lambda rest: step_over(table[:, cols:], rest),
-                                  lengths)  # fmt: skip
+        out, lse = cascade.attend(
+            plan, prefix, lambda rest, prior: step_over(table[:, cols:], rest, prior), lengths
+        )
         out = out.astype(out_dtype, copy=False)
         return (out, lse) if return_lse else out
-    out, lse = step_over(table, lengths)
+    out, lse, _ = step_over(table, lengths)
     return (out, lse) if return_lse else out
 
 

@@ -797,15 +797,23 @@ class Template:
         return Template(bytes(args), self.function, self.threads, self.kv_format)
 
     def run(
-        self, q: int, k: int, v: int, out: int, lse: int, scales: tuple[int, int] | None = None
-    ) -> int:
+        self, q: int, k: int, v: int, out: int, lse: int, scales: tuple[int, int] | None = None,
+        prior: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> int:  # fmt: skip
         """The kernel on these addresses: its status (0; 3 when a result is not finite).
         A run of keys outside the K/V (or a block table entry outside the pool) is refused
-        by the kernel, :class:`~qkv.errors.InputError`, nothing read."""
+        by the kernel, :class:`~qkv.errors.InputError`, nothing read. ``prior``: a part over
+        other keys merged into each row (``abi.h``'s ``prior_out``), its output ``(sequences,
+        kv_heads, group · L, dv)`` and lse ``(sequences, kv_heads, group · L)`` in the compute
+        dtype, each row's elements contiguous (the caller checks)."""
         args = DecodeArgs.from_buffer_copy(self.args)  # one per call: any thread may run it
         args.q, args.k, args.v, args.out, args.lse = q, k, v, out, lse
         if scales is not None:
             args.k_scale, args.v_scale = scales
+        if prior is not None:
+            (po, pl), n = prior, prior[0].itemsize
+            args.prior_out, args.po_bs, args.po_hs = address(po), *(x // n for x in po.strides[:2])
+            args.prior_lse, args.pl_bs, args.pl_hs = address(pl), *(x // n for x in pl.strides[:2])
         team, n = openmp_parallel()
         args.threads, args.parallel = (n if self.threads is None else workers(self.threads)), team
         return checked(self.function(ctypes.byref(args)), args, "decode", (3,))

@@ -159,6 +159,8 @@ class DecodeArgs(ctypes.Structure):
         ("v_scale", _ptr), *_ints("vs_bs", "vs_hs", "vs_rs"),
         ("block_table", _ptr), *_ints("bt_rs", "page_size", "num_blocks"),
         ("causal", _i64),
+        ("prior_out", _ptr), *_ints("po_bs", "po_hs"),
+        ("prior_lse", _ptr), *_ints("pl_bs", "pl_hs"),
     ]  # fmt: skip
 
 

@@ -191,6 +191,15 @@ struct qkv_decode_args {
     // draft tokens, a chunk of a prompt against its cache). A row that sees no key gets output
     // 0 and lse -inf. 0: every row sees [lo, hi).
     int64_t causal;
+    // A prior part of each row, merged into its result as one more piece of keys (a shared
+    // prefix's attention in a cascade step), or NULL: row r (< group * L) of kv head h of
+    // sequence b has the normalised output prior_out[b * po_bs + h * po_hs + r * dv .. + dv)
+    // and the log-sum-exp prior_lse[b * pl_bs + h * pl_hs + r], in the compute dtype (lse -inf:
+    // the prior part has no key; NaN: the row becomes NaN).
+    const void* prior_out;
+    int64_t po_bs, po_hs;
+    const void* prior_lse;
+    int64_t pl_bs, pl_hs;
 };
 
 // The codes of qkv_decode_args::kv_format, and the 16-bit forms the float32 prefill, varlen

@@ -2089,16 +2089,47 @@ int run_decode(const qkv_decode_args& given) {
         bad |= row_bad;
         if (LSE) LSE[at] = M + std::log(lsum);
     };
+    // the prior part's row r of unit u: its output (normalised: a sum of weights 1) and lse
+    const T* PO = static_cast<const T*>(a.prior_out);
+    const T* PS = static_cast<const T*>(a.prior_lse);
+    const bool prior = PO && PS;
+    // adds the prior part of row r of unit (ub, uh) to o, a sum of weights lsum whose largest
+    // score is M (M raised to the prior's lse where that is larger: o and lsum rescaled)
+    auto add_prior = [&](T* o, T& M, T& lsum, int64_t ub, int64_t uh, int64_t r) {
+        const T pl = PS[ub * a.pl_bs + uh * a.pl_hs + r];
+        const T* po = PO + ub * a.po_bs + uh * a.po_hs + r * a.dv;
+        if (pl != pl) {  // NaN carried from the prior part
+            lsum = pl;
+            return;
+        }
+        if (pl == ninf) return;  // a prior part with no key
+        if (M == ninf) {  // no key of this call's: the prior part alone
+            for (int64_t e = 0; e < a.dv; ++e) o[e] = 0;
+            lsum = 0;
+            M = pl;
+        } else if (pl > M) {
+            const T w = exp_neg(M - pl);
+            for (int64_t e = 0; e < a.dv; ++e) o[e] *= w;
+            lsum *= w;
+            M = pl;
+        }
+        const T w = exp_neg(pl - M);
+        lsum += w;
+        for (int64_t e = 0; e < a.dv; ++e) o[e] += po[e] * w;
+    };
     for (int64_t u = 0; u < units; ++u) {
         const int64_t ub = u / a.kv_heads, uh = u % a.kv_heads;
         for (int64_t r = 0; r < R; ++r) {
             T* o = OUT + (u * R + r) * a.dv;
             if (whole) {  // (the piece's accumulators are the row already)
-                finish_row(o, PM[u * R + r], PL[u * R + r], u * R + r);
+                T M = PM[u * R + r], lsum = PL[u * R + r];
+                if (prior && lsum == lsum) add_prior(o, M, lsum, ub, uh, r);
+                finish_row(o, M, lsum, u * R + r);
                 continue;
             }
             T M = ninf;
             for (int64_t c = 0; c < splits; ++c) M = std::max(M, PM[part(ub, uh, c) * R + r]);
+            if (prior) M = std::max(M, PS[ub * a.pl_bs + uh * a.pl_hs + r]);
             T lsum = 0;
             for (int64_t c = 0; c < a.dv; ++c) o[c] = 0;
             for (int64_t c = 0; c < splits; ++c) {
@@ -2114,6 +2145,7 @@ int run_decode(const qkv_decode_args& given) {
                 const T* ai = PA + (t * R + r) * a.dv;
                 for (int64_t e = 0; e < a.dv; ++e) o[e] += ai[e] * w;
             }
+            if (prior && lsum == lsum) add_prior(o, M, lsum, ub, uh, r);
             finish_row(o, M, lsum, u * R + r);
         }
     }
