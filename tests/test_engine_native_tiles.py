@@ -238,3 +238,35 @@ def test_own_products_with_masks_biases_and_windows(problem, kind, hidden, isa, 
     assert np.array_equal(np.isneginf(lse), np.isneginf(ref_lse))
     fin = np.isfinite(ref_lse)
     np.testing.assert_allclose(lse[fin], ref_lse[fin], rtol=t, atol=t)
+
+
+@native_built
+@pytest.mark.parametrize("products", ["own", "blas"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_threads_kept_tiles_carry_nothing_from_call_to_call(products, dtype):
+    """Each worker thread keeps its tiles from call to call (forward.cpp's kept_buffers), grown
+    and never cleared. A call after larger ones that left non-finite values everywhere in them
+    (scores of 1e30 against huge keys, outputs refused as not finite) gives the bits it gives
+    when it runs first, for every shape of a few: nothing of an earlier call is read."""
+    rng = np.random.default_rng(11)
+
+    def case(B, H, kv, L, S, d, dv, causal, big=False):
+        q = values(rng, (B, H, L, d)).astype(dtype)
+        k = values(rng, (B, kv, S, d)).astype(dtype) * (dtype(1e30) if big else 1)
+        v = values(rng, (B, kv, S, dv)).astype(dtype) * (dtype(1e30) if big else 1)
+        return make_plan(q, k, v, scale=None, causal=causal)
+
+    small = [
+        case(1, 8, 2, 37, 37, 64, 64, True),
+        case(2, 4, 4, 5, 70, 32, 24, False),
+        case(1, 2, 1, 120, 120, 16, 16, True),
+    ]
+    first = [native.attend(p, products=products, threads=2) for p in small]
+    for L, S, d in [(512, 512, 128), (300, 700, 100)]:  # larger tiles, left full of inf/NaN
+        with np.errstate(all="ignore"):
+            native.attend(case(1, 4, 2, L, S, d, d, False, big=True), products=products, threads=2)
+    for p, (out, lse) in zip(small, first, strict=True):
+        again = native.attend(p, products=products, threads=2)
+        assert again[0].tobytes() == out.tobytes() and again[1].tobytes() == lse.tobytes()
+        want = reference.attention(p.q, p.k, p.v, causal=p.causal)
+        np.testing.assert_allclose(out, want, **tol("fast path", dtype))

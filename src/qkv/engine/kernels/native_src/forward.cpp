@@ -529,11 +529,13 @@ constexpr int64_t kt_pitch(int64_t lds) {
     return lds * int64_t(sizeof(T)) % 128 ? lds : lds + 64 / int64_t(sizeof(T));
 }
 
-// A worker's tiles, allocated once per thread.
+// A worker's tiles: each thread's kept from call to call (kept_buffers), grown as a call
+// needs and never shrunk, so that their contents are whatever the last call left (every
+// tile is written before it is read).
 template <typename T>
 struct Buffers {
     std::vector<T> s, acc, m, l;
-    std::vector<T> qc, kc, vc;  // contiguous copies of strided operands (the varlen walk)
+    std::vector<T> qc;          // a contiguous copy of strided query rows
     std::vector<T> oc;          // a block's output before it is narrowed (16-bit q and out)
                                 // or put back (rows per position)
     std::vector<T> lc;          // and its lse (rows per position)
@@ -543,28 +545,40 @@ struct Buffers {
     int64_t ldacc = 0;
     // width: the own products' lane width (their operands' rows padded to it), or 0 (BLAS)
     bool make(int64_t bq, int64_t bk, int64_t d, int64_t dv, int64_t width) {
+        auto grow = [](auto& v, int64_t n) {
+            if (v.size() < size_t(n)) v.resize(size_t(n));
+        };
         try {
             const int64_t w = std::max<int64_t>(width, 1);
             const int64_t bkp = (bk + w - 1) / w * w;
             ldacc = width ? (std::max<int64_t>(dv, 1) + w - 1) / w * w : std::max<int64_t>(dv, 1);
-            s.resize(size_t(bq * bkp));
-            acc.resize(size_t(bq * ldacc));
+            grow(s, bq * bkp);
+            grow(acc, bq * ldacc);
             if (width) {
-                kt.resize(size_t(d * (bkp + 64 / int64_t(sizeof(T)))));  // kt_pitch's at most
-                if (ldacc != dv) vp.resize(size_t(bk * ldacc));
+                grow(kt, d * (bkp + 64 / int64_t(sizeof(T))));  // kt_pitch's at most
+                if (ldacc != dv) grow(vp, bk * ldacc);
             }
-            m.resize(size_t(bq));
-            l.resize(size_t(bq));
-            lo.resize(size_t(bq));
-            hi.resize(size_t(bq));
-            jl.resize(size_t(bq));
-            jh.resize(size_t(bq));
+            grow(m, bq);
+            grow(l, bq);
+            grow(lo, bq);
+            grow(hi, bq);
+            grow(jl, bq);
+            grow(jh, bq);
         } catch (const std::bad_alloc&) {
             return false;
         }
         return true;
     }
 };
+
+// A worker thread's tiles, kept from call to call (Buffers). Fresh ones every call cost a
+// page fault per 4 KiB at first touch and their zeroing: the fifth of a call's time at B1 H8
+// kv2 L = S = 120 d64 with the grouped heads stacked (480 rows a block), one thread.
+template <typename T>
+Buffers<T>& kept_buffers() {
+    static thread_local Buffers<T> buffers;
+    return buffers;
+}
 
 // A worker thread's gathered keys and values, kept from call to call: slots 0 and 1 a varlen
 // task's (up to KEEP_ROWS bytes each; larger ones in the call's buffers), 2 and 3 a prefill
@@ -606,16 +620,17 @@ void gather_rows(widen_t widen, const KeyRows& at, int64_t klo, int64_t khi, int
     }
 }
 
-// A varlen task's keys [klo, khi) gathered from `at` into the thread's kept rows (or buf's kc
-// and vc) and b pointed at them. False without memory (b unchanged).
+// A varlen task's keys [klo, khi) gathered from `at` into the thread's kept rows (or, larger
+// than KEEP_ROWS, the call's kc and vc: not kept after it) and b pointed at them. False
+// without memory (b unchanged).
 template <typename T>
 bool gather_keys(widen_t widen, const KeyRows& at, int64_t klo, int64_t khi, int64_t d,
-                 int64_t dv, Buffers<T>& buf, Block<T>& b) {
+                 int64_t dv, std::vector<T>& call_kc, std::vector<T>& call_vc, Block<T>& b) {
     if (khi <= klo) return true;  // no key: nothing is read
     const size_t nk = size_t((khi - klo) * d), nv = size_t((khi - klo) * dv);
     const bool keep = std::max(nk, nv) * sizeof(T) <= KEEP_ROWS;
-    std::vector<T>& kc = keep ? kept_rows<T>()[0] : buf.kc;
-    std::vector<T>& vc = keep ? kept_rows<T>()[1] : buf.vc;
+    std::vector<T>& kc = keep ? kept_rows<T>()[0] : call_kc;
+    std::vector<T>& vc = keep ? kept_rows<T>()[1] : call_vc;
     try {
         if (kc.size() < nk) kc.resize(nk);
         if (vc.size() < nv) vc.resize(nv);
@@ -833,17 +848,19 @@ int run(const qkv_prefill_args& a, int kv_format = 0, bool io16 = false) {
     auto stacked_row = [&](int64_t r) { return r % per_pos * (a.L / per_pos) + r / per_pos; };
     int no_memory = 0;  // a task could not widen its query rows
     uint8_t bad = 0;    // some output is not finite (each block's normalisation checks)
-    const int status = for_tasks<Buffers<T>>(
+    const int status = for_tasks<Buffers<T>*>(
         ntasks, a.threads, a.parallel,
-        [&](Buffers<T>& buf) {
+        [&](Buffers<T>*& kept_tiles) {
             if (gathered) {  // a piece's gathered rows (the thread's kept ones)
                 std::vector<T>* kept = kept_rows<T>();
                 if (kept[2].size() < size_t(bk * a.d)) kept[2].resize(size_t(bk * a.d));
                 if (kept[3].size() < size_t(bk * a.dv)) kept[3].resize(size_t(bk * a.dv));
             }
-            return buf.make(bq, bk, a.d, a.dv, prod.width);
+            kept_tiles = &kept_buffers<T>();
+            return kept_tiles->make(bq, bk, a.d, a.dv, prod.width);
         },
-        [&](Buffers<T>& buf, int64_t t) {
+        [&](Buffers<T>*& kept_tiles, int64_t t) {
+        Buffers<T>& buf = *kept_tiles;
         // latest query blocks first: under causal they cost the most
         const int64_t qb = nqb - 1 - t / a.nb, h = t % a.nb;
         const int64_t r0 = qb * bq;
@@ -870,9 +887,10 @@ int run(const qkv_prefill_args& a, int kv_format = 0, bool io16 = false) {
             // is head r % per_pos of the stack at position r / per_pos, which the stack's
             // operands hold head by head (that head's row at stacked_row(r))
             try {
-                buf.qc.resize(size_t(b.rows * a.d));
-                buf.oc.resize(size_t(b.rows * std::max<int64_t>(a.dv, 1)));
-                buf.lc.resize(size_t(b.rows));
+                if (buf.qc.size() < size_t(b.rows * a.d)) buf.qc.resize(size_t(b.rows * a.d));
+                if (buf.oc.size() < size_t(b.rows * std::max<int64_t>(a.dv, 1)))
+                    buf.oc.resize(size_t(b.rows * std::max<int64_t>(a.dv, 1)));
+                if (buf.lc.size() < size_t(b.rows)) buf.lc.resize(size_t(b.rows));
             } catch (const std::bad_alloc&) {
                 __atomic_store_n(&no_memory, 1, __ATOMIC_RELAXED);
                 return;
@@ -952,9 +970,19 @@ int run_varlen(const qkv_varlen_args& a, int kv_format = 0) {
     // into contiguous buffers (where memory allows; otherwise it reads them in place).
     const bool copy_q = a.q_ts != d, copy_kv = a.k_ts != d || a.v_ts != dv;
     int no_memory = 0;  // a task could not widen its keys
-    const int status = for_tasks<Buffers<T>>(
-        ntasks, a.threads, a.parallel, [&](Buffers<T>& buf) { return buf.make(bq, bk, d, dv, 0); },
-        [&](Buffers<T>& buf, int64_t t) {
+    // each worker's kept tiles, and the call's own copies of keys too long to keep
+    struct Worker {
+        Buffers<T>* tiles;
+        std::vector<T> kc, vc;
+    };
+    const int status = for_tasks<Worker>(
+        ntasks, a.threads, a.parallel,
+        [&](Worker& w) {
+            w.tiles = &kept_buffers<T>();
+            return w.tiles->make(bq, bk, d, dv, 0);
+        },
+        [&](Worker& w, int64_t t) {
+        Buffers<T>& buf = *w.tiles;
         const VarlenTask& task = tasks[size_t(t / nkv)];
         const int64_t kvh = t % nkv;
         const int64_t q0 = a.cq[task.b], k0 = a.ck[task.b];
@@ -980,7 +1008,7 @@ int run_varlen(const qkv_varlen_args& a, int kv_format = 0) {
                              static_cast<const char*>(a.v) + (k0 * a.v_ts + kvh * a.v_hs) * es,
                              a.k_ts, a.v_ts, es, nullptr, 0, 0, 0};
             // (without memory: widened K/V cannot be had; copies are read in place instead)
-            if (!gather_keys(widen, at, klo, khi, d, dv, buf, b) && widen) {
+            if (!gather_keys(widen, at, klo, khi, d, dv, w.kc, w.vc, b) && widen) {
                 __atomic_store_n(&no_memory, 1, __ATOMIC_RELAXED);
                 return;
             }
@@ -988,7 +1016,7 @@ int run_varlen(const qkv_varlen_args& a, int kv_format = 0) {
         bool q_copied = false;
         if (copy_q) {
             try {
-                buf.qc.resize(size_t(b.rows * d));
+                if (buf.qc.size() < size_t(b.rows * d)) buf.qc.resize(size_t(b.rows * d));
                 q_copied = true;
             } catch (const std::bad_alloc&) {
             }
