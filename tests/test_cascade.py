@@ -250,6 +250,18 @@ def _merged_reference(prior, q, k, v, seqlens):
     return out, lse
 
 
+def _check_run_after(q, k, v, seqlens, threads, prior):
+    """DecodePlan.run_after on ``prior`` against :func:`_merged_reference`; None (nothing
+    merged) without the native kernels."""
+    plan = qkv.plan_decode(q, k, v, seqlens=seqlens, threads=threads)
+    got = plan.run_after(prior, q, k, v)
+    if not native.available()[0]:
+        assert got is None
+        return
+    assert got is not None
+    _check(got, _merged_reference(prior, q, k, v, seqlens), q.dtype)
+
+
 @settings(
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
@@ -286,13 +298,7 @@ def test_the_native_step_merges_a_prior_part(B, kvh, group, L, d, S, f64, thread
     if empty in ("prior", "both"):
         pl[0, :, :1] = -np.inf
         po[0, :, :1] = 0
-    plan = qkv.plan_decode(q, k, v, seqlens=seqlens, threads=threads)
-    got = plan.run_after((po, pl), q, k, v)
-    if not native.available()[0]:
-        assert got is None
-        return
-    assert got is not None
-    _check(got, _merged_reference((po, pl), q, k, v, seqlens), dt)
+    _check_run_after(q, k, v, seqlens, threads, (po, pl))
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -309,13 +315,7 @@ def test_a_prior_part_merges_with_a_long_step_split_among_threads(threads, dt):
     po = qst.values(rng, (B, kvh, group * L, d)).astype(dt)
     pl = (3 * rng.standard_normal((B, kvh, group * L))).astype(dt)
     pl[::2, 1, 1::2] = -np.inf
-    plan = qkv.plan_decode(q, k, v, seqlens=seqlens, threads=threads)
-    got = plan.run_after((po, pl), q, k, v)
-    if not native.available()[0]:
-        assert got is None
-        return
-    assert got is not None
-    _check(got, _merged_reference((po, pl), q, k, v, seqlens), dt)
+    _check_run_after(q, k, v, seqlens, threads, (po, pl))
 
 
 def test_run_after_leaves_what_it_cannot_merge_to_the_caller():
