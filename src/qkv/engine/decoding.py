@@ -278,9 +278,9 @@ class DecodePlan:
         po, pl = prior
         R = self.heads // self.kv_heads * self.L
         acc = self._acc[0]
-        if type(q) is not np.ndarray or self._template is None:
+        if self._template is None or any(type(x) is not np.ndarray for x in (q, po, pl)):
             return None
-        if po.dtype != acc or pl.dtype != acc or type(po) is not np.ndarray:
+        if po.dtype != acc or pl.dtype != acc:
             return None
         n = acc.itemsize
         if po.shape != (self.batch, self.kv_heads, R, self.value_dim) or pl.shape != po.shape[:3]:

@@ -529,6 +529,13 @@ constexpr int64_t kt_pitch(int64_t lds) {
     return lds * int64_t(sizeof(T)) % 128 ? lds : lds + 64 / int64_t(sizeof(T));
 }
 
+// v holds at least n elements: grown where it is shorter, never shrunk (a kept buffer's
+// contents are whatever its last user left).
+template <typename V>
+void grow_to(V& v, int64_t n) {
+    if (v.size() < size_t(n)) v.resize(size_t(n));
+}
+
 // A worker's tiles: each thread's kept from call to call (kept_buffers), grown as a call
 // needs and never shrunk, so that their contents are whatever the last call left (every
 // tile is written before it is read).
@@ -545,25 +552,18 @@ struct Buffers {
     int64_t ldacc = 0;
     // width: the own products' lane width (their operands' rows padded to it), or 0 (BLAS)
     bool make(int64_t bq, int64_t bk, int64_t d, int64_t dv, int64_t width) {
-        auto grow = [](auto& v, int64_t n) {
-            if (v.size() < size_t(n)) v.resize(size_t(n));
-        };
         try {
             const int64_t w = std::max<int64_t>(width, 1);
             const int64_t bkp = (bk + w - 1) / w * w;
             ldacc = width ? (std::max<int64_t>(dv, 1) + w - 1) / w * w : std::max<int64_t>(dv, 1);
-            grow(s, bq * bkp);
-            grow(acc, bq * ldacc);
+            grow_to(s, bq * bkp);
+            grow_to(acc, bq * ldacc);
             if (width) {
-                grow(kt, d * (bkp + 64 / int64_t(sizeof(T))));  // kt_pitch's at most
-                if (ldacc != dv) grow(vp, bk * ldacc);
+                grow_to(kt, d * (bkp + 64 / int64_t(sizeof(T))));  // kt_pitch's at most
+                if (ldacc != dv) grow_to(vp, bk * ldacc);
             }
-            grow(m, bq);
-            grow(l, bq);
-            grow(lo, bq);
-            grow(hi, bq);
-            grow(jl, bq);
-            grow(jh, bq);
+            for (auto* x : {&m, &l}) grow_to(*x, bq);
+            for (auto* x : {&lo, &hi, &jl, &jh}) grow_to(*x, bq);
         } catch (const std::bad_alloc&) {
             return false;
         }
@@ -571,9 +571,10 @@ struct Buffers {
     }
 };
 
-// A worker thread's tiles, kept from call to call (Buffers). Fresh ones every call cost a
-// page fault per 4 KiB at first touch and their zeroing: the fifth of a call's time at B1 H8
-// kv2 L = S = 120 d64 with the grouped heads stacked (480 rows a block), one thread.
+// A worker thread's tiles, kept from call to call (Buffers). Made afresh every call, they
+// cost a page fault per 4 KiB at first touch and their zeroing wherever the allocator mapped
+// them anew: B1 H8 kv2 L = S = 120 d64 with the grouped heads stacked (480 rows a block), one
+// thread, 600 against 297 us kept; 480 faults a call at L = S = 512.
 template <typename T>
 Buffers<T>& kept_buffers() {
     static thread_local Buffers<T> buffers;
@@ -632,8 +633,8 @@ bool gather_keys(widen_t widen, const KeyRows& at, int64_t klo, int64_t khi, int
     std::vector<T>& kc = keep ? kept_rows<T>()[0] : call_kc;
     std::vector<T>& vc = keep ? kept_rows<T>()[1] : call_vc;
     try {
-        if (kc.size() < nk) kc.resize(nk);
-        if (vc.size() < nv) vc.resize(nv);
+        grow_to(kc, int64_t(nk));
+        grow_to(vc, int64_t(nv));
     } catch (const std::bad_alloc&) {
         return false;
     }
@@ -853,8 +854,8 @@ int run(const qkv_prefill_args& a, int kv_format = 0, bool io16 = false) {
         [&](Buffers<T>*& kept_tiles) {
             if (gathered) {  // a piece's gathered rows (the thread's kept ones)
                 std::vector<T>* kept = kept_rows<T>();
-                if (kept[2].size() < size_t(bk * a.d)) kept[2].resize(size_t(bk * a.d));
-                if (kept[3].size() < size_t(bk * a.dv)) kept[3].resize(size_t(bk * a.dv));
+                grow_to(kept[2], bk * a.d);
+                grow_to(kept[3], bk * a.dv);
             }
             kept_tiles = &kept_buffers<T>();
             return kept_tiles->make(bq, bk, a.d, a.dv, prod.width);
@@ -887,10 +888,9 @@ int run(const qkv_prefill_args& a, int kv_format = 0, bool io16 = false) {
             // is head r % per_pos of the stack at position r / per_pos, which the stack's
             // operands hold head by head (that head's row at stacked_row(r))
             try {
-                if (buf.qc.size() < size_t(b.rows * a.d)) buf.qc.resize(size_t(b.rows * a.d));
-                if (buf.oc.size() < size_t(b.rows * std::max<int64_t>(a.dv, 1)))
-                    buf.oc.resize(size_t(b.rows * std::max<int64_t>(a.dv, 1)));
-                if (buf.lc.size() < size_t(b.rows)) buf.lc.resize(size_t(b.rows));
+                grow_to(buf.qc, b.rows * a.d);
+                grow_to(buf.oc, b.rows * std::max<int64_t>(a.dv, 1));
+                grow_to(buf.lc, b.rows);
             } catch (const std::bad_alloc&) {
                 __atomic_store_n(&no_memory, 1, __ATOMIC_RELAXED);
                 return;
@@ -1016,7 +1016,7 @@ int run_varlen(const qkv_varlen_args& a, int kv_format = 0) {
         bool q_copied = false;
         if (copy_q) {
             try {
-                if (buf.qc.size() < size_t(b.rows * d)) buf.qc.resize(size_t(b.rows * d));
+                grow_to(buf.qc, b.rows * d);
                 q_copied = true;
             } catch (const std::bad_alloc&) {
             }
