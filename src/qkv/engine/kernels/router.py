@@ -331,6 +331,16 @@ def causal_chunk_fits(L: int, S: int, stored: bool, nbytes: int) -> bool:
 # B8 H32 kv8 S2048 d128: 8 rows 29 -> 25 ms, 16 rows 53 -> 34, 32 rows 66 -> 61).
 STACK_CAUSAL_MIN_ROWS = 32
 
+# Query rows per head from which a causal prompt (or a chunk of one against its cache) runs a kv
+# head's grouped heads stacked position by position in the native prefill
+# (causal_prompt_stacks). Measured in one process, stacked against apart alternating (2 cores,
+# float32, own tiles, medians of 5-9): AVX-512 clone, 2 threads, B1 H8 kv2 d64 L = S = 512
+# 0.84-0.87x the time, 1024 0.88-0.91x, B1 H32 kv8 d128 512 0.90-0.92x, 1024 0.95-0.96x, B4
+# H12 kv4 d64 512 0.90-0.92x, B1 H14 kv2 d64 512 0.83-0.87x; one thread 0.87-0.97x; AVX2 clone
+# 0.90-1.00x; baseline clone 0.93-1.02x. A chunk of 512 rows against 2048 keys (H32 kv8 d128): 0.97-1.02x. At L = S = 256
+# it was 0.93-1.09x, and shorter square prompts ran 1-14% slower stacked (stacked.py).
+STACK_PROMPT_MIN_L = 512
+
 
 def _stacks_rows(plan: Plan) -> bool:
     """Whether the clone the native kernels run gives the prefill ``plan``'s ``group · L``
@@ -380,6 +390,25 @@ def causal_rows_on_prefill(plan: Plan) -> bool:
         and len(plan.batch) >= 1
         and _plan_work(plan) >= OWN_TILES_MIN_WORK
         and _stacks_rows(plan)
+    )
+
+
+def causal_prompt_stacks(plan: Plan) -> bool:
+    """Whether the native prefill runs a causal ``plan`` of at least
+    :data:`STACK_PROMPT_MIN_L` query rows per head (a prompt, or a chunk of one against its
+    cache) with a kv head's grouped heads stacked position by position: K/V in the compute
+    dtype (float32 or float64), no window, mask, bias or variant."""
+    return (
+        plan.causal
+        and plan.group > 1
+        and plan.L >= STACK_PROMPT_MIN_L
+        and plan.window is None
+        and plan.mask is None
+        and plan.bias is None
+        and plan.stored is None
+        and not plan.modded
+        and np.dtype(plan.acc_dtype) in (_F32, _F64)
+        and len(plan.batch) >= 1
     )
 
 

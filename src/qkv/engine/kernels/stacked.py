@@ -13,10 +13,13 @@ Under a causal rule the rows of one position see the same keys, so the stack tak
 position by position (row ``r`` of a kv head's block: head ``r % group`` at position ``r //
 group``): its rows' keys then grow with the row, as the kernel's pieces need. It does so for a
 few rows against a cache (draft tokens, a short chunk:
-:func:`qkv.engine.kernels.router.causal_rows_on_prefill`); a square causal prompt keeps its heads
-apart (stacked, B1 H8 kv2 L = S = 16..128 ran 1-14% slower, and L = S = 120 d64 3-5% slower
-once each thread kept its tiles from call to call: with tiles made afresh per call, its 480
-stacked rows a block had cost it a page fault per 4 KiB of them, 2.9 times as long).
+:func:`qkv.engine.kernels.router.causal_rows_on_prefill`) and for causal prompts of
+:data:`~qkv.engine.kernels.router.STACK_PROMPT_MIN_L` rows per head and more
+(:func:`~qkv.engine.kernels.router.causal_prompt_stacks`: 3-17% faster there); a shorter square
+causal prompt keeps its heads apart (stacked, B1 H8 kv2 L = S = 16..128 ran 1-14% slower, and
+L = S = 120 d64 3-5% slower once each thread kept its tiles from call to call: with tiles made
+afresh per call, its 480 stacked rows a block had cost it a page fault per 4 KiB of them, 2.9
+times as long).
 """
 
 from __future__ import annotations
@@ -45,17 +48,20 @@ MAX_ROWS = 512
 def stacks(plan: Plan) -> bool:
     """Whether ``plan``'s query heads are stacked per kv head (see the module's text): with no
     causal rule (K/V in the compute dtype), or causal rows against a cache that the router
-    gives the prefill (:func:`router.causal_rows_on_prefill`, K/V stored in 16 bits too)."""
+    gives the prefill (:func:`router.causal_rows_on_prefill`, K/V stored in 16 bits too), or a
+    long causal prompt (:func:`router.causal_prompt_stacks`)."""
     if not (
         plan.group > 1
-        and plan.group * plan.L <= MAX_ROWS
         and plan.window is None
         and plan.mask is None
         and plan.bias is None
         and len(plan.batch) >= 1
     ):
         return False
-    return router.causal_rows_on_prefill(plan) if plan.causal else plan.stored is None
+    short = plan.group * plan.L <= MAX_ROWS
+    if plan.causal:
+        return (short and router.causal_rows_on_prefill(plan)) or router.causal_prompt_stacks(plan)
+    return short and plan.stored is None
 
 
 def attend(
