@@ -337,8 +337,9 @@ STACK_CAUSAL_MIN_ROWS = 32
 # float32, own tiles, medians of 5-9): AVX-512 clone, 2 threads, B1 H8 kv2 d64 L = S = 512
 # 0.84-0.87x the time, 1024 0.88-0.91x, B1 H32 kv8 d128 512 0.90-0.92x, 1024 0.95-0.96x, B4
 # H12 kv4 d64 512 0.90-0.92x, B1 H14 kv2 d64 512 0.83-0.87x; one thread 0.87-0.97x; AVX2 clone
-# 0.90-1.00x; baseline clone 0.93-1.02x. A chunk of 512 rows against 2048 keys (H32 kv8 d128): 0.97-1.02x. At L = S = 256
-# it was 0.93-1.09x, and shorter square prompts ran 1-14% slower stacked (stacked.py).
+# 0.90-1.00x; baseline clone 0.93-1.02x. A chunk of 512 rows against 2048 keys (H32 kv8 d128):
+# 0.97-1.02x. At L = S = 256 it was 0.93-1.09x, and shorter square prompts ran 1-14% slower
+# stacked (stacked.py).
 STACK_PROMPT_MIN_L = 512
 
 
@@ -369,6 +370,20 @@ def _stored_rows_on_prefill(plan: Plan) -> bool:
     )
 
 
+def _plain_causal(plan: Plan) -> bool:
+    """A causal ``plan`` with no window, mask, bias or variant, computed in float32 or float64,
+    with a batch axis: what the native prefill takes stacked position by position."""
+    return (
+        plan.causal
+        and plan.window is None
+        and plan.mask is None
+        and plan.bias is None
+        and not plan.modded
+        and np.dtype(plan.acc_dtype) in (_F32, _F64)
+        and len(plan.batch) >= 1
+    )
+
+
 def causal_rows_on_prefill(plan: Plan) -> bool:
     """Whether a causal ``plan``'s few rows against a cache (2 to :data:`CAUSAL_ROWS_MAX_L`
     query rows per head, :data:`CAUSAL_CHUNK_KEYS_PER_ROW` keys a row and more) run on the
@@ -378,16 +393,10 @@ def causal_rows_on_prefill(plan: Plan) -> bool:
     or, in the narrower clones, stored in 16 bits, no window, mask, bias or variant, and
     enough work for a native call."""
     return (
-        plan.causal
+        _plain_causal(plan)
         and 2 <= plan.L <= CAUSAL_ROWS_MAX_L
         and plan.S >= CAUSAL_CHUNK_KEYS_PER_ROW * plan.L
-        and plan.window is None
-        and plan.mask is None
-        and plan.bias is None
         and (plan.stored is None or _stored_rows_on_prefill(plan))
-        and not plan.modded
-        and np.dtype(plan.acc_dtype) in (_F32, _F64)
-        and len(plan.batch) >= 1
         and _plan_work(plan) >= OWN_TILES_MIN_WORK
         and _stacks_rows(plan)
     )
@@ -399,16 +408,10 @@ def causal_prompt_stacks(plan: Plan) -> bool:
     cache) with a kv head's grouped heads stacked position by position: K/V in the compute
     dtype (float32 or float64), no window, mask, bias or variant."""
     return (
-        plan.causal
+        _plain_causal(plan)
         and plan.group > 1
         and plan.L >= STACK_PROMPT_MIN_L
-        and plan.window is None
-        and plan.mask is None
-        and plan.bias is None
         and plan.stored is None
-        and not plan.modded
-        and np.dtype(plan.acc_dtype) in (_F32, _F64)
-        and len(plan.batch) >= 1
     )
 
 
