@@ -648,12 +648,16 @@ def test_cache_rows_on_the_prefill_in_the_avx2_clone(monkeypatch, lengths):
 
 @native
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("window", [None, (200, 0)])
 @pytest.mark.parametrize(("group", "L", "S"), [(3, 600, 600), (4, 520, 900), (1, 600, 600)])
-def test_a_long_causal_prompt_runs_its_grouped_heads_stacked(monkeypatch, dtype, group, L, S):
+def test_a_long_causal_prompt_runs_its_grouped_heads_stacked(
+    monkeypatch, dtype, window, group, L, S
+):
     """A causal prompt (or a chunk of one against its cache) of ``STACK_PROMPT_MIN_L`` query
-    rows per head and more: the native prefill takes a kv head's grouped heads stacked
-    position by position (blocks of 512 rows that cut a position's rows), equal to the float64
-    reference; one query head per kv head, or a shorter prompt, keeps them apart."""
+    rows per head and more, with or without a sliding window: the native prefill takes a kv
+    head's grouped heads stacked position by position (blocks of 512 rows that cut a
+    position's rows), equal to the float64 reference; one query head per kv head, or a
+    shorter prompt, keeps them apart."""
     from qkv.engine.kernels import native, stacked
     from qkv.validate import make_plan
 
@@ -671,10 +675,10 @@ def test_a_long_causal_prompt_runs_its_grouped_heads_stacked(monkeypatch, dtype,
     q = qst.values(rng, (1, kvh * group, L, d)).astype(dtype)
     k, v = (qst.values(rng, (1, kvh, S, d)).astype(dtype) for _ in range(2))
     assert L >= router.STACK_PROMPT_MIN_L
-    out, lse = qkv.attention(q, k, v, causal=True, return_lse=True)
+    out, lse = qkv.attention(q, k, v, causal=True, window=window, return_lse=True)
     assert stacks and all(stacks) == (group > 1), stacks
-    _close((out, lse), _reference(q, k, v, [S]), np.dtype(dtype))
+    _close((out, lse), _reference(q, k, v, [S], window=window), np.dtype(dtype))
     n = router.STACK_PROMPT_MIN_L - 1  # a shorter prompt: its heads apart
-    short = make_plan(q[:, :, :n], k[:, :, :n], v[:, :, :n], causal=True)
-    assert stacked.stacks(make_plan(q, k, v, causal=True)) == (group > 1)
+    short = make_plan(q[:, :, :n], k[:, :, :n], v[:, :, :n], causal=True, window=window)
+    assert stacked.stacks(make_plan(q, k, v, causal=True, window=window)) == (group > 1)
     assert not stacked.stacks(short)

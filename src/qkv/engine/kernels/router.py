@@ -339,7 +339,8 @@ STACK_CAUSAL_MIN_ROWS = 32
 # H12 kv4 d64 512 0.90-0.92x, B1 H14 kv2 d64 512 0.83-0.87x; one thread 0.87-0.97x; AVX2 clone
 # 0.90-1.00x; baseline clone 0.93-1.02x. A chunk of 512 rows against 2048 keys (H32 kv8 d128):
 # 0.97-1.02x. At L = S = 256 it was 0.93-1.09x, and shorter square prompts ran 1-14% slower
-# stacked (stacked.py).
+# stacked (stacked.py). Sliding windows, B1 H8 kv2 d64: a window of 512 keys at L = S = 1024
+# 0.90x (AVX2 0.93x), at 2048 0.81x (0.93x); windows of 128-256 keys 0.96-1.01x.
 STACK_PROMPT_MIN_L = 512
 
 
@@ -370,12 +371,16 @@ def _stored_rows_on_prefill(plan: Plan) -> bool:
     )
 
 
-def _plain_causal(plan: Plan) -> bool:
-    """A causal ``plan`` with no window, mask, bias or variant, computed in float32 or float64,
-    with a batch axis: what the native prefill takes stacked position by position."""
+def _plain_causal(plan: Plan, windows: bool = False) -> bool:
+    """A causal ``plan`` with no mask, bias or variant, computed in float32 or float64, with a
+    batch axis: what the native prefill takes stacked position by position. No window either,
+    or with ``windows`` one that sees no key after its row (right side 0, causal or not)."""
+    if plan.window is None:
+        rule = plan.causal
+    else:
+        rule = windows and (plan.causal or plan.window[1] == 0)
     return (
-        plan.causal
-        and plan.window is None
+        rule
         and plan.mask is None
         and plan.bias is None
         and not plan.modded
@@ -406,9 +411,10 @@ def causal_prompt_stacks(plan: Plan) -> bool:
     """Whether the native prefill runs a causal ``plan`` of at least
     :data:`STACK_PROMPT_MIN_L` query rows per head (a prompt, or a chunk of one against its
     cache) with a kv head's grouped heads stacked position by position: K/V in the compute
-    dtype (float32 or float64), no window, mask, bias or variant."""
+    dtype (float32 or float64), no mask, bias or variant; a sliding window too (its rows'
+    keys still grow with the row)."""
     return (
-        _plain_causal(plan)
+        _plain_causal(plan, windows=True)
         and plan.group > 1
         and plan.L >= STACK_PROMPT_MIN_L
         and plan.stored is None

@@ -49,19 +49,14 @@ def stacks(plan: Plan) -> bool:
     """Whether ``plan``'s query heads are stacked per kv head (see the module's text): with no
     causal rule (K/V in the compute dtype), or causal rows against a cache that the router
     gives the prefill (:func:`router.causal_rows_on_prefill`, K/V stored in 16 bits too), or a
-    long causal prompt (:func:`router.causal_prompt_stacks`)."""
-    if not (
-        plan.group > 1
-        and plan.window is None
-        and plan.mask is None
-        and plan.bias is None
-        and len(plan.batch) >= 1
-    ):
+    long causal prompt, a sliding window's too (:func:`router.causal_prompt_stacks`)."""
+    if not (plan.group > 1 and plan.mask is None and plan.bias is None and len(plan.batch) >= 1):
         return False
-    short = plan.group * plan.L <= MAX_ROWS
-    if plan.causal:
-        return (short and router.causal_rows_on_prefill(plan)) or router.causal_prompt_stacks(plan)
-    return short and plan.stored is None
+    if router.causal_prompt_stacks(plan):
+        return True
+    if plan.window is not None or plan.group * plan.L > MAX_ROWS:
+        return False
+    return router.causal_rows_on_prefill(plan) if plan.causal else plan.stored is None
 
 
 def attend(
