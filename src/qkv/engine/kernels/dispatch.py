@@ -192,6 +192,8 @@ def keep_counted(plan: Plan, choice: Choice) -> Kept | None:
         return native.keep(plan, stack=stacked.stacks(plan), counted=True)
     if choice.kernel == "native prefill, own tiles, stored K/V":
         return native.keep(plan, counted=True)
+    if choice.kernel == "native bfloat16 prefill":
+        return native_bf16.keep(plan, counted=True)
     return None
 
 

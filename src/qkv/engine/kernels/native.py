@@ -50,7 +50,6 @@ from typing import Any
 import numpy as np
 
 from ...validate import Plan
-from . import native_bf16
 from .env import setting
 from .native_lib import (
     ENV,
@@ -62,7 +61,9 @@ from .native_lib import (
     PrefillArgs,
     VarlenArgs,
     address,
+    amx_tiles,
     backward_operands,
+    bf16_isa,
     bf16_products,
     blas_available,
     call_at,
@@ -146,7 +147,7 @@ def info() -> dict[str, Any]:
     lib, _ = library()
     path = library_path()
     decode_ok = lib is not None and not switched_off()
-    bf16 = bf16_products()[0]
+    bf16, amx = bf16_products()[0], amx_tiles()[0]
     isa = None if lib is None else _ISA_NAMES.get(running_isa())
     return {
         "active": ok,
@@ -159,6 +160,12 @@ def info() -> dict[str, Any]:
             "varlen, backward": "BLAS sgemm/dgemm (SciPy's) on float32/float64 tiles",
             "prefill and its backward, bfloat16": (
                 "vdpbf16ps (AVX512_BF16): pairs of bfloat16 products summed into float32"
+                + (
+                    "; the prefill's on AMX tiles (tdpbf16ps) for head sizes of multiples of "
+                    "32 (values of 16)"
+                    if amx
+                    else ""
+                )
             )
             if bf16
             else "K/V read as stored and widened to float32 a work item's keys at a time, "
@@ -698,7 +705,7 @@ def attend_packed(
         left=-1 if left is None else left,
         right=-1 if right is None else right,
         threads=n_workers,
-        isa=native_bf16.ISA if bf16 else isa_cap(isa),
+        isa=bf16_isa() if bf16 else isa_cap(isa),
         gemm=gemm[dt],
         block_q=block_q,
         block_k=block_k,

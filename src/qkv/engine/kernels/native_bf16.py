@@ -52,6 +52,7 @@ from .native_lib import (
     PrefillArgs,
     address,
     backward_operands,
+    bf16_isa,
     bf16_products,
     call_at,
     checked,
@@ -79,7 +80,9 @@ def available() -> bool:
     return bf16_products()[0]
 
 
-def attend(plan: Plan, *, threads: int | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+def attend(
+    plan: Plan, *, threads: int | None = None, counts: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray] | None:
     """Output ``(*batch, L, dv)`` in bfloat16 and lse ``(*batch, L)`` in float32, for a plan
     that the router sends here; ``None`` when some output is not finite (infinite or NaN
     inputs: the caller's general path applies its rules to those).
@@ -90,6 +93,10 @@ def attend(plan: Plan, *, threads: int | None = None) -> tuple[np.ndarray, np.nd
         A checked bfloat16 problem with its K/V stored (``make_plan(..., keep_stored=True)``).
     threads : int, optional
         Worker threads (default: :func:`~qkv.engine.kernels.threads.workers`).
+    counts : ndarray, optional
+        Keys per index of the first batch axis (a padding mask read as key counts,
+        :mod:`~qkv.engine.kernels.key_counts`): row ``b`` attends keys ``[0, counts[b])``,
+        the causal rule and windows still aligned to all ``S`` keys.
     """
     assert plan.stored is not None and plan.v is not None  # the router asks for them
     batch, L, dv = plan.batch, plan.L, plan.dv
@@ -100,16 +107,23 @@ def attend(plan: Plan, *, threads: int | None = None) -> tuple[np.ndarray, np.nd
         return out, lse
     fields, arrays = prefill_operands(plan.q, *plan.stored_kv(), plan.group)
     masking, masks = mask_operand(plan.mask, plan.bias, batch + (L, plan.S))
+    per_head = None if counts is None else _per_head(counts, nb)
     args = PrefillArgs(
         nb=nb, L=L, S=plan.S, d=plan.d, dv=dv, out=address(out), lse=address(lse),
+        counts=0 if per_head is None else address(per_head),
         **fields, **masking, **_rule(plan, threads, team=True),
     )  # fmt: skip
     status = invoke("qkv_prefill_bf16", args, "bfloat16 prefill", allowed=(3,))
-    del arrays, masks  # what the call read
+    del arrays, masks, per_head  # what the call read
     return None if status == 3 else (out, lse)
 
 
-def keep(plan: Plan) -> Kept | None:
+def _per_head(counts: np.ndarray, nb: int) -> np.ndarray:
+    """Each head's key count (the struct's ``counts``) from those of the first batch axis."""
+    return np.ascontiguousarray(np.repeat(counts, nb // counts.size), dtype=np.int64)
+
+
+def keep(plan: Plan, counted: bool = False) -> Kept | None:
     """A plain call's bfloat16 prefill kept for operands laid out as ``plan``'s (no mask or
     bias; q, K, V and the output bfloat16; q contiguous): a function of ``(q, k, v)`` giving
     ``(out, None)`` (the log-sum-exp is not written: its callers read the output) with
@@ -117,7 +131,8 @@ def keep(plan: Plan) -> Kept | None:
     ``qkv_prefill_bf16io``) rather than widened to float32 first; None for operands of other
     strides, another clone (``QKV_NATIVE_ISA``) or thread team, or when an output is not
     finite (the caller then takes the general road). None where the kernel does not serve
-    ``plan``'s operands as they are.
+    ``plan``'s operands as they are. With ``counted``, a function of ``(q, k, v, counts)``:
+    ``counts`` the keys of each index of the first batch axis, as :func:`attend` takes them.
 
     The struct is built once per shapes: a short bfloat16 call (B8 H12 L = S = 53 d64) spent
     as long widening q, allocating the copy and building the struct as in the kernel.
@@ -144,10 +159,14 @@ def keep(plan: Plan) -> Kept | None:
     team = (rule["threads"], rule["parallel"])
 
     def run(q: int, k: int, v: int, counts: Any) -> Any:
-        if counts is not None or prefill_team(None, True) != team:
+        if (counts is not None) != counted or prefill_team(None, True) != team:
             return None
         out = np.empty(out_shape, dtype)
-        status = at(q, k, v, address(out), None)
+        if counts is None:
+            status = at(q, k, v, address(out), None)
+        else:
+            per_head = _per_head(counts, nb)
+            status = at(q, k, v, address(out), address(per_head))
         assert held is not None  # (kept alive with the struct)
         if status and checked(status, kept, "bfloat16 prefill", (3,)):
             return None
@@ -207,7 +226,7 @@ def _rule(plan: Plan, threads: int | None, team: bool = False) -> dict[str, Any]
         "left": -1 if left is None else left,
         "right": -1 if right is None else right,
         "threads": workers(threads),
-        "isa": ISA,
+        "isa": bf16_isa(),
     }
     if team:
         rule["threads"], rule["parallel"] = prefill_team(threads, True)

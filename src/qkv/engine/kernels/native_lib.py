@@ -32,8 +32,10 @@ from .env import setting
 __all__ = [
     "BUILD_NOTE",
     "ENV",
+    "AMX_ISA",
     "ISAS",
     "ISA_ENV",
+    "ISA_NAMES",
     "KV_FORMATS",
     "Kept",
     "PREFILL_NOT_FINITE",
@@ -41,6 +43,8 @@ __all__ = [
     "DecodeArgs",
     "PrefillArgs",
     "VarlenArgs",
+    "amx_tiles",
+    "bf16_isa",
     "bf16_products",
     "blas_available",
     "gemm",
@@ -63,13 +67,20 @@ __all__ = [
 ENV = "QKV_NATIVE"  # "0" switches the native kernels off (read on every call)
 # Why the install built no library (setup.py writes it there: QKV_NATIVE_BUILD=0, the failure)
 BUILD_NOTE = "_native_build.txt"
-ISA_ENV = "QKV_NATIVE_ISA"  # "baseline", "avx2" or "avx512": the widest clone a call may run
+# "baseline", "avx2", "avx512", "avx512bf16" or "amx": the widest clone a call may run
+ISA_ENV = "QKV_NATIVE_ISA"
 #: The status of the float32/float64 prefill (``qkv_prefill_f32``, ``qkv_prefill_f64`` and
 #: their stored-K/V forms) when some output is not finite: every output is written, and the
 #: caller applies its rules.
 PREFILL_NOT_FINITE = 3
 ISAS = {"baseline": 1, "avx2": 2, "avx512": 3}  # the vector clones, narrowest first
-BF16_ISA = max(ISAS.values()) + 1  # the code above AVX-512: AVX-512 with AVX512_BF16
+# The bfloat16 kernels' codes above AVX-512 (native_src/bf16.h): AVX-512 with AVX512_BF16's
+# vdpbf16ps, and with AMX's tiles (tdpbf16ps) where the CPU has them
+BF16_ISA = max(ISAS.values()) + 1
+AMX_ISA = BF16_ISA + 1
+#: What ``QKV_NATIVE_ISA`` may name: the vector clones, and the bfloat16 kernels' two roads
+#: (``avx512bf16`` keeps them on vdpbf16ps on a CPU with AMX).
+ISA_NAMES = {**ISAS, "avx512bf16": BF16_ISA, "amx": AMX_ISA}
 # How the decode step finds K and V stored (qkv_decode_args.kv_format; qkv.engine.quant):
 # the compute dtype itself (numerics.SAME_CODE), or these forms, read in place and widened to
 # float32 in registers; the codes are numerics.STORED_FORMS', checked against abi.h on load
@@ -319,9 +330,9 @@ def isa_cap(asked: str | int | None = None) -> int:
     if asked is None:
         asked = setting(ISA_ENV).strip() or 0
     if isinstance(asked, str):
-        if asked not in ISAS:
-            raise ValueError(f"{ISA_ENV}: expected one of {tuple(ISAS)}, got {asked!r}")
-        return ISAS[asked]
+        if asked not in ISA_NAMES:
+            raise ValueError(f"{ISA_ENV}: expected one of {tuple(ISA_NAMES)}, got {asked!r}")
+        return ISA_NAMES[asked]
     return int(asked)
 
 
@@ -390,12 +401,33 @@ def bf16_products() -> tuple[bool, str]:
     if lib is None:
         return False, why
     cap = isa_cap()
-    if cap not in (0, BF16_ISA):
+    if cap not in (0, BF16_ISA, AMX_ISA):
         name = {v: k for k, v in ISAS.items()}.get(cap, cap)
         return False, f"a narrower clone is forced ({ISA_ENV}={name})"
     if not lib.qkv_bf16_products():
         return False, "this CPU has no AVX512_BF16"
     return True, ""
+
+
+def amx_tiles() -> tuple[bool, str]:
+    """``(True, "")`` when the bfloat16 prefill's tile products run on AMX (``tdpbf16ps``):
+    :func:`bf16_products`, this CPU with AMX-BF16 granted to the process by its OS, and
+    ``QKV_NATIVE_ISA`` not naming ``avx512bf16`` or narrower; else ``(False, why not)``."""
+    ok, why = bf16_products()
+    if not ok:
+        return False, why
+    if isa_cap() == BF16_ISA:
+        return False, f"vdpbf16ps is forced ({ISA_ENV}=avx512bf16)"
+    if not library()[0].qkv_amx_tiles():
+        return False, "this CPU (or its OS) gives no AMX-BF16"
+    return True, ""
+
+
+def bf16_isa() -> int:
+    """The clone code the bfloat16 kernels are called with: :data:`BF16_ISA` where
+    ``QKV_NATIVE_ISA`` names ``avx512bf16``, else :data:`AMX_ISA` (the library takes AMX's
+    tiles where the CPU has them and the head sizes fit)."""
+    return BF16_ISA if isa_cap() == BF16_ISA else AMX_ISA
 
 
 def library_path() -> Path | None:
@@ -445,6 +477,7 @@ def library() -> tuple[Any, str]:
             raise AttributeError("qkv_prefill_not_finite_status")
         lib.qkv_best_isa.restype = ctypes.c_int
         lib.qkv_bf16_products.restype = ctypes.c_int
+        lib.qkv_amx_tiles.restype = ctypes.c_int
         lib.qkv_fma_peak.argtypes = [_i64, _i64]
         lib.qkv_fma_peak.restype = ctypes.c_double
         lib.qkv_kv_format_code.argtypes = [ctypes.c_char_p]

@@ -904,6 +904,7 @@ READ_BY = (
     "native prefill, own tiles, stored K/V",
     "native prefill",
     "native prefill, stored K/V",
+    "native bfloat16 prefill",
 )
 
 # A plan whose padding mask the validation read as key counts (Plan.key_counts) may run

@@ -41,7 +41,8 @@ typedef void (*dgemm_t)(const char*, const char*, const int*, const int*, const 
     int64_t causal;                                                                      \
     int64_t left, right;    /* window sides; -1 = unbounded */                           \
     int64_t threads;                                                                     \
-    int64_t isa;            /* 0 = best available, 1 = baseline, 2 = AVX2, 3 = AVX-512 */ \
+    int64_t isa;            /* 0 = best available, 1 = baseline, 2 = AVX2, 3 = AVX-512; the \
+                               bfloat16 kernels: 4 = vdpbf16ps, 5 = AMX tiles where present */ \
     void* gemm;             /* sgemm for float32, dgemm for float64 */                   \
     int64_t block_q, block_k;
 
@@ -60,9 +61,8 @@ struct qkv_prefill_args {
     int64_t m_rs, m_cs;
     QKV_RULE_FIELDS
     // Keys per head (nb of them): head h attends keys [0, counts[h]) only, causal and the window
-    // still aligned to all S keys (a padding mask read as key counts); NULL: all S. The float32
-    // and float64 prefill read it (with K/V in their dtype or stored in 16 bits), the bfloat16
-    // tile products do not (pass NULL there).
+    // still aligned to all S keys (a padding mask read as key counts); NULL: all S. The float32,
+    // float64 and bfloat16 prefill read it.
     const int64_t* counts;
     // The float32 and float64 prefill's tile products: 0 BLAS (gemm), 1 the library's own
     // register-blocked micro-kernel in the chosen clone (tiles.h; gemm unused, may be NULL).

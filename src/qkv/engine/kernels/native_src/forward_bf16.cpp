@@ -47,11 +47,17 @@ struct Tiles {
     int32_t *lo, *hi;
     float* bt;     // (BK, BQ) the tile's bias, or 0
     uint8_t* mt;   // (BK, BQ) the tile's mask (1 = may attend), or 0
+    // the AMX road's (forward_item with tiles): the weights as rows, the accumulator as
+    // rows, and a block of keys past the end of K padded with zeros
+    uint32_t* pa;   // (BQ, BK / 2) weight pair words, row by row
+    float* acc_r;   // (BQ, dvp)
+    float* pv;      // (BQ, dvp) the tile's P · V
+    uint16_t* kpad; // (16, d)
     bool make(int64_t d, int64_t dv, int64_t dvp) {
-        const int64_t words = d / 2 * BQ + BK * BQ + BK / 2 * BQ + BK / 2 * dvp + dv * BQ +
-                              5 * BQ + BK * BQ + BK * BQ / 4;
-        if (!arena.make(size_t(words + 12 * 16) * 4)) return false;
-        qp = arena.take<uint32_t>(d / 2 * BQ);
+        const int64_t words = (d / 2 + 15) / 16 * 16 * BQ + BK * BQ + BK / 2 * BQ + BK / 2 * dvp + dv * BQ +
+                              5 * BQ + BK * BQ + BK * BQ / 4 + BQ * BK / 2 + 2 * BQ * dvp + 8 * d;
+        if (!arena.make(size_t(words + 16 * 16) * 4)) return false;
+        qp = arena.take<uint32_t>((d / 2 + 15) / 16 * 16 * BQ);  // (whole blocks of 16 pairs)
         st = arena.take<float>(BK * BQ);
         pp = arena.take<uint32_t>(BK / 2 * BQ);
         vp = arena.take<uint32_t>(BK / 2 * dvp);
@@ -63,6 +69,10 @@ struct Tiles {
         hi = arena.take<int32_t>(BQ);
         bt = arena.take<float>(BK * BQ);
         mt = reinterpret_cast<uint8_t*>(arena.take<uint32_t>(BK * BQ / 4));
+        pa = arena.take<uint32_t>(BQ * BK / 2);
+        acc_r = arena.take<float>(BQ * dvp);
+        pv = arena.take<float>(BQ * dvp);
+        kpad = arena.take<uint16_t>(16 * d);
         return true;
     }
 };
@@ -118,6 +128,123 @@ QKV_BF16 void softmax_step(Tiles& t, int64_t n, int64_t c0, float scale, bool bi
     }
 }
 
+// The AMX road's two products (tiles_begin() done by the caller; d a multiple of 32, dv of
+// 16). Both keep the layouts of the vdpbf16ps road's where they meet the softmax step: the
+// scores and the weights have the item's query rows in lanes.
+//
+// Sᵀ (n keys x BQ rows) = K_tile · Q_blkᵀ, 16 keys at a time into t.st: A is K's 16 rows as
+// they lie (32 of d's elements per tile), B the queries' pair words t.qp (16 pairs x 16 rows
+// per tile), one C tile per 16 query rows. Keys past `valid` (the end of K) are read from a
+// copy padded with zeros; scores of keys past n are written and not read.
+QKV_AMX void scores_amx(const uint16_t* k, int64_t k_rs, int64_t valid, int64_t n, int64_t d,
+                        Tiles& t) {
+    QKV_TILE_FENCE();
+    const int64_t qs = BQ * 4;  // the stride of qp's and st's rows, in bytes
+    for (int64_t kb = 0; kb < n; kb += 16) {
+        const uint16_t* kr = k + kb * k_rs;
+        int64_t stride = k_rs * 2;
+        if (kb + 16 > valid) {
+            for (int64_t i = 0; i < 16; ++i) {
+                if (kb + i < valid)
+                    std::memcpy(t.kpad + i * d, kr + i * k_rs, size_t(d) * 2);
+                else
+                    std::memset(t.kpad + i * d, 0, size_t(d) * 2);
+            }
+            QKV_TILE_FENCE();
+            kr = t.kpad;
+            stride = d * 2;
+        }
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t dc = 0; dc < d / 32; ++dc) {
+            const uint32_t* b = t.qp + dc * 16 * BQ;
+            _tile_loadd(4, kr + 32 * dc, stride);
+            _tile_loadd(5, b, qs);
+            _tile_loadd(6, b + 16, qs);
+            _tile_loadd(7, b + 32, qs);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_dpbf16ps(1, 4, 6);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_loadd(5, b + 48, qs);
+            _tile_dpbf16ps(3, 4, 5);
+        }
+        float* s = t.st + kb * BQ;
+        _tile_stored(0, s, qs);
+        _tile_stored(1, s + 16, qs);
+        _tile_stored(2, s + 32, qs);
+        _tile_stored(3, s + 48, qs);
+    }
+    QKV_TILE_FENCE();
+}
+
+// acc (BQ rows x dv, t.acc_r) = acc · alpha + P · V over the tile's n keys: A is the weights as
+// rows (t.pp's pair words transposed into t.pa: 16 rows x 32 keys per tile), B the values'
+// pair words t.vp (16 pairs of keys x 16 columns), C 16 rows x 16 columns of acc, up to four
+// at a time. Pairs of keys from the tile's (n + 1) / 2 to the next 32 keys are zero in both.
+// The weights' pair words as rows for values_amx (t.pp into t.pa), the pairs past the tile's
+// keys 0 in both operands. Done before the next tile's scores, so that these stores have
+// reached the cache when the tiles load them (a tile load waits for vector stores in flight).
+QKV_BF16 void weights_as_rows(Tiles& t, int64_t n, int64_t dvp) {
+    const int64_t np = (n + 1) / 2, nkc = (n + 31) / 32;
+    for (int64_t p = np; p < 16 * nkc; ++p) {
+        std::memset(t.pp + p * BQ, 0, BQ * 4);
+        std::memset(t.vp + p * dvp, 0, size_t(dvp) * 4);
+    }
+    for (int64_t kc = 0; kc < nkc; ++kc)
+        for (int64_t j = 0; j < BQ; j += 16)
+            transpose_words16(t.pp + kc * 16 * BQ + j, BQ, t.pa + j * (BK / 2) + 16 * kc, BK / 2);
+}
+
+QKV_AMX void values_amx(Tiles& t, int64_t n, int64_t dv, int64_t dvp) {
+    const int64_t nkc = (n + 31) / 32;
+    QKV_TILE_FENCE();
+    const int64_t os = dvp * 4, ps = BK / 2 * 4;  // pv's and vp's row stride, pa's (bytes)
+    for (int64_t j = 0; j < BQ; j += 16) {
+        for (int64_t c0 = 0; c0 < dv; c0 += 64) {
+            const int64_t nt = std::min<int64_t>(4, (dv - c0) / 16);
+            float* o = t.pv + j * dvp + c0;
+            _tile_zero(0);
+            if (nt > 1) _tile_zero(1);
+            if (nt > 2) _tile_zero(2);
+            if (nt > 3) _tile_zero(3);
+            for (int64_t kc = 0; kc < nkc; ++kc) {
+                const uint32_t* b = t.vp + kc * 16 * dvp + c0;
+                _tile_loadd(4, t.pa + j * (BK / 2) + 16 * kc, ps);
+                _tile_loadd(5, b, os);
+                _tile_dpbf16ps(0, 4, 5);
+                if (nt > 1) {
+                    _tile_loadd(6, b + 16, os);
+                    _tile_dpbf16ps(1, 4, 6);
+                }
+                if (nt > 2) {
+                    _tile_loadd(7, b + 32, os);
+                    _tile_dpbf16ps(2, 4, 7);
+                }
+                if (nt > 3) {
+                    _tile_loadd(5, b + 48, os);
+                    _tile_dpbf16ps(3, 4, 5);
+                }
+            }
+            _tile_stored(0, o, os);
+            if (nt > 1) _tile_stored(1, o + 16, os);
+            if (nt > 2) _tile_stored(2, o + 32, os);
+            if (nt > 3) _tile_stored(3, o + 48, os);
+        }
+    }
+    QKV_TILE_FENCE();
+    // acc · alpha + P · V in vector operations (the accumulator never goes through the tiles:
+    // a tile load of what vector stores had just written waited for them, 43% of this step)
+    for (int64_t r = 0; r < BQ; ++r) {
+        const __m512 a = _mm512_set1_ps(t.alpha[r]);
+        float* o = t.acc_r + r * dvp;
+        const float* x = t.pv + r * dvp;
+        for (int64_t c = 0; c < dv; c += 16)
+            _mm512_store_ps(o + c, _mm512_fmadd_ps(_mm512_load_ps(o + c), a, _mm512_load_ps(x + c)));
+    }
+}
+
 // One work item: query rows [r0, r0 + rows) of one head of a sequence of L queries and S keys,
 // with where its operands are (pointers at the item's first query row and at key 0; row
 // strides in elements) and where its results go.
@@ -130,6 +257,7 @@ struct Item {
     const uint16_t* v;
     int64_t v_rs;
     int64_t L, S, r0, rows;
+    int64_t kmax;  // the keys [0, kmax) the head attends (a padding mask read as key counts)
     uint16_t* out;  // bfloat16 bits
     int64_t out_rs;
     float* lse;
@@ -173,46 +301,92 @@ struct Rule {
     int64_t S, causal, left, right;
 };
 
-// Query row r's pair word p (two bfloat16 in 32 bits, the first low).
-QKV_INLINE uint32_t q_word(const float* q, int64_t p) {
-    return bf16_bits(q[2 * p]) | bf16_bits(q[2 * p + 1]) << 16;
+// A query row's pair words p0 .. p0 + np (np <= 16; two bfloat16 in 32 bits, the first low),
+// the lanes past np 0.
+QKV_BF16 QKV_INLINE __m512i row_words(const uint16_t* q, int64_t p0, int64_t np) {
+    return _mm512_maskz_loadu_epi32(np >= 16 ? __mmask16(0xffff) : __mmask16((1u << np) - 1),
+                                    q + 2 * p0);
 }
-QKV_INLINE uint32_t q_word(const uint16_t* q, int64_t p) {
-    uint32_t w;
-    std::memcpy(&w, q + 2 * p, 4);
-    return w;
+QKV_BF16 QKV_INLINE __m512i row_words(const float* q, int64_t p0, int64_t np) {
+    const int64_t nf = 2 * np;  // (bfloat16 values: exact in bfloat16)
+    const __mmask16 ma = nf >= 16 ? __mmask16(0xffff) : __mmask16((1u << nf) - 1);
+    const __mmask16 mb = nf >= 32 ? __mmask16(0xffff) : nf <= 16 ? 0 : __mmask16((1u << (nf - 16)) - 1);
+    const __m512 a = _mm512_maskz_loadu_ps(ma, q + 2 * p0);
+    const __m512 b = _mm512_maskz_loadu_ps(mb, q + 2 * p0 + 16);
+    return (__m512i)_mm512_cvtne2ps_pbh(b, a);  // a's words low
+}
+
+// The item's queries as pair words, qp[p * BQ + r] (rows past `rows` 0), 16 rows and 16 pairs
+// at a time; writes whole blocks of 16 pairs (Tiles::qp holds them).
+template <typename QT>
+QKV_BF16 void pack_queries(const QT* q, int64_t q_rs, int64_t rows, int64_t pairs,
+                           uint32_t* qp) {
+    alignas(64) uint32_t blk[16 * 16];
+    for (int64_t r0 = 0; r0 < BQ; r0 += 16)
+        for (int64_t p0 = 0; p0 < pairs; p0 += 16) {
+            const int64_t np = std::min<int64_t>(16, pairs - p0);
+            for (int64_t i = 0; i < 16; ++i)
+                _mm512_store_si512(blk + 16 * i, r0 + i < rows
+                                                     ? row_words(q + (r0 + i) * q_rs, p0, np)
+                                                     : _mm512_setzero_si512());
+            transpose_words16(blk, 16, qp + p0 * BQ + r0, BQ);
+        }
 }
 
 // The work item's recurrence (see the top of the file); returns whether every output is
 // finite.
 template <typename QT>
 QKV_BF16 bool forward_item(const Item<QT>& it, Rule rule, int64_t d, int64_t dv, float scale,
-                           Tiles& t, int64_t dvp) {
+                           Tiles& t, int64_t dvp, bool amx) {
     const float ninf = -std::numeric_limits<float>::infinity();
     const int64_t pairs = d / 2, rows = it.rows;
     rule.S = it.S;
     for (int64_t r = 0; r < BQ; ++r) {
         int64_t lo = 0, hi = 0;  // rows past the end see nothing
-        if (r < rows) bounds(rule, it.S - it.L + it.r0 + r, &lo, &hi);
+        if (r < rows) {
+            bounds(rule, it.S - it.L + it.r0 + r, &lo, &hi);
+            hi = std::min(hi, it.kmax);  // (both stay nondecreasing in the row)
+            lo = std::min(lo, hi);
+        }
         t.lo[r] = int32_t(lo);
         t.hi[r] = int32_t(hi);
         t.m[r] = ninf;
         t.l[r] = 0;
-        for (int64_t p = 0; p < pairs; ++p) t.qp[p * BQ + r] = r < rows ? q_word(it.q + r * it.q_rs, p) : 0u;
     }
-    std::memset(t.acc, 0, size_t(dv * BQ) * sizeof(float));
+    pack_queries(it.q, it.q_rs, rows, pairs, t.qp);
+    if (amx) {
+        std::memset(t.acc_r, 0, size_t(BQ * dvp) * sizeof(float));
+        tiles_begin();
+    } else {
+        std::memset(t.acc, 0, size_t(dv * BQ) * sizeof(float));
+    }
     const int64_t klo = t.lo[0], khi = t.hi[rows - 1];  // both nondecreasing in the row
+    // (the AMX road: each tile's scores made before the last tile's values, see
+    // weights_as_rows)
+    if (amx && klo < khi) scores_amx(it.k + klo * it.k_rs, it.k_rs, it.S - klo, std::min(BK, khi - klo), d, t);
     for (int64_t c0 = klo; c0 < khi; c0 += BK) {
         const int64_t n = std::min(BK, khi - c0);
         // Sᵀ (n keys x BQ rows) = K_tile · Q_blkᵀ: each key's pair words broadcast from K
-        dp_rows(n, t.qp, BQ, it.k + c0 * it.k_rs, it.k_rs, 2, pairs, t.st, BQ, FROM_ZERO, nullptr);
+        if (amx)
+            pack_row_pairs(it.v + c0 * it.v_rs, it.v_rs, n, dv, dvp, t.vp);
+        else
+            dp_rows(n, t.qp, BQ, it.k + c0 * it.k_rs, it.k_rs, 2, pairs, t.st, BQ, FROM_ZERO,
+                    nullptr);
         if (it.mask || it.bias) mask_tile(it, t, c0, n);
         softmax_step(t, n, c0, scale, it.bias != nullptr, it.mask != nullptr);
+        if (amx) {  // acc (BQ rows x dv) = acc · alpha + P · V
+            weights_as_rows(t, n, dvp);
+            const int64_t c1 = c0 + BK;
+            if (c1 < khi) scores_amx(it.k + c1 * it.k_rs, it.k_rs, it.S - c1, std::min(BK, khi - c1), d, t);
+            values_amx(t, n, dv, dvp);
+            continue;
+        }
         pack_row_pairs(it.v + c0 * it.v_rs, it.v_rs, n, dv, dvp, t.vp);
         // accᵀ (dv x BQ) = accᵀ · alpha + Vᵀ · Pᵀ: each column's pair words broadcast from vp
         dp_rows(dv, t.pp, BQ, reinterpret_cast<const uint16_t*>(t.vp), 2, 2 * dvp, (n + 1) / 2,
                 t.acc, BQ, FROM_SCALED, t.alpha);
     }
+    if (amx) tiles_end();
     // set when some output is not finite (an integer flag: a float sum of o · 0 chained one
     // dependent addition per output element)
     int32_t bad = 0;
@@ -225,10 +399,20 @@ QKV_BF16 bool forward_item(const Item<QT>& it, Rule rule, int64_t d, int64_t dv,
             continue;
         }
         const float inv = 1.0f / li;
-        for (int64_t c = 0; c < dv; ++c) {
-            const float o = t.acc[c * BQ + r] * inv;
-            out[c] = uint16_t(bf16_bits(o));
-            bad |= int32_t(!(std::fabs(o) <= std::numeric_limits<float>::max()));
+        if (amx) {  // (the accumulator's rows: 16 columns at a time)
+            const __m512 vi = _mm512_set1_ps(inv), big = _mm512_set1_ps(std::numeric_limits<float>::max());
+            for (int64_t c = 0; c < dv; c += 16) {
+                const __mmask16 m = dv - c >= 16 ? __mmask16(0xffff) : __mmask16((1u << (dv - c)) - 1);
+                const __m512 o = _mm512_mul_ps(_mm512_load_ps(t.acc_r + r * dvp + c), vi);
+                bad |= int32_t(_mm512_mask_cmp_ps_mask(m, _mm512_abs_ps(o), big, _CMP_LE_OQ) != m);
+                _mm256_mask_storeu_epi16(out + c, m, (__m256i)_mm512_cvtneps_pbh(o));
+            }
+        } else {
+            for (int64_t c = 0; c < dv; ++c) {
+                const float o = t.acc[c * BQ + r] * inv;
+                out[c] = uint16_t(bf16_bits(o));
+                bad |= int32_t(!(std::fabs(o) <= std::numeric_limits<float>::max()));
+            }
         }
         if (it.lse) it.lse[r * it.lse_s] = t.m[r] + std::log(li);  // (NULL: not asked for)
     }
@@ -240,12 +424,19 @@ Rule rule_of(const Args& a) {
     return Rule{0, a.causal, a.left, a.right};
 }
 
+// Whether a call takes the AMX road: asked for (isa 0 or AMX_ISA; BF16_ISA keeps vdpbf16ps),
+// run by this CPU, and head sizes its tiles divide (d by 32, dv by 16).
+inline bool amx_fits(int64_t isa, int64_t d, int64_t dv) {
+    return (isa == 0 || isa >= AMX_ISA) && d % 32 == 0 && dv % 16 == 0 && cpu_has_amx();
+}
+
 // QT: q's element, float (bfloat16 values) or uint16_t (bfloat16 bits; its offsets and row
 // stride in those elements)
 template <typename QT>
 int run_bf16(const qkv_prefill_args& a) {
     const int64_t nqb = (a.L + BQ - 1) / BQ, ntasks = a.nb * nqb;
     const int64_t dvp = (a.dv + 31) / 32 * 32;
+    const bool amx = amx_fits(a.isa, a.d, a.dv);
     int bad = 0;
     const int status = for_tasks<Tiles>(
         ntasks, a.threads, a.parallel, [&](Tiles& t) { return t.make(a.d, a.dv, dvp); },
@@ -263,6 +454,7 @@ int run_bf16(const qkv_prefill_args& a) {
         it.v_rs = a.v_rs;
         it.L = a.L;
         it.S = a.S;
+        it.kmax = a.counts ? std::max<int64_t>(0, std::min(a.counts[h], a.S)) : a.S;
         it.out = static_cast<uint16_t*>(a.out) + (h * a.L + it.r0) * a.dv;
         it.out_rs = a.dv;
         it.lse = a.lse ? static_cast<float*>(a.lse) + h * a.L + it.r0 : nullptr;
@@ -272,7 +464,7 @@ int run_bf16(const qkv_prefill_args& a) {
         it.bias = a.bias ? static_cast<const float*>(a.bias) + moff : nullptr;
         it.m_rs = a.m_rs;
         it.m_cs = a.m_cs;
-        if (!forward_item(it, rule_of(a), a.d, a.dv, float(a.scale), t, dvp))
+        if (!forward_item(it, rule_of(a), a.d, a.dv, float(a.scale), t, dvp, amx))
             __atomic_store_n(&bad, 1, __ATOMIC_RELAXED);
     });
     return status ? status : (bad ? 3 : 0);
@@ -284,6 +476,7 @@ int run_varlen_bf16(const qkv_varlen_args& a) {
     std::vector<VarlenTask> tasks;
     if (!varlen_tasks(a, BQ, tasks)) return 1;
     const int64_t H = a.heads, dv = a.dv, dvp = (dv + 31) / 32 * 32;
+    const bool amx = amx_fits(a.isa, a.d, dv);
     const int64_t ntasks = int64_t(tasks.size()) * H;
     const uint16_t* Q = static_cast<const uint16_t*>(a.q);
     return for_tasks<Tiles>(
@@ -294,6 +487,7 @@ int run_varlen_bf16(const qkv_varlen_args& a) {
         Item<uint16_t> it;
         it.L = a.cq[task.b + 1] - q0;
         it.S = a.ck[task.b + 1] - k0;
+        it.kmax = it.S;
         it.r0 = task.r0;
         it.rows = std::min(BQ, it.L - task.r0);
         it.q = Q + (q0 + task.r0) * a.q_ts + h * a.q_hs;
@@ -306,7 +500,7 @@ int run_varlen_bf16(const qkv_varlen_args& a) {
         it.out_rs = H * dv;
         it.lse = static_cast<float*>(a.lse) + (q0 + task.r0) * H + h;
         it.lse_s = H;
-        if (!forward_item(it, rule_of(a), a.d, dv, float(a.scale), t, dvp) && a.bad)
+        if (!forward_item(it, rule_of(a), a.d, dv, float(a.scale), t, dvp, amx) && a.bad)
             __atomic_store_n(a.bad + task.b, uint8_t(1), __ATOMIC_RELAXED);
     });
 }
@@ -328,6 +522,11 @@ extern "C" {
 // Whether this CPU (and this build) runs qkv_prefill_bf16: AVX-512 with AVX512_BF16.
 int qkv_bf16_products(void) {
     return QKV_ON_BF16(1) == 1;
+}
+
+// Whether this CPU (and its OS, and this build) runs the bfloat16 prefill's AMX road.
+int qkv_amx_tiles(void) {
+    return QKV_ON_BF16(cpu_has_amx() ? 1 : 0) == 1;
 }
 
 // q float32 (bfloat16 values), k, v and out bfloat16 (uint16 bits), lse float32, a bias float32;
