@@ -145,8 +145,15 @@ def test_attention_with_a_few_causal_rows_equals_reference(
         and group * rows >= 32 and (not wide or rows > router.DECODE_MAX_L)
         and batch * kvh * group * rows * S * 2 * d >= router.OWN_TILES_MIN_WORK
     )  # fmt: skip
-    assert route.kernel.startswith("native decode, causal rows") == (steps and not stacked), route
-    if stacked:
+    # 4 to 8 rows against at most 32 keys in the compute dtype: the prefill, in every clone
+    few = (
+        dtype in ("float32", "float64") and softcap is None
+        and router.FEW_KEYS_MIN_L <= rows <= router.DECODE_MAX_L and S <= router.FEW_KEYS_MAX_S
+        and batch * kvh * group * rows * S * 2 * d >= router.OWN_TILES_MIN_WORK
+    )  # fmt: skip
+    on_step = steps and not stacked and not few
+    assert route.kernel.startswith("native decode, causal rows") == on_step, route
+    if stacked or few:
         assert route.kernel.startswith("native prefill, own tiles"), route
     out = qkv.attention(q, k, v, causal=True, softcap=softcap)
     want = _reference(q, k, v, [S] * batch, softcap=softcap)
@@ -257,6 +264,25 @@ def test_short_rows_and_other_masks_keep_their_roads():
     k = qst.values(rng, (1, 4, 200, 16))
     for options in ({"causal": False}, {"causal": True, "window": (50, 0)}):
         assert "causal rows" not in qkv.route(q, k, k, **options).kernel
+
+
+@native
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "baseline"])
+def test_a_few_rows_against_a_short_cache_run_on_the_prefill(monkeypatch, isa):
+    monkeypatch.setenv("QKV_NATIVE_ISA", isa)
+    rng = np.random.default_rng(8)
+    for B, H, kvh, L, S in ((32, 12, 12, 8, 16), (8, 12, 3, 4, 32), (8, 8, 2, 8, 8)):
+        q = qst.values(rng, (B, H, L, 32)).astype(np.float32)
+        k, v = (qst.values(rng, (B, kvh, S, 32)).astype(np.float32) for _ in range(2))
+        assert qkv.route(q, k, v, causal=True).kernel == "native prefill, own tiles"
+        out, lse = qkv.attention(q, k, v, causal=True, return_lse=True)
+        _close((out, lse), _reference(q, k, v, [S] * B))
+    # two rows, or 64 keys and more, keep the step (AVX-512: the AVX2 clone's rule differs)
+    if running_isa() >= ISAS["avx512"]:
+        for L, S in ((2, 16), (4, 64)):
+            q = qst.values(rng, (8, 12, L, 32)).astype(np.float32)
+            k = qst.values(rng, (8, 12, S, 32)).astype(np.float32)
+            assert qkv.route(q, k, k, causal=True).kernel == "native decode, causal rows"
 
 
 # --- paged and cached steps, every stored form --------------------------------------------------

@@ -129,6 +129,26 @@ def test_a_call_kept_on_key_counts_takes_each_calls_counts(road):
         np.testing.assert_allclose(got, want, rtol=0, atol=_bound(v, want))
 
 
+@pytest.mark.parametrize("L, S", [(24, 24), (37, 37), (16, 64), (120, 120)])
+def test_a_short_prompt_takes_the_tiles_where_they_run(monkeypatch, L, S):
+    q, k, v = _inputs(np.random.default_rng(L), 1, 2, 4, L, S, 64, 64)
+    on_tiles = native_lib.amx_tiles()[0]
+    plan = make_plan(q, k, v, causal=True, keep_stored=True)
+    assert (dispatch.choose(plan).kernel == "native bfloat16 prefill") == on_tiles
+    out = qkv.attention(q, k, v, causal=True)
+    want = reference.attention(*(x.astype(np.float64) for x in (q, k, v)), causal=True)
+    np.testing.assert_allclose(out.astype(np.float64), want, rtol=0, atol=_bound(v, want))
+    monkeypatch.setenv("QKV_NATIVE_ISA", "avx512bf16")  # (vdpbf16ps: the prefill's size rule)
+    assert dispatch.choose(plan).kernel == "native prefill, own tiles, stored K/V"
+
+
+def test_smaller_prompts_keep_the_float32_tiles():
+    for L, S, d in ((20, 20, 64), (16, 36, 64), (12, 64, 64), (37, 37, 48)):
+        q, k, v = _inputs(np.random.default_rng(L), 1, 2, 4, L, S, d, d)
+        plan = make_plan(q, k, v, causal=True, keep_stored=True)
+        assert dispatch.choose(plan).kernel == "native prefill, own tiles, stored K/V"
+
+
 def test_the_isa_setting_names_the_roads(monkeypatch):
     monkeypatch.setenv("QKV_NATIVE_ISA", "avx512bf16")
     assert native_lib.bf16_isa() == native_lib.BF16_ISA

@@ -27,7 +27,15 @@ import numpy as np
 from ...numerics import FAST_FORMS, normal_range, scale_in_range
 from ...validate import Plan
 from .jit import enabled as jit_enabled
-from .native_lib import ISAS, bf16_products, blas_available, library, running_isa, switched_off
+from .native_lib import (
+    ISAS,
+    amx_tiles,
+    bf16_products,
+    blas_available,
+    library,
+    running_isa,
+    switched_off,
+)
 from .threads import team_preferred
 
 __all__ = [
@@ -258,6 +266,35 @@ _NONEMPTY = _c(
     lambda a: min(a.plan.L, a.plan.d, a.plan.dv) >= 1, "no query, an empty head or empty values"
 )
 
+# Query rows per head from which the bfloat16 prefill on AMX tiles (head sizes d a multiple of
+# 32, dv of 16) takes a prompt smaller than _PREFILL_SHAPE's, which the float32 own tiles
+# reading the stored K/V took; and from 16 rows, keys from which it does. Measured in one
+# process, that road against the tiles (bfloat16, d64, 2 threads, 2-core AMX Xeon; B1 and B8,
+# H8 kv2 and H12 kv12, causal and not; time on the tiles / time on the float32 road): L=S=16
+# 1.08-1.20, 20 0.89-1.07, 24 0.83-1.01, 32 0.62-0.84, 53 0.40-0.62, 120 0.40-0.46; 16 rows
+# against 36 keys 0.97-1.15, against 64 0.69-1.02, 128 0.82-0.92; 12 rows against 64 keys
+# 0.83-1.15. (The decode step keeps the few causal rows its rows above take: 8 rows against
+# 128 keys ran 1.2-1.6 times as long on the tiles.)
+AMX_PREFILL_MIN_L = 24
+AMX_PREFILL_MIN_S = 64
+
+
+def _amx_prompt(a: Ask) -> bool:
+    p = a.plan
+    return (
+        a.kernel == "auto"
+        and (p.L >= AMX_PREFILL_MIN_L or (p.L >= 16 and p.S >= AMX_PREFILL_MIN_S))
+        and p.d % 32 == 0
+        and p.dv % 16 == 0
+        and amx_tiles()[0]
+    )
+
+
+_BF16_PREFILL_SHAPE = _c(
+    lambda a: _PREFILL_SHAPE.test(a) or _amx_prompt(a),
+    lambda a: f"{_PREFILL_SHAPE.refusal(a)} (nor a prompt for AMX's tiles)",
+)
+
 # The native decode step on a plan (qkv.engine.kernels.native_decode.attend): every sequence's
 # keys, or the one run of them a boolean mask row leaves, streamed once in C++.
 _NO_BIAS = _c(lambda a: a.plan.bias is None, "a float mask (bias) given")
@@ -397,13 +434,35 @@ def causal_rows_on_prefill(plan: Plan) -> bool:
     running clone stacks (:func:`_stacks_rows`), K/V in the compute dtype (float32 or float64)
     or, in the narrower clones, stored in 16 bits, no window, mask, bias or variant, and
     enough work for a native call."""
+    if not (_plain_causal(plan) and _plan_work(plan) >= OWN_TILES_MIN_WORK):
+        return False
+    if _few_keys_on_prefill(plan):
+        return True
     return (
-        _plain_causal(plan)
-        and 2 <= plan.L <= CAUSAL_ROWS_MAX_L
+        2 <= plan.L <= CAUSAL_ROWS_MAX_L
         and plan.S >= CAUSAL_CHUNK_KEYS_PER_ROW * plan.L
         and (plan.stored is None or _stored_rows_on_prefill(plan))
-        and _plan_work(plan) >= OWN_TILES_MIN_WORK
         and _stacks_rows(plan)
+    )
+
+
+# A decoding step's causal rows against a short cache: from FEW_KEYS_MIN_L rows per head
+# against at most FEW_KEYS_MAX_S keys, K/V in the compute dtype, the prefill's own tiles beat
+# the decode step in every clone (the step's work per kv head is sized for long rows of keys).
+# Measured in one process (float32, 2 threads, 2-core AMX Xeon; B1, B8, B32, H8 kv2 and H12
+# kv12, d32 and d64; time on the prefill / time on the step): AVX-512 clone, 4 rows against
+# 16 keys 0.49-1.03, against 32 keys 0.58-1.03, 8 rows 0.35-0.80 and 0.50-0.78; AVX2 clone
+# 0.49-0.94, 0.53-0.91, 0.40-0.76, 0.44-0.72. With 2 rows, or 64 keys and more, the step held
+# (2 rows against 64 keys: 1.10-1.56).
+FEW_KEYS_MIN_L = 4
+FEW_KEYS_MAX_S = 32
+
+
+def _few_keys_on_prefill(plan: Plan) -> bool:
+    return (
+        FEW_KEYS_MIN_L <= plan.L <= DECODE_MAX_L
+        and plan.S <= FEW_KEYS_MAX_S
+        and plan.stored is None
     )
 
 
@@ -560,7 +619,7 @@ FORWARD: tuple[Kernel, ...] = (
         (_STORED_KV, _AUTO, *CAUSAL_ROWS),
         stored=True,
     ),
-    Kernel("native bfloat16 prefill", "tiled", (_PREFILL_SHAPE, *BF16), stored=True),
+    Kernel("native bfloat16 prefill", "tiled", (_BF16_PREFILL_SHAPE, *BF16), stored=True),
     Kernel(
         "native prefill, own tiles, stored K/V",
         "tiled",
