@@ -145,9 +145,10 @@ def test_attention_with_a_few_causal_rows_equals_reference(
         and group * rows >= 32 and (not wide or rows > router.DECODE_MAX_L)
         and batch * kvh * group * rows * S * 2 * d >= router.OWN_TILES_MIN_WORK
     )  # fmt: skip
-    # 4 to 8 rows against at most 32 keys in the compute dtype: the prefill, in every clone
+    # 4 to 8 rows against at most 32 keys (K/V in the compute dtype or stored in 16 bits): the
+    # prefill, in every clone
     few = (
-        dtype in ("float32", "float64") and softcap is None
+        softcap is None
         and router.FEW_KEYS_MIN_L <= rows <= router.DECODE_MAX_L and S <= router.FEW_KEYS_MAX_S
         and batch * kvh * group * rows * S * 2 * d >= router.OWN_TILES_MIN_WORK
     )  # fmt: skip
@@ -277,6 +278,11 @@ def test_a_few_rows_against_a_short_cache_run_on_the_prefill(monkeypatch, isa):
         assert qkv.route(q, k, v, causal=True).kernel == "native prefill, own tiles"
         out, lse = qkv.attention(q, k, v, causal=True, return_lse=True)
         _close((out, lse), _reference(q, k, v, [S] * B))
+        b16 = [x.astype(ml_dtypes.bfloat16) for x in (q, k, v)]
+        assert qkv.route(*b16, causal=True).kernel == "native prefill, own tiles, stored K/V"
+        out = qkv.attention(*b16, causal=True).astype(np.float64)
+        want = _reference(*b16, [S] * B)[0]
+        np.testing.assert_allclose(out, want, **tol("tensor dtypes", ml_dtypes.bfloat16))
     # two rows, or 64 keys and more, keep the step (AVX-512: the AVX2 clone's rule differs)
     if running_isa() >= ISAS["avx512"]:
         for L, S in ((2, 16), (4, 64)):

@@ -398,14 +398,15 @@ def _stored_rows_on_prefill(plan: Plan) -> bool:
     """K/V stored as float16 or bfloat16 (computed in float32), which the own tiles read as
     stored: in the narrower clones only (the AVX-512 step, or its bfloat16 prefill, serve
     them there)."""
+    return _stored_16_bits(plan) and running_isa() < ISAS["avx512"]
+
+
+def _stored_16_bits(plan: Plan) -> bool:
+    """K/V stored as float16 or bfloat16 of one dtype, computed in float32 (what the own
+    tiles read as stored)."""
     assert plan.stored is not None
     k, v = plan.stored
-    return (
-        k.dtype.name in _STORED
-        and v.dtype == k.dtype
-        and plan.acc_dtype == _F32
-        and running_isa() < ISAS["avx512"]
-    )
+    return k.dtype.name in _STORED and v.dtype == k.dtype and plan.acc_dtype == _F32
 
 
 def _plain_causal(plan: Plan, windows: bool = False) -> bool:
@@ -447,13 +448,16 @@ def causal_rows_on_prefill(plan: Plan) -> bool:
 
 
 # A decoding step's causal rows against a short cache: from FEW_KEYS_MIN_L rows per head
-# against at most FEW_KEYS_MAX_S keys, K/V in the compute dtype, the prefill's own tiles beat
-# the decode step in every clone (the step's work per kv head is sized for long rows of keys).
+# against at most FEW_KEYS_MAX_S keys, K/V in the compute dtype or stored in 16 bits, the
+# prefill's own tiles beat the decode step in every clone (the step's work per kv head is
+# sized for long rows of keys).
 # Measured in one process (float32, 2 threads, 2-core AMX Xeon; B1, B8, B32, H8 kv2 and H12
 # kv12, d32 and d64; time on the prefill / time on the step): AVX-512 clone, 4 rows against
 # 16 keys 0.49-1.03, against 32 keys 0.58-1.03, 8 rows 0.35-0.80 and 0.50-0.78; AVX2 clone
 # 0.49-0.94, 0.53-0.91, 0.40-0.76, 0.44-0.72. With 2 rows, or 64 keys and more, the step held
-# (2 rows against 64 keys: 1.10-1.56).
+# (2 rows against 64 keys: 1.10-1.56). K/V stored as bfloat16 (the own tiles reading them as
+# stored, AVX-512 clone): B8 and B32 0.37-0.94 (two cells of 4 rows against 32 keys 1.03 and
+# 1.06); B1, 8 rows 0.71-1.15 (the smallest calls: 18-25 against 20-34 us).
 FEW_KEYS_MIN_L = 4
 FEW_KEYS_MAX_S = 32
 
@@ -462,7 +466,7 @@ def _few_keys_on_prefill(plan: Plan) -> bool:
     return (
         FEW_KEYS_MIN_L <= plan.L <= DECODE_MAX_L
         and plan.S <= FEW_KEYS_MAX_S
-        and plan.stored is None
+        and (plan.stored is None or _stored_16_bits(plan))
     )
 
 
