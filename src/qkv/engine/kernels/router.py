@@ -434,7 +434,8 @@ def causal_rows_on_prefill(plan: Plan) -> bool:
     stacked position by position), rather than on the decode step: as many rows as the
     running clone stacks (:func:`_stacks_rows`), K/V in the compute dtype (float32 or float64)
     or, in the narrower clones, stored in 16 bits, no window, mask, bias or variant, and
-    enough work for a native call."""
+    enough work for a native call. So do :data:`FEW_KEYS_MIN_L` to :data:`DECODE_MAX_L` rows
+    against at most :data:`FEW_KEYS_MAX_S` keys in every clone, K/V stored in 16 bits too."""
     if not (_plain_causal(plan) and _plan_work(plan) >= OWN_TILES_MIN_WORK):
         return False
     if _few_keys_on_prefill(plan):

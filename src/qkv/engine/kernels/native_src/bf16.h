@@ -178,9 +178,23 @@ struct Arena {
 // multiplies: B's row p holds pair p of the inner axis for 16 columns), each pair's two
 // products summed exactly as vdpbf16ps sums them. One tdpbf16ps is 8192 products; on a CPU
 // with AMX it runs about 16 times the rate of AVX-512's vdpbf16ps.
+// Compilers before GCC 11 and Clang 13 have no AMX intrinsics: there the library builds
+// without the road (cpu_has_amx() false, the tile functions empty).
+#ifndef QKV_HAS_AMX
+#if (defined(__clang__) && __clang_major__ >= 13) || \
+    (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
+#define QKV_HAS_AMX 1
+#else
+#define QKV_HAS_AMX 0
+#endif
+#endif
+#if QKV_HAS_AMX
 #define QKV_AMX                                                                              \
     __attribute__((target("avx512f,avx512vl,avx512dq,avx512bw,avx512bf16,amx-tile,amx-bf16," \
                           "fma,prefer-vector-width=512")))
+#else
+#define QKV_AMX QKV_BF16
+#endif
 
 // The clone codes (qkv_prefill_args.isa) of the bfloat16 kernels above AVX-512's 3: AVX-512
 // with AVX512_BF16's vdpbf16ps, and with AMX's tiles where the CPU has them (0 asks for the
@@ -194,7 +208,7 @@ constexpr int64_t AMX_ISA = 5;
 // instruction faults). Asked once per process.
 inline bool cpu_has_amx() {
     static const bool ok = [] {
-        if (!cpu_has_bf16()) return false;
+        if (!QKV_HAS_AMX || !cpu_has_bf16()) return false;
         unsigned a = 0, b = 0, c = 0, d = 0;
         __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
         if (!((d >> 22) & 1u) || !((d >> 24) & 1u)) return false;
@@ -216,6 +230,7 @@ inline bool cpu_has_amx() {
 #define QKV_TILE_FENCE() __asm__ __volatile__("" ::: "memory")
 
 // Every tile register 16 rows x 64 bytes (palette 1), for the calling thread.
+#if QKV_HAS_AMX
 QKV_AMX inline void tiles_begin() {
     struct alignas(64) Config {
         uint8_t palette, start;
@@ -238,6 +253,10 @@ QKV_AMX inline void tiles_begin() {
 QKV_AMX inline void tiles_end() {
     _tile_release();
 }
+#else
+inline void tiles_begin() {}
+inline void tiles_end() {}
+#endif
 
 // out (16 x 16 words, row stride os) = the transpose of in (16 x 16 words, row stride is).
 QKV_BF16 inline void transpose_words16(const uint32_t* in, int64_t is, uint32_t* out,

@@ -54,8 +54,9 @@ struct Tiles {
     float* pv;      // (BQ, dvp) the tile's P · V
     uint16_t* kpad; // (16, d)
     bool make(int64_t d, int64_t dv, int64_t dvp) {
-        const int64_t words = (d / 2 + 15) / 16 * 16 * BQ + BK * BQ + BK / 2 * BQ + BK / 2 * dvp + dv * BQ +
-                              5 * BQ + BK * BQ + BK * BQ / 4 + BQ * BK / 2 + 2 * BQ * dvp + 8 * d;
+        const int64_t words = (d / 2 + 15) / 16 * 16 * BQ + BK * BQ + BK / 2 * BQ +
+                              BK / 2 * dvp + dv * BQ + 5 * BQ + BK * BQ + BK * BQ / 4 +
+                              BQ * BK / 2 + 2 * BQ * dvp + 8 * d;
         if (!arena.make(size_t(words + 16 * 16) * 4)) return false;
         qp = arena.take<uint32_t>((d / 2 + 15) / 16 * 16 * BQ);  // (whole blocks of 16 pairs)
         st = arena.take<float>(BK * BQ);
@@ -136,6 +137,7 @@ QKV_BF16 void softmax_step(Tiles& t, int64_t n, int64_t c0, float scale, bool bi
 // they lie (32 of d's elements per tile), B the queries' pair words t.qp (16 pairs x 16 rows
 // per tile), one C tile per 16 query rows. Keys past `valid` (the end of K) are read from a
 // copy padded with zeros; scores of keys past n are written and not read.
+#if QKV_HAS_AMX
 QKV_AMX void scores_amx(const uint16_t* k, int64_t k_rs, int64_t valid, int64_t n, int64_t d,
                         Tiles& t) {
     QKV_TILE_FENCE();
@@ -179,10 +181,10 @@ QKV_AMX void scores_amx(const uint16_t* k, int64_t k_rs, int64_t valid, int64_t 
     QKV_TILE_FENCE();
 }
 
-// acc (BQ rows x dv, t.acc_r) = acc · alpha + P · V over the tile's n keys: A is the weights as
-// rows (t.pp's pair words transposed into t.pa: 16 rows x 32 keys per tile), B the values'
-// pair words t.vp (16 pairs of keys x 16 columns), C 16 rows x 16 columns of acc, up to four
-// at a time. Pairs of keys from the tile's (n + 1) / 2 to the next 32 keys are zero in both.
+#else
+void scores_amx(const uint16_t*, int64_t, int64_t, int64_t, int64_t, Tiles&) {}
+#endif
+
 // The weights' pair words as rows for values_amx (t.pp into t.pa), the pairs past the tile's
 // keys 0 in both operands. Done before the next tile's scores, so that these stores have
 // reached the cache when the tiles load them (a tile load waits for vector stores in flight).
@@ -197,6 +199,11 @@ QKV_BF16 void weights_as_rows(Tiles& t, int64_t n, int64_t dvp) {
             transpose_words16(t.pp + kc * 16 * BQ + j, BQ, t.pa + j * (BK / 2) + 16 * kc, BK / 2);
 }
 
+// acc (BQ rows x dv, t.acc_r) = acc · alpha + P · V over the tile's n keys: A is the weights as
+// rows (t.pa: 16 rows x 32 keys per tile), B the values' pair words t.vp (16 pairs of keys x
+// 16 columns), C 16 rows x 16 columns of P · V, up to four at a time, into t.pv. Pairs of keys
+// from the tile's (n + 1) / 2 to the next 32 keys are zero in both (weights_as_rows).
+#if QKV_HAS_AMX
 QKV_AMX void values_amx(Tiles& t, int64_t n, int64_t dv, int64_t dvp) {
     const int64_t nkc = (n + 31) / 32;
     QKV_TILE_FENCE();
@@ -241,9 +248,13 @@ QKV_AMX void values_amx(Tiles& t, int64_t n, int64_t dv, int64_t dvp) {
         float* o = t.acc_r + r * dvp;
         const float* x = t.pv + r * dvp;
         for (int64_t c = 0; c < dv; c += 16)
-            _mm512_store_ps(o + c, _mm512_fmadd_ps(_mm512_load_ps(o + c), a, _mm512_load_ps(x + c)));
+            _mm512_store_ps(o + c,
+                            _mm512_fmadd_ps(_mm512_load_ps(o + c), a, _mm512_load_ps(x + c)));
     }
 }
+#else
+void values_amx(Tiles&, int64_t, int64_t, int64_t) {}
+#endif
 
 // One work item: query rows [r0, r0 + rows) of one head of a sequence of L queries and S keys,
 // with where its operands are (pointers at the item's first query row and at key 0; row
@@ -310,7 +321,8 @@ QKV_BF16 QKV_INLINE __m512i row_words(const uint16_t* q, int64_t p0, int64_t np)
 QKV_BF16 QKV_INLINE __m512i row_words(const float* q, int64_t p0, int64_t np) {
     const int64_t nf = 2 * np;  // (bfloat16 values: exact in bfloat16)
     const __mmask16 ma = nf >= 16 ? __mmask16(0xffff) : __mmask16((1u << nf) - 1);
-    const __mmask16 mb = nf >= 32 ? __mmask16(0xffff) : nf <= 16 ? 0 : __mmask16((1u << (nf - 16)) - 1);
+    const __mmask16 mb =
+        nf >= 32 ? __mmask16(0xffff) : nf <= 16 ? 0 : __mmask16((1u << (nf - 16)) - 1);
     const __m512 a = _mm512_maskz_loadu_ps(ma, q + 2 * p0);
     const __m512 b = _mm512_maskz_loadu_ps(mb, q + 2 * p0 + 16);
     return (__m512i)_mm512_cvtne2ps_pbh(b, a);  // a's words low
@@ -363,13 +375,13 @@ QKV_BF16 bool forward_item(const Item<QT>& it, Rule rule, int64_t d, int64_t dv,
     const int64_t klo = t.lo[0], khi = t.hi[rows - 1];  // both nondecreasing in the row
     // (the AMX road: each tile's scores made before the last tile's values, see
     // weights_as_rows)
-    if (amx && klo < khi) scores_amx(it.k + klo * it.k_rs, it.k_rs, it.S - klo, std::min(BK, khi - klo), d, t);
+    if (amx && klo < khi)
+        scores_amx(it.k + klo * it.k_rs, it.k_rs, it.S - klo, std::min(BK, khi - klo), d, t);
     for (int64_t c0 = klo; c0 < khi; c0 += BK) {
         const int64_t n = std::min(BK, khi - c0);
-        // Sᵀ (n keys x BQ rows) = K_tile · Q_blkᵀ: each key's pair words broadcast from K
-        if (amx)
+        if (amx)  // (its scores are made: the tile's values packed first, see weights_as_rows)
             pack_row_pairs(it.v + c0 * it.v_rs, it.v_rs, n, dv, dvp, t.vp);
-        else
+        else  // Sᵀ (n keys x BQ rows) = K_tile · Q_blkᵀ: each key's pair words broadcast from K
             dp_rows(n, t.qp, BQ, it.k + c0 * it.k_rs, it.k_rs, 2, pairs, t.st, BQ, FROM_ZERO,
                     nullptr);
         if (it.mask || it.bias) mask_tile(it, t, c0, n);
@@ -377,7 +389,8 @@ QKV_BF16 bool forward_item(const Item<QT>& it, Rule rule, int64_t d, int64_t dv,
         if (amx) {  // acc (BQ rows x dv) = acc · alpha + P · V
             weights_as_rows(t, n, dvp);
             const int64_t c1 = c0 + BK;
-            if (c1 < khi) scores_amx(it.k + c1 * it.k_rs, it.k_rs, it.S - c1, std::min(BK, khi - c1), d, t);
+            if (c1 < khi)
+                scores_amx(it.k + c1 * it.k_rs, it.k_rs, it.S - c1, std::min(BK, khi - c1), d, t);
             values_amx(t, n, dv, dvp);
             continue;
         }
@@ -400,9 +413,11 @@ QKV_BF16 bool forward_item(const Item<QT>& it, Rule rule, int64_t d, int64_t dv,
         }
         const float inv = 1.0f / li;
         if (amx) {  // (the accumulator's rows: 16 columns at a time)
-            const __m512 vi = _mm512_set1_ps(inv), big = _mm512_set1_ps(std::numeric_limits<float>::max());
+            const __m512 vi = _mm512_set1_ps(inv);
+            const __m512 big = _mm512_set1_ps(std::numeric_limits<float>::max());
             for (int64_t c = 0; c < dv; c += 16) {
-                const __mmask16 m = dv - c >= 16 ? __mmask16(0xffff) : __mmask16((1u << (dv - c)) - 1);
+                const __mmask16 m =
+                    dv - c >= 16 ? __mmask16(0xffff) : __mmask16((1u << (dv - c)) - 1);
                 const __m512 o = _mm512_mul_ps(_mm512_load_ps(t.acc_r + r * dvp + c), vi);
                 bad |= int32_t(_mm512_mask_cmp_ps_mask(m, _mm512_abs_ps(o), big, _CMP_LE_OQ) != m);
                 _mm256_mask_storeu_epi16(out + c, m, (__m256i)_mm512_cvtneps_pbh(o));
