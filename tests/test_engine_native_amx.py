@@ -16,6 +16,7 @@ from tests.test_engine_native_bf16 import BF16, _bound, _check, _inputs
 
 import qkv
 from qkv import reference
+from qkv.engine import run
 from qkv.engine.kernels import dispatch, native_bf16, native_lib, router
 from qkv.validate import make_plan
 
@@ -100,6 +101,24 @@ def _padded(road, B, kv_heads, group, L, extra, d, causal, seed):
 
 def test_padding_masks_are_read_as_key_counts(road):
     _padded(road)
+
+
+@pytest.mark.parametrize("before, after", [("amx", "avx512bf16"), ("avx512bf16", "amx")])
+def test_a_road_kept_for_a_call_follows_the_forced_clone(monkeypatch, before, after):
+    # the plain call keeps its plan and road per shapes: a clone forced between two calls of
+    # the same shapes takes that clone's road, the bits of a first call under it
+    if not native_lib.amx_tiles()[0]:
+        pytest.skip(f"AMX's tiles do not run here: {native_lib.amx_tiles()[1]}")
+    rng = np.random.default_rng(6)
+    q, k, v = _inputs(rng, 5, 1, 2, 64, 64, 32, 32)
+    keep = (np.arange(64)[None, :] < np.array([64, 9, 40, 1, 33])[:, None])[:, None, None, :]
+    for mask in (None, keep):
+        monkeypatch.setenv("QKV_NATIVE_ISA", before)
+        qkv.attention(q, k, v, mask=mask)
+        monkeypatch.setenv("QKV_NATIVE_ISA", after)
+        got = qkv.attention(q, k, v, mask=mask)
+        run.forget()
+        np.testing.assert_array_equal(got, qkv.attention(q, k, v, mask=mask))
 
 
 def test_a_padded_batch_runs_on_the_bfloat16_prefill_with_its_counts(monkeypatch):

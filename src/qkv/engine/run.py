@@ -24,7 +24,7 @@ from ..errors import InputError
 from ..masks import tail_counts
 from ..validate import Plan, as_array, broadcasts_to, plain_plan, stand_in
 from .kernels import dense, dispatch, mods, router
-from .kernels.native_lib import switched_off
+from .kernels.native_lib import switches
 
 __all__ = ["attend", "plain", "plain_at", "run", "softmax", "weights"]
 
@@ -88,10 +88,10 @@ def plain(
     a call (the front then builds the general :class:`qkv.call.Call`).
 
     The same plan and kernel as the general road, without checking or choosing again: both
-    follow from the shapes, dtypes, ``scale``, ``causal`` and ``QKV_NATIVE`` alone, so they
-    are worked out once per such key (:func:`_ready`) and the call only puts its arrays into
-    the plan. A small call (a decoding step's layer) spends most of its time on this, not on
-    its arithmetic.
+    follow from the shapes, dtypes, ``scale``, ``causal`` and the native settings alone
+    (:func:`~qkv.engine.kernels.native_lib.switches`), so they are worked out once per such
+    key (:func:`_ready`) and the call only puts its arrays into the plan. A small call (a
+    decoding step's layer) spends most of its time on this, not on its arithmetic.
 
     A boolean ``mask`` of the rank of ``q`` that only hides a tail of each batch row's keys
     (a tokenizer's padding, :func:`qkv.masks.tail_counts`) is read as key counts, as the
@@ -101,7 +101,7 @@ def plain(
     if causal is not False and causal is not True:
         return None  # (make_plan says what is wrong)
     key: tuple[Any, ...] = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, scale, causal,
-                            switched_off(), type(scale))  # fmt: skip
+                            switches(), type(scale))  # fmt: skip
     try:
         found = _ready(*key)
     except TypeError:  # an unhashable scale: the general road says what it is
@@ -176,7 +176,7 @@ def plain_at(
     if causal is not False and causal is not True:
         return None
     # (a tensor's shapes are torch.Size, tuples that hash and compare as theirs)
-    key: tuple[Any, ...] = (qs, ks, vs, dtype, dtype, dtype, scale, causal, switched_off(),
+    key: tuple[Any, ...] = (qs, ks, vs, dtype, dtype, dtype, scale, causal, switches(),
                             type(scale))  # fmt: skip
     try:
         found = _ready(*key)
@@ -224,18 +224,19 @@ def _ready(
     vt: np.dtype,
     scale: Any,
     causal: bool,
-    off: bool,
+    switched: tuple[bool, str],
     scale_type: type,
 ) -> _Ready | None:
     """The checked plan's fields but its arrays, the router's choice, and whether the inputs
-    are 16-bit (their K/V kept as stored), for :func:`plain`'s key (``off``: ``QKV_NATIVE=0``,
-    which the choice depends on; ``scale_type``: ``scale``'s, so that 1, 1.0 and True, equal
-    as keys, are not one call: the cache is not typed, which would part a tensor's shapes,
-    torch.Size, from the tuples they equal); None where the call is not plain
-    (:func:`qkv.validate.plain_plan`). Worked out on stand-ins of the shapes (no data); a bad
-    ``scale`` raises as the general road would. A key that differs from one answered before
-    in the number of keys alone is worked out from that answer (:func:`_grown`)."""
-    key = (qs, ks, vs, qt, kt, vt, scale, causal, off, scale_type)
+    are 16-bit (their K/V kept as stored), for :func:`plain`'s key (``switched``:
+    ``QKV_NATIVE=0`` and ``QKV_NATIVE_ISA``, which the choice depends on; ``scale_type``:
+    ``scale``'s, so that 1, 1.0 and True, equal as keys, are not one call: the cache is not
+    typed, which would part a tensor's shapes, torch.Size, from the tuples they equal); None
+    where the call is not plain (:func:`qkv.validate.plain_plan`). Worked out on stand-ins of
+    the shapes (no data); a bad ``scale`` raises as the general road would. A key that differs
+    from one answered before in the number of keys alone is worked out from that answer
+    (:func:`_grown`)."""
+    key = (qs, ks, vs, qt, kt, vt, scale, causal, switched, scale_type)
     family = _family(key)
     known = _FAMILIES.get(family) if family is not None else None
     ready = None if known is None else _grown(known, key)

@@ -62,6 +62,7 @@ __all__ = [
     "prefill_operands",
     "row_stride",
     "switched_off",
+    "switches",
 ]
 
 ENV = "QKV_NATIVE"  # "0" switches the native kernels off (read on every call)
@@ -339,6 +340,13 @@ def isa_cap(asked: str | int | None = None) -> int:
 def switched_off() -> bool:
     """Whether ``QKV_NATIVE=0`` switches the native kernels off (read on every call)."""
     return setting(ENV).strip() == "0"
+
+
+def switches() -> tuple[bool, str]:
+    """The settings the router's choices depend on, read on every call: whether
+    ``QKV_NATIVE=0`` switches the native kernels off, and ``QKV_NATIVE_ISA`` (the clone forced:
+    AMX's tiles or not choose another road). A choice kept across calls is kept per value."""
+    return setting(ENV).strip() == "0", setting(ISA_ENV)
 
 
 def _capsule_pointer(capsule: Any) -> int:
