@@ -22,9 +22,10 @@ head, query block) tasks read straight from the packed arrays. The same library 
 decode step (:mod:`qkv.engine.kernels.native_decode`, which needs no BLAS). :func:`info` says
 what is active and why.
 
-Threads: work items are (head, query block) pairs taken from a shared counter by native
-threads, as many as :func:`qkv.engine.kernels.threads.default_threads`; BLAS is held to one thread
-meanwhile (``threadpoolctl``), and without a way to hold it one native thread runs.
+Threads: work items are (head, query block) pairs, each native thread taking a run of
+consecutive ones first and then helping with the others' runs, as many threads as
+:func:`qkv.engine.kernels.threads.default_threads`; BLAS is held to one thread meanwhile
+(``threadpoolctl``), and without a way to hold it one native thread runs.
 
 Examples
 --------

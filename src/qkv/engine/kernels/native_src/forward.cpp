@@ -10,11 +10,12 @@
 //     acc += P · V_tile                                   (BLAS gemm, beta = 1)
 //     out = acc / l, lse = m + log l                      (l = 0: out 0, lse −inf)
 //
-// Tasks are taken from a shared counter by native threads (latest query blocks first: under
-// causal they see the most keys). The packed varlen walk runs the same block over packed
-// sequences: tasks (sequence, kv head, query block), costliest first. Key tiles that no row
-// of the block may see are skipped; across the causal/window edge keys go in narrow pieces,
-// each with the rows that see part of it, and each row only exponentiates its visible keys.
+// Tasks are taken by native threads, a run of consecutive ones each first (for_tasks in
+// common.h), latest query blocks first: under causal they see the most keys. The packed
+// varlen walk runs the same block over packed sequences: tasks (sequence, kv head, query
+// block), costliest first. Key tiles that no row of the block may see are skipped; across
+// the causal/window edge keys go in narrow pieces, each with the rows that see part of it,
+// and each row only exponentiates its visible keys.
 //
 // The tile products go through the caller's BLAS, or (products = 1) the library's own
 // register-blocked micro-kernel (tiles.h: no per-call cost, the short rows' and small heads'
