@@ -145,11 +145,15 @@ def test_attention_with_a_few_causal_rows_equals_reference(
         and group * rows >= 32 and (not wide or rows > router.DECODE_MAX_L)
         and batch * kvh * group * rows * S * 2 * d >= router.OWN_TILES_MIN_WORK
     )  # fmt: skip
-    # 4 to 8 rows against at most 32 keys (K/V in the compute dtype or stored in 16 bits): the
-    # prefill, in every clone
+    # 4 to 8 rows against at most 32 keys, or 128 where the grouped heads stack them to 16
+    # rows a kv head (K/V in the compute dtype or stored in 16 bits): the prefill, every clone
     few = (
         softcap is None
-        and router.FEW_KEYS_MIN_L <= rows <= router.DECODE_MAX_L and S <= router.FEW_KEYS_MAX_S
+        and router.FEW_KEYS_MIN_L <= rows <= router.DECODE_MAX_L
+        and (S <= router.FEW_KEYS_MAX_S or (
+            S <= router.FEW_KEYS_STACKED_MAX_S
+            and group * rows >= router.FEW_KEYS_STACKED_MIN_ROWS
+        ))
         and batch * kvh * group * rows * S * 2 * d >= router.OWN_TILES_MIN_WORK
     )  # fmt: skip
     on_step = steps and not stacked and not few
@@ -283,11 +287,18 @@ def test_a_few_rows_against_a_short_cache_run_on_the_prefill(monkeypatch, isa):
         out = qkv.attention(*b16, causal=True).astype(np.float64)
         want = _reference(*b16, [S] * B)[0]
         np.testing.assert_allclose(out, want, **tol("tensor dtypes", ml_dtypes.bfloat16))
-    # two rows, or 64 keys and more, keep the step (AVX-512: the AVX2 clone's rule differs)
+    # grouped heads stacked to 16 rows a kv head and more: up to 128 keys
+    for B, H, kvh, L, S in ((1, 12, 3, 4, 128), (8, 8, 2, 8, 64)):
+        q = qst.values(rng, (B, H, L, 32)).astype(np.float32)
+        k, v = (qst.values(rng, (B, kvh, S, 32)).astype(np.float32) for _ in range(2))
+        assert qkv.route(q, k, v, causal=True).kernel == "native prefill, own tiles"
+        _close(qkv.attention(q, k, v, causal=True, return_lse=True), _reference(q, k, v, [S] * B))
+    # two rows, 64 keys and more a head alone, or more than 128 keys, keep the step (AVX-512:
+    # the AVX2 clone's rule differs)
     if running_isa() >= ISAS["avx512"]:
-        for L, S in ((2, 16), (4, 64)):
+        for L, S, kvh in ((2, 16, 12), (4, 64, 12), (4, 256, 3)):
             q = qst.values(rng, (8, 12, L, 32)).astype(np.float32)
-            k = qst.values(rng, (8, 12, S, 32)).astype(np.float32)
+            k = qst.values(rng, (8, kvh, S, 32)).astype(np.float32)
             assert qkv.route(q, k, k, causal=True).kernel == "native decode, causal rows"
 
 

@@ -435,7 +435,9 @@ def causal_rows_on_prefill(plan: Plan) -> bool:
     running clone stacks (:func:`_stacks_rows`), K/V in the compute dtype (float32 or float64)
     or, in the narrower clones, stored in 16 bits, no window, mask, bias or variant, and
     enough work for a native call. So do :data:`FEW_KEYS_MIN_L` to :data:`DECODE_MAX_L` rows
-    against at most :data:`FEW_KEYS_MAX_S` keys in every clone, K/V stored in 16 bits too."""
+    against at most :data:`FEW_KEYS_MAX_S` keys in every clone, K/V stored in 16 bits too, and
+    against at most :data:`FEW_KEYS_STACKED_MAX_S` keys where grouped heads stack them to
+    :data:`FEW_KEYS_STACKED_MIN_ROWS` rows a kv head."""
     if not (_plain_causal(plan) and _plan_work(plan) >= OWN_TILES_MIN_WORK):
         return False
     if _few_keys_on_prefill(plan):
@@ -461,12 +463,29 @@ def causal_rows_on_prefill(plan: Plan) -> bool:
 # 1.06); B1, 8 rows 0.71-1.15 (the smallest calls: 18-25 against 20-34 us).
 FEW_KEYS_MIN_L = 4
 FEW_KEYS_MAX_S = 32
+# Grouped heads whose rows stack to FEW_KEYS_STACKED_MIN_ROWS a kv head and more (4 rows of 4
+# query heads a kv head, 8 of 2) keep the prefill up to FEW_KEYS_STACKED_MAX_S keys, since each
+# thread took a run of consecutive tasks (for_tasks). Measured in one process, the rule's two
+# bounds alternated (float32 and bfloat16 K/V stored, 2 threads, 2-core AMX Xeon; B1 H8 kv2,
+# B1 H12 kv3, B8 H8 kv2, B32 H8 kv2 / H12 kv3; 4 and 8 rows, 64 and 128 keys, d32 and d64;
+# time with S <= 128 on the prefill / time with S <= 32): float32, AVX-512 clone 0.63-1.04
+# (median 0.82), AVX2 clone 0.64-1.03 (its 8 stacked rows already took the prefill); bfloat16
+# 0.41-0.88 (median 0.67). Against 256 keys the float32 cells went 0.60-1.17, and ungrouped
+# heads (4 or 8 rows a block) 0.73-1.63 from 64 keys on: the step keeps those.
+FEW_KEYS_STACKED_MIN_ROWS = 16
+FEW_KEYS_STACKED_MAX_S = 128
 
 
 def _few_keys_on_prefill(plan: Plan) -> bool:
     return (
         FEW_KEYS_MIN_L <= plan.L <= DECODE_MAX_L
-        and plan.S <= FEW_KEYS_MAX_S
+        and (
+            plan.S <= FEW_KEYS_MAX_S
+            or (
+                plan.S <= FEW_KEYS_STACKED_MAX_S
+                and plan.group * plan.L >= FEW_KEYS_STACKED_MIN_ROWS
+            )
+        )
         and (plan.stored is None or _stored_16_bits(plan))
     )
 
