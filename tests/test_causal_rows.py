@@ -153,6 +153,9 @@ def test_attention_with_a_few_causal_rows_equals_reference(
         and (S <= router.FEW_KEYS_MAX_S or (
             S <= router.FEW_KEYS_STACKED_MAX_S
             and group * rows >= router.FEW_KEYS_STACKED_MIN_ROWS
+        ) or (
+            dtype in ("bfloat16", "float16") and rows == router.DECODE_MAX_L
+            and S <= router.FEW_KEYS_STACKED_MAX_S and S * d <= router.FEW_KEYS_16_BIT_MAX_SD
         ))
         and batch * kvh * group * rows * S * 2 * d >= router.OWN_TILES_MIN_WORK
     )  # fmt: skip
@@ -293,6 +296,13 @@ def test_a_few_rows_against_a_short_cache_run_on_the_prefill(monkeypatch, isa):
         k, v = (qst.values(rng, (B, kvh, S, 32)).astype(np.float32) for _ in range(2))
         assert qkv.route(q, k, v, causal=True).kernel == "native prefill, own tiles"
         _close(qkv.attention(q, k, v, causal=True, return_lse=True), _reference(q, k, v, [S] * B))
+    # heads alone, 8 rows of K/V in 16 bits against 128 keys of 32
+    q, k, v = (qst.values(rng, (2, 12, n, 32)).astype(ml_dtypes.bfloat16) for n in (8, 128, 128))
+    assert qkv.route(q, k, v, causal=True).kernel == "native prefill, own tiles, stored K/V"
+    out = qkv.attention(q, k, v, causal=True).astype(np.float64)
+    np.testing.assert_allclose(
+        out, _reference(q, k, v, [128] * 2)[0], **tol("tensor dtypes", ml_dtypes.bfloat16)
+    )
     # two rows, 64 keys and more a head alone, or more than 128 keys, keep the step (AVX-512:
     # the AVX2 clone's rule differs)
     if running_isa() >= ISAS["avx512"]:

@@ -437,7 +437,8 @@ def causal_rows_on_prefill(plan: Plan) -> bool:
     enough work for a native call. So do :data:`FEW_KEYS_MIN_L` to :data:`DECODE_MAX_L` rows
     against at most :data:`FEW_KEYS_MAX_S` keys in every clone, K/V stored in 16 bits too, and
     against at most :data:`FEW_KEYS_STACKED_MAX_S` keys where grouped heads stack them to
-    :data:`FEW_KEYS_STACKED_MIN_ROWS` rows a kv head."""
+    :data:`FEW_KEYS_STACKED_MIN_ROWS` rows a kv head, or 8 rows of K/V stored in 16 bits with
+    keys times head size at most :data:`FEW_KEYS_16_BIT_MAX_SD`."""
     if not (_plain_causal(plan) and _plan_work(plan) >= OWN_TILES_MIN_WORK):
         return False
     if _few_keys_on_prefill(plan):
@@ -474,6 +475,12 @@ FEW_KEYS_MAX_S = 32
 # heads (4 or 8 rows a block) 0.73-1.63 from 64 keys on: the step keeps those.
 FEW_KEYS_STACKED_MIN_ROWS = 16
 FEW_KEYS_STACKED_MAX_S = 128
+# Heads alone (not stacked), 8 rows, K/V stored in 16 bits: up to S · d of
+# FEW_KEYS_16_BIT_MAX_SD (64 keys of 64, 128 of 32). Measured the same way (bfloat16, B1 H8 kv8,
+# B1 H12 kv12, B8 H8 kv8, B32 H12 kv12): AVX-512 clone 0.62-0.96 (the step's time), AVX2 clone
+# 0.71-1.02; against 128 keys of 64, 0.99-1.02; with 4 rows the step held. In float32 the
+# step held (8 rows against 64 keys of 64 and more: 1.01-1.15 on the prefill).
+FEW_KEYS_16_BIT_MAX_SD = 4096
 
 
 def _few_keys_on_prefill(plan: Plan) -> bool:
@@ -484,6 +491,12 @@ def _few_keys_on_prefill(plan: Plan) -> bool:
             or (
                 plan.S <= FEW_KEYS_STACKED_MAX_S
                 and plan.group * plan.L >= FEW_KEYS_STACKED_MIN_ROWS
+            )
+            or (
+                plan.stored is not None
+                and plan.L == DECODE_MAX_L
+                and plan.S <= FEW_KEYS_STACKED_MAX_S
+                and plan.S * plan.d <= FEW_KEYS_16_BIT_MAX_SD
             )
         )
         and (plan.stored is None or _stored_16_bits(plan))
