@@ -346,7 +346,7 @@ def switches() -> tuple[bool, str]:
     """The settings the router's choices depend on, read on every call: whether
     ``QKV_NATIVE=0`` switches the native kernels off, and ``QKV_NATIVE_ISA`` (the clone forced:
     AMX's tiles or not choose another road). A choice kept across calls is kept per value."""
-    return setting(ENV).strip() == "0", setting(ISA_ENV)
+    return switched_off(), setting(ISA_ENV)
 
 
 def _capsule_pointer(capsule: Any) -> int:
