@@ -481,6 +481,7 @@ finish_t pick_finish(int isa) {
 // products' (no cost per call: narrower pieces leave fewer hidden keys in the products; a
 // short causal tile of 64 x 64 computed whole did twice the work its rows see).
 constexpr int64_t EDGE = 64, EDGE_OWN = 32;
+constexpr int64_t VP_COPY_ROWS = 32;
 
 // One forward work item: query rows [r0, r0 + rows) of one head of one sequence of L queries
 // and S keys, with where its operands are and where its results go. Pointers are at the
@@ -556,13 +557,14 @@ void grow_to(V& v, int64_t n) {
 // tile is written before it is read).
 template <typename T>
 struct Buffers {
-    std::vector<T> s, acc, m, l;
+    lines_of<T> s, acc;  // (rows whole vectors apart: tiles.h's operands)
+    std::vector<T> m, l;
     std::vector<T> qc;          // a contiguous copy of strided query rows
     std::vector<T> oc;          // a block's output before it is narrowed (16-bit q and out)
                                 // or put back (rows per position)
     std::vector<T> lc;          // and its lse (rows per position)
     // the own products' packed scaled keys (d x bk) and padded values (bk x ldacc)
-    std::vector<T> kt, vp;
+    lines_of<T> kt, vp;
     std::vector<int64_t> lo, hi, jl, jh;
     int64_t ldacc = 0;
     // width: the own products' lane width (their operands' rows padded to it), or 0 (BLAS)
@@ -575,7 +577,7 @@ struct Buffers {
             grow_to(acc, bq * ldacc);
             if (width) {
                 grow_to(kt, d * (bkp + 64 / int64_t(sizeof(T))));  // kt_pitch's at most
-                if (ldacc != dv) grow_to(vp, bk * ldacc);
+                grow_to(vp, bk * ldacc);
             }
             for (auto* x : {&m, &l}) grow_to(*x, bq);
             for (auto* x : {&lo, &hi, &jl, &jh}) grow_to(*x, bq);
@@ -602,8 +604,8 @@ Buffers<T>& kept_buffers() {
 // about 1 ms of a shared prefix's 2048-key prefill (H32 kv8 d128, 2 threads).
 constexpr size_t KEEP_ROWS = size_t(4) << 20;
 template <typename T>
-std::vector<T>* kept_rows() {
-    static thread_local std::vector<T> rows[4];
+lines_of<T>* kept_rows() {
+    static thread_local lines_of<T> rows[4];
     return rows;
 }
 
@@ -641,12 +643,12 @@ void gather_rows(widen_t widen, const KeyRows& at, int64_t klo, int64_t khi, int
 // without memory (b unchanged).
 template <typename T>
 bool gather_keys(widen_t widen, const KeyRows& at, int64_t klo, int64_t khi, int64_t d,
-                 int64_t dv, std::vector<T>& call_kc, std::vector<T>& call_vc, Block<T>& b) {
+                 int64_t dv, lines_of<T>& call_kc, lines_of<T>& call_vc, Block<T>& b) {
     if (khi <= klo) return true;  // no key: nothing is read
     const size_t nk = size_t((khi - klo) * d), nv = size_t((khi - klo) * dv);
     const bool keep = std::max(nk, nv) * sizeof(T) <= KEEP_ROWS;
-    std::vector<T>& kc = keep ? kept_rows<T>()[0] : call_kc;
-    std::vector<T>& vc = keep ? kept_rows<T>()[1] : call_vc;
+    lines_of<T>& kc = keep ? kept_rows<T>()[0] : call_kc;
+    lines_of<T>& vc = keep ? kept_rows<T>()[1] : call_vc;
     try {
         grow_to(kc, int64_t(nk));
         grow_to(vc, int64_t(nv));
@@ -768,7 +770,11 @@ void forward_block(const Block<T>& b, Shared<Gemm> sh, Buffers<T>& buf) {
         if (sh.prod.run) {  // acc[ra:rb] (nr x ldacc) += P · V[c0:c1], V's rows padded
             const T* vb = vt;
             int64_t ldv = v_rs;
-            if (ldacc != dv) {
+            // V's rows copied, padded, where they are not whole vectors (ldacc), or where they
+            // straddle cache lines (a NumPy array's rows start 16 bytes into a line) and
+            // enough rows read them to pay for the copy
+            const bool straddle = (reinterpret_cast<uintptr_t>(vt) | uintptr_t(v_rs * sizeof(T))) % 64;
+            if (ldacc != dv || (straddle && nr >= VP_COPY_ROWS)) {
                 T* vp = buf.vp.data();
                 for (int64_t j = 0; j < n; ++j) {
                     std::memcpy(vp + j * ldacc, vt + j * v_rs, size_t(dv) * sizeof(T));
@@ -868,7 +874,7 @@ int run(const qkv_prefill_args& a, int kv_format = 0, bool io16 = false) {
         ntasks, a.threads, a.parallel,
         [&](Buffers<T>*& kept_tiles) {
             if (gathered) {  // a piece's gathered rows (the thread's kept ones)
-                std::vector<T>* kept = kept_rows<T>();
+                lines_of<T>* kept = kept_rows<T>();
                 grow_to(kept[2], bk * a.d);
                 grow_to(kept[3], bk * a.dv);
             }
@@ -988,7 +994,7 @@ int run_varlen(const qkv_varlen_args& a, int kv_format = 0) {
     // each worker's kept tiles, and the call's own copies of keys too long to keep
     struct Worker {
         Buffers<T>* tiles;
-        std::vector<T> kc, vc;
+        lines_of<T> kc, vc;
     };
     const int status = for_tasks<Worker>(
         ntasks, a.threads, a.parallel,
