@@ -143,7 +143,7 @@ def test_attention_with_a_few_causal_rows_equals_reference(
         (dtype in ("float32", "float64") or not wide) and softcap is None
         and S >= router.CAUSAL_CHUNK_KEYS_PER_ROW * rows
         and group * rows >= 32 and (not wide or rows > router.DECODE_MAX_L)
-        and batch * kvh * group * rows * S * 2 * d >= router.OWN_TILES_MIN_WORK
+        and batch * kvh * group * rows * S * 2 * d >= router.CAUSAL_ROWS_MIN_WORK
     )  # fmt: skip
     # 4 to 8 rows against at most 32 keys, or 128 where the grouped heads stack them to 16
     # rows a kv head (K/V in the compute dtype or stored in 16 bits): the prefill, every clone
@@ -157,7 +157,7 @@ def test_attention_with_a_few_causal_rows_equals_reference(
             dtype in ("bfloat16", "float16") and rows == router.DECODE_MAX_L
             and S <= router.FEW_KEYS_STACKED_MAX_S and S * d <= router.FEW_KEYS_16_BIT_MAX_SD
         ))
-        and batch * kvh * group * rows * S * 2 * d >= router.OWN_TILES_MIN_WORK
+        and batch * kvh * group * rows * S * 2 * d >= router.CAUSAL_ROWS_MIN_WORK
     )  # fmt: skip
     on_step = steps and not stacked and not few
     assert route.kernel.startswith("native decode, causal rows") == on_step, route

@@ -248,16 +248,21 @@ def test_a_prefill_reads_its_mask_once_per_model_step(padded, monkeypatch):
     monkeypatch.setattr(qkv_front, "_run", run_spy)
     from qkv.engine import run as qkv_run
 
-    plain = qkv_run.plain  # the commonest call's short road: no mask, or a padding mask
+    # the commonest call's short roads, on arrays (q, k, v, scale, causal[, mask]) and on
+    # tensors' addresses (shapes, dtype, addresses, strides, widen, scale, causal[, mask]): no
+    # mask, or a padding mask
+    def spying(road, at):
+        def plain_spy(*a):
+            out = road(*a)
+            if out is not None:
+                mask = a[at] if len(a) > at else None
+                counts.append(None if mask is None else tail_counts(mask, 2).tolist())
+            return out
 
-    def plain_spy(*a):  # (q, k, v, scale, causal[, mask])
-        out = plain(*a)
-        if out is not None:
-            mask = a[5] if len(a) > 5 else None
-            counts.append(None if mask is None else tail_counts(mask, 2).tolist())
-        return out
+        return plain_spy
 
-    monkeypatch.setattr(qkv_run, "plain", plain_spy)
+    for short, at in (("plain", 5), ("plain_at", 11)):
+        monkeypatch.setattr(qkv_run, short, spying(getattr(qkv_run, short), at))
     with torch.no_grad():
         got = ours(ids, attention_mask=attn).last_hidden_state
         expect = ref(ids, attention_mask=attn).last_hidden_state

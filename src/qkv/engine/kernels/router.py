@@ -69,6 +69,7 @@ __all__ = [
     "KERNELS",
     "OWN_TILES",
     "OWN_TILES_MIN_WORK",
+    "CAUSAL_ROWS_MIN_WORK",
     "PACKED",
     "TEAM_DECODE_MIN_BYTES",
     "EVERY_HEAD_MIN_BYTES",
@@ -96,12 +97,19 @@ DENSE_MAX_SCORES = 1 << 14  # L · S per head below which materialising the scor
 # kernel's one NumPy thread (measured on 2 cores: B8 and B32, H8 and H12, L = S = 37..120).
 DENSE_MAX_WORK = 1 << 25
 # The native prefill on its own tile products (native_src/tiles.h: a register-blocked
-# micro-kernel in each vector clone, no BLAS call per tile) from this much work, batch · heads
-# · L · S · (d + dv), to any size: below it the dense kernel's few NumPy calls cost less than
-# a native call's set-up. Measured on 2 cores (AVX2, float32, one thread): the own products
-# ran the tile loop 10-30% faster than BLAS's sgemm per tile from B1 H8 L = S = 16 d64 (short
-# rows: BLAS's cost per call) to B1 H8 L = S = 512 d64 causal.
+# micro-kernel in each vector clone, no BLAS call per tile) at any size for problems with no
+# mask or bias, and from this much work, batch · heads · L · S · (d + dv), for masked ones:
+# below it the dense kernel's few NumPy calls cost about what a masked native call's set-up
+# does. Measured on 2 cores (AVX2, float32, one thread): the own products ran the tile loop
+# 10-30% faster than BLAS's sgemm per tile from B1 H8 L = S = 16 d64 (short rows: BLAS's cost
+# per call) to B1 H8 L = S = 512 d64 causal. Unmasked calls below this work, once the plain
+# call kept its road, ran 2-10x faster on the own tiles than on the dense kernel in every
+# clone (2-core AMX Xeon, B1-B4 H1-H4 L = S = 9..32 d8..16, float32 and float64: plain 18-36
+# -> 6-12 us, causal 57-95 -> 6-13 us, windows 120-170 -> 60-100 us, with the lse 42-60 ->
+# 32-50 us); masked ones 126-155 us either way (a bias 131 -> 134-159).
 OWN_TILES_MIN_WORK = 1 << 16
+# causal_rows_on_prefill's few causal rows from this much work, as measured for it
+CAUSAL_ROWS_MIN_WORK = 1 << 16
 DECODE_MAX_L = 8  # queries per head up to which the scores are small enough to keep whole
 DECODE_MIN_BYTES = 16 << 20  # K/V bytes from which streaming them (decode) beats BLAS (dense)
 # ... and where decode is compiled C++ (native_decode: measured on 2 cores, float32, grouped
@@ -439,7 +447,7 @@ def causal_rows_on_prefill(plan: Plan) -> bool:
     against at most :data:`FEW_KEYS_STACKED_MAX_S` keys where grouped heads stack them to
     :data:`FEW_KEYS_STACKED_MIN_ROWS` rows a kv head, or 8 rows of K/V stored in 16 bits with
     keys times head size at most :data:`FEW_KEYS_16_BIT_MAX_SD`."""
-    if not (_plain_causal(plan) and _plan_work(plan) >= OWN_TILES_MIN_WORK):
+    if not (_plain_causal(plan) and _plan_work(plan) >= CAUSAL_ROWS_MIN_WORK):
         return False
     if _few_keys_on_prefill(plan):
         return True
@@ -575,7 +583,7 @@ PREFILL = (
     _NATIVE_BLAS,
 )
 # The native prefill on its own tile products (qkv.engine.kernels.native, products="own"):
-# what PREFILL asks but BLAS, and enough work to pay for a native call.
+# what PREFILL asks but BLAS, and for a mask or bias, enough work to pay for a native call.
 OWN_TILES = (
     _c(
         lambda a: a.plan.L > DECODE_MAX_L or causal_rows_on_prefill(a.plan),
@@ -588,10 +596,12 @@ OWN_TILES = (
     _NOT_MODDED,
     _c(lambda a: min(a.plan.L, a.plan.S, a.plan.dv) >= 1, "no query, key or value column"),
     _c(
-        lambda a: _batch_work(a) >= OWN_TILES_MIN_WORK,
         lambda a: (
-            f"a problem of {_batch_work(a):.3g} multiply-adds, below the "
-            f"{OWN_TILES_MIN_WORK:.3g} from which a native call pays"
+            (a.plan.mask is None and a.plan.bias is None) or _batch_work(a) >= OWN_TILES_MIN_WORK
+        ),
+        lambda a: (
+            f"a masked problem of {_batch_work(a):.3g} multiply-adds, below the "
+            f"{OWN_TILES_MIN_WORK:.3g} from which a masked native call pays"
         ),
     ),
     _NATIVE,
