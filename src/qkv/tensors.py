@@ -216,15 +216,18 @@ def give_at(result: np.ndarray, like: Any) -> Any:
 
 
 def read_plain_mask(mask: Any) -> np.ndarray | None:
-    """A boolean mask beside :func:`read_plain`'s tensors, as a zero-copy NumPy view: a plain
-    CPU ``torch.bool`` tensor (or a NumPy boolean array, as it is); None for anything else,
-    which then takes the general reading."""
+    """A mask beside :func:`read_plain`'s tensors, as a zero-copy NumPy view: a plain CPU
+    ``torch.bool`` tensor, or a float32/float64 one (a bias) that does not require grad (or a
+    NumPy array, as it is); None for anything else, which then takes the general reading."""
     if type(mask) is np.ndarray:
         return mask
     torch = sys.modules.get("torch")
     if torch is None or type(mask) is not torch.Tensor:
         return None
-    if mask.dtype is not torch.bool or not mask.is_cpu:
+    dtype = mask.dtype
+    if not (dtype is torch.bool or dtype is torch.float32 or dtype is torch.float64):
+        return None
+    if not mask.is_cpu:
         return None
     try:
         return mask.numpy()

@@ -96,7 +96,8 @@ def plain(
     A boolean ``mask`` of the rank of ``q`` that only hides a tail of each batch row's keys
     (a tokenizer's padding, :func:`qkv.masks.tail_counts`) is read as key counts, as the
     validation reads it, and runs on the road the router keeps for such counts
-    (:func:`_padded`); any other mask takes the general road.
+    (:func:`_padded`); any other boolean mask of that rank, or float bias in ``q``'s dtype,
+    on the road kept for its layout (:func:`_masked`); any other mask takes the general road.
     """
     if causal is not False and causal is not True:
         return None  # (make_plan says what is wrong)
@@ -109,7 +110,8 @@ def plain(
     if found is None:
         return None
     if mask is not None:
-        return _padded(q, k, v, key, found, mask)
+        out = _padded(q, k, v, key, found, mask)
+        return out if out is not None else _masked(q, k, v, key, found, mask)
     return _unmasked(q, k, v, found)
 
 
@@ -158,9 +160,10 @@ def plain_at(
     :func:`plain` widens it: ``widen()`` gives that q's address, its strides and an object to
     hold while it is read, and the output is then float32 (the caller narrows it).
 
-    A boolean ``mask`` (a NumPy array, the tensor's view) is read as :func:`plain` reads it:
-    a padding mask's key counts go to the key-count road kept for these shapes; None for any
-    other mask.
+    A ``mask`` (a NumPy array, the tensor's view) is read as :func:`plain` reads it: a
+    padding mask's key counts go to the key-count road kept for these shapes, another boolean
+    mask or a bias to the road kept for its layout (:func:`_masked`), once that road is kept;
+    None for any other mask.
 
     Examples
     --------
@@ -187,9 +190,12 @@ def plain_at(
     kept, per_row = found.kept, None
     if mask is not None:
         read = _mask_counts(key, mask)
-        if read is None:
-            return None
-        if read[1] is not None:  # (else it hides nothing: no mask at all)
+        if read is None:  # (no padding: a mask's kept road, its mask put in as it is)
+            road = _road_of_mask(key, found, mask)
+            if road is None or road.kept is None:
+                return None
+            kept, per_row = road.kept, mask
+        elif read[1] is not None:  # (else it hides nothing: no mask at all)
             kept, per_row = read[0].kept, read[1]
     if kept is None:
         return None
@@ -262,10 +268,12 @@ _FAMILIES: dict[tuple[Any, ...], _Ready] = {}
 
 def forget() -> None:
     """Forget every plan and road the plain call kept (:func:`_ready`, its answers by
-    number of keys, :func:`_counted`): the next call of any key is its first."""
+    number of keys, :func:`_counted`, :func:`_mask_road`): the next call of any key is its
+    first."""
     _ready.cache_clear()
     _FAMILIES.clear()
     _counted.cache_clear()
+    _mask_road.cache_clear()
 
 
 def _family(key: tuple[Any, ...]) -> tuple[Any, ...] | None:
@@ -345,6 +353,85 @@ def _padded(
     choice = counted.choice._replace(per_row=router.key_counts_per_row(plan))
     out = dispatch.attend(plan, "auto", choice)[0]
     return out.astype(q.dtype) if narrow else out
+
+
+def _masked(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, key: tuple[Any, ...], found: _Ready, mask: Any
+) -> Any:
+    """:func:`plain` with a ``mask`` that is no padding (:func:`_padded` did not take it): a
+    boolean mask, or a float bias in ``q``'s dtype (float32, float64) that is not the 0/-inf
+    form of a boolean mask, of the rank of ``q``. The plan the validation would make, with the
+    router's choice and its kept set-up worked out once per key and mask layout
+    (:func:`_mask_road`; :func:`qkv.engine.kernels.native.keep_masked`), the mask put in as
+    it is. None for any other mask (the general road then reads it and says what is wrong)."""
+    road = _road_of_mask(key, found, mask)
+    if road is None:
+        return None
+    kept = road.kept
+    if kept is not None:
+        done = kept(q, k, v, mask)
+        if done is not None:
+            return done[0]
+    name = "mask" if mask.dtype.kind == "b" else "bias"
+    plan = Plan.trusted(q=q, k=k, v=v, **{**found.fields, name: mask})
+    if not road.tried:  # the first call of this key and layout keeps its road's set-up
+        road.tried = True
+        road.kept = dispatch.keep_masked(plan, road.choice)
+    return dispatch.attend(plan, "auto", road.choice)[0]
+
+
+def _road_of_mask(key: tuple[Any, ...], found: _Ready, mask: Any) -> _Counted | None:
+    """:func:`_mask_road` for ``mask`` beside :func:`plain`'s ``key`` (``found``: its
+    :func:`_ready`), where :func:`_masked` takes it: None for a padding mask (the validation
+    reads it as key counts), a float mask of another dtype than q's or of 0 and -inf alone
+    (read as the boolean mask it is), 16-bit inputs, another rank."""
+    if found.narrow or type(mask) is not np.ndarray or mask.ndim != len(key[0]):
+        return None
+    dt = mask.dtype
+    if dt.kind == "b":
+        if mask.size <= _SEEN_WHOLE and b"\x00" not in mask.tobytes():
+            return None  # (hides nothing: no mask, as the general road reads it)
+        if tail_counts(mask, len(key[0]) - 2) is not None:
+            return None  # (a padding mask the kept counts road does not serve)
+    elif dt != key[3] or _zeros_and_minus_inf(mask):
+        return None  # (another dtype to narrow, or a boolean mask's float form)
+    try:
+        return _mask_road(key, mask.shape, mask.strides, dt)
+    except TypeError:  # (shapes that do not hash)
+        return None
+
+
+def _zeros_and_minus_inf(m: np.ndarray) -> bool:
+    """Whether float mask ``m`` holds only 0 and -inf (the validation reads it as the boolean
+    mask it is); a bias is told by a few of its elements first (a whole pass over a large one
+    cost 20 us)."""
+    n = m.size
+    if n == 0:
+        return True
+    for i in (0, n // 2, n - 1):
+        x = m.flat[i]
+        if x != 0 and x != -np.inf:
+            return False
+    return bool(((m == 0) | (m == -np.inf)).all())
+
+
+@functools.lru_cache(maxsize=256)
+def _mask_road(
+    key: tuple[Any, ...], ms: tuple[int, ...], strides: tuple[int, ...], dt: np.dtype
+) -> _Counted | None:
+    """The router's choice for :func:`plain`'s key with a mask of shape ``ms`` and dtype
+    ``dt`` (bool: a mask; float: a bias), and from its first call on, its kept set-up
+    (``strides``: the mask's, which the set-up is for); None for a mask shape that does not
+    broadcast to the scores' (the general road refuses it by name). Chosen on stand-ins."""
+    found = _ready(*key)
+    assert found is not None  # (plain asked it first)
+    qs, ks, vs, qt, kt, vt = key[:6]
+    if not broadcasts_to(ms, (*qs[:-1], ks[-2])):
+        return None
+    name = "mask" if dt.kind == "b" else "bias"
+    plan = Plan.trusted(**{**found.fields, "q": stand_in(qt, qs), "k": stand_in(kt, ks),
+                           "v": stand_in(vt, vs), name: stand_in(dt, ms)})  # fmt: skip
+    return _Counted(dispatch.choose(plan))
 
 
 #: masks of at most this many elements are first looked at whole (their bytes): one that hides

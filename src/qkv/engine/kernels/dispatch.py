@@ -65,6 +65,7 @@ __all__ = [
     "choose",
     "keep",
     "keep_counted",
+    "keep_masked",
     "kv_bytes",
     "weights",
 ]
@@ -195,6 +196,16 @@ def keep_counted(plan: Plan, choice: Choice) -> Kept | None:
     if choice.kernel == "native bfloat16 prefill":
         return native_bf16.keep(plan, counted=True)
     return None
+
+
+def keep_masked(plan: Plan, choice: Choice) -> Kept | None:
+    """The kept form of ``choice`` for ``plan``, a call with a boolean mask or a float bias
+    (no key counts), where its road has one: the native prefill on its own tiles
+    (:func:`qkv.engine.kernels.native.keep_masked`), called with ``(q, k, v, mask)``; else
+    None. It gives the bits :func:`attend` gives on the plan with that mask."""
+    if choice.counts is not None or choice.kernel != "native prefill, own tiles":
+        return None
+    return native.keep_masked(plan)
 
 
 def choose(plan: Plan, kernel: str = "auto", counts: bool = True) -> Choice:

@@ -309,9 +309,10 @@ class Kept:
 
 
 def call_at(
-    function: Any, args: DecodeArgs | PrefillArgs
+    function: Any, args: DecodeArgs | PrefillArgs, masked: bool = False
 ) -> tuple[Callable[..., int], DecodeArgs | PrefillArgs]:
-    """``(call, kept)``: ``call(q, k, v, out)`` (a prefill's also ``counts``, or None) gives
+    """``(call, kept)``: ``call(q, k, v, out)`` (a prefill's also ``counts``, or None; with
+    ``masked``, a prefill's mask or bias instead, ``qkv_prefill_mask_at``) gives
     the status of the library's decode or prefill ``function`` on a copy of ``kept`` with those
     addresses put in, made by the library (``qkv_decode_at``, ``qkv_prefill_at``: see
     ``abi.h``). A kept small call's road: no struct of its own per call. ``kept`` is ``args``,
@@ -320,6 +321,8 @@ def call_at(
     what every call gets."""
     lib = library()[0]
     at = lib.qkv_decode_at if isinstance(args, DecodeArgs) else lib.qkv_prefill_at
+    if masked:
+        at = lib.qkv_prefill_mask_at
     call = functools.partial(at, ctypes.cast(function, _ptr).value, ctypes.addressof(args))
     return call, args
 
@@ -492,7 +495,9 @@ def library() -> tuple[Any, str]:
         lib.qkv_kv_format_code.restype = _i64
         lib.qkv_decode_at.argtypes = [_ptr] * 6
         lib.qkv_prefill_at.argtypes = [_ptr] * 7
+        lib.qkv_prefill_mask_at.argtypes = [_ptr] * 7
         lib.qkv_decode_at.restype = lib.qkv_prefill_at.restype = ctypes.c_int
+        lib.qkv_prefill_mask_at.restype = ctypes.c_int
     except AttributeError:
         return None, "the library is from another version of qkv (argument layout differs)"
     codes = {**KV_FORMATS, **{f"{n} fast": KV_FORMATS[n] | FAST_CODE for n in FAST_FORMS}}

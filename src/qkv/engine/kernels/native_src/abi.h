@@ -227,6 +227,10 @@ int qkv_decode_at(qkv_decode_fn fn, const qkv_decode_args* t, const void* q, con
 typedef int (*qkv_prefill_fn)(const qkv_prefill_args*);
 int qkv_prefill_at(qkv_prefill_fn fn, const qkv_prefill_args* t, const void* q, const void* k,
                    const void* v, void* out, const int64_t* counts);
+// The same for a call with a mask or bias: t's (whichever it holds) set to `mask`, an array of
+// the layout t's m_off, m_rs and m_cs were worked out for.
+int qkv_prefill_mask_at(qkv_prefill_fn fn, const qkv_prefill_args* t, const void* q,
+                        const void* k, const void* v, void* out, const void* mask);
 
 // The sizes of the structs, so the loader can check it agrees on their layout.
 int64_t qkv_args_size(void);

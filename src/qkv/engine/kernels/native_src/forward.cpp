@@ -1155,6 +1155,18 @@ int qkv_prefill_at(qkv_prefill_fn fn, const qkv_prefill_args* t, const void* q, 
     return fn(&a);
 }
 
+// A kept masked call (see abi.h): t's mask or bias (the one it holds) replaced by the call's.
+int qkv_prefill_mask_at(qkv_prefill_fn fn, const qkv_prefill_args* t, const void* q,
+                        const void* k, const void* v, void* out, const void* mask) {
+    if (!fn || !t || !mask || (!t->mask && !t->bias)) return 2;
+    qkv_prefill_args a = with_addresses(*t, q, k, v, out);
+    if (t->mask)
+        a.mask = static_cast<const uint8_t*>(mask);
+    else
+        a.bias = mask;
+    return fn(&a);
+}
+
 // The size of the argument struct, so the Python side can check it agrees on the layout.
 int64_t qkv_args_size(void) { return int64_t(sizeof(qkv_prefill_args)); }
 
