@@ -161,3 +161,62 @@ def test_bad_masks_keep_their_messages():
             qkv.attention(q, k, v, mask=np.ones((1, 3, 16, 16), np.float32))
         with pytest.raises(TypeError, match="mask: expected bool"):
             qkv.attention(q, k, v, mask=np.ones((1, 2, 16, 16), np.int32))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    kv=st.integers(1, 2),
+    group=st.sampled_from([1, 4]),
+    L=st.sampled_from([2, 16, 37]),
+    S=st.sampled_from([5, 16, 70]),
+    d=st.sampled_from([16, 64]),
+    kind=st.sampled_from(["bool", "bias", "bias, -inf"]),
+    inputs=st.sampled_from(["bfloat16", "float16", "float64"]),
+    bias_dtype=st.sampled_from(["float32", "bfloat16", "float16"]),
+    seed=st.integers(0, 2**31),
+)
+def test_16_bit_inputs_and_narrower_biases_equal_the_general_road(
+    kv, group, L, S, d, kind, inputs, bias_dtype, seed
+):
+    """16-bit inputs (q widened, K/V read as stored) with a boolean mask or a bias, and biases
+    narrower than the compute dtype (widened exactly, as the validation widens them)."""
+    import ml_dtypes
+
+    dtypes = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+    rng = np.random.default_rng(seed)
+    dt = dtypes.get(inputs, np.float64)
+    H = kv * group
+    q = rng.standard_normal((2, H, L, d)).astype(dt)
+    k, v = (rng.standard_normal((2, kv, S, d)).astype(dt) for _ in range(2))
+    for _ in range(3):
+        m = _mask(rng, kind, (2, 1, L, S), np.float32)
+        if m.dtype != bool:
+            m = m.astype(dtypes.get(bias_dtype, np.float32))
+        got = qkv.attention(q, k, v, mask=m)
+        assert got.dtype == q.dtype
+        np.testing.assert_array_equal(got, _general(q, k, v, m))
+        wide = [x.astype(np.float64) for x in (q, k, v)]
+        ref = reference.attention(*wide, mask=m if m.dtype == bool else m.astype(np.float64))
+        finite = np.isfinite(ref)
+        np.testing.assert_allclose(
+            got.astype(np.float64)[finite], ref[finite], **tol("tensor dtypes", dt)
+        )
+
+
+@native_built
+def test_bfloat16_tensors_with_a_bfloat16_bias_take_the_kept_road(monkeypatch):
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(4)
+    q, k, v = (torch.randn(1, 8, 16, 64, generator=torch.Generator().manual_seed(i)).bfloat16()
+               for i in range(3))  # fmt: skip
+    bias = torch.from_numpy(rng.standard_normal((1, 8, 16, 16)).astype(np.float32)).bfloat16()
+    first = qkv.attention(q, k, v, mask=bias)  # keeps the road
+    general = []
+    real = front._run
+    monkeypatch.setattr(front, "_run", lambda call: general.append(1) or real(call))
+    got = qkv.attention(q, k, v, mask=bias)
+    assert not general and got.dtype == torch.bfloat16
+    assert torch.equal(got, first)
+    monkeypatch.setattr(front, "_run", real)
+    want = qkv.attention(q, k, v, mask=bias, return_lse=True)[0]
+    assert torch.equal(got, want)

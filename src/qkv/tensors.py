@@ -217,15 +217,21 @@ def give_at(result: np.ndarray, like: Any) -> Any:
 
 def read_plain_mask(mask: Any) -> np.ndarray | None:
     """A mask beside :func:`read_plain`'s tensors, as a zero-copy NumPy view: a plain CPU
-    ``torch.bool`` tensor, or a float32/float64 one (a bias) that does not require grad (or a
-    NumPy array, as it is); None for anything else, which then takes the general reading."""
+    ``torch.bool`` tensor, or a float one (a bias: bfloat16 as ml_dtypes' bfloat16) that does
+    not require grad (or a NumPy array, as it is); None for anything else, which then takes
+    the general reading."""
     if type(mask) is np.ndarray:
         return mask
     torch = sys.modules.get("torch")
     if torch is None or type(mask) is not torch.Tensor:
         return None
     dtype = mask.dtype
-    if not (dtype is torch.bool or dtype is torch.float32 or dtype is torch.float64):
+    if dtype is torch.bfloat16 and mask.is_cpu and _bfloat16() is not None:
+        try:  # (ml_dtypes' bfloat16 over the tensor's memory)
+            return mask.view(torch.int16).numpy().view(_bfloat16())
+        except (TypeError, RuntimeError):
+            return None
+    if dtype not in (torch.bool, torch.float16, torch.float32, torch.float64):
         return None
     if not mask.is_cpu:
         return None

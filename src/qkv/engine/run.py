@@ -191,10 +191,10 @@ def plain_at(
     if mask is not None:
         read = _mask_counts(key, mask)
         if read is None:  # (no padding: a mask's kept road, its mask put in as it is)
-            road = _road_of_mask(key, found, mask)
-            if road is None or road.kept is None:
+            masked = _road_of_mask(key, found, mask)
+            if masked is None or masked[0].kept is None:
                 return None
-            kept, per_row = road.kept, mask
+            kept, per_row = masked[0].kept, masked[1]
         elif read[1] is not None:  # (else it hides nothing: no mask at all)
             kept, per_row = read[0].kept, read[1]
     if kept is None:
@@ -359,33 +359,46 @@ def _masked(
     q: np.ndarray, k: np.ndarray, v: np.ndarray, key: tuple[Any, ...], found: _Ready, mask: Any
 ) -> Any:
     """:func:`plain` with a ``mask`` that is no padding (:func:`_padded` did not take it): a
-    boolean mask, or a float bias in ``q``'s dtype (float32, float64) that is not the 0/-inf
-    form of a boolean mask, of the rank of ``q``. The plan the validation would make, with the
-    router's choice and its kept set-up worked out once per key and mask layout
-    (:func:`_mask_road`; :func:`qkv.engine.kernels.native.keep_masked`), the mask put in as
+    boolean mask, or a float bias that is not the 0/-inf form of a boolean mask, of the rank
+    of ``q``, in ``q``'s dtype (float32, float64; float32 beside 16-bit inputs, whose q is
+    widened and K/V read as stored, as for :func:`_unmasked`). The plan the validation would
+    make, with the router's choice and its kept set-up worked out once per key and mask layout
+    (:func:`_mask_road`; :func:`qkv.engine.kernels.dispatch.keep_masked`), the mask put in as
     it is. None for any other mask (the general road then reads it and says what is wrong)."""
-    road = _road_of_mask(key, found, mask)
-    if road is None:
+    read = _road_of_mask(key, found, mask)
+    if read is None:
         return None
-    kept = road.kept
-    if kept is not None:
-        done = kept(q, k, v, mask)
+    road, mask = read
+    narrow, kept = found.narrow, road.kept
+    if kept is not None and (kept.io or not narrow):  # (q and the output as they are)
+        done = kept(np.ascontiguousarray(q) if narrow else q, k, v, mask)
         if done is not None:
             return done[0]
+    wide = q.astype(np.float32) if narrow else q
+    if kept is not None and narrow and not kept.io:
+        done = kept(wide, k, v, mask)
+        if done is not None:
+            return done[0].astype(q.dtype)
     name = "mask" if mask.dtype.kind == "b" else "bias"
-    plan = Plan.trusted(q=q, k=k, v=v, **{**found.fields, name: mask})
+    arrays = {"q": wide, "stored": (k, v)} if narrow else {"q": q, "k": k, "v": v}
+    plan = Plan.trusted(**{**found.fields, **arrays, name: mask})
     if not road.tried:  # the first call of this key and layout keeps its road's set-up
         road.tried = True
         road.kept = dispatch.keep_masked(plan, road.choice)
-    return dispatch.attend(plan, "auto", road.choice)[0]
+    out = dispatch.attend(plan, "auto", road.choice)[0]
+    return out.astype(q.dtype) if narrow else out
 
 
-def _road_of_mask(key: tuple[Any, ...], found: _Ready, mask: Any) -> _Counted | None:
+def _road_of_mask(
+    key: tuple[Any, ...], found: _Ready, mask: Any
+) -> tuple[_Counted, np.ndarray] | None:
     """:func:`_mask_road` for ``mask`` beside :func:`plain`'s ``key`` (``found``: its
-    :func:`_ready`), where :func:`_masked` takes it: None for a padding mask (the validation
-    reads it as key counts), a float mask of another dtype than q's or of 0 and -inf alone
-    (read as the boolean mask it is), 16-bit inputs, another rank."""
-    if found.narrow or type(mask) is not np.ndarray or mask.ndim != len(key[0]):
+    :func:`_ready`), where :func:`_masked` takes it, and the mask as the plan holds it (a
+    narrower float bias widened, as the validation widens it); None for a padding mask (the
+    validation reads it as key counts), a float mask wider than the compute dtype (narrowed
+    there, its range checked) or of 0 and -inf alone (read as the boolean mask it is),
+    another rank."""
+    if type(mask) is not np.ndarray or mask.ndim != len(key[0]):
         return None
     dt = mask.dtype
     if dt.kind == "b":
@@ -393,12 +406,19 @@ def _road_of_mask(key: tuple[Any, ...], found: _Ready, mask: Any) -> _Counted | 
             return None  # (hides nothing: no mask, as the general road reads it)
         if tail_counts(mask, len(key[0]) - 2) is not None:
             return None  # (a padding mask the kept counts road does not serve)
-    elif dt != key[3] or _zeros_and_minus_inf(mask):
-        return None  # (another dtype to narrow, or a boolean mask's float form)
+    else:
+        acc = _F32 if found.narrow else key[3]
+        if dt != acc:  # (a narrower float widened exactly; a wider one: the general road)
+            if (dt.kind != "f" and dt.name != "bfloat16") or dt.itemsize >= acc.itemsize:
+                return None  # (ml_dtypes' bfloat16 is of kind "V")
+            mask, dt = mask.astype(acc), acc
+        if _zeros_and_minus_inf(mask):
+            return None  # (a boolean mask's float form)
     try:
-        return _mask_road(key, mask.shape, mask.strides, dt)
+        road = _mask_road(key, mask.shape, mask.strides, dt)
     except TypeError:  # (shapes that do not hash)
         return None
+    return None if road is None else (road, mask)
 
 
 def _zeros_and_minus_inf(m: np.ndarray) -> bool:
@@ -429,10 +449,15 @@ def _mask_road(
     if not broadcasts_to(ms, (*qs[:-1], ks[-2])):
         return None
     name = "mask" if dt.kind == "b" else "bias"
-    plan = Plan.trusted(**{**found.fields, "q": stand_in(qt, qs), "k": stand_in(kt, ks),
-                           "v": stand_in(vt, vs), name: stand_in(dt, ms)})  # fmt: skip
+    if found.narrow:
+        arrays = {"q": stand_in(np.float32, qs), "stored": (stand_in(kt, ks), stand_in(vt, vs))}
+    else:
+        arrays = {"q": stand_in(qt, qs), "k": stand_in(kt, ks), "v": stand_in(vt, vs)}
+    plan = Plan.trusted(**{**found.fields, **arrays, name: stand_in(dt, ms)})
     return _Counted(dispatch.choose(plan))
 
+
+_F32 = np.dtype(np.float32)  # (a bias beside 16-bit inputs: their compute dtype's)
 
 #: masks of at most this many elements are first looked at whole (their bytes): one that hides
 #: nothing, the commonest padding mask (a single sentence's, a batch of full ones), is then no

@@ -200,12 +200,17 @@ def keep_counted(plan: Plan, choice: Choice) -> Kept | None:
 
 def keep_masked(plan: Plan, choice: Choice) -> Kept | None:
     """The kept form of ``choice`` for ``plan``, a call with a boolean mask or a float bias
-    (no key counts), where its road has one: the native prefill on its own tiles
-    (:func:`qkv.engine.kernels.native.keep_masked`), called with ``(q, k, v, mask)``; else
+    (no key counts), where its road has one: the native prefill on its own tiles or in
+    bfloat16 (:func:`qkv.engine.kernels.native.keep_masked`,
+    :func:`qkv.engine.kernels.native_bf16.keep_masked`), called with ``(q, k, v, mask)``; else
     None. It gives the bits :func:`attend` gives on the plan with that mask."""
-    if choice.counts is not None or choice.kernel != "native prefill, own tiles":
+    if choice.counts is not None:
         return None
-    return native.keep_masked(plan)
+    if choice.kernel in ("native prefill, own tiles", "native prefill, own tiles, stored K/V"):
+        return native.keep_masked(plan)
+    if choice.kernel == "native bfloat16 prefill":
+        return native_bf16.keep_masked(plan)
+    return None
 
 
 def choose(plan: Plan, kernel: str = "auto", counts: bool = True) -> Choice:

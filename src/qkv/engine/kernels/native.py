@@ -360,10 +360,11 @@ def keep(plan: Plan, stack: bool = False, counted: bool = False) -> Kept | None:
 
 
 def keep_masked(plan: Plan) -> Kept | None:
-    """A call's prefill with a boolean mask or a float bias (one of them, neither key counts
-    nor K/V stored in 16 bits) on the library's own tile products, kept for operands and a
-    mask laid out as ``plan``'s: a :class:`~qkv.engine.kernels.native_lib.Kept` whose fourth
-    argument is the call's mask (or bias), an array of the layout of ``plan``'s (its shape,
+    """A call's prefill with a boolean mask or a float bias (one of them, no key counts) on the
+    library's own tile products (K/V stored in 16 bits as :func:`keep` takes them), kept for
+    operands and a mask laid out as ``plan``'s: a
+    :class:`~qkv.engine.kernels.native_lib.Kept` whose fourth argument is the call's mask (or
+    bias), an array of the layout of ``plan``'s (its shape,
     dtype and strides: the struct's per-head offsets were worked out from them), put in by the
     library (``qkv_prefill_mask_at``). None where the mask is not read in place (a copy of it
     was made) and as :func:`keep` says. A masked small call spent most of its time checking
@@ -384,13 +385,17 @@ def keep_masked(plan: Plan) -> Kept | None:
     m = plan.mask if plan.mask is not None else plan.bias
     if m is None or (plan.mask is not None and plan.bias is not None) or library()[0] is None:
         return None
-    if plan.stored is not None or plan.key_counts is not None or math.prod(plan.batch) == 0:
+    if plan.key_counts is not None or math.prod(plan.batch) == 0:
         return None
     function, k, v = _reading(plan, "prefill")
     q, clone = plan.q, setting(ISA_ENV)
+    io = plan.stored is not None and np.dtype(plan.out_dtype) == k.dtype == v.dtype
+    if io:  # q in K/V's 16-bit dtype, and the output (as keep's)
+        function = f"qkv_prefill_f32_{_STORED[k.dtype.name]}io"
+        q = np.empty(q.shape, k.dtype)
     n, team = prefill_team(None, True)
     call, operands = _prefill(plan, function, q, k, v, n, isa_cap(), None, BLOCK_Q, BLOCK_K,
-                              None, True, False, team)  # fmt: skip
+                              None, True, False, team, k.dtype if io else None)  # fmt: skip
     if not all(address(a) == address(b) for a, b in zip(operands, (q, k, v), strict=True)):
         return None
     held = call.held[1][0]  # (the mask operand the struct points into: m itself, or a copy)
@@ -412,7 +417,7 @@ def keep_masked(plan: Plan) -> Kept | None:
             return None
         return out.reshape(shape), None
 
-    return Kept(run, (q, k, v), clone)
+    return Kept(run, (q, k, v), clone, io)
 
 
 class Prefill:

@@ -69,6 +69,7 @@ __all__ = [
     "available",
     "backward",
     "keep",
+    "keep_masked",
 ]
 
 ISA = BF16_ISA  # the clone code above AVX-512: AVX-512 with AVX512_BF16
@@ -116,6 +117,48 @@ def attend(
     status = invoke("qkv_prefill_bf16", args, "bfloat16 prefill", allowed=(3,))
     del arrays, masks, per_head  # what the call read
     return None if status == 3 else (out, lse)
+
+
+def keep_masked(plan: Plan) -> Kept | None:
+    """:func:`keep` for a call with a boolean mask or a float bias (one of them, no key
+    counts): the mask's layout (shape, dtype, strides) is ``plan``'s, and the kept set-up's
+    fourth argument is each call's mask, put in by the library (``qkv_prefill_mask_at``);
+    None where the mask is not read in place, and as :func:`keep` says."""
+    m = plan.mask if plan.mask is not None else plan.bias
+    if m is None or (plan.mask is not None and plan.bias is not None) or plan.stored is None:
+        return None
+    if plan.key_counts is not None or not available() or math.prod(plan.batch) == 0:
+        return None
+    k, v = plan.stored_kv()
+    if np.dtype(plan.out_dtype) != k.dtype:
+        return None
+    q = np.empty(plan.q.shape, k.dtype)  # (the layout of the q the caller gives: contiguous)
+    fields, arrays = prefill_operands(q, k, v, plan.group)
+    if any(address(a) != address(b) for a, b in zip(arrays, (q, k, v), strict=False)):
+        return None
+    masking, masks = mask_operand(plan.mask, plan.bias, plan.batch + (plan.L, plan.S))
+    if masks[0] is None or address(masks[0]) != address(m):
+        return None  # (a copy of the mask: not read in place)
+    held = (arrays[3:], masks[1])  # the offsets the struct points into
+    rule = _rule(plan, None, team=True)
+    nb = math.prod(plan.batch)
+    args = PrefillArgs(nb=nb, L=plan.L, S=plan.S, d=plan.d, dv=plan.dv, **fields, **masking,
+                       **rule)  # fmt: skip
+    out_shape, dtype = (*plan.batch, plan.L, plan.dv), k.dtype
+    at, kept = call_at(library()[0].qkv_prefill_bf16io, args, masked=True)
+    team = (rule["threads"], rule["parallel"])
+
+    def run(q: int, k: int, v: int, mask: np.ndarray) -> Any:
+        if prefill_team(None, True) != team:
+            return None
+        out = np.empty(out_shape, dtype)
+        status = at(q, k, v, address(out), address(mask))
+        assert held is not None  # (kept alive with the struct)
+        if status and checked(status, kept, "bfloat16 prefill", (3,)):
+            return None
+        return out, None
+
+    return Kept(run, (q, k, v), setting(ISA_ENV), io=True)
 
 
 def _per_head(counts: np.ndarray, nb: int) -> np.ndarray:
