@@ -1,6 +1,6 @@
 """A call with a boolean mask that is no padding, or a float bias, on the short road kept for
 its shapes and mask layout (:func:`qkv.engine.run._masked`, the native prefill's kept set-up
-:func:`qkv.engine.kernels.native.keep_masked`): ``qkv.attention(q, k, v, mask=m)`` on NumPy
+:func:`qkv.engine.kernels.native.keep`): ``qkv.attention(q, k, v, mask=m)`` on NumPy
 arrays or plain CPU tensors.
 
 It must give exactly what the general road gives (``return_lse=True`` forces it: the same
@@ -95,8 +95,8 @@ def test_the_second_call_runs_on_the_kept_road_and_reads_its_own_mask(monkeypatc
     real = front._run
     monkeypatch.setattr(front, "_run", lambda call: general.append(1) or real(call))
     kept = []
-    real_keep = native.keep_masked
-    monkeypatch.setattr(native, "keep_masked", lambda plan: kept.append(1) or real_keep(plan))
+    real_keep = native.keep
+    monkeypatch.setattr(native, "keep", lambda *a, **kw: kept.append(1) or real_keep(*a, **kw))
     for _ in range(3):
         m = _mask(rng, kind, (2, 1, 16, 16), np.float32)
         got = qkv.attention(q, k, v, mask=m)

@@ -318,6 +318,22 @@ _road = operator.itemgetter(
 )
 
 
+def _on_kept(
+    kept: Any, q: np.ndarray, k: np.ndarray, v: np.ndarray, extra: Any, narrow: bool
+) -> Any:
+    """The output of a kept road ``kept`` (or None) on ``q``, ``k``, ``v`` and its fourth
+    argument ``extra`` (key counts, a mask), or None where it steps aside (the caller then runs
+    the plan). 16-bit inputs (``narrow``): q and the output as they are where the road takes
+    them so (``kept.io``), else q widened to float32 and the output narrowed back."""
+    if kept is None:
+        return None
+    if kept.io or not narrow:
+        done = kept(np.ascontiguousarray(q) if narrow else q, k, v, extra)
+        return None if done is None else done[0]
+    done = kept(q.astype(np.float32), k, v, extra)
+    return None if done is None else done[0].astype(q.dtype)
+
+
 def _padded(
     q: np.ndarray, k: np.ndarray, v: np.ndarray, key: tuple[Any, ...], found: _Ready, mask: Any
 ) -> Any:
@@ -332,16 +348,10 @@ def _padded(
     counted, per_row, counts = read
     if per_row is None:  # hides nothing: no mask at all
         return _unmasked(q, k, v, found)
-    kept = counted.kept
-    if kept is not None and (kept.io or not narrow):  # (q and the output as they are)
-        done = kept(np.ascontiguousarray(q) if narrow else q, k, v, per_row)
-        if done is not None:
-            return done[0]
+    done = _on_kept(counted.kept, q, k, v, per_row, narrow)
+    if done is not None:
+        return done
     wide = q.astype(np.float32) if narrow else q
-    if kept is not None and narrow and not kept.io:
-        done = kept(wide, k, v, per_row)
-        if done is not None:
-            return done[0].astype(q.dtype)
     if narrow:
         plan = Plan.trusted(q=wide, stored=(k, v), **fields)
     else:
@@ -369,16 +379,11 @@ def _masked(
     if read is None:
         return None
     road, mask = read
-    narrow, kept = found.narrow, road.kept
-    if kept is not None and (kept.io or not narrow):  # (q and the output as they are)
-        done = kept(np.ascontiguousarray(q) if narrow else q, k, v, mask)
-        if done is not None:
-            return done[0]
+    narrow = found.narrow
+    done = _on_kept(road.kept, q, k, v, mask, narrow)
+    if done is not None:
+        return done
     wide = q.astype(np.float32) if narrow else q
-    if kept is not None and narrow and not kept.io:
-        done = kept(wide, k, v, mask)
-        if done is not None:
-            return done[0].astype(q.dtype)
     name = "mask" if mask.dtype.kind == "b" else "bias"
     arrays = {"q": wide, "stored": (k, v)} if narrow else {"q": q, "k": k, "v": v}
     plan = Plan.trusted(**{**found.fields, **arrays, name: mask})

@@ -201,15 +201,15 @@ def keep_counted(plan: Plan, choice: Choice) -> Kept | None:
 def keep_masked(plan: Plan, choice: Choice) -> Kept | None:
     """The kept form of ``choice`` for ``plan``, a call with a boolean mask or a float bias
     (no key counts), where its road has one: the native prefill on its own tiles or in
-    bfloat16 (:func:`qkv.engine.kernels.native.keep_masked`,
-    :func:`qkv.engine.kernels.native_bf16.keep_masked`), called with ``(q, k, v, mask)``; else
+    bfloat16 (:func:`qkv.engine.kernels.native.keep`,
+    :func:`qkv.engine.kernels.native_bf16.keep`, ``masked``), called with ``(q, k, v, mask)``; else
     None. It gives the bits :func:`attend` gives on the plan with that mask."""
     if choice.counts is not None:
         return None
     if choice.kernel in ("native prefill, own tiles", "native prefill, own tiles, stored K/V"):
-        return native.keep_masked(plan)
+        return native.keep(plan, masked=True)
     if choice.kernel == "native bfloat16 prefill":
-        return native_bf16.keep_masked(plan)
+        return native_bf16.keep(plan, masked=True)
     return None
 
 

@@ -93,7 +93,6 @@ __all__ = [
     "backward",
     "info",
     "keep",
-    "keep_masked",
 ]
 
 # Query rows per work item and keys per score tile. Measured on 2 cores (AVX-512, OpenBLAS),
@@ -306,7 +305,9 @@ def attend(
     return call.run(*operands)
 
 
-def keep(plan: Plan, stack: bool = False, counted: bool = False) -> Kept | None:
+def keep(
+    plan: Plan, stack: bool = False, counted: bool = False, masked: bool = False
+) -> Kept | None:
     """A plain call's prefill on the library's own tile products, kept for operands laid out
     as ``plan``'s (no mask or bias; K/V in the compute dtype or stored as float16/bfloat16):
     a function of ``(q, k, v)`` of those shapes and dtypes giving ``(out, None)``
@@ -317,10 +318,33 @@ def keep(plan: Plan, stack: bool = False, counted: bool = False) -> Kept | None:
     ``(q, k, v, counts)``: ``counts`` the keys of each index of the first batch axis, as
     :func:`attend` takes them (a padding mask read as key counts).
 
-    :func:`qkv.engine.run.plain` keeps one per shapes: the call then only puts its addresses
-    into the kept struct (:class:`Prefill`), where :func:`attend` looks the struct up by a key
-    of every field, or builds it afresh for key counts."""
-    if plan.mask is not None or plan.bias is not None or library()[0] is None:
+    With ``masked``, for a plan with a boolean mask or a float bias (one of them, no key
+    counts): a function of ``(q, k, v, mask)``, ``mask`` each call's own, an array of the
+    layout of ``plan``'s (its shape, dtype and strides: the struct's per-head offsets were
+    worked out from them), put in by the library (``qkv_prefill_mask_at``); None where the
+    mask is not read in place (a copy of it was made). A masked small call had spent most of
+    its time checking and setting up: B1 H8 L = S = 16 d64 with a bias, about 100 us a call.
+
+    :func:`qkv.engine.run.plain` keeps one per shapes (and mask layout): the call then only
+    puts its addresses into the kept struct (:class:`Prefill`), where :func:`attend` looks the
+    struct up by a key of every field, or builds it afresh for key counts or a mask.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from qkv.validate import make_plan
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((1, 2, 16, 8)).astype(np.float32) for _ in range(3))
+    >>> bias = rng.standard_normal((1, 2, 16, 16)).astype(np.float32)
+    >>> plan = make_plan(q, k, v, mask=bias)
+    >>> kept = keep(plan, masked=True)
+    >>> kept is None or bool((kept(q, k, v, bias)[0] == attend(plan, products="own")[0]).all())
+    True
+    """
+    m = plan.mask if plan.mask is not None else plan.bias
+    if (m is not None) != masked or (plan.mask is not None and plan.bias is not None):
+        return None
+    if library()[0] is None or (masked and (counted or plan.key_counts is not None)):
         return None
     rows = plan.batch[0] if plan.batch else 1
     if math.prod(plan.batch) == 0:
@@ -337,82 +361,30 @@ def keep(plan: Plan, stack: bool = False, counted: bool = False) -> Kept | None:
                               counts, True, stack, team, k.dtype if io else None)  # fmt: skip
     if not all(address(a) == address(b) for a, b in zip(operands, (q, k, v), strict=True)):
         return None
+    pointed = call.held  # (the arrays the struct points into, kept alive with it)
+    if masked:  # the mask read in place (not a copy), each call's put in instead of this one's
+        held = call.held[1][0]
+        if held is None or m is None or address(held) != address(m):
+            return None
+        pointed = (call.held[0], call.held[1][1], call.held[2])
     args = PrefillArgs.from_buffer_copy(call.args)
     heads = args.nb // rows  # (the struct's heads per row)
-    at, kept = call_at(call.call, args)  # (lse NULL: not written, its callers read the output)
-    pointed, rows_shape, shape, out_dtype = call.held, call.rows, call.shape, call.out_dtype
-
-    def run(q: int, k: int, v: int, counts: Any) -> Any:
-        if prefill_team(None, True) != (n, team):
-            return None
-        out = np.empty(rows_shape, dtype=out_dtype)
-        if counts is None:
-            status = at(q, k, v, address(out), None)
-        else:
-            per_head = np.repeat(counts.astype(np.int64, copy=False), heads)
-            status = at(q, k, v, address(out), address(per_head))
-        assert pointed is not None  # (the arrays the struct points into, kept alive with it)
-        if status and checked(status, kept, "prefill", (PREFILL_NOT_FINITE,)):
-            return None
-        return out.reshape(shape), None
-
-    return Kept(run, (q, k, v), clone, io)
-
-
-def keep_masked(plan: Plan) -> Kept | None:
-    """A call's prefill with a boolean mask or a float bias (one of them, no key counts) on the
-    library's own tile products (K/V stored in 16 bits as :func:`keep` takes them), kept for
-    operands and a mask laid out as ``plan``'s: a
-    :class:`~qkv.engine.kernels.native_lib.Kept` whose fourth argument is the call's mask (or
-    bias), an array of the layout of ``plan``'s (its shape,
-    dtype and strides: the struct's per-head offsets were worked out from them), put in by the
-    library (``qkv_prefill_mask_at``). None where the mask is not read in place (a copy of it
-    was made) and as :func:`keep` says. A masked small call spent most of its time checking
-    and setting up, not computing: B1 H8 L = S = 16 d64 with a bias, about 120 us a call.
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from qkv.validate import make_plan
-    >>> rng = np.random.default_rng(0)
-    >>> q, k, v = (rng.standard_normal((1, 2, 16, 8)).astype(np.float32) for _ in range(3))
-    >>> bias = rng.standard_normal((1, 2, 16, 16)).astype(np.float32)
-    >>> kept = keep_masked(make_plan(q, k, v, mask=bias))
-    >>> kept is None or bool(np.allclose(kept(q, k, v, bias)[0], attend(
-    ...     make_plan(q, k, v, mask=bias), products="own")[0], atol=1e-6))
-    True
-    """
-    m = plan.mask if plan.mask is not None else plan.bias
-    if m is None or (plan.mask is not None and plan.bias is not None) or library()[0] is None:
-        return None
-    if plan.key_counts is not None or math.prod(plan.batch) == 0:
-        return None
-    function, k, v = _reading(plan, "prefill")
-    q, clone = plan.q, setting(ISA_ENV)
-    io = plan.stored is not None and np.dtype(plan.out_dtype) == k.dtype == v.dtype
-    if io:  # q in K/V's 16-bit dtype, and the output (as keep's)
-        function = f"qkv_prefill_f32_{_STORED[k.dtype.name]}io"
-        q = np.empty(q.shape, k.dtype)
-    n, team = prefill_team(None, True)
-    call, operands = _prefill(plan, function, q, k, v, n, isa_cap(), None, BLOCK_Q, BLOCK_K,
-                              None, True, False, team, k.dtype if io else None)  # fmt: skip
-    if not all(address(a) == address(b) for a, b in zip(operands, (q, k, v), strict=True)):
-        return None
-    held = call.held[1][0]  # (the mask operand the struct points into: m itself, or a copy)
-    if held is None or address(held) != address(m):
-        return None
-    args = PrefillArgs.from_buffer_copy(call.args)
-    at, kept = call_at(call.call, args, masked=True)
-    # (what the struct points into but the first call's mask, which each call replaces)
-    pointed = (call.held[0], call.held[1][1], call.held[2])
+    # (lse NULL: not written, its callers read the output)
+    at, kept = call_at(call.call, args, masked=masked)
     rows_shape, shape, out_dtype = call.rows, call.shape, call.out_dtype
 
-    def run(q: int, k: int, v: int, mask: np.ndarray) -> Any:
+    def run(q: int, k: int, v: int, extra: Any) -> Any:
         if prefill_team(None, True) != (n, team):
             return None
         out = np.empty(rows_shape, dtype=out_dtype)
-        status = at(q, k, v, address(out), address(mask))
-        assert pointed is not None  # (the arrays the struct points into, kept alive with it)
+        if masked:
+            status = at(q, k, v, address(out), address(extra))
+        elif extra is None:
+            status = at(q, k, v, address(out), None)
+        else:
+            per_head = np.repeat(extra.astype(np.int64, copy=False), heads)
+            status = at(q, k, v, address(out), address(per_head))
+        assert pointed is not None
         if status and checked(status, kept, "prefill", (PREFILL_NOT_FINITE,)):
             return None
         return out.reshape(shape), None

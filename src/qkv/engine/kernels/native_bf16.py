@@ -69,7 +69,6 @@ __all__ = [
     "available",
     "backward",
     "keep",
-    "keep_masked",
 ]
 
 ISA = BF16_ISA  # the clone code above AVX-512: AVX-512 with AVX512_BF16
@@ -119,54 +118,12 @@ def attend(
     return None if status == 3 else (out, lse)
 
 
-def keep_masked(plan: Plan) -> Kept | None:
-    """:func:`keep` for a call with a boolean mask or a float bias (one of them, no key
-    counts): the mask's layout (shape, dtype, strides) is ``plan``'s, and the kept set-up's
-    fourth argument is each call's mask, put in by the library (``qkv_prefill_mask_at``);
-    None where the mask is not read in place, and as :func:`keep` says."""
-    m = plan.mask if plan.mask is not None else plan.bias
-    if m is None or (plan.mask is not None and plan.bias is not None) or plan.stored is None:
-        return None
-    if plan.key_counts is not None or not available() or math.prod(plan.batch) == 0:
-        return None
-    k, v = plan.stored_kv()
-    if np.dtype(plan.out_dtype) != k.dtype:
-        return None
-    q = np.empty(plan.q.shape, k.dtype)  # (the layout of the q the caller gives: contiguous)
-    fields, arrays = prefill_operands(q, k, v, plan.group)
-    if any(address(a) != address(b) for a, b in zip(arrays, (q, k, v), strict=False)):
-        return None
-    masking, masks = mask_operand(plan.mask, plan.bias, plan.batch + (plan.L, plan.S))
-    if masks[0] is None or address(masks[0]) != address(m):
-        return None  # (a copy of the mask: not read in place)
-    held = (arrays[3:], masks[1])  # the offsets the struct points into
-    rule = _rule(plan, None, team=True)
-    nb = math.prod(plan.batch)
-    args = PrefillArgs(nb=nb, L=plan.L, S=plan.S, d=plan.d, dv=plan.dv, **fields, **masking,
-                       **rule)  # fmt: skip
-    out_shape, dtype = (*plan.batch, plan.L, plan.dv), k.dtype
-    at, kept = call_at(library()[0].qkv_prefill_bf16io, args, masked=True)
-    team = (rule["threads"], rule["parallel"])
-
-    def run(q: int, k: int, v: int, mask: np.ndarray) -> Any:
-        if prefill_team(None, True) != team:
-            return None
-        out = np.empty(out_shape, dtype)
-        status = at(q, k, v, address(out), address(mask))
-        assert held is not None  # (kept alive with the struct)
-        if status and checked(status, kept, "bfloat16 prefill", (3,)):
-            return None
-        return out, None
-
-    return Kept(run, (q, k, v), setting(ISA_ENV), io=True)
-
-
 def _per_head(counts: np.ndarray, nb: int) -> np.ndarray:
     """Each head's key count (the struct's ``counts``) from those of the first batch axis."""
     return np.ascontiguousarray(np.repeat(counts, nb // counts.size), dtype=np.int64)
 
 
-def keep(plan: Plan, counted: bool = False) -> Kept | None:
+def keep(plan: Plan, counted: bool = False, masked: bool = False) -> Kept | None:
     """A plain call's bfloat16 prefill kept for operands laid out as ``plan``'s (no mask or
     bias; q, K, V and the output bfloat16; q contiguous): a function of ``(q, k, v)`` giving
     ``(out, None)`` (the log-sum-exp is not written: its callers read the output) with
@@ -176,11 +133,17 @@ def keep(plan: Plan, counted: bool = False) -> Kept | None:
     finite (the caller then takes the general road). None where the kernel does not serve
     ``plan``'s operands as they are. With ``counted``, a function of ``(q, k, v, counts)``:
     ``counts`` the keys of each index of the first batch axis, as :func:`attend` takes them.
+    With ``masked``, for a plan with a boolean mask or a float bias (one of them, no key
+    counts), a function of ``(q, k, v, mask)``: each call's mask, of ``plan``'s layout, put in
+    by the library (``qkv_prefill_mask_at``); None where the mask is not read in place.
 
     The struct is built once per shapes: a short bfloat16 call (B8 H12 L = S = 53 d64) spent
     as long widening q, allocating the copy and building the struct as in the kernel.
     """
-    if plan.mask is not None or plan.bias is not None or plan.stored is None:
+    m = plan.mask if plan.mask is not None else plan.bias
+    if (m is not None) != masked or (plan.mask is not None and plan.bias is not None):
+        return None
+    if plan.stored is None or (masked and (counted or plan.key_counts is not None)):
         return None
     if not available() or math.prod(plan.batch) == 0:
         return None
@@ -191,24 +154,33 @@ def keep(plan: Plan, counted: bool = False) -> Kept | None:
     fields, arrays = prefill_operands(q, k, v, plan.group)
     if any(address(a) != address(b) for a, b in zip(arrays, (q, k, v), strict=False)):
         return None  # (an operand BLAS-style rows would copy: not kept)
-    held = arrays[3:]  # the offsets the struct points into
+    held: tuple[Any, ...] = arrays[3:]  # the offsets the struct points into
+    masking: dict[str, Any] = {}
+    if masked:
+        masking, masks = mask_operand(plan.mask, plan.bias, plan.batch + (plan.L, plan.S))
+        if masks[0] is None or m is None or address(masks[0]) != address(m):
+            return None  # (a copy of the mask: not read in place)
+        held = (*held, masks[1])
     rule = _rule(plan, None, team=True)
     nb = math.prod(plan.batch)
-    args = PrefillArgs(nb=nb, L=plan.L, S=plan.S, d=plan.d, dv=plan.dv, **fields, **rule)
+    args = PrefillArgs(nb=nb, L=plan.L, S=plan.S, d=plan.d, dv=plan.dv, **fields, **masking,
+                       **rule)  # fmt: skip
     out_shape = (*plan.batch, plan.L, plan.dv)
     dtype = k.dtype
     # (lse NULL: not written, its callers read the output)
-    at, kept = call_at(library()[0].qkv_prefill_bf16io, args)
+    at, kept = call_at(library()[0].qkv_prefill_bf16io, args, masked=masked)
     team = (rule["threads"], rule["parallel"])
 
-    def run(q: int, k: int, v: int, counts: Any) -> Any:
-        if (counts is not None) != counted or prefill_team(None, True) != team:
+    def run(q: int, k: int, v: int, extra: Any) -> Any:
+        if (not masked and (extra is not None) != counted) or prefill_team(None, True) != team:
             return None
         out = np.empty(out_shape, dtype)
-        if counts is None:
+        if masked:
+            status = at(q, k, v, address(out), address(extra))
+        elif extra is None:
             status = at(q, k, v, address(out), None)
         else:
-            per_head = _per_head(counts, nb)
+            per_head = _per_head(extra, nb)
             status = at(q, k, v, address(out), address(per_head))
         assert held is not None  # (kept alive with the struct)
         if status and checked(status, kept, "bfloat16 prefill", (3,)):
