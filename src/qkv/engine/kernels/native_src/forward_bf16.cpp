@@ -46,7 +46,7 @@ struct Tiles {
     float *m, *l, *alpha;
     int32_t *lo, *hi;
     float* bt;     // (BK, BQ) the tile's bias, or 0
-    uint8_t* mt;   // (BK, BQ) the tile's mask (1 = may attend), or 0
+    uint64_t* mw;  // (BQ) the tile's mask, a word per row: bit j set where it sees key c0 + j
     // the AMX road's (forward_item with tiles): the weights as rows, the accumulator as
     // rows, and a block of keys past the end of K padded with zeros
     uint32_t* pa;   // (BQ, BK / 2) weight pair words, row by row
@@ -69,7 +69,7 @@ struct Tiles {
         lo = arena.take<int32_t>(BQ);
         hi = arena.take<int32_t>(BQ);
         bt = arena.take<float>(BK * BQ);
-        mt = reinterpret_cast<uint8_t*>(arena.take<uint32_t>(BK * BQ / 4));
+        mw = arena.take<uint64_t>(BQ);  // (within the BK * BQ / 4 words counted above)
         pa = arena.take<uint32_t>(BQ * BK / 2);
         acc_r = arena.take<float>(BQ * dvp);
         pv = arena.take<float>(BQ * dvp);
@@ -81,7 +81,7 @@ struct Tiles {
 // The softmax step of one tile of n keys starting at key c0 (its scores in t.st), 16 rows at
 // a time: see the top of the file. Writes the weights' pair words to t.pp and each row's
 // factor to t.alpha. Keys every row of the item sees need no test. With `bias` the tile's
-// t.bt is added to the scaled scores; with `mask` t.mt hides keys too.
+// t.bt is added to the scaled scores; with `mask` t.mw hides keys too.
 QKV_BF16 void softmax_step(Tiles& t, int64_t n, int64_t c0, float scale, bool bias, bool mask) {
     const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     const __m512 sc = _mm512_set1_ps(scale);
@@ -92,6 +92,9 @@ QKV_BF16 void softmax_step(Tiles& t, int64_t n, int64_t c0, float scale, bool bi
         const __m512 m_old = _mm512_load_ps(t.m + 16 * r);
         __m512 mx = m_old;
         float* s = t.st + 16 * r;
+        // the 16 rows' mask words, 8 in each: key j's bit of each row a lane test
+        const __m512i wa = mask ? _mm512_load_si512(t.mw + 16 * r) : _mm512_setzero_si512();
+        const __m512i wb = mask ? _mm512_load_si512(t.mw + 16 * r + 8) : _mm512_setzero_si512();
         for (int64_t j = 0; j < n; ++j) {
             __m512 x = _mm512_mul_ps(_mm512_load_ps(s + j * BQ), sc);
             if (bias) x = _mm512_add_ps(x, _mm512_load_ps(t.bt + j * BQ + 16 * r));
@@ -100,9 +103,10 @@ QKV_BF16 void softmax_step(Tiles& t, int64_t n, int64_t c0, float scale, bool bi
                 __mmask16 seen =
                     _mm512_cmpge_epi32_mask(key, lo) & _mm512_cmplt_epi32_mask(key, hi);
                 if (mask) {
-                    const __m128i keep = _mm_load_si128(
-                        reinterpret_cast<const __m128i*>(t.mt + j * BQ + 16 * r));
-                    seen &= _mm_test_epi8_mask(keep, keep);
+                    const __m512i bit = _mm512_set1_epi64(int64_t(uint64_t(1) << j));
+                    const unsigned a = _mm512_test_epi64_mask(wa, bit);
+                    const unsigned b = _mm512_test_epi64_mask(wb, bit);
+                    seen &= __mmask16(a | (b << 8));
                 }
                 x = _mm512_mask_blend_ps(seen, ninf, x);
             }
@@ -278,32 +282,46 @@ struct Item {
     int64_t m_rs = 0, m_cs = 0;
 };
 
-// The mask and bias of keys [c0, c0 + n) for the item's rows into t.mt and t.bt, in the
-// scores' layout (key j, row r at j * BQ + r); rows past the item's are hidden.
+// Row r's mask over keys [c0, c0 + n) (n <= BK = 64) as a word: bit j set where the row sees
+// key c0 + j. Keys in a row (m_cs = 1), read 64 bytes at a time and tested at once: written
+// byte by byte into the scores' layout (key j, row r at j * BQ + r), the mask of a 64 x 64
+// tile took several times as long as its two AMX products.
+QKV_BF16 uint64_t mask_word(const uint8_t* m, int64_t m_cs, int64_t n) {
+    if (m_cs == 1) {
+        const __mmask64 keys = n >= 64 ? ~__mmask64(0) : (__mmask64(1) << n) - 1;
+        const __m512i bytes = _mm512_maskz_loadu_epi8(keys, m);
+        return uint64_t(_mm512_test_epi8_mask(bytes, bytes));
+    }
+    uint64_t w = 0;
+    for (int64_t j = 0; j < n; ++j)
+        if (m[j * m_cs]) w |= uint64_t(1) << j;
+    return w;
+}
+
+// The mask and bias of keys [c0, c0 + n) for the item's rows into t.mw (a word per row) and
+// t.bt (the scores' layout: key j, row r at j * BQ + r); rows past the item's are hidden.
 template <typename QT>
-void mask_tile(const Item<QT>& it, Tiles& t, int64_t c0, int64_t n) {
-    if (it.m_rs == 0) {  // one row for all (a padding mask, a per-key bias): a fill per key
+QKV_BF16 void mask_tile(const Item<QT>& it, Tiles& t, int64_t c0, int64_t n) {
+    if (it.mask) {
+        const uint64_t one = it.m_rs == 0 ? mask_word(it.mask + c0 * it.m_cs, it.m_cs, n) : 0;
+        for (int64_t r = 0; r < BQ; ++r) {
+            const uint8_t* m = it.mask + r * it.m_rs + c0 * it.m_cs;
+            t.mw[r] = r >= it.rows ? 0 : it.m_rs == 0 ? one : mask_word(m, it.m_cs, n);
+        }
+    }
+    if (!it.bias) return;
+    if (it.m_rs == 0) {  // one row for all (a per-key bias): a fill per key
         for (int64_t j = 0; j < n; ++j) {
-            const int64_t at = (c0 + j) * it.m_cs;
-            if (it.mask) {
-                std::memset(t.mt + j * BQ, it.mask[at] ? 1 : 0, size_t(it.rows));
-                std::memset(t.mt + j * BQ + it.rows, 0, size_t(BQ - it.rows));
-            }
-            if (it.bias) {
-                float* b = t.bt + j * BQ;
-                for (int64_t r = 0; r < BQ; ++r) b[r] = r < it.rows ? it.bias[at] : 0.0f;
-            }
+            float* b = t.bt + j * BQ;
+            const float x = it.bias[(c0 + j) * it.m_cs];
+            for (int64_t r = 0; r < BQ; ++r) b[r] = r < it.rows ? x : 0.0f;
         }
         return;
     }
     for (int64_t r = 0; r < BQ; ++r) {
         const bool row = r < it.rows;
-        const uint8_t* m = it.mask ? it.mask + r * it.m_rs + c0 * it.m_cs : nullptr;
-        const float* b = it.bias ? it.bias + r * it.m_rs + c0 * it.m_cs : nullptr;
-        for (int64_t j = 0; j < n; ++j) {
-            if (it.mask) t.mt[j * BQ + r] = row && m[j * it.m_cs] ? 1 : 0;
-            if (it.bias) t.bt[j * BQ + r] = row ? b[j * it.m_cs] : 0.0f;
-        }
+        const float* b = it.bias + r * it.m_rs + c0 * it.m_cs;
+        for (int64_t j = 0; j < n; ++j) t.bt[j * BQ + r] = row ? b[j * it.m_cs] : 0.0f;
     }
 }
 
