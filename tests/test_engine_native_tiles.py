@@ -145,19 +145,15 @@ def test_the_router_sends_the_grid_to_the_own_tiles(monkeypatch, cell):
 
 
 @native_built
-def test_tiny_masked_problems_stay_on_the_dense_kernel_and_the_walk_says_why(monkeypatch):
-    """Unmasked, the tiniest problem with more than a decoding step's rows takes the own tiles
-    (2-10x the dense kernel's speed there); with a mask, below ``OWN_TILES_MIN_WORK`` the dense
-    kernel (a masked native call's set-up costs as much), and the walk says why."""
+def test_tiny_problems_take_the_own_tiles_and_the_walk_says_why_not_when_off(monkeypatch):
+    """The tiniest problem with more than a decoding step's rows takes the own tiles, masked
+    or not (2-10x the dense kernel's speed once its set-up is kept); switched off, the walk
+    says why."""
     monkeypatch.delenv("QKV_NATIVE", raising=False)
     q = k = v = np.ones((1, 1, 9, 8), dtype=np.float32)
-    assert qkv.route(q, k, v).kernel == "native prefill, own tiles"
-    assert qkv.route(q, k, v, causal=True, window=(2, 0)).kernel == "native prefill, own tiles"
     mask = np.tril(np.ones((9, 9), dtype=bool))[::-1]  # no padding: read as a mask
-    route = qkv.route(q, k, v, mask=mask)
-    assert route.kernel == "dense"
-    why = dict(route.refused)["native prefill, own tiles"]
-    assert why.startswith("a masked problem of") and f"{router.OWN_TILES_MIN_WORK:.3g}" in why
+    for options in ({}, {"causal": True, "window": (2, 0)}, {"mask": mask}):
+        assert qkv.route(q, k, v, **options).kernel == "native prefill, own tiles", options
     monkeypatch.setenv("QKV_NATIVE", "0")
     q = np.ones((8, 12, 16, 64), dtype=np.float32)
     refused = dict(qkv.route(q, q, q).refused)

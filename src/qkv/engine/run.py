@@ -96,8 +96,9 @@ def plain(
     A boolean ``mask`` of the rank of ``q`` that only hides a tail of each batch row's keys
     (a tokenizer's padding, :func:`qkv.masks.tail_counts`) is read as key counts, as the
     validation reads it, and runs on the road the router keeps for such counts
-    (:func:`_padded`); any other boolean mask of that rank, or float bias in ``q``'s dtype,
-    on the road kept for its layout (:func:`_masked`); any other mask takes the general road.
+    (:func:`_padded`); any other boolean mask of that rank, or a float bias (in the compute
+    dtype, or narrower), on the road kept for its layout (:func:`_masked`); any other mask
+    takes the general road.
     """
     if causal is not False and causal is not True:
         return None  # (make_plan says what is wrong)

@@ -68,7 +68,6 @@ __all__ = [
     "FORWARD",
     "KERNELS",
     "OWN_TILES",
-    "OWN_TILES_MIN_WORK",
     "CAUSAL_ROWS_MIN_WORK",
     "PACKED",
     "TEAM_DECODE_MIN_BYTES",
@@ -97,17 +96,16 @@ DENSE_MAX_SCORES = 1 << 14  # L · S per head below which materialising the scor
 # kernel's one NumPy thread (measured on 2 cores: B8 and B32, H8 and H12, L = S = 37..120).
 DENSE_MAX_WORK = 1 << 25
 # The native prefill on its own tile products (native_src/tiles.h: a register-blocked
-# micro-kernel in each vector clone, no BLAS call per tile) at any size for problems with no
-# mask or bias, and from this much work, batch · heads · L · S · (d + dv), for masked ones:
-# below it the dense kernel's few NumPy calls cost about what a masked native call's set-up
-# does. Measured on 2 cores (AVX2, float32, one thread): the own products ran the tile loop
-# 10-30% faster than BLAS's sgemm per tile from B1 H8 L = S = 16 d64 (short rows: BLAS's cost
-# per call) to B1 H8 L = S = 512 d64 causal. Unmasked calls below this work, once the plain
-# call kept its road, ran 2-10x faster on the own tiles than on the dense kernel in every
-# clone (2-core AMX Xeon, B1-B4 H1-H4 L = S = 9..32 d8..16, float32 and float64: plain 18-36
-# -> 6-12 us, causal 57-95 -> 6-13 us, windows 120-170 -> 60-100 us, with the lse 42-60 ->
-# 32-50 us); masked ones 126-155 us either way (a bias 131 -> 134-159).
-OWN_TILES_MIN_WORK = 1 << 16
+# micro-kernel in each vector clone, no BLAS call per tile) at any size. Measured on 2 cores
+# (AVX2, float32, one thread): the own products ran the tile loop 10-30% faster than BLAS's
+# sgemm per tile from B1 H8 L = S = 16 d64 (short rows: BLAS's cost per call) to B1 H8 L = S
+# = 512 d64 causal. Below 2^16 multiply-adds the dense kernel's few NumPy calls had cost less
+# than a native call's set-up; once the plain call kept the set-up (a mask's too, per its
+# layout), the own tiles ran 2-10x faster there in every clone (2-core AMX Xeon, B1-B4 H1-H4
+# L = S = 9..32 d8..32, float32 and float64: plain 18-36 -> 6-12 us, causal 57-95 -> 6-13 us,
+# windows 120-170 -> 60-100 us, with the lse 42-60 -> 32-50 us; a boolean mask 38-49 ->
+# 10-14 us, a bias 32-43 -> 7-10 us); a call that is checked and set up again (a mask of a
+# layout not kept) costs about the same on either.
 # causal_rows_on_prefill's few causal rows from this much work, as measured for it
 CAUSAL_ROWS_MIN_WORK = 1 << 16
 DECODE_MAX_L = 8  # queries per head up to which the scores are small enough to keep whole
@@ -583,7 +581,7 @@ PREFILL = (
     _NATIVE_BLAS,
 )
 # The native prefill on its own tile products (qkv.engine.kernels.native, products="own"):
-# what PREFILL asks but BLAS, and for a mask or bias, enough work to pay for a native call.
+# what PREFILL asks but BLAS, at any size.
 OWN_TILES = (
     _c(
         lambda a: a.plan.L > DECODE_MAX_L or causal_rows_on_prefill(a.plan),
@@ -595,15 +593,6 @@ OWN_TILES = (
     _F32_OR_F64,
     _NOT_MODDED,
     _c(lambda a: min(a.plan.L, a.plan.S, a.plan.dv) >= 1, "no query, key or value column"),
-    _c(
-        lambda a: (
-            (a.plan.mask is None and a.plan.bias is None) or _batch_work(a) >= OWN_TILES_MIN_WORK
-        ),
-        lambda a: (
-            f"a masked problem of {_batch_work(a):.3g} multiply-adds, below the "
-            f"{OWN_TILES_MIN_WORK:.3g} from which a masked native call pays"
-        ),
-    ),
     _NATIVE,
 )
 _READS_STORED = _c(
