@@ -222,18 +222,19 @@ def test_bfloat16_tensors_with_a_bfloat16_bias_take_the_kept_road(monkeypatch):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("kind", ["bool", "bias"])
 @pytest.mark.parametrize("layout", ["rows", "one row for all", "keys strided", "rows strided"])
 @pytest.mark.parametrize("L", [16, 70, 130])
-def test_bfloat16_masks_of_every_layout_equal_the_reference(layout, L):
-    """The bfloat16 prefill reads a tile's mask a word of key bits per row (a row's keys
-    together where they lie in a row, else one by one): masks whose rows lie apart or are one
-    row broadcast to all, whose keys lie apart, over tiles of 64 keys and a remainder."""
+def test_bfloat16_masks_of_every_layout_equal_the_reference(kind, layout, L):
+    """The bfloat16 prefill reads a tile's mask a word of key bits per row, and its bias 16 x
+    16 blocks transposed at a time (a row's keys together where they lie in a row, else one by
+    one): masks and biases whose rows lie apart or are one row broadcast to all, whose keys lie
+    apart, over tiles of 64 keys and a remainder."""
     import ml_dtypes
 
     rng = np.random.default_rng(L)
     q, k, v = (rng.standard_normal((2, 4, L, 32)).astype(ml_dtypes.bfloat16) for _ in range(3))
-    keep = rng.random((2, 1, L, L)) > 0.3
-    keep[..., 0], keep[..., -1] = False, True  # (no padding)
+    keep = _mask(rng, kind, (2, 1, L, L), np.float32)
     if layout == "one row for all":
         keep = np.broadcast_to(keep[:, :, :1], keep.shape)
     elif layout == "keys strided":
@@ -243,5 +244,5 @@ def test_bfloat16_masks_of_every_layout_equal_the_reference(layout, L):
     got = qkv.attention(q, k, v, mask=keep)
     np.testing.assert_array_equal(got, _general(q, k, v, keep))
     wide = [x.astype(np.float64) for x in (q, k, v)]
-    ref = reference.attention(*wide, mask=keep)
+    ref = reference.attention(*wide, mask=keep if kind == "bool" else keep.astype(np.float64))
     np.testing.assert_allclose(got.astype(np.float64), ref, **tol("tensor dtypes", "bfloat16"))

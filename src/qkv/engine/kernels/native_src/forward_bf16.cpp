@@ -282,6 +282,31 @@ struct Item {
     int64_t m_rs = 0, m_cs = 0;
 };
 
+// 16 rows of 16 floats become 16 columns: x[j] lane i = x[i] lane j, in registers.
+QKV_BF16 void transpose16(__m512 x[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; ++i) {  // pairs of rows interleaved
+        t[2 * i] = _mm512_unpacklo_ps(x[2 * i], x[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(x[2 * i], x[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {  // 4 x 4 blocks transposed within each 128-bit lane
+        x[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        x[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        x[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        x[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int i = 0; i < 2; ++i) {  // then the 128-bit lanes, twice
+        for (int k = 0; k < 4; ++k) {
+            t[8 * i + k] = _mm512_shuffle_f32x4(x[8 * i + k], x[8 * i + 4 + k], 0x88);
+            t[8 * i + 4 + k] = _mm512_shuffle_f32x4(x[8 * i + k], x[8 * i + 4 + k], 0xdd);
+        }
+    }
+    for (int k = 0; k < 8; ++k) {
+        x[k] = _mm512_shuffle_f32x4(t[k], t[8 + k], 0x88);
+        x[8 + k] = _mm512_shuffle_f32x4(t[k], t[8 + k], 0xdd);
+    }
+}
+
 // Row r's mask over keys [c0, c0 + n) (n <= BK = 64) as a word: bit j set where the row sees
 // key c0 + j. Keys in a row (m_cs = 1), read 64 bytes at a time and tested at once: written
 // byte by byte into the scores' layout (key j, row r at j * BQ + r), the mask of a 64 x 64
@@ -299,7 +324,8 @@ QKV_BF16 uint64_t mask_word(const uint8_t* m, int64_t m_cs, int64_t n) {
 }
 
 // The mask and bias of keys [c0, c0 + n) for the item's rows into t.mw (a word per row) and
-// t.bt (the scores' layout: key j, row r at j * BQ + r); rows past the item's are hidden.
+// t.bt (the scores' layout: key j, row r at j * BQ + r, transposed 16 x 16 at a time where a
+// row's keys lie together); rows past the item's are hidden.
 template <typename QT>
 QKV_BF16 void mask_tile(const Item<QT>& it, Tiles& t, int64_t c0, int64_t n) {
     if (it.mask) {
@@ -315,6 +341,22 @@ QKV_BF16 void mask_tile(const Item<QT>& it, Tiles& t, int64_t c0, int64_t n) {
             float* b = t.bt + j * BQ;
             const float x = it.bias[(c0 + j) * it.m_cs];
             for (int64_t r = 0; r < BQ; ++r) b[r] = r < it.rows ? x : 0.0f;
+        }
+        return;
+    }
+    if (it.m_cs == 1) {  // keys in a row: 16 x 16 blocks transposed in registers
+        for (int64_t rb = 0; rb < BQ; rb += 16) {
+            for (int64_t jb = 0; jb < n; jb += 16) {
+                const int64_t nj = std::min<int64_t>(16, n - jb);
+                const __mmask16 keys = nj >= 16 ? __mmask16(0xffff) : __mmask16((1u << nj) - 1);
+                __m512 x[16];
+                for (int i = 0; i < 16; ++i) {
+                    const float* b = it.bias + (rb + i) * it.m_rs + c0 + jb;
+                    x[i] = rb + i < it.rows ? _mm512_maskz_loadu_ps(keys, b) : _mm512_setzero_ps();
+                }
+                transpose16(x);
+                for (int64_t j = 0; j < nj; ++j) _mm512_store_ps(t.bt + (jb + j) * BQ + rb, x[j]);
+            }
         }
         return;
     }
