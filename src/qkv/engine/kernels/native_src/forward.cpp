@@ -481,6 +481,8 @@ finish_t pick_finish(int isa) {
 // products' (no cost per call: narrower pieces leave fewer hidden keys in the products; a
 // short causal tile of 64 x 64 computed whole did twice the work its rows see).
 constexpr int64_t EDGE = 64, EDGE_OWN = 32;
+// Rows of a block from which V's rows, where they straddle cache lines, are copied to lines
+// of their own before the values' product (forward_block): the copy is a 1/rows share of it.
 constexpr int64_t VP_COPY_ROWS = 32;
 
 // One forward work item: query rows [r0, r0 + rows) of one head of one sequence of L queries
@@ -773,7 +775,8 @@ void forward_block(const Block<T>& b, Shared<Gemm> sh, Buffers<T>& buf) {
             // V's rows copied, padded, where they are not whole vectors (ldacc), or where they
             // straddle cache lines (a NumPy array's rows start 16 bytes into a line) and
             // enough rows read them to pay for the copy
-            const bool straddle = (reinterpret_cast<uintptr_t>(vt) | uintptr_t(v_rs * sizeof(T))) % 64;
+            const bool straddle =
+                (reinterpret_cast<uintptr_t>(vt) | uintptr_t(v_rs * sizeof(T))) % 64 != 0;
             if (ldacc != dv || (straddle && nr >= VP_COPY_ROWS)) {
                 T* vp = buf.vp.data();
                 for (int64_t j = 0; j < n; ++j) {
