@@ -368,7 +368,7 @@ def test_kept_road_is_the_road_taken(monkeypatch, shape, row, name):
     run.forget()
     first = qkv.attention(q, k, v)
     found = run._ready(q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, None, False,
-                       run.switches(), type(None))  # fmt: skip
+                       run.switches(), type(None), False)  # fmt: skip
     assert found.choice.kernel.startswith(row) and found.kept is not None
     for _ in range(3):
         np.testing.assert_array_equal(qkv.attention(q, k, v), first)
@@ -392,7 +392,7 @@ def test_kept_causal_rows_are_the_road_taken(monkeypatch, shape, name, tensors):
     run.forget()
     first = qkv.attention(q, k, v, causal=True)
     found = run._ready(q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, None, True,
-                       run.switches(), type(None))  # fmt: skip
+                       run.switches(), type(None), False)  # fmt: skip
     # (the prefill's own tiles where the running clone gives them these rows)
     road = qkv.route(q, k, v, causal=True).kernel
     assert road.startswith(("native decode, causal rows", "native prefill, own tiles"))
@@ -413,7 +413,7 @@ def test_kept_causal_rows_are_the_road_taken(monkeypatch, shape, name, tensors):
     run.forget()
     got = qkv.attention(q, short, v[..., : shape[3] - 1, :], causal=True)
     found = run._ready(q.shape, short.shape, short.shape, q.dtype, k.dtype, v.dtype, None, True,
-                       run.switches(), type(None))  # fmt: skip
+                       run.switches(), type(None), False)  # fmt: skip
     assert found is None or found.kept is None
 
 
@@ -541,7 +541,7 @@ def test_16_bit_kept_road_narrows_in_the_kernel(monkeypatch, name, size, L):
     run.forget()
     first = qkv.attention(q, k, v)
     found = run._ready(q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, None, False,
-                       run.switches(), type(None))  # fmt: skip
+                       run.switches(), type(None), False)  # fmt: skip
     assert found.kept is not None and found.kept.io
     ran = _counting(monkeypatch)
     got = qkv.attention(q, k, v)
@@ -576,7 +576,7 @@ def test_bfloat16_prefill_kept_road_reads_q_as_it_is(monkeypatch, shape, causal)
     run.forget()
     first = qkv.attention(q, k, v, causal=causal)
     found = run._ready(q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, None, causal,
-                       run.switches(), type(None))  # fmt: skip
+                       run.switches(), type(None), False)  # fmt: skip
     assert found.choice.kernel == "native bfloat16 prefill"
     assert found.kept is not None and found.kept.io
     ran = _counting(monkeypatch)
@@ -770,7 +770,8 @@ def test_kept_call_serves_calls_from_many_threads(L):
     q, k, v = _arrays(shape, np.float32)
     qkv.attention(q, k, v)  # (the key's first call keeps its road)
     dt, off = q.dtype, native_lib.switches()
-    kept = run._ready(q.shape, k.shape, v.shape, dt, dt, dt, None, False, off, type(None)).kept
+    kept = run._ready(q.shape, k.shape, v.shape, dt, dt, dt, None, False, off, type(None),
+                      False).kept  # fmt: skip
     assert kept is not None
     inputs = [_arrays(shape, np.float32, seed) for seed in range(1, 9)]
     alone = [kept(*x)[0] for x in inputs]
@@ -816,7 +817,7 @@ def test_a_new_number_of_keys_is_planned_from_the_last_one(shape, S, name, causa
 
     def key(n):
         return ((B, Hq, L, d), (B, Hkv, n, d), (B, Hkv, n, dv), dt, dt, dt, scale, causal, off,
-                type(scale))  # fmt: skip
+                type(scale), False)  # fmt: skip
 
     with mock.patch.object(run, "_FAMILIES", {}):
         known = run._ready.__wrapped__(*key(S0))

@@ -153,6 +153,8 @@ def build(
         plan = make_plan(
             q, k, v, options, need_v=need_v, check_finite=check_finite, keep_stored=need_v
         )
+        if layout != "bhld":  # (the output given back rows first: written so where it can be)
+            plan = plan.but(rows_first=True)
         return Call(fn, plan, "numpy", {}, None, kernel, return_lse, options=options, layout=layout)
     given = {"q": q, "k": k, "v": v, "mask": mask}
     for name, x in (("sinks", sinks), ("alibi_slopes", alibi)):
@@ -178,6 +180,8 @@ def build(
     if seen.grad:
         _check_differentiable(fn, plan, given, seen.grad)
         route = "autograd" if set(seen.grad) & {"q", "k", "v", "sinks"} else "numpy"
+    if layout != "bhld" and route == "numpy":  # (as for arrays above)
+        plan = plan.but(rows_first=True)
     return Call(
         fn, plan, route, given, seen.want, kernel, return_lse, options=options, layout=layout
     )

@@ -73,6 +73,7 @@ from .tensors import (
     is_tensor,
     refuse_grad,
     swap_axes,
+    swapped_result,
     want_of,
     wants_grad,
 )
@@ -288,8 +289,8 @@ def flash_attn_func(
     call = build("attention", q, k, v, opts, return_lse=return_attn_probs, layout="blhd")
     res = _run(call)  # (batch, heads, seqlen_q, dv): the lse is flash-attn's already
     if return_attn_probs:
-        return swap_axes(res[0], 1, 2), res[1], None
-    return swap_axes(res, 1, 2)
+        return swapped_result(res[0], 1, 2), res[1], None
+    return swapped_result(res, 1, 2)
 
 
 # ----- flash_attn_varlen_func -----

@@ -42,6 +42,7 @@ from .tensors import (
     read_plain,
     read_plain_mask,
     swap_axes,
+    swapped_result,
     want_of,
     wants_grad,
 )
@@ -293,29 +294,45 @@ def attention(
         and type(kernel) is str
         and kernel == "auto"
         and type(layout) is str
-        and layout == "bhld"
     ):  # the commonest call (no mask, or a padding mask): its checked plan and kernel kept
         # per shapes (engine.run.plain)
-        if type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray:
-            out = _engine().plain(q, k, v, scale, causal, mask)
+        if layout == "bhld":
+            out = _plain(q, k, v, scale, causal, mask)
             if out is not None:
                 return out
-        else:
-            at = read_at(q, k, v)
-            keep = mask if mask is None else read_plain_mask(mask)
-            if at is not None and (mask is None or keep is not None):
-                out = _engine().plain_at(*at, scale, causal, keep)
-                if out is not None:  # (None before the key's road is kept: its first call)
-                    return give_at(out, q)
-            arrays = read_plain(q, k, v)
-            if arrays is not None and (mask is None or keep is not None):
-                out = _engine().plain(*arrays, scale, causal, keep)
-                if out is not None:
-                    return give_plain(out)
+        elif layout == "blhd" and getattr(q, "ndim", 0) >= 3 and getattr(k, "ndim", 0) >= 3:
+            if getattr(v, "ndim", 0) >= 3:  # (else the checks say what is wrong with them)
+                qs, ks, vs = (swap_axes(x, -3, -2) for x in (q, k, v))
+                out = _plain(qs, ks, vs, scale, causal, mask, True)
+                if out is not None:  # (written rows first where the road can: no copy)
+                    return swapped_result(out, -3, -2)
     return _checked(
         q, k, v, scale=scale, causal=causal, mask=mask, window=window, return_lse=return_lse,
         check_finite=check_finite, kernel=kernel, layout=layout, **variants,
     )  # fmt: skip
+
+
+def _plain(
+    q: Any, k: Any, v: Any, scale: Any, causal: Any, mask: Any, rows_first: bool = False
+) -> Any:
+    """:func:`attention`'s commonest call on the road kept for its shapes
+    (:func:`qkv.engine.run.plain`), or None where it is not such a call or that road is not
+    kept yet; ``rows_first``: the output is to be given back as ``(..., L, heads, dv)``
+    (``q``, ``k``, ``v`` are views of ``layout="blhd"`` arrays)."""
+    if type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray:
+        return _engine().plain(q, k, v, scale, causal, mask, rows_first)
+    at = read_at(q, k, v)
+    keep = mask if mask is None else read_plain_mask(mask)
+    if at is not None and (mask is None or keep is not None):
+        out = _engine().plain_at(*at, scale, causal, keep, rows_first)
+        if out is not None:  # (None before the key's road is kept: its first call)
+            return give_at(out, q)
+    arrays = read_plain(q, k, v)
+    if arrays is not None and (mask is None or keep is not None):
+        out = _engine().plain(*arrays, scale, causal, keep, rows_first)
+        if out is not None:
+            return give_plain(out)
+    return None
 
 
 # (the keyword check wraps the general road alone: a call that takes the kept road above was
@@ -344,10 +361,10 @@ def _checked(
     )  # fmt: skip
     if call.layout == "bhld":
         return _run(call)
-    res = _run(call)  # (..., heads, L, dv): back to the caller's layout
+    res = _run(call)  # (..., heads, L, dv): back to the caller's layout, contiguous
     if return_lse:
-        return swap_axes(res[0], -3, -2), swap_axes(res[1], -2, -1)
-    return swap_axes(res, -3, -2)
+        return swapped_result(res[0], -3, -2), swapped_result(res[1], -2, -1)
+    return swapped_result(res, -3, -2)
 
 
 def _gpu_run() -> Any:

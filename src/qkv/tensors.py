@@ -449,16 +449,23 @@ def as_dtype(a: np.ndarray, like: Any) -> Any:
 
 
 def _tensor_of(result: Any) -> Any:
-    """An array as a CPU tensor, sharing its memory where NumPy allows (a writeable
-    contiguous array); ml_dtypes' ``bfloat16`` as torch's (the same bits)."""
+    """An array as a CPU tensor, sharing its memory where NumPy allows (a writeable array,
+    contiguous or with positive strides: a kernel's output written rows first is a view of
+    another layout); ml_dtypes' ``bfloat16`` as torch's (the same bits)."""
     import torch
 
     a = np.asarray(result)
-    if not (a.flags.writeable and a.flags.c_contiguous):
+    if not (a.flags.writeable and (a.flags.c_contiguous or _shareable(a))):
         a = np.array(a, order="C")
     if a.dtype.kind == "V" and a.dtype.name == "bfloat16":  # (kind first: the name is slow)
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(a)
+
+
+def _shareable(a: np.ndarray) -> bool:
+    """Whether ``torch.from_numpy`` shares ``a``'s memory without aliasing its elements:
+    strides positive and whole elements (a broadcast's zero strides are copied)."""
+    return all(s > 0 and s % a.itemsize == 0 for s in a.strides)
 
 
 def swap_axes(x: Any, a: int, b: int) -> Any:
@@ -467,6 +474,17 @@ def swap_axes(x: Any, a: int, b: int) -> Any:
     if is_tensor(x):
         return x.transpose(a, b)
     return np.swapaxes(x, a, b)
+
+
+def swapped_result(x: Any, a: int, b: int) -> Any:
+    """A result given back in the caller's layout: ``x`` with axes ``a`` and ``b`` swapped and
+    laid out contiguously in that order, as FlashAttention gives its outputs (code written for
+    it calls ``.view`` on them). No copy where the kernel wrote that layout already; a tensor
+    stays in the autograd graph."""
+    y = swap_axes(x, a, b)
+    if is_tensor(y):
+        return y.contiguous()
+    return np.ascontiguousarray(y)
 
 
 @dataclass(frozen=True)

@@ -247,6 +247,11 @@ class Plan:
         aligned to all ``S`` keys. ``mask``/``bias`` stay set (a kernel that does not read the
         counts applies them); the engine runs such a plan on its key counts, without the mask
         (:mod:`qkv.engine.kernels.key_counts`). A mask that hides nothing is dropped instead.
+    rows_first : bool
+        The caller gives the output back as ``(*batch[:-1], L, heads, dv)``, contiguous
+        (``layout="blhd"``): a kernel that can write its output laid out so in memory does
+        (the ``(*batch, L, dv)`` result is then a view of it) and no copy is made afterwards.
+        Every other kernel ignores it.
     """
 
     q: np.ndarray
@@ -270,6 +275,7 @@ class Plan:
     offsets: tuple[int, int] = (0, 0)
     stored: tuple[np.ndarray, np.ndarray] | None = None
     key_counts: np.ndarray | None = None
+    rows_first: bool = False
 
     def materialized(self) -> Plan:
         """This plan with :attr:`stored` K/V widened into ``k`` and ``v`` (itself without)."""

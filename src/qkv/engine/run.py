@@ -80,8 +80,9 @@ def weights(plan: Plan) -> np.ndarray:
 
 
 def plain(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: Any, causal: Any, mask: Any = None
-) -> Any:
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: Any, causal: Any, mask: Any = None,
+    rows_first: bool = False,
+) -> Any:  # fmt: skip
     """The output of the commonest call — ``qkv.attention(q, k, v)`` on NumPy arrays of one
     dtype (float32, float64, or float16 and ml_dtypes' bfloat16, computed in float32 on K/V
     read as stored), nothing but ``scale`` and ``causal`` given — or None where it is not such
@@ -99,11 +100,16 @@ def plain(
     (:func:`_padded`); any other boolean mask of that rank, or a float bias (in the compute
     dtype, or narrower), on the road kept for its layout (:func:`_masked`); any other mask
     takes the general road.
+
+    ``rows_first``: the caller gives the output back as ``(..., L, heads, dv)``
+    (``layout="blhd"``, whose views ``q``, ``k``, ``v`` are): the plan asks the kernels to
+    write it laid out so (:attr:`qkv.validate.Plan.rows_first`), and the roads are kept apart
+    from the other layout's.
     """
     if causal is not False and causal is not True:
         return None  # (make_plan says what is wrong)
     key: tuple[Any, ...] = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, scale, causal,
-                            switches(), type(scale))  # fmt: skip
+                            switches(), type(scale), rows_first)  # fmt: skip
     try:
         found = _ready(*key)
     except TypeError:  # an unhashable scale: the general road says what it is
@@ -148,7 +154,7 @@ def _unmasked(q: np.ndarray, k: np.ndarray, v: np.ndarray, found: _Ready) -> Any
 def plain_at(
     qs: tuple[int, ...], ks: tuple[int, ...], vs: tuple[int, ...], dtype: np.dtype, q: int,
     k: int, v: int, strides: tuple[Any, ...], widen: Callable[[], tuple[Any, ...]] | None,
-    scale: Any, causal: Any, mask: np.ndarray | None = None,
+    scale: Any, causal: Any, mask: np.ndarray | None = None, rows_first: bool = False,
 ) -> np.ndarray | None:  # fmt: skip
     """:func:`plain` on operands given by their shapes, dtype (one for all three), addresses
     and strides in elements, as a CPU tensor gives them without a NumPy view of it: the output
@@ -164,7 +170,7 @@ def plain_at(
     A ``mask`` (a NumPy array, the tensor's view) is read as :func:`plain` reads it: a
     padding mask's key counts go to the key-count road kept for these shapes, another boolean
     mask or a bias to the road kept for its layout (:func:`_masked`), once that road is kept;
-    None for any other mask.
+    None for any other mask. ``rows_first`` as for :func:`plain`.
 
     Examples
     --------
@@ -181,7 +187,7 @@ def plain_at(
         return None
     # (a tensor's shapes are torch.Size, tuples that hash and compare as theirs)
     key: tuple[Any, ...] = (qs, ks, vs, dtype, dtype, dtype, scale, causal, switches(),
-                            type(scale))  # fmt: skip
+                            type(scale), rows_first)  # fmt: skip
     try:
         found = _ready(*key)
     except TypeError:
@@ -233,17 +239,19 @@ def _ready(
     causal: bool,
     switched: tuple[bool, str],
     scale_type: type,
+    rows_first: bool,
 ) -> _Ready | None:
     """The checked plan's fields but its arrays, the router's choice, and whether the inputs
     are 16-bit (their K/V kept as stored), for :func:`plain`'s key (``switched``:
     ``QKV_NATIVE=0`` and ``QKV_NATIVE_ISA``, which the choice depends on; ``scale_type``:
     ``scale``'s, so that 1, 1.0 and True, equal as keys, are not one call: the cache is not
-    typed, which would part a tensor's shapes, torch.Size, from the tuples they equal); None
+    typed, which would part a tensor's shapes, torch.Size, from the tuples they equal;
+    ``rows_first``: :attr:`qkv.validate.Plan.rows_first`, the plan's and its roads'); None
     where the call is not plain (:func:`qkv.validate.plain_plan`). Worked out on stand-ins of
     the shapes (no data); a bad ``scale`` raises as the general road would. A key that differs
     from one answered before in the number of keys alone is worked out from that answer
     (:func:`_grown`)."""
-    key = (qs, ks, vs, qt, kt, vt, scale, causal, switched, scale_type)
+    key = (qs, ks, vs, qt, kt, vt, scale, causal, switched, scale_type, rows_first)
     family = _family(key)
     known = _FAMILIES.get(family) if family is not None else None
     ready = None if known is None else _grown(known, key)
@@ -252,6 +260,8 @@ def _ready(
         plan = plain_plan(q, k, v, scale, causal, keep_stored=True)
         if plan is None:
             return None
+        if rows_first:
+            plan = plan.but(rows_first=True)
         narrow = plan.stored is not None  # (its k and v are stand-ins already: kept)
         arrays = ("q", "stored") if narrow else ("q", "k", "v")
         fields = {n: x for n, x in plan.__dict__.items() if n not in arrays}

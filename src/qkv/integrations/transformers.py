@@ -569,7 +569,14 @@ def _general(
                 key, value, skipped = key[..., lo:hi, :], value[..., lo:hi, :], lo
             options["mask"] = None if seen.exact else mask[..., lo:hi]
     with compiled_team():  # between PyTorch's operations: see threads.compiled_team
-        out = qkv_attention(query, key, value, kernel=kernel, **options)
+        if L > 1 and query.ndim == 4:  # the output written as the model takes it, (batch, L,
+            # heads, dv), which the kernels that can write so do: no copy below
+            out = qkv_attention(
+                query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                kernel=kernel, layout="blhd", **options,
+            ).transpose(1, 2)  # fmt: skip
+        else:
+            out = qkv_attention(query, key, value, kernel=kernel, **options)
     for observe in OBSERVERS:
         observe(module, query, key, value, options, out)
     weights = None

@@ -74,8 +74,11 @@ from .native_lib import (
     isa_cap,
     library,
     library_path,
+    lines_empty,
     mask_operand,
+    output_rows,
     prefill_operands,
+    rows_view,
     running_isa,
     switched_off,
 )
@@ -285,18 +288,19 @@ def attend(
     function, k, v = _reading(plan, "prefill")
     q, cap = plan.q, isa_cap(isa)
     n, team = prefill_team(threads, own)
+    rows_first = plan.rows_first
     key = None
     if counts is None and plan.mask is None and plan.bias is None:  # the struct kept by layout
         key = (
             function, q.shape, q.strides, k.shape, k.strides, v.shape, v.strides, plan.group,
             plan.scale, plan.causal, plan.window, n, cap, gemm, block_q, block_k, own, stack,
-            team,
+            team, rows_first,
         )  # fmt: skip
         found = _PREFILLS.get(key)
         if found is not None:
             return found.run(q, k, v)
     call, operands = _prefill(plan, function, q, k, v, n, cap, gemm, block_q, block_k, counts,
-                              own, stack, team)  # fmt: skip
+                              own, stack, team, rows_first=rows_first)  # fmt: skip
     in_place = all(address(a) == address(b) for a, b in zip(operands, (q, k, v), strict=True))
     if key is not None and in_place:  # (no copy for BLAS): kept for the next call of this layout
         if len(_PREFILLS) >= 256:
@@ -358,7 +362,8 @@ def keep(
     n, team = prefill_team(None, True)
     counts = np.zeros(rows, np.int64) if counted else None
     call, operands = _prefill(plan, function, q, k, v, n, isa_cap(), None, BLOCK_Q, BLOCK_K,
-                              counts, True, stack, team, k.dtype if io else None)  # fmt: skip
+                              counts, True, stack, team, k.dtype if io else None,
+                              rows_first=plan.rows_first)  # fmt: skip
     if not all(address(a) == address(b) for a, b in zip(operands, (q, k, v), strict=True)):
         return None
     pointed = call.held  # (the arrays the struct points into, kept alive with it)
@@ -366,17 +371,17 @@ def keep(
         held = call.held[1][0]
         if held is None or m is None or address(held) != address(m):
             return None
-        pointed = (call.held[0], call.held[1][1], call.held[2])
+        pointed = (call.held[0], call.held[1][1], call.held[2], call.held[3])
     args = PrefillArgs.from_buffer_copy(call.args)
     heads = args.nb // rows  # (the struct's heads per row)
     # (lse NULL: not written, its callers read the output)
     at, kept = call_at(call.call, args, masked=masked)
-    rows_shape, shape, out_dtype = call.rows, call.shape, call.out_dtype
+    rows_shape, shape, out_dtype, memory = call.rows, call.shape, call.out_dtype, call.memory
 
     def run(q: int, k: int, v: int, extra: Any) -> Any:
         if prefill_team(None, True) != (n, team):
             return None
-        out = np.empty(rows_shape, dtype=out_dtype)
+        out = np.empty(rows_shape, out_dtype) if memory is None else lines_empty(memory, out_dtype)
         if masked:
             status = at(q, k, v, address(out), address(extra))
         elif extra is None:
@@ -387,6 +392,8 @@ def keep(
         assert pointed is not None
         if status and checked(status, kept, "prefill", (PREFILL_NOT_FINITE,)):
             return None
+        if memory is not None:  # (written rows first: its (*batch, L, dv) view)
+            return rows_view(out, True), None
         return out.reshape(shape), None
 
     return Kept(run, (q, k, v), clone, io)
@@ -400,19 +407,22 @@ class Prefill:
     (shapes, strides, dtypes, scale, rule, threads, clone) of a call without a mask or key
     counts: a small call (a short prompt's layer) spent as long building the struct as in the
     kernel. ``dtype`` is the output's and lse's, ``narrow`` (the 16-bit ``io`` kernels'
-    operand dtype) the output's where it differs."""
+    operand dtype) the output's where it differs; ``memory`` the shape the output is allocated
+    in where the struct writes it rows first (:func:`~.native_lib.output_rows`)."""
 
-    __slots__ = ("args", "function", "held", "own", "shape", "dtype", "out_dtype", "rows", "call")
+    __slots__ = ("args", "function", "held", "own", "shape", "dtype", "out_dtype", "rows", "call",
+                 "memory")  # fmt: skip
 
     def __init__(
         self, args: PrefillArgs, function: str, held: tuple[Any, ...], own: bool,
         shape: tuple[int, ...], rows: tuple[int, ...], dtype: np.dtype,
-        narrow: np.dtype | None = None,
+        narrow: np.dtype | None = None, memory: tuple[int, ...] | None = None,
     ) -> None:  # fmt: skip
         self.args, self.function, self.held, self.own = bytes(args), function, held, own
         self.shape, self.rows, self.dtype = shape, rows, dtype
         self.out_dtype = dtype if narrow is None else narrow
         self.call = getattr(library()[0], function)
+        self.memory = memory  # the output's, rows first (output_rows); None: rows'
 
     def run(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(out, lse)`` for operands of the layout this struct was built for."""
@@ -428,7 +438,9 @@ class Prefill:
         struct built with key counts, replaces those it was built with. Without ``lse`` the
         log-sum-exp is not written (None in its place: a caller that reads the output alone).
         """
-        out = np.empty(self.rows, dtype=self.out_dtype)
+        memory = self.memory
+        dt = self.out_dtype
+        out = np.empty(self.rows, dt) if memory is None else lines_empty(memory, dt)
         args = PrefillArgs.from_buffer_copy(self.args)  # one per call: any thread may run it
         args.q, args.k, args.v = q, k, v
         args.out = address(out)
@@ -445,6 +457,8 @@ class Prefill:
                 status = self.call(ctypes.byref(args))
         finite = checked(status, args, "prefill", (PREFILL_NOT_FINITE,)) == 0
         shape = self.shape
+        if memory is not None:  # (*batch, L, dv) as a view of its (*batch[:-1], L, heads, dv)
+            out = rows_view(out, True)
         return out.reshape(shape), None if sums is None else sums.reshape(shape[:-1]), finite
 
 
@@ -456,12 +470,15 @@ def _prefill(
     plan: Plan, function: str, q: np.ndarray, k: np.ndarray, v: np.ndarray, n: int, cap: int,
     gemm: int | None, block_q: int, block_k: int, counts: np.ndarray | None, own: bool,
     stack: bool, team: int | None = None, narrow: np.dtype | None = None,
-    pages: dict[str, Any] | None = None,
+    pages: dict[str, Any] | None = None, rows_first: bool = False,
 ) -> tuple[Prefill, tuple[np.ndarray, np.ndarray, np.ndarray]]:  # fmt: skip
     """:func:`attend`'s struct for ``plan`` and its operands ``q``, ``k``, ``v`` (read in place
     where BLAS can: the operands the struct's offsets were worked out for are returned);
     ``narrow`` the output's dtype for the 16-bit ``io`` kernels; ``pages`` the struct's page
-    fields (:func:`attend_prefix_pages`)."""
+    fields (:func:`attend_prefix_pages`); ``rows_first`` the output written as
+    ``(*batch[:-1], L, heads, dv)`` (:func:`~qkv.engine.kernels.native_lib.output_rows`;
+    not for stacked heads, whose rows the struct takes as one head's: they are laid out
+    afterwards by the caller)."""
     dt = plan.acc_dtype
     batch, L, dv, group = plan.batch, plan.L, plan.dv, plan.group
     shape = batch + (L, dv)
@@ -481,10 +498,13 @@ def _prefill(
         rule["counts"] = address(per_head)
     rule["products"] = PRODUCTS["own" if own else "blas"]
     rule["parallel"] = team
+    # (a stack's rows not position by position: not laid out rows first)
+    flat_stack = L != plan.L and per_pos == 1
+    memory, out_fields, out_at = output_rows(batch, L, dv, rows_first and not flat_stack, per_pos)
     args = PrefillArgs(nb=nb, L=L, S=plan.S, d=plan.d, dv=dv, **fields, **rule, **(pages or {}),
-                       per_pos=per_pos)  # fmt: skip
-    call = Prefill(args, function, (arrays[3:], masks, per_head), own, shape, batch + (L, dv), dt,
-                   narrow)  # fmt: skip
+                       per_pos=per_pos, **out_fields)  # fmt: skip
+    call = Prefill(args, function, (arrays[3:], masks, per_head, out_at), own, shape,
+                   batch + (L, dv), dt, narrow, None if out_at is None else memory)  # fmt: skip
     return call, arrays[:3]  # type: ignore[return-value]
 
 

@@ -58,8 +58,11 @@ from .native_lib import (
     checked,
     invoke,
     library,
+    lines_empty,
     mask_operand,
+    output_rows,
     prefill_operands,
+    rows_view,
 )
 from .threads import prefill_team, workers
 
@@ -100,22 +103,24 @@ def attend(
     """
     assert plan.stored is not None and plan.v is not None  # the router asks for them
     batch, L, dv = plan.batch, plan.L, plan.dv
-    out = np.empty(batch + (L, dv), dtype=plan.stored[1].dtype)
+    rows, out_fields, out_at = output_rows(batch, L, dv, plan.rows_first)
+    swap = out_at is not None  # (out allocated rows first: its (*batch, L, dv) view given)
+    out = (lines_empty if swap else np.empty)(rows, plan.stored[1].dtype)
     lse = np.empty(batch + (L,), dtype=np.float32)
     nb = int(np.prod(batch, dtype=np.int64))
     if nb == 0:
-        return out, lse
+        return rows_view(out, swap), lse
     fields, arrays = prefill_operands(plan.q, *plan.stored_kv(), plan.group)
     masking, masks = mask_operand(plan.mask, plan.bias, batch + (L, plan.S))
     per_head = None if counts is None else _per_head(counts, nb)
     args = PrefillArgs(
         nb=nb, L=L, S=plan.S, d=plan.d, dv=dv, out=address(out), lse=address(lse),
         counts=0 if per_head is None else address(per_head),
-        **fields, **masking, **_rule(plan, threads, team=True),
+        **fields, **masking, **_rule(plan, threads, team=True), **out_fields,
     )  # fmt: skip
     status = invoke("qkv_prefill_bf16", args, "bfloat16 prefill", allowed=(3,))
-    del arrays, masks, per_head  # what the call read
-    return None if status == 3 else (out, lse)
+    del arrays, masks, per_head, out_at  # what the call read
+    return None if status == 3 else (rows_view(out, swap), lse)
 
 
 def _per_head(counts: np.ndarray, nb: int) -> np.ndarray:
@@ -163,9 +168,11 @@ def keep(plan: Plan, counted: bool = False, masked: bool = False) -> Kept | None
         held = (*held, masks[1])
     rule = _rule(plan, None, team=True)
     nb = math.prod(plan.batch)
+    out_shape, out_fields, out_at = output_rows(plan.batch, plan.L, plan.dv, plan.rows_first)
+    held = (*held, out_at)
+    swap = out_at is not None  # (out allocated rows first: its (*batch, L, dv) view given)
     args = PrefillArgs(nb=nb, L=plan.L, S=plan.S, d=plan.d, dv=plan.dv, **fields, **masking,
-                       **rule)  # fmt: skip
-    out_shape = (*plan.batch, plan.L, plan.dv)
+                       **rule, **out_fields)  # fmt: skip
     dtype = k.dtype
     # (lse NULL: not written, its callers read the output)
     at, kept = call_at(library()[0].qkv_prefill_bf16io, args, masked=masked)
@@ -174,7 +181,7 @@ def keep(plan: Plan, counted: bool = False, masked: bool = False) -> Kept | None
     def run(q: int, k: int, v: int, extra: Any) -> Any:
         if (not masked and (extra is not None) != counted) or prefill_team(None, True) != team:
             return None
-        out = np.empty(out_shape, dtype)
+        out = (lines_empty if swap else np.empty)(out_shape, dtype)
         if masked:
             status = at(q, k, v, address(out), address(extra))
         elif extra is None:
@@ -185,7 +192,7 @@ def keep(plan: Plan, counted: bool = False, masked: bool = False) -> Kept | None
         assert held is not None  # (kept alive with the struct)
         if status and checked(status, kept, "bfloat16 prefill", (3,)):
             return None
-        return out, None
+        return rows_view(out, swap), None
 
     return Kept(run, (q, k, v), setting(ISA_ENV), io=True)
 

@@ -84,6 +84,14 @@ struct qkv_prefill_args {
     // rows). 0 or 1: a row per position. Not with a mask or bias (status 2), nor by the
     // bfloat16 tile products.
     int64_t per_pos;
+    // Where the output rows go: row r of head h at out + o_off[h] + r * o_rs (in elements of
+    // the output's dtype), e.g. into (batch, L, heads, dv) memory, FlashAttention's and
+    // transformers' layout, so that no copy has to lay it out so afterwards; with per_pos > 1,
+    // row r (head r % per_pos of the stack at position r / per_pos) at out + o_off[h] +
+    // (r % per_pos) * o_hs + (r / per_pos) * o_rs. NULL: out is (nb, L, dv) contiguous. lse
+    // stays (nb, L) contiguous.
+    const int64_t* o_off;
+    int64_t o_rs, o_hs;
 };
 
 // The packed varlen walk (qkv.engine.kernels.packed's layout): q (total_q, heads, d), k and

@@ -869,6 +869,13 @@ int run(const qkv_prefill_args& a, int kv_format = 0, bool io16 = false) {
     const bool gathered = widen || a.pages;
     const int64_t per_pos = std::max<int64_t>(1, a.per_pos);  // (rows per query position)
     if (per_pos > 1 && (a.L % per_pos || a.mask || a.bias)) return 2;
+    // where row r of head h's output goes (abi.h: o_off), and the row stride there
+    const auto out_at = [&](int64_t h, int64_t r) {
+        if (!a.o_off) return (h * a.L + r) * a.dv;
+        if (per_pos > 1) return a.o_off[h] + r % per_pos * a.o_hs + r / per_pos * a.o_rs;
+        return a.o_off[h] + r * a.o_rs;
+    };
+    const int64_t out_rs = a.o_off ? a.o_rs : a.dv;
     // the row of the stack's operands, head after head, for row r taken position by position
     auto stacked_row = [&](int64_t r) { return r % per_pos * (a.L / per_pos) + r / per_pos; };
     int no_memory = 0;  // a task could not widen its query rows
@@ -941,8 +948,8 @@ int run(const qkv_prefill_args& a, int kv_format = 0, bool io16 = false) {
         b.at = widen || a.pages ? &at : nullptr;  // (gathered a piece at a time)
         b.widen = widen;
         const bool kept = narrow || per_pos > 1;
-        b.out = kept ? buf.oc.data() : OUT + (h * a.L + r0) * a.dv;
-        b.out_rs = a.dv;
+        b.out = kept ? buf.oc.data() : OUT + out_at(h, r0);
+        b.out_rs = kept ? a.dv : out_rs;
         b.lse = LSE ? (per_pos > 1 ? buf.lc.data() : LSE + h * a.L + r0) : nullptr;
         b.lse_s = 1;
         const int64_t moff = a.m_off ? a.m_off[h] + r0 * a.m_rs : 0;
@@ -952,17 +959,22 @@ int run(const qkv_prefill_args& a, int kv_format = 0, bool io16 = false) {
         b.m_cs = a.m_cs;
         b.bad = &bad;
         forward_block<T, Gemm>(b, sh, buf);
-        if (narrow && per_pos == 1)
+        if (narrow && per_pos == 1 && !a.o_off)
             narrow(reinterpret_cast<const float*>(buf.oc.data()), b.rows * a.dv,
-                   static_cast<uint16_t*>(a.out) + (h * a.L + r0) * a.dv);
+                   static_cast<uint16_t*>(a.out) + out_at(h, r0));
+        else if (narrow && per_pos == 1)  // (rows apart: narrowed row by row)
+            for (int64_t i = 0; i < b.rows; ++i)
+                narrow(reinterpret_cast<const float*>(buf.oc.data() + i * a.dv), a.dv,
+                       static_cast<uint16_t*>(a.out) + out_at(h, r0 + i));
         if (per_pos > 1)
             for (int64_t i = 0; i < b.rows; ++i) {
                 const int64_t at = h * a.L + stacked_row(r0 + i);
+                const int64_t o = a.o_off ? out_at(h, r0 + i) : at * a.dv;
                 if (narrow)
                     narrow(reinterpret_cast<const float*>(buf.oc.data() + i * a.dv), a.dv,
-                           static_cast<uint16_t*>(a.out) + at * a.dv);
+                           static_cast<uint16_t*>(a.out) + o);
                 else
-                    std::memcpy(OUT + at * a.dv, buf.oc.data() + i * a.dv, size_t(a.dv) * sizeof(T));
+                    std::memcpy(OUT + o, buf.oc.data() + i * a.dv, size_t(a.dv) * sizeof(T));
                 if (LSE) LSE[at] = buf.lc[size_t(i)];
             }
     });

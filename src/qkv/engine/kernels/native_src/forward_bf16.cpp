@@ -530,8 +530,10 @@ int run_bf16(const qkv_prefill_args& a) {
         it.L = a.L;
         it.S = a.S;
         it.kmax = a.counts ? std::max<int64_t>(0, std::min(a.counts[h], a.S)) : a.S;
-        it.out = static_cast<uint16_t*>(a.out) + (h * a.L + it.r0) * a.dv;
-        it.out_rs = a.dv;
+        // (abi.h: o_off, where the output rows go)
+        it.out = static_cast<uint16_t*>(a.out) +
+                 (a.o_off ? a.o_off[h] + it.r0 * a.o_rs : (h * a.L + it.r0) * a.dv);
+        it.out_rs = a.o_off ? a.o_rs : a.dv;
         it.lse = a.lse ? static_cast<float*>(a.lse) + h * a.L + it.r0 : nullptr;
         it.lse_s = 1;
         const int64_t moff = a.m_off ? a.m_off[h] + it.r0 * a.m_rs : 0;
