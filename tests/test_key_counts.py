@@ -59,8 +59,8 @@ def road(monkeypatch):
 
     real_keep = dispatch.keep_counted
 
-    def keep(plan, choice):
-        kept = real_keep(plan, choice)
+    def keep(plan, choice, q_like=None):
+        kept = real_keep(plan, choice, q_like)
         if kept is None:
             return None
 

@@ -181,3 +181,49 @@ def test_bfloat16_prefill_writes_rows_first_in_place(counts):
     assert first.swapaxes(1, 2).flags.c_contiguous
     np.testing.assert_array_equal(first, apart)
     np.testing.assert_array_equal(lse2, lse)
+
+
+@native_built
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("mask", ["none", "padding", "bool"])
+def test_a_16_bit_q_as_a_model_lays_it_out_is_read_in_place(dtype, mask):
+    """A 16-bit prefill's kept road takes q in its own dtype; kept for the caller's layout of q
+    (a transposed view of a projection's output, as a model and ``layout="blhd"`` give it) it
+    reads q there, with no copy per call; q contiguous in the same process (another layout of
+    the same shapes) keeps a road of its own. Every call has the general road's bits."""
+    from qkv.engine import run
+
+    run.forget()
+    rng = np.random.default_rng(9)
+    dt = DTYPES[dtype]
+    B, L, H, d = 4, 37, 6, 32
+    x = rng.standard_normal((B, L, 3, H, d)).astype(dt)
+    q, k, v = (x[:, :, i].swapaxes(1, 2) for i in range(3))  # (batch, heads, L, d) views
+    m = _mask(rng, mask, B, H, L, L, dt)
+    calls = []
+    real = np.ascontiguousarray
+
+    def spy(a, *args, **kw):
+        calls.append(a.shape)
+        return real(a, *args, **kw)
+
+    want = qkv.attention(q, k, v, mask=m, return_lse=True)[0]  # (the general road)
+    qc = np.ascontiguousarray(q)
+    for _ in range(2):  # the first call of each layout keeps its road
+        for qq in (q, qc):
+            np.testing.assert_array_equal(qkv.attention(qq, k, v, mask=m), want)
+    key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, None, False, run.switches(),
+           type(None), False)  # fmt: skip
+    found = run._ready(*key)
+    road = found if mask == "none" else None
+    if road is None:
+        read = run._mask_counts(key, m) if mask == "padding" else run._road_of_mask(key, found, m)
+        road = read[0]
+    if road.kept is None:
+        pytest.skip("no kept road for this 16-bit prefill here")
+    assert road.kept.io
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(np, "ascontiguousarray", spy)
+        np.testing.assert_array_equal(qkv.attention(q, k, v, mask=m), want)
+        np.testing.assert_array_equal(qkv.attention(qc, k, v, mask=m), want)
+    assert (B, H, L, d) not in calls  # (q was read where it lies, both times)

@@ -126,10 +126,8 @@ def _unmasked(q: np.ndarray, k: np.ndarray, v: np.ndarray, found: _Ready) -> Any
     """:func:`plain` without a mask, ``found`` its key's :func:`_ready`."""
     narrow, kept = found.narrow, found.kept
     if narrow:  # 16-bit inputs: q widened, K/V read as stored (make_plan's keep_stored)
-        if kept is not None and kept.io:  # (the kernel widens q and narrows the output; it
-            done = kept(np.ascontiguousarray(q), k, v)  # was kept for q as astype gives it)
-            if done is None and q.flags.c_contiguous:  # (a contiguous q whose axes of
-                done = kept(q.copy(), k, v)  # length 1 have other strides: a copy's)
+        if kept is not None and kept.io:  # (the kernel widens q and narrows the output)
+            done = _on_io(kept, q, k, v, None)
             if done is not None:
                 return done[0]
         wide = q.astype(np.float32)
@@ -146,7 +144,7 @@ def _unmasked(q: np.ndarray, k: np.ndarray, v: np.ndarray, found: _Ready) -> Any
         plan = Plan.trusted(q=q, k=k, v=v, **found.fields)
     if not found.tried:  # the first call of this key keeps its road's set-up, if it has one
         found.tried = True
-        found.kept = dispatch.keep(plan, found.choice)
+        found.kept = dispatch.keep(plan, found.choice, q if narrow else None)
     out = dispatch.attend(plan, "auto", found.choice)[0]
     return out.astype(q.dtype) if narrow else out
 
@@ -338,11 +336,27 @@ def _on_kept(
     them so (``kept.io``), else q widened to float32 and the output narrowed back."""
     if kept is None:
         return None
-    if kept.io or not narrow:
-        done = kept(np.ascontiguousarray(q) if narrow else q, k, v, extra)
+    if kept.io and narrow:
+        done = _on_io(kept, q, k, v, extra)
+        return None if done is None else done[0]
+    if not narrow:
+        done = kept(q, k, v, extra)
         return None if done is None else done[0]
     done = kept(q.astype(np.float32), k, v, extra)
     return None if done is None else done[0].astype(q.dtype)
+
+
+def _on_io(kept: Any, q: np.ndarray, k: np.ndarray, v: np.ndarray, extra: Any) -> Any:
+    """A kept road that takes 16-bit ``q`` as it is (``kept.io``) on ``q``: in the layout it
+    was kept for (the caller's, :func:`qkv.engine.kernels.dispatch.keep`'s ``q_like``), or
+    else laid out contiguously, as it was kept for where the caller's could not be read in
+    place; None where neither fits."""
+    done = kept(q, k, v, extra)
+    if done is None and not q.flags.c_contiguous:
+        done = kept(np.ascontiguousarray(q), k, v, extra)
+    if done is None and q.flags.c_contiguous:  # (a contiguous q whose axes of length 1 have
+        done = kept(q.copy(), k, v, extra)  # other strides: a copy's)
+    return done
 
 
 def _padded(
@@ -369,7 +383,7 @@ def _padded(
         plan = Plan.trusted(q=q, k=k, v=v, **fields)
     if not counted.tried:  # the first call of this key keeps its road's set-up, if it has one
         counted.tried = True
-        counted.kept = dispatch.keep_counted(plan, counted.choice)
+        counted.kept = dispatch.keep_counted(plan, counted.choice, q if narrow else None)
     plan.__dict__.update(mask=mask, key_counts=counts)  # (a plan of this call alone)
     choice = counted.choice._replace(per_row=router.key_counts_per_row(plan))
     out = dispatch.attend(plan, "auto", choice)[0]
@@ -400,7 +414,7 @@ def _masked(
     plan = Plan.trusted(**{**found.fields, **arrays, name: mask})
     if not road.tried:  # the first call of this key and layout keeps its road's set-up
         road.tried = True
-        road.kept = dispatch.keep_masked(plan, road.choice)
+        road.kept = dispatch.keep_masked(plan, road.choice, q if narrow else None)
     out = dispatch.attend(plan, "auto", road.choice)[0]
     return out.astype(q.dtype) if narrow else out
 

@@ -173,43 +173,50 @@ KEPT: dict[str, tuple[Any, str]] = {
 }
 
 
-def keep(plan: Plan, choice: Choice) -> Kept | None:
+def keep(plan: Plan, choice: Choice, q_like: np.ndarray | None = None) -> Kept | None:
     """The kept form of ``choice`` for operands laid out as ``plan``'s (:data:`KEPT`), or
-    None where its road has none. It gives the bits :func:`attend` gives on the same plan."""
+    None where its road has none. It gives the bits :func:`attend` gives on the same plan.
+    ``q_like``: the caller's float16/bfloat16 q (``plan``'s is widened), whose layout a road
+    that reads q in that dtype is kept for (the prefill's)."""
     found = KEPT.get(choice.kernel)
     if found is None or choice.counts is not None or (choice.first is None and not choice.stored):
         return None
+    if q_like is not None and found in (KEPT["native prefill, own tiles, stored K/V"],
+                                        KEPT["native bfloat16 prefill"]):  # fmt: skip
+        return getattr(*found)(plan, q_like=q_like)
     return getattr(*found)(plan)
 
 
-def keep_counted(plan: Plan, choice: Choice) -> Kept | None:
+def keep_counted(plan: Plan, choice: Choice, q_like: np.ndarray | None = None) -> Kept | None:
     """The kept form of the key-count road ``choice`` (for ``plan``, a padded call's plan
     without its mask) where its road has one: a function of ``(q, k, v, counts)``
     (:func:`qkv.engine.kernels.native.keep`), ``counts`` one per index of the first batch
-    axis; else None. It gives the bits :func:`attend` gives on the plan with those counts."""
+    axis; else None. It gives the bits :func:`attend` gives on the plan with those counts.
+    ``q_like`` as for :func:`keep`."""
     if choice.counts != "key counts read by the native prefill":
         return None
     if choice.kernel == "native prefill, own tiles":
         return native.keep(plan, stack=stacked.stacks(plan), counted=True)
     if choice.kernel == "native prefill, own tiles, stored K/V":
-        return native.keep(plan, counted=True)
+        return native.keep(plan, counted=True, q_like=q_like)
     if choice.kernel == "native bfloat16 prefill":
-        return native_bf16.keep(plan, counted=True)
+        return native_bf16.keep(plan, counted=True, q_like=q_like)
     return None
 
 
-def keep_masked(plan: Plan, choice: Choice) -> Kept | None:
+def keep_masked(plan: Plan, choice: Choice, q_like: np.ndarray | None = None) -> Kept | None:
     """The kept form of ``choice`` for ``plan``, a call with a boolean mask or a float bias
     (no key counts), where its road has one: the native prefill on its own tiles or in
     bfloat16 (:func:`qkv.engine.kernels.native.keep`,
     :func:`qkv.engine.kernels.native_bf16.keep`, ``masked``), called with ``(q, k, v, mask)``; else
-    None. It gives the bits :func:`attend` gives on the plan with that mask."""
+    None. It gives the bits :func:`attend` gives on the plan with that mask. ``q_like`` as for
+    :func:`keep`."""
     if choice.counts is not None:
         return None
     if choice.kernel in ("native prefill, own tiles", "native prefill, own tiles, stored K/V"):
-        return native.keep(plan, masked=True)
+        return native.keep(plan, masked=True, q_like=q_like)
     if choice.kernel == "native bfloat16 prefill":
-        return native_bf16.keep(plan, masked=True)
+        return native_bf16.keep(plan, masked=True, q_like=q_like)
     return None
 
 

@@ -69,6 +69,7 @@ from .native_lib import (
     blas_available,
     call_at,
     checked,
+    either,
     gemm,
     invoke,
     isa_cap,
@@ -310,8 +311,9 @@ def attend(
 
 
 def keep(
-    plan: Plan, stack: bool = False, counted: bool = False, masked: bool = False
-) -> Kept | None:
+    plan: Plan, stack: bool = False, counted: bool = False, masked: bool = False,
+    q_like: np.ndarray | None = None,
+) -> Kept | None:  # fmt: skip
     """A plain call's prefill on the library's own tile products, kept for operands laid out
     as ``plan``'s (no mask or bias; K/V in the compute dtype or stored as float16/bfloat16):
     a function of ``(q, k, v)`` of those shapes and dtypes giving ``(out, None)``
@@ -328,6 +330,11 @@ def keep(
     worked out from them), put in by the library (``qkv_prefill_mask_at``); None where the
     mask is not read in place (a copy of it was made). A masked small call had spent most of
     its time checking and setting up: B1 H8 L = S = 16 d64 with a bias, about 100 us a call.
+
+    ``q_like``: for float16/bfloat16 operands (the kernel widens q and narrows the output),
+    the caller's q, whose layout the struct is kept for where it reads it in place (a
+    transposed view, as a model or ``layout="blhd"`` gives it, is then not copied at every
+    call); else the layout of a contiguous q.
 
     :func:`qkv.engine.run.plain` keeps one per shapes (and mask layout): the call then only
     puts its addresses into the kept struct (:class:`Prefill`), where :func:`attend` looks the
@@ -350,15 +357,30 @@ def keep(
         return None
     if library()[0] is None or (masked and (counted or plan.key_counts is not None)):
         return None
-    rows = plan.batch[0] if plan.batch else 1
     if math.prod(plan.batch) == 0:
         return None
+    k = _reading(plan, "prefill")[1]
+    io = plan.stored is not None and np.dtype(plan.out_dtype) == k.dtype
+    if io and q_like is not None and q_like.shape == plan.q.shape and q_like.dtype == k.dtype:
+        if not q_like.flags.c_contiguous:  # (and a contiguous q's, which any q's copy fits)
+            return either(_keep(plan, stack, counted, masked, q_like),
+                          _keep(plan, stack, counted, masked))  # fmt: skip
+    return _keep(plan, stack, counted, masked)
+
+
+def _keep(
+    plan: Plan, stack: bool, counted: bool, masked: bool, q_as: np.ndarray | None = None
+) -> Kept | None:
+    """:func:`keep` (checked there) for a 16-bit q laid out as ``q_as`` (default:
+    contiguous)."""
+    m = plan.mask if plan.mask is not None else plan.bias
+    rows = plan.batch[0] if plan.batch else 1
     function, k, v = _reading(plan, "prefill")
     q, clone = plan.q, setting(ISA_ENV)
     io = plan.stored is not None and np.dtype(plan.out_dtype) == k.dtype == v.dtype
     if io:  # q in K/V's 16-bit dtype, and the output: the kernel widens and narrows them
         function = f"qkv_prefill_f32_{_STORED[k.dtype.name]}io"
-        q = np.empty(q.shape, k.dtype)  # (the layout of the q the caller gives: contiguous)
+        q = np.empty(q.shape, k.dtype) if q_as is None else q_as  # (the caller's layout)
     n, team = prefill_team(None, True)
     counts = np.zeros(rows, np.int64) if counted else None
     call, operands = _prefill(plan, function, q, k, v, n, isa_cap(), None, BLOCK_Q, BLOCK_K,

@@ -309,6 +309,35 @@ class Kept:
         return self.run(q, k, v, counts)
 
 
+class EitherKept(Kept):
+    """Two set-ups of one road, tried in turn: ``first`` kept for the caller's layout of the
+    operands, ``second`` for another (a 16-bit prefill's contiguous q, which any q's copy
+    fits), so that a key called in both layouts keeps a road for each
+    (:func:`either`)."""
+
+    __slots__ = ("first", "second")
+
+    def __init__(self, first: Kept, second: Kept) -> None:
+        self.first, self.second = first, second
+        self.run, self.clone, self.io, self.grow = first.run, first.clone, first.io, None
+        self.strides, self.elements = first.strides, first.elements
+
+    def __call__(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, counts: Any = None) -> Any:
+        done = self.first(q, k, v, counts)
+        return done if done is not None else self.second(q, k, v, counts)
+
+    def at(self, q: int, k: int, v: int, strides: tuple[Any, ...], counts: Any = None) -> Any:
+        done = self.first.at(q, k, v, strides, counts)
+        return done if done is not None else self.second.at(q, k, v, strides, counts)
+
+
+def either(first: Kept | None, second: Kept | None) -> Kept | None:
+    """``first`` and ``second`` tried in turn (:class:`EitherKept`), or the one that is kept."""
+    if first is None or second is None:
+        return first if second is None else second
+    return EitherKept(first, second)
+
+
 def call_at(
     function: Any, args: DecodeArgs | PrefillArgs, masked: bool = False
 ) -> tuple[Callable[..., int], DecodeArgs | PrefillArgs]:

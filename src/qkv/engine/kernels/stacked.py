@@ -89,10 +89,11 @@ def attend_stored_own(
     return native.attend_stored_own(plan, counts=counts, stack=stacks(plan))
 
 
-def keep_stored(plan: Plan) -> Kept | None:
+def keep_stored(plan: Plan, q_like: np.ndarray | None = None) -> Kept | None:
     """:func:`attend_stored_own` kept for operands laid out as ``plan``'s
-    (:func:`qkv.engine.kernels.native.keep`), its heads stacked where :func:`stacks` says."""
-    return native.keep(plan, stack=stacks(plan))
+    (:func:`qkv.engine.kernels.native.keep`, ``q_like`` as there), its heads stacked where
+    :func:`stacks` says."""
+    return native.keep(plan, stack=stacks(plan), q_like=q_like)
 
 
 def keep_own(plan: Plan) -> Kept | None:
