@@ -379,6 +379,53 @@ def test_kept_road_is_the_road_taken(monkeypatch, shape, row, name):
         np.testing.assert_array_equal(done[0], first)
 
 
+@pytest.mark.parametrize(
+    ("shape", "mask"),  # (a padded decoding step's road follows its counts: it keeps none)
+    [(s, None) for s, _ in _KEPT_CASES]
+    + [(_KEPT_CASES[1][0], "padding"), ((4, 6, 6, 37, 37, 32, 32), None)]
+    + [((4, 6, 6, 37, 37, 32, 32), "padding")],
+)
+@pytest.mark.parametrize("name", ["float32", "bfloat16"])
+def test_each_layout_of_a_key_keeps_a_road(monkeypatch, shape, name, mask):
+    """The same shapes called in several layouts (a model's transposed views, contiguous
+    arrays, another stride) keep a road for each: after each layout's first call, no call runs
+    the general road, and every call has the first call's bits (near the reference)."""
+    _native()
+    ran = _counting(monkeypatch)
+    q, k, v = (a.astype(_dtype(name)) for a in _arrays(shape, np.float32))
+    m = None
+    if mask == "padding":
+        n = np.arange(q.shape[0]) % k.shape[-2] + 1
+        m = (np.arange(k.shape[-2])[None, :] < n[:, None])[:, None, None, :]
+
+    def padded(a):  # (rows 8 elements apart from the next: a view of wider rows)
+        wide = np.zeros(a.shape[:-1] + (a.shape[-1] + 8,), a.dtype)
+        wide[..., : a.shape[-1]] = a
+        return wide[..., : a.shape[-1]]
+
+    x = np.concatenate([q.swapaxes(1, 2), np.zeros_like(q.swapaxes(1, 2))], axis=2)
+    layouts = [
+        (q, k, v),
+        tuple(padded(a) for a in (q, k, v)),
+        (x[:, :, : q.shape[1]].swapaxes(1, 2), k, v),  # (a projection's view of q)
+    ]
+    run.forget()
+    want = qkv.attention(q, k, v, mask=m)
+    wide = [a.astype(np.float64) for a in (q, k, v)]
+    kind = "fast path" if name == "float32" else "half precision"
+    np.testing.assert_allclose(
+        want.astype(np.float64), reference.attention(*wide, mask=m), **tol(kind, _dtype(name))
+    )
+    for args in layouts:  # each layout's first call keeps its road
+        np.testing.assert_array_equal(qkv.attention(*args, mask=m), want)
+    firsts = len(ran)
+    assert firsts <= len(layouts)
+    for _ in range(2):
+        for args in layouts:
+            np.testing.assert_array_equal(qkv.attention(*args, mask=m), want)
+    assert len(ran) == firsts  # (all on kept roads)
+
+
 @pytest.mark.parametrize("shape", [(1, 8, 2, 2, 16, 64, 64), (2, 8, 8, 8, 300, 32, 32)])
 @pytest.mark.parametrize("name", ["float32", "bfloat16"])
 @pytest.mark.parametrize("tensors", [False, True])

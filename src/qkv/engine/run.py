@@ -24,7 +24,7 @@ from ..errors import InputError
 from ..masks import tail_counts
 from ..validate import Plan, as_array, broadcasts_to, plain_plan, stand_in
 from .kernels import dense, dispatch, mods, router
-from .kernels.native_lib import switches
+from .kernels.native_lib import either, switches
 
 __all__ = ["attend", "plain", "plain_at", "run", "softmax", "weights"]
 
@@ -130,7 +130,9 @@ def _unmasked(q: np.ndarray, k: np.ndarray, v: np.ndarray, found: _Ready) -> Any
             done = _on_io(kept, q, k, v, None)
             if done is not None:
                 return done[0]
-        wide = q.astype(np.float32)
+        # (widened contiguous, as the kept roads read q: the first call of a layout runs the
+        # kernel later calls run, on q laid out as they give it)
+        wide = q.astype(np.float32, order="C")
         if kept is not None and not kept.io:
             done = kept(wide, k, v)
             if done is not None:
@@ -142,9 +144,10 @@ def _unmasked(q: np.ndarray, k: np.ndarray, v: np.ndarray, found: _Ready) -> Any
             if done is not None:
                 return done[0]
         plan = Plan.trusted(q=q, k=k, v=v, **found.fields)
-    if not found.tried:  # the first call of this key keeps its road's set-up, if it has one
-        found.tried = True
-        found.kept = dispatch.keep(plan, found.choice, q if narrow else None)
+    if found.tried < _LAYOUTS_KEPT:  # the first call of this key (of this layout of its
+        # operands) keeps its road's set-up, if it has one
+        found.tried += 1
+        found.kept = either(dispatch.keep(plan, found.choice, q if narrow else None), found.kept)
     out = dispatch.attend(plan, "auto", found.choice)[0]
     return out.astype(q.dtype) if narrow else out
 
@@ -211,18 +214,24 @@ def plain_at(
     return None if done is None else done[0]
 
 
+#: layouts of one key's operands (their strides) that each keep a road's set-up: the same
+#: shapes called as a model's transposed views and as contiguous arrays, say; past this many,
+#: a call in yet another layout takes the general road
+_LAYOUTS_KEPT = 4
+
+
 class _Ready:
     """What :func:`plain` works out once per key (:func:`_ready`): the checked plan's fields
     but its arrays, the router's choice, whether the inputs are 16-bit (their K/V kept as
     stored) and, from the key's first call on, its road's kept set-up
     (:func:`qkv.engine.kernels.dispatch.keep`; None where the road has none)."""
 
-    __slots__ = ("choice", "fields", "kept", "narrow", "tried")
+    __slots__ = ("choice", "fields", "kept", "narrow", "tried")  # (tried: layouts kept so far)
 
     def __init__(self, fields: dict[str, Any], choice: dispatch.Choice, narrow: bool) -> None:
         self.fields, self.choice, self.narrow = fields, choice, narrow
         self.kept: Any = None
-        self.tried = False
+        self.tried = 0
 
 
 @functools.lru_cache(maxsize=256)
@@ -342,7 +351,7 @@ def _on_kept(
     if not narrow:
         done = kept(q, k, v, extra)
         return None if done is None else done[0]
-    done = kept(q.astype(np.float32), k, v, extra)
+    done = kept(q.astype(np.float32, order="C"), k, v, extra)
     return None if done is None else done[0].astype(q.dtype)
 
 
@@ -376,14 +385,15 @@ def _padded(
     done = _on_kept(counted.kept, q, k, v, per_row, narrow)
     if done is not None:
         return done
-    wide = q.astype(np.float32) if narrow else q
+    wide = q.astype(np.float32, order="C") if narrow else q
     if narrow:
         plan = Plan.trusted(q=wide, stored=(k, v), **fields)
     else:
         plan = Plan.trusted(q=q, k=k, v=v, **fields)
-    if not counted.tried:  # the first call of this key keeps its road's set-up, if it has one
-        counted.tried = True
-        counted.kept = dispatch.keep_counted(plan, counted.choice, q if narrow else None)
+    if counted.tried < _LAYOUTS_KEPT:  # the first call of this key (and layout, as above)
+        counted.tried += 1  # keeps its road's set-up
+        kept = dispatch.keep_counted(plan, counted.choice, q if narrow else None)
+        counted.kept = either(kept, counted.kept)
     plan.__dict__.update(mask=mask, key_counts=counts)  # (a plan of this call alone)
     choice = counted.choice._replace(per_row=router.key_counts_per_row(plan))
     out = dispatch.attend(plan, "auto", choice)[0]
@@ -408,13 +418,14 @@ def _masked(
     done = _on_kept(road.kept, q, k, v, mask, narrow)
     if done is not None:
         return done
-    wide = q.astype(np.float32) if narrow else q
+    wide = q.astype(np.float32, order="C") if narrow else q
     name = "mask" if mask.dtype.kind == "b" else "bias"
     arrays = {"q": wide, "stored": (k, v)} if narrow else {"q": q, "k": k, "v": v}
     plan = Plan.trusted(**{**found.fields, **arrays, name: mask})
-    if not road.tried:  # the first call of this key and layout keeps its road's set-up
-        road.tried = True
-        road.kept = dispatch.keep_masked(plan, road.choice, q if narrow else None)
+    if road.tried < _LAYOUTS_KEPT:  # the first call of this key and mask layout (and layout
+        road.tried += 1  # of the operands, as above) keeps its road's set-up
+        road.kept = either(dispatch.keep_masked(plan, road.choice, q if narrow else None),
+                           road.kept)  # fmt: skip
     out = dispatch.attend(plan, "auto", road.choice)[0]
     return out.astype(q.dtype) if narrow else out
 
@@ -533,7 +544,7 @@ class _Counted:
     def __init__(self, choice: dispatch.Choice) -> None:
         self.choice = choice
         self.kept: Any = None
-        self.tried = False
+        self.tried = 0
 
 
 @functools.lru_cache(maxsize=256)  # (reached after _ready took this key, typed)

@@ -310,17 +310,22 @@ class Kept:
 
 
 class EitherKept(Kept):
-    """Two set-ups of one road, tried in turn: ``first`` kept for the caller's layout of the
-    operands, ``second`` for another (a 16-bit prefill's contiguous q, which any q's copy
-    fits), so that a key called in both layouts keeps a road for each
-    (:func:`either`)."""
+    """Two set-ups of one road, tried in turn: ``first`` kept for one layout of the operands,
+    ``second`` for another (a 16-bit prefill's contiguous q, which any q's copy fits; a layout
+    the same shapes came in before), so that a key called in several layouts keeps a road for
+    each (:func:`either`). Grown to another number of keys, each grows."""
 
     __slots__ = ("first", "second")
 
     def __init__(self, first: Kept, second: Kept) -> None:
         self.first, self.second = first, second
-        self.run, self.clone, self.io, self.grow = first.run, first.clone, first.io, None
+        self.run, self.clone, self.io = first.run, first.clone, first.io
         self.strides, self.elements = first.strides, first.elements
+        self.grow = None if first.grow is None and second.grow is None else self._grown
+
+    def _grown(self, S: int) -> Kept | None:
+        grow_a, grow_b = self.first.grow, self.second.grow
+        return either(None if grow_a is None else grow_a(S), None if grow_b is None else grow_b(S))
 
     def __call__(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, counts: Any = None) -> Any:
         done = self.first(q, k, v, counts)
