@@ -130,9 +130,7 @@ def _unmasked(q: np.ndarray, k: np.ndarray, v: np.ndarray, found: _Ready) -> Any
             done = _on_io(kept, q, k, v, None)
             if done is not None:
                 return done[0]
-        # (widened contiguous, as the kept roads read q: the first call of a layout runs the
-        # kernel later calls run, on q laid out as they give it)
-        wide = q.astype(np.float32, order="C")
+        wide = q.astype(np.float32)
         if kept is not None and not kept.io:
             done = kept(wide, k, v)
             if done is not None:
@@ -144,9 +142,8 @@ def _unmasked(q: np.ndarray, k: np.ndarray, v: np.ndarray, found: _Ready) -> Any
             if done is not None:
                 return done[0]
         plan = Plan.trusted(q=q, k=k, v=v, **found.fields)
-    if found.tried < _LAYOUTS_KEPT:  # the first call of this key (of this layout of its
-        # operands) keeps its road's set-up, if it has one
-        found.tried += 1
+    if _keeps(found, q, k, v):  # the first call of this key (of this layout of its operands)
+        found.tried += 1  # keeps its road's set-up, if it has one
         found.kept = either(dispatch.keep(plan, found.choice, q if narrow else None), found.kept)
     out = dispatch.attend(plan, "auto", found.choice)[0]
     return out.astype(q.dtype) if narrow else out
@@ -218,6 +215,19 @@ def plain_at(
 #: shapes called as a model's transposed views and as contiguous arrays, say; past this many,
 #: a call in yet another layout takes the general road
 _LAYOUTS_KEPT = 4
+
+
+def _keeps(holder: Any, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> bool:
+    """Whether a call that ``holder``'s kept roads did not serve keeps its road's set-up for
+    its layout: the key's first call does; a call in another layout does (up to
+    :data:`_LAYOUTS_KEPT`) where every operand's rows are whole, as the kernels read them in
+    place (rows whose elements lie apart run on the general road, as they ran before, and
+    keep its bits)."""
+    if holder.tried == 0:
+        return True
+    if holder.tried >= _LAYOUTS_KEPT:
+        return False
+    return all(a.strides[-1] == a.itemsize or a.shape[-1] == 1 for a in (q, k, v))
 
 
 class _Ready:
@@ -351,7 +361,7 @@ def _on_kept(
     if not narrow:
         done = kept(q, k, v, extra)
         return None if done is None else done[0]
-    done = kept(q.astype(np.float32, order="C"), k, v, extra)
+    done = kept(q.astype(np.float32), k, v, extra)
     return None if done is None else done[0].astype(q.dtype)
 
 
@@ -385,12 +395,12 @@ def _padded(
     done = _on_kept(counted.kept, q, k, v, per_row, narrow)
     if done is not None:
         return done
-    wide = q.astype(np.float32, order="C") if narrow else q
+    wide = q.astype(np.float32) if narrow else q
     if narrow:
         plan = Plan.trusted(q=wide, stored=(k, v), **fields)
     else:
         plan = Plan.trusted(q=q, k=k, v=v, **fields)
-    if counted.tried < _LAYOUTS_KEPT:  # the first call of this key (and layout, as above)
+    if _keeps(counted, q, k, v):  # the first call of this key (and layout, as above)
         counted.tried += 1  # keeps its road's set-up
         kept = dispatch.keep_counted(plan, counted.choice, q if narrow else None)
         counted.kept = either(kept, counted.kept)
@@ -418,12 +428,12 @@ def _masked(
     done = _on_kept(road.kept, q, k, v, mask, narrow)
     if done is not None:
         return done
-    wide = q.astype(np.float32, order="C") if narrow else q
+    wide = q.astype(np.float32) if narrow else q
     name = "mask" if mask.dtype.kind == "b" else "bias"
     arrays = {"q": wide, "stored": (k, v)} if narrow else {"q": q, "k": k, "v": v}
     plan = Plan.trusted(**{**found.fields, **arrays, name: mask})
-    if road.tried < _LAYOUTS_KEPT:  # the first call of this key and mask layout (and layout
-        road.tried += 1  # of the operands, as above) keeps its road's set-up
+    if _keeps(road, q, k, v):  # the first call of this key and mask layout (and layout of
+        road.tried += 1  # the operands, as above) keeps its road's set-up
         road.kept = either(dispatch.keep_masked(plan, road.choice, q if narrow else None),
                            road.kept)  # fmt: skip
     out = dispatch.attend(plan, "auto", road.choice)[0]
