@@ -69,10 +69,10 @@ from .native_lib import (
     blas_available,
     call_at,
     checked,
-    either,
     gemm,
     invoke,
     isa_cap,
+    kept_for_q,
     library,
     library_path,
     lines_empty,
@@ -359,13 +359,12 @@ def keep(
         return None
     if math.prod(plan.batch) == 0:
         return None
-    k = _reading(plan, "prefill")[1]
-    io = plan.stored is not None and np.dtype(plan.out_dtype) == k.dtype
-    if io and q_like is not None and q_like.shape == plan.q.shape and q_like.dtype == k.dtype:
-        if not q_like.flags.c_contiguous:  # (and a contiguous q's, which any q's copy fits)
-            return either(_keep(plan, stack, counted, masked, q_like),
-                          _keep(plan, stack, counted, masked))  # fmt: skip
-    return _keep(plan, stack, counted, masked)
+    k, v = _reading(plan, "prefill")[1:]
+    if plan.stored is None or not np.dtype(plan.out_dtype) == k.dtype == v.dtype:  # (q widened)
+        return _keep(plan, stack, counted, masked)
+    return kept_for_q(
+        lambda q: _keep(plan, stack, counted, masked, q), q_like, plan.q.shape, k.dtype
+    )
 
 
 def _keep(

@@ -56,8 +56,8 @@ from .native_lib import (
     bf16_products,
     call_at,
     checked,
-    either,
     invoke,
+    kept_for_q,
     library,
     lines_empty,
     mask_operand,
@@ -164,10 +164,7 @@ def keep(
     k, v = plan.stored_kv()
     if np.dtype(plan.out_dtype) != k.dtype:
         return None
-    if q_like is not None and q_like.shape == plan.q.shape and q_like.dtype == k.dtype:
-        if not q_like.flags.c_contiguous:  # (and a contiguous q's, which any q's copy fits)
-            return either(_keep(plan, counted, masked, q_like), _keep(plan, counted, masked))
-    return _keep(plan, counted, masked)
+    return kept_for_q(lambda q: _keep(plan, counted, masked, q), q_like, plan.q.shape, k.dtype)
 
 
 def _keep(plan: Plan, counted: bool, masked: bool, q: np.ndarray | None = None) -> Kept | None:

@@ -343,6 +343,20 @@ def either(first: Kept | None, second: Kept | None) -> Kept | None:
     return EitherKept(first, second)
 
 
+def kept_for_q(
+    make: Callable[[np.ndarray | None], Kept | None], q_like: np.ndarray | None,
+    shape: tuple[int, ...], dtype: np.dtype,
+) -> Kept | None:  # fmt: skip
+    """A 16-bit prefill's set-up ``make(q)`` (``q`` the layout of q it is kept for; None: a
+    contiguous q's), for the caller's ``q_like`` of ``shape`` and ``dtype`` where it is laid
+    out otherwise (a model's transposed view), beside a contiguous q's, which any q's copy
+    fits."""
+    if q_like is not None and q_like.shape == shape and q_like.dtype == dtype:
+        if not q_like.flags.c_contiguous:
+            return either(make(q_like), make(None))
+    return make(None)
+
+
 def call_at(
     function: Any, args: DecodeArgs | PrefillArgs, masked: bool = False
 ) -> tuple[Callable[..., int], DecodeArgs | PrefillArgs]:
