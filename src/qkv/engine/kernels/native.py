@@ -75,7 +75,6 @@ from .native_lib import (
     kept_for_q,
     library,
     library_path,
-    lines_empty,
     mask_operand,
     output_rows,
     prefill_operands,
@@ -402,7 +401,7 @@ def _keep(
     def run(q: int, k: int, v: int, extra: Any) -> Any:
         if prefill_team(None, True) != (n, team):
             return None
-        out = np.empty(rows_shape, out_dtype) if memory is None else lines_empty(memory, out_dtype)
+        out = np.empty(rows_shape if memory is None else memory, out_dtype)
         if masked:
             status = at(q, k, v, address(out), address(extra))
         elif extra is None:
@@ -460,8 +459,7 @@ class Prefill:
         log-sum-exp is not written (None in its place: a caller that reads the output alone).
         """
         memory = self.memory
-        dt = self.out_dtype
-        out = np.empty(self.rows, dt) if memory is None else lines_empty(memory, dt)
+        out = np.empty(self.rows if memory is None else memory, self.out_dtype)
         args = PrefillArgs.from_buffer_copy(self.args)  # one per call: any thread may run it
         args.q, args.k, args.v = q, k, v
         args.out = address(out)

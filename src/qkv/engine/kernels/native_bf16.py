@@ -59,7 +59,6 @@ from .native_lib import (
     invoke,
     kept_for_q,
     library,
-    lines_empty,
     mask_operand,
     output_rows,
     prefill_operands,
@@ -106,7 +105,7 @@ def attend(
     batch, L, dv = plan.batch, plan.L, plan.dv
     rows, out_fields, out_at = output_rows(batch, L, dv, plan.rows_first)
     swap = out_at is not None  # (out allocated rows first: its (*batch, L, dv) view given)
-    out = (lines_empty if swap else np.empty)(rows, plan.stored[1].dtype)
+    out = np.empty(rows, plan.stored[1].dtype)
     lse = np.empty(batch + (L,), dtype=np.float32)
     nb = int(np.prod(batch, dtype=np.int64))
     if nb == 0:
@@ -198,7 +197,7 @@ def _keep(plan: Plan, counted: bool, masked: bool, q: np.ndarray | None = None) 
     def run(q: int, k: int, v: int, extra: Any) -> Any:
         if (not masked and (extra is not None) != counted) or prefill_team(None, True) != team:
             return None
-        out = (lines_empty if swap else np.empty)(out_shape, dtype)
+        out = np.empty(out_shape, dtype)
         if masked:
             status = at(q, k, v, address(out), address(extra))
         elif extra is None:

@@ -667,18 +667,6 @@ def output_rows(
     return shape, {"o_off": address(offsets), "o_rs": H * dv, "o_hs": dv}, offsets
 
 
-def lines_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-    """``np.empty(shape, dtype)`` starting on a 64-byte cache line. An output written rows
-    first takes each head's rows from another thread: NumPy's 16-byte alignment put the edges
-    of neighbouring heads' rows in one line, which both threads then wrote (10-15% of a
-    short prefill's time, B32 H12 L = S = 53 d32)."""
-    dt = np.dtype(dtype)
-    n = int(np.prod(shape, dtype=np.int64))
-    raw = np.empty(n * dt.itemsize + 128, np.uint8)
-    skip = -raw.ctypes.data % 128
-    return raw[skip : skip + n * dt.itemsize].view(dt).reshape(shape)
-
-
 def rows_view(out: np.ndarray, rows_first: bool) -> np.ndarray:
     """The ``(*batch, L, dv)`` view of an output allocated as :func:`output_rows` says."""
     return np.swapaxes(out, -3, -2) if rows_first else out
